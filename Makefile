@@ -1,0 +1,27 @@
+# The two commands for a fresh machine (README.md): `make demo` and `make test`.
+# Each one sets up its own virtual environment in .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+# The torch requirement installed first. On a machine without a GPU this exact
+# version is the CPU build; on a GPU machine use e.g. `make test TORCH=torch`.
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test setup clean
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.ready
+	$(BIN)/hyparallel demo
+
+test: $(VENV)/.ready
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

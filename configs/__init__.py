@@ -1,0 +1,1 @@
+"""Cluster presets (clusters/*.yaml) and example plans (plans/*.yaml), shipped as package data."""

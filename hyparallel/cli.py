@@ -1,0 +1,225 @@
+"""The ``hyparallel`` command line.
+
+User errors (a bad file, an unknown model, an untraceable model) print one line to stderr and exit
+2 with no traceback; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from hyparallel.errors import HyparallelError
+
+EXAMPLES = {
+    "models": "example:\n  hyparallel models\n  hyparallel models --json",
+    "clusters": "example:\n  hyparallel clusters",
+    "show": "example:\n  hyparallel show configs/plans/gpt-175b-a100-1024.yaml\n  hyparallel show my-plan.yaml --yaml",
+    "trace": (
+        "examples:\n  hyparallel trace --model gpt-175b --seq-len 2048\n"
+        "  hyparallel trace --model hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=512 --seq-len 256\n"
+        "  hyparallel trace --model mypkg.models:make_model --json"
+    ),
+    "demo": "example:\n  hyparallel demo",
+}
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:,.1f}"
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(int(n))
+
+
+def cmd_models(args: argparse.Namespace, out: Console) -> None:
+    """List the model zoo."""
+    from hyparallel import models
+
+    rows = models.entries()
+    if args.json:
+        print(json.dumps([row.__dict__ for row in rows], indent=2))
+        return
+    table = Table(title="hyparallel models (also: package.module:factory, hf:ARCH key=value ...)")
+    for column in ("name", "family", "layers", "hidden", "heads (kv)", "vocab", "parameters"):
+        table.add_column(column, justify="left" if column in ("name", "family") else "right")
+    for row in rows:
+        heads = f"{row.num_heads}" + (f" ({row.kv_heads})" if row.kv_heads != row.num_heads else "")
+        table.add_row(row.name, row.family, str(row.num_layers), str(row.hidden_size), heads, str(row.vocab_size), _count(row.num_params))
+    out.print(table)
+
+
+def cmd_clusters(args: argparse.Namespace, out: Console) -> None:
+    """List the cluster presets."""
+    from hyparallel.cluster import ClusterSpec
+
+    specs = [ClusterSpec.preset(name) for name in ClusterSpec.presets()]
+    if args.json:
+        print(json.dumps([spec.model_dump(mode="json") for spec in specs], indent=2))
+        return
+    table = Table(title="hyparallel clusters (figures per device; --cluster also takes a YAML file)")
+    for column in ("name", "device", "per node", "memory GiB", "bf16 TFLOP/s", "intra-node GB/s", "inter-node GB/s", "backend"):
+        table.add_column(column, justify="left" if column in ("name", "device", "backend") else "right")
+    for spec in specs:
+        table.add_row(
+            spec.name, spec.device.name, str(spec.gpus_per_node), _gib(spec.device.memory_bytes),
+            f"{spec.device.peak_flops.bf16 / 1e12:,.1f}", f"{spec.intra_node.bandwidth_bytes_per_s / 1e9:,.2f}",
+            f"{spec.inter_node.bandwidth_bytes_per_s / 1e9:,.2f}", spec.backend,
+        )
+    out.print(table)
+
+
+def cmd_show(args: argparse.Namespace, out: Console) -> None:
+    """Check a plan file and print it, completed."""
+    from hyparallel.schema import Plan
+
+    plan = Plan.load(args.plan)
+    if args.yaml:
+        print(plan.to_yaml(), end="")
+        return
+    par, train = plan.parallel, plan.training
+    out.print(f"[bold]{args.plan}[/bold]: valid plan (version {plan.version})")
+    if plan.model:
+        out.print(f"model    {plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers")
+    if plan.cluster:
+        c = plan.cluster
+        out.print(f"cluster  {c.name}: {c.num_nodes} node(s) x {c.gpus_per_node} {c.device.name} = {c.num_gpus} devices")
+    out.print(
+        f"training global batch {train.global_batch} = dp {par.dp} x {plan.num_microbatches} micro-batches x {train.micro_batch}, "
+        f"seq_len {train.seq_len}, {train.dtype}"
+    )
+    mesh = " x ".join(f"{axis} {size}" for axis, size in plan.mesh_shape().items())
+    out.print(f"parallel {mesh} = {plan.world_size} processes; schedule {par.schedule}"
+              + (f" ({par.virtual_stages} virtual stages)" if par.virtual_stages > 1 else "")
+              + f", recompute {par.recompute}, ZeRO {par.zero}, sequence parallel {'on' if par.sequence_parallel else 'off'}")
+    table = Table(title="groups (first of each kind; ranks listed)")
+    table.add_column("axis")
+    table.add_column("groups", justify="right")
+    table.add_column("example group")
+    for axis in ("tp", "dp", "pp"):
+        groups = plan.group_ranks(axis)
+        table.add_row(axis, str(len(groups)), str(groups[0]))
+    out.print(table)
+    if plan.stages:
+        stages = Table(title="stages")
+        for column in ("stage", "modules", "parameters", "memory GiB"):
+            stages.add_column(column)
+        for stage in plan.stages:
+            modules = ", ".join(stage.modules[:3]) + (f" ... (+{len(stage.modules) - 3})" if len(stage.modules) > 3 else "")
+            stages.add_row(str(stage.index), modules, _count(stage.num_params or 0), f"{stage.memory_gib or 0:.1f}")
+        out.print(stages)
+    if plan.predicted:
+        p = plan.predicted
+        out.print(f"predicted step {p.step_time_s:.3f}s, {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+                  f"MFU {p.mfu:.1%}, bubble {p.bubble_fraction:.1%}")
+    else:
+        out.print("no predictions in this plan (stages, tensor-parallel styles and predictions come from the planner)")
+
+
+def cmd_trace(args: argparse.Namespace, out: Console) -> None:
+    """Trace a model on the meta device and print its graph summary."""
+    from hyparallel import models
+    from hyparallel.graph import trace
+
+    loaded = models.load(args.model)
+    seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
+    graph = trace(loaded.module, models.example_inputs(loaded.module, args.batch_size, seq_len), name=loaded.name)
+    if args.json:
+        segments = [s.__dict__ for s in graph.segments()]
+        print(json.dumps({
+            "name": graph.name, "method": graph.method, "num_params": graph.num_params, "flops": graph.flops,
+            "num_layers": graph.num_layers, "fingerprint": graph.fingerprint, "batch_size": args.batch_size,
+            "seq_len": seq_len, "segments": segments,
+        }, indent=2))
+        return
+    out.print(graph.summary() + f"\n  inputs          batch {args.batch_size} x seq_len {seq_len}; fingerprint {graph.fingerprint}")
+    table = Table(title="segments (the units pipeline stages are made of)")
+    for column in ("#", "segment", "ops", "parameters", "forward GFLOPs", "activations MiB", "sent onward MiB"):
+        table.add_column(column, justify="left" if column == "segment" else "right")
+    for first, last, s in _runs(graph.segments()):
+        label = s.name if first == last else f"{s.name} .. {graph.segments()[last].name} (x{last - first + 1}, each)"
+        table.add_row(str(first) if first == last else f"{first}-{last}", label, str(len(s.ops)), _count(s.param_count),
+                      f"{s.flops / 1e9:,.2f}", f"{s.activation_bytes / 2**20:,.1f}", f"{s.output_bytes / 2**20:,.2f}")
+    out.print(table)
+
+
+def _runs(segments):
+    """(first index, last index, segment) for runs of identical consecutive blocks; other segments alone."""
+    def cost(s):
+        return (s.is_block, len(s.ops), s.flops, s.param_count, s.activation_bytes, s.output_bytes)
+
+    runs: list[list] = []
+    for i, s in enumerate(segments):
+        if runs and s.is_block and cost(runs[-1][2]) == cost(s):
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, s])
+    return runs
+
+
+def _max_seq_len(model) -> int | None:
+    config = getattr(model, "config", None)
+    for attr in ("max_seq_len", "n_positions", "max_position_embeddings"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return min(value, 2048)
+    return None
+
+
+def cmd_demo(args: argparse.Namespace, out: Console) -> None:
+    """Run the embedded default: trace and check a 175B plan, then train a tiny model on the CPU."""
+    from hyparallel import demo
+
+    demo.run(log=out.print)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="hyparallel", description="Hybrid-parallel model partitioning for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func: Callable, help_text: str) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES[name],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        command.set_defaults(func=func)
+        return command
+
+    add("models", cmd_models, "List the built-in models.").add_argument("--json", action="store_true", help="print JSON")
+    add("clusters", cmd_clusters, "List the cluster presets.").add_argument("--json", action="store_true", help="print JSON")
+    show = add("show", cmd_show, "Check a plan file and print it, with the derived fields completed.")
+    show.add_argument("plan", help="plan YAML file")
+    show.add_argument("--yaml", action="store_true", help="print the completed plan as YAML")
+    trace = add("trace", cmd_trace, "Trace a model on the meta device: parameters, FLOPs, blocks, cut points.")
+    trace.add_argument("--model", nargs="+", required=True, metavar="MODEL",
+                       help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides")
+    trace.add_argument("--batch-size", type=int, default=1, help="sequences per traced call (default 1)")
+    trace.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 2048)")
+    trace.add_argument("--json", action="store_true", help="print JSON on stdout and nothing else")
+    add("demo", cmd_demo, "The embedded default: trace a 175B model and check its plan, then train a tiny model on CPU.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hyparallel`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        # Piped output gets a wide console: tables are read in logs and files, not wrapped at 80 columns.
+        args.func(args, Console(width=None if sys.stdout.isatty() else 160))
+    except HyparallelError as exc:
+        print(f"hyparallel: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

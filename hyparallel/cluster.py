@@ -1,0 +1,126 @@
+"""ClusterSpec: the devices and links a plan runs on, loaded from presets or YAML files.
+
+All figures are per device (one GPU, or one process on a CPU machine) and per direction:
+``intra_node.bandwidth_bytes_per_s`` is what one device can send to its neighbours inside a
+node, ``inter_node.bandwidth_bytes_per_s`` what it can send across nodes (its share of the
+node's network adapters). Presets live in ``configs/clusters/*.yaml`` with a comment giving
+the source of every figure.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hyparallel._yaml import dump_yaml, read_yaml, validate
+from hyparallel.errors import ConfigError
+
+PositiveInt = Annotated[int, Field(gt=0, strict=True)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+Dtype = Literal["fp32", "tf32", "bf16", "fp16"]
+Backend = Literal["nccl", "gloo"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PeakFlops(_Frozen):
+    """Dense (no structured sparsity) peak FLOP/s of one device by dtype."""
+
+    fp32: PositiveFloat
+    tf32: PositiveFloat
+    bf16: PositiveFloat
+    fp16: PositiveFloat
+
+
+class DeviceSpec(_Frozen):
+    """One accelerator (or one CPU process): compute, memory capacity and memory bandwidth."""
+
+    name: str
+    peak_flops: PeakFlops
+    memory_bytes: PositiveInt
+    memory_bandwidth_bytes_per_s: PositiveFloat
+
+
+class LinkSpec(_Frozen):
+    """An interconnect as seen from one device: per-direction bandwidth and per-message latency."""
+
+    name: str
+    bandwidth_bytes_per_s: PositiveFloat
+    latency_s: NonNegativeFloat
+
+
+class ClusterSpec(_Frozen):
+    """A homogeneous cluster: ``num_nodes`` nodes of ``gpus_per_node`` identical devices."""
+
+    name: str
+    description: str = ""
+    num_nodes: PositiveInt = 1
+    gpus_per_node: PositiveInt
+    backend: Backend
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+
+    @property
+    def num_gpus(self) -> int:
+        """Devices in the whole cluster."""
+        return self.num_nodes * self.gpus_per_node
+
+    def link(self, span_gpus: int) -> LinkSpec:
+        """The link a group of ``span_gpus`` consecutive ranks communicates over."""
+        return self.intra_node if span_gpus <= self.gpus_per_node else self.inter_node
+
+    def resized(self, num_nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
+        """The same hardware with another node count or devices per node."""
+        update = {}
+        if num_nodes is not None:
+            update["num_nodes"] = num_nodes
+        if gpus_per_node is not None:
+            update["gpus_per_node"] = gpus_per_node
+        return ClusterSpec.model_validate({**self.model_dump(), **update})
+
+    @staticmethod
+    def presets() -> list[str]:
+        """Names of the built-in presets (``configs/clusters/*.yaml``)."""
+        return sorted(p.name.removesuffix(".yaml") for p in _preset_dir().iterdir() if p.name.endswith(".yaml"))
+
+    @classmethod
+    def preset(cls, name: str, num_nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
+        """A built-in preset, optionally resized: ``ClusterSpec.preset("a100-80g", num_nodes=16)``."""
+        names = cls.presets()
+        if name not in names:
+            raise ConfigError(f"unknown cluster preset '{name}'; choose one of: {', '.join(names)} (or pass a YAML file)")
+        spec = cls.load(_preset_dir() / f"{name}.yaml")
+        return spec.resized(num_nodes, gpus_per_node) if (num_nodes or gpus_per_node) else spec
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClusterSpec:
+        """Load and validate a cluster YAML file; errors name the file and field."""
+        return validate(cls, read_yaml(path), str(path))
+
+    @classmethod
+    def resolve(cls, name_or_path: str, num_nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
+        """A preset name or a YAML file path, as the CLI's ``--cluster`` accepts."""
+        if name_or_path.endswith((".yaml", ".yml")) or Path(name_or_path).is_file():
+            spec = cls.load(name_or_path)
+            return spec.resized(num_nodes, gpus_per_node) if (num_nodes or gpus_per_node) else spec
+        return cls.preset(name_or_path, num_nodes, gpus_per_node)
+
+    def to_yaml(self) -> str:
+        """This spec as YAML text."""
+        return dump_yaml(self.model_dump(mode="json"))
+
+    def save(self, path: str | Path) -> None:
+        """Write this spec as YAML."""
+        Path(path).write_text(self.to_yaml())
+
+
+def _preset_dir():
+    return resources.files("hyparallel.configs") / "clusters"

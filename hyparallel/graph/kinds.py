@@ -1,0 +1,95 @@
+"""Classify traced operations into the op kinds the planner reasons about."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Literal
+
+from torch import nn
+
+OpKind = Literal[
+    "input", "output", "embedding", "linear", "matmul", "attention", "norm",
+    "activation", "dropout", "elementwise", "view", "loss", "other",
+]
+
+_ATTENTION = {
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "flex_attention",
+    "multi_head_attention_forward",
+}
+_MATMUL = {"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "linear", "conv1d", "conv2d", "convolution", "__matmul__"}
+_EMBEDDING = {"embedding", "embedding_bag"}
+_NORM = {"layer_norm", "native_layer_norm", "rms_norm", "group_norm", "batch_norm", "native_batch_norm", "instance_norm"}
+_ACTIVATION = {"gelu", "silu", "relu", "relu_", "tanh", "sigmoid", "mish", "softplus", "leaky_relu", "elu", "hardswish", "glu"}
+_DROPOUT = {"dropout", "native_dropout", "dropout_", "alpha_dropout", "feature_dropout"}
+_LOSS = {"cross_entropy", "nll_loss", "nll_loss_forward", "mse_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+         "kl_div", "smooth_l1_loss", "l1_loss", "huber_loss"}
+_VIEW = {
+    "view", "_unsafe_view", "reshape", "transpose", "permute", "unflatten", "flatten", "expand", "expand_as", "contiguous",
+    "chunk", "split", "split_with_sizes", "unbind", "getitem", "size", "dim", "unsqueeze", "squeeze", "slice", "select", "t",
+    "narrow", "alias", "detach", "view_as", "movedim", "numel", "getattr", "sym_size", "clone",
+}
+
+
+def target_name(target: Any) -> str:
+    """A short name for an fx node target: 'addmm', 'scaled_dot_product_attention', 'view', 'add'."""
+    if isinstance(target, str):
+        return target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:  # an ATen OpOverload: aten::addmm.default -> addmm
+        return schema.name.split("::")[-1]
+    if target in (operator.getitem,):
+        return "getitem"
+    return getattr(target, "__name__", type(target).__name__)
+
+
+def function_kind(name: str) -> OpKind:
+    """Kind of a functional op (torch function, tensor method or ATen op) by its short name."""
+    name = name.removesuffix("_") if name.endswith("_") and not name.startswith("_") else name
+    if name in _ATTENTION:
+        return "attention"
+    if name in _MATMUL:
+        return "matmul"
+    if name in _EMBEDDING:
+        return "embedding"
+    if name in _NORM:
+        return "norm"
+    if name in _DROPOUT:
+        return "dropout"
+    if name in _ACTIVATION:
+        return "activation"
+    if name in _LOSS:
+        return "loss"
+    if name in _VIEW:
+        return "view"
+    return "elementwise"
+
+
+def module_kind(module: nn.Module, inner: list[str] | None = None) -> OpKind:
+    """Kind of a leaf module call; ``inner`` are the short names of the ATen ops it ran, when known."""
+    inner = inner or []
+    name = type(module).__name__
+    if isinstance(module, nn.MultiheadAttention):
+        return "attention"
+    if isinstance(module, nn.Linear) or name == "Conv1D":  # transformers' Conv1D is a transposed Linear
+        return "linear"
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return "embedding"
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return "dropout"
+    if name.endswith("Norm") or isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)):
+        return "norm"
+    if type(module).__module__ == nn.modules.activation.__name__:
+        return "activation"
+    if isinstance(module, nn.modules.loss._Loss):
+        return "loss"
+    weight = getattr(module, "weight", None)
+    matmuls = [op for op in inner if op in _MATMUL]
+    if len(matmuls) == 1 and isinstance(weight, nn.Parameter) and weight.dim() == 2:
+        return "linear"  # a custom linear layer (one matrix product against a 2-D weight)
+    kinds = {function_kind(op) for op in inner} - {"view"}
+    if len(kinds) == 1:
+        return kinds.pop()
+    if "Activation" in name or "GELU" in name or "SiLU" in name:
+        return "activation"
+    return "other" if not inner else "elementwise"

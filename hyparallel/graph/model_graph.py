@@ -1,0 +1,283 @@
+"""ModelGraph: a traced model as a networkx DiGraph of ops in execution order, with costs.
+
+Each node carries its module path, op kind, parameters (count and bytes), forward FLOPs, output
+bytes and tensor shapes; each edge the bytes that cross it. On top of that the graph exposes the
+repeated blocks (transformer layers), the candidate pipeline cut points and the segments between
+them, which the planner's stage search works over.
+
+Note [what counts as a FLOP]
+    ``flops`` are the forward floating-point operations of matrix products (mm, addmm, bmm,
+    convolutions, attention), counted exactly from shapes by ``torch.utils.flop_counter``: 2*M*N*K
+    for an (M, K) x (K, N) product, and 4*B*heads*Tq*Tk*head_dim for attention (causal masking
+    is not discounted, as Megatron-LM's model-FLOPs formula does not). Elementwise ops, norms and
+    softmax are memory-bound and are costed by their bytes, so they carry 0 FLOPs.
+
+Note [bytes]
+    Byte figures are at the dtype the model was traced in (usually fp32 on the meta device); the
+    planner rescales them to the plan's dtype. ``param_count`` of an op counts the parameters it
+    owns: a parameter read by several ops (tied embeddings) is owned by the first in execution
+    order and listed in ``params`` of the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import networkx as nx
+
+from hyparallel.graph.kinds import OpKind
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One node of the graph: a leaf module call, a functional op, a graph input or the output."""
+
+    name: str
+    index: int
+    kind: OpKind
+    module: str
+    target: str
+    params: tuple[str, ...] = ()
+    param_count: int = 0
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    flops: int = 0
+    input_shapes: tuple[Shape, ...] = ()
+    output_shapes: tuple[Shape, ...] = ()
+    output_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Value:
+    """A tensor produced by one op and read by later ones."""
+
+    name: str
+    producer: str
+    consumers: tuple[str, ...]
+    shape: Shape
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """One repeated block (e.g. a transformer layer): a child of a ModuleList/Sequential."""
+
+    path: str
+    ops: tuple[str, ...]
+    flops: int
+    param_count: int
+    param_bytes: int
+    activation_bytes: int
+
+
+@dataclass(frozen=True)
+class CutPoint:
+    """A place between two ops where a pipeline stage may end."""
+
+    position: int
+    after: str
+    before: str
+    tensors: tuple[str, ...]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The ops between two consecutive cut points: the unit of the stage-boundary search."""
+
+    name: str
+    ops: tuple[str, ...]
+    modules: tuple[str, ...]
+    flops: int
+    param_count: int
+    param_bytes: int
+    activation_bytes: int
+    output_bytes: int
+    is_block: bool
+
+
+@dataclass
+class ModelGraph:
+    """A traced model; build it with ``hyparallel.trace(model, example_inputs)``."""
+
+    name: str
+    method: Literal["fx", "export"]
+    ops: tuple[Op, ...]
+    values: tuple[Value, ...]
+    blocks: tuple[Block, ...]
+    fingerprint: str
+    program: Any = field(default=None, repr=False)  # the fx GraphModule or the torch.export ExportedProgram
+    graph: nx.DiGraph = field(init=False, repr=False)
+    cut_points: tuple[CutPoint, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_name = {op.name: op for op in self.ops}
+        self.graph = nx.DiGraph(name=self.name)
+        for op in self.ops:
+            self.graph.add_node(op.name, **asdict(op))
+        for value in self.values:
+            for consumer in value.consumers:
+                if self.graph.has_edge(value.producer, consumer):
+                    edge = self.graph.edges[value.producer, consumer]
+                    edge["bytes"] += value.bytes
+                    edge["tensors"] += (value.name,)
+                else:
+                    self.graph.add_edge(value.producer, consumer, bytes=value.bytes, tensors=(value.name,))
+        self.cut_points = tuple(self._find_cut_points())
+
+    # ---- totals -------------------------------------------------------------------------------
+
+    def op(self, name: str) -> Op:
+        """The op called ``name``."""
+        return self._by_name[name]
+
+    def compute_ops(self) -> Iterator[Op]:
+        """Ops in execution order, without graph inputs and the output."""
+        return (op for op in self.ops if op.kind not in ("input", "output"))
+
+    @property
+    def num_params(self) -> int:
+        """Distinct parameters (tied ones once), as ``sum(p.numel() for p in model.parameters())``."""
+        return sum(op.param_count for op in self.ops)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the distinct parameters at the traced dtype."""
+        return sum(op.param_bytes for op in self.ops)
+
+    @property
+    def flops(self) -> int:
+        """Forward FLOPs of one call with the example inputs (Note [what counts as a FLOP])."""
+        return sum(op.flops for op in self.ops)
+
+    @property
+    def num_layers(self) -> int:
+        """Repeated blocks, or parameterised ops when the model has no repeated blocks."""
+        return len(self.blocks) or sum(1 for op in self.ops if op.param_count)
+
+    def flops_by_kind(self) -> dict[str, int]:
+        """Forward FLOPs summed per op kind."""
+        totals: dict[str, int] = {}
+        for op in self.ops:
+            if op.flops:
+                totals[op.kind] = totals.get(op.kind, 0) + op.flops
+        return totals
+
+    # ---- pipeline structure -------------------------------------------------------------------
+
+    def _units(self) -> list[tuple[str | None, list[Op]]]:
+        """Consecutive compute ops grouped into units that a stage boundary may separate.
+
+        A repeated block is one unit. Outside blocks a unit ends after an op that reads
+        parameters: ending a stage after a parameter-free op (a reshape, an add) gains nothing
+        that ending it after the next parameterised op or block does not.
+        """
+        block_of = {name: block.path for block in self.blocks for name in block.ops}
+        units: list[tuple[str | None, list[Op]]] = []
+        open_run = False  # the last unit is a run outside blocks that has not ended yet
+        for op in self.compute_ops():
+            path = block_of.get(op.name)
+            if path is not None:
+                if units and units[-1][0] == path:
+                    units[-1][1].append(op)
+                else:
+                    units.append((path, [op]))
+                open_run = False
+                continue
+            if open_run:
+                units[-1][1].append(op)
+            else:
+                units.append((None, [op]))
+            open_run = not op.params
+        return units
+
+    def _crossing(self) -> dict[int, list[Value]]:
+        """For every compute position i: the tensors produced at or before i and read after it."""
+        index = {op.name: op.index for op in self.ops}
+        last_compute = max((op.index for op in self.compute_ops()), default=-1)
+        starts: dict[int, list[Value]] = {}
+        for value in self.values:
+            readers = [index[c] for c in value.consumers if self._by_name[c].kind != "output"]
+            if value.bytes and readers:
+                starts.setdefault(index[value.producer], []).append(value)
+        active: dict[str, tuple[int, Value]] = {}
+        crossing: dict[int, list[Value]] = {}
+        for position in range(last_compute + 1):
+            for value in starts.get(position, []):
+                last = max(index[c] for c in value.consumers if self._by_name[c].kind != "output")
+                active[value.name] = (last, value)
+            active = {k: v for k, v in active.items() if v[0] > position}
+            crossing[position] = [v for _, v in active.values()]
+        return crossing
+
+    def _find_cut_points(self) -> list[CutPoint]:
+        units = self._units()
+        if len(units) < 2:
+            return []
+        crossing = self._crossing()
+        candidates = []
+        for (path, ops), (next_path, next_ops) in zip(units, units[1:]):
+            position = ops[-1].index
+            tensors = crossing.get(position, [])
+            candidates.append((path is not None or next_path is not None, CutPoint(
+                position=position, after=ops[-1].name, before=next_ops[0].name,
+                tensors=tuple(v.name for v in tensors), bytes=sum(v.bytes for v in tensors),
+            )))
+        at_blocks = [cut.bytes for touches_block, cut in candidates if touches_block]
+        # Note: with repeated blocks, a cut is offered only where no more crosses than between two
+        # blocks; without them every op boundary is offered and the planner prices it by its bytes.
+        limit = max(at_blocks) if at_blocks else None
+        return [cut for touches_block, cut in candidates if touches_block or limit is None or cut.bytes <= limit]
+
+    def segments(self) -> tuple[Segment, ...]:
+        """The ops between consecutive cut points, with their summed costs, in execution order."""
+        cut_after = {cut.position: cut for cut in self.cut_points}
+        block_paths = {block.path for block in self.blocks}
+        segments, current = [], []
+        compute = list(self.compute_ops())
+        for op in compute:
+            current.append(op)
+            if op.index in cut_after or op is compute[-1]:
+                cut = cut_after.get(op.index)
+                segments.append(self._segment(current, cut.bytes if cut else 0, block_paths))
+                current = []
+        return tuple(segments)
+
+    def _segment(self, ops: list[Op], output_bytes: int, block_paths: set[str]) -> Segment:
+        modules: list[str] = []
+        for op in ops:
+            path = next((p for p in _prefixes(op.module) if p in block_paths), op.module)
+            if path and path not in modules:
+                modules.append(path)
+        is_block = len(modules) == 1 and modules[0] in block_paths
+        return Segment(
+            name=modules[0] if is_block else (ops[0].name if len(ops) == 1 else f"{ops[0].name}..{ops[-1].name}"),
+            ops=tuple(op.name for op in ops), modules=tuple(modules),
+            flops=sum(op.flops for op in ops), param_count=sum(op.param_count for op in ops),
+            param_bytes=sum(op.param_bytes for op in ops), activation_bytes=sum(op.output_bytes for op in ops),
+            output_bytes=output_bytes, is_block=is_block,
+        )
+
+    # ---- presentation -------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """A few lines: totals, blocks and cut points."""
+        compute = list(self.compute_ops())
+        lines = [
+            f"{self.name}: traced with torch.{self.method}, {len(compute)} ops, {self.graph.number_of_edges()} edges",
+            f"  parameters      {self.num_params:,} ({self.param_bytes / 2**30:.2f} GiB at the traced dtype)",
+            f"  forward FLOPs   {self.flops:.4g} ({', '.join(f'{k} {v:.3g}' for k, v in sorted(self.flops_by_kind().items()))})",
+            f"  repeated blocks {len(self.blocks)}" + (f" ({self.blocks[0].path} .. {self.blocks[-1].path})" if self.blocks else ""),
+            f"  cut points      {len(self.cut_points)}; segments {len(self.segments())}",
+        ]
+        return "\n".join(lines)
+
+
+def _prefixes(path: str) -> list[str]:
+    """'a.b.c' -> ['a', 'a.b', 'a.b.c'] (outermost first)."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]

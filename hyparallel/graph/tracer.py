@@ -1,0 +1,419 @@
+"""``trace(model, example_inputs) -> ModelGraph``: torch.fx first, torch.export as the fallback.
+
+Both paths end in one fx graph that is run once on meta tensors (no real memory, whatever the
+model's size) under ``torch.utils.flop_counter.FlopCounterMode``, recording each node's FLOPs
+and output shapes. Nodes are then grouped into ops: a leaf module call (a module without child
+modules: Linear, LayerNorm, transformers' Conv1D, ...) is one op on both paths; other functional
+ops stay one op each, annotated with the module they ran in.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from hyparallel.errors import TraceError
+from hyparallel.graph.kinds import function_kind, module_kind, target_name
+from hyparallel.graph.model_graph import Block, ModelGraph, Op, Value
+
+Method = Literal["auto", "fx", "export"]
+
+
+@dataclass
+class _Program:
+    """A traced fx graph plus what is needed to run and read it."""
+
+    gm: fx.GraphModule
+    method: Literal["fx", "export"]
+    run_args: list[Any]
+    user_inputs: list[fx.Node]
+    state_of: dict[fx.Node, str] = field(default_factory=dict)  # get_attr / lifted placeholder -> state name
+    artifact: Any = None
+
+
+def trace(model: nn.Module, example_inputs: Any, *, name: str | None = None, method: Method = "auto") -> ModelGraph:
+    """Trace ``model`` called on ``example_inputs`` (a tensor, a tuple of args, or a dict of kwargs).
+
+    Runs on meta tensors only, so meta-device models of any size trace in seconds. ``method``
+    forces one tracer; by default torch.fx is tried first and torch.export (``strict=False``)
+    when symbolic tracing fails, as it does for Hugging Face models.
+    """
+    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = tree_map(_to_meta, (args, kwargs))
+    failures: list[tuple[str, BaseException]] = []
+    attempts = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
+    for attempt in attempts:
+        try:
+            program = _fx_program(model, args, kwargs) if attempt == "fx" else _export_program(model, args, kwargs)
+            return _build(model, program, name or type(model).__name__)
+        except TraceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- any tracer failure means: try the next tracer, then report all
+            failures.append((attempt, exc))
+    raise TraceError(_explain(model, failures))
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _to_meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+# ---- torch.fx ------------------------------------------------------------------------------------
+
+
+class _LeafTracer(fx.Tracer):
+    """Keeps every module without children (standard or custom) as one call_module node."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            return False
+        return super().is_leaf_module(m, module_qualified_name) or next(m.children(), None) is None
+
+
+def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
+    signature = inspect.signature(model.forward)
+    bound = signature.bind_partial(*args, **kwargs).arguments
+    concrete = {
+        p.name: p.default for p in signature.parameters.values()
+        if p.name not in bound and p.default is not inspect.Parameter.empty
+    }
+    tracer = _LeafTracer()
+    graph = tracer.trace(model, concrete_args=concrete or None)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    run_args, user_inputs = [], []
+    for node, param in zip(placeholders, signature.parameters.values()):
+        if param.name in bound:
+            run_args.append(bound[param.name])
+            user_inputs.append(node)
+        else:
+            run_args.append(concrete[param.name])
+    state_of = {n: n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    return _Program(gm=gm, method="fx", run_args=run_args, user_inputs=user_inputs, state_of=state_of, artifact=gm)
+
+
+# ---- torch.export --------------------------------------------------------------------------------
+
+
+def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
+    if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs:
+        kwargs = {**kwargs, "use_cache": False}  # Hugging Face: no KV cache while tracing for training
+    exported = torch.export.export(model, args, kwargs, strict=False)
+    signature = exported.graph_signature
+    placeholders = [n for n in exported.graph_module.graph.nodes if n.op == "placeholder"]
+    flat_user, _ = tree_flatten((args, kwargs))
+    flat_user = iter(flat_user)
+    state = {**exported.state_dict, **exported.constants}
+    run_args, user_inputs, state_of = [], [], {}
+    for node, spec in zip(placeholders, signature.input_specs):
+        if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
+            value = next(flat_user)
+            run_args.append(value)
+            user_inputs.append(node)
+        else:
+            run_args.append(_to_meta(state[spec.target]))
+            state_of[node] = spec.target
+    return _Program(gm=exported.graph_module, method="export", run_args=run_args, user_inputs=user_inputs,
+                    state_of=state_of, artifact=exported)
+
+
+# ---- running on meta -----------------------------------------------------------------------------
+
+
+class _Profiler(fx.Interpreter):
+    """Runs the graph, recording each node's output and the FLOPs it performed."""
+
+    def __init__(self, gm: fx.GraphModule, counter: Any):
+        super().__init__(gm)
+        self.counter = counter
+        self.outputs: dict[fx.Node, Any] = {}
+        self.flops: dict[fx.Node, int] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        before = self.counter.get_total_flops()
+        out = super().run_node(n)
+        self.flops[n] = self.counter.get_total_flops() - before
+        self.outputs[n] = out
+        return out
+
+
+class _Runner(nn.Module):
+    """Lets ``torch.func.functional_call`` swap the graph module's state for meta tensors."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, args: list[Any]) -> _Profiler:
+        # Imported here: torch.utils.flop_counter pulls in triton, which `import hyparallel` must not.
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            profiler = _Profiler(self.gm, counter)
+            profiler.run(*args)
+        return profiler
+
+
+def _profile(program: _Program) -> _Profiler:
+    runner = _Runner(program.gm)
+    if program.method == "export":  # state arrives as (meta) graph inputs
+        return runner(program.run_args)
+    # fx: the graph module shares the user's modules; run them with meta copies of their state.
+    meta_state = {f"gm.{k}": _to_meta(v) for k, v in program.gm.state_dict(keep_vars=True).items()}
+    return torch.func.functional_call(runner, meta_state, (program.run_args,), tie_weights=True, strict=False)
+
+
+# ---- grouping nodes into ops ---------------------------------------------------------------------
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _owner(node: fx.Node) -> str:
+    """Innermost module path a node ran in ('' for the root)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
+_OUTPUT = "<output>"
+
+
+@dataclass
+class _State:
+    """The model's parameters and buffers under canonical names (tied aliases map to the first name)."""
+
+    alias: dict[str, str]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    order: dict[str, int]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _State:
+        alias: dict[str, str] = {}
+        tables: list[dict[str, torch.Tensor]] = [{}, {}]
+        for table, named in zip(tables, (model.named_parameters, model.named_buffers)):
+            first: dict[int, str] = {}
+            for name, tensor in named(remove_duplicate=False):
+                alias[name] = first.setdefault(id(tensor), name)
+                table.setdefault(alias[name], tensor)
+        params, buffers = tables
+        return cls(alias=alias, params=params, buffers=buffers, order={name: i for i, name in enumerate(params)})
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _OpBuilder:
+    """Turns a profiled fx graph into the ops and values of a ModelGraph."""
+
+    def __init__(self, model: nn.Module, program: _Program):
+        self.program = program
+        self.profiler = _profile(program)
+        self.modules = dict(model.named_modules())
+        self.state = _State.of(model)
+        self.group_of: dict[fx.Node, str] = {node: node.name for node in program.user_inputs}
+        self.groups: dict[str, list[fx.Node]] = {}
+        self.group_module: dict[str, nn.Module | None] = {}
+        self.consumers: dict[fx.Node, list[str]] = {}
+        self.reads: dict[str, list[str]] = {}
+        self.owned: set[str] = set()
+
+    def build(self) -> tuple[list[Op], list[Value]]:
+        """Ops in execution order (inputs first, output last) and the values passed between them."""
+        self._group_nodes()
+        self._dataflow()
+        outputs = self.profiler.outputs
+        ops = [
+            Op(name=node.name, index=i, kind="input", module="", target="input",
+               output_shapes=tuple(tuple(t.shape) for t in _tensors(outputs[node])), output_bytes=_bytes(outputs[node]))
+            for i, node in enumerate(self.program.user_inputs)
+        ]
+        ops += [self._make_op(key, len(ops) + i) for i, key in enumerate(self.groups)]
+        ops.append(Op(name=_OUTPUT, index=len(ops), kind="output", module="", target="output"))
+        values = []
+        for source, readers in self.consumers.items():
+            tensors = _tensors(outputs[source])
+            values.append(Value(name=source.name, producer=self.group_of[source], consumers=tuple(readers),
+                                shape=tuple(tensors[0].shape) if len(tensors) == 1 else (), bytes=_bytes(outputs[source])))
+        return ops, values
+
+    def _group_nodes(self) -> None:
+        """Assign every live compute node to an op: its own, its leaf module call's, or its tuple source's."""
+        program, outputs = self.program, self.profiler.outputs
+        live = _live_nodes(list(program.gm.graph.nodes), outputs, program)
+        used_names = set(self.group_of.values()) | {_OUTPUT}
+        previous: tuple[str, str] | None = None  # (leaf module path, op name) of the last exported leaf call
+        for node in program.gm.graph.nodes:
+            if node not in live or node in program.state_of or node.op in ("output", "placeholder"):
+                continue
+            source = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
+            if source in self.groups.get(self.group_of.get(source), ()) and isinstance(outputs[source], (tuple, list)):
+                key = self.group_of[source]  # unpacking a multi-output op stays part of that op
+            else:
+                owner = _owner(node)
+                is_leaf = owner in self.modules and next(self.modules[owner].children(), None) is None
+                leaf = owner if node.op == "call_module" or (program.method == "export" and is_leaf) else None
+                if leaf is not None and node.op != "call_module" and previous and previous[0] == leaf:
+                    key = previous[1]  # the next ATen op of the same leaf module call
+                else:
+                    key = _unique(leaf if leaf is not None else node.name, used_names)
+                    self.groups[key] = []
+                    self.group_module[key] = self.modules[leaf] if leaf is not None else None
+                previous = (leaf, key) if leaf is not None else None
+            self.group_of[node] = key
+            self.groups[key].append(node)
+
+    def _dataflow(self) -> None:
+        """Which ops read each node's output, and which state (parameters, buffers) each op reads."""
+        state_of = self.program.state_of
+        for key, members in self.groups.items():
+            reads = self.reads.setdefault(key, [])
+            for node in members:
+                if node.op == "call_module":
+                    module, prefix = self.modules[node.target], f"{node.target}."
+                    reads.extend(prefix + n for n, _ in module.named_parameters(remove_duplicate=False))
+                    reads.extend(prefix + n for n, _ in module.named_buffers(remove_duplicate=False))
+                for source in node.all_input_nodes:
+                    if source in state_of:
+                        reads.append(state_of[source])
+                    elif self.group_of.get(source, key) != key and key not in self.consumers.setdefault(source, []):
+                        self.consumers[source].append(key)
+        output_node = next(n for n in self.program.gm.graph.nodes if n.op == "output")
+        for source in output_node.all_input_nodes:
+            if source in self.group_of:
+                self.consumers.setdefault(source, []).append(_OUTPUT)
+
+    def _make_op(self, key: str, index: int) -> Op:
+        """Summarise one group of fx nodes as an Op (kind, parameters owned, FLOPs, shapes, bytes)."""
+        members, module, outputs, state = self.groups[key], self.group_module[key], self.profiler.outputs, self.state
+        read = list(dict.fromkeys(state.alias.get(r, r) for r in self.reads[key]))
+        params = sorted((r for r in read if r in state.params), key=state.order.__getitem__)  # the model's own order
+        new = [p for p in params if p not in self.owned]
+        self.owned.update(new)
+        head = members[0]
+        if module is not None:
+            target = type(module).__name__
+            kind = module_kind(module, None if head.op == "call_module" else [target_name(n.target) for n in members])
+        else:
+            target = target_name(head.target)
+            kind = function_kind(target)
+            if kind == "matmul" and params:
+                kind = "linear"  # F.linear / matmul against a parameter
+        inputs = dict.fromkeys(s for n in members for s in n.all_input_nodes if self.group_of.get(s, key) != key)
+        exits = [outputs[n] for n in members if n in self.consumers] or [outputs[members[-1]]]  # what leaves the op
+        return Op(
+            name=key, index=index, kind=kind, module=_owner(head), target=target, params=tuple(params),
+            param_count=sum(state.params[p].numel() for p in new),
+            param_bytes=sum(_nbytes(state.params[p]) for p in new),
+            buffer_bytes=sum(_nbytes(state.buffers[b]) for b in read if b in state.buffers),
+            flops=sum(self.profiler.flops.get(n, 0) for n in members),
+            input_shapes=tuple(tuple(t.shape) for s in inputs for t in _tensors(outputs[s])),
+            output_shapes=tuple(tuple(t.shape) for t in _tensors(exits)),
+            output_bytes=_bytes(exits),
+        )
+
+
+def _build(model: nn.Module, program: _Program, name: str) -> ModelGraph:
+    from hyparallel.models import fingerprint  # models import this package's users; keep the import one-way at load
+
+    ops, values = _OpBuilder(model, program).build()
+    return ModelGraph(name=name, method=program.method, ops=tuple(ops), values=tuple(values),
+                      blocks=_find_blocks(model, ops), fingerprint=fingerprint(model), program=program.artifact)
+
+
+def _unique(base: str, used: set[str]) -> str:
+    """``base``, or ``base#k`` with the smallest k not yet used; records the result in ``used``."""
+    name, k = base, 1
+    while name in used:
+        name, k = f"{base}#{k}", k + 1
+    used.add(name)
+    return name
+
+
+def _live_nodes(nodes: list[fx.Node], outputs: dict[fx.Node, Any], program: _Program) -> set[fx.Node]:
+    """Nodes that produce a tensor or feed one that does; drops asserts and other dead checks."""
+    live: set[fx.Node] = set()
+    for node in reversed(nodes):
+        keep = node.op in ("output", "placeholder") or node in program.state_of or _tensors(outputs.get(node))
+        if keep or any(user in live for user in node.users):
+            live.add(node)
+    return live
+
+
+def _find_blocks(model: nn.Module, ops: list[Op]) -> tuple[Block, ...]:
+    """Children of ModuleList/Sequential containers that have children and share one structure."""
+    candidates: list[str] = []
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = [(f"{path}.{n}" if path else n, c) for n, c in container.named_children()]
+        by_shape: dict[tuple, list[str]] = {}
+        for child_path, child in children:
+            if next(child.children(), None) is None:
+                continue
+            shape = (type(child).__name__, tuple((n, tuple(p.shape)) for n, p in child.named_parameters()))
+            by_shape.setdefault(shape, []).append(child_path)
+        for paths in by_shape.values():
+            if len(paths) >= 2:
+                candidates.extend(paths)
+    blocks = []
+    for path in candidates:
+        members = [op for op in ops if op.module == path or op.module.startswith(path + ".") or op.name == path]
+        if members:
+            blocks.append(Block(
+                path=path, ops=tuple(op.name for op in members), flops=sum(op.flops for op in members),
+                param_count=sum(op.param_count for op in members), param_bytes=sum(op.param_bytes for op in members),
+                activation_bytes=sum(op.output_bytes for op in members),
+            ))
+    index = {op.name: op.index for op in ops}
+    return tuple(sorted(blocks, key=lambda b: index[b.ops[0]]))
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def _explain(model: nn.Module, failures: list[tuple[str, BaseException]]) -> str:
+    """One line naming, for each tracer, the construct that failed and where."""
+    parts = []
+    for tracer_name, exc in failures:
+        message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        where = _user_frame(exc)
+        parts.append(f"torch.{tracer_name}: {type(exc).__name__}: {message[:200]}{f' (at {where})' if where else ''}")
+    return (
+        f"cannot trace {type(model).__name__}: " + "; ".join(parts)
+        + ". Replace Python control flow that depends on tensor values in forward with torch.where or torch.cond"
+    )
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """file:line and code of the innermost traceback frame outside torch, transformers and hyparallel."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        path = frame.filename.replace("\\", "/")
+        if not any(part in path for part in ("/torch/", "/transformers/", "/hyparallel/", "<frozen")):
+            return f"{path.rsplit('/', 1)[-1]}:{frame.lineno}: {(frame.line or '').strip()}"
+    return None

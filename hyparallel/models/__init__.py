@@ -1,0 +1,115 @@
+"""Models: the built-in zoo, Hugging Face architectures from a config, and user factories.
+
+``build(name)`` builds a zoo model (on the meta device by default); ``load(spec)`` resolves any
+MODEL spec the CLI accepts: a zoo name, ``package.module:factory`` or ``hf:ARCH``, each optionally
+followed by ``key=value`` overrides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from hyparallel.errors import ModelSpecError
+from hyparallel.models.gpt import GPT, GPTConfig
+from hyparallel.models.hf import build_hf
+from hyparallel.models.llama import Llama, LlamaConfig
+from hyparallel.models.zoo import ZooEntry, build, config, entries, names
+
+__all__ = [
+    "GPT", "GPTConfig", "Llama", "LlamaConfig", "ZooEntry", "LoadedModel",
+    "build", "build_hf", "config", "entries", "names", "load", "example_inputs", "fingerprint",
+]
+
+
+@dataclass
+class LoadedModel:
+    """A model resolved from a spec, with the name plans record for it."""
+
+    name: str
+    module: nn.Module
+
+
+def load(spec: str | Sequence[str], device: torch.device | str = "meta") -> LoadedModel:
+    """Resolve a MODEL spec: ``gpt-175b``, ``mypkg.models:make_model``, ``hf:LlamaForCausalLM num_hidden_layers=4``.
+
+    The spec may be one string (words separated by spaces) or a list of words; every word after
+    the first is a ``key=value`` override, its value read as YAML (``4`` is an int, ``true`` a bool).
+    """
+    words = shlex.split(spec) if isinstance(spec, str) else [w for part in spec for w in shlex.split(part)]
+    if not words:
+        raise ModelSpecError("no model given; pass a name from `hyparallel models`, package.module:factory or hf:ARCH")
+    head, overrides = words[0], _parse_overrides(words[1:])
+    suffix = "".join(f" {w}" for w in words[1:])
+    if head in names():
+        return LoadedModel(head + suffix, build(head, device=device, **overrides))
+    if head.startswith("hf:"):
+        return LoadedModel(head + suffix, build_hf(head[3:], device=device, **overrides))
+    if ":" in head:
+        return LoadedModel(head + suffix, _from_factory(head, device, overrides))
+    raise ModelSpecError(
+        f"unknown model '{head}'; run `hyparallel models` for built-in names, or pass package.module:factory or hf:ARCH"
+    )
+
+
+def _parse_overrides(words: Sequence[str]) -> dict[str, Any]:
+    overrides = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep or not key.isidentifier():
+            raise ModelSpecError(f"model override '{word}' is not key=value (e.g. num_layers=4)")
+        try:
+            overrides[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            overrides[key] = value
+    return overrides
+
+
+def _from_factory(spec: str, device: torch.device | str, overrides: dict[str, Any]) -> nn.Module:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelSpecError(f"model factory '{spec}': cannot import '{module_name}': {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ModelSpecError(f"model factory '{spec}': '{module_name}' has no callable '{attr}'")
+    with torch.device(device):
+        model = factory(**overrides)
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"model factory '{spec}' returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> Any:
+    """Inputs of the given batch and sequence length for tracing ``model``.
+
+    Uses ``model.example_inputs(batch_size, seq_len, device)`` when the model defines it (the zoo
+    does), token ids under ``model.main_input_name`` for Hugging Face models; anything else must
+    define that method.
+    """
+    if callable(getattr(model, "example_inputs", None)):
+        return model.example_inputs(batch_size, seq_len, device)
+    main_input = getattr(model, "main_input_name", None)
+    if main_input == "input_ids":
+        return {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)}
+    raise ModelSpecError(
+        f"cannot tell what inputs {type(model).__name__} takes; give it a method "
+        "example_inputs(batch_size, seq_len, device) returning a tuple of tensors (or a dict of keyword inputs)"
+    )
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short hash of the parameter names and shapes: plans refuse a model whose fingerprint differs."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)};".encode())
+    return "sha256:" + digest.hexdigest()[:16]

@@ -1,0 +1,1 @@
+"""Pipeline stage splitting and schedules (the Pipeline issue)."""

@@ -1,0 +1,1 @@
+"""Cost model and exact search (the Planner issue). Pure: never imports torch.distributed."""

@@ -1,0 +1,307 @@
+"""The plan file (YAML, version 1): the only contract between the planner and the runtime.
+
+Every section is a frozen pydantic model that rejects unknown keys. A plan written by hand with
+only ``training`` and ``parallel`` is accepted: the derived figures (micro-batch count, placement)
+are completed here; ``stages``, ``tensor_parallel`` and ``predicted`` come from the planner.
+
+Note [rank order]
+    ``placement.order`` lists the mesh axes outermost first, exactly as the dims of torch's
+    ``init_device_mesh(..., mesh_dim_names=order)``. The default ``[pp, dp, tp]`` puts tp innermost,
+    so a tp group is ``tp`` consecutive ranks, and torchrun numbers ranks node by node, so tp stays
+    inside a node whenever ``tp <= gpus_per_node`` (Megatron-LM's default order, too).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from hyparallel._yaml import dump_yaml, read_yaml, validate
+from hyparallel.cluster import ClusterSpec, NonNegativeFloat, PositiveInt
+from hyparallel.errors import ConfigError
+
+NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+Recompute = Literal["none", "selective", "full"]
+ZeroStage = Literal[0, 1, 2, 3]
+TPStyle = Literal["column", "row", "vocab", "replicate"]
+Axis = Literal["pp", "dp", "tp"]
+
+DEFAULT_ORDER: tuple[Axis, ...] = ("pp", "dp", "tp")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelInfo(_Section):
+    """What the plan was made for; ``fingerprint`` is hyparallel.models.fingerprint(model)."""
+
+    name: str
+    num_params: NonNegativeInt
+    num_layers: NonNegativeInt
+    fingerprint: str
+
+
+class TrainingConfig(_Section):
+    """Batch and precision of one optimizer step. ``global_batch`` and ``micro_batch`` count sequences."""
+
+    global_batch: PositiveInt
+    micro_batch: PositiveInt = 1
+    seq_len: PositiveInt
+    dtype: Dtype = "bf16"
+
+
+class ParallelConfig(_Section):
+    """Degrees and strategies; ``num_microbatches`` is derived when omitted."""
+
+    dp: PositiveInt = 1
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    schedule: Schedule = "1f1b"
+    virtual_stages: PositiveInt = 1
+    num_microbatches: PositiveInt | None = None
+    recompute: Recompute = "none"
+    zero: ZeroStage = 0
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """dp * tp * pp: the number of processes the plan needs."""
+        return self.dp * self.tp * self.pp
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            raise ValueError(
+                f"parallel.virtual_stages is {self.virtual_stages} but schedule is '{self.schedule}'; "
+                "virtual stages need schedule: interleaved-1f1b (or set virtual_stages: 1)"
+            )
+        if self.schedule == "interleaved-1f1b" and self.pp > 1 and self.virtual_stages < 2:
+            raise ValueError(
+                "parallel.schedule is interleaved-1f1b but virtual_stages is 1; "
+                "set virtual_stages to 2 or more (or use schedule: 1f1b)"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel needs tp > 1: it shards along tp; set it to false or raise tp")
+        return self
+
+
+class Placement(_Section):
+    """How ranks map onto the (pp, dp, tp) mesh; see Note [rank order]."""
+
+    order: tuple[Axis, Axis, Axis] = DEFAULT_ORDER
+
+    @field_validator("order")
+    @classmethod
+    def _permutation(cls, order: tuple[str, ...]) -> tuple[str, ...]:
+        if sorted(order) != sorted(DEFAULT_ORDER):
+            raise ValueError(f"must name pp, dp and tp once each, got {list(order)}")
+        return order
+
+
+class StageSpec(_Section):
+    """One pipeline stage (a virtual stage under interleaving): the module paths it runs."""
+
+    index: NonNegativeInt
+    modules: list[str] = Field(min_length=1)
+    num_params: NonNegativeInt | None = None
+    compute_s: NonNegativeFloat | None = None
+    memory_gib: NonNegativeFloat | None = None
+
+
+class CommTime(_Section):
+    """Exposed communication time per step by mesh axis."""
+
+    tp: NonNegativeFloat
+    dp: NonNegativeFloat
+    pp: NonNegativeFloat
+
+
+class Predicted(_Section):
+    """The planner's predictions for one optimizer step."""
+
+    step_time_s: NonNegativeFloat
+    tokens_per_s: NonNegativeFloat
+    tflops_per_gpu: NonNegativeFloat
+    mfu: NonNegativeFloat
+    bubble_fraction: NonNegativeFloat
+    memory_gib: list[NonNegativeFloat]
+    comm_s: CommTime
+
+
+class Plan(_Section):
+    """A hybrid-parallel plan (SPEC.md, 'Plan file'); load with ``Plan.load``, write with ``save``."""
+
+    version: Literal[1] = 1
+    model: ModelInfo | None = None
+    cluster: ClusterSpec | None = None
+    training: TrainingConfig
+    parallel: ParallelConfig
+    placement: Placement = Placement()
+    stages: list[StageSpec] | None = None
+    tensor_parallel: dict[str, TPStyle] | None = None
+    predicted: Predicted | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_before(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        data["cluster"] = _expand_cluster(data.get("cluster"))
+        training, parallel = data.get("training"), data.get("parallel")
+        # micro_batch follows from num_microbatches when only the latter is given.
+        if isinstance(training, dict) and isinstance(parallel, dict) and "micro_batch" not in training:
+            gb, dp, nmb = training.get("global_batch"), parallel.get("dp", 1), parallel.get("num_microbatches")
+            if all(type(v) is int and v > 0 for v in (gb, dp, nmb)) and gb % (dp * nmb) == 0:
+                data["training"] = {**training, "micro_batch": gb // (dp * nmb)}
+        return data
+
+    @field_validator("parallel")
+    @classmethod
+    def _derive_microbatches(cls, parallel: ParallelConfig, info) -> ParallelConfig:
+        training = info.data.get("training")
+        if training is None:  # training itself failed; its error is reported
+            return parallel
+        per_step = parallel.dp * training.micro_batch
+        if training.global_batch % per_step:
+            raise ValueError(
+                f"training.global_batch ({training.global_batch}) must be a multiple of dp ({parallel.dp}) x "
+                f"micro_batch ({training.micro_batch}) = {per_step}; change global_batch, micro_batch or dp"
+            )
+        derived = training.global_batch // per_step
+        if parallel.num_microbatches is None:
+            parallel = parallel.model_copy(update={"num_microbatches": derived})
+        elif parallel.num_microbatches != derived:
+            raise ValueError(
+                f"parallel.num_microbatches ({parallel.num_microbatches}) must equal global_batch ({training.global_batch}) / "
+                f"(dp ({parallel.dp}) x micro_batch ({training.micro_batch})) = {derived}; fix one of them or omit num_microbatches"
+            )
+        if parallel.schedule == "interleaved-1f1b" and parallel.pp > 1 and derived % parallel.pp:
+            raise ValueError(
+                f"interleaved-1f1b needs num_microbatches ({derived}) to be a multiple of pp ({parallel.pp}); "
+                "change global_batch or micro_batch"
+            )
+        return parallel
+
+    @model_validator(mode="after")
+    def _check_whole(self) -> Plan:
+        par = self.parallel
+        if self.cluster is not None and self.cluster.num_gpus != par.world_size:
+            c = self.cluster
+            raise ValueError(
+                f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}) = {par.world_size} GPUs, but cluster '{c.name}' has "
+                f"{c.num_nodes} node(s) x {c.gpus_per_node} = {c.num_gpus}; change the degrees or cluster.num_nodes"
+            )
+        if self.stages is not None:
+            expected = par.pp * par.virtual_stages
+            if len(self.stages) != expected:
+                raise ValueError(
+                    f"stages lists {len(self.stages)} stage(s) but pp ({par.pp}) x virtual_stages ({par.virtual_stages}) "
+                    f"= {expected}; list one entry per (virtual) stage or drop 'stages' to have them derived"
+                )
+            for position, stage in enumerate(self.stages):
+                if stage.index != position:
+                    raise ValueError(f"stages[{position}].index is {stage.index}; stages must be listed in order 0..{expected - 1}")
+            seen: dict[str, int] = {}
+            for stage in self.stages:
+                for module in stage.modules:
+                    if module in seen:
+                        raise ValueError(f"module '{module}' is in stages {seen[module]} and {stage.index}; each module belongs to one stage")
+                    seen[module] = stage.index
+        if self.predicted is not None and len(self.predicted.memory_gib) != par.pp:
+            raise ValueError(f"predicted.memory_gib has {len(self.predicted.memory_gib)} entries; give one per pipeline stage (pp = {par.pp})")
+        return self
+
+    # ---- mesh helpers -------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """dp * tp * pp."""
+        return self.parallel.world_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel replica."""
+        assert self.parallel.num_microbatches is not None  # always derived by validation
+        return self.parallel.num_microbatches
+
+    def mesh_shape(self) -> dict[str, int]:
+        """Axis name -> degree, outermost axis first (the order of ``init_device_mesh``)."""
+        return {axis: getattr(self.parallel, axis) for axis in self.placement.order}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates ``{"pp": i, "dp": j, "tp": k}`` of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is outside the plan's world of {self.world_size} processes")
+        coords = {}
+        for axis, size in reversed(self.mesh_shape().items()):
+            coords[axis] = rank % size
+            rank //= size
+        return {axis: coords[axis] for axis in ("pp", "dp", "tp")}
+
+    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+        """The global rank at mesh coordinates (pp, dp, tp)."""
+        index = {"pp": pp, "dp": dp, "tp": tp}
+        rank = 0
+        for axis, size in self.mesh_shape().items():
+            rank = rank * size + index[axis]
+        return rank
+
+    def group_ranks(self, axis: Axis) -> list[list[int]]:
+        """All process groups along ``axis``: each list is the ranks that differ only in that coordinate."""
+        others = [a for a in ("pp", "dp", "tp") if a != axis]
+        groups = []
+        sizes = {a: getattr(self.parallel, a) for a in ("pp", "dp", "tp")}
+        for i in range(sizes[others[0]]):
+            for j in range(sizes[others[1]]):
+                fixed = {others[0]: i, others[1]: j}
+                groups.append([self.rank_of(**{**fixed, axis: k}) for k in range(sizes[axis])])
+        return sorted(groups)
+
+    # ---- I/O ----------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Load, validate and complete a plan file; errors are one line naming file and field."""
+        return validate(cls, read_yaml(path), str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "plan") -> Plan:
+        """Validate a plan given as plain data (e.g. parsed JSON)."""
+        return validate(cls, data, source)
+
+    def to_dict(self) -> dict:
+        """Plain data in file order, without absent sections."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def to_yaml(self) -> str:
+        """The plan as YAML text."""
+        return "# hyparallel plan (version 1); edit freely, `hyparallel show` checks it.\n" + dump_yaml(self.to_dict())
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as YAML; the file is replaced only once the new text is complete."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_yaml())
+        tmp.replace(path)
+
+
+def _expand_cluster(cluster: Any) -> Any:
+    """``cluster: a100-80g`` or ``{name: a100-80g, num_nodes: 4}`` -> the full preset, resized."""
+    if isinstance(cluster, str):
+        return ClusterSpec.preset(cluster)
+    if isinstance(cluster, dict) and "device" not in cluster and cluster.get("name") in ClusterSpec.presets():
+        extra = set(cluster) - {"name", "num_nodes", "gpus_per_node"}
+        if extra:
+            return cluster  # let validation name what is missing or unknown
+        nodes, per_node = cluster.get("num_nodes"), cluster.get("gpus_per_node")
+        if all(v is None or (type(v) is int and v > 0) for v in (nodes, per_node)):
+            return ClusterSpec.preset(cluster["name"], nodes, per_node)
+    return cluster
+

@@ -1,0 +1,1 @@
+"""Tensor-parallel modules, collectives with autograd and Triton kernels (the Tensor-parallelism issue)."""

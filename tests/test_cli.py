@@ -1,0 +1,106 @@
+"""The hyparallel command line: listings, plan checks, tracing, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from hyparallel.cli import main
+
+from .conftest import HF_LLAMA_TINY
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_models_lists_the_zoo(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0
+    for name in ("gpt-tiny", "gpt-175b", "llama-70b"):
+        assert name in out
+    assert "175B" in out and "64 (8)" in out  # parameter count; llama-70b's query (kv) heads
+    code, out, _ = run(capsys, "models", "--json")
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert rows["llama-7b"]["num_params"] == 6_738_415_616 and rows["gpt-175b"]["num_layers"] == 96
+
+
+def test_clusters_lists_presets(capsys):
+    code, out, _ = run(capsys, "clusters")
+    assert code == 0
+    for name in ("a100-80g", "h100-sxm", "h200", "cpu"):
+        assert name in out
+    assert "312.0" in out  # A100 bf16 TFLOP/s
+    code, out, _ = run(capsys, "clusters", "--json")
+    assert {c["name"] for c in json.loads(out)} >= {"a100-80g", "h100-sxm", "h200", "cpu"}
+
+
+def test_show_completes_a_hand_plan(capsys, repo):
+    code, out, _ = run(capsys, "show", str(repo / "configs/plans/cpu-dp2-tp2-pp2.yaml"))
+    assert code == 0
+    assert "pp 2 x dp 2 x tp 2 = 8 processes" in out
+    assert "global batch 16 = dp 2 x 4 micro-batches x 2" in out
+    code, out, _ = run(capsys, "show", str(repo / "configs/plans/cpu-dp2-tp2-pp2.yaml"), "--yaml")
+    assert yaml.safe_load(out)["parallel"]["num_microbatches"] == 4
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    ("training: {global_batch: 8, seq_len: 4}\nparallel: {tp: eight}\n", "parallel.tp: expected a positive integer, got 'eight'"),
+    ("training: {global_batch: 8, seq_len: 4}\nparallel: {dp: 3}\n", "training.global_batch (8) must be a multiple of dp (3)"),
+    ("training: [\n", "invalid YAML"),
+])
+def test_show_malformed_plan_exits_2_with_one_line(capsys, tmp_path, content, expected):
+    path = tmp_path / "plan.yaml"
+    path.write_text(content)
+    code, out, err = run(capsys, "show", str(path))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"hyparallel: error: {path}") and expected in err
+
+
+def test_trace_zoo_model(capsys):
+    code, out, _ = run(capsys, "trace", "--model", "gpt-tiny", "--seq-len", "32")
+    assert code == 0
+    assert "traced with torch.fx" in out and "repeated blocks 2" in out and "layers.0" in out
+    code, out, _ = run(capsys, "trace", "--model", "gpt-tiny", "num_layers=3", "--json")
+    data = json.loads(out)
+    assert data["num_layers"] == 3 and data["seq_len"] == 128 and data["method"] == "fx"
+    assert sum(s["param_count"] for s in data["segments"]) == data["num_params"]
+
+
+def test_trace_hugging_face_model(capsys):
+    code, out, _ = run(capsys, "trace", "--model", *HF_LLAMA_TINY.split(), "--seq-len", "16", "--json")
+    assert code == 0 and json.loads(out)["method"] == "export"
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["trace", "--model", "gpt-nope"], "unknown model 'gpt-nope'"),
+    (["trace", "--model", "gpt-tiny", "layers=2"], "model 'gpt-tiny' has no setting 'layers'"),
+    (["trace", "--model", "hf:NoSuchArch"], "unknown Hugging Face architecture 'NoSuchArch'"),
+    (["show", "missing.yaml"], "missing.yaml: no such file"),
+])
+def test_user_errors_exit_2(capsys, argv, expected):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1 and expected in err
+
+
+def test_console_script_has_no_traceback(tmp_path):
+    bad = tmp_path / "plan.yaml"
+    bad.write_text("training: {global_batch: 8, seq_len: 4}\nparallel: {tp: eight}\n")
+    result = subprocess.run([sys.executable, "-m", "hyparallel", "show", str(bad)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr == f"hyparallel: error: {bad}: parallel.tp: expected a positive integer, got 'eight'\n"
+    assert "Traceback" not in result.stderr
+
+
+def test_every_command_has_an_example_in_help(capsys):
+    for command in ("models", "clusters", "show", "trace", "demo"):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--help"])
+        assert info.value.code == 0
+        assert "example" in capsys.readouterr().out

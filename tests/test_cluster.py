@@ -1,0 +1,81 @@
+"""ClusterSpec presets and files."""
+
+from __future__ import annotations
+
+import pytest
+
+import hyparallel as hp
+from hyparallel.errors import ConfigError
+
+REQUIRED = {"a100-80g", "h100-sxm", "h200", "cpu"}
+
+
+def test_required_presets_exist_and_load():
+    assert REQUIRED <= set(hp.ClusterSpec.presets())
+    for name in hp.ClusterSpec.presets():
+        spec = hp.ClusterSpec.preset(name)
+        assert spec.name == name
+        flops = spec.device.peak_flops
+        assert flops.bf16 >= flops.fp32 and flops.tf32 >= flops.fp32
+        # A device can move data faster inside a node than across nodes.
+        assert spec.intra_node.bandwidth_bytes_per_s >= spec.inter_node.bandwidth_bytes_per_s
+
+
+def test_preset_figures_match_datasheets():
+    a100 = hp.ClusterSpec.preset("a100-80g")
+    assert a100.device.peak_flops.bf16 == 312e12
+    assert a100.device.memory_bytes == 80 * 2**30
+    assert a100.intra_node.bandwidth_bytes_per_s == 300e9  # 600 GB/s NVLink counted both ways
+    assert a100.inter_node.bandwidth_bytes_per_s == 25e9   # 200 Gb/s HDR per GPU
+    h100 = hp.ClusterSpec.preset("h100-sxm")
+    assert h100.device.peak_flops.bf16 == pytest.approx(989.4e12)
+    h200 = hp.ClusterSpec.preset("h200")
+    assert h200.device.memory_bytes > 140e9 and h200.device.memory_bandwidth_bytes_per_s == 4.8e12
+    assert hp.ClusterSpec.preset("cpu").backend == "gloo"
+
+
+def test_every_preset_figure_has_a_source_comment(repo):
+    # SPEC: each preset gives the source of each figure in a comment.
+    for path in sorted((repo / "configs" / "clusters").glob("*.yaml")):
+        text = path.read_text()
+        for field in ("peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "intra_node", "inter_node"):
+            lines = text.splitlines()
+            index = next(i for i, line in enumerate(lines) if line.strip().startswith(field))
+            window = "\n".join(lines[max(0, index - 3): index + 8])
+            assert "#" in window, f"{path.name}: no source comment near {field}"
+
+
+def test_resize_and_link_choice():
+    spec = hp.ClusterSpec.preset("a100-80g", num_nodes=16)
+    assert spec.num_gpus == 128 and spec.gpus_per_node == 8
+    assert spec.link(8) == spec.intra_node
+    assert spec.link(16) == spec.inter_node
+
+
+def test_yaml_round_trip(tmp_path):
+    spec = hp.ClusterSpec.preset("h200", num_nodes=4)
+    spec.save(tmp_path / "c.yaml")
+    assert hp.ClusterSpec.load(tmp_path / "c.yaml") == spec
+    assert hp.ClusterSpec.resolve(str(tmp_path / "c.yaml")) == spec
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ConfigError, match="unknown cluster preset 'v100'.*a100-80g"):
+        hp.ClusterSpec.preset("v100")
+
+
+def test_bad_cluster_file_is_one_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(hp.ClusterSpec.preset("cpu").to_yaml().replace("memory_bytes: 3221225472", "memory_bytes: lots"))
+    with pytest.raises(ConfigError) as info:
+        hp.ClusterSpec.load(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message == f"{path}: device.memory_bytes: expected a positive integer, got 'lots'"
+
+
+def test_unknown_cluster_key_rejected(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(hp.ClusterSpec.preset("cpu").to_yaml() + "gpus: 8\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: gpus: unknown key 'gpus'; expected one of: name, description"):
+        hp.ClusterSpec.load(path)

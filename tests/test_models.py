@@ -1,0 +1,158 @@
+"""The model zoo, model specs (zoo names, factories, hf:ARCH) and fingerprints."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hyparallel as hp
+from hyparallel.demo import train_tiny
+from hyparallel.errors import ModelSpecError
+
+from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY
+
+REQUIRED = {"gpt-125m", "gpt-350m", "gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-175b",
+            "llama-7b", "llama-13b", "llama-70b", "gpt-tiny", "llama-tiny"}
+
+
+def test_zoo_has_the_required_presets():
+    assert REQUIRED <= set(hp.models.names())
+
+
+@pytest.mark.parametrize("name", hp.models.names())
+def test_meta_build_allocates_nothing_and_counts_match(name):
+    model = hp.models.build(name)
+    params = list(model.parameters())
+    assert all(p.is_meta for p in params)
+    assert sum(p.numel() for p in params) == hp.models.config(name).num_params()
+
+
+def test_published_parameter_counts():
+    # Llama 2 model cards: 6,738,415,616 (7B) and 68,976,648,192 (70B); GPT-3 175B is "175B".
+    assert hp.models.config("llama-7b").num_params() == 6_738_415_616
+    assert hp.models.config("llama-70b").num_params() == 68_976_648_192
+    assert 174e9 < hp.models.config("gpt-175b").num_params() < 176e9
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_cpu_forward_backward(name):
+    torch.manual_seed(0)
+    model = hp.models.build(name, device="cpu")
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, model.config.vocab_size) and torch.isfinite(logits).all()
+    F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_models_are_causal():
+    torch.manual_seed(0)
+    for name in ("gpt-tiny", "llama-tiny"):
+        model = hp.models.build(name, device="cpu").eval()
+        tokens = torch.randint(0, 256, (1, 12))
+        changed = tokens.clone()
+        changed[0, 8:] = (changed[0, 8:] + 1) % 256
+        torch.testing.assert_close(model(tokens)[:, :8], model(changed)[:, :8])
+
+
+def test_llama_gqa_matches_full_attention_with_repeated_heads():
+    # Grouped-query attention equals multi-head attention whose k/v heads are copied per group.
+    torch.manual_seed(0)
+    gqa = hp.models.build("llama-tiny", device="cpu")
+    mha = hp.models.build("llama-tiny", device="cpu", num_kv_heads=4)
+    state = gqa.state_dict()
+    hd, group = gqa.config.head_dim, gqa.config.num_heads // gqa.config.kv_heads
+    for key, value in list(state.items()):
+        if key.endswith(("k_proj.weight", "v_proj.weight")):
+            state[key] = value.unflatten(0, (-1, hd)).repeat_interleave(group, dim=0).flatten(0, 1)
+    mha.load_state_dict(state)
+    tokens = torch.randint(0, 256, (2, 10))
+    torch.testing.assert_close(gqa(tokens), mha(tokens), rtol=1e-5, atol=1e-6)
+
+
+def test_tied_and_untied_heads():
+    tied = hp.models.build("gpt-tiny")
+    assert tied.output.weight is tied.tok_embeddings.weight
+    untied = hp.models.build("gpt-tiny", tie_embeddings=False)
+    assert untied.output.weight is not untied.tok_embeddings.weight
+    assert hp.models.config("gpt-tiny", tie_embeddings=False).num_params() == sum(p.numel() for p in untied.parameters())
+
+
+def test_meta_model_materialises_deterministically():
+    torch.manual_seed(0)
+    model = hp.models.build("llama-tiny")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    reference = hp.models.build("llama-tiny", device="cpu")
+    torch.testing.assert_close(model.rope.cos, reference.rope.cos)
+    assert torch.isfinite(model.tok_embeddings.weight).all()
+
+
+def test_tiny_model_trains():
+    losses = train_tiny(steps=30, log=lambda *_: None)
+    assert losses[-1] < 0.6 * losses[0]
+
+
+def test_spec_zoo_name_with_overrides():
+    loaded = hp.models.load("gpt-tiny num_layers=3 tie_embeddings=false")
+    assert loaded.name == "gpt-tiny num_layers=3 tie_embeddings=false"
+    assert len(loaded.module.layers) == 3 and not loaded.module.config.tie_embeddings
+    assert hp.models.load(["gpt-tiny", "num_layers=3"]).module.config.num_layers == 3
+
+
+def test_spec_factory(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+        def make(width=8):
+            return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+        not_callable = 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    loaded = hp.models.load("my_models:make width=16")
+    assert loaded.module[0].weight.is_meta and loaded.module[0].out_features == 16
+    with pytest.raises(ModelSpecError, match="has no callable 'not_callable'"):
+        hp.models.load("my_models:not_callable")
+    with pytest.raises(ModelSpecError, match="cannot import 'no_such_module'"):
+        hp.models.load("no_such_module:make")
+    sys.modules.pop("my_models", None)
+
+
+@pytest.mark.parametrize("spec", [HF_GPT2_TINY, HF_LLAMA_TINY, "hf:gpt2 n_layer=1 n_embd=32 n_head=2"])
+def test_spec_hugging_face(spec):
+    model = hp.models.load(spec).module
+    assert all(p.is_meta for p in model.parameters())
+    assert model.config.use_cache is False
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("gpt-huge", "unknown model 'gpt-huge'; run `hyparallel models`"),
+    ("gpt-tiny layers=3", "model 'gpt-tiny' has no setting 'layers'"),
+    ("gpt-tiny num_layers", "model override 'num_layers' is not key=value"),
+    ("gpt-tiny num_heads=5", "hidden_size (64) must be a multiple of num_heads (5)"),
+    ("hf:NoSuchModel", "unknown Hugging Face architecture 'NoSuchModel'"),
+    ("", "no model given"),
+])
+def test_spec_errors(spec, message):
+    with pytest.raises(ModelSpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        hp.models.load(spec)
+
+
+def test_fingerprint_tracks_names_and_shapes():
+    a = hp.models.fingerprint(hp.models.build("gpt-tiny"))
+    assert a == hp.models.fingerprint(hp.models.build("gpt-tiny", device="cpu"))
+    assert a != hp.models.fingerprint(hp.models.build("gpt-tiny", num_layers=3))
+    assert a != hp.models.fingerprint(hp.models.build("gpt-tiny", hidden_size=128))
+
+
+def test_example_inputs():
+    gpt = hp.models.build("gpt-tiny")
+    (tokens,) = hp.models.example_inputs(gpt, 3, 7)
+    assert tokens.shape == (3, 7) and tokens.dtype == torch.long and tokens.is_meta
+    hf = hp.models.load(HF_GPT2_TINY).module
+    assert hp.models.example_inputs(hf, 2, 5)["input_ids"].shape == (2, 5)
+    with pytest.raises(ModelSpecError, match="example_inputs"):
+        hp.models.example_inputs(torch.nn.Linear(2, 2), 1, 1)

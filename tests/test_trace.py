@@ -1,0 +1,245 @@
+"""hyparallel.trace: counts checked against closed forms, graph structure, fallbacks and errors."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+import torch
+from torch import nn
+
+import hyparallel as hp
+from hyparallel.errors import TraceError
+
+from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY
+
+B, S = 2, 32
+
+
+def gpt_flops(cfg, batch, seq):
+    """Megatron-LM's forward model FLOPs: per layer 24*B*s*h^2 + 4*B*s^2*h, plus 2*B*s*h*V for the head."""
+    h = cfg.hidden_size
+    return cfg.num_layers * (24 * batch * seq * h * h + 4 * batch * seq * seq * h) + 2 * batch * seq * h * cfg.vocab_size
+
+
+def llama_layer_flops(hidden, heads, kv_heads, ffn, batch, seq):
+    head_dim = hidden // heads
+    projections = 2 * batch * seq * hidden * (2 * hidden + 2 * kv_heads * head_dim)  # q, o and the smaller k, v
+    mlp = 3 * 2 * batch * seq * hidden * ffn  # gate, up, down
+    return projections + mlp + 4 * batch * seq * seq * hidden
+
+
+def check_counts(model, graph):
+    assert graph.num_params == sum(p.numel() for p in model.parameters())
+    assert graph.param_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    owners = [p for op in graph.ops for p in op.params if op.param_count]
+    assert sorted(set(owners)) == sorted(name for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-125m", "gpt-1.3b", "gpt-175b"])
+def test_zoo_gpt_matches_closed_forms(name):
+    model = hp.models.build(name)
+    seq = 2048 if name == "gpt-175b" else S
+    graph = hp.trace(model, model.example_inputs(1 if name == "gpt-175b" else B, seq))
+    batch = 1 if name == "gpt-175b" else B
+    cfg = model.config
+    assert graph.method == "fx"
+    check_counts(model, graph)
+    assert graph.flops == gpt_flops(cfg, batch, seq)
+    assert len(graph.blocks) == cfg.num_layers == graph.num_layers
+    per_layer = 24 * batch * seq * cfg.hidden_size**2 + 4 * batch * seq * seq * cfg.hidden_size
+    assert {block.flops for block in graph.blocks} == {per_layer}
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "llama-7b", "llama-70b"])
+def test_zoo_llama_matches_closed_forms(name):
+    model = hp.models.build(name)
+    cfg = model.config
+    graph = hp.trace(model, model.example_inputs(B, S))
+    check_counts(model, graph)
+    layer = llama_layer_flops(cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.ffn_hidden_size, B, S)
+    assert {block.flops for block in graph.blocks} == {layer}
+    assert graph.flops == cfg.num_layers * layer + 2 * B * S * cfg.hidden_size * cfg.vocab_size
+
+
+def test_hf_gpt2_traced_with_export():
+    model = hp.models.load(HF_GPT2_TINY).module
+    graph = hp.trace(model, hp.models.example_inputs(model, B, S))
+    assert graph.method == "export"
+    check_counts(model, graph)
+    cfg = model.config
+    assert graph.flops == cfg.n_layer * (24 * B * S * cfg.n_embd**2 + 4 * B * S * S * cfg.n_embd) + 2 * B * S * cfg.n_embd * cfg.vocab_size
+    assert [b.path for b in graph.blocks] == ["transformer.h.0", "transformer.h.1"]
+    c_attn = graph.op("transformer.h.0.attn.c_attn")  # transformers' Conv1D: a transposed Linear
+    assert c_attn.kind == "linear" and c_attn.target == "Conv1D"
+    assert c_attn.params == ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias")
+    assert c_attn.output_shapes == ((B, S, 3 * cfg.n_embd),)
+    head = graph.op("lm_head")  # tied to the token embedding: read, not owned
+    assert head.params == ("transformer.wte.weight",) and head.param_count == 0
+
+
+def test_hf_gpt2_default_config_on_meta():
+    model = hp.models.load("hf:GPT2LMHeadModel").module  # the 124M GPT-2
+    graph = hp.trace(model, hp.models.example_inputs(model, 1, 1024))
+    assert graph.num_params == sum(p.numel() for p in model.parameters()) == 124_439_808
+    assert graph.flops == gpt_flops(hp.models.GPTConfig(num_layers=12, hidden_size=768, num_heads=12, vocab_size=50257), 1, 1024)
+
+
+def test_hf_llama_with_grouped_query_attention():
+    model = hp.models.load(HF_LLAMA_TINY).module
+    graph = hp.trace(model, hp.models.example_inputs(model, B, S))
+    assert graph.method == "export"
+    check_counts(model, graph)
+    cfg = model.config
+    layer = llama_layer_flops(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, B, S)
+    assert graph.flops == cfg.num_hidden_layers * layer + 2 * B * S * cfg.hidden_size * cfg.vocab_size
+    assert graph.op("model.layers.0.input_layernorm").kind == "norm"  # LlamaRMSNorm, grouped from its ATen ops
+    assert graph.op("model.layers.1.self_attn.k_proj").output_shapes == ((B, S, 2 * 16),)
+
+
+def test_hf_llama_at_7b_shapes_on_meta():
+    model = hp.models.load("hf:llama num_hidden_layers=4").module  # LlamaConfig defaults are Llama-7B's shapes
+    graph = hp.trace(model, hp.models.example_inputs(model, 1, 512))
+    check_counts(model, graph)
+    assert len(graph.blocks) == 4
+
+
+def test_sequential_mlp():
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to("meta")
+    graph = hp.trace(mlp, torch.zeros(8, 32))
+    check_counts(mlp, graph)
+    assert graph.flops == 2 * 8 * (32 * 64 + 64 * 64 + 64 * 10)
+    assert [op.kind for op in graph.compute_ops()] == ["linear", "activation", "linear", "activation", "linear"]
+    assert graph.blocks == () and graph.num_layers == 3
+    assert [cut.after for cut in graph.cut_points] == ["0", "2"]
+    assert [cut.bytes for cut in graph.cut_points] == [8 * 64 * 4, 8 * 64 * 4]
+
+
+def test_graph_is_a_dag_in_execution_order(gpt_tiny_graph):
+    _, graph = gpt_tiny_graph
+    g = graph.graph
+    assert isinstance(g, nx.DiGraph) and nx.is_directed_acyclic_graph(g)
+    assert [op.index for op in graph.ops] == list(range(len(graph.ops)))
+    for u, v, data in g.edges(data=True):
+        assert g.nodes[u]["index"] < g.nodes[v]["index"]
+        assert data["bytes"] >= 0 and data["tensors"]
+    qkv = g.nodes["layers.0.attn.qkv"]
+    assert qkv["kind"] == "linear" and qkv["module"] == "layers.0.attn.qkv"
+    assert qkv["param_count"] == 64 * 192 + 192 and qkv["flops"] == 2 * B * 16 * 64 * 192
+    assert qkv["output_shapes"] == ((B, 16, 192),) and qkv["output_bytes"] == B * 16 * 192 * 4
+    assert g.edges["layers.0.attn.qkv", "chunk"]["bytes"] == B * 16 * 192 * 4
+    assert g.nodes["scaled_dot_product_attention"]["kind"] == "attention"
+    assert g.nodes["scaled_dot_product_attention"]["module"] == "layers.0.attn"
+    assert graph.op("tokens").kind == "input" and graph.ops[-1].kind == "output"
+
+
+def test_cut_points_between_layers_carry_the_hidden_state():
+    gpt = hp.models.build("gpt-mini")
+    graph = hp.trace(gpt, gpt.example_inputs(B, S))
+    h = gpt.config.hidden_size
+    between = [cut for cut in graph.cut_points if graph.op(cut.before).module.startswith("layers.")]
+    assert len(between) == gpt.config.num_layers  # before each layer
+    assert all(len(cut.tensors) == 1 and cut.bytes == B * S * h * 4 for cut in between)
+    # Llama also passes the rotary cos/sin tables (S x head_dim each) between layers.
+    llama = hp.models.build("llama-tiny")
+    graph = hp.trace(llama, llama.example_inputs(B, S))
+    cfg = llama.config
+    inner = [c for c in graph.cut_points if graph.op(c.after).module.startswith("layers.") and graph.op(c.before).module.startswith("layers.")]
+    assert len(inner) == cfg.num_layers - 1
+    assert all(c.bytes == (B * S * cfg.hidden_size + 2 * S * cfg.head_dim) * 4 and len(c.tensors) == 3 for c in inner)
+
+
+@pytest.mark.parametrize("spec", ["gpt-tiny", "llama-tiny", HF_GPT2_TINY, HF_LLAMA_TINY])
+def test_segments_partition_the_ops(spec):
+    model = hp.models.load(spec).module
+    graph = hp.trace(model, hp.models.example_inputs(model, B, S))
+    segments = graph.segments()
+    assert [name for s in segments for name in s.ops] == [op.name for op in graph.compute_ops()]
+    assert sum(s.flops for s in segments) == graph.flops
+    assert sum(s.param_count for s in segments) == graph.num_params
+    assert [s.modules[0] for s in segments if s.is_block] == [b.path for b in graph.blocks]
+    assert len(segments) == len(graph.cut_points) + 1
+
+
+def test_real_model_is_traced_on_meta_and_left_untouched():
+    torch.manual_seed(0)
+    model = hp.models.build("gpt-tiny", device="cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = hp.trace(model, model.example_inputs(B, S, device="cpu"))
+    assert all(not p.is_meta for p in model.parameters())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    meta_model = hp.models.build("gpt-tiny")
+    assert graph.flops == hp.trace(meta_model, meta_model.example_inputs(B, S)).flops == gpt_flops(model.config, B, S)
+
+
+class ShapeBranch(nn.Module):
+    """Python control flow on a shape: symbolic tracing fails, torch.export specialises it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.size(1) > 4:
+            return self.proj(x).relu()
+        return self.proj(x)
+
+
+class ValueBranch(nn.Module):
+    """Control flow on tensor values: no tracer can follow it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.proj(x)
+        return -x
+
+
+class OptionalTargets(nn.Module):
+    """A forward with an optional argument the example inputs leave out."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, targets=None):
+        y = self.proj(x)
+        if targets is not None:
+            return ((y - targets) ** 2).mean()
+        return y
+
+
+def test_falls_back_to_export_when_symbolic_tracing_fails():
+    model = ShapeBranch().to("meta")
+    graph = hp.trace(model, torch.zeros(2, 6, 8))
+    assert graph.method == "export"
+    assert graph.flops == 2 * 2 * 6 * 8 * 8 and graph.num_params == 72
+
+
+def test_untraceable_model_names_the_construct_and_the_line():
+    with pytest.raises(TraceError) as info:
+        hp.trace(ValueBranch().to("meta"), torch.zeros(2, 8))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("cannot trace ValueBranch: torch.fx: ")
+    assert "torch.export: " in message
+    assert "test_trace.py" in message and "if x.sum() > 0:" in message
+    assert "torch.where or torch.cond" in message
+
+
+def test_forcing_fx_on_a_hugging_face_model_fails_clearly():
+    model = hp.models.load(HF_GPT2_TINY).module
+    with pytest.raises(TraceError, match=r"^cannot trace GPT2LMHeadModel: torch\.fx: "):
+        hp.trace(model, hp.models.example_inputs(model, B, S), method="fx")
+
+
+def test_keyword_and_optional_inputs():
+    model = OptionalTargets().to("meta")
+    graph = hp.trace(model, {"x": torch.zeros(4, 8)})
+    assert graph.method == "fx" and graph.flops == 2 * 4 * 8 * 8
+    assert [op.name for op in graph.ops if op.kind == "input"] == ["x"]
+    gpt = hp.models.build("gpt-tiny")
+    assert hp.trace(gpt, {"tokens": torch.zeros(B, S, dtype=torch.long)}).flops == gpt_flops(gpt.config, B, S)
