@@ -62,6 +62,7 @@ def run(log=print) -> None:
     log(f"   hand-written plan {plan_file.name}: dp {par.dp} x tp {par.tp} x pp {par.pp} = {plan.world_size} GPUs "
         f"on {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node} {plan.cluster.device.name}, "
         f"{plan.num_microbatches} micro-batches of {plan.training.micro_batch} per replica, schedule {par.schedule}")
+    log("   " + plan.to_yaml().replace("\n", "\n   ").rstrip())
     per_stage = -(-graph.num_layers // (par.pp * par.virtual_stages))
     log(f"   {graph.num_layers} layers over {par.pp * par.virtual_stages} (virtual) stages: about {per_stage} layers each; "
         f"{len(graph.cut_points)} places the graph may be cut")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -87,6 +88,25 @@ def test_trace_hugging_face_model(capsys):
 def test_user_errors_exit_2(capsys, argv, expected):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1 and expected in err
+
+
+def test_untraceable_factory_model_is_one_line(tmp_path):
+    (tmp_path / "branchy.py").write_text(
+        "import torch.nn as nn\n"
+        "class Branchy(nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        return super().forward(x) if x.sum() > 0 else x\n"
+        "    def example_inputs(self, batch_size, seq_len, device):\n"
+        "        import torch\n"
+        "        return (torch.zeros(batch_size, self.in_features, device=device),)\n"
+        "def make():\n"
+        "    return Branchy(4, 4)\n"
+    )
+    result = subprocess.run([sys.executable, "-m", "hyparallel", "trace", "--model", "branchy:make"], capture_output=True,
+                            text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("hyparallel: error: cannot trace Branchy: torch.fx")
+    assert "branchy.py:4:" in result.stderr
 
 
 def test_console_script_has_no_traceback(tmp_path):

@@ -219,15 +219,16 @@ def test_falls_back_to_export_when_symbolic_tracing_fails():
     assert graph.flops == 2 * 2 * 6 * 8 * 8 and graph.num_params == 72
 
 
-def test_untraceable_model_names_the_construct_and_the_line():
+def test_untraceable_model_names_the_construct_the_module_and_the_line():
+    model = nn.Sequential(nn.Linear(8, 8), ValueBranch()).to("meta")
     with pytest.raises(TraceError) as info:
-        hp.trace(ValueBranch().to("meta"), torch.zeros(2, 8))
+        hp.trace(model, torch.zeros(2, 8))
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("cannot trace ValueBranch: torch.fx: ")
-    assert "torch.export: " in message
-    assert "test_trace.py" in message and "if x.sum() > 0:" in message
-    assert "torch.where or torch.cond" in message
+    assert message.startswith("cannot trace Sequential: torch.fx: TraceError: symbolically traced variables cannot be used "
+                              "as inputs to control flow (in module '1', test_trace.py:")
+    assert "torch.export: " in message and message.count("in module '1'") == 2
+    assert "if x.sum() > 0:" in message and "torch.where or torch.cond" in message
 
 
 def test_forcing_fx_on_a_hugging_face_model_fails_clearly():

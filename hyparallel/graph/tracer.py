@@ -9,7 +9,10 @@ ops stay one op each, annotated with the module they ran in.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import operator
 import traceback
 from collections.abc import Mapping
@@ -49,17 +52,46 @@ def trace(model: nn.Module, example_inputs: Any, *, name: str | None = None, met
     """
     args, kwargs = _split_inputs(example_inputs)
     args, kwargs = tree_map(_to_meta, (args, kwargs))
-    failures: list[tuple[str, BaseException]] = []
+    failures: list[tuple[str, BaseException, str | None]] = []
     attempts = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
     for attempt in attempts:
-        try:
-            program = _fx_program(model, args, kwargs) if attempt == "fx" else _export_program(model, args, kwargs)
-            return _build(model, program, name or type(model).__name__)
-        except TraceError:
-            raise
-        except Exception as exc:  # noqa: BLE001 -- any tracer failure means: try the next tracer, then report all
-            failures.append((attempt, exc))
+        with _ModuleStack(model) as calls:
+            try:
+                program = _fx_program(model, args, kwargs) if attempt == "fx" else _export_program(model, args, kwargs)
+                return _build(model, program, name or type(model).__name__)
+            except TraceError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- any tracer failure means: try the next tracer, then report all
+                failures.append((attempt, exc, calls.innermost))
     raise TraceError(_explain(model, failures))
+
+
+class _ModuleStack:
+    """Follows module calls with hooks so that a failure can name the module it happened in."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.stack: list[str] = []
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _ModuleStack:
+        for path, module in self.model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(lambda _m, _a, path=path: self.stack.append(path)))
+            self.handles.append(module.register_forward_hook(lambda _m, _a, _o, path=path: self._leave(path)))
+        return self
+
+    def _leave(self, path: str) -> None:
+        if self.stack and self.stack[-1] == path:
+            self.stack.pop()
+
+    @property
+    def innermost(self) -> str | None:
+        """Path of the innermost module still running (None if the failure was outside any)."""
+        return self.stack[-1] if self.stack else None
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
@@ -114,7 +146,8 @@ def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
 def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
     if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs:
         kwargs = {**kwargs, "use_cache": False}  # Hugging Face: no KV cache while tracing for training
-    exported = torch.export.export(model, args, kwargs, strict=False)
+    with _quiet_torch_logs():  # a failed export logs whole graphs; the failure is reported as one line instead
+        exported = torch.export.export(model, args, kwargs, strict=False)
     signature = exported.graph_signature
     placeholders = [n for n in exported.graph_module.graph.nodes if n.op == "placeholder"]
     flat_user, _ = tree_flatten((args, kwargs))
@@ -131,6 +164,19 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
             state_of[node] = spec.target
     return _Program(gm=exported.graph_module, method="export", run_args=run_args, user_inputs=user_inputs,
                     state_of=state_of, artifact=exported)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """Silence torch's logs and stderr: a failed torch.export prints its partial graph to stderr."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---- running on meta -----------------------------------------------------------------------------
@@ -396,13 +442,14 @@ def _find_blocks(model: nn.Module, ops: list[Op]) -> tuple[Block, ...]:
 # ---- errors --------------------------------------------------------------------------------------
 
 
-def _explain(model: nn.Module, failures: list[tuple[str, BaseException]]) -> str:
-    """One line naming, for each tracer, the construct that failed and where."""
+def _explain(model: nn.Module, failures: list[tuple[str, BaseException, str | None]]) -> str:
+    """One line naming, for each tracer, the construct that failed, the module and the source line."""
     parts = []
-    for tracer_name, exc in failures:
+    for tracer_name, exc, module_path in failures:
         message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        where = _user_frame(exc)
-        parts.append(f"torch.{tracer_name}: {type(exc).__name__}: {message[:200]}{f' (at {where})' if where else ''}")
+        where = [f"module '{module_path or '(root)'}'"] if module_path is not None else []
+        where += [frame] if (frame := _user_frame(exc)) else []
+        parts.append(f"torch.{tracer_name}: {type(exc).__name__}: {message[:200]}" + (f" (in {', '.join(where)})" if where else ""))
     return (
         f"cannot trace {type(model).__name__}: " + "; ".join(parts)
         + ". Replace Python control flow that depends on tensor values in forward with torch.where or torch.cond"
