@@ -86,7 +86,7 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
         print(plan.to_yaml(), end="")
         return
     par, train = plan.parallel, plan.training
-    out.print(f"[bold]{args.plan}[/bold]: valid plan (version {plan.version})")
+    out.print(f"{args.plan}: valid plan (version {plan.version})", markup=False)
     if plan.model:
         out.print(f"model    {plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers")
     if plan.cluster:
@@ -140,7 +140,8 @@ def cmd_trace(args: argparse.Namespace, out: Console) -> None:
             "seq_len": seq_len, "segments": segments,
         }, indent=2))
         return
-    out.print(graph.summary() + f"\n  inputs          batch {args.batch_size} x seq_len {seq_len}; fingerprint {graph.fingerprint}")
+    out.print(graph.summary() + f"\n  inputs          batch {args.batch_size} x seq_len {seq_len}; fingerprint {graph.fingerprint}",
+              markup=False, highlight=False)
     table = Table(title="segments (the units pipeline stages are made of)")
     for column in ("#", "segment", "ops", "parameters", "forward GFLOPs", "activations MiB", "sent onward MiB"):
         table.add_column(column, justify="left" if column == "segment" else "right")
@@ -178,7 +179,7 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> None:
     """Run the embedded default: trace and check a 175B plan, then train a tiny model on the CPU."""
     from hyparallel import demo
 
-    demo.run(log=out.print)
+    demo.run(log=lambda text: out.print(text, markup=False, highlight=False))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -124,3 +124,13 @@ def test_every_command_has_an_example_in_help(capsys):
             main([command, "--help"])
         assert info.value.code == 0
         assert "example" in capsys.readouterr().out
+
+
+def test_demo_prints_the_plan_and_trains(capsys, monkeypatch):
+    from hyparallel import demo
+
+    monkeypatch.setattr(demo, "train_tiny", lambda log: [5.0, 2.0])  # training itself is tested in test_models
+    code, out, _ = run(capsys, "demo")
+    assert code == 0
+    assert "order: [pp, dp, tp]" in out and "num_microbatches: 96" in out
+    assert "repeated blocks 96" in out and "loss 5.000 -> 2.000" in out
