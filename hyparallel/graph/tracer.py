@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hyparallel.errors import TraceError
+from hyparallel.graph.kinds import _VIEW as _VIEW_NAMES
 from hyparallel.graph.kinds import function_kind, module_kind, target_name
 from hyparallel.graph.model_graph import Block, ModelGraph, Op, Value
 
@@ -182,6 +183,39 @@ def _quiet_torch_logs():
 # ---- running on meta -----------------------------------------------------------------------------
 
 
+# Ops that never perform matrix products: run without the FLOP counter, whose dispatch is the
+# slowest part of tracing a large model (Note [what counts as a FLOP] in model_graph.py).
+_NO_FLOPS = frozenset(_VIEW_NAMES) | {
+    "add", "sub", "mul", "truediv", "div", "neg", "pow", "cat", "stack", "to", "type", "float", "arange", "zeros",
+    "ones", "full", "new_ones", "new_zeros", "zeros_like", "ones_like", "where", "masked_fill", "eq", "ne", "lt", "le",
+    "gt", "ge", "and_", "or_", "__and__", "__or__", "cumsum", "sum", "mean", "rsqrt", "sqrt", "exp", "tanh", "sigmoid",
+    "silu", "gelu", "relu", "softmax", "log_softmax", "dropout", "native_dropout", "embedding", "layer_norm", "rms_norm",
+    "repeat_interleave", "_assert_tensor_metadata", "_assert", "_assert_is_none", "index", "diff", "cos", "sin",
+}
+
+
+@dataclass(frozen=True)
+class _MetaSpec:
+    """Shape, strides and dtype of a tensor: all a meta tensor is."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _to_meta_spec(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _MetaSpec(tuple(value.shape), tuple(value.stride()), value.dtype, value.requires_grad)
+    return value
+
+
+def _from_meta(value: Any) -> Any:
+    if isinstance(value, _MetaSpec):
+        return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
+    return value
+
+
 class _Profiler(fx.Interpreter):
     """Runs the graph, recording each node's output and the FLOPs it performed."""
 
@@ -190,13 +224,47 @@ class _Profiler(fx.Interpreter):
         self.counter = counter
         self.outputs: dict[fx.Node, Any] = {}
         self.flops: dict[fx.Node, int] = {}
+        self.cache: dict[tuple, tuple[int, Any]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
-        before = self.counter.get_total_flops()
-        out = super().run_node(n)
-        self.flops[n] = self.counter.get_total_flops() - before
+        if n.op in ("placeholder", "get_attr", "output"):
+            out = super().run_node(n)
+        else:
+            key = self._key(n)
+            if key is not None and key in self.cache:  # a repeated layer: same op on the same shapes
+                flops, meta = self.cache[key]
+                out = tree_map(_from_meta, meta)
+            else:
+                flops, out = self._execute(n)
+                if key is not None:
+                    self.cache[key] = (flops, tree_map(_to_meta_spec, out))
+            if flops:
+                self.flops[n] = flops
         self.outputs[n] = out
         return out
+
+    def _execute(self, n: fx.Node) -> tuple[int, Any]:
+        if target_name(n.target) in _NO_FLOPS:
+            return 0, super().run_node(n)
+        with self.counter:  # entering clears the counter: it then holds this node's FLOPs only
+            out = super().run_node(n)
+        return self.counter.get_total_flops(), out
+
+    def _key(self, n: fx.Node) -> tuple | None:
+        """What determines a node's output shapes and FLOPs; None when it cannot be told (then no caching)."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if n.op == "call_module":
+            module = self.fetch_attr(n.target)
+            settings = tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (int, float, str, bool, tuple))))
+            target = (type(module), settings, tuple((k, _to_meta_spec(v)) for k, v in module.state_dict(keep_vars=True).items()))
+        else:
+            target = n.target
+        try:
+            key = (n.op, target, tree_map(_to_meta_spec, (args, kwargs)))
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
 
 class _Runner(nn.Module):
@@ -210,9 +278,8 @@ class _Runner(nn.Module):
         # Imported here: torch.utils.flop_counter pulls in triton, which `import hyparallel` must not.
         from torch.utils.flop_counter import FlopCounterMode
 
-        with FlopCounterMode(display=False) as counter:
-            profiler = _Profiler(self.gm, counter)
-            profiler.run(*args)
+        profiler = _Profiler(self.gm, FlopCounterMode(display=False))
+        profiler.run(*args)
         return profiler
 
 
