@@ -26,6 +26,11 @@ EXAMPLES = {
         "  hyparallel trace --model mypkg.models:make_model --json"
     ),
     "demo": "example:\n  hyparallel demo",
+    "plan": (
+        "examples:\n  hyparallel plan --model gpt-175b --gpus 1024 --cluster a100-80g --global-batch 1536 --seq-len 2048 -o plan.yaml\n"
+        "  hyparallel plan --model llama-70b --gpus 64 --cluster h100-sxm --tp 8 --top 5\n"
+        "  hyparallel plan --model hf:LlamaForCausalLM num_hidden_layers=8 --gpus 8 --json"
+    ),
 }
 
 
@@ -166,6 +171,84 @@ def _runs(segments):
     return runs
 
 
+def cmd_plan(args: argparse.Namespace, out: Console) -> None:
+    """Search the best plan for a model on a cluster; print it, write it with -o."""
+    from hyparallel import models
+    from hyparallel.cluster import ClusterSpec
+    from hyparallel.graph import trace
+    from hyparallel.planner import PlanError, search, to_plan
+
+    per_node = args.gpus_per_node
+    base = ClusterSpec.resolve(args.cluster)
+    per_node = per_node or min(base.gpus_per_node, args.gpus)
+    if args.gpus % per_node:
+        raise PlanError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {per_node}; use whole nodes")
+    cluster = base.resized(num_nodes=args.gpus // per_node, gpus_per_node=per_node)
+    loaded = models.load(args.model)
+    seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
+    graph = trace(loaded.module, models.example_inputs(loaded.module, 1, seq_len), name=loaded.name)
+    constraints = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
+    result = search(graph, cluster, args.global_batch, seq_len, args.dtype, top=max(args.top, 1),
+                    alternatives=args.top > 1, **constraints)
+    plan = result.plan()
+    if args.output:
+        plan.save(args.output)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return
+    _print_plan(plan, out)
+    if args.top > 1:
+        _print_top(result, to_plan, out)
+    out.print(f"searched {result.considered:,} configurations ({result.evaluated:,} costed exactly) in {result.search_s:.2f}s"
+              + (f"; wrote {args.output}" if args.output else "; pass -o plan.yaml to save it"), markup=False)
+
+
+def _print_plan(plan, out: Console) -> None:
+    par, pred, cluster = plan.parallel, plan.predicted, plan.cluster
+    out.print(f"{plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers, on "
+              f"{cluster.num_nodes} x {cluster.gpus_per_node} {cluster.device.name} ({cluster.name})", markup=False)
+    mesh = " x ".join(f"{axis} {size}" for axis, size in plan.mesh_shape().items())
+    out.print(f"mesh {mesh}; micro-batch {plan.training.micro_batch} x {plan.num_microbatches}; schedule {par.schedule}"
+              + (f" (v={par.virtual_stages})" if par.virtual_stages > 1 else "")
+              + f"; recompute {par.recompute}; ZeRO {par.zero}; sequence parallel {'on' if par.sequence_parallel else 'off'}",
+              markup=False)
+    memory = cluster.device.memory_bytes / 2**30
+    table = Table(title="pipeline stages (per device)")
+    for column in ("stage", "layers", "parameters", "compute s / micro-batch", f"memory GiB (of {memory:.0f})"):
+        table.add_column(column, justify="left" if column == "layers" else "right")
+    for device in range(par.pp):
+        chunks = [st for st in plan.stages if st.index % par.pp == device]
+        modules = [m for st in chunks for m in st.modules]
+        label = f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)" if len(modules) > 2 else ", ".join(modules)
+        table.add_row(str(device), label, _count(sum(st.num_params or 0 for st in chunks)),
+                      f"{sum(st.compute_s or 0 for st in chunks):.4f}", f"{pred.memory_gib[device]:.1f}")
+    out.print(table)
+    out.print(f"predicted step {pred.step_time_s:.3f}s, {pred.tokens_per_s:,.0f} tokens/s, {pred.tflops_per_gpu:.1f} TFLOP/s "
+              f"per GPU, MFU {pred.mfu:.1%}, bubble {pred.bubble_fraction:.1%}; exposed comm tp {pred.comm_s.tp:.3f}s "
+              f"dp {pred.comm_s.dp:.3f}s pp {pred.comm_s.pp:.3f}s", markup=False)
+
+
+def _print_top(result, to_plan, out: Console) -> None:
+    table = Table(title=f"the {len(result.best)} best plans")
+    for column in ("#", "tp", "pp", "dp", "rank order", "micro-batch", "schedule", "recompute", "ZeRO", "SP", "step s",
+                   "MFU", "peak GiB"):
+        table.add_column(column, justify="right")
+    for rank, evaluation in enumerate(result.best):
+        c, pred = evaluation.config, to_plan(result, evaluation).predicted
+        schedule = c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "")
+        table.add_row(str(rank + 1), str(c.tp), str(c.pp), str(c.dp), ",".join(c.order), f"{c.micro_batch} x {c.num_microbatches}", schedule,
+                      c.recompute, str(c.zero), "on" if c.sequence_parallel else "off", f"{evaluation.step_time_s:.3f}",
+                      f"{pred.mfu:.1%}", f"{max(pred.memory_gib):.1f}")
+    out.print(table)
+    why = Table(title="why not the usual alternatives")
+    for column in ("alternative", "tp", "pp", "dp", "why not"):
+        why.add_column(column)
+    for alt in result.alternatives:
+        c = alt.evaluation.config if alt.evaluation else None
+        why.add_row(alt.label, *(str(x) if c else "-" for x in ((c.tp, c.pp, c.dp) if c else (0, 0, 0))), alt.why)
+    out.print(why)
+
+
 def _max_seq_len(model) -> int | None:
     config = getattr(model, "config", None)
     for attr in ("max_seq_len", "n_positions", "max_position_embeddings"):
@@ -204,6 +287,20 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--batch-size", type=int, default=1, help="sequences per traced call (default 1)")
     trace.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 2048)")
     trace.add_argument("--json", action="store_true", help="print JSON on stdout and nothing else")
+    plan = add("plan", cmd_plan, "Find the fastest data x tensor x pipeline plan that fits memory, and write it as YAML.")
+    plan.add_argument("--model", nargs="+", required=True, metavar="MODEL",
+                      help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides")
+    plan.add_argument("--gpus", type=int, required=True, help="number of GPUs (processes) in all")
+    plan.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the cluster preset's)")
+    plan.add_argument("--cluster", default="a100-80g", help="a preset from `hyparallel clusters` or a YAML file (default a100-80g)")
+    plan.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step (default 512)")
+    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 2048)")
+    plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training precision (default bf16)")
+    for axis in ("tp", "pp", "dp"):
+        plan.add_argument(f"--{axis}", type=int, default=None, help=f"fix the {axis} degree")
+    plan.add_argument("--top", type=int, default=1, help="list the K best plans and why the usual alternatives lost")
+    plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")
     add("demo", cmd_demo, "The embedded default: trace a 175B model and check its plan, then train a tiny model on CPU.")
     return parser
 

@@ -39,13 +39,30 @@ class PeakFlops(_Frozen):
     fp16: PositiveFloat
 
 
+Fraction = Annotated[float, Field(gt=0, le=1)]
+
+
 class DeviceSpec(_Frozen):
-    """One accelerator (or one CPU process): compute, memory capacity and memory bandwidth."""
+    """One accelerator (or one CPU process): compute, memory capacity and memory bandwidth.
+
+    The efficiencies are the fractions of peak that real kernels reach (what ``hyparallel calibrate``
+    measures); ``reserved_bytes`` is memory the model cannot use (CUDA context, communication
+    buffers, allocator slack).
+    """
 
     name: str
     peak_flops: PeakFlops
     memory_bytes: PositiveInt
     memory_bandwidth_bytes_per_s: PositiveFloat
+    matmul_efficiency: Fraction = 0.75
+    attention_efficiency: Fraction = 0.6
+    memory_efficiency: Fraction = 0.8
+    reserved_bytes: Annotated[int, Field(ge=0, strict=True)] = 0
+
+    @property
+    def usable_memory_bytes(self) -> int:
+        """Memory left for parameters, gradients, optimizer state and activations."""
+        return self.memory_bytes - self.reserved_bytes
 
 
 class LinkSpec(_Frozen):

@@ -1,0 +1,256 @@
+"""``hyparallel.plan``: trace (if needed), search, and write the winning configuration as a Plan."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from hyparallel.cluster import ClusterSpec
+from hyparallel.errors import HyparallelError
+from hyparallel.graph import ModelGraph
+from hyparallel.planner import costs
+from hyparallel.planner.profile import ModelProfile
+from hyparallel.planner.search import Evaluation, Search, enumerate_configs
+from hyparallel.schema import Plan
+
+CONSTRAINTS = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "zero", "sequence_parallel")
+
+
+class PlanError(HyparallelError, ValueError):
+    """No plan satisfies the request (impossible constraints, indivisible dimensions, nothing fits)."""
+
+
+@dataclass
+class Alternative:
+    """A well-known plan shape (pure data parallel, most tensor parallel, most pipeline) and how it fared."""
+
+    label: str
+    evaluation: Evaluation | None
+    why: str
+
+
+@dataclass
+class SearchResult:
+    """What ``search`` found: the best evaluations, the alternatives that lost, and bookkeeping."""
+
+    graph: ModelGraph
+    cluster: ClusterSpec
+    global_batch: int
+    seq_len: int
+    dtype: str
+    best: list[Evaluation]
+    alternatives: list[Alternative] = field(default_factory=list)
+    considered: int = 0
+    evaluated: int = 0
+    search_s: float = 0.0
+    profile: ModelProfile | None = None
+
+    def plan(self, rank: int = 0) -> Plan:
+        """The ``rank``-th best evaluation as a Plan."""
+        return to_plan(self, self.best[rank])
+
+
+def plan(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int, seq_len: int, dtype: str = "bf16",
+         *, name: str | None = None, **constraints) -> Plan:
+    """The fastest plan that fits memory for ``model`` on ``cluster``; keyword constraints fix any decision.
+
+    ``model`` may be a (meta-device) module, traced here at micro-batch 1, or a ModelGraph traced
+    at ``seq_len``. Constraints: tp, pp, dp, micro_batch, schedule, virtual_stages, recompute, zero,
+    sequence_parallel.
+    """
+    return search(model, cluster, global_batch, seq_len, dtype, name=name, **constraints).plan()
+
+
+def search(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int, seq_len: int, dtype: str = "bf16",
+           *, name: str | None = None, top: int = 1, alternatives: bool = False, **constraints) -> SearchResult:
+    """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost)."""
+    _check_request(cluster, global_batch, seq_len, dtype, constraints)
+    graph = model if isinstance(model, ModelGraph) else _trace(model, seq_len, name)
+    start = time.perf_counter()
+    profile = ModelProfile(graph, cluster, dtype, seq_len)
+    engine = Search(profile, cluster, global_batch, dtype)
+    best, frugal = engine.best(constraints, top=top)
+    if not best:
+        raise PlanError(_nothing_found(engine, profile, cluster, global_batch, constraints, frugal))
+    result = SearchResult(graph=graph, cluster=cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
+                          best=best, profile=profile)
+    if alternatives:
+        result.alternatives = _alternatives(engine, profile, cluster, best[0], constraints)
+    result.considered, result.evaluated = engine.considered, engine.evaluated
+    result.search_s = time.perf_counter() - start
+    return result
+
+
+def _trace(model: nn.Module, seq_len: int, name: str | None) -> ModelGraph:
+    from hyparallel import models
+    from hyparallel.graph import trace
+
+    return trace(model, models.example_inputs(model, 1, seq_len), name=name or type(model).__name__)
+
+
+def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int, dtype: str, constraints: dict) -> None:
+    unknown = sorted(set(constraints) - set(CONSTRAINTS))
+    if unknown:
+        raise PlanError(f"unknown constraint {', '.join(unknown)}; the planner takes {', '.join(CONSTRAINTS)}")
+    if dtype not in costs.DTYPE_BYTES:
+        raise PlanError(f"dtype '{dtype}' is not one of {', '.join(costs.DTYPE_BYTES)}")
+    for key, value in (("global_batch", global_batch), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{key} must be a positive integer, got {value!r}")
+    for key in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
+        value = constraints.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise PlanError(f"{key} must be a positive integer, got {value!r}")
+    degrees = {k: constraints[k] for k in ("tp", "pp", "dp") if k in constraints}
+    n = cluster.num_gpus
+    product = 1
+    for value in degrees.values():
+        product *= value
+    if len(degrees) == 3 and product != n:
+        raise PlanError(f"dp({degrees['dp']}) * tp({degrees['tp']}) * pp({degrees['pp']}) = {product} != {n} GPUs; "
+                        "change a degree or the number of GPUs")
+    if n % product:
+        fixed = " * ".join(f"{k}({v})" for k, v in degrees.items())
+        raise PlanError(f"{fixed} = {product} does not divide the {n} GPUs; pick degrees whose product divides {n}")
+    if "dp" in constraints and global_batch % constraints["dp"]:
+        raise PlanError(f"global batch {global_batch} is not divisible by dp {constraints['dp']}; change either")
+
+
+def _nothing_found(engine: Search, profile: ModelProfile, cluster: ClusterSpec, global_batch: int, constraints: dict,
+                   frugal: Evaluation | None) -> str:
+    analysis, graph = profile.tp_analysis, profile.graph
+    if "tp" in constraints and (reason := analysis.check(constraints["tp"], graph)):
+        return f"{reason}; choose a tensor-parallel degree that divides it"
+    if not enumerate_configs(engine.ctx, constraints):
+        if not enumerate_configs(engine.ctx, {}):
+            return (f"no dp x tp x pp layout of {cluster.num_gpus} GPUs suits this model and global batch "
+                    f"{global_batch}; use a GPU count or global batch with more divisors")
+        given = ", ".join(f"{k}={v}" for k, v in constraints.items())
+        return f"no configuration satisfies {given} for {cluster.num_gpus} GPUs and global batch {global_batch}; relax a constraint"
+    limit = cluster.device.usable_memory_bytes / 2**30
+    if frugal is None:
+        need = engine.least_memory_bytes(constraints) or 0.0
+        return (f"nothing fits in {limit:.1f} GiB per GPU: even spread evenly over the stages the smallest plan needs "
+                f"{need / 2**30:.1f} GiB; use more GPUs, a smaller micro-batch or sequence length, or recomputation")
+    c = frugal.config
+    return (f"nothing fits in {limit:.1f} GiB per GPU: the smallest plan found needs {frugal.peak_memory_bytes / 2**30:.1f} GiB "
+            f"(tp {c.tp}, pp {c.pp}, dp {c.dp}, micro_batch {c.micro_batch}, recompute {c.recompute}, ZeRO {c.zero}); "
+            "use more GPUs, a smaller micro-batch or sequence length, or recomputation")
+
+
+def _alternatives(engine: Search, profile: ModelProfile, cluster: ClusterSpec, winner: Evaluation,
+                  constraints: dict) -> list[Alternative]:
+    n = cluster.num_gpus
+    tps = [t for t in range(1, min(n, cluster.gpus_per_node) + 1) if n % t == 0 and not profile.tp_analysis.check(t, profile.graph)]
+    shapes = [("pure data parallel", {"tp": 1, "pp": 1}), ("most tensor parallel", {"tp": max(tps), "pp": 1})]
+    pps = [p for p in range(1, min(n, len(profile.segments)) + 1) if n % p == 0]
+    shapes.append(("most pipeline parallel", {"tp": 1, "pp": max(pps)}))
+    result = []
+    for label, shape in shapes:
+        fixed = {**{k: v for k, v in constraints.items() if k not in ("tp", "pp", "dp")}, **shape}
+        best, frugal = engine.best(fixed, top=1)
+        if best:
+            e = best[0]
+            slower = e.step_time_s / winner.step_time_s - 1
+            why = (f"{slower:.0%} slower: bubble {e.bubble_fraction:.0%}, comm tp {e.comm_s['tp']:.2f}s "
+                   f"dp {e.comm_s['dp']:.2f}s pp {e.comm_s['pp']:.2f}s") if slower > 1e-9 else "as fast as the winner"
+            result.append(Alternative(label, e, why))
+        elif frugal is not None:
+            result.append(Alternative(label, frugal, frugal.reason))
+        else:
+            result.append(Alternative(label, None, _why_none(engine, profile, cluster, shape)))
+    return result
+
+
+def _why_none(engine: Search, profile: ModelProfile, cluster: ClusterSpec, shape: dict) -> str:
+    """Why a fixed (tp, pp) shape has no plan at all."""
+    tp, pp = shape["tp"], shape["pp"]
+    dp = cluster.num_gpus // (tp * pp)
+    if reason := profile.tp_analysis.check(tp, profile.graph):
+        return reason
+    if engine.ctx.global_batch % dp:
+        return f"global batch {engine.ctx.global_batch} is not divisible by dp {dp}"
+    need = engine.least_memory_bytes(shape)
+    if need is not None:
+        return (f"needs at least {need / 2**30:.1f} GiB per GPU for weights, gradients, optimizer state and one "
+                f"micro-batch of activations; {cluster.device.usable_memory_bytes / 2**30:.1f} GiB are usable")
+    return "no configuration of this shape exists"
+
+
+def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
+    """Write one evaluation as the Plan the runtime reads."""
+    from hyparallel.schema import ModelInfo
+
+    graph, profile, c = result.graph, result.profile, evaluation.config
+    segments = graph.segments()
+    peak = getattr(result.cluster.device.peak_flops, result.dtype)
+    model_flops = costs.model_flops_per_step(graph.flops, result.global_batch)
+    step = evaluation.step_time_s
+    reserved = result.cluster.device.reserved_bytes
+    stages = []
+    for index, (start, end) in enumerate(evaluation.stages):
+        modules = list(dict.fromkeys(m for s in segments[start:end] for m in s.modules))
+        device = index % c.pp
+        stages.append({
+            "index": index, "modules": modules or [segments[start].name],
+            "num_params": sum(s.param_count for s in segments[start:end]),
+            "compute_s": float(sum(x.forward_s + x.backward_s for x in profile.segment_costs(
+                c.tp, c.sequence_parallel, c.micro_batch, c.recompute, result.cluster.intra_node)[start:end])),
+            "memory_gib": (evaluation.stage_memory_bytes[device] + reserved) / 2**30,
+        })
+    tflops = model_flops / step / result.cluster.num_gpus / 1e12
+    data = {
+        "version": 1,
+        "model": ModelInfo(name=graph.name, num_params=graph.num_params, num_layers=graph.num_layers,
+                           fingerprint=graph.fingerprint).model_dump(),
+        "cluster": result.cluster,
+        "training": {"global_batch": result.global_batch, "micro_batch": c.micro_batch, "seq_len": result.seq_len,
+                     "dtype": result.dtype},
+        "parallel": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+                     "num_microbatches": c.num_microbatches, "recompute": c.recompute, "zero": c.zero,
+                     "sequence_parallel": c.sequence_parallel},
+        "placement": {"order": list(c.order)},
+        "stages": stages,
+        "tensor_parallel": _tp_map(graph, profile) if c.tp > 1 else None,
+        "predicted": {
+            "step_time_s": step, "tokens_per_s": result.global_batch * result.seq_len / step,
+            "tflops_per_gpu": tflops, "mfu": tflops * 1e12 / peak, "bubble_fraction": evaluation.bubble_fraction,
+            "memory_gib": [(m + reserved) / 2**30 for m in evaluation.stage_memory_bytes],
+            "comm_s": {k: float(v) for k, v in evaluation.comm_s.items()},
+        },
+    }
+    return Plan.model_validate(_rounded({k: v for k, v in data.items() if v is not None}))
+
+
+def _rounded(value):
+    """Predictions to 6 significant digits: readable YAML, and nothing the model knows more precisely."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def _tp_map(graph: ModelGraph, profile: ModelProfile) -> dict[str, str]:
+    """Module path -> style, with one ``prefix.*.rest`` glob where every repeated block agrees."""
+    block_of = {name: block.path for block in graph.blocks for name in block.ops}
+    grouped: dict[str, dict[str, str]] = {}
+    for name, style in profile.tp_analysis.styles.items():
+        path = graph.op(name).module
+        block = block_of.get(name)
+        if block and "." in block and path.startswith(block + "."):
+            key = f"{block.rsplit('.', 1)[0]}.*.{path[len(block) + 1:]}"
+        else:
+            key = path
+        grouped.setdefault(key, {})[path] = style
+    result: dict[str, str] = {}
+    for key, members in grouped.items():
+        if len(set(members.values())) == 1:
+            result[key] = next(iter(members.values()))
+        else:
+            result.update(members)
+    return dict(sorted(result.items()))

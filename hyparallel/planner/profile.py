@@ -1,0 +1,268 @@
+"""Per-segment costs of a traced model under a tensor-parallel degree: the planner's raw material.
+
+A ``ModelProfile`` reads a ModelGraph once (at micro-batch 1, as traced) and answers, for any
+(tp, sequence_parallel, micro_batch, recompute), each segment's forward and backward seconds, its
+tensor-parallel communication, the parameters a rank holds and the activation bytes it keeps for
+the backward pass. Identical repeated blocks are costed once. Formulas: docs/cost-model.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from hyparallel.cluster import ClusterSpec, LinkSpec
+from hyparallel.graph import ModelGraph, Op
+from hyparallel.planner import costs
+from hyparallel.planner.tp import TPAnalysis, analyze
+
+# View-kind ops that may copy (a reshape of a transposed tensor does): their outputs count as new tensors.
+_COPYING_VIEWS = {"clone", "contiguous", "reshape", "flatten"}
+# Elementwise ops whose backward needs none of their inputs or outputs.
+_SAVES_NOTHING = {"add", "sub", "neg", "cat", "stack", "to", "type", "float", "arange", "expand", "where", "masked_fill",
+                  "zeros", "ones", "full", "new_ones", "new_zeros", "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__",
+                  "and_", "or_", "cumsum", "diff", "index", "_assert_tensor_metadata", "floordiv", "size", "getattr"}
+# Elementwise ops whose backward needs their output (d softmax, d exp, d tanh, d sigmoid).
+_SAVES_OUTPUT = {"softmax", "log_softmax", "_softmax", "exp", "tanh", "sigmoid"}
+# Backward FLOPs over forward FLOPs: 2 for matrix products (input and weight gradients); 2.5 for fused
+# attention, whose backward recomputes the attention scores (Dao 2023, FlashAttention-2, Sec. 3.1).
+_BACKWARD_RATIO = {"attention": 2.5}
+_MATMUL_KINDS = {"linear", "matmul", "attention"}
+
+
+@dataclass(frozen=True)
+class _OpCost:
+    """One op at micro-batch 1 in the plan's dtype."""
+
+    kind: str
+    flops: float
+    in_bytes: float
+    out_bytes: float
+    weight_bytes: float
+    style: str  # column | row | vocab | replicate | split (inside a column->row region) | full
+    is_split: bool
+    quadratic: bool  # its output has two sequence-length dims (attention scores): selective recomputation redoes it
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """One segment under one configuration, per micro-batch of ``micro_batch`` sequences."""
+
+    forward_s: float
+    backward_s: float  # including recomputation
+    tp_comm_s: float  # forward + backward, on the critical path
+    params: float  # parameters one tensor-parallel rank holds
+    activation_bytes: float  # kept for the backward pass, per micro-batch in flight
+    working_bytes: float  # transient, once per stage (a recomputed block's activations)
+
+
+@dataclass(frozen=True)
+class _SegmentRaw:
+    ops: tuple[_OpCost, ...]
+    signature: tuple
+    params_by_tp: dict
+    saved_split: float
+    saved_full: float
+    saved_quadratic: float
+    block_input_bytes: float
+    is_block: bool
+    comm_fwd: tuple[float, ...]
+    comm_bwd: tuple[float, ...]
+
+
+class ModelProfile:
+    """Everything the search needs from a ModelGraph, for one dtype and one cluster."""
+
+    def __init__(self, graph: ModelGraph, cluster: ClusterSpec, dtype: costs.Dtype, seq_len: int):
+        self.graph, self.cluster, self.dtype, self.seq_len = graph, cluster, dtype, seq_len
+        self.tp_analysis: TPAnalysis = analyze(graph)
+        self.segments = graph.segments()
+        self.segments_last_op = self.segments[-1].ops[-1]
+        element = graph.param_bytes / graph.num_params if graph.num_params else 4
+        self.scale = costs.DTYPE_BYTES[dtype] / element  # traced bytes -> plan-dtype bytes
+        self.dtype_bytes = costs.DTYPE_BYTES[dtype]
+        self.raw = [self._raw(segment) for segment in self.segments]
+        self.cut_bytes = max((cut.bytes for cut in graph.cut_points), default=0) * self.scale
+        self.forward_flops = graph.flops  # per sequence: the graph is traced at batch 1
+        self.num_blocks = len(graph.blocks)
+        self.has_quadratic = any(raw.saved_quadratic for raw in self.raw)
+        self._cache: dict[tuple, tuple[SegmentCost, ...]] = {}
+        self._totals: dict[tuple, tuple[float, float, float]] = {}
+
+    # ---- per configuration ------------------------------------------------------------------
+
+    def segment_costs(self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str,
+                      tp_link: LinkSpec) -> tuple[SegmentCost, ...]:
+        """The cost of every segment under one configuration (cached)."""
+        key = (tp, sequence_parallel, micro_batch, recompute, tp_link)
+        if key not in self._cache:
+            by_signature: dict[tuple, SegmentCost] = {}
+            result = []
+            for raw in self.raw:
+                if raw.signature not in by_signature:
+                    by_signature[raw.signature] = self._cost(raw, tp, sequence_parallel, micro_batch, recompute, tp_link)
+                result.append(by_signature[raw.signature])
+            self._cache[key] = tuple(result)
+        return self._cache[key]
+
+    def totals(self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str,
+               tp_link: LinkSpec) -> tuple[float, float, float]:
+        """(seconds per micro-batch, parameters per rank, activation bytes) summed over all segments (cached)."""
+        key = (tp, sequence_parallel, micro_batch, recompute, tp_link)
+        if key not in self._totals:
+            segments = self.segment_costs(*key)
+            self._totals[key] = (sum(s.forward_s + s.backward_s + s.tp_comm_s for s in segments),
+                                 sum(s.params for s in segments), sum(s.activation_bytes for s in segments))
+        return self._totals[key]
+
+    def _cost(self, raw: _SegmentRaw, tp: int, sp: bool, b: int, recompute: str, link: LinkSpec) -> SegmentCost:
+        device = self.cluster.device
+        peak = getattr(device.peak_flops, self.dtype)
+        forward = backward = quadratic_forward = 0.0
+        for op in raw.ops:
+            t = _op_time(op, tp, sp, b, peak, device)
+            forward += t
+            backward += t * _BACKWARD_RATIO.get(op.kind, 2.0)
+            quadratic_forward += t if op.quadratic else 0.0
+        comm_fwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_fwd)
+        comm_bwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_bwd)
+        saved = raw.saved_split / tp + raw.saved_full / (tp if sp else 1)
+        working = 0.0
+        if raw.is_block and recompute == "full":
+            backward += forward  # the block's forward runs again before its backward
+            comm_bwd += comm_fwd
+            working, saved = saved, raw.block_input_bytes / (tp if sp else 1)
+        elif raw.is_block and recompute == "selective":
+            backward += quadratic_forward  # re-run the ops producing the seq^2 tensors (Korthikanti et al. 2022)
+            saved -= raw.saved_quadratic / tp
+        return SegmentCost(forward_s=forward, backward_s=backward, tp_comm_s=comm_fwd + comm_bwd,
+                           params=raw.params_by_tp(tp), activation_bytes=saved * b, working_bytes=working * b)
+
+    # ---- once per model ---------------------------------------------------------------------
+
+    def _raw(self, segment) -> _SegmentRaw:
+        graph, analysis, scale = self.graph, self.tp_analysis, self.scale
+        ops = [graph.op(name) for name in segment.ops]
+        op_costs = tuple(self._op_cost(op) for op in ops)
+        saved_split, saved_full, quadratic = self._saved(ops)
+        if ops[-1].name == self.segments_last_op:
+            # The loss over the model's output keeps an fp32 copy of the logits for its backward.
+            outputs = [graph.op(p) for p in graph.graph.predecessors(graph.ops[-1].name)]
+            logits = sum(_numel(s) for op in outputs for s in op.output_shapes) * 4 / scale
+            if analysis.styles.get(ops[-1].name) == "vocab":
+                saved_split += logits
+            else:
+                saved_full += logits
+        comm_fwd, comm_bwd = self._tp_comm(ops)
+        entering = self._entering_bytes(ops) if segment.is_block else 0.0
+
+        @lru_cache(maxsize=None)
+        def params_by_tp(tp: int) -> float:
+            return sum(analysis.params_per_rank(op, tp) for op in ops)
+
+        signature = (tuple(op_costs), saved_split, saved_full, quadratic, comm_fwd, comm_bwd, entering,
+                     segment.is_block, tuple((analysis.styles.get(op.name), op.param_count) for op in ops))
+        return _SegmentRaw(ops=op_costs, signature=signature, params_by_tp=params_by_tp, saved_split=saved_split * scale,
+                           saved_full=saved_full * scale, saved_quadratic=quadratic * scale,
+                           block_input_bytes=entering * scale, is_block=segment.is_block,
+                           comm_fwd=tuple(x * scale for x in comm_fwd), comm_bwd=tuple(x * scale for x in comm_bwd))
+
+    def _op_cost(self, op: Op) -> _OpCost:
+        analysis, scale = self.tp_analysis, self.scale
+        style = analysis.styles.get(op.name) or ("split" if op.name in analysis.split_ops else "full")
+        in_bytes = sum(_numel(s) for s in op.input_shapes) * self.dtype_bytes
+        out_bytes = op.output_bytes * scale
+        weight = op.input_shapes[0][-1] * op.output_shapes[0][-1] * self.dtype_bytes if op.kind == "linear" and op.params else 0
+        return _OpCost(kind=op.kind if op.kind != "view" or op.target in _COPYING_VIEWS else "copy", flops=op.flops,
+                       in_bytes=in_bytes, out_bytes=out_bytes, weight_bytes=weight, style=style,
+                       is_split=op.name in analysis.split_ops, quadratic=self._is_quadratic(op.output_shapes))
+
+    def _is_quadratic(self, shapes) -> bool:
+        return any(sum(1 for d in shape if d == self.seq_len) >= 2 for shape in shapes)
+
+    def _base(self, name: str) -> str:
+        """The op whose output storage a value aliases (views resolved to what they view)."""
+        g = self.graph.graph
+        while g.nodes[name]["kind"] == "view" and g.nodes[name]["target"] not in _COPYING_VIEWS:
+            preds = [p for p in g.predecessors(name) if g.nodes[p]["kind"] != "input"]
+            if len(preds) != 1:
+                break
+            name = preds[0]
+        return name
+
+    def _saved(self, ops: list[Op]) -> tuple[float, float, float]:
+        """Bytes (traced dtype, micro-batch 1) the segment keeps for backward: split by tp, replicated, seq^2-sized."""
+        g, split_ops = self.graph.graph, self.tp_analysis.split_ops
+        saved: dict[str, float] = {}
+        for op in ops:
+            sources: list[str] = []
+            name = op.target
+            if op.kind in ("linear", "matmul", "attention", "norm", "activation", "loss") or (
+                    op.kind == "elementwise" and name not in _SAVES_NOTHING and name not in _SAVES_OUTPUT):
+                sources = [self._base(p) for p in g.predecessors(op.name) if g.nodes[p]["kind"] != "input"]
+            if op.kind == "attention" or name in _SAVES_OUTPUT:
+                sources.append(op.name)
+            for source in sources:
+                saved[source] = g.nodes[source]["output_bytes"]
+            if op.kind == "attention":  # log-sum-exp per (head, query) in fp32
+                saved[f"{op.name}:lse"] = _numel(op.output_shapes[0]) / op.input_shapes[0][-1] * 4 / self.scale
+            if op.kind == "dropout":  # a one-byte mask per element
+                saved[f"{op.name}:mask"] = sum(_numel(s) for s in op.output_shapes) / self.scale
+        split = full = quadratic = 0.0
+        for source, num_bytes in saved.items():
+            base = source.split(":")[0]
+            if base in split_ops or self.tp_analysis.styles.get(base) in ("column", "vocab"):
+                split += num_bytes
+            else:
+                full += num_bytes
+            if ":" not in source and self._is_quadratic(g.nodes[base]["output_shapes"]):
+                quadratic += num_bytes
+        return split, full, quadratic
+
+    def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Bytes (traced dtype, micro-batch 1) of each all-reduce forward and backward in these ops."""
+        analysis, g = self.tp_analysis, self.graph.graph
+        names = {op.name for op in ops}
+        forward = [self.graph.op(r).output_bytes for r in analysis.row_ops if r in names]
+        backward = [sum(g.nodes[p]["output_bytes"] for p in inputs) for inputs in analysis.column_inputs
+                    if any(c in names for p in inputs for c in g.successors(p) if analysis.styles.get(c) == "column")]
+        if analysis.vocab_embedding in names:
+            forward.append(self.graph.op(analysis.vocab_embedding).output_bytes)
+        if analysis.vocab_head in names:
+            head = self.graph.op(analysis.vocab_head)
+            backward.append(sum(_numel(s) for s in head.input_shapes) * self.dtype_bytes / self.scale)
+            tokens = _numel(head.output_shapes[0]) / head.output_shapes[0][-1]
+            forward.extend([tokens * 4 / self.scale] * 3)  # vocab-parallel cross-entropy: max, sum of exp, target logit
+        return tuple(forward), tuple(backward)
+
+    def _entering_bytes(self, ops: list[Op]) -> float:
+        """Bytes of the tensors that flow into these ops from outside (a block's inputs)."""
+        g, names = self.graph.graph, {op.name for op in ops}
+        sources = {p for op in ops for p in g.predecessors(op.name) if p not in names and g.nodes[p]["kind"] != "input"}
+        return sum(g.nodes[p]["output_bytes"] for p in sources)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def _op_time(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device) -> float:
+    """Forward seconds of one op for a micro-batch of ``b`` on one tensor-parallel rank."""
+    if op.kind == "view":  # aliases its input: no kernel runs
+        return 0.0
+    flops, weight = op.flops * b, op.weight_bytes
+    in_bytes, out_bytes = op.in_bytes * b, op.out_bytes * b
+    if op.style == "column" or op.style == "vocab":
+        flops, weight, out_bytes = flops / tp, weight / tp, out_bytes / tp
+    elif op.style == "row":
+        flops, weight, in_bytes = flops / tp, weight / tp, in_bytes / tp
+    elif op.style == "split":
+        flops, in_bytes, out_bytes = flops / tp, in_bytes / tp, out_bytes / tp
+    elif sp and op.style == "full":  # sequence parallelism shards norms, dropout and residuals along the sequence
+        in_bytes, out_bytes = in_bytes / tp, out_bytes / tp
+    if op.kind in _MATMUL_KINDS:
+        efficiency = device.attention_efficiency if op.kind == "attention" else device.matmul_efficiency
+        return costs.roofline_s(flops, in_bytes + out_bytes + weight, peak, efficiency,
+                                device.memory_bandwidth_bytes_per_s, device.memory_efficiency)
+    return costs.roofline_s(0.0, in_bytes + out_bytes, peak, 1.0, device.memory_bandwidth_bytes_per_s, device.memory_efficiency)

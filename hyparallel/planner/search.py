@@ -1,0 +1,414 @@
+"""The exact search: every discrete choice enumerated, stage boundaries by dynamic programming.
+
+Candidates are ordered by a lower bound on their step time and evaluated exactly in that order until
+the bound passes the K-th best time found (branch and bound): the answer is the same as evaluating
+every candidate, which ``tests/test_planner_search.py`` checks against brute force.
+
+Note [step time]
+    Each pipeline stage s spends t_s per micro-batch (forward, backward with recomputation, its
+    tensor-parallel all-reduces and its point-to-point sends) and ends the step with a tail x_s
+    (the data-parallel gradient reduction not hidden behind its last backward, ZeRO's parameter
+    all-gather, the optimizer step). With m micro-batches and v virtual stages per device:
+
+        T = max_s [ (m - 1/v) * t_s + x_s ] + sum_s t_s / v
+
+    For v = 1 the pipeline part is (m - 1) * max t + sum t, the critical path of GPipe and 1F1B
+    (Tarnawski et al. 2020; Alpa, Zheng et al. 2022, eq. 2); with balanced stages it is
+    (m + (p - 1)/v) * t (Narayanan et al. 2021). sum_s t_s does not depend on where the stages are
+    cut, so the boundaries minimise max_s [...] under each stage's memory limit: an exact min-max
+    dynamic program over the segments.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hyparallel.cluster import ClusterSpec, LinkSpec
+from hyparallel.planner import costs
+from hyparallel.planner.profile import ModelProfile, SegmentCost
+
+ORDERS: tuple[tuple[str, str, str], ...] = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the search space."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+    zero: int
+    sequence_parallel: bool
+    order: tuple[str, str, str]
+
+
+@dataclass
+class Evaluation:
+    """The predicted cost of one configuration with its best stage boundaries."""
+
+    config: Config
+    feasible: bool
+    step_time_s: float = math.inf
+    stages: list[tuple[int, int]] = field(default_factory=list)  # segment ranges [start, end) per (virtual) stage
+    stage_time_s: list[float] = field(default_factory=list)  # per device stage, per micro-batch
+    stage_memory_bytes: list[float] = field(default_factory=list)  # per device stage
+    stage_params: list[float] = field(default_factory=list)
+    comm_s: dict[str, float] = field(default_factory=dict)
+    bubble_fraction: float = 0.0
+    reason: str = ""
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        """The most memory any device needs."""
+        return max(self.stage_memory_bytes, default=math.inf)
+
+
+@dataclass
+class _Context:
+    """What every candidate of one search shares."""
+
+    profile: ModelProfile
+    cluster: ClusterSpec
+    global_batch: int
+    dtype: str
+
+
+def axis_link(order: tuple[str, ...], sizes: dict[str, int], axis: str, cluster: ClusterSpec) -> LinkSpec:
+    """The link a group along ``axis`` talks over: inter-node if any two consecutive members sit on different nodes."""
+    stride = 1
+    for name in reversed(order):
+        if name == axis:
+            break
+        stride *= sizes[name]
+    nodes = [(k * stride) // cluster.gpus_per_node for k in range(sizes[axis])]
+    return cluster.intra_node if len(set(nodes)) <= 1 else cluster.inter_node
+
+
+def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
+    """Every configuration the constraints allow and the model's dimensions admit."""
+    n, profile = ctx.cluster.num_gpus, ctx.profile
+    analysis, graph = profile.tp_analysis, profile.graph
+    num_segments = len(profile.segments)
+    configs = []
+    for tp in _divisors(n):
+        if "tp" in fixed and tp != fixed["tp"]:
+            continue
+        if "tp" not in fixed and tp > ctx.cluster.gpus_per_node:
+            continue  # tensor parallelism stays inside a node unless asked otherwise
+        if analysis.check(tp, graph):
+            continue
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            if any(k in fixed and v != fixed[k] for k, v in (("pp", pp), ("dp", dp))):
+                continue
+            if pp > num_segments or ctx.global_batch % dp:
+                continue
+            for b in _divisors(ctx.global_batch // dp):
+                if "micro_batch" in fixed and b != fixed["micro_batch"]:
+                    continue
+                m = ctx.global_batch // (dp * b)
+                for schedule, v in _schedules(pp, m, profile.num_blocks, fixed):
+                    for recompute in RECOMPUTE:
+                        if fixed.get("recompute", recompute) != recompute:
+                            continue
+                        if recompute == "selective" and not profile.has_quadratic and "recompute" not in fixed:
+                            continue  # nothing seq^2-sized is kept (fused attention): selective is the same as none
+                        for zero in (0, 1, 2, 3):
+                            if fixed.get("zero", zero) != zero or (zero >= 2 and pp > 1) or (zero and dp == 1):
+                                continue  # ZeRO-2/3 with pipelining is unsupported (DeepSpeed's rule); ZeRO needs dp > 1
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                if fixed.get("sequence_parallel", sp) != sp:
+                                    continue
+                                for order in (ORDERS if pp > 1 and dp > 1 else ORDERS[:1]):
+                                    configs.append(Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order))
+    return configs
+
+
+def _schedules(pp: int, m: int, num_blocks: int, fixed: dict):
+    if pp == 1:
+        if fixed.get("schedule", "1f1b") == "1f1b" and fixed.get("virtual_stages", 1) == 1:
+            yield "1f1b", 1
+        return
+    for schedule in ("gpipe", "1f1b"):
+        if fixed.get("schedule", schedule) == schedule and fixed.get("virtual_stages", 1) == 1:
+            yield schedule, 1
+    if fixed.get("schedule", "interleaved-1f1b") != "interleaved-1f1b" or m % pp or not num_blocks:
+        return
+    for v in range(2, num_blocks // pp + 1):
+        # Megatron-LM's interleaving: every virtual stage holds the same number of blocks.
+        if num_blocks % (pp * v) == 0 and fixed.get("virtual_stages", v) == v:
+            yield "interleaved-1f1b", v
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Search:
+    """Searches the plans of one model on one cluster for one batch shape."""
+
+    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, global_batch: int, dtype: str):
+        self.ctx = _Context(profile, cluster, global_batch, dtype)
+        self.evaluated = 0
+        self.considered = 0
+
+    def best(self, fixed: dict, top: int = 1) -> tuple[list[Evaluation], Evaluation | None]:
+        """The ``top`` fastest feasible evaluations (fastest first), and the most frugal infeasible one seen."""
+        configs = enumerate_configs(self.ctx, fixed)
+        self.considered += len(configs)
+        bounds = [(bound, i) for i, c in enumerate(configs) if (bound := self._lower_bound(c)) is not None]
+        heapq.heapify(bounds)
+        found: list[Evaluation] = []
+        frugal: Evaluation | None = None
+        while bounds:
+            bound, i = heapq.heappop(bounds)
+            if len(found) >= top and bound >= found[top - 1].step_time_s:
+                break
+            evaluation = self.evaluate(configs[i])
+            if evaluation.feasible:
+                found.append(evaluation)
+                found.sort(key=lambda e: e.step_time_s)
+            elif frugal is None or evaluation.peak_memory_bytes < frugal.peak_memory_bytes:
+                frugal = evaluation
+        return found[:top], frugal
+
+    def least_memory_bytes(self, fixed: dict) -> float | None:
+        """The smallest per-GPU memory lower bound over the configurations ``fixed`` allows (None: none exist)."""
+        bounds = [self._memory_bound(c) for c in enumerate_configs(self.ctx, fixed)]
+        return min(bounds, default=None)
+
+    def every(self, fixed: dict) -> list[Evaluation]:
+        """Every configuration evaluated (no bound): for tests and explanations."""
+        return [self.evaluate(c) for c in enumerate_configs(self.ctx, fixed)]
+
+    # ---- one configuration ------------------------------------------------------------------
+
+    def _links(self, c: Config) -> dict[str, LinkSpec]:
+        sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
+        return {axis: axis_link(c.order, sizes, axis, self.ctx.cluster) for axis in ("tp", "pp", "dp")}
+
+    def _segment_costs(self, c: Config, links) -> tuple[SegmentCost, ...]:
+        return self.ctx.profile.segment_costs(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
+
+    def _p2p_s(self, c: Config, links) -> float:
+        """Point-to-point seconds per micro-batch on one device: activations forward, gradients back, per chunk."""
+        if c.pp == 1:
+            return 0.0
+        return 2 * c.virtual_stages * costs.p2p_s(self.ctx.profile.cut_bytes * c.micro_batch / c.tp, links["pp"])
+
+    def _lower_bound(self, c: Config) -> float | None:
+        """A step time no plan of this configuration beats (None when it cannot fit in memory at all).
+
+        max_s [a_s + b_s] >= mean_s a_s + mean_s b_s, so the bound averages the stages: pipeline time
+        and optimizer step (both sums over segments), with no communication tail.
+        """
+        if self._memory_bound(c) > self.ctx.cluster.device.usable_memory_bytes:
+            return None
+        links = self._links(c)
+        total_t, params, act = self.ctx.profile.totals(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
+        total_t += c.pp * self._p2p_s(c, links)
+        device = self.ctx.cluster.device
+        optimizer_params = params / c.dp if c.zero >= 1 else params
+        optimizer_s = optimizer_params * costs.adam_step_bytes_per_param(self.ctx.dtype) / (
+            device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+        v = c.virtual_stages
+        return ((c.num_microbatches - 1 / v) * total_t + optimizer_s) / c.pp + total_t / v
+
+    def _memory_bound(self, c: Config) -> float:
+        """Per-GPU memory no stage boundaries go below: the stages' mean, with the fewest micro-batches in flight."""
+        links = self._links(c)
+        _, params, act = self.ctx.profile.totals(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
+        state = costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp)
+        least_inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, c.pp - 1, c.virtual_stages)
+        return (params * state + least_inflight * act) / c.pp
+
+    def evaluate(self, c: Config) -> Evaluation:
+        """Step time, memory and the best stage boundaries of one configuration."""
+        self.evaluated += 1
+        links = self._links(c)
+        segments = self._segment_costs(c, links)
+        tables = _Tables(segments)
+        if c.schedule == "interleaved-1f1b":
+            chunks = _interleaved_chunks(len(segments), self.ctx.profile, c.pp * c.virtual_stages)
+            devices = [[chunks[d + k * c.pp] for k in range(c.virtual_stages)] for d in range(c.pp)]
+            return self._finish(c, links, tables, chunks, devices)
+        best = self._partition(c, links, tables)
+        if best is None:
+            return self._infeasible(c, links, tables)
+        return self._finish(c, links, tables, best, [[r] for r in best])
+
+    def _stage_terms(self, c: Config, links, t: np.ndarray, bwd: np.ndarray, params: np.ndarray, act: np.ndarray,
+                     work: np.ndarray, stage: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-micro-batch time, tail and memory of candidate stages (arrays of any shape)."""
+        dtype, cluster = self.ctx.dtype, self.ctx.cluster
+        t = t + self._p2p_s(c, links)
+        grad_bytes = params * costs.GRAD_BYTES_PER_PARAM
+        weight_bytes = params * costs.DTYPE_BYTES[dtype]
+        tail = np.zeros_like(t)
+        if c.dp > 1:
+            bucket = np.minimum(grad_bytes, costs.DP_BUCKET_BYTES)
+            # Gradients are reduced in buckets while the last micro-batch's backward runs; the last bucket
+            # waits for the end of the backward (DDP, and ZeRO's reduce-scatter likewise).
+            if c.zero in (0, 1):
+                collective = costs.ring_allreduce_s if c.zero == 0 else costs.ring_reduce_scatter_s
+                reduce, last = collective(grad_bytes, c.dp, links["dp"]), collective(bucket, c.dp, links["dp"])
+                tail = np.maximum(costs.overlapped_s(reduce - last, bwd), 0) + last
+                if c.zero == 1:  # updated shards are all-gathered after the optimizer step
+                    tail = tail + costs.ring_allgather_s(weight_bytes, c.dp, links["dp"])
+            elif c.zero == 2:  # gradients reduce-scattered after every micro-batch's backward
+                t = t + costs.overlapped_s(costs.ring_reduce_scatter_s(grad_bytes, c.dp, links["dp"]), bwd)
+                tail = costs.ring_allgather_s(weight_bytes, c.dp, links["dp"])
+            else:  # ZeRO-3: parameters gathered for forward and backward, gradients scattered, every micro-batch
+                gather = costs.ring_allgather_s(weight_bytes, c.dp, links["dp"])
+                scatter = costs.ring_reduce_scatter_s(grad_bytes, c.dp, links["dp"])
+                t = t + costs.overlapped_s(gather, t - bwd) + costs.overlapped_s(gather + scatter, bwd)
+        optimizer_params = params / c.dp if c.zero >= 1 else params
+        device = cluster.device
+        tail = tail + optimizer_params * costs.adam_step_bytes_per_param(dtype) / (
+            device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+        inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages)
+        memory = params * costs.state_bytes_per_param(dtype, c.zero, c.dp) + inflight * act + work
+        return t, tail, memory
+
+    def _partition(self, c: Config, links, tables: _Tables) -> list[tuple[int, int]] | None:
+        """Min-max dynamic program over contiguous stages under each stage's memory limit."""
+        n, p = tables.n, c.pp
+        if p > n:
+            return None
+        limit = self.ctx.cluster.device.usable_memory_bytes
+        t, bwd, params, act, work = tables.ranges()
+        weight = c.num_microbatches - 1 / c.virtual_stages
+        best = np.full(n + 1, np.inf)
+        best[0] = 0.0
+        choice = np.zeros((p, n + 1), dtype=np.int64)
+        for stage in range(p):
+            step, tail, memory = self._stage_terms(c, links, t, bwd, params, act, work, stage)
+            cost = np.where((memory <= limit) & tables.valid, weight * step + tail, np.inf)
+            candidates = np.maximum(best[:, None], cost)  # [start, end]
+            choice[stage] = np.argmin(candidates, axis=0)
+            best = candidates[choice[stage], np.arange(n + 1)]
+        if not np.isfinite(best[n]):
+            return None
+        bounds, end = [], n
+        for stage in reversed(range(p)):
+            start = int(choice[stage][end])
+            bounds.append((start, end))
+            end = start
+        return bounds[::-1]
+
+    def _finish(self, c: Config, links, tables: _Tables, chunks, devices) -> Evaluation:
+        """Evaluate a fixed assignment of segment ranges to devices."""
+        limit = self.ctx.cluster.device.usable_memory_bytes
+        step_times, tails, memories, params_list = [], [], [], []
+        for stage, ranges in enumerate(devices):
+            parts = [tables.range(*r) for r in ranges]
+            totals = [np.float64(sum(part[k] for part in parts)) for k in range(4)]
+            work = np.float64(max(part[4] for part in parts))
+            step, tail, memory = (float(x) for x in self._stage_terms(c, links, *totals, work, stage))
+            params = float(totals[2])
+            step_times.append(step)
+            tails.append(tail)
+            memories.append(memory)
+            params_list.append(params)
+        v = c.virtual_stages
+        weight = c.num_microbatches - 1 / v
+        pipeline = max(weight * s + x for s, x in zip(step_times, tails)) + sum(step_times) / v
+        fits = max(memories) <= limit
+        dp_tail = max(tails)
+        tp_comm = sum(seg.tp_comm_s for seg in tables.segments) * c.num_microbatches / c.pp
+        evaluation = Evaluation(
+            config=c, feasible=fits, step_time_s=pipeline if fits else math.inf, stages=list(chunks),
+            stage_time_s=step_times, stage_memory_bytes=memories, stage_params=params_list,
+            comm_s={"tp": tp_comm, "dp": dp_tail, "pp": self._p2p_s(c, links) * (c.num_microbatches + c.pp - 1)},
+            bubble_fraction=costs.bubble_fraction(c.pp, c.num_microbatches, v),
+        )
+        if not fits:
+            evaluation.reason = _oom_reason(memories, limit)
+        return evaluation
+
+    def _infeasible(self, c: Config, links, tables: _Tables) -> Evaluation:
+        """No boundaries fit: report the memory of the partition that needs the least."""
+        chunks = _memory_frugal_partition(tables, c.pp)
+        evaluation = self._finish(c, links, tables, chunks, [[r] for r in chunks])
+        evaluation.feasible, evaluation.step_time_s = False, math.inf
+        evaluation.reason = _oom_reason(evaluation.stage_memory_bytes, self.ctx.cluster.device.usable_memory_bytes)
+        return evaluation
+
+
+def _oom_reason(memories: list[float], limit: float) -> str:
+    worst = max(range(len(memories)), key=memories.__getitem__)
+    return f"out of memory by {(memories[worst] - limit) / 2**30:.1f} GiB on stage {worst}"
+
+
+class _Tables:
+    """Prefix sums over segments, so any contiguous range's totals are two lookups."""
+
+    def __init__(self, segments: tuple[SegmentCost, ...]):
+        self.segments = segments
+        self.n = len(segments)
+        def prefix(values):
+            return np.concatenate(([0.0], np.cumsum(values)))
+        self.t = prefix([s.forward_s + s.backward_s + s.tp_comm_s for s in segments])
+        self.bwd = prefix([s.backward_s for s in segments])
+        self.params = prefix([s.params for s in segments])
+        self.act = prefix([s.activation_bytes for s in segments])
+        self.work = np.array([s.working_bytes for s in segments])
+        index = np.arange(self.n + 1)
+        self.valid = index[:, None] < index[None, :]
+
+    def range(self, start: int, end: int) -> tuple[float, float, float, float, float]:
+        """(t, backward, params, activations, working) of segments [start, end)."""
+        return (self.t[end] - self.t[start], self.bwd[end] - self.bwd[start], self.params[end] - self.params[start],
+                self.act[end] - self.act[start], float(self.work[start:end].max()) if end > start else 0.0)
+
+    def ranges(self):
+        """The same five quantities for every [start, end) as (n+1) x (n+1) arrays."""
+        diff = lambda prefix: prefix[None, :] - prefix[:, None]  # noqa: E731
+        work = np.zeros((self.n + 1, self.n + 1))
+        for start in range(self.n):
+            work[start, start + 1:] = np.maximum.accumulate(self.work[start:])
+        return diff(self.t), diff(self.bwd), diff(self.params), diff(self.act), work
+
+
+def _interleaved_chunks(n: int, profile: ModelProfile, chunks: int) -> list[tuple[int, int]]:
+    """Megatron-LM's interleaved layout: equal blocks per virtual stage; what precedes and follows the blocks
+    goes with the first and the last virtual stage."""
+    block_segments = [i for i, s in enumerate(profile.segments) if s.is_block]
+    first, last = block_segments[0], block_segments[-1]
+    per_chunk = len(block_segments) // chunks
+    bounds = [first + k * per_chunk for k in range(chunks)] + [last + 1]
+    bounds[0], bounds[-1] = 0, n
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _memory_frugal_partition(tables: _Tables, p: int) -> list[tuple[int, int]]:
+    """Contiguous stages minimising the largest stage's parameters + activations (for error messages)."""
+    n = tables.n
+    if p >= n:
+        return [(i, i + 1) for i in range(n)] if p == n else [(0, n)]
+    _, _, params, act, _ = tables.ranges()
+    size = np.where(tables.valid, params * 16 + act, np.inf)
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    choice = np.zeros((p, n + 1), dtype=np.int64)
+    for stage in range(p):
+        candidates = np.maximum(best[:, None], size)
+        choice[stage] = np.argmin(candidates, axis=0)
+        best = candidates[choice[stage], np.arange(n + 1)]
+    bounds, end = [], n
+    for stage in reversed(range(p)):
+        start = int(choice[stage][end])
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+

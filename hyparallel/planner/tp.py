@@ -1,0 +1,231 @@
+"""Which Linears split by column, which by row, and what a tensor-parallel degree requires of the model.
+
+Found from the traced graph's dataflow, never from module names, so any architecture is handled the
+same way (fused or separate QKV, grouped-query attention, SwiGLU, transformers' Conv1D):
+
+* Inside a repeated block, a Linear whose output reaches the block's output without passing another
+  Linear is a *row* Linear (attention output, MLP down projection). A Linear all of whose next Linears
+  are row Linears is a *column* Linear (QKV, MLP up/gate). Megatron pairs: one all-reduce forward per
+  row Linear, one backward per distinct input of column Linears (Shoeybi et al. 2019, Sec. 3).
+* The ops between a column and its row Linears work on split tensors; a norm over the split
+  dimension there would need the whole tensor, so such a pair is left replicated.
+* The token embedding (fed by a graph input) and an output Linear whose width is that vocabulary are
+  vocab-parallel; the vocabulary is padded to a multiple of tp, as Megatron-LM does.
+* Everything else is replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hyparallel.graph import ModelGraph, Op
+
+TPStyle = str  # "column" | "row" | "vocab" | "replicate" (hyparallel.schema.TPStyle)
+
+
+@dataclass(frozen=True)
+class TPAnalysis:
+    """The tensor-parallel structure of a traced model."""
+
+    styles: dict[str, TPStyle]
+    split_ops: frozenset[str]
+    head_groups: dict[str, int]
+    attention_heads: dict[str, int]
+    vocab_size: int | None
+    row_ops: tuple[str, ...]
+    column_inputs: tuple[tuple[str, ...], ...]
+    vocab_head: str | None = None
+    vocab_embedding: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def check(self, tp: int, graph: ModelGraph) -> str | None:
+        """Why ``tp`` cannot split this model, or None when it can."""
+        if tp == 1:
+            return None
+        for name, heads in self.attention_heads.items():
+            if heads % tp:
+                return f"tp {tp} does not divide the {heads} attention heads of {graph.op(name).module or name}"
+        for name, style in self.styles.items():
+            op = graph.op(name)
+            fan_in, fan_out = op.input_shapes[0][-1], op.output_shapes[0][-1]
+            if style == "column":
+                groups = self.head_groups.get(name)
+                if groups is not None and groups % tp and tp % groups:
+                    return f"tp {tp} neither divides nor is a multiple of the {groups} head groups of {op.module}"
+                if groups is None and fan_out % tp:
+                    return f"tp {tp} does not divide the {fan_out} output features of {op.module}"
+            elif style == "row" and fan_in % tp:
+                return f"tp {tp} does not divide the {fan_in} input features of {op.module}"
+        return None
+
+    def params_per_rank(self, op: Op, tp: int) -> float:
+        """Parameters of ``op`` held by one tensor-parallel rank."""
+        if tp == 1 or not op.param_count:
+            return op.param_count
+        style = self.styles.get(op.name, "replicate")
+        if style == "column":
+            groups = self.head_groups.get(op.name)
+            share = max(1 / tp, 1 / groups) if groups else 1 / tp  # kv heads fewer than tp are replicated
+            return op.param_count * share
+        if style == "row":
+            weight = op.input_shapes[0][-1] * op.output_shapes[0][-1]
+            return weight / tp + (op.param_count - weight)  # the bias is added once, after the reduction
+        if style == "vocab":
+            rows = self.vocab_size or 1
+            return op.param_count * math.ceil(rows / tp) / rows  # padded to a multiple of tp
+        return op.param_count
+
+
+def analyze(graph: ModelGraph) -> TPAnalysis:
+    """Find the column/row pairs, vocab-parallel ops and head counts of ``graph``."""
+    g = graph.graph
+    styles: dict[str, TPStyle] = {}
+    split: set[str] = set()
+    head_groups: dict[str, int] = {}
+    heads: dict[str, int] = {}
+    rows_all: list[str] = []
+    column_inputs: list[tuple[str, ...]] = []
+    for block in graph.blocks:
+        members = set(block.ops)
+        linears = [n for n in block.ops if _is_linear(graph.op(n))]
+        exits = {n for n in block.ops if any(s not in members for s in g.successors(n))}
+        forward = {n: _first_linears(g, n, members, g.successors) for n in linears}
+        backward = {n: _first_linears(g, n, members, g.predecessors) for n in linears}
+        rows = {n for n in linears if _reaches(g, n, members, exits)}
+        columns: set[str] = set()
+        while True:  # pairs hold only when every column feeds rows and every row is fed by columns
+            new_columns = {n for n in linears if n not in rows and forward[n] and forward[n] <= rows}
+            new_rows = {n for n in rows if backward[n] and backward[n] <= new_columns}
+            if new_columns == columns and new_rows == rows:
+                break
+            columns, rows = new_columns, new_rows
+        for column in sorted(columns):
+            region = _region(g, column, members, rows)
+            attention = [n for n in region if graph.op(n).kind == "attention"]
+            if any(_breaks_split(graph.op(n), attention, graph) for n in region):
+                continue
+            styles[column] = "column"
+            split.update(region | {column})
+            if attention:
+                head_dim = graph.op(attention[0]).input_shapes[0][-1]
+                head_groups[column] = graph.op(column).output_shapes[0][-1] // head_dim
+                for n in attention:
+                    heads[n] = graph.op(n).input_shapes[0][1]
+        for row in sorted(rows):
+            if backward[row] <= {c for c, s in styles.items() if s == "column"}:
+                styles[row] = "row"
+                rows_all.append(row)
+        by_input: dict[tuple[str, ...], None] = {}
+        for column in (c for c in block.ops if styles.get(c) == "column"):
+            by_input[tuple(sorted(g.predecessors(column)))] = None
+        column_inputs.extend(by_input)
+    vocab_embedding, vocab = _token_embedding(graph)
+    if vocab_embedding:
+        styles[vocab_embedding] = "vocab"
+    head = _vocab_head(graph, vocab)
+    if head:
+        styles[head] = "vocab"
+    for op in graph.compute_ops():  # every other Linear keeps its whole weight on each rank
+        if _is_linear(op):
+            styles.setdefault(op.name, "replicate")
+    return TPAnalysis(
+        styles=styles, split_ops=frozenset(split), head_groups=head_groups, attention_heads=heads,
+        vocab_size=vocab, row_ops=tuple(rows_all), column_inputs=tuple(column_inputs),
+        vocab_head=head, vocab_embedding=vocab_embedding,
+    )
+
+
+def _is_linear(op: Op) -> bool:
+    return op.kind == "linear" and bool(op.params) and len(op.input_shapes) >= 1 and len(op.output_shapes) >= 1
+
+
+def linears_outside(graph: ModelGraph) -> list[str]:
+    """Linear ops not inside any repeated block."""
+    inside = {n for block in graph.blocks for n in block.ops}
+    return [op.name for op in graph.compute_ops() if _is_linear(op) and op.name not in inside]
+
+
+def _first_linears(g, start: str, members: set[str], step) -> set[str]:
+    """The Linears first met walking from ``start`` (forward or backward) inside the block."""
+    found, stack, seen = set(), list(step(start)), set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node not in members:
+            continue
+        seen.add(node)
+        if g.nodes[node]["kind"] == "linear" and g.nodes[node]["params"]:
+            found.add(node)
+        else:
+            stack.extend(step(node))
+    return found
+
+
+def _reaches(g, start: str, members: set[str], exits: set[str]) -> bool:
+    """Whether ``start``'s output reaches a block exit without passing another Linear."""
+    if start in exits:
+        return True
+    stack, seen = list(g.successors(start)), set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node not in members:
+            continue
+        seen.add(node)
+        if g.nodes[node]["kind"] == "linear" and g.nodes[node]["params"]:
+            continue
+        if node in exits:
+            return True
+        stack.extend(g.successors(node))
+    return False
+
+
+def _region(g, column: str, members: set[str], rows: set[str]) -> set[str]:
+    """Ops downstream of a column Linear up to (not including) its row Linears: they see split tensors."""
+    region, stack = set(), list(g.successors(column))
+    while stack:
+        node = stack.pop()
+        if node in region or node not in members or node in rows:
+            continue
+        if g.nodes[node]["kind"] == "linear" and g.nodes[node]["params"]:
+            continue
+        region.add(node)
+        stack.extend(g.successors(node))
+    return region
+
+
+def _breaks_split(op: Op, attention: list[str], graph: ModelGraph) -> bool:
+    """A norm over the split dimension (wider than one head) cannot work on a tensor-parallel shard."""
+    if op.kind != "norm":
+        return op.kind in ("other", "loss", "embedding")
+    head_dim = graph.op(attention[0]).input_shapes[0][-1] if attention else 0
+    return op.input_shapes[0][-1] > head_dim
+
+
+def _token_embedding(graph: ModelGraph) -> tuple[str | None, int | None]:
+    """The embedding indexed by a graph input (through views only) and its vocabulary size."""
+    g = graph.graph
+    for op in graph.compute_ops():
+        if op.kind != "embedding" or not op.param_count:
+            continue
+        stack, seen = list(g.predecessors(op.name)), set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            kind = g.nodes[node]["kind"]
+            if kind == "input":
+                return op.name, op.param_count // op.output_shapes[0][-1]
+            if kind == "view":
+                stack.extend(g.predecessors(node))
+    return None, None
+
+
+def _vocab_head(graph: ModelGraph, vocab: int | None) -> str | None:
+    """The Linear outside blocks producing vocab-wide logits that reach the model's output."""
+    if vocab is None:
+        return None
+    for name in reversed(linears_outside(graph)):
+        if graph.op(name).output_shapes[0][-1] == vocab:
+            return name
+    return None

@@ -1,0 +1,160 @@
+"""The search: exact against brute force, constraints, realistic answers at scale, and clear failures."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+import hyparallel as hp
+from hyparallel.planner import PlanError, search
+from hyparallel.planner.profile import ModelProfile
+from hyparallel.planner.search import Search, _Tables, enumerate_configs
+
+from .conftest import HF_GPT2_TINY
+
+
+def brute_force(engine: Search) -> tuple[float, int, int]:
+    """Best step time over every configuration and every contiguous stage split; and the counts of (in)feasible."""
+    best, feasible, infeasible = math.inf, 0, 0
+    for config in enumerate_configs(engine.ctx, {}):
+        links = engine._links(config)
+        tables = _Tables(engine._segment_costs(config, links))
+        if config.schedule == "interleaved-1f1b":
+            evaluations = [engine.evaluate(config)]
+        else:
+            evaluations = []
+            for cuts in itertools.combinations(range(1, tables.n), config.pp - 1):
+                bounds = [0, *cuts, tables.n]
+                chunks = list(zip(bounds[:-1], bounds[1:]))
+                evaluations.append(engine._finish(config, links, tables, chunks, [[r] for r in chunks]))
+        for evaluation in evaluations:
+            if evaluation.feasible:
+                feasible += 1
+                best = min(best, evaluation.step_time_s)
+            else:
+                infeasible += 1
+    return best, feasible, infeasible
+
+
+def small_cluster(preset: str, nodes: int, per_node: int, memory_bytes: int | None = None) -> hp.ClusterSpec:
+    spec = hp.ClusterSpec.preset(preset, num_nodes=nodes, gpus_per_node=per_node).model_dump()
+    if memory_bytes is not None:
+        spec["device"].update(memory_bytes=memory_bytes, reserved_bytes=0)
+    return hp.ClusterSpec.model_validate(spec)
+
+
+@pytest.mark.parametrize(("model_name", "preset", "nodes", "per_node", "global_batch", "memory_fraction"), [
+    ("gpt-mini", "cpu", 1, 8, 16, None),
+    ("gpt-mini", "a100-80g", 2, 8, 32, 0.25),  # tight memory: many plans do not fit
+    ("llama-tiny", "h100-sxm", 2, 4, 16, 0.5),
+    ("gpt-tiny", "cpu", 1, 4, 8, 0.3),
+])
+def test_search_matches_brute_force(model_name, preset, nodes, per_node, global_batch, memory_fraction):
+    model = hp.models.build(model_name, num_layers=4) if model_name != "gpt-mini" else hp.models.build(model_name)
+    seq = 32
+    graph = hp.trace(model, model.example_inputs(1, seq))
+    memory = None
+    if memory_fraction is not None:  # a fraction of what one unsplit replica needs: forces sharding
+        memory = int(memory_fraction * graph.num_params * 18 + 8 * 2**20 * memory_fraction)
+    cluster = small_cluster(preset, nodes, per_node, memory)
+    profile = ModelProfile(graph, cluster, "bf16", seq)
+    engine = Search(profile, cluster, global_batch, "bf16")
+    found, _ = engine.best({}, top=1)
+    expected, feasible, infeasible = brute_force(Search(profile, cluster, global_batch, "bf16"))
+    assert feasible > 0
+    if memory_fraction is not None:
+        assert infeasible > 0  # the memory limit really binds
+    assert found[0].step_time_s == pytest.approx(expected, rel=1e-12)
+    assert engine.evaluated < len(enumerate_configs(engine.ctx, {}))  # the bound pruned something
+
+
+def test_top_k_is_sorted_and_distinct():
+    model = hp.models.build("gpt-mini")
+    graph = hp.trace(model, model.example_inputs(1, 32))
+    result = search(graph, small_cluster("cpu", 1, 8), 16, 32, "fp32", top=5)
+    times = [e.step_time_s for e in result.best]
+    assert len(times) == 5 and times == sorted(times)
+    assert len({e.config for e in result.best}) == 5
+
+
+@pytest.fixture(scope="module")
+def gpt175b_result():
+    model = hp.models.build("gpt-175b")
+    graph = hp.trace(model, model.example_inputs(1, 2048), name="gpt-175b")
+    cluster = hp.ClusterSpec.preset("a100-80g", num_nodes=128)
+    return search(graph, cluster, 1536, 2048, "bf16", top=1, alternatives=True)
+
+
+def test_gpt175b_on_1024_a100s_is_realistic(gpt175b_result):
+    plan = gpt175b_result.plan()
+    par, predicted = plan.parallel, plan.predicted
+    assert par.dp * par.tp * par.pp == 1024
+    assert par.tp <= 8 and all(len({r // 8 for r in g}) == 1 for g in plan.group_ranks("tp"))  # tp inside a node
+    assert max(predicted.memory_gib) <= 80
+    assert 0.35 <= predicted.mfu <= 0.60  # large GPT runs on A100 clusters reach roughly 35-55% MFU
+    assert predicted.tokens_per_s == pytest.approx(1536 * 2048 / predicted.step_time_s, rel=1e-5)  # 6 digits written
+    assert len(plan.stages) == par.pp * par.virtual_stages
+    modules = [m for stage in plan.stages for m in stage.modules]
+    assert modules[0] == "tok_embeddings" and modules[-1] == "output"
+    assert [m for m in modules if m.startswith("layers.")] == [f"layers.{i}" for i in range(96)]
+    assert plan.tensor_parallel["layers.*.attn.qkv"] == "column"
+    assert plan.model.num_params == 174_604_836_864 and plan.model.fingerprint.startswith("sha256:")
+
+
+def test_alternatives_explain_themselves(gpt175b_result):
+    labels = {alt.label: alt for alt in gpt175b_result.alternatives}
+    assert set(labels) == {"pure data parallel", "most tensor parallel", "most pipeline parallel"}
+    assert labels["pure data parallel"].why == "global batch 1536 is not divisible by dp 1024"
+    assert "slower" in labels["most tensor parallel"].why or "out of memory" in labels["most tensor parallel"].why
+    winner = gpt175b_result.best[0].step_time_s
+    for alt in labels.values():
+        if alt.evaluation is not None and alt.evaluation.feasible:
+            assert alt.evaluation.step_time_s >= winner
+
+
+def test_plan_round_trips_and_respects_constraints(tmp_path):
+    model = hp.models.build("gpt-mini")
+    cluster = small_cluster("cpu", 1, 8)
+    plan = hp.plan(model, cluster, global_batch=16, seq_len=32, dtype="fp32", tp=2, pp=2, schedule="1f1b", zero=1)
+    assert (plan.parallel.tp, plan.parallel.pp, plan.parallel.dp) == (2, 2, 2)
+    assert plan.parallel.schedule == "1f1b" and plan.parallel.zero == 1
+    plan.save(tmp_path / "plan.yaml")
+    assert hp.Plan.load(tmp_path / "plan.yaml") == plan
+    assert plan.model.fingerprint == hp.models.fingerprint(model)
+
+
+def test_hugging_face_model_plans():
+    model = hp.models.load(HF_GPT2_TINY).module
+    plan = hp.plan(model, small_cluster("cpu", 1, 4), global_batch=8, seq_len=32, dtype="fp32", tp=2)
+    assert plan.tensor_parallel["transformer.h.*.attn.c_attn"] == "column"
+    assert plan.model.name == "GPT2LMHeadModel"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tp": 3}, "tp(3) = 3 does not divide the 8 GPUs"),
+    ({"tp": 2, "pp": 2, "dp": 4}, "dp(4) * tp(2) * pp(2) = 16 != 8 GPUs"),
+    ({"dp": 8, "global_batch": 12}, "global batch 12 is not divisible by dp 8"),
+    ({"pipeline": 2}, "unknown constraint pipeline"),
+    ({"tp": 0}, "tp must be a positive integer, got 0"),
+])
+def test_impossible_requests_fail_clearly(kwargs, message):
+    model = hp.models.build("gpt-mini")
+    args = {"global_batch": 16, "seq_len": 32, "dtype": "fp32", **kwargs}
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        hp.plan(model, small_cluster("cpu", 1, 8), **args)
+
+
+def test_indivisible_heads_fail_clearly():
+    model = hp.models.build("gpt-mini", num_heads=8, hidden_size=120)  # 8 heads; tp 16 would not divide them
+    with pytest.raises(PlanError, match="tp 16 does not divide the 8 attention heads of layers.0.attn"):
+        hp.plan(model, small_cluster("cpu", 2, 8), global_batch=16, seq_len=32, dtype="fp32", tp=16)
+
+
+def test_nothing_fits_names_the_smallest_need():
+    model = hp.models.build("gpt-175b")
+    with pytest.raises(PlanError) as info:
+        hp.plan(model, hp.ClusterSpec.preset("a100-80g"), global_batch=64, seq_len=2048)
+    message = str(info.value)
+    assert message.startswith("nothing fits in 77.0 GiB per GPU") and "GiB" in message and "more GPUs" in message

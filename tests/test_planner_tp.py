@@ -1,0 +1,105 @@
+"""Tensor-parallel styles found from dataflow, for fused and separate QKV, GQA, Conv1D, tied heads."""
+
+from __future__ import annotations
+
+import pytest
+
+import hyparallel as hp
+from hyparallel.planner.api import _tp_map
+from hyparallel.planner.profile import ModelProfile
+from hyparallel.planner.tp import analyze
+
+from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY
+
+
+def traced(spec):
+    model = hp.models.load(spec).module
+    return hp.trace(model, hp.models.example_inputs(model, 1, 16))
+
+
+EXPECTED = {
+    "gpt-tiny": {
+        "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "layers.*.mlp.fc": "column",
+        "layers.*.mlp.proj": "row", "tok_embeddings": "vocab", "output": "vocab",
+    },
+    "llama-tiny": {
+        "layers.*.attn.q_proj": "column", "layers.*.attn.k_proj": "column", "layers.*.attn.v_proj": "column",
+        "layers.*.attn.o_proj": "row", "layers.*.mlp.gate_proj": "column", "layers.*.mlp.up_proj": "column",
+        "layers.*.mlp.down_proj": "row", "tok_embeddings": "vocab", "output": "vocab",
+    },
+    HF_GPT2_TINY: {
+        "transformer.h.*.attn.c_attn": "column", "transformer.h.*.attn.c_proj": "row",
+        "transformer.h.*.mlp.c_fc": "column", "transformer.h.*.mlp.c_proj": "row",
+        "transformer.wte": "vocab", "lm_head": "vocab",
+    },
+    HF_LLAMA_TINY: {
+        "model.layers.*.self_attn.q_proj": "column", "model.layers.*.self_attn.k_proj": "column",
+        "model.layers.*.self_attn.v_proj": "column", "model.layers.*.self_attn.o_proj": "row",
+        "model.layers.*.mlp.gate_proj": "column", "model.layers.*.mlp.up_proj": "column",
+        "model.layers.*.mlp.down_proj": "row", "model.embed_tokens": "vocab", "lm_head": "vocab",
+    },
+}
+
+
+@pytest.mark.parametrize("spec", list(EXPECTED))
+def test_megatron_pairs_are_found_from_dataflow(spec):
+    graph = traced(spec)
+    profile = ModelProfile(graph, hp.ClusterSpec.preset("cpu"), "fp32", 16)
+    assert _tp_map(graph, profile) == dict(sorted(EXPECTED[spec].items()))
+
+
+def test_head_counts_decide_valid_degrees():
+    graph = traced("llama-tiny")  # 4 query heads, 2 key/value heads
+    analysis = analyze(graph)
+    assert set(analysis.attention_heads.values()) == {4}
+    assert analysis.head_groups["layers.0.attn.k_proj"] == 2 and analysis.head_groups["layers.0.attn.q_proj"] == 4
+    assert analysis.check(2, graph) is None and analysis.check(4, graph) is None
+    assert analysis.check(3, graph) == "tp 3 does not divide the 4 attention heads of layers.0.attn"
+    # At tp=4 the 2 kv heads are replicated: each rank holds the kv head its query head needs.
+    k_proj = graph.op("layers.0.attn.k_proj")
+    assert analysis.params_per_rank(k_proj, 4) == k_proj.param_count / 2
+    assert analysis.params_per_rank(graph.op("layers.0.attn.q_proj"), 4) == graph.op("layers.0.attn.q_proj").param_count / 4
+
+
+def test_vocab_is_padded_to_a_multiple_of_tp():
+    graph = traced("gpt-tiny vocab_size=250")
+    analysis = analyze(graph)
+    embedding = graph.op("tok_embeddings")
+    assert analysis.vocab_size == 250
+    assert analysis.params_per_rank(embedding, 4) == 63 * 64  # ceil(250 / 4) rows of 64
+
+
+def test_row_bias_is_not_split():
+    graph = traced("gpt-tiny")
+    analysis = analyze(graph)
+    proj = graph.op("layers.0.mlp.proj")  # 256 -> 64 with a bias
+    assert analysis.params_per_rank(proj, 2) == 256 * 64 / 2 + 64
+
+
+def test_a_norm_over_the_split_dimension_keeps_the_pair_replicated():
+    import torch
+    from torch import nn
+
+    class NormedMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+            self.up = nn.Linear(8, 32)
+            self.mid_norm = nn.LayerNorm(32)  # normalises the whole hidden width: not shardable
+            self.down = nn.Linear(32, 8)
+
+        def forward(self, x):
+            return x + self.down(self.mid_norm(self.up(self.norm(x))))
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(NormedMLP() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    graph = hp.trace(Stack().to("meta"), torch.zeros(2, 4, 8))
+    assert analyze(graph).styles == {n: "replicate" for n in ("layers.0.up", "layers.0.down", "layers.1.up", "layers.1.down")}
