@@ -259,10 +259,10 @@ def _max_seq_len(model) -> int | None:
 
 
 def cmd_demo(args: argparse.Namespace, out: Console) -> None:
-    """Run the embedded default: trace and check a 175B plan, then train a tiny model on the CPU."""
+    """Run the embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU."""
     from hyparallel import demo
 
-    demo.run(log=lambda text: out.print(text, markup=False, highlight=False))
+    demo.run(log=lambda text: out.print(text, markup=False, highlight=False), show_plan=lambda plan: _print_plan(plan, out))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=1, help="list the K best plans and why the usual alternatives lost")
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")
-    add("demo", cmd_demo, "The embedded default: trace a 175B model and check its plan, then train a tiny model on CPU.")
+    add("demo", cmd_demo, "The embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU.")
     return parser
 
 

@@ -1,23 +1,23 @@
-"""`hyparallel demo`: the embedded default run, on any machine, in about a minute.
+"""`hyparallel demo`: the embedded default run, on any machine, in well under a minute.
 
-1. Plans at scale without memory: builds GPT-3 175B on the meta device, traces it, and loads the
-   hand-written 1,024-GPU A100 plan shipped in configs/plans, completed and checked.
+1. Plans GPT-3 175B for 128 DGX A100 nodes (1,024 GPUs) on the meta device: no weights are allocated.
 2. Trains a tiny GPT on the CPU and shows the loss falling.
 
-Parallel training under torchrun joins step 2 when `hyparallel.parallelize` lands (the parallelize
-issue); the automatic planner joins step 1 with the Planner issue.
+Parallel training under torchrun joins step 2 when `hyparallel.parallelize` lands (the parallelize issue).
 """
 
 from __future__ import annotations
 
 import time
-from importlib import resources
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from hyparallel import models
+from hyparallel.cluster import ClusterSpec
 from hyparallel.graph import trace
+from hyparallel.planner import search
 from hyparallel.schema import Plan
 
 
@@ -48,24 +48,28 @@ def train_tiny(steps: int = 40, batch_size: int = 8, seq_len: int = 64, seed: in
     return losses
 
 
-def run(log=print) -> None:
-    """The demo: trace and plan-check GPT-3 175B on meta, then train gpt-tiny on the CPU."""
-    log("1. GPT-3 175B on the meta device: no weights are allocated")
+def plan_gpt175b(log=print) -> Plan:
+    """Trace GPT-3 175B on the meta device and plan it for 128 DGX A100 nodes (global batch 1536, 2048 tokens)."""
     start = time.perf_counter()
     model = models.build("gpt-175b")
     graph = trace(model, model.example_inputs(1, 2048), name="gpt-175b")
     log(f"   built and traced in {time.perf_counter() - start:.1f}s")
     log("   " + graph.summary().replace("\n", "\n   "))
-    plan_file = resources.files("hyparallel.configs") / "plans" / "gpt-175b-a100-1024.yaml"
-    plan = Plan.load(plan_file)
-    par = plan.parallel
-    log(f"   hand-written plan {plan_file.name}: dp {par.dp} x tp {par.tp} x pp {par.pp} = {plan.world_size} GPUs "
-        f"on {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node} {plan.cluster.device.name}, "
-        f"{plan.num_microbatches} micro-batches of {plan.training.micro_batch} per replica, schedule {par.schedule}")
-    log("   " + plan.to_yaml().replace("\n", "\n   ").rstrip())
-    per_stage = -(-graph.num_layers // (par.pp * par.virtual_stages))
-    log(f"   {graph.num_layers} layers over {par.pp * par.virtual_stages} (virtual) stages: about {per_stage} layers each; "
-        f"{len(graph.cut_points)} places the graph may be cut")
+    result = search(graph, ClusterSpec.preset("a100-80g", num_nodes=128), global_batch=1536, seq_len=2048, dtype="bf16")
+    log(f"   searched {result.considered:,} configurations ({result.evaluated} costed exactly) in {result.search_s:.2f}s")
+    return result.plan()
+
+
+def run(log: Callable[[str], None] = print, show_plan: Callable[[Plan], None] | None = None) -> None:
+    """The demo: plan GPT-3 175B on 1,024 A100s, then train gpt-tiny on the CPU."""
+    log("1. GPT-3 175B planned for 128 DGX A100 nodes (1,024 GPUs), on the meta device: no weights allocated")
+    plan = plan_gpt175b(log)
+    if show_plan is not None:
+        show_plan(plan)
+    log("   the plan file (hyparallel plan ... -o plan.yaml writes it):")
+    text = plan.to_yaml()
+    head, _, rest = text.partition("\nstages:")
+    log("   " + head.replace("\n", "\n   ") + "\n   stages: ... (one per virtual stage)")
     log("2. gpt-tiny trained on this CPU (one process)")
     losses = train_tiny(log=log)
     log(f"   loss {losses[0]:.3f} -> {losses[-1]:.3f}")

@@ -119,7 +119,7 @@ def test_console_script_has_no_traceback(tmp_path):
 
 
 def test_every_command_has_an_example_in_help(capsys):
-    for command in ("models", "clusters", "show", "trace", "demo"):
+    for command in ("models", "clusters", "show", "trace", "plan", "demo"):
         with pytest.raises(SystemExit) as info:
             main([command, "--help"])
         assert info.value.code == 0
@@ -132,5 +132,45 @@ def test_demo_prints_the_plan_and_trains(capsys, monkeypatch):
     monkeypatch.setattr(demo, "train_tiny", lambda log: [5.0, 2.0])  # training itself is tested in test_models
     code, out, _ = run(capsys, "demo")
     assert code == 0
-    assert "order: [pp, dp, tp]" in out and "num_microbatches: 96" in out
+    assert "mesh pp 8 x dp 32 x tp 4" in out and "pipeline stages (per device)" in out and "predicted step" in out
+    assert "parallel:" in out and "order: [pp, dp, tp]" in out  # the plan file's head
     assert "repeated blocks 96" in out and "loss 5.000 -> 2.000" in out
+
+
+def test_plan_writes_yaml_and_prints_a_summary(capsys, tmp_path):
+    out_file = tmp_path / "plan.yaml"
+    code, out, err = run(capsys, "plan", "--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--global-batch", "16",
+                         "--seq-len", "32", "--dtype", "fp32", "-o", str(out_file))
+    assert code == 0, err
+    plan = yaml.safe_load(out_file.read_text())
+    assert plan["parallel"]["dp"] * plan["parallel"]["tp"] * plan["parallel"]["pp"] == 8
+    assert "predicted step" in out and "MFU" in out and f"wrote {out_file}" in out
+    from hyparallel.schema import Plan
+
+    assert Plan.load(out_file).model.name == "gpt-mini"
+
+
+def test_plan_json_is_the_only_stdout(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "gpt-mini", "--gpus", "4", "--cluster", "cpu", "--global-batch", "8",
+                       "--seq-len", "32", "--tp", "2", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["parallel"]["tp"] == 2 and data["version"] == 1
+
+
+def test_plan_top_lists_candidates_and_alternatives(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--global-batch", "16",
+                       "--seq-len", "32", "--top", "3")
+    assert code == 0
+    assert "the 3 best plans" in out and "pure data parallel" in out and "most pipeline parallel" in out
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--model", "gpt-mini", "--gpus", "12", "--cluster", "cpu"], "--gpus 12 is not a multiple of --gpus-per-node 8"),
+    (["--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--tp", "3"], "tp(3) = 3 does not divide the 8 GPUs"),
+    (["--model", "gpt-175b", "--gpus", "8", "--global-batch", "64"], "nothing fits in 77.0 GiB per GPU"),
+    (["--model", "gpt-mini", "--gpus", "8", "--cluster", "tpu-v9"], "unknown cluster preset 'tpu-v9'"),
+])
+def test_plan_user_errors_exit_2(capsys, argv, expected):
+    code, out, err = run(capsys, "plan", *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1 and expected in err

@@ -154,8 +154,10 @@ def _alternatives(engine: Search, profile: ModelProfile, cluster: ClusterSpec, w
         if best:
             e = best[0]
             slower = e.step_time_s / winner.step_time_s - 1
-            why = (f"{slower:.0%} slower: bubble {e.bubble_fraction:.0%}, comm tp {e.comm_s['tp']:.2f}s "
-                   f"dp {e.comm_s['dp']:.2f}s pp {e.comm_s['pp']:.2f}s") if slower > 1e-9 else "as fast as the winner"
+            c = e.config
+            why = (f"{slower:.0%} slower at its best (ZeRO {c.zero}, recompute {c.recompute}, micro-batch {c.micro_batch}): "
+                   f"bubble {e.bubble_fraction:.0%}, comm tp {e.comm_s['tp']:.2f}s dp {e.comm_s['dp']:.2f}s "
+                   f"pp {e.comm_s['pp']:.2f}s") if slower > 1e-9 else "as fast as the winner"
             result.append(Alternative(label, e, why))
         elif frugal is not None:
             result.append(Alternative(label, frugal, frugal.reason))

@@ -248,7 +248,7 @@ class Search:
         return self._finish(c, links, tables, best, [[r] for r in best])
 
     def _stage_terms(self, c: Config, links, t: np.ndarray, bwd: np.ndarray, params: np.ndarray, act: np.ndarray,
-                     work: np.ndarray, stage: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     work: np.ndarray, largest: np.ndarray, stage: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-micro-batch time, tail and memory of candidate stages (arrays of any shape)."""
         dtype, cluster = self.ctx.dtype, self.ctx.cluster
         t = t + self._p2p_s(c, links)
@@ -278,6 +278,8 @@ class Search:
             device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
         inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages)
         memory = params * costs.state_bytes_per_param(dtype, c.zero, c.dp) + inflight * act + work
+        if c.zero == 3:  # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
+            memory = memory + 2 * largest * (costs.DTYPE_BYTES[dtype] + costs.GRAD_BYTES_PER_PARAM)
         return t, tail, memory
 
     def _partition(self, c: Config, links, tables: _Tables) -> list[tuple[int, int]] | None:
@@ -286,13 +288,13 @@ class Search:
         if p > n:
             return None
         limit = self.ctx.cluster.device.usable_memory_bytes
-        t, bwd, params, act, work = tables.ranges()
+        t, bwd, params, act, work, largest = tables.ranges()
         weight = c.num_microbatches - 1 / c.virtual_stages
         best = np.full(n + 1, np.inf)
         best[0] = 0.0
         choice = np.zeros((p, n + 1), dtype=np.int64)
         for stage in range(p):
-            step, tail, memory = self._stage_terms(c, links, t, bwd, params, act, work, stage)
+            step, tail, memory = self._stage_terms(c, links, t, bwd, params, act, work, largest, stage)
             cost = np.where((memory <= limit) & tables.valid, weight * step + tail, np.inf)
             candidates = np.maximum(best[:, None], cost)  # [start, end]
             choice[stage] = np.argmin(candidates, axis=0)
@@ -313,8 +315,8 @@ class Search:
         for stage, ranges in enumerate(devices):
             parts = [tables.range(*r) for r in ranges]
             totals = [np.float64(sum(part[k] for part in parts)) for k in range(4)]
-            work = np.float64(max(part[4] for part in parts))
-            step, tail, memory = (float(x) for x in self._stage_terms(c, links, *totals, work, stage))
+            peaks = [np.float64(max(part[k] for part in parts)) for k in (4, 5)]
+            step, tail, memory = (float(x) for x in self._stage_terms(c, links, *totals, *peaks, stage))
             params = float(totals[2])
             step_times.append(step)
             tails.append(tail)
@@ -363,21 +365,28 @@ class _Tables:
         self.params = prefix([s.params for s in segments])
         self.act = prefix([s.activation_bytes for s in segments])
         self.work = np.array([s.working_bytes for s in segments])
+        self.largest = np.array([s.params for s in segments])
         index = np.arange(self.n + 1)
         self.valid = index[:, None] < index[None, :]
 
-    def range(self, start: int, end: int) -> tuple[float, float, float, float, float]:
-        """(t, backward, params, activations, working) of segments [start, end)."""
+    def range(self, start: int, end: int) -> tuple[float, ...]:
+        """(t, backward, params, activations, working, largest segment's params) of segments [start, end)."""
+        peak = (lambda values: float(values[start:end].max()) if end > start else 0.0)  # noqa: E731
         return (self.t[end] - self.t[start], self.bwd[end] - self.bwd[start], self.params[end] - self.params[start],
-                self.act[end] - self.act[start], float(self.work[start:end].max()) if end > start else 0.0)
+                self.act[end] - self.act[start], peak(self.work), peak(self.largest))
 
-    def ranges(self):
-        """The same five quantities for every [start, end) as (n+1) x (n+1) arrays."""
-        diff = lambda prefix: prefix[None, :] - prefix[:, None]  # noqa: E731
-        work = np.zeros((self.n + 1, self.n + 1))
-        for start in range(self.n):
-            work[start, start + 1:] = np.maximum.accumulate(self.work[start:])
-        return diff(self.t), diff(self.bwd), diff(self.params), diff(self.act), work
+    def ranges(self) -> tuple[np.ndarray, ...]:
+        """The same six quantities for every [start, end) as (n+1) x (n+1) arrays."""
+        def diff(prefix):
+            return prefix[None, :] - prefix[:, None]
+
+        def running_max(values):
+            table = np.zeros((self.n + 1, self.n + 1))
+            for start in range(self.n):
+                table[start, start + 1:] = np.maximum.accumulate(values[start:])
+            return table
+
+        return diff(self.t), diff(self.bwd), diff(self.params), diff(self.act), running_max(self.work), running_max(self.largest)
 
 
 def _interleaved_chunks(n: int, profile: ModelProfile, chunks: int) -> list[tuple[int, int]]:
@@ -396,7 +405,7 @@ def _memory_frugal_partition(tables: _Tables, p: int) -> list[tuple[int, int]]:
     n = tables.n
     if p >= n:
         return [(i, i + 1) for i in range(n)] if p == n else [(0, n)]
-    _, _, params, act, _ = tables.ranges()
+    _, _, params, act, _, _ = tables.ranges()
     size = np.where(tables.valid, params * 16 + act, np.inf)
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
