@@ -9,6 +9,7 @@ the backward pass. Identical repeated blocks are costed once. Formulas: docs/cos
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -41,7 +42,6 @@ class _OpCost:
     out_bytes: float
     weight_bytes: float
     style: str  # column | row | vocab | replicate | split (inside a column->row region) | full
-    is_split: bool
     quadratic: bool  # its output has two sequence-length dims (attention scores): selective recomputation redoes it
 
 
@@ -61,7 +61,7 @@ class SegmentCost:
 class _SegmentRaw:
     ops: tuple[_OpCost, ...]
     signature: tuple
-    params_by_tp: dict
+    params_by_tp: Callable[[int], float]
     saved_split: float
     saved_full: float
     saved_quadratic: float
@@ -176,7 +176,7 @@ class ModelProfile:
         weight = op.input_shapes[0][-1] * op.output_shapes[0][-1] * self.dtype_bytes if op.kind == "linear" and op.params else 0
         return _OpCost(kind=op.kind if op.kind != "view" or op.target in _COPYING_VIEWS else "copy", flops=op.flops,
                        in_bytes=in_bytes, out_bytes=out_bytes, weight_bytes=weight, style=style,
-                       is_split=op.name in analysis.split_ops, quadratic=self._is_quadratic(op.output_shapes))
+                       quadratic=self._is_quadratic(op.output_shapes))
 
     def _is_quadratic(self, shapes) -> bool:
         return any(sum(1 for d in shape if d == self.seq_len) >= 2 for shape in shapes)

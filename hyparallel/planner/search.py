@@ -22,6 +22,7 @@ Note [step time]
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -96,42 +97,46 @@ def axis_link(order: tuple[str, ...], sizes: dict[str, int], axis: str, cluster:
 
 def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
     """Every configuration the constraints allow and the model's dimensions admit."""
-    n, profile = ctx.cluster.num_gpus, ctx.profile
-    analysis, graph = profile.tp_analysis, profile.graph
-    num_segments = len(profile.segments)
     configs = []
+    for tp, pp, dp in _layouts(ctx, fixed):
+        for b in _divisors(ctx.global_batch // dp):
+            m = ctx.global_batch // (dp * b)
+            schedules = list(_schedules(pp, m, ctx.profile.num_blocks, fixed))
+            options = itertools.product(
+                schedules, _recomputes(ctx.profile, fixed), _zeros(pp, dp, fixed),
+                (False, True) if tp > 1 else (False,), ORDERS if pp > 1 and dp > 1 else ORDERS[:1],
+            )
+            configs.extend(Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order)
+                           for (schedule, v), recompute, zero, sp, order in options
+                           if fixed.get("micro_batch", b) == b and fixed.get("sequence_parallel", sp) == sp)
+    return configs
+
+
+def _layouts(ctx: _Context, fixed: dict):
+    """(tp, pp, dp) triples: tp valid for the model and inside a node unless fixed; dp divides the batch."""
+    n = ctx.cluster.num_gpus
     for tp in _divisors(n):
-        if "tp" in fixed and tp != fixed["tp"]:
-            continue
-        if "tp" not in fixed and tp > ctx.cluster.gpus_per_node:
-            continue  # tensor parallelism stays inside a node unless asked otherwise
-        if analysis.check(tp, graph):
+        inside_node = tp <= ctx.cluster.gpus_per_node or "tp" in fixed  # tp leaves a node only when asked
+        if fixed.get("tp", tp) != tp or not inside_node or ctx.profile.tp_analysis.check(tp, ctx.profile.graph):
             continue
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
-            if any(k in fixed and v != fixed[k] for k, v in (("pp", pp), ("dp", dp))):
-                continue
-            if pp > num_segments or ctx.global_batch % dp:
-                continue
-            for b in _divisors(ctx.global_batch // dp):
-                if "micro_batch" in fixed and b != fixed["micro_batch"]:
-                    continue
-                m = ctx.global_batch // (dp * b)
-                for schedule, v in _schedules(pp, m, profile.num_blocks, fixed):
-                    for recompute in RECOMPUTE:
-                        if fixed.get("recompute", recompute) != recompute:
-                            continue
-                        if recompute == "selective" and not profile.has_quadratic and "recompute" not in fixed:
-                            continue  # nothing seq^2-sized is kept (fused attention): selective is the same as none
-                        for zero in (0, 1, 2, 3):
-                            if fixed.get("zero", zero) != zero or (zero >= 2 and pp > 1) or (zero and dp == 1):
-                                continue  # ZeRO-2/3 with pipelining is unsupported (DeepSpeed's rule); ZeRO needs dp > 1
-                            for sp in ((False, True) if tp > 1 else (False,)):
-                                if fixed.get("sequence_parallel", sp) != sp:
-                                    continue
-                                for order in (ORDERS if pp > 1 and dp > 1 else ORDERS[:1]):
-                                    configs.append(Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order))
-    return configs
+            if fixed.get("pp", pp) == pp and fixed.get("dp", dp) == dp and pp <= len(ctx.profile.segments) \
+                    and ctx.global_batch % dp == 0:
+                yield tp, pp, dp
+
+
+def _recomputes(profile: ModelProfile, fixed: dict) -> list[str]:
+    if "recompute" in fixed:
+        return [fixed["recompute"]]
+    # With nothing seq^2-sized kept (fused attention), selective recomputation is the same as none.
+    return [r for r in RECOMPUTE if r != "selective" or profile.has_quadratic]
+
+
+def _zeros(pp: int, dp: int, fixed: dict) -> list[int]:
+    # ZeRO-2/3 with pipelining is unsupported (DeepSpeed's rule); sharding needs dp > 1.
+    allowed = [z for z in (0, 1, 2, 3) if not (z >= 2 and pp > 1) and not (z and dp == 1)]
+    return [z for z in allowed if fixed.get("zero", z) == z]
 
 
 def _schedules(pp: int, m: int, num_blocks: int, fixed: dict):
@@ -186,10 +191,6 @@ class Search:
         """The smallest per-GPU memory lower bound over the configurations ``fixed`` allows (None: none exist)."""
         bounds = [self._memory_bound(c) for c in enumerate_configs(self.ctx, fixed)]
         return min(bounds, default=None)
-
-    def every(self, fixed: dict) -> list[Evaluation]:
-        """Every configuration evaluated (no bound): for tests and explanations."""
-        return [self.evaluate(c) for c in enumerate_configs(self.ctx, fixed)]
 
     # ---- one configuration ------------------------------------------------------------------
 
@@ -290,23 +291,12 @@ class Search:
         limit = self.ctx.cluster.device.usable_memory_bytes
         t, bwd, params, act, work, largest = tables.ranges()
         weight = c.num_microbatches - 1 / c.virtual_stages
-        best = np.full(n + 1, np.inf)
-        best[0] = 0.0
-        choice = np.zeros((p, n + 1), dtype=np.int64)
-        for stage in range(p):
+
+        def stage_cost(stage: int) -> np.ndarray:
             step, tail, memory = self._stage_terms(c, links, t, bwd, params, act, work, largest, stage)
-            cost = np.where((memory <= limit) & tables.valid, weight * step + tail, np.inf)
-            candidates = np.maximum(best[:, None], cost)  # [start, end]
-            choice[stage] = np.argmin(candidates, axis=0)
-            best = candidates[choice[stage], np.arange(n + 1)]
-        if not np.isfinite(best[n]):
-            return None
-        bounds, end = [], n
-        for stage in reversed(range(p)):
-            start = int(choice[stage][end])
-            bounds.append((start, end))
-            end = start
-        return bounds[::-1]
+            return np.where((memory <= limit) & tables.valid, weight * step + tail, np.inf)
+
+        return _minmax_partition(stage_cost, n, p)
 
     def _finish(self, c: Config, links, tables: _Tables, chunks, devices) -> Evaluation:
         """Evaluate a fixed assignment of segment ranges to devices."""
@@ -407,13 +397,24 @@ def _memory_frugal_partition(tables: _Tables, p: int) -> list[tuple[int, int]]:
         return [(i, i + 1) for i in range(n)] if p == n else [(0, n)]
     _, _, params, act, _, _ = tables.ranges()
     size = np.where(tables.valid, params * 16 + act, np.inf)
+    return _minmax_partition(lambda stage: size, n, p)
+
+
+def _minmax_partition(stage_cost, n: int, p: int) -> list[tuple[int, int]] | None:
+    """Split segments [0, n) into p contiguous stages minimising the largest stage cost.
+
+    ``stage_cost(k)`` gives stage k's cost of covering [start, end) as an (n+1) x (n+1) array (inf where
+    not allowed). best_k(i) = min_j max(best_{k-1}(j), cost_k(j, i)): exact, O(p n^2), vectorised.
+    """
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
     choice = np.zeros((p, n + 1), dtype=np.int64)
     for stage in range(p):
-        candidates = np.maximum(best[:, None], size)
+        candidates = np.maximum(best[:, None], stage_cost(stage))  # [start, end]
         choice[stage] = np.argmin(candidates, axis=0)
         best = candidates[choice[stage], np.arange(n + 1)]
+    if not np.isfinite(best[n]):
+        return None
     bounds, end = [], n
     for stage in reversed(range(p)):
         start = int(choice[stage][end])

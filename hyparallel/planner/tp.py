@@ -101,7 +101,7 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
                 break
             columns, rows = new_columns, new_rows
         for column in sorted(columns):
-            region = _region(g, column, members, rows)
+            region = _region(g, column, members)
             attention = [n for n in region if graph.op(n).kind == "attention"]
             if any(_breaks_split(graph.op(n), attention, graph) for n in region):
                 continue
@@ -146,51 +146,37 @@ def linears_outside(graph: ModelGraph) -> list[str]:
     return [op.name for op in graph.compute_ops() if _is_linear(op) and op.name not in inside]
 
 
-def _first_linears(g, start: str, members: set[str], step) -> set[str]:
-    """The Linears first met walking from ``start`` (forward or backward) inside the block."""
-    found, stack, seen = set(), list(step(start)), set()
+def _walk(g, start: str, members: set[str], step) -> tuple[set[str], set[str]]:
+    """Walk from ``start`` (``step`` = successors or predecessors) inside a block, stopping at Linears.
+
+    Returns the ops passed (none of them a Linear) and the Linears met.
+    """
+    passed, linears, stack = set(), set(), list(step(start))
     while stack:
         node = stack.pop()
-        if node in seen or node not in members:
+        if node in passed or node in linears or node not in members:
             continue
-        seen.add(node)
         if g.nodes[node]["kind"] == "linear" and g.nodes[node]["params"]:
-            found.add(node)
+            linears.add(node)
         else:
+            passed.add(node)
             stack.extend(step(node))
-    return found
+    return passed, linears
+
+
+def _first_linears(g, start: str, members: set[str], step) -> set[str]:
+    """The Linears first met walking from ``start`` (forward or backward) inside the block."""
+    return _walk(g, start, members, step)[1]
 
 
 def _reaches(g, start: str, members: set[str], exits: set[str]) -> bool:
     """Whether ``start``'s output reaches a block exit without passing another Linear."""
-    if start in exits:
-        return True
-    stack, seen = list(g.successors(start)), set()
-    while stack:
-        node = stack.pop()
-        if node in seen or node not in members:
-            continue
-        seen.add(node)
-        if g.nodes[node]["kind"] == "linear" and g.nodes[node]["params"]:
-            continue
-        if node in exits:
-            return True
-        stack.extend(g.successors(node))
-    return False
+    return start in exits or bool(_walk(g, start, members, g.successors)[0] & exits)
 
 
-def _region(g, column: str, members: set[str], rows: set[str]) -> set[str]:
-    """Ops downstream of a column Linear up to (not including) its row Linears: they see split tensors."""
-    region, stack = set(), list(g.successors(column))
-    while stack:
-        node = stack.pop()
-        if node in region or node not in members or node in rows:
-            continue
-        if g.nodes[node]["kind"] == "linear" and g.nodes[node]["params"]:
-            continue
-        region.add(node)
-        stack.extend(g.successors(node))
-    return region
+def _region(g, column: str, members: set[str]) -> set[str]:
+    """Ops downstream of a column Linear up to its row Linears: they see split tensors."""
+    return _walk(g, column, members, g.successors)[0]
 
 
 def _breaks_split(op: Op, attention: list[str], graph: ModelGraph) -> bool:
