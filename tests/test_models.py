@@ -134,10 +134,12 @@ def test_spec_hugging_face(spec):
     ("gpt-tiny num_layers", "model override 'num_layers' is not key=value"),
     ("gpt-tiny num_heads=5", "hidden_size (64) must be a multiple of num_heads (5)"),
     ("hf:NoSuchModel", "unknown Hugging Face architecture 'NoSuchModel'"),
+    ("hf:phi3 num_hidden_layers=1 vocab_size=1000", "cannot build from config .* Padding_idx must be within num_embeddings"),
     ("", "no model given"),
 ])
 def test_spec_errors(spec, message):
-    with pytest.raises(ModelSpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    pattern = message if ".*" in message else message.replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ModelSpecError, match=pattern):
         hp.models.load(spec)
 
 

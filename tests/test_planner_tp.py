@@ -48,6 +48,35 @@ def test_megatron_pairs_are_found_from_dataflow(spec):
     assert _tp_map(graph, profile) == dict(sorted(EXPECTED[spec].items()))
 
 
+@pytest.mark.parametrize("spec", [
+    "hf:mistral num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 intermediate_size=256 vocab_size=1000",
+    "hf:qwen2 num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 intermediate_size=256 vocab_size=1000",
+    "hf:gpt_neox num_hidden_layers=2 hidden_size=128 num_attention_heads=4 intermediate_size=256 vocab_size=1000",
+    "hf:opt num_hidden_layers=2 hidden_size=128 num_attention_heads=4 ffn_dim=256 vocab_size=1000 word_embed_proj_dim=128",
+    "hf:falcon num_hidden_layers=2 hidden_size=128 num_attention_heads=4 vocab_size=1000",
+])
+def test_architectures_not_in_the_zoo(spec):
+    # Every block of these decoders splits into attention and MLP Megatron pairs, whatever the module names.
+    graph = traced(spec)
+    assert graph.num_params == sum(p.numel() for p in hp.models.load(spec).module.parameters())
+    analysis = analyze(graph)
+    for block in graph.blocks:
+        styles = [analysis.styles[n] for n in block.ops if n in analysis.styles]
+        assert styles.count("row") == 2 and styles.count("column") >= 2, (block.path, styles)
+    assert sorted(analysis.styles[n] for n in (analysis.vocab_embedding, analysis.vocab_head)) == ["vocab", "vocab"]
+    assert set(analysis.attention_heads.values()) == {4}
+
+
+def test_heads_of_attention_written_with_batched_matmuls():
+    # Bloom computes attention with baddbmm/bmm on (batch * heads, seq, head_dim): no fused attention op.
+    graph = traced("hf:bloom n_layer=2 hidden_size=128 n_head=4 vocab_size=1000")
+    analysis = analyze(graph)
+    assert set(analysis.attention_heads.values()) == {4}
+    assert analysis.head_groups["transformer.h.0.self_attention.query_key_value"] == 12  # fused q, k, v of 4 heads
+    assert analysis.check(8, graph) == "tp 8 does not divide the 4 attention heads of transformer.h.0.self_attention"
+    assert analysis.styles["transformer.h.0.self_attention.dense"] == "row"
+
+
 def test_head_counts_decide_valid_degrees():
     graph = traced("llama-tiny")  # 4 query heads, 2 key/value heads
     analysis = analyze(graph)

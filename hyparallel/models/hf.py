@@ -36,6 +36,6 @@ def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.
             return transformers.AutoModelForCausalLM.from_config(config)
     except ModelSpecError:
         raise
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, AssertionError) as exc:  # transformers checks configs with asserts too
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelSpecError(f"hf:{arch}: cannot build from config {overrides}: {first}") from None

@@ -102,16 +102,14 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
             columns, rows = new_columns, new_rows
         for column in sorted(columns):
             region = _region(g, column, members)
-            attention = [n for n in region if graph.op(n).kind == "attention"]
+            attention = sorted(n for n in region if graph.op(n).kind == "attention")
             if any(_breaks_split(graph.op(n), attention, graph) for n in region):
                 continue
             styles[column] = "column"
             split.update(region | {column})
-            if attention:
-                head_dim = graph.op(attention[0]).input_shapes[0][-1]
+            for n, (count, head_dim) in _attention_heads(graph, region, attention).items():
+                heads[n] = count
                 head_groups[column] = graph.op(column).output_shapes[0][-1] // head_dim
-                for n in attention:
-                    heads[n] = graph.op(n).input_shapes[0][1]
         for row in sorted(rows):
             if backward[row] <= {c for c, s in styles.items() if s == "column"}:
                 styles[row] = "row"
@@ -177,6 +175,26 @@ def _reaches(g, start: str, members: set[str], exits: set[str]) -> bool:
 def _region(g, column: str, members: set[str]) -> set[str]:
     """Ops downstream of a column Linear up to its row Linears: they see split tensors."""
     return _walk(g, column, members, g.successors)[0]
+
+
+def _attention_heads(graph: ModelGraph, region: set[str], attention: list[str]) -> dict[str, tuple[int, int]]:
+    """(query heads, head_dim) of the attention in a split region.
+
+    Fused attention takes (B, heads, S, head_dim) queries. Attention written out with batched matrix
+    products (Bloom's baddbmm, eager attention) takes (B, heads, S, D) or (B * heads, S, D) operands.
+    """
+    if attention:
+        return {n: (graph.op(n).input_shapes[0][1], graph.op(n).input_shapes[0][-1]) for n in attention}
+    batch = next((op.output_shapes[0][0] for op in graph.ops if op.kind == "input" and op.output_shapes), 1) or 1
+    for name in sorted(region, key=lambda n: graph.op(n).index):
+        op = graph.op(name)
+        if op.kind != "matmul" or not op.input_shapes:
+            continue
+        # The first product is queries x keys^T; its query operand follows baddbmm's added input.
+        query = op.input_shapes[1] if op.target in ("baddbmm", "addbmm") and len(op.input_shapes) > 2 else op.input_shapes[0]
+        if len(query) in (3, 4):
+            return {name: (query[1] if len(query) == 4 else query[0] // batch, query[-1])}
+    return {}
 
 
 def _breaks_split(op: Op, attention: list[str], graph: ModelGraph) -> bool:
