@@ -52,7 +52,7 @@ def trace(model: nn.Module, example_inputs: Any, *, name: str | None = None, met
     when symbolic tracing fails, as it does for Hugging Face models.
     """
     args, kwargs = _split_inputs(example_inputs)
-    args, kwargs = tree_map(_to_meta, (args, kwargs))
+    args, kwargs = tree_map(_to_meta, (args, kwargs))  # only shapes and dtypes matter: no real memory
     failures: list[tuple[str, BaseException, str | None]] = []
     attempts = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
     for attempt in attempts:
@@ -147,6 +147,9 @@ def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
 def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
     if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs:
         kwargs = {**kwargs, "use_cache": False}  # Hugging Face: no KV cache while tracing for training
+    device = next((p.device for p in model.parameters()), torch.device("meta"))
+    if device.type != "meta":  # torch.export wants inputs beside the weights; it runs nothing for real
+        args, kwargs = tree_map(lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t, (args, kwargs))
     with _quiet_torch_logs():  # a failed export logs whole graphs; the failure is reported as one line instead
         exported = torch.export.export(model, args, kwargs, strict=False)
     signature = exported.graph_signature
@@ -157,7 +160,7 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
     run_args, user_inputs, state_of = [], [], {}
     for node, spec in zip(placeholders, signature.input_specs):
         if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
-            value = next(flat_user)
+            value = _to_meta(next(flat_user))
             run_args.append(value)
             user_inputs.append(node)
         else:
@@ -210,6 +213,10 @@ def _to_meta_spec(value: Any) -> Any:
     return value
 
 
+def _meta_device(value: Any) -> Any:
+    return torch.device("meta") if isinstance(value, torch.device) else value
+
+
 def _from_meta(value: Any) -> Any:
     if isinstance(value, _MetaSpec):
         return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
@@ -242,6 +249,13 @@ class _Profiler(fx.Interpreter):
                 self.flops[n] = flops
         self.outputs[n] = out
         return out
+
+    def call_function(self, target, args, kwargs):
+        # An exported graph can hold the device it was traced on (x.to(device=cpu)): stay on meta.
+        return super().call_function(target, *tree_map(_meta_device, (args, kwargs)))
+
+    def call_method(self, target, args, kwargs):
+        return super().call_method(target, *tree_map(_meta_device, (args, kwargs)))
 
     def _execute(self, n: fx.Node) -> tuple[int, Any]:
         if target_name(n.target) in _NO_FLOPS:

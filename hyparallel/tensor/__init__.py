@@ -1,1 +1,8 @@
-"""Tensor-parallel modules, collectives with autograd and Triton kernels (the Tensor-parallelism issue)."""
+"""Tensor parallelism: collectives with autograd, split modules, applying a plan's styles, Triton kernels."""
+
+from hyparallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel, expand_styles
+from hyparallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
+                                      vocab_parallel_cross_entropy)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelInfo", "VocabParallelEmbedding", "VocabParallelHead",
+           "apply_tensor_parallel", "expand_styles", "vocab_parallel_cross_entropy"]

@@ -1,0 +1,319 @@
+"""Apply a plan's ``tensor_parallel`` map to a model: swap modules in place, keeping this rank's slices.
+
+The styles come from the plan (module path or glob -> column | row | vocab | replicate). How a
+column weight is laid out (one range, or fused parts such as [q | k | v]) and how many heads an
+attention has are facts of the model's dataflow, read from its traced graph with the same analysis
+the planner used. Attention modules that keep head counts as attributes (Hugging Face's) get their
+per-rank counts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from hyparallel.errors import ConfigError
+from hyparallel.graph import ModelGraph
+from hyparallel.planner.tp import TPAnalysis, analyze
+from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
+from hyparallel.tensor.layers import (SEQ_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
+                                      enter_tp_region)
+
+# Integer attributes attention modules use for their head bookkeeping (transformers' conventions).
+_HEAD_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "split_size", "embed_dim", "hidden_size", "all_head_size",
+                    "num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_key_value_groups")
+
+
+@dataclass
+class TensorParallelInfo:
+    """What ``apply_tensor_parallel`` did: the styles per module and what training must know."""
+
+    group: ProcessGroup
+    tp: int
+    rank: int
+    sequence_parallel: bool
+    styles: dict[str, str] = field(default_factory=dict)
+    vocab_start: int = 0
+    vocab_size: int | None = None
+    synced_params: list[str] = field(default_factory=list)
+
+
+def expand_styles(model: nn.Module, tensor_parallel: dict[str, str]) -> dict[str, str]:
+    """Module path -> style for every module a key (a path or a glob such as ``layers.*.attn.qkv``) names."""
+    paths = [name for name, _ in model.named_modules() if name]
+    styles: dict[str, str] = {}
+    for pattern, style in tensor_parallel.items():
+        matched = [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
+        if not matched:
+            raise ConfigError(f"tensor_parallel: '{pattern}' matches no module of {type(model).__name__}; "
+                              "check the module path (hyparallel trace lists them)")
+        for path in matched:
+            styles[path] = style
+    return styles
+
+
+def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], group: ProcessGroup, graph: ModelGraph,
+                          *, sequence_parallel: bool = False, gather_logits: bool = True) -> TensorParallelInfo:
+    """Swap the modules ``tensor_parallel`` names for their tensor-parallel versions on ``group``, in place.
+
+    ``graph`` is the model traced by ``hyparallel.trace``. Each rank keeps only its slices of the split
+    weights. With ``gather_logits`` the vocab-parallel head returns full logits (any loss works);
+    without, it returns this rank's vocabulary slice for ``vocab_parallel_cross_entropy``.
+    """
+    tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    analysis = analyze(graph)
+    if reason := analysis.check(tp, graph):
+        raise ConfigError(f"tensor_parallel: {reason}")
+    styles = {p: s for p, s in expand_styles(model, tensor_parallel).items() if s != "replicate"}
+    info = TensorParallelInfo(group=group, tp=tp, rank=rank, sequence_parallel=sequence_parallel, styles=styles)
+    ties = _tied_parameters(model)
+    by_module = {graph.op(name).module: name for name in analysis.styles}
+    blocks = tuple(block.path + "." for block in graph.blocks)
+    entries = _region_entries(graph, analysis, styles, blocks, by_module)
+    for path, style in styles.items():
+        old = model.get_submodule(path)
+        op = graph.op(by_module.get(path, path))
+        in_blocks = path.startswith(blocks)
+        new = _parallel_module(old, style, op.name, graph, analysis, group, tp, rank,
+                               sequence_parallel and in_blocks, gather_logits, enter_region=path not in entries)
+        if style == "vocab":
+            info.vocab_size = analysis.vocab_size
+            info.vocab_start = rank * math.ceil(analysis.vocab_size / tp)
+        _set_submodule(model, path, new)
+    _retie(model, ties)
+    for owner in sorted(set(entries.values())):
+        model.get_submodule(owner).register_forward_pre_hook(_entry_hook(group, sequence_parallel), with_kwargs=True)
+    _patch_attention_attributes(model, graph, analysis, tp)
+    if sequence_parallel and tp > 1:
+        info.synced_params = _enter_sequence_parallel(model, graph, styles, group)
+    return info
+
+
+def _region_entries(graph: ModelGraph, analysis: TPAnalysis, styles: dict[str, str], blocks: tuple[str, ...],
+                    by_module: dict[str, str]) -> dict[str, str]:
+    """Column Linear path -> the module that enters the tensor-parallel region for it.
+
+    Inside a block, the column Linears of one module (q/k/v of an attention, up/gate of an MLP) read
+    the same input: that module's first input. Entering there once costs one collective for all of
+    them (the planner's assumption), and lets modules that reshape by their input's shape (Hugging
+    Face attention) see the gathered sequence under sequence parallelism.
+    """
+    owners: dict[str, list[str]] = {}
+    for path, style in styles.items():
+        if style == "column" and path.startswith(blocks) and "." in path:
+            owners.setdefault(path.rsplit(".", 1)[0], []).append(path)
+    g, entries = graph.graph, {}
+    for owner, columns in owners.items():
+        sources = {tuple(sorted(g.predecessors(by_module[c]))) for c in columns}
+        first_input = _owner_input(graph, owner)
+        if len(sources) == 1 and first_input is not None and set(next(iter(sources))) == {first_input}:
+            entries.update({c: owner for c in columns})
+    return entries
+
+
+def _owner_input(graph: ModelGraph, owner: str) -> str | None:
+    """The op producing the first tensor a module receives (the input its first op reads from outside it)."""
+    inside = [op for op in graph.compute_ops() if op.module == owner or op.module.startswith(owner + ".")]
+    if not inside:
+        return None
+    names = {op.name for op in inside}
+    for op in inside:
+        outside = [p for p in graph.graph.predecessors(op.name) if p not in names]
+        if outside:
+            return outside[0]
+    return None
+
+
+def _entry_hook(group: ProcessGroup, sequence_parallel: bool):
+    def hook(module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            return (enter_tp_region(args[0], group, sequence_parallel), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": enter_tp_region(kwargs["hidden_states"], group, sequence_parallel)}
+    return hook
+
+
+def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph, analysis: TPAnalysis,
+                     group: ProcessGroup, tp: int, rank: int, sp: bool, gather_logits: bool,
+                     enter_region: bool = True) -> nn.Module:
+    weight = _linear_weight(old)  # (out, in), nn.Linear layout
+    bias = getattr(old, "bias", None)
+    kwargs = {"device": weight.device, "dtype": weight.dtype}
+    if style == "column":
+        rows = _column_rows(op_name, graph, analysis, tp, rank)
+        new = ColumnParallelLinear(weight.size(1), weight.size(0), rows, bias is not None, group, sequence_parallel=sp,
+                                   enter_region=enter_region, **kwargs)
+        _copy(new.weight, torch.cat([weight[a:b] for a, b in rows]))
+        if bias is not None:
+            _copy(new.bias, torch.cat([bias[a:b] for a, b in rows]))
+        return new
+    if style == "row":
+        width = weight.size(1) // tp
+        cols = (rank * width, (rank + 1) * width)
+        new = RowParallelLinear(weight.size(1), weight.size(0), cols, bias is not None, group, sequence_parallel=sp, **kwargs)
+        _copy(new.weight, weight[:, cols[0]:cols[1]])
+        if bias is not None:
+            _copy(new.bias, bias)
+        return new
+    if style == "vocab":
+        vocab = analysis.vocab_size or weight.size(0)
+        per_rank = math.ceil(vocab / tp)
+        rows = (rank * per_rank, (rank + 1) * per_rank)
+        padded = torch.zeros(per_rank, weight.size(1), **kwargs) if not weight.is_meta else weight.new_empty(per_rank, weight.size(1))
+        if not weight.is_meta:
+            kept = weight[rows[0]:min(rows[1], vocab)]
+            padded[: kept.size(0)] = kept
+        if isinstance(old, nn.Embedding):
+            new = VocabParallelEmbedding(vocab, weight.size(1), rows, group, **kwargs)
+        else:
+            new = VocabParallelHead(weight.size(1), vocab, rows, bias is not None, group, sequence_parallel=sp,
+                                    gather_output=gather_logits, **kwargs)
+            if bias is not None:
+                _copy(new.bias, torch.cat([bias[rows[0]:min(rows[1], vocab)], bias.new_zeros(max(0, rows[1] - vocab))]))
+        _copy(new.weight, padded)
+        return new
+    raise ConfigError(f"tensor_parallel: unknown style '{style}' for {op_name}; use column, row, vocab or replicate")
+
+
+def _linear_weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        return weight.detach()
+    if type(module).__name__ == "Conv1D":  # transformers' Conv1D stores (in, out)
+        return weight.detach().t()
+    raise ConfigError(f"tensor_parallel: cannot split a {type(module).__name__}; only Linear-like layers and embeddings split")
+
+
+def _copy(target: nn.Parameter, source: torch.Tensor) -> None:
+    if not target.is_meta and not source.is_meta:
+        with torch.no_grad():
+            target.copy_(source)
+
+
+def _column_rows(op_name: str, graph: ModelGraph, analysis: TPAnalysis, tp: int, rank: int) -> list[tuple[int, int]]:
+    """The output rows of a column weight this rank holds, part by part (fused [q | k | v] splits each part)."""
+    op = graph.op(op_name)
+    out = op.output_shapes[0][-1]
+    groups = analysis.head_groups.get(op_name)
+    head_dim = out // groups if groups else None
+    query_heads = next(iter(analysis.attention_heads.values()), None)
+    rows, offset = [], 0
+    for size in _parts(op_name, graph):
+        heads = size // head_dim if head_dim else None
+        if heads is not None and heads % tp and query_heads:
+            # Fewer key/value heads than ranks: hold the one this rank's query heads attend with.
+            queries_per_rank, queries_per_head = query_heads // tp, query_heads // heads
+            head = (rank * queries_per_rank) // queries_per_head
+            rows.append((offset + head * head_dim, offset + (head + 1) * head_dim))
+        else:
+            share = size // tp
+            rows.append((offset + rank * share, offset + (rank + 1) * share))
+        offset += size
+    return rows
+
+
+def _parts(op_name: str, graph: ModelGraph) -> list[int]:
+    """Sizes of the pieces a fused projection's output is split into along its last dim (one piece if not fused)."""
+    op = graph.op(op_name)
+    out = op.output_shapes[0][-1]
+    for successor in graph.graph.successors(op_name):
+        shapes = graph.op(successor).output_shapes
+        if graph.op(successor).target in ("split", "chunk", "split_with_sizes", "unbind") and len(shapes) > 1 \
+                and sum(s[-1] for s in shapes) == out:
+            return [s[-1] for s in shapes]
+    return [out]
+
+
+def _patch_attention_attributes(model: nn.Module, graph: ModelGraph, analysis: TPAnalysis, tp: int) -> None:
+    """Divide head-count attributes of the modules that own split attention (Hugging Face keeps them)."""
+    if tp == 1:
+        return
+    query_heads = next(iter(analysis.attention_heads.values()), None)
+    if not query_heads:
+        return
+    for column, groups in analysis.head_groups.items():
+        op = graph.op(column)
+        head_dim = op.output_shapes[0][-1] // groups
+        kv_heads = min(size // head_dim for size in _parts(column, graph))
+        local_q, local_kv = query_heads // tp, max(kv_heads // tp, 1)
+        owner = model.get_submodule(op.module.rsplit(".", 1)[0]) if "." in op.module else model
+        if getattr(owner, "_hyparallel_tp", None) == tp:
+            continue
+        for attribute in _HEAD_ATTRIBUTES:
+            value = getattr(owner, attribute, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue
+            if attribute == "num_key_value_groups" and value == query_heads // kv_heads:
+                setattr(owner, attribute, local_q // local_kv)
+            elif value == query_heads:
+                setattr(owner, attribute, local_q)
+            elif value == query_heads * head_dim:
+                setattr(owner, attribute, local_q * head_dim)
+            elif value == kv_heads and kv_heads != query_heads:
+                setattr(owner, attribute, local_kv)
+        owner._hyparallel_tp = tp
+
+
+def _enter_sequence_parallel(model: nn.Module, graph: ModelGraph, styles: dict[str, str], group: ProcessGroup) -> list[str]:
+    """Split the hidden state along the sequence between the first block's input and the last block's output.
+
+    Replicated parameters inside the blocks (norms, row biases) then see only part of the sequence, so
+    their gradients are all-reduced over the tensor-parallel group as they are produced.
+    """
+    if not graph.blocks:
+        raise ConfigError("sequence_parallel needs repeated blocks (transformer layers) to shard between")
+    first, last = model.get_submodule(graph.blocks[0].path), model.get_submodule(graph.blocks[-1].path)
+    size = torch.distributed.get_world_size(group)
+
+    def scatter(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.size(SEQ_DIM) % size:
+            raise ConfigError(f"sequence_parallel: sequence length {hidden.size(SEQ_DIM)} is not divisible by tp {size}")
+        hidden = scatter_to_tp(hidden, SEQ_DIM, group)
+        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+
+    def gather(module, args, output):
+        if isinstance(output, tuple):
+            return (gather_from_tp(output[0], SEQ_DIM, group), *output[1:])
+        return gather_from_tp(output, SEQ_DIM, group)
+
+    first.register_forward_pre_hook(scatter, with_kwargs=True)
+    last.register_forward_hook(gather)
+    synced = []
+    for block in graph.blocks:
+        for path, module in model.get_submodule(block.path).named_modules(prefix=block.path):
+            for name, param in module.named_parameters(recurse=False):
+                split = isinstance(module, ColumnParallelLinear) or (isinstance(module, RowParallelLinear) and name == "weight")
+                if not split:
+                    param.register_hook(lambda grad: all_reduce_(grad.clone(), group))
+                    synced.append(f"{path}.{name}")
+    return synced
+
+
+def _tied_parameters(model: nn.Module) -> list[list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+    """Tied weights (embedding and head) stay one parameter after both were split the same way."""
+    for names in ties:
+        first, *others = names
+        source = model.get_parameter(first)
+        for name in others:
+            owner_path, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_path) if owner_path else model
+            if getattr(owner, attr).shape == source.shape:
+                setattr(owner, attr, source)
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, attr, module)

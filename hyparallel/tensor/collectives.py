@@ -1,0 +1,154 @@
+"""Tensor-parallel collectives as autograd functions, each the mirror of its backward.
+
+    copy_to_tp      forward: identity          backward: all-reduce
+    reduce_from_tp  forward: all-reduce        backward: identity
+    scatter_to_tp   forward: keep own chunk    backward: all-gather
+    gather_from_tp  forward: all-gather        backward: keep own chunk
+    all_gather_seq  forward: all-gather        backward: reduce-scatter   (sequence parallelism)
+    reduce_scatter_seq forward: reduce-scatter backward: all-gather       (sequence parallelism)
+
+The group is always passed in (Megatron-LM's mappings.py idiom, without its global state), and each
+is a no-op for a group of one. Gloo has no reduce-scatter: there it is an all-reduce followed by
+keeping the own chunk (same result, twice the traffic; gloo is for CPU tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def _size(group: ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _own_chunk(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    size = _size(group)
+    if x.size(dim) % size:
+        raise ValueError(f"dimension {dim} of size {x.size(dim)} does not split over {size} tensor-parallel ranks")
+    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    if dist.get_backend(group) == "gloo":
+        return _own_chunk(_all_reduce(x, group), dim, group)
+    size = _size(group)
+    parts = [p.contiguous() for p in x.chunk(size, dim=dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _own_chunk(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_chunk(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward: where a replicated input enters split compute."""
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-reduce forward (sum the partial results), identity backward."""
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Keep this rank's chunk along ``dim`` forward; all-gather the gradient backward."""
+    return x if _size(group) == 1 else _ScatterToTP.apply(x, dim, group)
+
+
+def gather_from_tp(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """All-gather along ``dim`` forward; keep this rank's chunk of the gradient backward."""
+    return x if _size(group) == 1 else _GatherFromTP.apply(x, dim, group)
+
+
+def all_gather_seq(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """All-gather along the sequence ``dim`` forward; reduce-scatter the gradient backward."""
+    return x if _size(group) == 1 else _AllGatherSeq.apply(x, dim, group)
+
+
+def reduce_scatter_seq(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Reduce-scatter along the sequence ``dim`` forward; all-gather the gradient backward."""
+    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, dim, group)
+
+
+def all_reduce_(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce without autograd (gradient synchronisation, loss statistics)."""
+    if _size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
