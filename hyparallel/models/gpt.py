@@ -139,6 +139,11 @@ class GPT(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
 
+    def init_std(self, name: str, std: float = 0.02) -> float:
+        """Standard deviation of parameter ``name``'s normal init (residual projections scaled by 1/sqrt(2L))."""
+        residual = name.removesuffix(".weight").endswith(".proj")
+        return std / math.sqrt(2 * self.config.num_layers) if residual else std
+
     def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> tuple[torch.Tensor]:
         """Token ids of the given shape, for tracing and planning."""
         return (torch.zeros(batch_size, seq_len, dtype=torch.long, device=device),)

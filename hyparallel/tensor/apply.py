@@ -21,6 +21,7 @@ from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph
 from hyparallel.planner.tp import TPAnalysis, analyze
 from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
+from hyparallel.tensor.init import retie, tied_parameters
 from hyparallel.tensor.layers import (SEQ_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
                                       enter_tp_region)
 
@@ -71,7 +72,7 @@ def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], gro
         raise ConfigError(f"tensor_parallel: {reason}")
     styles = {p: s for p, s in expand_styles(model, tensor_parallel).items() if s != "replicate"}
     info = TensorParallelInfo(group=group, tp=tp, rank=rank, sequence_parallel=sequence_parallel, styles=styles)
-    ties = _tied_parameters(model)
+    ties = tied_parameters(model)
     by_module = {graph.op(name).module: name for name in analysis.styles}
     blocks = tuple(block.path + "." for block in graph.blocks)
     entries = _region_entries(graph, analysis, styles, blocks, by_module)
@@ -85,7 +86,7 @@ def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], gro
             info.vocab_size = analysis.vocab_size
             info.vocab_start = rank * math.ceil(analysis.vocab_size / tp)
         _set_submodule(model, path, new)
-    _retie(model, ties)
+    retie(model, ties)
     for owner in sorted(set(entries.values())):
         model.get_submodule(owner).register_forward_pre_hook(_entry_hook(group, sequence_parallel), with_kwargs=True)
     _patch_attention_attributes(model, graph, analysis, tp)
@@ -292,25 +293,6 @@ def _enter_sequence_parallel(model: nn.Module, graph: ModelGraph, styles: dict[s
                     param.register_hook(lambda grad: all_reduce_(grad.clone(), group))
                     synced.append(f"{path}.{name}")
     return synced
-
-
-def _tied_parameters(model: nn.Module) -> list[list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def _retie(model: nn.Module, ties: list[list[str]]) -> None:
-    """Tied weights (embedding and head) stay one parameter after both were split the same way."""
-    for names in ties:
-        first, *others = names
-        source = model.get_parameter(first)
-        for name in others:
-            owner_path, _, attr = name.rpartition(".")
-            owner = model.get_submodule(owner_path) if owner_path else model
-            if getattr(owner, attr).shape == source.shape:
-                setattr(owner, attr, source)
 
 
 def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from hyparallel.tensor.init import ShardLayout
 from hyparallel.tensor.collectives import all_gather_seq, all_reduce_, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_seq
 
 SEQ_DIM = 1
@@ -44,6 +45,11 @@ class ColumnParallelLinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, -1, self.group) if self.gather_output else y
 
+    def shard_layout(self, leaf: str) -> ShardLayout:
+        """Where this rank's weight/bias rows sit in the full parameter."""
+        full = (self.out_features, self.in_features) if leaf == "weight" else (self.out_features,)
+        return ShardLayout(full_shape=full, rows=tuple(self.rows))
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rows={self.rows}"
 
@@ -74,6 +80,10 @@ class RowParallelLinear(nn.Module):
         y = reduce_scatter_seq(y, SEQ_DIM, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
+    def shard_layout(self, leaf: str) -> ShardLayout | None:
+        """Where this rank's weight columns sit in the full weight (the bias is whole)."""
+        return ShardLayout(full_shape=(self.out_features, self.in_features), cols=self.cols) if leaf == "weight" else None
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, cols={self.cols}"
 
@@ -96,6 +106,10 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
+    def shard_layout(self, leaf: str) -> ShardLayout:
+        """This rank's vocabulary rows; rows past the real vocabulary are padding."""
+        return ShardLayout(full_shape=(self.num_embeddings, self.embedding_dim), rows=(self.rows,))
+
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, rows={self.rows}"
 
@@ -114,6 +128,11 @@ class VocabParallelHead(ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         return y[..., : self.vocab_size] if self.gather_output else y
+
+    def shard_layout(self, leaf: str) -> ShardLayout:
+        """This rank's vocabulary rows of the head; rows past the real vocabulary are padding."""
+        full = (self.vocab_size, self.in_features) if leaf == "weight" else (self.vocab_size,)
+        return ShardLayout(full_shape=full, rows=tuple(self.rows))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import hyparallel as hp
 from hyparallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from hyparallel.tensor.init import materialize_
 from hyparallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -68,8 +69,12 @@ def full_grad(module, param_name: str, grad: torch.Tensor, group) -> torch.Tenso
     return grad
 
 
-def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss: bool) -> dict:
-    reference, model = build(spec), build(spec)
+def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss: bool, from_meta: bool = False) -> dict:
+    if from_meta:  # planned on the meta device: each rank materialises only its slices
+        reference = materialize_(hp.models.load(spec, device="meta").module, "cpu", seed=11)
+        model = hp.models.load(spec, device="meta").module
+    else:
+        reference, model = build(spec), build(spec)
     batch, seq = 2, 16
     torch.manual_seed(7)
     vocab = (reference.config.vocab_size if hasattr(reference.config, "vocab_size") else 256)
@@ -84,6 +89,9 @@ def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss
                    seq_len=seq, dtype="fp32", tp=dist.get_world_size(tp_group), pp=1)
     info = apply_tensor_parallel(model, plan.tensor_parallel, tp_group, graph, sequence_parallel=sequence_parallel,
                                  gather_logits=not vocab_loss)
+    if from_meta:
+        assert all(p.is_meta for p in model.parameters())  # nothing allocated until materialised
+        materialize_(model, "cpu", seed=11)
     logits = logits_of(model(inputs))
     if vocab_loss:
         loss = vocab_parallel_cross_entropy(logits, targets, tp_group, info.vocab_start, info.vocab_size)
@@ -130,6 +138,14 @@ def main() -> None:
                         results.append({"case": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
                                         "trace": traceback.format_exc()[-3000:]})
                     dist.barrier()
+        for model_name in ("gpt", "llama", "hf-llama"):
+            name = f"{model_name}-tp{tp}-meta"
+            try:
+                results.append({**run_case(name, MODELS[model_name], group, False, False, from_meta=True), "ok": True})
+            except Exception as exc:  # noqa: BLE001 -- reported per case to the test
+                results.append({"case": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                                "trace": traceback.format_exc()[-3000:]})
+            dist.barrier()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if rank == 0:

@@ -1,0 +1,124 @@
+"""Deterministic initialisation that any slice of a parameter computes on its own.
+
+A model planned on the meta device is materialised rank by rank: each tensor-parallel rank allocates
+only its slices and fills them from the same per-parameter random streams a single device would use,
+so no rank ever holds a full split weight, and the result equals the unsplit model built the same
+way (``materialize_`` on one device). Random values come in chunks of ``CHUNK_ROWS`` rows, each from a
+generator seeded by (seed, parameter name, chunk): a slice regenerates only the chunks it overlaps.
+
+Rules follow the common initialisers (GPT-2, transformers' ``_init_weights``): biases zero, norm
+weights one, other weights N(0, std) with std from ``model.init_std(name)`` when the model defines it,
+else the config's ``initializer_range``, else 0.02.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+CHUNK_ROWS = 256
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a local parameter sits in the full one: row ranges (dim 0), a column range (dim 1)."""
+
+    full_shape: tuple[int, ...]
+    rows: tuple[tuple[int, int], ...] | None = None  # None: all rows
+    cols: tuple[int, int] | None = None  # None: all columns
+    valid_rows: int | None = None  # rows at or past this are vocabulary padding: zeros
+
+
+def init_rule(model: nn.Module, name: str, module: nn.Module, leaf: str) -> tuple[str, float]:
+    """("zeros" | "ones" | "normal", std) for parameter ``name`` (``leaf`` of ``module``)."""
+    if leaf == "bias":
+        return "zeros", 0.0
+    kind = type(module).__name__
+    if "Norm" in kind:
+        return "ones", 0.0
+    if callable(getattr(model, "init_std", None)):
+        return "normal", float(model.init_std(name))
+    config = getattr(model, "config", None)
+    return "normal", float(getattr(config, "initializer_range", None) or 0.02)
+
+
+def _seed(seed: int, name: str, chunk: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}:{chunk}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@torch.no_grad()
+def fill_(tensor: torch.Tensor, rule: tuple[str, float], name: str, layout: ShardLayout, seed: int = 0) -> None:
+    """Fill ``tensor`` (this rank's slice) with the values the full parameter ``name`` has at ``layout``."""
+    kind, std = rule
+    if kind != "normal" or tensor.dim() == 0:
+        tensor.fill_(0.0 if kind == "zeros" else 1.0)
+        return
+    full_rows = layout.full_shape[0]
+    width = layout.full_shape[1] if len(layout.full_shape) > 1 else 1
+    cols = layout.cols or (0, width)
+    local = tensor.view(tensor.size(0), -1)
+    offset = 0
+    for start, stop in layout.rows or ((0, full_rows),):
+        real_stop = min(stop, full_rows)
+        for chunk in range(start // CHUNK_ROWS, (real_stop - 1) // CHUNK_ROWS + 1 if start < real_stop else 0):
+            first = chunk * CHUNK_ROWS
+            rows_here = min(CHUNK_ROWS, full_rows - first)
+            generator = torch.Generator().manual_seed(_seed(seed, name, chunk))
+            block = torch.randn(rows_here, width, generator=generator) * std  # at most CHUNK_ROWS rows at a time
+            lo, hi = max(start, first), min(stop, first + rows_here)
+            piece = block[lo - first: hi - first, cols[0]:cols[1]]
+            local[offset: offset + hi - lo].copy_(piece.to(local.dtype))
+            offset += hi - lo
+        if stop > full_rows:  # vocabulary padding past the real rows
+            padding = stop - max(start, full_rows)
+            local[offset: offset + padding].zero_()
+            offset += padding
+
+
+@torch.no_grad()
+def materialize_(model: nn.Module, device: torch.device | str, seed: int = 0) -> nn.Module:
+    """Allocate a meta-device model on ``device`` and initialise it deterministically, slice by slice."""
+    ties = tied_parameters(model)
+    model.to_empty(device=device)  # allocates each module's parameters anew, which unties them
+    retie(model, ties)
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        owner_path, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_path) if owner_path else model
+        layout = owner.shard_layout(leaf) if callable(getattr(owner, "shard_layout", None)) else None
+        layout = layout or ShardLayout(full_shape=tuple(param.shape))
+        fill_(param.data, init_rule(model, name, owner, leaf), name, layout, seed)
+    for module in model.modules():  # buffers only (rotary tables): recompute them
+        if next(module.parameters(recurse=False), None) is None and next(module.buffers(recurse=False), None) is not None:
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+            elif callable(getattr(model, "_init_weights", None)):  # transformers' models recompute rotary buffers here
+                model._init_weights(module)
+    return model
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one tensor (tied embedding and head)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model: nn.Module, ties: list[list[str]]) -> None:
+    """Tied weights (embedding and head) stay one parameter after both were split the same way."""
+    for names in ties:
+        first, *others = names
+        source = model.get_parameter(first)
+        for name in others:
+            owner_path, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_path) if owner_path else model
+            if getattr(owner, attr).shape == source.shape:
+                setattr(owner, attr, source)
