@@ -68,6 +68,7 @@ class ParallelConfig(_Section):
     recompute: Recompute = "none"
     zero: ZeroStage = 0
     sequence_parallel: bool = False
+    fused_kernels: bool = True  # Triton kernels for the split matmuls where they apply (HYPARALLEL_TRITON=0 also turns them off)
 
     @property
     def world_size(self) -> int:

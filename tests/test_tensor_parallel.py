@@ -16,19 +16,25 @@ import pytest
 MODELS = ("gpt", "llama", "hf-gpt2", "hf-llama")
 CASES = [f"{m}-tp{tp}{suffix}" for tp in (2, 4) for m in MODELS for suffix in ("", "-vocab-loss", "-sp")]
 CASES += [f"{m}-tp{tp}-meta" for tp in (2, 4) for m in ("gpt", "llama", "hf-llama")]  # materialised slice by slice
+CASES += ["gpt-tp2-triton", "hf-llama-tp2-triton"]  # fused GeLU / SiLU epilogues in Triton (interpreter on the CPU)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory, repo):
-    out = tmp_path_factory.mktemp("tp") / "results.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+def launch(repo, out, processes: int, *extra: str, env: dict | None = None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), **(env or {})}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-         str(repo / "tests" / "distributed" / "tp_worker.py"), str(out)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+         str(repo / "tests" / "distributed" / "tp_worker.py"), str(out), *extra],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, repo):
+    main = launch(repo, tmp_path_factory.mktemp("tp") / "results.jsonl", 4)
+    triton = launch(repo, tmp_path_factory.mktemp("tp") / "triton.jsonl", 2, "triton", env={"TRITON_INTERPRET": "1"})
+    return {**main, **triton}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -38,6 +44,11 @@ def test_matches_single_device(results, case):
     assert result["checked_params"] >= 21  # every parameter's gradient was compared
     if case.endswith("-sp"):
         assert result["synced"] > 0  # norms (and row biases) see part of the sequence: their gradients are summed
+    # The MLP activation module (GeLU; transformers' SiLU after gate_proj) moves into its column Linear's
+    # epilogue, one per layer; the zoo Llama calls F.silu, a function, which stays where it is.
+    assert result["fused"] == (0 if case.startswith("llama-") else 2)
+    if case.endswith("-triton"):
+        assert result["triton"]  # the Triton path really ran
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith(("gpt-", "hf-gpt2-"))])

@@ -59,12 +59,15 @@ def expand_styles(model: nn.Module, tensor_parallel: dict[str, str]) -> dict[str
 
 
 def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], group: ProcessGroup, graph: ModelGraph,
-                          *, sequence_parallel: bool = False, gather_logits: bool = True) -> TensorParallelInfo:
+                          *, sequence_parallel: bool = False, gather_logits: bool = True,
+                          fused_kernels: bool = True) -> TensorParallelInfo:
     """Swap the modules ``tensor_parallel`` names for their tensor-parallel versions on ``group``, in place.
 
     ``graph`` is the model traced by ``hyparallel.trace``. Each rank keeps only its slices of the split
     weights. With ``gather_logits`` the vocab-parallel head returns full logits (any loss works);
-    without, it returns this rank's vocabulary slice for ``vocab_parallel_cross_entropy``.
+    without, it returns this rank's vocabulary slice for ``vocab_parallel_cross_entropy``. With
+    ``fused_kernels`` an activation module right after a column Linear runs in that Linear's matmul
+    epilogue (a Triton kernel on CUDA; the environment variable HYPARALLEL_TRITON=0 turns it off too).
     """
     tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     analysis = analyze(graph)
@@ -87,12 +90,45 @@ def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], gro
             info.vocab_start = rank * math.ceil(analysis.vocab_size / tp)
         _set_submodule(model, path, new)
     retie(model, ties)
+    if fused_kernels:
+        _fuse_activations(model, graph, styles, by_module)
     for owner in sorted(set(entries.values())):
         model.get_submodule(owner).register_forward_pre_hook(_entry_hook(group, sequence_parallel), with_kwargs=True)
     _patch_attention_attributes(model, graph, analysis, tp)
     if sequence_parallel and tp > 1:
         info.synced_params = _enter_sequence_parallel(model, graph, styles, group)
     return info
+
+
+# Activation modules a column Linear can apply in its epilogue (torch's and transformers' names).
+_FUSABLE = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh",
+            "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "GELUTanhActivation": "gelu_tanh"}
+
+
+def _fusable_activation(module: nn.Module) -> str | None:
+    if isinstance(module, nn.GELU):
+        return "gelu_tanh" if module.approximate == "tanh" else "gelu"
+    return _FUSABLE.get(type(module).__name__)
+
+
+def _fuse_activations(model: nn.Module, graph: ModelGraph, styles: dict[str, str], by_module: dict[str, str]) -> None:
+    """Move each activation module that alone consumes a column Linear's output into that Linear."""
+    g = graph.graph
+    calls: dict[str, int] = {}
+    for op in graph.compute_ops():
+        calls[op.module] = calls.get(op.module, 0) + 1
+    for path, style in styles.items():
+        if style != "column":
+            continue
+        successors = list(g.successors(by_module.get(path, path)))
+        if len(successors) != 1 or graph.op(successors[0]).kind != "activation":
+            continue
+        act_path = graph.op(successors[0]).module
+        activation = _fusable_activation(model.get_submodule(act_path)) if act_path else None
+        if activation is None or calls.get(act_path) != 1:  # a module called elsewhere too stays
+            continue
+        model.get_submodule(path).activation = activation
+        _set_submodule(model, act_path, nn.Identity())
 
 
 def _region_entries(graph: ModelGraph, analysis: TPAnalysis, styles: dict[str, str], blocks: tuple[str, ...],

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from hyparallel.tensor.init import ShardLayout
+from hyparallel.tensor.kernels import linear_act
 from hyparallel.tensor.collectives import all_gather_seq, all_reduce_, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_seq
 
 SEQ_DIM = 1
@@ -28,8 +29,11 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, rows: list[tuple[int, int]], bias: bool, group: ProcessGroup,
                  *, sequence_parallel: bool = False, gather_output: bool = False, enter_region: bool = True,
-                 device=None, dtype=None):
+                 activation: str = "none", device=None, dtype=None):
         super().__init__()
+        # An activation that followed this Linear in the model, applied in the matmul's epilogue (Triton on
+        # CUDA, torch otherwise): see hyparallel.tensor.kernels.linear_act.
+        self.activation = activation
         self.in_features, self.out_features, self.rows = in_features, out_features, rows
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
         # False when the module owning several column Linears (an attention, an MLP) enters the
@@ -42,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_tp_region(x, self.group, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias) if self.activation == "none" else linear_act(x, self.weight, self.bias, self.activation)
         return gather_from_tp(y, -1, self.group) if self.gather_output else y
 
     def shard_layout(self, leaf: str) -> ShardLayout:
@@ -51,7 +55,8 @@ class ColumnParallelLinear(nn.Module):
         return ShardLayout(full_shape=full, rows=tuple(self.rows))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, rows={self.rows}"
+        fused = f", activation={self.activation}" if self.activation != "none" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows={self.rows}{fused}"
 
 
 def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:

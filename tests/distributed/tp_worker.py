@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import traceback
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 import hyparallel as hp
 from hyparallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from hyparallel.tensor.init import materialize_
+from hyparallel.tensor.kernels import kernels_enabled
 from hyparallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -116,13 +118,36 @@ def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss
         checked += 1
     tp = dist.get_world_size(tp_group)
     # Memory: split weights hold 1/tp of the full bytes (more only where key/value heads are replicated).
+    fused = sum(1 for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.activation != "none")
     return {"case": name, "checked_params": checked, "split_fraction": split_bytes / full_bytes, "tp": tp,
-            "synced": len(info.synced_params)}
+            "synced": len(info.synced_params), "fused": fused}
+
+
+def triton_cases() -> list[dict]:
+    """The fused column Linears through the Triton kernels, run by Triton's interpreter on the CPU.
+
+    Launched on its own with TRITON_INTERPRET=1 in the environment: Triton reads it when first imported.
+    """
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    results = []
+    for model_name in ("gpt", "hf-llama"):
+        name = f"{model_name}-tp2-triton"
+        try:
+            result = run_case(name, MODELS[model_name], dist.group.WORLD, False, False)
+            results.append({**result, "ok": True, "triton": kernels_enabled(torch.zeros(1))})
+        except Exception as exc:  # noqa: BLE001 -- reported per case to the test
+            results.append({"case": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                            "trace": traceback.format_exc()[-3000:]})
+        dist.barrier()
+    return results
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if len(sys.argv) > 2 and sys.argv[2] == "triton":
+        write_results(triton_cases())
+        return
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     everyone = dist.new_group([0, 1, 2, 3])
     results = []
@@ -146,9 +171,14 @@ def main() -> None:
                 results.append({"case": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
                                 "trace": traceback.format_exc()[-3000:]})
             dist.barrier()
+    write_results(results)
+
+
+def write_results(results: list[dict]) -> None:
+    """Merge every rank's results per case (a failure anywhere fails the case) and write them from rank 0."""
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
-    if rank == 0:
+    if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as out:
             for per_rank in zip(*gathered):
                 merged = dict(per_rank[0])
