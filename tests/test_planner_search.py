@@ -48,7 +48,7 @@ def small_cluster(preset: str, nodes: int, per_node: int, memory_bytes: int | No
 @pytest.mark.parametrize(("model_name", "preset", "nodes", "per_node", "global_batch", "memory_fraction"), [
     ("gpt-mini", "cpu", 1, 8, 16, None),
     ("gpt-mini", "a100-80g", 2, 8, 32, 0.25),  # tight memory: many plans do not fit
-    ("llama-tiny", "h100-sxm", 2, 4, 16, 0.5),
+    ("llama-tiny", "h100-sxm", 2, 4, 16, 0.3),
     ("gpt-tiny", "cpu", 1, 4, 8, 0.3),
 ])
 def test_search_matches_brute_force(model_name, preset, nodes, per_node, global_batch, memory_fraction):

@@ -20,8 +20,8 @@ _ATTENTION = {
 _MATMUL = {"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "linear", "conv1d", "conv2d", "convolution", "__matmul__"}
 _EMBEDDING = {"embedding", "embedding_bag"}
 _NORM = {"layer_norm", "native_layer_norm", "rms_norm", "group_norm", "batch_norm", "native_batch_norm", "instance_norm"}
-_ACTIVATION = {"gelu", "silu", "relu", "relu_", "tanh", "sigmoid", "mish", "softplus", "leaky_relu", "elu", "hardswish", "glu"}
-_DROPOUT = {"dropout", "native_dropout", "dropout_", "alpha_dropout", "feature_dropout"}
+_ACTIVATION = {"swiglu", "gelu", "silu", "relu", "relu_", "tanh", "sigmoid", "mish", "softplus", "leaky_relu", "elu", "hardswish", "glu"}
+_DROPOUT = {"dropout", "native_dropout", "dropout_", "alpha_dropout", "feature_dropout", "bias_dropout_residual"}
 _LOSS = {"cross_entropy", "nll_loss", "nll_loss_forward", "mse_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
          "kl_div", "smooth_l1_loss", "l1_loss", "huber_loss"}
 _VIEW = {

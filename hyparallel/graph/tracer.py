@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import itertools
 import logging
 import operator
 import traceback
@@ -194,6 +195,7 @@ _NO_FLOPS = frozenset(_VIEW_NAMES) | {
     "gt", "ge", "and_", "or_", "__and__", "__or__", "cumsum", "sum", "mean", "rsqrt", "sqrt", "exp", "tanh", "sigmoid",
     "silu", "gelu", "relu", "softmax", "log_softmax", "dropout", "native_dropout", "embedding", "layer_norm", "rms_norm",
     "repeat_interleave", "_assert_tensor_metadata", "_assert", "_assert_is_none", "index", "diff", "cos", "sin",
+    "swiglu", "bias_dropout_residual",
 }
 
 
@@ -302,7 +304,9 @@ def _profile(program: _Program) -> _Profiler:
     if program.method == "export":  # state arrives as (meta) graph inputs
         return runner(program.run_args)
     # fx: the graph module shares the user's modules; run them with meta copies of their state.
-    meta_state = {f"gm.{k}": _to_meta(v) for k, v in program.gm.state_dict(keep_vars=True).items()}
+    # One entry per tensor: tied weights (embedding and head) appear once, so functional_call keeps them tied.
+    state = itertools.chain(program.gm.named_parameters(), program.gm.named_buffers())
+    meta_state = {f"gm.{k}": _to_meta(v) for k, v in state}
     return torch.func.functional_call(runner, meta_state, (program.run_args,), tie_weights=True, strict=False)
 
 

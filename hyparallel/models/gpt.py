@@ -14,6 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyparallel.tensor.kernels import bias_dropout_residual
+
+# Traced as one op (the kernel's Python dispatch is not traceable), like a leaf module.
+torch.fx.wrap("bias_dropout_residual")
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -64,13 +69,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.bias)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
-        self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # each (B, T, n_head * head_dim)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in (q, k, v))  # (B, n_head, T, head_dim)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).flatten(2)))
+        return self.proj(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
@@ -81,25 +85,25 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=cfg.bias)
         self.act = nn.GELU(approximate="tanh")
         self.proj = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(self.act(self.fc(x))))
+        return self.proj(self.act(self.fc(x)))
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
+    """Pre-LayerNorm transformer block; dropout and residual add after each projection run as one kernel."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.dropout = cfg.dropout
         self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = bias_dropout_residual(self.attn(self.attn_norm(x)), None, x, self.dropout, self.training)
+        return bias_dropout_residual(self.mlp(self.mlp_norm(x)), None, x, self.dropout, self.training)
 
 
 class GPT(nn.Module):

@@ -13,6 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyparallel.tensor.kernels import swiglu
+
+# Traced as one op (the kernel's Python dispatch is not traceable), like a leaf module.
+torch.fx.wrap("swiglu")
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -117,7 +122,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))  # silu(gate) * up, one kernel on CUDA
 
 
 class LlamaBlock(nn.Module):

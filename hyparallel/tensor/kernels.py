@@ -77,6 +77,8 @@ def kernels_enabled(*tensors: Tensor | None) -> bool:
     """
     if os.environ.get("HYPARALLEL_TRITON", "").strip() == "0":
         return False
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False  # being traced (torch.compile, torch.export): the torch reference is what gets captured
     present = [t for t in tensors if t is not None]
     if not present:
         return False
