@@ -52,79 +52,43 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Ten
     return out
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+def _identity(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+def _pair(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd Function running ``forward(x, dim, group)`` and, on the gradient, its mirror ``backward``."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward_(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _own_chunk(x, dim, group)
+        return forward(x, dim, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+    def backward_(ctx, grad):
+        return backward(grad, ctx.dim, ctx.group), None, None
 
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_chunk(grad, ctx.dim, ctx.group), None, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward_), "backward": staticmethod(backward_)})
 
 
-class _AllGatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+def _reduce(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    return _all_reduce(x, group)
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+_CopyToTP = _pair("_CopyToTP", _identity, _reduce)
+_ReduceFromTP = _pair("_ReduceFromTP", _reduce, _identity)
+_ScatterToTP = _pair("_ScatterToTP", _own_chunk, _all_gather)
+_GatherFromTP = _pair("_GatherFromTP", _all_gather, _own_chunk)
+_AllGatherSeq = _pair("_AllGatherSeq", _all_gather, _reduce_scatter)
+_ReduceScatterSeq = _pair("_ReduceScatterSeq", _reduce_scatter, _all_gather)
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward: where a replicated input enters split compute."""
-    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+    return x if _size(group) == 1 else _CopyToTP.apply(x, -1, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-reduce forward (sum the partial results), identity backward."""
-    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, -1, group)
 
 
 def scatter_to_tp(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
