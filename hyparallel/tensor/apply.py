@@ -10,6 +10,7 @@ per-rank counts.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -167,10 +168,12 @@ def _owner_input(graph: ModelGraph, owner: str) -> str | None:
 
 
 def _entry_hook(group: ProcessGroup, sequence_parallel: bool):
+    """Pre-hook entering the tensor-parallel region on a module's first input (positional or keyword)."""
     def hook(module, args, kwargs):
-        if args and isinstance(args[0], torch.Tensor):
+        if args:
             return (enter_tp_region(args[0], group, sequence_parallel), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": enter_tp_region(kwargs["hidden_states"], group, sequence_parallel)}
+        first = next(iter(inspect.signature(module.forward).parameters))
+        return args, {**kwargs, first: enter_tp_region(kwargs[first], group, sequence_parallel)}
     return hook
 
 
@@ -205,7 +208,7 @@ def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph
             kept = weight[rows[0]:min(rows[1], vocab)]
             padded[: kept.size(0)] = kept
         if isinstance(old, nn.Embedding):
-            new = VocabParallelEmbedding(vocab, weight.size(1), rows, group, **kwargs)
+            new = VocabParallelEmbedding(vocab, weight.size(1), rows, group, padding_idx=old.padding_idx, **kwargs)
         else:
             new = VocabParallelHead(weight.size(1), vocab, rows, bias is not None, group, sequence_parallel=sp,
                                     gather_output=gather_logits, **kwargs)

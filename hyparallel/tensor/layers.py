@@ -100,15 +100,18 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, rows: tuple[int, int], group: ProcessGroup,
-                 *, device=None, dtype=None):
+                 *, padding_idx: int | None = None, device=None, dtype=None):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.rows, self.group = num_embeddings, embedding_dim, rows, group
+        self.padding_idx = padding_idx
+        # The padding row gets no gradient (nn.Embedding's padding_idx), on the rank that holds it.
+        self._local_padding = padding_idx - rows[0] if padding_idx is not None and rows[0] <= padding_idx < rows[1] else None
         self.weight = nn.Parameter(torch.empty(rows[1] - rows[0], embedding_dim, device=device, dtype=dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.rows[0]
         outside = (local < 0) | (local >= self.weight.size(0))
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self._local_padding)
         return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
     def shard_layout(self, leaf: str) -> ShardLayout:

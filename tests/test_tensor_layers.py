@@ -1,0 +1,63 @@
+"""Tensor-parallel modules in a world of one process: exact torch equivalents, and no-op collectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hyparallel.tensor import collectives
+from hyparallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+
+@pytest.fixture(scope="module")
+def group():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+
+
+def test_collectives_are_no_ops_for_a_group_of_one(group):
+    x = torch.randn(2, 4, 3, requires_grad=True)
+    for fn in (collectives.copy_to_tp, collectives.reduce_from_tp):
+        assert fn(x, group) is x
+    for fn in (collectives.scatter_to_tp, collectives.gather_from_tp, collectives.all_gather_seq, collectives.reduce_scatter_seq):
+        assert fn(x, 1, group) is x
+
+
+def test_vocab_parallel_embedding_keeps_the_padding_row_frozen(group):
+    torch.manual_seed(0)
+    reference = nn.Embedding(10, 4, padding_idx=3)
+    parallel = VocabParallelEmbedding(10, 4, (0, 10), group, padding_idx=3)
+    parallel.weight.data.copy_(reference.weight.data)
+    ids = torch.tensor([[1, 3, 9, 3]])
+    torch.testing.assert_close(parallel(ids), reference(ids))
+    parallel(ids).sum().backward()
+    reference(ids).sum().backward()
+    torch.testing.assert_close(parallel.weight.grad, reference.weight.grad)
+    assert torch.count_nonzero(parallel.weight.grad[3]) == 0
+
+
+def test_linears_match_nn_linear(group):
+    torch.manual_seed(0)
+    reference = nn.Linear(6, 8)
+    x = torch.randn(2, 5, 6)
+    column = ColumnParallelLinear(6, 8, [(0, 8)], True, group)
+    row = RowParallelLinear(6, 8, (0, 6), True, group)
+    for module in (column, row):
+        module.weight.data.copy_(reference.weight.data)
+        module.bias.data.copy_(reference.bias.data)
+        torch.testing.assert_close(module(x), reference(x))
+    column.activation = "gelu_tanh"  # the activation epilogue (torch fallback on the CPU)
+    torch.testing.assert_close(column(x), F.gelu(reference(x), approximate="tanh"))
+
+
+def test_vocab_parallel_cross_entropy_matches_torch(group):
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5))
+    targets[0, 0] = -100  # ignored, as in F.cross_entropy
+    ours = vocab_parallel_cross_entropy(logits, targets, group, 0, 11)
+    torch.testing.assert_close(ours, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
