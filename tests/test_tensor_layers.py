@@ -14,9 +14,10 @@ from hyparallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, Vo
 
 @pytest.fixture(scope="module")
 def group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # A world of one in this process, torn down after the module so nothing else sees a process group.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
+    dist.destroy_process_group()
 
 
 def test_collectives_are_no_ops_for_a_group_of_one(group):
