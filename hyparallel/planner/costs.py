@@ -85,10 +85,10 @@ def inflight_microbatches(schedule: Schedule, pp: int, num_microbatches: int, st
     2(p - s - 1) + (v - 1)p chunk forwards, plus one in the steady state (Megatron-LM's
     get_num_warmup_microbatches), each chunk 1/v of the stage.
     """
-    if pp == 1:
-        return 1.0
     if schedule == "gpipe":
         return float(num_microbatches)
+    if pp == 1:
+        return 1.0
     if schedule == "1f1b":
         return float(min(pp - stage, num_microbatches))
     chunks = min(2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1, num_microbatches * virtual_stages)
