@@ -123,3 +123,31 @@ def test_parameters_per_rank(gpt_profile):
     # Split: qkv and fc (weights and biases), the row Linears' weights, the vocab-parallel embedding.
     split = layers * (3 * h * h + 3 * h + h * f + f + h * h + f * h) + 256 * h
     assert per_rank == pytest.approx(total - split / 2)
+
+
+def test_every_group_decides_the_link():
+    from hyparallel.planner.search import axis_link
+
+    cluster = hp.ClusterSpec.preset("a100-80g", num_nodes=3)  # 24 GPUs, 8 per node
+    # tp=3: groups (0,1,2) .. (6,7,8): the third group crosses a node boundary.
+    assert axis_link(("pp", "dp", "tp"), {"pp": 1, "dp": 8, "tp": 3}, "tp", cluster) == cluster.inter_node
+    assert axis_link(("pp", "dp", "tp"), {"pp": 3, "dp": 1, "tp": 8}, "tp", cluster) == cluster.intra_node
+    # dp groups of 3 ranks 2 apart (0,2,4), (6,8,10): the second crosses.
+    assert axis_link(("pp", "dp", "tp"), {"pp": 4, "dp": 3, "tp": 2}, "dp", cluster) == cluster.inter_node
+    assert axis_link(("pp", "dp", "tp"), {"pp": 3, "dp": 4, "tp": 2}, "dp", cluster) == cluster.intra_node
+
+
+def test_seq_by_seq_tensors_come_from_dataflow_not_shapes():
+    # hidden == seq makes every (1, seq, hidden) activation look seq x seq; only attention scores are.
+    model = hp.models.build("gpt-tiny")
+    graph = hp.trace(model, model.example_inputs(1, 64))  # hidden 64
+    assert not ModelProfile(graph, hp.ClusterSpec.preset("cpu"), "fp32", 64).has_quadratic
+    # Bloom writes attention out with baddbmm/softmax/bmm: its scores are kept, and selective recomputation drops them.
+    bloom = hp.models.load("hf:bloom n_layer=2 hidden_size=128 n_head=4 vocab_size=1000").module
+    profile = ModelProfile(hp.trace(bloom, hp.models.example_inputs(bloom, 1, 48)), hp.ClusterSpec.preset("cpu"), "fp32", 48)
+    block = next(i for i, s in enumerate(profile.segments) if s.is_block)
+    link = profile.cluster.intra_node
+    none, selective = (profile.segment_costs(1, False, 1, r, link)[block] for r in ("none", "selective"))
+    scores = 4 * 48 * 48 * 4  # one (heads, seq, seq) fp32 tensor
+    assert none.activation_bytes - selective.activation_bytes >= 2 * scores  # softmax output, dropout output at least
+    assert selective.backward_s > none.backward_s

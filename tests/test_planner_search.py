@@ -10,7 +10,7 @@ import pytest
 import hyparallel as hp
 from hyparallel.planner import PlanError, search
 from hyparallel.planner.profile import ModelProfile
-from hyparallel.planner.search import Search, _Tables, enumerate_configs
+from hyparallel.planner.search import Search, enumerate_configs
 
 from .conftest import HF_GPT2_TINY
 
@@ -20,7 +20,7 @@ def brute_force(engine: Search) -> tuple[float, int, int]:
     best, feasible, infeasible = math.inf, 0, 0
     for config in enumerate_configs(engine.ctx, {}):
         links = engine._links(config)
-        tables = _Tables(engine._segment_costs(config, links))
+        tables = engine._tables(config, links)
         if config.schedule == "interleaved-1f1b":
             evaluations = [engine.evaluate(config)]
         else:

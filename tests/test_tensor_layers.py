@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,3 +64,20 @@ def test_vocab_parallel_cross_entropy_matches_torch(group):
     targets[0, 0] = -100  # ignored, as in F.cross_entropy
     ours = vocab_parallel_cross_entropy(logits, targets, group, 0, 11)
     torch.testing.assert_close(ours, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
+@pytest.mark.parametrize(("styles", "message"), [
+    ({"layers.*.attn.qkv": "column"}, "layers.0.attn.proj must be split too"),
+    ({"layers.*.attn_norm": "column"}, "cannot split layers.0.attn_norm (column; the dataflow allows replicate)"),
+    ({"layers.*.attn.qkv": "row", "layers.*.attn.proj": "row"}, "cannot split layers.0.attn.qkv (row; the dataflow allows column)"),
+    ({"blocks.*.fc": "column"}, "'blocks.*.fc' matches no module of GPT"),
+])
+def test_a_plan_that_does_not_fit_the_model_is_refused(group, styles, message):
+    import hyparallel as hp
+    from hyparallel.errors import ConfigError
+    from hyparallel.tensor import apply_tensor_parallel
+
+    model = hp.models.build("gpt-tiny", device="cpu")
+    graph = hp.trace(model, model.example_inputs(1, 8))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        apply_tensor_parallel(model, styles, group, graph)

@@ -64,7 +64,7 @@ class _SegmentRaw:
     params_by_tp: Callable[[int], float]
     saved_split: float
     saved_full: float
-    saved_quadratic: float
+    saved_quadratic: tuple[float, float]  # (split by tp, whole) bytes of seq x seq tensors
     block_input_bytes: float
     is_block: bool
     comm_fwd: tuple[float, ...]
@@ -79,6 +79,7 @@ class ModelProfile:
         self.tp_analysis: TPAnalysis = analyze(graph)
         self.segments = graph.segments()
         self.segments_last_op = self.segments[-1].ops[-1]
+        self.quadratic = self._quadratic_ops()
         element = graph.param_bytes / graph.num_params if graph.num_params else 4
         self.scale = costs.DTYPE_BYTES[dtype] / element  # traced bytes -> plan-dtype bytes
         self.dtype_bytes = costs.DTYPE_BYTES[dtype]
@@ -86,9 +87,10 @@ class ModelProfile:
         self.cut_bytes = max((cut.bytes for cut in graph.cut_points), default=0) * self.scale
         self.forward_flops = graph.flops  # per sequence: the graph is traced at batch 1
         self.num_blocks = len(graph.blocks)
-        self.has_quadratic = any(raw.saved_quadratic for raw in self.raw)
+        self.has_quadratic = any(sum(raw.saved_quadratic) for raw in self.raw)
         self._cache: dict[tuple, tuple[SegmentCost, ...]] = {}
         self._totals: dict[tuple, tuple[float, float, float]] = {}
+        self._tied: dict[int, list[tuple[int, tuple[int, ...], float]]] = {}
 
     # ---- per configuration ------------------------------------------------------------------
 
@@ -105,6 +107,23 @@ class ModelProfile:
                 result.append(by_signature[raw.signature])
             self._cache[key] = tuple(result)
         return self._cache[key]
+
+    def tied_segments(self, tp: int) -> list[tuple[int, tuple[int, ...], float]]:
+        """Weights read in several segments (tied embedding and head): (owner, readers, parameters per tp rank)."""
+        if tp not in self._tied:
+            segment_of = {name: i for i, segment in enumerate(self.segments) for name in segment.ops}
+            owners = {p: op for op in self.graph.compute_ops() if op.param_count for p in op.params}
+            readers: dict[str, set[int]] = {}
+            for op in self.graph.compute_ops():
+                for p in op.params:
+                    if op.name in segment_of and owners.get(p) is not op:
+                        readers.setdefault(p, set()).add(segment_of[op.name])
+            self._tied[tp] = [
+                (segment_of[owners[p].name], tuple(sorted(r - {segment_of[owners[p].name]})),
+                 self.tp_analysis.params_per_rank(owners[p], tp))
+                for p, r in readers.items() if p in owners and r - {segment_of[owners[p].name]}
+            ]
+        return self._tied[tp]
 
     def totals(self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str,
                tp_link: LinkSpec) -> tuple[float, float, float]:
@@ -135,7 +154,8 @@ class ModelProfile:
             working, saved = saved, raw.block_input_bytes / (tp if sp else 1)
         elif raw.is_block and recompute == "selective":
             backward += quadratic_forward  # re-run the ops producing the seq^2 tensors (Korthikanti et al. 2022)
-            saved -= raw.saved_quadratic / tp
+            quadratic_split, quadratic_full = raw.saved_quadratic
+            saved -= quadratic_split / tp + quadratic_full / (tp if sp else 1)
         return SegmentCost(forward_s=forward, backward_s=backward, tp_comm_s=comm_fwd + comm_bwd,
                            params=raw.params_by_tp(tp), activation_bytes=saved * b, working_bytes=working * b)
 
@@ -164,7 +184,7 @@ class ModelProfile:
         signature = (tuple(op_costs), saved_split, saved_full, quadratic, comm_fwd, comm_bwd, entering,
                      segment.is_block, tuple((analysis.styles.get(op.name), op.param_count) for op in ops))
         return _SegmentRaw(ops=op_costs, signature=signature, params_by_tp=params_by_tp, saved_split=saved_split * scale,
-                           saved_full=saved_full * scale, saved_quadratic=quadratic * scale,
+                           saved_full=saved_full * scale, saved_quadratic=(quadratic[0] * scale, quadratic[1] * scale),
                            block_input_bytes=entering * scale, is_block=segment.is_block,
                            comm_fwd=tuple(x * scale for x in comm_fwd), comm_bwd=tuple(x * scale for x in comm_bwd))
 
@@ -176,10 +196,29 @@ class ModelProfile:
         weight = op.input_shapes[0][-1] * op.output_shapes[0][-1] * self.dtype_bytes if op.kind == "linear" and op.params else 0
         return _OpCost(kind=op.kind if op.kind != "view" or op.target in _COPYING_VIEWS else "copy", flops=op.flops,
                        in_bytes=in_bytes, out_bytes=out_bytes, weight_bytes=weight, style=style,
-                       quadratic=self._is_quadratic(op.output_shapes))
+                       quadratic=op.name in self.quadratic)
 
-    def _is_quadratic(self, shapes) -> bool:
-        return any(sum(1 for d in shape if d == self.seq_len) >= 2 for shape in shapes)
+    def _quadratic_ops(self) -> set[str]:
+        """Ops producing seq x seq tensors (attention scores and what is computed from them before the next product).
+
+        Found from dataflow: a product of two activations whose output ends in (seq, seq), and the elementwise
+        ops after it (scale, mask, softmax, dropout) while their outputs keep that shape. A shape test alone
+        would mistake a (batch, seq, hidden) tensor for scores whenever hidden == seq.
+        """
+        g, found = self.graph.graph, set()
+
+        def scores(name: str) -> bool:
+            shapes = g.nodes[name]["output_shapes"]
+            return bool(shapes) and len(shapes[0]) >= 2 and shapes[0][-1] == shapes[0][-2] == self.seq_len
+
+        for op in self.graph.compute_ops():
+            from_scores = any(p in found for p in g.predecessors(op.name))
+            if op.kind == "matmul":  # queries x keys makes scores; scores x values does not (whatever its shape)
+                if not op.params and scores(op.name) and not from_scores:
+                    found.add(op.name)
+            elif op.kind in ("elementwise", "activation", "dropout", "view", "copy") and scores(op.name) and from_scores:
+                found.add(op.name)
+        return found
 
     def _base(self, name: str) -> str:
         """The op whose output storage a value aliases (views resolved to what they view)."""
@@ -209,16 +248,21 @@ class ModelProfile:
                 saved[f"{op.name}:lse"] = _numel(op.output_shapes[0]) / op.input_shapes[0][-1] * 4 / self.scale
             if op.kind == "dropout":  # a one-byte mask per element
                 saved[f"{op.name}:mask"] = sum(_numel(s) for s in op.output_shapes) / self.scale
-        split = full = quadratic = 0.0
+        split = full = quadratic_split = quadratic_full = 0.0
+        styles = self.tp_analysis.styles
         for source, num_bytes in saved.items():
             base = source.split(":")[0]
-            if base in split_ops or self.tp_analysis.styles.get(base) in ("column", "vocab"):
+            # Split by tp: what column Linears produce and what is computed from it, and the vocab-parallel
+            # head's logits; the vocab-parallel embedding's output is all-reduced, so whole.
+            is_split = base in split_ops or styles.get(base) == "column" or base == self.tp_analysis.vocab_head
+            if is_split:
                 split += num_bytes
             else:
                 full += num_bytes
-            if ":" not in source and self._is_quadratic(g.nodes[base]["output_shapes"]):
-                quadratic += num_bytes
-        return split, full, quadratic
+            if ":" not in source and base in self.quadratic:
+                quadratic_split += num_bytes if is_split else 0.0
+                quadratic_full += 0.0 if is_split else num_bytes
+        return split, full, (quadratic_split, quadratic_full)
 
     def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Bytes (traced dtype, micro-batch 1) of each all-reduce forward and backward in these ops."""

@@ -85,14 +85,19 @@ class _Context:
 
 
 def axis_link(order: tuple[str, ...], sizes: dict[str, int], axis: str, cluster: ClusterSpec) -> LinkSpec:
-    """The link a group along ``axis`` talks over: inter-node if any two consecutive members sit on different nodes."""
+    """The link groups along ``axis`` talk over: intra-node only if every such group lies inside one node.
+
+    A group is ``size`` ranks ``stride`` apart, all within a window of ``stride * size`` ranks that starts at
+    a multiple of it; ranks fill nodes in order, so every group stays inside a node exactly when that
+    window divides the node.
+    """
     stride = 1
     for name in reversed(order):
         if name == axis:
             break
         stride *= sizes[name]
-    nodes = [(k * stride) // cluster.gpus_per_node for k in range(sizes[axis])]
-    return cluster.intra_node if len(set(nodes)) <= 1 else cluster.inter_node
+    window = stride * sizes[axis]
+    return cluster.intra_node if sizes[axis] == 1 or cluster.gpus_per_node % window == 0 else cluster.inter_node
 
 
 def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
@@ -201,6 +206,9 @@ class Search:
     def _segment_costs(self, c: Config, links) -> tuple[SegmentCost, ...]:
         return self.ctx.profile.segment_costs(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
 
+    def _tables(self, c: Config, links) -> _Tables:
+        return _Tables(self._segment_costs(c, links), self.ctx.profile.tied_segments(c.tp))
+
     def _p2p_s(self, c: Config, links) -> float:
         """Point-to-point seconds per micro-batch on one device: activations forward, gradients back, per chunk."""
         if c.pp == 1:
@@ -237,8 +245,8 @@ class Search:
         """Step time, memory and the best stage boundaries of one configuration."""
         self.evaluated += 1
         links = self._links(c)
-        segments = self._segment_costs(c, links)
-        tables = _Tables(segments)
+        tables = self._tables(c, links)
+        segments = tables.segments
         if c.schedule == "interleaved-1f1b":
             chunks = _interleaved_chunks(len(segments), self.ctx.profile, c.pp * c.virtual_stages)
             devices = [[chunks[d + k * c.pp] for k in range(c.virtual_stages)] for d in range(c.pp)]
@@ -345,9 +353,12 @@ def _oom_reason(memories: list[float], limit: float) -> str:
 class _Tables:
     """Prefix sums over segments, so any contiguous range's totals are two lookups."""
 
-    def __init__(self, segments: tuple[SegmentCost, ...]):
+    def __init__(self, segments: tuple[SegmentCost, ...], tied: list[tuple[int, tuple[int, ...], float]] = ()):
         self.segments = segments
         self.n = len(segments)
+        # A weight read by several segments (tied embedding and head) is held by every stage that reads it:
+        # (owner segment, reader segments, parameters per rank) -> extra parameters of a range without its owner.
+        self.tied = tied
         def prefix(values):
             return np.concatenate(([0.0], np.cumsum(values)))
         self.t = prefix([s.forward_s + s.backward_s + s.tp_comm_s for s in segments])
@@ -362,8 +373,11 @@ class _Tables:
     def range(self, start: int, end: int) -> tuple[float, ...]:
         """(t, backward, params, activations, working, largest segment's params) of segments [start, end)."""
         peak = (lambda values: float(values[start:end].max()) if end > start else 0.0)  # noqa: E731
-        return (self.t[end] - self.t[start], self.bwd[end] - self.bwd[start], self.params[end] - self.params[start],
-                self.act[end] - self.act[start], peak(self.work), peak(self.largest))
+        tied = sum(size for owner, readers, size in self.tied
+                   if not start <= owner < end and any(start <= r < end for r in readers))
+        return (self.t[end] - self.t[start], self.bwd[end] - self.bwd[start],
+                self.params[end] - self.params[start] + tied, self.act[end] - self.act[start],
+                peak(self.work), peak(self.largest))
 
     def ranges(self) -> tuple[np.ndarray, ...]:
         """The same six quantities for every [start, end) as (n+1) x (n+1) arrays."""
@@ -376,7 +390,15 @@ class _Tables:
                 table[start, start + 1:] = np.maximum.accumulate(values[start:])
             return table
 
-        return diff(self.t), diff(self.bwd), diff(self.params), diff(self.act), running_max(self.work), running_max(self.largest)
+        index = np.arange(self.n + 1)
+        params = diff(self.params)
+        for owner, readers, size in self.tied:
+            reads = np.zeros(self.n + 1)
+            reads[1:] = np.cumsum(np.isin(np.arange(self.n), readers))  # readers before each position
+            has_reader = (reads[None, :] - reads[:, None]) > 0
+            has_owner = (index[:, None] <= owner) & (owner < index[None, :])
+            params = params + size * (has_reader & ~has_owner)
+        return diff(self.t), diff(self.bwd), params, diff(self.act), running_max(self.work), running_max(self.largest)
 
 
 def _interleaved_chunks(n: int, profile: ModelProfile, chunks: int) -> list[tuple[int, int]]:

@@ -42,7 +42,28 @@ class TensorParallelInfo:
     styles: dict[str, str] = field(default_factory=dict)
     vocab_start: int = 0
     vocab_size: int | None = None
-    synced_params: list[str] = field(default_factory=list)
+    synced_params: list[str] = field(default_factory=list)  # replicated inside the SP region: partial gradients
+    shared_rows: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)  # param -> every rank's rows
+
+    def reduce_grads(self, model: nn.Module) -> None:
+        """Complete the gradients tensor parallelism leaves partial; call once per step, after the last backward.
+
+        Under sequence parallelism each rank's norm weights and row biases saw part of the sequence; key/value
+        heads held by several ranks got gradient only from each holder's own query heads. Megatron-LM does the
+        same once per step (finalize_model_grads), after gradient accumulation.
+        """
+        grads = [p.grad for p in map(model.get_parameter, self.synced_params) if p.grad is not None]
+        if grads and self.tp > 1:
+            flat = torch.cat([g.flatten() for g in grads])  # one collective for all of them
+            all_reduce_(flat, self.group)
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        for name, every_rank in self.shared_rows.items():
+            param = model.get_parameter(name)
+            if param.grad is not None:
+                param.grad.copy_(_sum_replicated_rows(param.grad, every_rank, self.rank, self.group))
 
 
 def expand_styles(model: nn.Module, tensor_parallel: dict[str, str]) -> dict[str, str]:
@@ -60,13 +81,14 @@ def expand_styles(model: nn.Module, tensor_parallel: dict[str, str]) -> dict[str
 
 
 def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], group: ProcessGroup, graph: ModelGraph,
-                          *, sequence_parallel: bool = False, gather_logits: bool = True,
+                          *, sequence_parallel: bool = False, gather_logits: bool = False,
                           fused_kernels: bool = True) -> TensorParallelInfo:
     """Swap the modules ``tensor_parallel`` names for their tensor-parallel versions on ``group``, in place.
 
     ``graph`` is the model traced by ``hyparallel.trace``. Each rank keeps only its slices of the split
-    weights. With ``gather_logits`` the vocab-parallel head returns full logits (any loss works);
-    without, it returns this rank's vocabulary slice for ``vocab_parallel_cross_entropy``. With
+    weights. The vocab-parallel head returns this rank's vocabulary slice of the logits, for
+    ``vocab_parallel_cross_entropy`` (what the planner costs); with ``gather_logits`` it all-gathers the
+    full logits instead, so any loss works, at the price of full logits on every rank. With
     ``fused_kernels`` an activation module right after a column Linear runs in that Linear's matmul
     epilogue (a Triton kernel on CUDA; the environment variable HYPARALLEL_TRITON=0 turns it off too).
     """
@@ -75,6 +97,7 @@ def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], gro
     if reason := analysis.check(tp, graph):
         raise ConfigError(f"tensor_parallel: {reason}")
     styles = {p: s for p, s in expand_styles(model, tensor_parallel).items() if s != "replicate"}
+    _check_styles(model, styles, graph, analysis)
     info = TensorParallelInfo(group=group, tp=tp, rank=rank, sequence_parallel=sequence_parallel, styles=styles)
     ties = tied_parameters(model)
     by_module = {graph.op(name).module: name for name in analysis.styles}
@@ -91,10 +114,18 @@ def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], gro
             info.vocab_start = rank * math.ceil(analysis.vocab_size / tp)
         _set_submodule(model, path, new)
     retie(model, ties)
+    for path in styles:
+        module = model.get_submodule(path)
+        every_rank = getattr(module, "every_rank_rows", None)
+        if every_rank and any(sum(r in other for other in every_rank) > 1 for r in every_rank[rank]):
+            for leaf in ("weight", "bias"):
+                if getattr(module, leaf, None) is not None:
+                    info.shared_rows[f"{path}.{leaf}"] = every_rank
     if fused_kernels:
         _fuse_activations(model, graph, styles, by_module)
     for owner in sorted(set(entries.values())):
-        model.get_submodule(owner).register_forward_pre_hook(_entry_hook(group, sequence_parallel), with_kwargs=True)
+        module = model.get_submodule(owner)
+        module.register_forward_pre_hook(_entry_hook(module, group, sequence_parallel), with_kwargs=True)
     _patch_attention_attributes(model, graph, analysis, tp)
     if sequence_parallel and tp > 1:
         info.synced_params = _enter_sequence_parallel(model, graph, styles, group)
@@ -167,14 +198,30 @@ def _owner_input(graph: ModelGraph, owner: str) -> str | None:
     return None
 
 
-def _entry_hook(group: ProcessGroup, sequence_parallel: bool):
+def _entry_hook(module: nn.Module, group: ProcessGroup, sequence_parallel: bool):
     """Pre-hook entering the tensor-parallel region on a module's first input (positional or keyword)."""
+    first = next(iter(inspect.signature(module.forward).parameters))
+
     def hook(module, args, kwargs):
         if args:
             return (enter_tp_region(args[0], group, sequence_parallel), *args[1:]), kwargs
-        first = next(iter(inspect.signature(module.forward).parameters))
         return args, {**kwargs, first: enter_tp_region(kwargs[first], group, sequence_parallel)}
     return hook
+
+
+def _check_styles(model: nn.Module, styles: dict[str, str], graph: ModelGraph, analysis: TPAnalysis) -> None:
+    """The plan may split only what the model's dataflow allows: its column/row pairs and vocab ops."""
+    allowed = {graph.op(name).module: style for name, style in analysis.styles.items() if style != "replicate"}
+    wrong = [f"{path} ({style}; the dataflow allows {allowed.get(path, 'replicate')})"
+             for path, style in styles.items() if allowed.get(path) != style]
+    if wrong:
+        raise ConfigError(f"tensor_parallel: cannot split {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; "
+                          "use the styles `hyparallel plan` writes, or replicate")
+    missing = [path for path, style in allowed.items() if style in ("column", "row") and path not in styles]
+    partners = {p for p in missing if any(p.rsplit(".", 1)[0] == q.rsplit(".", 1)[0] for q in styles)}
+    if partners:
+        raise ConfigError(f"tensor_parallel: {sorted(partners)[0]} must be split too: its column/row partner is; "
+                          "split both Linears of a pair or neither")
 
 
 def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph, analysis: TPAnalysis,
@@ -184,12 +231,14 @@ def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph
     bias = getattr(old, "bias", None)
     kwargs = {"device": weight.device, "dtype": weight.dtype}
     if style == "column":
-        rows = _column_rows(op_name, graph, analysis, tp, rank)
+        every_rank = [_column_rows(op_name, graph, analysis, tp, r) for r in range(tp)]
+        rows = every_rank[rank]
         new = ColumnParallelLinear(weight.size(1), weight.size(0), rows, bias is not None, group, sequence_parallel=sp,
                                    enter_region=enter_region, **kwargs)
         _copy(new.weight, torch.cat([weight[a:b] for a, b in rows]))
         if bias is not None:
             _copy(new.bias, torch.cat([bias[a:b] for a, b in rows]))
+        new.every_rank_rows = every_rank  # key/value heads held by several ranks: see TensorParallelInfo.reduce_grads
         return new
     if style == "row":
         width = weight.size(1) // tp
@@ -217,6 +266,24 @@ def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph
         _copy(new.weight, padded)
         return new
     raise ConfigError(f"tensor_parallel: unknown style '{style}' for {op_name}; use column, row, vocab or replicate")
+
+
+def _sum_replicated_rows(grad: torch.Tensor, every_rank: list[list[tuple[int, int]]], rank: int,
+                         group: ProcessGroup) -> torch.Tensor:
+    """Each rank's gradient covers only its own query heads: add the other holders' part of a shared key/value head."""
+    parts = [torch.empty_like(grad) for _ in every_rank]
+    torch.distributed.all_gather(parts, grad.contiguous(), group=group)
+    total = grad.clone()
+    offset = 0
+    for start, stop in every_rank[rank]:
+        for other, other_rows in enumerate(every_rank):
+            other_offset = 0
+            for other_start, other_stop in other_rows:
+                if other != rank and (other_start, other_stop) == (start, stop):
+                    total[offset: offset + stop - start] += parts[other][other_offset: other_offset + stop - start]
+                other_offset += other_stop - other_start
+        offset += stop - start
+    return total
 
 
 def _linear_weight(module: nn.Module) -> torch.Tensor:
@@ -326,11 +393,10 @@ def _enter_sequence_parallel(model: nn.Module, graph: ModelGraph, styles: dict[s
     synced = []
     for block in graph.blocks:
         for path, module in model.get_submodule(block.path).named_modules(prefix=block.path):
-            for name, param in module.named_parameters(recurse=False):
+            for name, _ in module.named_parameters(recurse=False):
                 split = isinstance(module, ColumnParallelLinear) or (isinstance(module, RowParallelLinear) and name == "weight")
                 if not split:
-                    param.register_hook(lambda grad: all_reduce_(grad.clone(), group))
-                    synced.append(f"{path}.{name}")
+                    synced.append(f"{path}.{name}")  # summed over tp by TensorParallelInfo.reduce_grads
     return synced
 
 

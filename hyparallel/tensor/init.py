@@ -113,12 +113,16 @@ def tied_parameters(model: nn.Module) -> list[list[str]]:
 
 
 def retie(model: nn.Module, ties: list[list[str]]) -> None:
-    """Tied weights (embedding and head) stay one parameter after both were split the same way."""
+    """Tied weights (embedding and head) stay one parameter; both must have been split the same way."""
+    from hyparallel.errors import ConfigError
+
     for names in ties:
         first, *others = names
         source = model.get_parameter(first)
         for name in others:
             owner_path, _, attr = name.rpartition(".")
             owner = model.get_submodule(owner_path) if owner_path else model
-            if getattr(owner, attr).shape == source.shape:
-                setattr(owner, attr, source)
+            if getattr(owner, attr).shape != source.shape:
+                raise ConfigError(f"tensor_parallel: {first} and {name} are one tied weight but were split differently; "
+                                  "give both the same style (vocab)")
+            setattr(owner, attr, source)

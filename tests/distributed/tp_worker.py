@@ -49,26 +49,22 @@ def logits_of(output):
     return output.logits if hasattr(output, "logits") else output
 
 
-def full_grad(module, param_name: str, grad: torch.Tensor, group) -> torch.Tensor:
-    """Reassemble a split gradient into the full parameter's shape (summing replicated key/value rows)."""
-    size = dist.get_world_size(group)
-    parts = [torch.empty_like(grad) for _ in range(size)]
-    dist.all_gather(parts, grad.contiguous(), group=group)
-    if isinstance(module, (VocabParallelEmbedding, VocabParallelHead)):
-        return torch.cat(parts)[: module.num_embeddings if isinstance(module, VocabParallelEmbedding) else module.vocab_size]
-    if isinstance(module, ColumnParallelLinear):
-        rows = [None] * size
-        dist.all_gather_object(rows, module.rows, group=group)
-        full = torch.zeros(module.out_features, *grad.shape[1:])
-        for rank_rows, part in zip(rows, parts):
-            offset = 0
-            for start, stop in rank_rows:
-                full[start:stop] += part[offset: offset + stop - start]
-                offset += stop - start
-        return full
+def expected_local(module, param_name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of the single-device gradient ``full`` (nn.Linear layout), padding rows zero.
+
+    Compared rank by rank: a key/value head held by several ranks must carry the whole gradient on each.
+    """
+    if isinstance(module, (ColumnParallelLinear, VocabParallelHead)) or isinstance(module, VocabParallelEmbedding):
+        rows = [module.rows] if isinstance(module, VocabParallelEmbedding) else module.rows
+        pieces = []
+        for start, stop in rows:
+            kept = full[start: min(stop, full.size(0))]
+            padding = full.new_zeros(max(0, stop - max(start, full.size(0))), *full.shape[1:])
+            pieces += [kept, padding]
+        return torch.cat(pieces)
     if isinstance(module, RowParallelLinear) and param_name == "weight":
-        return torch.cat(parts, dim=1)
-    return grad
+        return full[:, module.cols[0]:module.cols[1]]
+    return full
 
 
 def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss: bool, from_meta: bool = False) -> dict:
@@ -102,6 +98,7 @@ def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
     loss.backward()
+    info.reduce_grads(model)
     reference_params = dict(reference.named_parameters())
     checked, split_bytes, full_bytes = 0, 0, 0
     for param_name, param in model.named_parameters():
@@ -110,8 +107,8 @@ def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss
         expected = reference_params[param_name].grad
         if type(reference.get_submodule(owner_path)).__name__ == "Conv1D":
             expected = expected.t()  # compared in nn.Linear layout
-        got = full_grad(owner, leaf, param.grad, tp_group)
-        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{param_name}: {m}")
+        local = expected_local(owner, leaf, expected)
+        torch.testing.assert_close(param.grad, local, rtol=RTOL, atol=ATOL, msg=lambda m: f"{param_name}: {m}")
         if isinstance(owner, (ColumnParallelLinear, RowParallelLinear)) and leaf == "weight":
             split_bytes += param.numel() * param.element_size()
             full_bytes += expected.numel() * expected.element_size()
@@ -120,7 +117,7 @@ def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss
     # Memory: split weights hold 1/tp of the full bytes (more only where key/value heads are replicated).
     fused = sum(1 for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.activation != "none")
     return {"case": name, "checked_params": checked, "split_fraction": split_bytes / full_bytes, "tp": tp,
-            "synced": len(info.synced_params), "fused": fused}
+            "synced": len(info.synced_params), "fused": fused, "shared": len(info.shared_rows)}
 
 
 def triton_cases() -> list[dict]:
