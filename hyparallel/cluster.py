@@ -90,10 +90,6 @@ class ClusterSpec(_Frozen):
         """Devices in the whole cluster."""
         return self.num_nodes * self.gpus_per_node
 
-    def link(self, span_gpus: int) -> LinkSpec:
-        """The link a group of ``span_gpus`` consecutive ranks communicates over."""
-        return self.intra_node if span_gpus <= self.gpus_per_node else self.inter_node
-
     def resized(self, num_nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
         """The same hardware with another node count or devices per node."""
         update = {}

@@ -45,11 +45,10 @@ def test_every_preset_figure_has_a_source_comment(repo):
             assert "#" in window, f"{path.name}: no source comment near {field}"
 
 
-def test_resize_and_link_choice():
+def test_resize():
     spec = hp.ClusterSpec.preset("a100-80g", num_nodes=16)
     assert spec.num_gpus == 128 and spec.gpus_per_node == 8
-    assert spec.link(8) == spec.intra_node
-    assert spec.link(16) == spec.inter_node
+    assert spec.device == hp.ClusterSpec.preset("a100-80g").device
 
 
 def test_yaml_round_trip(tmp_path):

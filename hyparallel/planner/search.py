@@ -224,7 +224,7 @@ class Search:
         if self._memory_bound(c) > self.ctx.cluster.device.usable_memory_bytes:
             return None
         links = self._links(c)
-        total_t, params, act = self.ctx.profile.totals(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
+        total_t, params, _ = self.ctx.profile.totals(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
         total_t += c.pp * self._p2p_s(c, links)
         device = self.ctx.cluster.device
         optimizer_params = params / c.dp if c.zero >= 1 else params
@@ -338,7 +338,7 @@ class Search:
 
     def _infeasible(self, c: Config, links, tables: _Tables) -> Evaluation:
         """No boundaries fit: report the memory of the partition that needs the least."""
-        chunks = _memory_frugal_partition(tables, c.pp)
+        chunks = _memory_frugal_partition(tables, c.pp, costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp))
         evaluation = self._finish(c, links, tables, chunks, [[r] for r in chunks])
         evaluation.feasible, evaluation.step_time_s = False, math.inf
         evaluation.reason = _oom_reason(evaluation.stage_memory_bytes, self.ctx.cluster.device.usable_memory_bytes)
@@ -412,13 +412,13 @@ def _interleaved_chunks(n: int, profile: ModelProfile, chunks: int) -> list[tupl
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _memory_frugal_partition(tables: _Tables, p: int) -> list[tuple[int, int]]:
+def _memory_frugal_partition(tables: _Tables, p: int, state_bytes: float) -> list[tuple[int, int]]:
     """Contiguous stages minimising the largest stage's parameters + activations (for error messages)."""
     n = tables.n
     if p >= n:
         return [(i, i + 1) for i in range(n)] if p == n else [(0, n)]
     _, _, params, act, _, _ = tables.ranges()
-    size = np.where(tables.valid, params * 16 + act, np.inf)
+    size = np.where(tables.valid, params * state_bytes + act, np.inf)
     return _minmax_partition(lambda stage: size, n, p)
 
 
