@@ -132,3 +132,16 @@ def test_a_norm_over_the_split_dimension_keeps_the_pair_replicated():
 
     graph = hp.trace(Stack().to("meta"), torch.zeros(2, 4, 8))
     assert analyze(graph).styles == {n: "replicate" for n in ("layers.0.up", "layers.0.down", "layers.1.up", "layers.1.down")}
+
+
+def test_fused_qkv_with_grouped_query_attention_is_checked_part_by_part():
+    # Phi-3 fuses q, k, v in one projection; with 12 query and 4 key/value heads, tp=12 holds one query head and a
+    # replicated key/value head per rank (valid), tp=8 does not divide the 12 query heads.
+    spec = ("hf:phi3 num_hidden_layers=2 hidden_size=96 num_attention_heads=12 num_key_value_heads=4 "
+            "intermediate_size=144 vocab_size=1000 pad_token_id=0 bos_token_id=0 eos_token_id=0")
+    graph = traced(spec)
+    analysis = analyze(graph)
+    qkv = next(n for n in analysis.styles if n.endswith("qkv_proj"))
+    assert analysis.parts[qkv] == [96, 32, 32]
+    assert analysis.check(12, graph) is None and analysis.check(4, graph) is None
+    assert "does not divide the 12 attention heads" in analysis.check(8, graph)

@@ -37,7 +37,7 @@ class TPAnalysis:
     column_inputs: tuple[tuple[str, ...], ...]
     vocab_head: str | None = None
     vocab_embedding: str | None = None
-    notes: list[str] = field(default_factory=list)
+    parts: dict[str, list[int]] = field(default_factory=dict)  # fused column outputs: sizes of [q | k | v] etc.
 
     def check(self, tp: int, graph: ModelGraph) -> str | None:
         """Why ``tp`` cannot split this model, or None when it can."""
@@ -51,10 +51,13 @@ class TPAnalysis:
             fan_in, fan_out = op.input_shapes[0][-1], op.output_shapes[0][-1]
             if style == "column":
                 groups = self.head_groups.get(name)
-                if groups is not None and groups % tp and tp % groups:
-                    return f"tp {tp} neither divides nor is a multiple of the {groups} head groups of {op.module}"
-                if groups is None and fan_out % tp:
-                    return f"tp {tp} does not divide the {fan_out} output features of {op.module}"
+                head_dim = fan_out // groups if groups else None
+                for size in self.parts.get(name, [fan_out]):  # each part of a fused [q | k | v] on its own
+                    heads = size // head_dim if head_dim else None
+                    if heads is not None and heads % tp and tp % heads:
+                        return f"tp {tp} neither divides nor is a multiple of the {heads} heads in {op.module}"
+                    if heads is None and size % tp:
+                        return f"tp {tp} does not divide the {size} output features of {op.module}"
             elif style == "row" and fan_in % tp:
                 return f"tp {tp} does not divide the {fan_in} input features of {op.module}"
         return None
@@ -131,7 +134,23 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
         styles=styles, split_ops=frozenset(split), head_groups=head_groups, attention_heads=heads,
         vocab_size=vocab, row_ops=tuple(rows_all), column_inputs=tuple(column_inputs),
         vocab_head=head, vocab_embedding=vocab_embedding,
+        parts={name: fused_parts(graph, name) for name, style in styles.items() if style == "column"},
     )
+
+
+def fused_parts(graph: ModelGraph, op_name: str) -> list[int]:
+    """Sizes of the pieces a fused projection's output is split into along its last dim (one piece if not fused)."""
+    out = graph.op(op_name).output_shapes[0][-1]
+    successors = sorted((graph.op(n) for n in graph.graph.successors(op_name)), key=lambda op: op.index)
+    for op in successors:  # one split into pieces: x.split(...) / x.chunk(...)
+        shapes = op.output_shapes
+        if op.target in ("split", "chunk", "split_with_sizes", "unbind") and len(shapes) > 1 and sum(s[-1] for s in shapes) == out:
+            return [s[-1] for s in shapes]
+    # or several slices of the last dim (x[..., :q], x[..., q:q + kv], ...), taken in the order they run
+    slices = [op.output_shapes[0][-1] for op in successors if op.target == "slice" and op.output_shapes]
+    if len(slices) > 1 and len(slices) == len(successors) and sum(slices) == out:
+        return slices
+    return [out]
 
 
 def _is_linear(op: Op) -> bool:

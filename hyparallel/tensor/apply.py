@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph
-from hyparallel.planner.tp import TPAnalysis, analyze
+from hyparallel.planner.tp import TPAnalysis, analyze, fused_parts
 from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
 from hyparallel.tensor.init import retie, tied_parameters
 from hyparallel.tensor.layers import (SEQ_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
@@ -309,7 +309,7 @@ def _column_rows(op_name: str, graph: ModelGraph, analysis: TPAnalysis, tp: int,
     head_dim = out // groups if groups else None
     query_heads = next(iter(analysis.attention_heads.values()), None)
     rows, offset = [], 0
-    for size in _parts(op_name, graph):
+    for size in analysis.parts.get(op_name) or fused_parts(graph, op_name):
         heads = size // head_dim if head_dim else None
         if heads is not None and heads % tp and query_heads:
             # Fewer key/value heads than ranks: hold the one this rank's query heads attend with.
@@ -323,18 +323,6 @@ def _column_rows(op_name: str, graph: ModelGraph, analysis: TPAnalysis, tp: int,
     return rows
 
 
-def _parts(op_name: str, graph: ModelGraph) -> list[int]:
-    """Sizes of the pieces a fused projection's output is split into along its last dim (one piece if not fused)."""
-    op = graph.op(op_name)
-    out = op.output_shapes[0][-1]
-    for successor in graph.graph.successors(op_name):
-        shapes = graph.op(successor).output_shapes
-        if graph.op(successor).target in ("split", "chunk", "split_with_sizes", "unbind") and len(shapes) > 1 \
-                and sum(s[-1] for s in shapes) == out:
-            return [s[-1] for s in shapes]
-    return [out]
-
-
 def _patch_attention_attributes(model: nn.Module, graph: ModelGraph, analysis: TPAnalysis, tp: int) -> None:
     """Divide head-count attributes of the modules that own split attention (Hugging Face keeps them)."""
     if tp == 1:
@@ -345,7 +333,7 @@ def _patch_attention_attributes(model: nn.Module, graph: ModelGraph, analysis: T
     for column, groups in analysis.head_groups.items():
         op = graph.op(column)
         head_dim = op.output_shapes[0][-1] // groups
-        kv_heads = min(size // head_dim for size in _parts(column, graph))
+        kv_heads = min(size // head_dim for size in analysis.parts.get(column) or fused_parts(graph, column))
         local_q, local_kv = query_heads // tp, max(kv_heads // tp, 1)
         owner = model.get_submodule(op.module.rsplit(".", 1)[0]) if "." in op.module else model
         if getattr(owner, "_hyparallel_tp", None) == tp:
