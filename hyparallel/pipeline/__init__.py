@@ -1,5 +1,8 @@
-"""Pipeline parallelism (the Pipeline issue). So far: the schedule IR, its lowering and its simulator."""
+"""Pipeline parallelism: stage splitting (``split``), the schedule IR (``schedule``), the runtime (``runtime``)."""
 
+from hyparallel.pipeline.runtime import PipelineRuntime
 from hyparallel.pipeline.schedule import Action, SimulationResult, format_schedule, lower, parse_action, schedule, simulate, validate
+from hyparallel.pipeline.split import PipelineSplit, Stage, StageIO, split_model
 
-__all__ = ["Action", "SimulationResult", "format_schedule", "lower", "parse_action", "schedule", "simulate", "validate"]
+__all__ = ["Action", "PipelineRuntime", "PipelineSplit", "SimulationResult", "Stage", "StageIO", "format_schedule", "lower",
+           "parse_action", "schedule", "simulate", "split_model", "validate"]

@@ -192,8 +192,13 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
     step = evaluation.step_time_s
     reserved = result.cluster.device.reserved_bytes
     stages = []
+    every = {m for s in segments for m in s.modules}
+    # A parent whose children are listed (Hugging Face's `transformer`, running position ids and masks) is
+    # left out: its own glue ops run where execution order puts them (Note [which stage runs a node]).
+    parents = {m for m in every if any(other.startswith(m + ".") for other in every)}
     for index, (start, end) in enumerate(evaluation.stages):
-        modules = list(dict.fromkeys(m for s in segments[start:end] for m in s.modules))
+        listed = list(dict.fromkeys(m for s in segments[start:end] for m in s.modules))
+        modules = [m for m in listed if m not in parents] or listed
         device = index % c.pp
         stages.append({
             "index": index, "modules": modules or [segments[start].name],

@@ -14,6 +14,7 @@ else the config's ``initializer_range``, else 0.02.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -80,14 +81,23 @@ def fill_(tensor: torch.Tensor, rule: tuple[str, float], name: str, layout: Shar
 
 
 @torch.no_grad()
-def materialize_(model: nn.Module, device: torch.device | str, seed: int = 0) -> nn.Module:
-    """Allocate a meta-device model on ``device`` and initialise it deterministically, slice by slice."""
-    ties = tied_parameters(model)
-    model.to_empty(device=device)  # allocates each module's parameters anew, which unties them
-    retie(model, ties)
+def materialize_(model: nn.Module, device: torch.device | str, seed: int = 0, only: Collection[str] | None = None) -> nn.Module:
+    """Allocate a meta-device model on ``device`` and initialise it deterministically, slice by slice.
+
+    ``only`` (parameter or buffer names) materialises just the modules owning them, as a pipeline rank
+    does with its stages; everything else stays on meta. A tied weight keeps its first name's values
+    wherever it is materialised, so every stage holding a copy starts equal.
+    """
+    if only is None:
+        ties = tied_parameters(model)
+        model.to_empty(device=device)  # allocates each module's parameters anew, which unties them
+        retie(model, ties)
+        fresh = None
+    else:
+        fresh = _allocate(model, torch.device(device), set(only))
     seen: set[int] = set()
     for name, param in model.named_parameters():
-        if id(param) in seen:
+        if id(param) in seen or (fresh is not None and id(param) not in fresh):
             continue
         seen.add(id(param))
         owner_path, _, leaf = name.rpartition(".")
@@ -96,12 +106,37 @@ def materialize_(model: nn.Module, device: torch.device | str, seed: int = 0) ->
         layout = layout or ShardLayout(full_shape=tuple(param.shape))
         fill_(param.data, init_rule(model, name, owner, leaf), name, layout, seed)
     for module in model.modules():  # buffers only (rotary tables): recompute them
-        if next(module.parameters(recurse=False), None) is None and next(module.buffers(recurse=False), None) is not None:
+        buffers = list(module.buffers(recurse=False))
+        if next(module.parameters(recurse=False), None) is None and buffers:
+            if fresh is not None and not any(id(b) in fresh for b in buffers):
+                continue
             if callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
             elif callable(getattr(model, "_init_weights", None)):  # transformers' models recompute rotary buffers here
                 model._init_weights(module)
     return model
+
+
+def _allocate(model: nn.Module, device: torch.device, names: set[str]) -> set[int]:
+    """Give every module owning one of ``names`` empty tensors on ``device``; returns the new tensors' ids.
+
+    Whole modules, not single tensors: a module's buffers are recomputed together. A tensor shared by
+    several modules (a tied weight) is allocated once and set on every owner, so it stays tied.
+    """
+    owners = {name.rpartition(".")[0] for name in names}
+    wanted = {id(t) for path, module in model.named_modules(remove_duplicate=False) if path in owners
+              for t in (*module._parameters.values(), *module._buffers.values()) if t is not None and t.device != device}
+    replaced: dict[int, torch.Tensor] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for table in (module._parameters, module._buffers):
+            for leaf, tensor in table.items():
+                if tensor is None or id(tensor) not in wanted:
+                    continue
+                if id(tensor) not in replaced:
+                    empty = torch.empty_like(tensor, device=device)
+                    replaced[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+                table[leaf] = replaced[id(tensor)]
+    return {id(t) for t in replaced.values()}
 
 
 def tied_parameters(model: nn.Module) -> list[list[str]]:

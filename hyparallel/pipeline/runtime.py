@@ -1,0 +1,315 @@
+"""Run one rank's pipeline stages: the lowered schedule IR executed with point-to-point send/recv.
+
+    split = split_model(model, stage_map, example_microbatch)
+    runtime = PipelineRuntime(split, {s: split.stage_module(s) for s in my_stages}, pp_group,
+                              schedule="1f1b", num_microbatches=8)
+    loss = runtime.train_step(inputs, targets, loss_fn)     # every rank of the pipeline: same batch, same mean loss
+
+The runtime walks exactly the list of actions ``lower(schedule(...))`` gives this rank (the list the
+simulator runs; ``last_order`` records what ran). Sends are non-blocking and buffered (gloo), which
+is what the simulator assumes; receives wait. See Note [transfers] for what travels and how.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from hyparallel.errors import ConfigError
+from hyparallel.pipeline.schedule import Action, ScheduleKind, lower, schedule
+from hyparallel.pipeline.split import PipelineSplit, Stage
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+# Note [transfers]
+# A stage hands the next one a tuple of values (PipelineSplit.io): activations, masks, the odd Python
+# int an fx trace computes from a shape. Shapes, dtypes, requires_grad flags and the non-tensor values
+# are negotiated once per (stage, micro-batch input shapes): the first send carries a small pickled
+# header (its length, then its bytes); both ends cache it under the same key, since every rank of a
+# pipeline is handed the same batch and so knows the shapes. After that only tensors travel, batched
+# with batch_isend_irecv. Gradients travel back for exactly the tensors flagged requires_grad.
+# Every message has a tag naming (sending stage, direction, micro-batch, slot), so gloo matches a
+# receive to its send whatever else is in flight between the two ranks.
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One value crossing a boundary: a tensor's metadata, or a Python value sent once."""
+
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    requires_grad: bool = False
+    value: Any = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None
+
+
+class PipelineRuntime:
+    """One rank of a pipeline: its stage modules, the schedule, and the p2p between neighbours."""
+
+    def __init__(self, split: PipelineSplit, stages: Mapping[int, Stage], group: ProcessGroup | None, *,
+                 schedule_kind: ScheduleKind, num_microbatches: int, virtual_stages: int = 1):
+        self.split, self.group = split, group
+        self.pp = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.num_microbatches, self.virtual_stages = num_microbatches, virtual_stages
+        self.num_stages = split.num_stages
+        if self.num_stages != self.pp * virtual_stages:
+            raise ConfigError(f"the split has {self.num_stages} stages but pp ({self.pp}) x virtual_stages "
+                              f"({virtual_stages}) = {self.pp * virtual_stages}; split into one stage per (virtual) stage")
+        mine = [s for s in range(self.num_stages) if s % self.pp == self.rank]
+        if sorted(stages) != mine:
+            raise ConfigError(f"pipeline rank {self.rank} runs stages {mine} but was given {sorted(stages)}")
+        self.stages = dict(stages)
+        self.program = lower(schedule(schedule_kind, self.pp, num_microbatches, virtual_stages), self.pp, virtual_stages)[self.rank]
+        self.device = next((p.device for st in self.stages.values() for p in st.parameters()), torch.device("cpu"))
+        self._tied = {name: sorted({s % self.pp for s in readers}) for name, readers in split.shared_state().items()}
+        self._tied = {name: ranks for name, ranks in self._tied.items() if len(ranks) > 1 and self.rank in ranks}
+        self._headers: dict[tuple[int, Any], list[_Entry]] = {}
+        self._slots = max((len(io.inputs) for io in split.io), default=0) + 2  # + header length and bytes
+        self.last_order: list[str] = []
+        self.peak_inflight = 0.0
+
+    # ---- public ----------------------------------------------------------------------------------
+
+    def parameters(self):
+        """This rank's parameters (every stage it runs; a weight two local stages share, once)."""
+        seen: set[int] = set()
+        for stage in self.stages.values():
+            for param in stage.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield param
+
+    def named_parameters(self):
+        """``(name, parameter)`` under the model's own names, each parameter once."""
+        seen: set[int] = set()
+        for stage in self.stages.values():
+            for name, param in stage.body.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
+
+    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of one batch over the pipeline; gradients accumulate into the parameters.
+
+        Every rank of the pipeline passes the same ``inputs`` and ``targets``; they are split along
+        dim 0 into micro-batches. ``loss_fn(output, targets)`` returns a micro-batch's mean loss on the
+        last stage; gradients are those of the mean over micro-batches (the full batch's mean for equal
+        micro-batches), and every rank gets that mean loss back.
+        """
+        m = self.num_microbatches
+        flat = self.split.flatten_inputs(inputs)
+        self._inputs = _chunk_each(flat, m, "inputs")
+        self.split.check_microbatch(self._inputs[0])
+        self._targets = _chunk_tree(targets, m)
+        self._key = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in self._inputs[0])
+        self._received: dict[tuple[int, int], tuple] = {}
+        self._outputs: dict[tuple[int, int], tuple] = {}
+        self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._losses: list[torch.Tensor] = []
+        self._pending: list[Any] = []
+        self._loss_fn = loss_fn
+        self.last_order, inflight, peak = [], 0, 0
+        for action in self.program:
+            getattr(self, f"_{action.kind.lower()}")(action)
+            self.last_order.append(str(action))
+            if action.kind in ("F", "B"):
+                inflight += 1 if action.kind == "F" else -1
+                peak = max(peak, inflight)
+        self.peak_inflight = peak / self.virtual_stages
+        for work in self._pending:
+            work.wait()
+        self._sync_tied_grads()
+        return self._mean_loss()
+
+    # ---- compute ---------------------------------------------------------------------------------
+
+    def _f(self, a: Action) -> None:
+        stage = self.stages[a.stage]
+        received = self._take_forward(a) if a.stage > 0 else ()
+        output = stage(self._inputs[a.microbatch], received)
+        if stage.is_last:
+            loss = loss_fn_checked(self._loss_fn, output, self._targets[a.microbatch])
+            self._losses.append(loss.detach())
+            self._outputs[a.stage, a.microbatch] = (loss / self.num_microbatches,)
+        else:
+            self._outputs[a.stage, a.microbatch] = tuple(output)
+
+    def _b(self, a: Action) -> None:
+        outputs = self._outputs.pop((a.stage, a.microbatch))
+        if a.stage == self.num_stages - 1:
+            outputs[0].backward()
+        else:
+            needs_grad = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            grads = self._grads.pop((a.stage, a.microbatch))  # one per output that requires grad, in order
+            if needs_grad:
+                torch.autograd.backward(needs_grad, grads)
+        received = self._received.pop((a.stage, a.microbatch), ())
+        self._input_grads[a.stage, a.microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t)
+                                                    for t in received if isinstance(t, torch.Tensor) and t.requires_grad]
+        if a.stage > 0 and (a.stage - 1) % self.pp == self.rank:  # previous stage on this rank: hand over in memory
+            self._grads[a.stage - 1, a.microbatch] = self._input_grads[a.stage, a.microbatch]
+
+    # ---- transfers -------------------------------------------------------------------------------
+
+    def _take_forward(self, a: Action) -> tuple:
+        key = (a.stage, a.microbatch)
+        if key not in self._received:  # previous stage on this rank (pp == 1): its outputs, cut from its graph
+            produced = self._outputs[a.stage - 1, a.microbatch]
+            self._received[key] = tuple(_leaf(v) for v in produced)
+        return self._received[key]
+
+    def _send_f(self, a: Action) -> None:
+        values = self._outputs[a.stage, a.microbatch]
+        entries = [_Entry(tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else _Entry(None, None, value=v)
+                   for v in values]
+        header_key = (a.stage, self._key)
+        if header_key not in self._headers:
+            self._headers[header_key] = entries
+            self._send_header(entries, a)
+        elif entries != self._headers[header_key]:
+            raise RuntimeError(f"stage {a.stage} produced {entries} but negotiated {self._headers[header_key]} for the "
+                               "same input shapes; a non-tensor value between stages changed with the data")
+        tensors = [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
+        self._isend(tensors, a)
+
+    def _recv_f(self, a: Action) -> None:
+        header_key = (a.stage - 1, self._key)
+        if header_key not in self._headers:
+            self._headers[header_key] = self._recv_header(a)
+        entries = self._headers[header_key]
+        buffers = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in entries if e.is_tensor]
+        self._irecv(buffers, a)
+        received, it = [], iter(buffers)
+        for e in entries:
+            received.append(next(it).requires_grad_(e.requires_grad) if e.is_tensor else e.value)
+        self._received[a.stage, a.microbatch] = tuple(received)
+
+    def _send_b(self, a: Action) -> None:
+        self._isend([g.contiguous() for g in self._input_grads.pop((a.stage, a.microbatch))], a)
+
+    def _recv_b(self, a: Action) -> None:
+        entries = self._headers[a.stage, self._key]
+        buffers = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in entries if e.is_tensor and e.requires_grad]
+        self._irecv(buffers, a)
+        self._grads[a.stage, a.microbatch] = buffers
+
+    def _peer(self, a: Action) -> int:
+        peer_rank = a.peer % self.pp
+        return dist.get_global_rank(self.group, peer_rank) if self.group is not None else peer_rank
+
+    def _tag(self, a: Action, slot: int) -> int:
+        sender = a.stage if a.kind.startswith("SEND") else a.peer
+        direction = 0 if a.kind.endswith("F") else 1
+        return ((a.microbatch * self.num_stages + sender) * 2 + direction) * self._slots + slot
+
+    def _isend(self, tensors: list[torch.Tensor], a: Action, first_slot: int = 2) -> None:
+        peer = self._peer(a)
+        ops = [dist.P2POp(dist.isend, t, peer, self.group, self._tag(a, first_slot + i)) for i, t in enumerate(tensors)]
+        if ops:
+            self._pending.extend(dist.batch_isend_irecv(ops))
+
+    def _irecv(self, buffers: list[torch.Tensor], a: Action, first_slot: int = 2) -> None:
+        peer = self._peer(a)
+        ops = [dist.P2POp(dist.irecv, t, peer, self.group, self._tag(a, first_slot + i)) for i, t in enumerate(buffers)]
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+
+    def _send_header(self, entries: list[_Entry], a: Action) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(entries)), dtype=torch.uint8).to(self.device)
+        length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        self._isend([length], a, first_slot=0)
+        self._isend([payload], a, first_slot=1)
+
+    def _recv_header(self, a: Action) -> list[_Entry]:
+        length = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._irecv([length], a, first_slot=0)
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self._irecv([payload], a, first_slot=1)
+        return pickle.loads(payload.cpu().numpy().tobytes())  # noqa: S301 -- from a rank of our own job
+
+    # ---- after the schedule ----------------------------------------------------------------------
+
+    def _sync_tied_grads(self) -> None:
+        """A weight read by stages on several ranks (tied embedding and head): sum its gradient over them.
+
+        Every holder adds the same copies in the same (rank) order, so the copies stay bitwise equal, as
+        Megatron-LM's all-reduce over its embedding group keeps them.
+        """
+        first_free_tag = self.num_microbatches * self.num_stages * 2 * self._slots  # above every action's tags
+        for index, (name, ranks) in enumerate(sorted(self._tied.items())):
+            param = self.split.model.get_parameter(name)  # the one tensor every local alias refers to
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            base = first_free_tag + index * self.pp
+            copies: dict[int, torch.Tensor] = {self.rank: grad}
+            ops = []
+            for other in ranks:
+                if other == self.rank:
+                    continue
+                peer = dist.get_global_rank(self.group, other)
+                copies[other] = torch.empty_like(grad)
+                ops.append(dist.P2POp(dist.isend, grad.contiguous(), peer, self.group, base + self.rank))
+                ops.append(dist.P2POp(dist.irecv, copies[other], peer, self.group, base + other))
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            total = copies[ranks[0]].clone()
+            for other in ranks[1:]:
+                total += copies[other]
+            if param.grad is None:
+                param.grad = total
+            else:
+                param.grad.copy_(total)
+
+    def _mean_loss(self) -> torch.Tensor:
+        last_rank = (self.num_stages - 1) % self.pp
+        loss = torch.stack(self._losses).mean() if self._losses else torch.zeros((), device=self.device)
+        if self.group is not None and self.pp > 1:
+            loss = loss.to(torch.float32).contiguous()
+            dist.broadcast(loss, src=dist.get_global_rank(self.group, last_rank), group=self.group)
+        return loss
+
+
+def loss_fn_checked(loss_fn: LossFn, output: Any, targets: Any) -> torch.Tensor:
+    """``loss_fn(output, targets)``, checked to be a scalar tensor."""
+    loss = loss_fn(output, targets)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(f"loss_fn must return a scalar tensor (a micro-batch's mean loss), got {type(loss).__name__}"
+                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+    return loss
+
+
+def _leaf(value: Any) -> Any:
+    """A value handed to the next stage on the same rank, cut from this stage's autograd graph."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
+
+def _chunk_each(flat: list[Any], m: int, what: str) -> list[list[Any]]:
+    """Split every tensor along dim 0 into ``m`` equal micro-batches; other values go to each."""
+    pieces = []
+    for position, value in enumerate(flat):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if value.size(0) % m:
+                raise ConfigError(f"{what}[{position}] has {value.size(0)} rows, which do not split into {m} equal "
+                                  f"micro-batches; pass a batch that is a multiple of {m}")
+            pieces.append(value.chunk(m))
+        else:
+            pieces.append([value] * m)
+    return [[p[i] for p in pieces] for i in range(m)]
+
+
+def _chunk_tree(tree: Any, m: int) -> list[Any]:
+    leaves, spec = tree_flatten(tree)
+    return [tree_unflatten(chunk, spec) for chunk in _chunk_each(leaves, m, "targets")]

@@ -1,0 +1,375 @@
+"""Split a model into pipeline stages at the plan's module boundaries.
+
+    split = split_model(model, [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]], example)
+    materialize_(model, device, only=split.state_names(stages_of_this_rank))   # meta model: only what this rank runs
+    stage = split.stage_module(1)                         # an nn.Module: (inputs, boundary values) -> next boundary
+
+The model is traced once more, with the same tracers as ``hyparallel.trace`` (torch.fx first,
+torch.export for models only it can trace, e.g. Hugging Face transformers). The stage map is a
+policy this module does not choose: every graph node goes to the stage that lists its module (or
+its nearest listed ancestor), see Note [which stage runs a node]; each stage is then copied out of
+the graph as its own ``fx.GraphModule`` (Note [why not split_module]). A stage module holds
+references to the model's own parameters and buffers, under the model's names, so a tied weight
+(embedding and head) is one tensor in a single process; the runtime keeps its copies on different
+ranks in sync.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from hyparallel.errors import ConfigError
+from hyparallel.graph.tracer import Method, _export_program, _fx_program, _ModuleStack, _owner, _split_inputs, _to_meta
+
+
+# Note [which stage runs a node]
+# A node whose module (the innermost module it ran in) is listed in a stage, or has a listed ancestor
+# (the longest listed prefix wins), runs in that stage. Other nodes are glue code of unlisted parents
+# (Hugging Face's `transformer` computing position ids and masks, a final reshape at the root): each
+# runs in the stage of the closest node before it in execution order, the first ones in stage 0.
+# Stages must follow execution order: a node of stage k may not come after a node of stage k + 1, or
+# the pipeline would have to run a stage twice; that is refused with the two modules named. Values a
+# stage reads from any earlier stage travel stage to stage (a value made in stage 0 and read in stage 2
+# passes through stage 1), because a pipeline rank talks only to its neighbours. User inputs (token
+# ids, masks) are not sent: every rank of a pipeline is handed the same batch, as in Megatron-LM.
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """What one stage reads and hands on: names of the split graph's values, in a fixed order."""
+
+    index: int
+    inputs: tuple[str, ...]  # boundary values received from the previous stage (none for stage 0)
+    outputs: tuple[str, ...]  # boundary values sent to the next stage (none for the last: it returns the model output)
+    modules: tuple[str, ...]  # the plan's module paths for this stage
+
+
+@dataclass
+class PipelineSplit:
+    """A model cut into stages; see the module docstring. Build it with :func:`split_model`."""
+
+    model: nn.Module
+    graph: fx.Graph  # the traced graph, model state read with get_attr under the model's own names
+    stage_of: dict[str, int]  # graph node name -> stage
+    io: tuple[StageIO, ...]
+    method: str
+    input_names: tuple[str, ...]  # user-input placeholders, in flattening order
+    input_spec: TreeSpec | None  # export: how (args, kwargs) flatten; fx: None (bound by signature)
+    output_spec: TreeSpec | None  # export: how the flat outputs rebuild the model's output
+    signature: inspect.Signature
+    example_shapes: tuple[tuple[int, ...] | None, ...]  # flat example inputs: export bakes these shapes in
+    fixed_kwargs: dict[str, Any]  # non-tensor keyword arguments the trace added (use_cache=False), added again
+
+    @property
+    def num_stages(self) -> int:
+        """Number of (virtual) stages."""
+        return len(self.io)
+
+    def state_names(self, stages: Sequence[int] | int) -> set[str]:
+        """Names of the parameters and buffers the given stages read (what a rank must materialise)."""
+        wanted = {stages} if isinstance(stages, int) else set(stages)
+        names: set[str] = set()
+        modules = dict(self.model.named_modules())
+        for node in self.graph.nodes:
+            if self.stage_of.get(node.name) not in wanted:
+                continue
+            names.update(str(source.target) for source in node.all_input_nodes if source.op == "get_attr")
+            if node.op == "call_module":
+                prefix = f"{node.target}."
+                module = modules[str(node.target)]
+                names.update(prefix + n for n, _ in module.named_parameters(remove_duplicate=False))
+                names.update(prefix + n for n, _ in module.named_buffers(remove_duplicate=False))
+        return names
+
+    def shared_state(self) -> dict[str, tuple[int, ...]]:
+        """Parameters read by more than one stage (a tied embedding and head), under their first name: -> stages."""
+        first: dict[int, str] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(param), name)
+        alias = {name: first[id(p)] for name, p in self.model.named_parameters(remove_duplicate=False)}
+        readers: dict[str, set[int]] = {}
+        for stage in range(self.num_stages):
+            for name in self.state_names(stage):
+                if name in alias:
+                    readers.setdefault(alias[name], set()).add(stage)
+        return {name: tuple(sorted(stages)) for name, stages in readers.items() if len(stages) > 1}
+
+    def flatten_inputs(self, inputs: Any) -> list[Any]:
+        """The user's inputs (a tensor, a tuple of args or a dict of kwargs) in the order the stages read them."""
+        args, kwargs = _split_inputs(inputs)
+        kwargs = {**self.fixed_kwargs, **kwargs}
+        if self.input_spec is None:
+            bound = self.signature.bind_partial(*args, **kwargs).arguments
+            missing = [name for name in self.input_names if name not in bound]
+            extra = [name for name in bound if name not in self.input_names]
+            if missing or extra:
+                raise ConfigError(f"the pipeline was traced with inputs {list(self.input_names)} but got {list(bound)}; "
+                                  "pass the same arguments the split was traced with")
+            return [bound[name] for name in self.input_names]
+        keys = _children(self.input_spec)[1].context  # the traced keyword order
+        if set(kwargs) == set(keys):
+            kwargs = {key: kwargs[key] for key in keys}
+        flat, spec = tree_flatten((args, kwargs))
+        if spec != self.input_spec:
+            raise ConfigError(f"the pipeline was traced with inputs shaped like {self.input_spec} but got {spec}; "
+                              "pass the same arguments the split was traced with")
+        return flat
+
+    def check_microbatch(self, flat: Sequence[Any]) -> None:
+        """Refuse a micro-batch whose shapes a torch.export trace (which fixes every shape) cannot run."""
+        if self.method != "export":
+            return
+        for position, (value, shape) in enumerate(zip(flat, self.example_shapes)):
+            if isinstance(value, torch.Tensor) and shape is not None and tuple(value.shape) != shape:
+                raise ConfigError(f"micro-batch input {position} has shape {tuple(value.shape)} but the model was traced "
+                                  f"by torch.export with {shape}, which fixes every shape; pass batches of "
+                                  "num_microbatches x the traced micro-batch (the plan's micro_batch x seq_len)")
+
+    def output(self, flat: Any) -> Any:
+        """The model's output rebuilt from the last stage's graph output (export flattens it)."""
+        return tree_unflatten(list(flat), self.output_spec) if self.output_spec is not None else flat
+
+    def stage_module(self, index: int, device: torch.device | str | None = None) -> Stage:
+        """Stage ``index`` as a module over the model's current tensors: materialise those first.
+
+        ``device`` replaces the meta device a meta-model trace baked into factory calls (``arange``);
+        by default the device of the stage's first parameter.
+        """
+        graph = _stage_graph(self, index)
+        module = fx.GraphModule(self.model, graph, f"Stage{index}")
+        if device is None:
+            device = next((t.device for t in module.parameters()), torch.device("cpu"))
+        device = torch.device(device)
+        for node in module.graph.nodes:
+            node.args, node.kwargs = fx.node.map_aggregate(
+                (node.args, node.kwargs), lambda v: device if isinstance(v, torch.device) and v.type == "meta" else v)
+        module.recompile()
+        return Stage(self, index, module)
+
+
+class Stage(nn.Module):
+    """One pipeline stage: ``forward(flat_inputs, received) -> tuple to send`` (the last: the model's output).
+
+    ``flat_inputs`` is the micro-batch as :meth:`PipelineSplit.flatten_inputs` gives it; ``received``
+    the tuple the previous stage returned. Parameters keep the model's names (``layers.3.mlp.fc.weight``).
+    """
+
+    def __init__(self, split: PipelineSplit, index: int, body: fx.GraphModule):
+        super().__init__()
+        self.index = index
+        self.io = split.io[index]
+        self.is_last = index == split.num_stages - 1
+        self.body = body
+        self._num_inputs = len(split.input_names)
+        self._output_spec = split.output_spec if self.is_last else None
+
+    def forward(self, flat_inputs: Sequence[Any], received: Sequence[Any] = ()) -> Any:
+        if len(flat_inputs) != self._num_inputs or len(received) != len(self.io.inputs):
+            raise ValueError(f"stage {self.index} takes {self._num_inputs} inputs and {len(self.io.inputs)} received "
+                             f"values, got {len(flat_inputs)} and {len(received)}")
+        result = self.body(*flat_inputs, *received)
+        if self.is_last and self._output_spec is not None:
+            return tree_unflatten(list(result), self._output_spec)
+        return result
+
+
+def split_model(model: nn.Module, stages: Sequence[Sequence[str]], example_inputs: Any, *,
+                method: Method = "auto") -> PipelineSplit:
+    """Cut ``model`` into ``len(stages)`` stages, stage k running the modules ``stages[k]`` lists.
+
+    ``example_inputs`` is one micro-batch (a tensor, a tuple of args, or a dict of kwargs); only its
+    shapes and dtypes are used, on the meta device. See Note [which stage runs a node].
+    """
+    if not stages:
+        raise ConfigError("stages is empty; list the module paths of each pipeline stage")
+    args, kwargs = _split_inputs(example_inputs)
+    flat_example, _ = tree_flatten((args, kwargs))
+    args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
+    program = _trace(model, args, kwargs, method)
+    graph = program.gm.graph
+    _lift_state(program)
+    _drop_concrete_placeholders(program)
+    stage_of = _assign(model, graph, [list(s) for s in stages])
+    names = tuple(n.name for n in program.user_inputs)
+    traced_kwargs = program.artifact.example_inputs[1] if program.method == "export" else {}
+    fixed = {k: v for k, v in traced_kwargs.items() if k not in kwargs and not isinstance(v, torch.Tensor)}
+    output_spec = program.artifact.call_spec.out_spec if program.method == "export" else None
+    input_spec = program.artifact.call_spec.in_spec if program.method == "export" else None
+    split = PipelineSplit(
+        model=model, graph=graph, stage_of=stage_of, io=(), method=program.method, input_names=names,
+        input_spec=input_spec, output_spec=output_spec, signature=inspect.signature(model.forward),
+        example_shapes=tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in flat_example),
+        fixed_kwargs=fixed,
+    )
+    split.io = _stage_io(split, [tuple(s) for s in stages])
+    return split
+
+
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.10
+
+
+def _trace(model: nn.Module, args: tuple, kwargs: dict, method: Method):
+    from hyparallel.errors import TraceError
+    from hyparallel.graph.tracer import _explain
+
+    failures = []
+    for attempt in {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]:
+        with _ModuleStack(model) as calls:
+            try:
+                return _fx_program(model, args, kwargs) if attempt == "fx" else _export_program(model, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 -- as in hyparallel.trace: try the next tracer, then report all
+                failures.append((attempt, exc, calls.innermost))
+    raise TraceError(_explain(model, failures))
+
+
+def _lift_state(program) -> None:
+    """Export passes parameters and buffers as graph inputs; read them with get_attr under the model's names.
+
+    The graph then runs over the model's own (later materialised) tensors, as an fx trace does. Device
+    constants the meta trace baked in (``arange(..., device='meta')``) follow the input tensors instead.
+    """
+    graph = program.gm.graph
+    if program.method == "export":
+        signature = program.artifact.graph_signature
+        if any(spec.kind.name != "USER_OUTPUT" for spec in signature.output_specs):
+            mutated = [spec.target for spec in signature.output_specs if spec.kind.name != "USER_OUTPUT"]
+            raise ConfigError(f"the model updates state in forward ({', '.join(map(str, mutated))}); pipeline stages "
+                              "cannot split a model that mutates buffers")
+        constants = set(program.artifact.constants) - {s.target for s in signature.input_specs if s.kind.name == "BUFFER"}
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        for node, target in list(program.state_of.items()):
+            if target in constants:
+                raise ConfigError(f"the model creates tensor constant '{target}' in forward; torch.export lifted it and "
+                                  "a meta-device trace cannot give its value; register it as a buffer in __init__")
+            with graph.inserting_before(first):  # create_node: the export module has no such attribute, the model has
+                attr = graph.create_node("get_attr", target)
+            attr.meta = dict(node.meta)
+            node.replace_all_uses_with(attr)
+            graph.erase_node(node)
+
+
+def _drop_concrete_placeholders(program) -> None:
+    """fx keeps a placeholder for each argument traced with its default (concrete) value: bind it."""
+    user = set(program.user_inputs)
+    placeholders = [n for n in program.gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, program.run_args):
+        if node in user:
+            continue
+        for consumer in list(node.users):
+            consumer.args, consumer.kwargs = fx.node.map_arg((consumer.args, consumer.kwargs),
+                                                             lambda n, node=node, value=value: value if n is node else n)
+        program.gm.graph.erase_node(node)
+
+
+def _assign(model: nn.Module, graph: fx.Graph, stages: list[list[str]]) -> dict[str, int]:
+    """Graph node name -> stage; see Note [which stage runs a node]."""
+    modules = dict(model.named_modules())
+    listed: dict[str, int] = {}
+    for index, paths in enumerate(stages):
+        if not paths:
+            raise ConfigError(f"stages[{index}] lists no modules; give each stage at least one module path")
+        for path in paths:
+            if path not in modules or not path:
+                raise ConfigError(f"stages[{index}]: '{path}' is not a module of {type(model).__name__}; "
+                                  "use module paths such as those `hyparallel trace` prints (e.g. 'layers.0')")
+            if path in listed and listed[path] != index:
+                raise ConfigError(f"module '{path}' is in stages {listed[path]} and {index}; each module belongs to one stage")
+            listed[path] = index
+
+    def listed_stage(path: str) -> int | None:
+        parts = path.split(".") if path else []
+        for end in range(len(parts), 0, -1):
+            stage = listed.get(".".join(parts[:end]))
+            if stage is not None:
+                return stage
+        return None
+
+    compute = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    explicit = {n: listed_stage(_owner(n)) for n in compute}
+    stage_of: dict[str, int] = {}
+    current, current_node = None, None
+    first_listed = next((s for s in explicit.values() if s is not None), 0)
+    for node in compute:
+        stage = explicit[node]
+        if stage is None:
+            stage = current if current is not None else first_listed
+        elif current is not None and stage < current:
+            raise ConfigError(f"module '{_owner(node)}' (stage {stage}) runs after '{_owner(current_node)}' (stage {current}); "
+                              "stages must follow the model's execution order: move one of them")
+        if explicit[node] is not None:
+            current, current_node = stage, node
+        stage_of[node.name] = stage
+    used = set(stage_of.values())
+    empty = [k for k in range(len(stages)) if k not in used]
+    if empty:
+        k = empty[0]
+        raise ConfigError(f"stages[{k}] ({', '.join(stages[k])}) runs no operation of the traced model; "
+                          "give it a module that computes something, or use fewer stages")
+    return stage_of  # get_attr nodes have no stage: every stage that reads a tensor gets its own get_attr
+
+
+def _stage_io(split: PipelineSplit, stages: list[tuple[str, ...]]) -> tuple[StageIO, ...]:
+    """Which split-graph values each stage receives and sends on (relayed through stages that do not read them)."""
+    made_in: dict[str, int] = {}  # value (original node name) -> stage that computes it
+    last_read: dict[str, int] = {}
+    num_stages = len(stages)
+    for node in split.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        stage = split.stage_of[node.name]
+        made_in[node.name] = stage
+        for source in node.all_input_nodes:
+            if source.name in made_in and made_in[source.name] != stage:
+                last_read[source.name] = max(last_read.get(source.name, stage), stage)
+    output = next(n for n in split.graph.nodes if n.op == "output")
+    for source in output.all_input_nodes:
+        if source.name in made_in and made_in[source.name] != num_stages - 1:
+            last_read[source.name] = num_stages - 1
+    order = [n.name for n in split.graph.nodes if n.name in last_read]
+    io = []
+    for k in range(num_stages):
+        inputs = tuple(v for v in order if made_in[v] < k <= last_read[v])
+        outputs = tuple(v for v in order if made_in[v] <= k < last_read[v]) if k < num_stages - 1 else ()
+        io.append(StageIO(index=k, inputs=inputs, outputs=outputs, modules=stages[k]))
+    return tuple(io)
+
+
+# Note [why not split_module]
+# torch.fx.passes.split_module cuts a graph into submodules called from a root graph, and hands every
+# parameter read with get_attr to its submodules as an *argument* from that root: the submodules would
+# own no parameters, and the root (on every rank) would hold them all. A pipeline stage must own its
+# parameters (for the optimizer, for materialising only them) and receive values only from its
+# neighbour, so each stage is copied out of the graph with Graph.node_copy: placeholders for the user
+# inputs and the received values, the stage's nodes, its own get_attr for each tensor it reads
+# (fx.GraphModule then copies just those from the model), and an output tuple of what it hands on.
+
+
+def _stage_graph(split: PipelineSplit, index: int) -> fx.Graph:
+    io, graph = split.io[index], fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for name in (*split.input_names, *io.inputs):
+        env[name] = graph.placeholder(name)
+    for node in split.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output") or split.stage_of[node.name] != index:
+            continue
+        for source in node.all_input_nodes:
+            if source.op == "get_attr" and source.name not in env:
+                env[source.name] = graph.get_attr(source.target)
+                env[source.name].meta = dict(source.meta)
+        env[node.name] = graph.node_copy(node, lambda n: env[n.name])
+    if index == split.num_stages - 1:
+        output = next(n for n in split.graph.nodes if n.op == "output")
+        graph.output(fx.node.map_arg(output.args[0], lambda n: env[n.name]))
+    else:
+        graph.output(tuple(env[name] for name in io.outputs))
+    graph.lint()
+    return graph
