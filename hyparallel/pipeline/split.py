@@ -285,28 +285,23 @@ def _assign(model: nn.Module, graph: fx.Graph, stages: list[list[str]]) -> dict[
                 raise ConfigError(f"module '{path}' is in stages {listed[path]} and {index}; each module belongs to one stage")
             listed[path] = index
 
-    def listed_stage(path: str) -> int | None:
+    def listed_path(path: str) -> str | None:
         parts = path.split(".") if path else []
-        for end in range(len(parts), 0, -1):
-            stage = listed.get(".".join(parts[:end]))
-            if stage is not None:
-                return stage
-        return None
+        return next((p for end in range(len(parts), 0, -1) if (p := ".".join(parts[:end])) in listed), None)
 
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    explicit = {n: listed_stage(_owner(n)) for n in compute}
     stage_of: dict[str, int] = {}
-    current, current_node = None, None
-    first_listed = next((s for s in explicit.values() if s is not None), 0)
+    paths = {n: listed_path(_owner(n)) for n in compute}
+    first_listed = next((listed[p] for p in paths.values() if p is not None), 0)
+    current, current_path = None, None
     for node in compute:
-        stage = explicit[node]
-        if stage is None:
-            stage = current if current is not None else first_listed
-        elif current is not None and stage < current:
-            raise ConfigError(f"module '{_owner(node)}' (stage {stage}) runs after '{_owner(current_node)}' (stage {current}); "
-                              "stages must follow the model's execution order: move one of them")
-        if explicit[node] is not None:
-            current, current_node = stage, node
+        path = paths[node]
+        stage = listed[path] if path is not None else (current if current is not None else first_listed)
+        if path is not None:
+            if current is not None and stage < current:
+                raise ConfigError(f"module '{path}' (stage {stage}) runs after '{current_path}' (stage {current}); "
+                                  "stages must follow the model's execution order: move one of them")
+            current, current_path = stage, path
         stage_of[node.name] = stage
     used = set(stage_of.values())
     empty = [k for k in range(len(stages)) if k not in used]

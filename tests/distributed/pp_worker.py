@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import traceback
 
@@ -34,7 +33,10 @@ MODELS = {
     "hf-gpt2": ("hf:GPT2LMHeadModel n_layer=8 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 "
                 "eos_token_id=0 resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"),
 }
-VOCAB = {"gpt": 256, "hf-gpt2": 128}
+# Grouped-query attention, rotary tables (a buffer materialised on the first stage only), an untied head.
+LLAMA = ("hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
+         "intermediate_size=128 vocab_size=128 max_position_embeddings=64 bos_token_id=0 eos_token_id=0")
+VOCAB = {"gpt": 256, "hf-gpt2": 128, "hf-llama": 128}
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
 
 
@@ -56,7 +58,7 @@ def stage_map(spec: str, pp: int, kind: str, v: int) -> list[list[str]]:
 
 
 def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
-    spec = MODELS[name]
+    spec = MODELS[name] if name in MODELS else LLAMA
     torch.manual_seed(seed)
     tokens = torch.randint(0, VOCAB[name], (BATCH, SEQ + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -76,20 +78,19 @@ def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
                               num_microbatches=MICROBATCHES, virtual_stages=v)
     loss = runtime.train_step(inputs, targets, loss_fn)
 
-    worst, checked = 0.0, 0
+    worst_abs, checked = 0.0, 0
     for pname, param in runtime.named_parameters():
         torch.testing.assert_close(param.grad, ref_grads[pname], rtol=RTOL, atol=ATOL, msg=lambda m: f"{pname}: {m}")
-        worst = max(worst, ((param.grad - ref_grads[pname]).abs() / ref_grads[pname].abs().clamp_min(ATOL)).max().item())
+        worst_abs = max(worst_abs, (param.grad - ref_grads[pname]).abs().max().item())
         checked += 1
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=0)
-    meta_left = [n for n, p in model.named_parameters() if not p.is_meta]
-    local = {n for n, _ in runtime.named_parameters()}
+    materialized = [n for n, p in model.named_parameters() if not p.is_meta]
     lowered = lower(schedule(kind, pp, MICROBATCHES, v), pp, v)
     sim = simulate(lowered, pp, v)
     return {
         "case": f"{name}-pp{pp}-{kind}", "rank": rank, "loss": loss.item(), "ref_loss": ref_loss.item(),
-        "worst_rel": worst, "params_checked": checked, "stages": stages,
-        "materialized": sorted(meta_left), "local_params": sorted(local),
+        "worst_abs": worst_abs, "params_checked": checked, "stages": stages,
+        "materialized": len(materialized), "model_params": len(list(model.parameters())),
         "order_matches_simulator": runtime.last_order == sim.order[rank],
         "peak_inflight": runtime.peak_inflight, "simulated_peak": sim.peak_inflight[rank],
         "cost_model_peak": costs.inflight_microbatches(kind, pp, MICROBATCHES, rank, v),
@@ -104,17 +105,17 @@ def main() -> None:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     groups = {2: pairs[world // 2], 4: dist.group.WORLD}
     results = []
-    for name in MODELS:
-        for pp in (2, 4):
-            for kind, v in SCHEDULES:
-                try:
-                    result = run_case(name, pp, kind, v, groups[pp], seed=7)
-                except Exception as exc:  # noqa: BLE001 -- reported to the test, which fails on it
-                    result = {"case": f"{name}-pp{pp}-{kind}", "error": f"{type(exc).__name__}: {exc}",
-                              "traceback": traceback.format_exc()}
-                gathered = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, result)
-                results.append(gathered)
+    cases = [(name, pp, kind, v) for name in MODELS for pp in (2, 4) for kind, v in SCHEDULES]
+    cases.append(("hf-llama", 2, "1f1b", 1))
+    for name, pp, kind, v in cases:
+        try:
+            result = run_case(name, pp, kind, v, groups[pp], seed=7)
+        except Exception as exc:  # noqa: BLE001 -- reported to the test, which fails on it
+            result = {"case": f"{name}-pp{pp}-{kind}", "error": f"{type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc()}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        results.append(gathered)
     if world == 0:
         with open(out_path, "w") as f:
             for gathered in results:

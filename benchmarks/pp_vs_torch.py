@@ -1,0 +1,174 @@
+"""hyparallel's pipeline runtime against PyTorch's torch.distributed.pipelining, one training step each.
+
+Run: torchrun --nproc_per_node 2 benchmarks/pp_vs_torch.py [--layers 8 --hidden 256 --seq 128 --batch 16
+     --microbatches 8 --steps 10 --schedules gpipe,1f1b]
+(gloo on the CPU, one stage per rank; torchrun sets OMP_NUM_THREADS=1.)
+
+Both sides run the same zoo GPT (same seed, so the same weights) cut into the same stages: the first
+half of the blocks with the embeddings on rank 0, the rest with the final norm and head on the last
+rank. Each side holds its own copy, materialised from its own meta model, so the two never share a
+parameter or a gradient buffer. The embedding and head are untied: torch.distributed.pipelining does not
+sum a tied weight's gradient over the ranks holding it, which hyparallel does. hyparallel runs
+``PipelineRuntime.train_step``; PyTorch runs ``PipelineStage`` around the same hyparallel stage module
+(a thin adapter for its call convention) under ``ScheduleGPipe`` or ``Schedule1F1B``. One step is forward
+and backward over all micro-batches with a mean cross-entropy loss, no optimizer, gradients zeroed between
+steps. Per schedule the sides first check they agree (mean loss and this rank's gradients), then alternate
+step by step after two warm-up steps each; rank 0 prints the median step time (the slowest rank's) of
+each and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+import hyparallel as hp
+from hyparallel.pipeline import PipelineRuntime, split_model
+from hyparallel.tensor.init import materialize_
+
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+RTOL, ATOL = 1e-5, 1e-6  # fp32: torch divides the summed gradients by m, hyparallel each loss: rounding only
+WARMUP, SEED = 2, 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--schedules", default="gpipe,1f1b")
+    return parser.parse_args()
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # a micro-batch's mean, as both sides expect
+
+
+def stage_paths(layers: int, pp: int) -> list[list[str]]:
+    """Blocks split evenly; embeddings go with the first stage, final norm and head with the last."""
+    per = layers // pp
+    stages = [[f"layers.{i}" for i in range(k * per, (k + 1) * per if k < pp - 1 else layers)] for k in range(pp)]
+    stages[0] = ["tok_embeddings", "pos_embeddings", "dropout", *stages[0]]
+    stages[-1] += ["norm", "output"]
+    return stages
+
+
+def build_stage(args: argparse.Namespace, pp: int, rank: int):
+    """A fresh meta model, split and with only this rank's stage materialised: (split, stage module)."""
+    spec = (f"gpt-tiny num_layers={args.layers} hidden_size={args.hidden} num_heads={args.heads} "
+            f"vocab_size={args.vocab} max_seq_len={args.seq} tie_embeddings=false")
+    model = hp.models.load(spec).module
+    example = torch.zeros(args.batch // args.microbatches, args.seq, dtype=torch.long, device="meta")
+    split = split_model(model, stage_paths(args.layers, pp), example)
+    if len(split.input_names) != 1:
+        raise RuntimeError(f"expected the token ids as the only user input, got {split.input_names}")
+    materialize_(model, "cpu", seed=SEED, only=split.state_names(rank))
+    return split, split.stage_module(rank)
+
+
+class TorchAdapter(nn.Module):
+    """torch's call convention over a hyparallel stage: stage 0 takes the tokens, later ones what was sent."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: torch.Tensor):
+        return self.stage([args[0]], ()) if self.stage.index == 0 else self.stage([None], args)
+
+
+def timed(run, params: list[nn.Parameter]) -> tuple[float, torch.Tensor]:
+    """One step of ``run`` (returning the mean loss) with gradients zeroed first; ranks start together."""
+    for p in params:
+        p.grad = None
+    dist.barrier()
+    start = time.perf_counter()
+    loss = run()
+    return time.perf_counter() - start, loss
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    last = pp - 1
+    ours_group, theirs_group = dist.new_group(), dist.new_group()  # separate p2p channels for each side
+    split, ours_stage = build_stage(args, pp, rank)
+    _, theirs_stage = build_stage(args, pp, rank)
+    adapter = TorchAdapter(theirs_stage)
+    ours_params, theirs_params = list(ours_stage.parameters()), list(adapter.parameters())
+
+    torch.manual_seed(7)  # the same batch on every rank
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if rank == 0:
+        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+              f"{torch.get_num_threads()} torch threads per rank; torch {torch.__version__}; pp={pp} gloo CPU")
+        print(f"model: gpt {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, fp32; "
+              f"batch {args.batch} x seq {args.seq} in {args.microbatches} micro-batches; "
+              f"median of {args.steps} steps after {WARMUP} warm-up")
+
+    for kind in args.schedules.split(","):
+        runtime = PipelineRuntime(split, {rank: ours_stage}, ours_group, schedule_kind=kind,
+                                  num_microbatches=args.microbatches)
+        torch_stage = PipelineStage(adapter, rank, pp, torch.device("cpu"), group=theirs_group)
+        torch_schedule = TORCH_SCHEDULES[kind](torch_stage, args.microbatches, loss_fn=loss_fn)
+
+        def ours() -> torch.Tensor:
+            return runtime.train_step(inputs, targets, loss_fn)
+
+        def theirs() -> torch.Tensor:
+            losses: list[torch.Tensor] = []
+            torch_schedule.step(*([inputs] if rank == 0 else []), target=targets if rank == last else None,
+                                losses=losses, return_outputs=False)
+            loss = torch.stack(losses).mean().detach() if rank == last else torch.zeros(())
+            dist.broadcast(loss, src=last, group=theirs_group)  # hyparallel hands every rank the loss too
+            return loss
+
+        # Agreement: a step each from zeroed gradients, compared parameter by parameter under the model's names.
+        _, ours_loss = timed(ours, ours_params)
+        _, theirs_loss = timed(theirs, theirs_params)
+        theirs_grads = dict(adapter.stage.body.named_parameters())
+        bad = [name for name, p in ours_stage.body.named_parameters()
+               if not torch.allclose(p.grad, theirs_grads[name].grad, rtol=RTOL, atol=ATOL)]
+        worst = max((p.grad - theirs_grads[name].grad).abs().max().item() for name, p in ours_stage.body.named_parameters())
+        summary = torch.tensor([len(bad), len(ours_params), worst], dtype=torch.float64)
+        dist.all_reduce(summary[:2])
+        dist.all_reduce(summary[2:], op=dist.ReduceOp.MAX)
+        loss_ok = torch.allclose(ours_loss, theirs_loss, rtol=RTOL, atol=0)
+
+        times: dict[str, list[float]] = {"hyparallel": [], "torch": []}
+        for i in range(WARMUP + args.steps):
+            for name, run, params in (("hyparallel", ours, ours_params), ("torch", theirs, theirs_params)):
+                seconds, _ = timed(run, params)
+                if i >= WARMUP:
+                    times[name].append(seconds)
+        per_rank = torch.tensor([times["hyparallel"], times["torch"]], dtype=torch.float64)
+        dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank finishes
+        ours_ms, theirs_ms = (statistics.median(row.tolist()) * 1e3 for row in per_rank)
+        if rank == 0:
+            ok = "OK" if loss_ok and summary[0] == 0 else "MISMATCH"
+            print(f"[{kind}] check {ok}: loss hyparallel {ours_loss.item():.6f} torch {theirs_loss.item():.6f}; "
+                  f"{int(summary[1] - summary[0])}/{int(summary[1])} gradients equal (rtol {RTOL:g}, atol {ATOL:g}), "
+                  f"max abs diff {summary[2]:.1e}")
+            print(f"[{kind}] hyparallel / torch step time ratio: {ours_ms / theirs_ms:.2f} "
+                  f"(hyparallel {ours_ms:.1f} ms, torch {theirs_ms:.1f} ms)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Stage splitting in one process: stages chained in order compute exactly what the model computes.
+
+Every model is cut with the planner's stage map (the plan's `stages`), so the mechanism is tested on the
+maps it will be given: zoo models through torch.fx, Hugging Face ones through torch.export. The runtime
+itself runs here with one pipeline rank (pp = 1, virtual stages handed over in memory); the multi-process
+runs are in test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hyparallel as hp
+from hyparallel.errors import ConfigError
+from hyparallel.pipeline import PipelineRuntime, split_model
+from hyparallel.tensor.init import materialize_
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+SEED, BATCH, SEQ = 5, 2, 12
+HF_COMMON = "bos_token_id=0 eos_token_id=0 vocab_size=96"
+MODELS = {
+    "gpt": "gpt-tiny num_layers=4",  # fused qkv, tied head, fx
+    "llama": "llama-tiny num_layers=4",  # GQA, rotary buffers, untied head, fx
+    "hf-gpt2": f"hf:GPT2LMHeadModel n_layer=4 n_embd=32 n_head=4 n_positions=32 {HF_COMMON} resid_pdrop=0 embd_pdrop=0 attn_pdrop=0",
+    "hf-llama": (f"hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 num_key_value_heads=2 "
+                 f"intermediate_size=64 max_position_embeddings=32 {HF_COMMON}"),
+    "hf-qwen2": (f"hf:Qwen2ForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 num_key_value_heads=2 "
+                 f"intermediate_size=64 max_position_embeddings=32 tie_word_embeddings=true {HF_COMMON}"),  # qkv biases
+    "hf-neox": (f"hf:GPTNeoXForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 intermediate_size=64 "
+                f"max_position_embeddings=32 attention_dropout=0 hidden_dropout=0 {HF_COMMON}"),  # parallel residual
+}
+
+
+def vocab(model: nn.Module) -> int:
+    return model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else model.config.vocab_size
+
+
+def logits_of(output):
+    return output.logits if hasattr(output, "logits") else output
+
+
+def loss_fn(output, targets):
+    return F.cross_entropy(logits_of(output).flatten(0, 1), targets.flatten())
+
+
+def planned_stages(model: nn.Module, pp: int, **constraints) -> list[list[str]]:
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=pp)
+    plan = hp.plan(model, cluster, global_batch=BATCH * 2, seq_len=SEQ, dtype="fp32", pp=pp, tp=1, dp=1,
+                   micro_batch=BATCH, **constraints)
+    return [stage.modules for stage in plan.stages]
+
+
+def batch(model: nn.Module, rows: int = BATCH):
+    torch.manual_seed(0)
+    tokens = torch.randint(0, vocab(model), (rows, SEQ + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def reference(spec: str):
+    return materialize_(hp.models.load(spec).module, "cpu", seed=SEED)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_chained_stages_equal_the_model_forward_and_backward(name):
+    spec = MODELS[name]
+    model = hp.models.load(spec).module
+    stages = planned_stages(model, pp=3)
+    inputs, targets = batch(model)
+    split = split_model(model, stages, inputs.to("meta"))
+    assert split.method == ("fx" if name in ("gpt", "llama") else "export")
+    materialize_(model, "cpu", seed=SEED, only=split.state_names(range(3)))
+    modules = [split.stage_module(k) for k in range(3)]
+    flat, received = split.flatten_inputs(inputs), ()
+    for module in modules:
+        received = module(flat, received)
+    loss = loss_fn(received, targets)
+    loss.backward()
+
+    ref = reference(spec)
+    ref_loss = loss_fn(ref(inputs), targets)
+    ref_loss.backward()
+    # The same operations in the same order on the same values: bitwise equal, not just close.
+    assert torch.equal(logits_of(received), logits_of(ref(inputs)))
+    assert torch.equal(loss, ref_loss)
+    ref_grads = dict(ref.named_parameters(remove_duplicate=False))
+    compared = 0
+    for module in modules:
+        for pname, param in module.body.named_parameters():
+            assert torch.equal(param.grad, ref_grads[pname].grad), pname
+            compared += 1
+    assert compared >= len(list(ref.parameters()))
+
+
+def test_boundaries_relay_values_a_later_stage_reads():
+    model = hp.models.load(MODELS["hf-gpt2"]).module
+    blocks = [f"transformer.h.{i}" for i in range(4)]
+    split = split_model(model, [["transformer.wte", "transformer.wpe", blocks[0]], blocks[1:3], [blocks[3], "lm_head"]],
+                        torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"))
+    first, middle, last = split.io
+    assert first.inputs == () and last.outputs == ()
+    assert first.outputs == middle.inputs and middle.outputs == last.inputs
+    relayed = set(first.outputs) & set(middle.outputs)  # the attention mask, made in stage 0, read in every stage
+    assert len(relayed) == 1 and len(middle.outputs) == 2
+    assert split.shared_state() == {"transformer.wte.weight": (0, 2)}  # tied embedding and head
+
+
+def test_a_rank_materialises_only_its_stages_with_the_full_models_values():
+    model = hp.models.load(MODELS["gpt"]).module
+    split = split_model(model, planned_stages(model, pp=2), torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"))
+    names = split.state_names(1)
+    materialize_(model, "cpu", seed=SEED, only=names)
+    ref = dict(reference(MODELS["gpt"]).named_parameters(remove_duplicate=False))
+    real = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
+    assert "layers.3.mlp.fc.weight" in real and "layers.0.mlp.fc.weight" not in real
+    assert {"output.weight", "tok_embeddings.weight"} <= real  # the tied head is the embedding: one tensor
+    assert model.output.weight is model.tok_embeddings.weight
+    for pname in real:
+        assert torch.equal(model.get_parameter(pname), ref[pname]), pname
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf-llama"])
+def test_runtime_with_one_rank_and_virtual_stages_matches_the_model(name):
+    spec = MODELS[name]
+    model = hp.models.load(spec).module
+    stages = planned_stages(model, pp=1)
+    if len(stages) == 1:  # one device plans one stage; split it in two for two virtual stages on one rank
+        modules = stages[0]
+        cut = next(i for i, m in enumerate(modules) if "layers.2" in m)
+        stages = [modules[:cut], modules[cut:]]
+    inputs, targets = batch(model, rows=2 * BATCH)
+    split = split_model(model, stages, inputs[:BATCH].to("meta"))
+    materialize_(model, "cpu", seed=SEED, only=split.state_names([0, 1]))
+    runtime = PipelineRuntime(split, {0: split.stage_module(0), 1: split.stage_module(1)}, None,
+                              schedule_kind="interleaved-1f1b", num_microbatches=2, virtual_stages=2)
+    loss = runtime.train_step(inputs, targets, loss_fn)
+    # Both virtual stages on the one rank: the outputs of stage 0 go to stage 1 in memory, no send or receive.
+    assert runtime.last_order == ["0F0", "1F0", "1B0", "0F1", "0B0", "1F1", "1B1", "0B1"]
+    ref = reference(spec)
+    ref_loss = loss_fn(ref(inputs), targets)
+    ref_loss.backward()
+    ref_grads = dict(ref.named_parameters(remove_duplicate=False))
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
+    for pname, param in runtime.named_parameters():  # micro-batch sums vs one whole-batch reduction: rounding only
+        torch.testing.assert_close(param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}")
+
+
+def test_stage_map_errors_name_the_module_and_the_fix():
+    model = hp.models.load(MODELS["gpt"]).module
+    example = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    head = ["tok_embeddings", "pos_embeddings", "layers.0", "layers.1"]
+    tail = ["layers.2", "layers.3", "norm", "output"]
+    with pytest.raises(ConfigError, match=r"stages\[1\]: 'layers.9' is not a module of GPT"):
+        split_model(model, [head, ["layers.9"]], example)
+    with pytest.raises(ConfigError, match="module 'layers.1' is in stages 0 and 1"):
+        split_model(model, [head, ["layers.1", *tail]], example)
+    with pytest.raises(ConfigError, match=r"module 'layers.1' \(stage 0\) runs after 'layers.0' \(stage 1\)"):
+        split_model(model, [[*head[:2], "layers.1"], ["layers.0", *tail]], example)
+    with pytest.raises(ConfigError, match=r"stages\[1\] lists no modules"):
+        split_model(model, [head + tail, []], example)
+
+
+def test_a_listed_module_that_never_runs_leaves_its_stage_empty():
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.spare = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    with pytest.raises(ConfigError, match=r"stages\[1\] \(spare\) runs no operation"):
+        split_model(Unused(), [["used"], ["spare"]], torch.zeros(2, 4))
+
+
+def test_batches_that_do_not_split_or_do_not_match_the_export_trace_are_refused():
+    spec = MODELS["hf-gpt2"]
+    model = hp.models.load(spec).module
+    split = split_model(model, planned_stages(model, pp=1), torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"))
+    materialize_(model, "cpu", seed=SEED, only=split.state_names(0))
+    runtime = PipelineRuntime(split, {0: split.stage_module(0)}, None, schedule_kind="1f1b", num_microbatches=2)
+    inputs, targets = batch(model, rows=3)
+    with pytest.raises(ConfigError, match="3 rows, which do not split into 2 equal micro-batches"):
+        runtime.train_step(inputs, targets, loss_fn)
+    inputs, targets = batch(model, rows=4 * BATCH)
+    with pytest.raises(ConfigError, match=r"micro-batch input 0 has shape \(4, 12\) but the model was traced by torch.export"):
+        runtime.train_step(inputs, targets, loss_fn)
+    with pytest.raises(TypeError, match="loss_fn must return a scalar tensor"):
+        runtime.train_step(*batch(model, rows=2 * BATCH), lambda out, y: logits_of(out))
+    with pytest.raises(ConfigError, match=r"pipeline rank 0 runs stages \[0\] but was given \[1\]"):
+        PipelineRuntime(split, {1: split.stage_module(0)}, None, schedule_kind="1f1b", num_microbatches=2)
