@@ -4,17 +4,17 @@ Run: torchrun --nproc_per_node 2 benchmarks/pp_vs_torch.py [--layers 8 --hidden 
      --microbatches 8 --steps 10 --schedules gpipe,1f1b]
 (gloo on the CPU, one stage per rank; torchrun sets OMP_NUM_THREADS=1.)
 
-Both sides run the same zoo GPT (same seed, so the same weights) cut into the same stages: the first
-half of the blocks with the embeddings on rank 0, the rest with the final norm and head on the last
-rank. Each side holds its own copy, materialised from its own meta model, so the two never share a
-parameter or a gradient buffer. The embedding and head are untied: torch.distributed.pipelining does not
-sum a tied weight's gradient over the ranks holding it, which hyparallel does. hyparallel runs
+Both sides run the same zoo GPT (same seed, so the same weights) cut into the same stages, one per rank:
+the blocks split evenly, the embeddings with the first, the final norm and head with the last. Each side
+holds its own copy, materialised from its own meta model, so the two never share a parameter or a
+gradient buffer. The embedding and head are untied: torch.distributed.pipelining does not sum a tied
+weight's gradient over the ranks holding it, which hyparallel does. hyparallel runs
 ``PipelineRuntime.train_step``; PyTorch runs ``PipelineStage`` around the same hyparallel stage module
-(a thin adapter for its call convention) under ``ScheduleGPipe`` or ``Schedule1F1B``. One step is forward
-and backward over all micro-batches with a mean cross-entropy loss, no optimizer, gradients zeroed between
-steps. Per schedule the sides first check they agree (mean loss and this rank's gradients), then alternate
-step by step after two warm-up steps each; rank 0 prints the median step time (the slowest rank's) of
-each and their ratio.
+(a thin adapter for its call convention) under ``ScheduleGPipe`` or ``Schedule1F1B``. One step is
+forward and backward over all micro-batches with a mean cross-entropy loss, no optimizer, gradients
+zeroed between steps. Per schedule the sides first check they agree (mean loss and this rank's
+gradients), then alternate step by step after two warm-up steps each; rank 0 prints the median step time
+(the slowest rank's) of each and their ratio.
 """
 
 from __future__ import annotations
@@ -42,14 +42,9 @@ WARMUP, SEED = 2, 0
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10)
+    for name, default in (("layers", 8), ("hidden", 256), ("heads", 8), ("vocab", 1024), ("seq", 128), ("batch", 16),
+                          ("microbatches", 8), ("steps", 10)):
+        parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--schedules", default="gpipe,1f1b")
     return parser.parse_args()
 
@@ -105,10 +100,9 @@ def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
     rank, pp = dist.get_rank(), dist.get_world_size()
-    last = pp - 1
+    last = pp - 1  # the rank of the last stage
     ours_group, theirs_group = dist.new_group(), dist.new_group()  # separate p2p channels for each side
-    split, ours_stage = build_stage(args, pp, rank)
-    _, theirs_stage = build_stage(args, pp, rank)
+    (split, ours_stage), (_, theirs_stage) = build_stage(args, pp, rank), build_stage(args, pp, rank)
     adapter = TorchAdapter(theirs_stage)
     ours_params, theirs_params = list(ours_stage.parameters()), list(adapter.parameters())
 
@@ -140,13 +134,10 @@ def main() -> None:
             return loss
 
         # Agreement: a step each from zeroed gradients, compared parameter by parameter under the model's names.
-        _, ours_loss = timed(ours, ours_params)
-        _, theirs_loss = timed(theirs, theirs_params)
-        theirs_grads = dict(adapter.stage.body.named_parameters())
-        bad = [name for name, p in ours_stage.body.named_parameters()
-               if not torch.allclose(p.grad, theirs_grads[name].grad, rtol=RTOL, atol=ATOL)]
-        worst = max((p.grad - theirs_grads[name].grad).abs().max().item() for name, p in ours_stage.body.named_parameters())
-        summary = torch.tensor([len(bad), len(ours_params), worst], dtype=torch.float64)
+        (_, ours_loss), (_, theirs_loss) = timed(ours, ours_params), timed(theirs, theirs_params)
+        pairs = [(p.grad, adapter.stage.body.get_parameter(name).grad) for name, p in ours_stage.body.named_parameters()]
+        summary = torch.tensor([sum(not torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in pairs), len(pairs),
+                                max((a - b).abs().max().item() for a, b in pairs)], dtype=torch.float64)
         dist.all_reduce(summary[:2])
         dist.all_reduce(summary[2:], op=dist.ReduceOp.MAX)
         loss_ok = torch.allclose(ours_loss, theirs_loss, rtol=RTOL, atol=0)

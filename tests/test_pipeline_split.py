@@ -193,3 +193,15 @@ def test_batches_that_do_not_split_or_do_not_match_the_export_trace_are_refused(
         runtime.train_step(*batch(model, rows=2 * BATCH), lambda out, y: logits_of(out))
     with pytest.raises(ConfigError, match=r"pipeline rank 0 runs stages \[0\] but was given \[1\]"):
         PipelineRuntime(split, {1: split.stage_module(0)}, None, schedule_kind="1f1b", num_microbatches=2)
+
+
+def test_from_plan_needs_stages_and_a_group_of_pp_ranks(repo):
+    model = hp.models.load(MODELS["gpt"]).module
+    hand_written = hp.Plan.load(repo / "configs" / "plans" / "cpu-dp2-tp2-pp2.yaml")  # training + parallel only
+    with pytest.raises(ConfigError, match="the plan lists no stages"):
+        PipelineRuntime.from_plan(model, hand_written, None)
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=2)
+    plan = hp.plan(model, cluster, global_batch=8, seq_len=SEQ, dtype="fp32", pp=2, tp=1, dp=1)
+    with pytest.raises(ConfigError, match=r"the plan has pp = 2 but the pipeline group has 1 ranks; pass a group of 2 ranks"):
+        PipelineRuntime.from_plan(model, plan, None)
+    assert all(p.is_meta for p in model.parameters())  # refused before anything was allocated

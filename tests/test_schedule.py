@@ -9,6 +9,7 @@ from hyparallel.pipeline.schedule import (
     compute_only,
     format_schedule,
     lower,
+    p2p_order_mismatches,
     parse_action,
     schedule,
     simulate,
@@ -54,6 +55,8 @@ def test_schedules_are_complete_lower_cleanly_and_never_deadlock(case):
     assert comm.steps == plain.steps
     assert comm.peak_inflight == plain.peak_inflight
     assert comm.timeline == plain.timeline
+    # Between any two ranks, receives come in the order of the sends: what NCCL (which ignores tags) needs.
+    assert p2p_order_mismatches(lowered, pp) == []
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -209,3 +212,10 @@ def test_format_schedule_and_timeline_picture():
         "rank 0 | 0F0 0F1   . 0B0 0F2 0B1   . 0B2\n"
         "rank 1 |   . 1F0 1B0 1F1 1B1 1F2 1B2   ."
     )
+
+
+def test_p2p_order_mismatch_is_found():
+    lowered = lower(schedule("gpipe", pp=2, num_microbatches=2), pp=2)
+    swapped = {0: lowered[0], 1: [lowered[1][2], lowered[1][3], lowered[1][0], lowered[1][1], *lowered[1][4:]]}
+    assert [str(a) for a in swapped[1][:4]] == ["1RECV_F1", "1F1", "1RECV_F0", "1F0"]
+    assert p2p_order_mismatches(swapped, pp=2) == [(0, 1)]

@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hyparallel.errors import ConfigError
 from hyparallel.pipeline.schedule import Action, ScheduleKind, lower, schedule
-from hyparallel.pipeline.split import PipelineSplit, Stage
+from hyparallel.pipeline.split import PipelineSplit, Stage, split_model
+from hyparallel.schema import Plan
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -78,6 +79,36 @@ class PipelineRuntime:
         self._slots = max((len(io.inputs) for io in split.io), default=0) + 2  # + header length and bytes
         self.last_order: list[str] = []
         self.peak_inflight = 0.0
+
+    @classmethod
+    def from_plan(cls, model: torch.nn.Module, plan: Plan, group: ProcessGroup | None, *, example_inputs: Any = None,
+                  device: torch.device | str = "cpu", seed: int = 0) -> PipelineRuntime:
+        """This rank's pipeline for ``plan``: its ``stages`` split out of ``model``, the plan's schedule.
+
+        A meta-device model is materialised stage by stage: this rank allocates and initialises only
+        the parameters its stages read (``materialize_`` with ``seed``). ``example_inputs`` is one
+        micro-batch; by default token ids of the plan's ``micro_batch x seq_len``.
+        """
+        from hyparallel.tensor.init import materialize_
+
+        par = plan.parallel
+        if plan.stages is None:
+            raise ConfigError("the plan lists no stages; complete it with `hyparallel plan` (or list each stage's "
+                              "modules under stages:) before running a pipeline")
+        size = dist.get_world_size(group) if group is not None else 1
+        if size != par.pp:
+            raise ConfigError(f"the plan has pp = {par.pp} but the pipeline group has {size} ranks; "
+                              f"pass a group of {par.pp} ranks")
+        if example_inputs is None:
+            example_inputs = torch.zeros(plan.training.micro_batch, plan.training.seq_len, dtype=torch.long, device="meta")
+        split = split_model(model, [stage.modules for stage in plan.stages], example_inputs)
+        rank = dist.get_rank(group) if group is not None else 0
+        mine = [s for s in range(split.num_stages) if s % par.pp == rank]
+        names = split.state_names(mine)
+        if any(t.is_meta for name, t in _state(model) if name in names):
+            materialize_(model, device, seed=seed, only=names)
+        return cls(split, {s: split.stage_module(s, device) for s in mine}, group, schedule_kind=par.schedule,
+                   num_microbatches=plan.num_microbatches, virtual_stages=par.virtual_stages)
 
     # ---- public ----------------------------------------------------------------------------------
 
@@ -313,3 +344,8 @@ def _chunk_each(flat: list[Any], m: int, what: str) -> list[list[Any]]:
 def _chunk_tree(tree: Any, m: int) -> list[Any]:
     leaves, spec = tree_flatten(tree)
     return [tree_unflatten(chunk, spec) for chunk in _chunk_each(leaves, m, "targets")]
+
+
+def _state(model: torch.nn.Module):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)

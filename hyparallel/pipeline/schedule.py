@@ -194,6 +194,27 @@ def lower(compute: Mapping[int, Sequence[Action]], pp: int, virtual_stages: int 
     return lowered
 
 
+def p2p_order_mismatches(lowered: Mapping[int, Sequence[Action]], pp: int) -> list[tuple[int, int]]:
+    """Rank pairs (sender, receiver) whose sends are not received in the order they are sent.
+
+    Gloo matches a receive to its send by tag, whatever the order; NCCL ignores tags and matches the
+    k-th send between two ranks with the k-th receive. A schedule the runtime runs on NCCL must
+    therefore list, for every pair, its receives in its sends' order; this returns the pairs that do not.
+    """
+    bad = []
+    for sender in range(pp):
+        for receiver in range(pp):
+            if sender == receiver:
+                continue
+            sends = [(a.stage, a.kind[-1], a.microbatch) for a in lowered.get(sender, ())
+                     if a.kind.startswith("SEND") and a.peer % pp == receiver]
+            recvs = [(a.peer, a.kind[-1], a.microbatch) for a in lowered.get(receiver, ())
+                     if a.kind.startswith("RECV") and a.peer % pp == sender]
+            if sends != recvs:
+                bad.append((sender, receiver))
+    return bad
+
+
 def compute_only(actions: Mapping[int, Sequence[Action]]) -> dict[int, list[Action]]:
     """The F and B actions of each rank, in order: undoes :func:`lower`."""
     return {rank: [a for a in acts if a.is_compute] for rank, acts in actions.items()}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hyparallel as hp
-from hyparallel.pipeline import PipelineRuntime, lower, schedule, simulate, split_model
+from hyparallel.pipeline import PipelineRuntime, lower, schedule, simulate
 from hyparallel.planner import costs
 from hyparallel.tensor.init import materialize_
 
@@ -49,12 +49,11 @@ def loss_fn(output, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def stage_map(spec: str, pp: int, kind: str, v: int) -> list[list[str]]:
+def make_plan(spec: str, pp: int, kind: str, v: int) -> hp.Plan:
     model = hp.models.load(spec).module
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=pp)
-    plan = hp.plan(model, cluster, global_batch=BATCH, seq_len=SEQ, dtype="fp32", pp=pp, tp=1, dp=1,
+    return hp.plan(model, cluster, global_batch=BATCH, seq_len=SEQ, dtype="fp32", pp=pp, tp=1, dp=1,
                    schedule=kind, virtual_stages=v, micro_batch=BATCH // MICROBATCHES)
-    return [stage.modules for stage in plan.stages]
 
 
 def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
@@ -69,13 +68,11 @@ def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
     ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
 
     model = hp.models.load(spec).module  # meta
-    stages = stage_map(spec, pp, kind, v)
-    split = split_model(model, stages, inputs[: BATCH // MICROBATCHES].to("meta"))
+    plan = make_plan(spec, pp, kind, v)
+    assert plan.num_microbatches == MICROBATCHES
+    stages = [stage.modules for stage in plan.stages]
+    runtime = PipelineRuntime.from_plan(model, plan, group, seed=seed)  # token ids of micro_batch x seq_len traced
     rank = dist.get_rank(group)
-    mine = [s for s in range(split.num_stages) if s % pp == rank]
-    materialize_(model, "cpu", seed=seed, only=split.state_names(mine))
-    runtime = PipelineRuntime(split, {s: split.stage_module(s) for s in mine}, group, schedule_kind=kind,
-                              num_microbatches=MICROBATCHES, virtual_stages=v)
     loss = runtime.train_step(inputs, targets, loss_fn)
 
     worst_abs, checked = 0.0, 0
