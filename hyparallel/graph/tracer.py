@@ -54,13 +54,23 @@ def trace(model: nn.Module, example_inputs: Any, *, name: str | None = None, met
     """
     args, kwargs = _split_inputs(example_inputs)
     args, kwargs = tree_map(_to_meta, (args, kwargs))  # only shapes and dtypes matter: no real memory
+    return first_program(model, args, kwargs, method, lambda program: _build(model, program, name or type(model).__name__))
+
+
+def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, finish: Any = None) -> Any:
+    """``finish(program)`` for the first tracer (fx, then export) that traces ``model`` and finishes.
+
+    A failure in either tracing or ``finish`` moves on to the next tracer; when all fail, one
+    TraceError names the construct, module and source line for each. ``finish`` defaults to
+    returning the traced program (what the pipeline splitter cuts).
+    """
     failures: list[tuple[str, BaseException, str | None]] = []
     attempts = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
     for attempt in attempts:
         with _ModuleStack(model) as calls:
             try:
                 program = _fx_program(model, args, kwargs) if attempt == "fx" else _export_program(model, args, kwargs)
-                return _build(model, program, name or type(model).__name__)
+                return finish(program) if finish is not None else program
             except TraceError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- any tracer failure means: try the next tracer, then report all

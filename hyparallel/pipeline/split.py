@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from hyparallel.errors import ConfigError
-from hyparallel.graph.tracer import Method, _export_program, _fx_program, _ModuleStack, _owner, _split_inputs, _to_meta
+from hyparallel.graph.tracer import Method, _owner, _split_inputs, _to_meta, first_program
 
 
 # Note [which stage runs a node]
@@ -193,7 +193,7 @@ def split_model(model: nn.Module, stages: Sequence[Sequence[str]], example_input
     args, kwargs = _split_inputs(example_inputs)
     flat_example, _ = tree_flatten((args, kwargs))
     args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
-    program = _trace(model, args, kwargs, method)
+    program = first_program(model, args, kwargs, method)
     graph = program.gm.graph
     _lift_state(program)
     _drop_concrete_placeholders(program)
@@ -215,20 +215,6 @@ def split_model(model: nn.Module, stages: Sequence[Sequence[str]], example_input
 
 def _children(spec: TreeSpec) -> list[TreeSpec]:
     return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.10
-
-
-def _trace(model: nn.Module, args: tuple, kwargs: dict, method: Method):
-    from hyparallel.errors import TraceError
-    from hyparallel.graph.tracer import _explain
-
-    failures = []
-    for attempt in {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]:
-        with _ModuleStack(model) as calls:
-            try:
-                return _fx_program(model, args, kwargs) if attempt == "fx" else _export_program(model, args, kwargs)
-            except Exception as exc:  # noqa: BLE001 -- as in hyparallel.trace: try the next tracer, then report all
-                failures.append((attempt, exc, calls.innermost))
-    raise TraceError(_explain(model, failures))
 
 
 def _lift_state(program) -> None:
