@@ -37,7 +37,10 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 # pipeline is handed the same batch and so knows the shapes. After that only tensors travel, batched
 # with batch_isend_irecv. Gradients travel back for exactly the tensors flagged requires_grad.
 # Every message has a tag naming (sending stage, direction, micro-batch, slot), so gloo matches a
-# receive to its send whatever else is in flight between the two ranks.
+# receive to its send whatever else is in flight between the two ranks; the schedules also receive in
+# the order of the sends between every pair of ranks (schedule.p2p_order_mismatches, tested), which is
+# how NCCL, ignoring tags, matches them. Before each F or B the next receive of the list is posted, so
+# its data lands while the rank computes instead of after.
 
 
 @dataclass(frozen=True)
@@ -151,8 +154,14 @@ class PipelineRuntime:
         self._losses: list[torch.Tensor] = []
         self._pending: list[Any] = []
         self._loss_fn = loss_fn
+        self._posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = {}
         self.last_order, inflight, peak = [], 0, 0
-        for action in self.program:
+        receives = [i for i, a in enumerate(self.program) if a.kind.startswith("RECV")]
+        for index, action in enumerate(self.program):
+            if action.is_compute:  # let the next receive land while this computes (Note [transfers])
+                upcoming = next((self.program[i] for i in receives if i > index), None)
+                if upcoming is not None and upcoming not in self._posted and self._header_known(upcoming):
+                    self._posted[upcoming] = self._post_recv(upcoming)
             getattr(self, f"_{action.kind.lower()}")(action)
             self.last_order.append(str(action))
             if action.kind in ("F", "B"):
@@ -219,22 +228,37 @@ class PipelineRuntime:
         header_key = (a.stage - 1, self._key)
         if header_key not in self._headers:
             self._headers[header_key] = self._recv_header(a)
-        entries = self._headers[header_key]
-        buffers = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in entries if e.is_tensor]
-        self._irecv(buffers, a)
+        buffers = self._wait_recv(a)
         received, it = [], iter(buffers)
-        for e in entries:
+        for e in self._headers[header_key]:
             received.append(next(it).requires_grad_(e.requires_grad) if e.is_tensor else e.value)
         self._received[a.stage, a.microbatch] = tuple(received)
+
+    def _header_known(self, a: Action) -> bool:
+        return ((a.stage - 1 if a.kind == "RECV_F" else a.stage), self._key) in self._headers
+
+    def _post_recv(self, a: Action) -> tuple[list[torch.Tensor], list[Any]]:
+        """Allocate and post the receives of ``a`` (RECV_F: the values; RECV_B: gradients of those needing one)."""
+        if a.kind == "RECV_F":
+            entries = [e for e in self._headers[a.stage - 1, self._key] if e.is_tensor]
+        else:
+            entries = [e for e in self._headers[a.stage, self._key] if e.is_tensor and e.requires_grad]
+        buffers = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in entries]
+        peer = self._peer(a)
+        ops = [dist.P2POp(dist.irecv, t, peer, self.group, self._tag(a, 2 + i)) for i, t in enumerate(buffers)]
+        return buffers, dist.batch_isend_irecv(ops) if ops else []
+
+    def _wait_recv(self, a: Action) -> list[torch.Tensor]:
+        buffers, works = self._posted.pop(a) if a in self._posted else self._post_recv(a)
+        for work in works:
+            work.wait()
+        return buffers
 
     def _send_b(self, a: Action) -> None:
         self._isend([g.contiguous() for g in self._input_grads.pop((a.stage, a.microbatch))], a)
 
     def _recv_b(self, a: Action) -> None:
-        entries = self._headers[a.stage, self._key]
-        buffers = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in entries if e.is_tensor and e.requires_grad]
-        self._irecv(buffers, a)
-        self._grads[a.stage, a.microbatch] = buffers
+        self._grads[a.stage, a.microbatch] = self._wait_recv(a)
 
     def _peer(self, a: Action) -> int:
         peer_rank = a.peer % self.pp
