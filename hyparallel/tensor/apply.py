@@ -230,11 +230,12 @@ def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph
     weight = _linear_weight(old)  # (out, in), nn.Linear layout
     bias = getattr(old, "bias", None)
     kwargs = {"device": weight.device, "dtype": weight.dtype}
+    linear_kwargs = {**kwargs, "transposed_source": type(old).__name__ == "Conv1D"}
     if style == "column":
         every_rank = [_column_rows(op_name, graph, analysis, tp, r) for r in range(tp)]
         rows = every_rank[rank]
         new = ColumnParallelLinear(weight.size(1), weight.size(0), rows, bias is not None, group, sequence_parallel=sp,
-                                   enter_region=enter_region, **kwargs)
+                                   enter_region=enter_region, **linear_kwargs)
         _copy(new.weight, torch.cat([weight[a:b] for a, b in rows]))
         if bias is not None:
             _copy(new.bias, torch.cat([bias[a:b] for a, b in rows]))
@@ -243,7 +244,8 @@ def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph
     if style == "row":
         width = weight.size(1) // tp
         cols = (rank * width, (rank + 1) * width)
-        new = RowParallelLinear(weight.size(1), weight.size(0), cols, bias is not None, group, sequence_parallel=sp, **kwargs)
+        new = RowParallelLinear(weight.size(1), weight.size(0), cols, bias is not None, group, sequence_parallel=sp,
+                                **linear_kwargs)
         _copy(new.weight, weight[:, cols[0]:cols[1]])
         if bias is not None:
             _copy(new.bias, bias)
@@ -366,8 +368,9 @@ def _enter_sequence_parallel(model: nn.Module, graph: ModelGraph, styles: dict[s
 
     def scatter(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
-        if hidden.size(SEQ_DIM) % size:
-            raise ConfigError(f"sequence_parallel: sequence length {hidden.size(SEQ_DIM)} is not divisible by tp {size}")
+        length = hidden.size(SEQ_DIM)  # a Proxy under torch.fx: checked when the traced graph runs
+        if isinstance(length, int) and length % size:
+            raise ConfigError(f"sequence_parallel: sequence length {length} is not divisible by tp {size}")
         hidden = scatter_to_tp(hidden, SEQ_DIM, group)
         return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
 

@@ -10,6 +10,11 @@
 The group is always passed in (Megatron-LM's mappings.py idiom, without its global state), and each
 is a no-op for a group of one. Gloo has no reduce-scatter: there it is an all-reduce followed by
 keeping the own chunk (same result, twice the traffic; gloo is for CPU tests).
+
+Eagerly they are autograd Functions. Under a tracer (torch.fx, torch.export, torch.compile) they are
+one custom op, ``hyparallel::tp_collective(x, kind, dim, group_name)``, whose backward is the same op
+with the mirror kind: the op stays opaque in the traced graph, keeps its backward, and runs the same
+collectives when a pipeline stage executes that graph (see Note [collectives in traced graphs]).
 """
 
 from __future__ import annotations
@@ -80,35 +85,95 @@ _GatherFromTP = _pair("_GatherFromTP", _all_gather, _own_chunk)
 _AllGatherSeq = _pair("_AllGatherSeq", _all_gather, _reduce_scatter)
 _ReduceScatterSeq = _pair("_ReduceScatterSeq", _reduce_scatter, _all_gather)
 
+# Note [collectives in traced graphs]
+# A pipeline stage runs a graph traced from the (tensor-parallel) model. An autograd Function cannot
+# be traced as itself: fx would call it on proxies, export would inline its forward and drop its
+# backward. So while tracing, each collective is the custom op below, named by kind, with the group
+# passed by name (a ProcessGroup cannot sit in a graph). Its fake kernel gives the output shape; its
+# backward is the same op with the mirror kind. A custom op may not return its input, so the identity
+# and own-chunk forwards copy: that cost is paid only in traced graphs.
+_KINDS = {  # kind -> (forward, the kind its backward runs)
+    "copy": (_identity, "reduce"), "reduce": (_reduce, "copy"),
+    "scatter": (_own_chunk, "gather"), "gather": (_all_gather, "scatter"),
+    "all_gather_seq": (_all_gather, "reduce_scatter_seq"), "reduce_scatter_seq": (_reduce_scatter, "all_gather_seq"),
+}
+
+
+def _group_named(name: str) -> ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("hyparallel::tp_collective", mutates_args=())
+def tp_collective(x: torch.Tensor, kind: str, dim: int, group_name: str) -> torch.Tensor:
+    """One tensor-parallel collective by kind (the traced form of the functions below)."""
+    out = _KINDS[kind][0](x, dim, _group_named(group_name))
+    return out.clone() if out.data_ptr() == x.data_ptr() else out
+
+
+@tp_collective.register_fake
+def _(x: torch.Tensor, kind: str, dim: int, group_name: str) -> torch.Tensor:
+    size = _size(_group_named(group_name))
+    shape = list(x.shape)
+    if kind in ("gather", "all_gather_seq"):
+        shape[dim] *= size
+    elif kind in ("scatter", "reduce_scatter_seq"):
+        shape[dim] //= size
+    return x.new_empty(shape)
+
+
+def _setup(ctx, inputs, output) -> None:
+    _, ctx.kind, ctx.dim, ctx.group_name = inputs
+
+
+def _mirror(ctx, grad):
+    return tp_collective(grad.contiguous(), _KINDS[ctx.kind][1], ctx.dim, ctx.group_name), None, None, None
+
+
+tp_collective.register_autograd(_mirror, setup_context=_setup)
+
+
+def _tracing() -> bool:
+    trace = torch.fx._symbolic_trace
+    symbolic = trace.is_fx_symbolic_tracing() if hasattr(trace, "is_fx_symbolic_tracing") else trace._is_fx_tracing_flag
+    return torch.compiler.is_compiling() or symbolic
+
+
+def _apply(function: type[torch.autograd.Function], kind: str, x: torch.Tensor, dim: int, group: ProcessGroup):
+    if _tracing():
+        return tp_collective(x, kind, dim, group.group_name)
+    return function.apply(x, dim, group)
+
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward: where a replicated input enters split compute."""
-    return x if _size(group) == 1 else _CopyToTP.apply(x, -1, group)
+    return x if _size(group) == 1 else _apply(_CopyToTP, "copy", x, -1, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-reduce forward (sum the partial results), identity backward."""
-    return x if _size(group) == 1 else _ReduceFromTP.apply(x, -1, group)
+    return x if _size(group) == 1 else _apply(_ReduceFromTP, "reduce", x, -1, group)
 
 
 def scatter_to_tp(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """Keep this rank's chunk along ``dim`` forward; all-gather the gradient backward."""
-    return x if _size(group) == 1 else _ScatterToTP.apply(x, dim, group)
+    return x if _size(group) == 1 else _apply(_ScatterToTP, "scatter", x, dim, group)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """All-gather along ``dim`` forward; keep this rank's chunk of the gradient backward."""
-    return x if _size(group) == 1 else _GatherFromTP.apply(x, dim, group)
+    return x if _size(group) == 1 else _apply(_GatherFromTP, "gather", x, dim, group)
 
 
 def all_gather_seq(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """All-gather along the sequence ``dim`` forward; reduce-scatter the gradient backward."""
-    return x if _size(group) == 1 else _AllGatherSeq.apply(x, dim, group)
+    return x if _size(group) == 1 else _apply(_AllGatherSeq, "all_gather_seq", x, dim, group)
 
 
 def reduce_scatter_seq(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """Reduce-scatter along the sequence ``dim`` forward; all-gather the gradient backward."""
-    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, dim, group)
+    return x if _size(group) == 1 else _apply(_ReduceScatterSeq, "reduce_scatter_seq", x, dim, group)
 
 
 def all_reduce_(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -31,6 +31,7 @@ class ShardLayout:
     rows: tuple[tuple[int, int], ...] | None = None  # None: all rows
     cols: tuple[int, int] | None = None  # None: all columns
     valid_rows: int | None = None  # rows at or past this are vocabulary padding: zeros
+    transposed: bool = False  # the model stores the full weight as (in, out) (transformers' Conv1D): values follow it
 
 
 def init_rule(model: nn.Module, name: str, module: nn.Module, leaf: str) -> tuple[str, float]:
@@ -55,6 +56,9 @@ def _seed(seed: int, name: str, chunk: int) -> int:
 def fill_(tensor: torch.Tensor, rule: tuple[str, float], name: str, layout: ShardLayout, seed: int = 0) -> None:
     """Fill ``tensor`` (this rank's slice) with the values the full parameter ``name`` has at ``layout``."""
     kind, std = rule
+    if layout.transposed and kind == "normal" and tensor.dim() == 2:
+        _fill_transposed(tensor, rule, name, layout, seed)
+        return
     if kind != "normal" or tensor.dim() == 0:
         tensor.fill_(0.0 if kind == "zeros" else 1.0)
         return
@@ -78,6 +82,19 @@ def fill_(tensor: torch.Tensor, rule: tuple[str, float], name: str, layout: Shar
             padding = stop - max(start, full_rows)
             local[offset: offset + padding].zero_()
             offset += padding
+
+
+def _fill_transposed(tensor: torch.Tensor, rule: tuple[str, float], name: str, layout: ShardLayout, seed: int) -> None:
+    """``tensor`` (out rows, in cols) holds a slice of a weight the model stores as (in, out): take the
+    values that (in, out) weight has, so a split Conv1D starts as the unsplit one does."""
+    out_features, in_features = layout.full_shape
+    cols = layout.cols or (0, in_features)
+    offset = 0
+    for start, stop in layout.rows or ((0, out_features),):
+        stored = torch.empty(cols[1] - cols[0], stop - start, dtype=tensor.dtype)  # (in, out) as stored
+        fill_(stored, rule, name, ShardLayout(full_shape=(in_features, out_features), rows=(cols,), cols=(start, stop)), seed)
+        tensor[offset: offset + stop - start].copy_(stored.t())
+        offset += stop - start
 
 
 @torch.no_grad()

@@ -29,8 +29,9 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, rows: list[tuple[int, int]], bias: bool, group: ProcessGroup,
                  *, sequence_parallel: bool = False, gather_output: bool = False, enter_region: bool = True,
-                 activation: str = "none", device=None, dtype=None):
+                 activation: str = "none", transposed_source: bool = False, device=None, dtype=None):
         super().__init__()
+        self.transposed_source = transposed_source  # split from a weight stored (in, out): see ShardLayout.transposed
         # An activation that followed this Linear in the model, applied in the matmul's epilogue (Triton on
         # CUDA, torch otherwise): see hyparallel.tensor.kernels.linear_act.
         self.activation = activation
@@ -51,8 +52,10 @@ class ColumnParallelLinear(nn.Module):
 
     def shard_layout(self, leaf: str) -> ShardLayout:
         """Where this rank's weight/bias rows sit in the full parameter."""
-        full = (self.out_features, self.in_features) if leaf == "weight" else (self.out_features,)
-        return ShardLayout(full_shape=full, rows=tuple(self.rows))
+        if leaf != "weight":
+            return ShardLayout(full_shape=(self.out_features,), rows=tuple(self.rows))
+        return ShardLayout(full_shape=(self.out_features, self.in_features), rows=tuple(self.rows),
+                           transposed=self.transposed_source)
 
     def extra_repr(self) -> str:
         fused = f", activation={self.activation}" if self.activation != "none" else ""
@@ -73,8 +76,9 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, cols: tuple[int, int], bias: bool, group: ProcessGroup,
-                 *, sequence_parallel: bool = False, device=None, dtype=None):
+                 *, sequence_parallel: bool = False, transposed_source: bool = False, device=None, dtype=None):
         super().__init__()
+        self.transposed_source = transposed_source  # split from a weight stored (in, out): see ShardLayout.transposed
         self.in_features, self.out_features, self.cols = in_features, out_features, cols
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, cols[1] - cols[0], device=device, dtype=dtype))
@@ -87,7 +91,9 @@ class RowParallelLinear(nn.Module):
 
     def shard_layout(self, leaf: str) -> ShardLayout | None:
         """Where this rank's weight columns sit in the full weight (the bias is whole)."""
-        return ShardLayout(full_shape=(self.out_features, self.in_features), cols=self.cols) if leaf == "weight" else None
+        if leaf != "weight":
+            return None
+        return ShardLayout(full_shape=(self.out_features, self.in_features), cols=self.cols, transposed=self.transposed_source)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, cols={self.cols}"

@@ -160,7 +160,7 @@ def main() -> None:
                         results.append({"case": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
                                         "trace": traceback.format_exc()[-3000:]})
                     dist.barrier()
-        for model_name in ("gpt", "llama", "hf-llama"):
+        for model_name in MODELS:  # hf-gpt2: Conv1D stores (in, out); its slices must take those values
             name = f"{model_name}-tp{tp}-meta"
             try:
                 results.append({**run_case(name, MODELS[model_name], group, False, False, from_meta=True), "ok": True})
