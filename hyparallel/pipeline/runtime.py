@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from hyparallel.errors import ConfigError
 from hyparallel.pipeline.schedule import Action, ScheduleKind, lower, schedule
@@ -76,9 +76,12 @@ class PipelineRuntime:
         self.stages = dict(stages)
         self.program = lower(schedule(schedule_kind, self.pp, num_microbatches, virtual_stages), self.pp, virtual_stages)[self.rank]
         self.device = next((p.device for st in self.stages.values() for p in st.parameters()), torch.device("cpu"))
-        self._tied = {name: sorted({s % self.pp for s in readers}) for name, readers in split.shared_state().items()}
+        shared = sorted(split.shared_state().items())
+        self._tied_index = {name: index for index, (name, _) in enumerate(shared)}  # the same on every rank: tags
+        self._tied = {name: sorted({s % self.pp for s in readers}) for name, readers in shared}
         self._tied = {name: ranks for name, ranks in self._tied.items() if len(ranks) > 1 and self.rank in ranks}
         self._headers: dict[tuple[int, Any], list[_Entry]] = {}
+        self._specs: dict[tuple[int, Any], TreeSpec] = {}
         self._slots = max((len(io.inputs) for io in split.io), default=0) + 2  # + header length and bytes
         self.last_order: list[str] = []
         self.peak_inflight = 0.0
@@ -147,67 +150,77 @@ class PipelineRuntime:
         self.split.check_microbatch(self._inputs[0])
         self._targets = _chunk_tree(targets, m)
         self._key = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in self._inputs[0])
-        self._received: dict[tuple[int, int], tuple] = {}
-        self._outputs: dict[tuple[int, int], tuple] = {}
+        self._received: dict[tuple[int, int], list[Any]] = {}  # flat leaves of what a stage received
+        self._outputs: dict[tuple[int, int], list[Any]] = {}  # flat leaves of what it produced (the last: its loss)
         self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._losses: list[torch.Tensor] = []
-        self._pending: list[Any] = []
+        self._sends: dict[tuple[int, str, int], list[Any]] = {}
         self._loss_fn = loss_fn
         self._posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = {}
-        self.last_order, inflight, peak = [], 0, 0
+        tied_before = self._tied_grads_before()
+        self.last_order, self.peak_inflight, peak = [], 0.0, 0
         receives = [i for i, a in enumerate(self.program) if a.kind.startswith("RECV")]
-        for index, action in enumerate(self.program):
-            if action.is_compute:  # let the next receive land while this computes (Note [transfers])
-                upcoming = next((self.program[i] for i in receives if i > index), None)
-                if upcoming is not None and upcoming not in self._posted and self._header_known(upcoming):
-                    self._posted[upcoming] = self._post_recv(upcoming)
-            getattr(self, f"_{action.kind.lower()}")(action)
-            self.last_order.append(str(action))
-            if action.kind in ("F", "B"):
-                inflight += 1 if action.kind == "F" else -1
-                peak = max(peak, inflight)
+        try:
+            for index, action in enumerate(self.program):
+                if action.is_compute:  # let the next receive land while this computes (Note [transfers])
+                    upcoming = next((self.program[i] for i in receives if i > index), None)
+                    if upcoming is not None and upcoming not in self._posted and self._header_known(upcoming):
+                        self._posted[upcoming] = self._post_recv(upcoming)
+                getattr(self, f"_{action.kind.lower()}")(action)
+                self.last_order.append(str(action))
+                peak = max(peak, len(self._outputs))  # micro-batches whose activations this rank holds
+            for works in self._sends.values():
+                for work in works:
+                    work.wait()
+        finally:  # nothing of this step outlives it, even when it fails
+            self._inputs = self._targets = self._received = self._outputs = self._grads = self._input_grads = None
+            self._sends, self._posted = {}, {}
         self.peak_inflight = peak / self.virtual_stages
-        for work in self._pending:
-            work.wait()
-        self._sync_tied_grads()
+        self._sync_tied_grads(tied_before)
         return self._mean_loss()
 
     # ---- compute ---------------------------------------------------------------------------------
 
     def _f(self, a: Action) -> None:
         stage = self.stages[a.stage]
-        received = self._take_forward(a) if a.stage > 0 else ()
+        received = tree_unflatten(self._take_forward(a), self._specs[a.stage - 1, self._key]) if a.stage > 0 else ()
         output = stage(self._inputs[a.microbatch], received)
         if stage.is_last:
             loss = loss_fn_checked(self._loss_fn, output, self._targets[a.microbatch])
             self._losses.append(loss.detach())
-            self._outputs[a.stage, a.microbatch] = (loss / self.num_microbatches,)
-        else:
-            self._outputs[a.stage, a.microbatch] = tuple(output)
+            self._outputs[a.stage, a.microbatch] = [loss / self.num_microbatches]
+            return
+        leaves, spec = tree_flatten(output)  # a tuple of values, some of them tuples of tensors themselves
+        self._specs.setdefault((a.stage, self._key), spec)
+        self._outputs[a.stage, a.microbatch] = leaves
 
     def _b(self, a: Action) -> None:
-        outputs = self._outputs.pop((a.stage, a.microbatch))
+        key = (a.stage, a.microbatch)
+        outputs = self._outputs.pop(key)
+        for work in self._sends.pop((a.stage, "F", a.microbatch), ()):
+            work.wait()  # long done (its gradient came back): drop the reference to the sent activation
         if a.stage == self.num_stages - 1:
             outputs[0].backward()
         else:
             needs_grad = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
-            grads = self._grads.pop((a.stage, a.microbatch))  # one per output that requires grad, in order
+            grads = self._grads.pop(key)  # one per output that requires grad, in order
             if needs_grad:
                 torch.autograd.backward(needs_grad, grads)
-        received = self._received.pop((a.stage, a.microbatch), ())
-        self._input_grads[a.stage, a.microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t)
-                                                    for t in received if isinstance(t, torch.Tensor) and t.requires_grad]
+        received = self._received.pop(key, [])
+        input_grads = [t.grad if t.grad is not None else torch.zeros_like(t)
+                       for t in received if isinstance(t, torch.Tensor) and t.requires_grad]
         if a.stage > 0 and (a.stage - 1) % self.pp == self.rank:  # previous stage on this rank: hand over in memory
-            self._grads[a.stage - 1, a.microbatch] = self._input_grads[a.stage, a.microbatch]
+            self._grads[a.stage - 1, a.microbatch] = input_grads
+        elif a.stage > 0:
+            self._input_grads[key] = input_grads
 
     # ---- transfers -------------------------------------------------------------------------------
 
-    def _take_forward(self, a: Action) -> tuple:
+    def _take_forward(self, a: Action) -> list[Any]:
         key = (a.stage, a.microbatch)
         if key not in self._received:  # previous stage on this rank (pp == 1): its outputs, cut from its graph
-            produced = self._outputs[a.stage - 1, a.microbatch]
-            self._received[key] = tuple(_leaf(v) for v in produced)
+            self._received[key] = [_leaf(v) for v in self._outputs[a.stage - 1, a.microbatch]]
         return self._received[key]
 
     def _send_f(self, a: Action) -> None:
@@ -217,22 +230,24 @@ class PipelineRuntime:
         header_key = (a.stage, self._key)
         if header_key not in self._headers:
             self._headers[header_key] = entries
-            self._send_header(entries, a)
+            self._send_header((self._specs[header_key], entries), a)
         elif entries != self._headers[header_key]:
-            raise RuntimeError(f"stage {a.stage} produced {entries} but negotiated {self._headers[header_key]} for the "
-                               "same input shapes; a non-tensor value between stages changed with the data")
+            raise RuntimeError(
+                f"stage {a.stage} now hands on {_describe(entries)} but negotiated {_describe(self._headers[header_key])} "
+                "on the first step with these input shapes: a value between stages changed with the data, or "
+                "parameters were frozen or unfrozen after the first step (set requires_grad before it, or build a new runtime)")
         tensors = [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
-        self._isend(tensors, a)
+        self._sends[a.stage, "F", a.microbatch] = self._isend(tensors, a)
 
     def _recv_f(self, a: Action) -> None:
         header_key = (a.stage - 1, self._key)
         if header_key not in self._headers:
-            self._headers[header_key] = self._recv_header(a)
+            self._specs[header_key], self._headers[header_key] = self._recv_header(a)
         buffers = self._wait_recv(a)
         received, it = [], iter(buffers)
         for e in self._headers[header_key]:
             received.append(next(it).requires_grad_(e.requires_grad) if e.is_tensor else e.value)
-        self._received[a.stage, a.microbatch] = tuple(received)
+        self._received[a.stage, a.microbatch] = received
 
     def _header_known(self, a: Action) -> bool:
         return ((a.stage - 1 if a.kind == "RECV_F" else a.stage), self._key) in self._headers
@@ -255,7 +270,8 @@ class PipelineRuntime:
         return buffers
 
     def _send_b(self, a: Action) -> None:
-        self._isend([g.contiguous() for g in self._input_grads.pop((a.stage, a.microbatch))], a)
+        grads = [g.contiguous() for g in self._input_grads.pop((a.stage, a.microbatch))]
+        self._sends[a.stage, "B", a.microbatch] = self._isend(grads, a)
 
     def _recv_b(self, a: Action) -> None:
         self._grads[a.stage, a.microbatch] = self._wait_recv(a)
@@ -269,11 +285,10 @@ class PipelineRuntime:
         direction = 0 if a.kind.endswith("F") else 1
         return ((a.microbatch * self.num_stages + sender) * 2 + direction) * self._slots + slot
 
-    def _isend(self, tensors: list[torch.Tensor], a: Action, first_slot: int = 2) -> None:
+    def _isend(self, tensors: list[torch.Tensor], a: Action, first_slot: int = 2) -> list[Any]:
         peer = self._peer(a)
         ops = [dist.P2POp(dist.isend, t, peer, self.group, self._tag(a, first_slot + i)) for i, t in enumerate(tensors)]
-        if ops:
-            self._pending.extend(dist.batch_isend_irecv(ops))
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def _irecv(self, buffers: list[torch.Tensor], a: Action, first_slot: int = 2) -> None:
         peer = self._peer(a)
@@ -281,13 +296,13 @@ class PipelineRuntime:
         for work in dist.batch_isend_irecv(ops) if ops else ():
             work.wait()
 
-    def _send_header(self, entries: list[_Entry], a: Action) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(entries)), dtype=torch.uint8).to(self.device)
+    def _send_header(self, header: tuple[TreeSpec, list[_Entry]], a: Action) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(header)), dtype=torch.uint8).to(self.device)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        self._isend([length], a, first_slot=0)
-        self._isend([payload], a, first_slot=1)
+        for work in (*self._isend([length], a, first_slot=0), *self._isend([payload], a, first_slot=1)):
+            work.wait()  # once per shape: keeps the two small buffers alive until sent
 
-    def _recv_header(self, a: Action) -> list[_Entry]:
+    def _recv_header(self, a: Action) -> tuple[TreeSpec, list[_Entry]]:
         length = torch.empty(1, dtype=torch.int64, device=self.device)
         self._irecv([length], a, first_slot=0)
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
@@ -296,35 +311,45 @@ class PipelineRuntime:
 
     # ---- after the schedule ----------------------------------------------------------------------
 
-    def _sync_tied_grads(self) -> None:
-        """A weight read by stages on several ranks (tied embedding and head): sum its gradient over them.
+    def _tied_grads_before(self) -> dict[str, torch.Tensor | None]:
+        """The gradients of shared weights before this step: only the step's own part is exchanged."""
+        before = {}
+        for name in self._tied:
+            grad = self.split.model.get_parameter(name).grad
+            before[name] = None if grad is None else _local(grad).clone()
+        return before
 
-        Every holder adds the same copies in the same (rank) order, so the copies stay bitwise equal, as
-        Megatron-LM's all-reduce over its embedding group keeps them.
+    def _sync_tied_grads(self, before: dict[str, torch.Tensor | None]) -> None:
+        """A weight read by stages on several ranks (tied embedding and head): sum this step's gradient over them.
+
+        Every holder adds the same parts in the same (rank) order to the same earlier total, so the copies
+        stay bitwise equal, as Megatron-LM's all-reduce over its embedding group keeps them. Tags come from
+        the weight's place among all shared weights, the same on every rank.
         """
         first_free_tag = self.num_microbatches * self.num_stages * 2 * self._slots  # above every action's tags
-        for index, (name, ranks) in enumerate(sorted(self._tied.items())):
+        for name, ranks in self._tied.items():
             param = self.split.model.get_parameter(name)  # the one tensor every local alias refers to
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            base = first_free_tag + index * self.pp
-            copies: dict[int, torch.Tensor] = {self.rank: grad}
+            grad = _local(param.grad) if param.grad is not None else torch.zeros_like(_local(param))
+            step_part = grad - before[name] if before[name] is not None else grad.clone()
+            base = first_free_tag + self._tied_index[name] * self.pp
+            parts: dict[int, torch.Tensor] = {self.rank: step_part}
             ops = []
             for other in ranks:
                 if other == self.rank:
                     continue
                 peer = dist.get_global_rank(self.group, other)
-                copies[other] = torch.empty_like(grad)
-                ops.append(dist.P2POp(dist.isend, grad.contiguous(), peer, self.group, base + self.rank))
-                ops.append(dist.P2POp(dist.irecv, copies[other], peer, self.group, base + other))
+                parts[other] = torch.empty_like(step_part)
+                ops.append(dist.P2POp(dist.isend, step_part, peer, self.group, base + self.rank))
+                ops.append(dist.P2POp(dist.irecv, parts[other], peer, self.group, base + other))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            total = copies[ranks[0]].clone()
-            for other in ranks[1:]:
-                total += copies[other]
+            total = before[name].clone() if before[name] is not None else torch.zeros_like(step_part)
+            for other in ranks:
+                total += parts[other]
             if param.grad is None:
                 param.grad = total
             else:
-                param.grad.copy_(total)
+                _local(param.grad).copy_(total)
 
     def _mean_loss(self) -> torch.Tensor:
         last_rank = (self.num_stages - 1) % self.pp
@@ -342,6 +367,16 @@ def loss_fn_checked(loss_fn: LossFn, output: Any, targets: Any) -> torch.Tensor:
         raise TypeError(f"loss_fn must return a scalar tensor (a micro-batch's mean loss), got {type(loss).__name__}"
                         + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
     return loss
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a weight sharded over data parallelism), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _describe(entries: list[_Entry]) -> str:
+    return "[" + ", ".join(f"tensor{list(e.shape)}{' (grad)' if e.requires_grad else ''}" if e.is_tensor else repr(e.value)
+                           for e in entries) + "]"
 
 
 def _leaf(value: Any) -> Any:

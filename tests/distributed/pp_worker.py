@@ -11,6 +11,7 @@ device reduces over the whole batch at once, so results differ by float rounding
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import sys
@@ -19,9 +20,10 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 import hyparallel as hp
-from hyparallel.pipeline import PipelineRuntime, lower, schedule, simulate
+from hyparallel.pipeline import PipelineRuntime, lower, schedule, simulate, split_model
 from hyparallel.planner import costs
 from hyparallel.tensor.init import materialize_
 
@@ -47,6 +49,77 @@ def logits_of(output):
 def loss_fn(output, targets):
     logits = logits_of(output)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class Awkward(nn.Module):
+    """What real models do between stages, in one small model (fx-traced).
+
+    A leaf module returning a tuple of tensors, a skip connection from stage 0 to stage 2, an int taken
+    from a shape in stage 0 and used in stage 2, a user mask read by the last stage, a scale parameter
+    read by stages 1 and 2, and an embedding tied to the head (stages 0 and 2).
+    """
+
+    class Pair(nn.Module):  # no child modules: traced as one call returning a tuple
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+        def forward(self, x):
+            return x @ self.weight, torch.tanh(x)
+
+    class Join(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = nn.Linear(8, 8)
+
+        def forward(self, pair, scale):
+            return self.l1(pair[0] + pair[1]) * scale
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.pair = Awkward.Pair()  # a leaf module returning (a, b): the tuple crosses to stage 1
+        self.join = Awkward.Join()
+        self.l2 = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens, mask):
+        e = self.emb(tokens)
+        length = tokens.size(1)
+        h = self.join(self.pair(e), self.scale)
+        h = torch.tanh(self.l2(h) * self.scale) + e
+        return (self.head(h) * mask.unsqueeze(-1)).reshape(-1, length, 16)
+
+
+AWKWARD_STAGES = [["emb", "pair"], ["join"], ["l2", "head"]]
+
+
+def run_awkward(kind: str, group) -> dict:
+    """pp = 3, two train_steps without zero_grad: gradients accumulate to twice the reference's."""
+    torch.manual_seed(3)
+    model = Awkward()
+    reference = copy.deepcopy(model)
+    tokens, targets = torch.randint(0, 16, (8, 6)), torch.randint(0, 16, (8, 6))
+    mask = (torch.rand(8, 6) > 0.3).float()
+    split = split_model(model, AWKWARD_STAGES, (tokens[:2], mask[:2]))
+    rank = dist.get_rank(group)
+    runtime = PipelineRuntime(split, {rank: split.stage_module(rank)}, group, schedule_kind=kind, num_microbatches=MICROBATCHES)
+    losses = [runtime.train_step((tokens, mask), targets, loss_fn).item() for _ in range(2)]
+    for _ in range(2):
+        ref_loss = loss_fn(reference(tokens, mask), targets)
+        ref_loss.backward()
+    ref_grads = dict(reference.named_parameters(remove_duplicate=False))
+    worst_abs, checked = 0.0, 0
+    for pname, param in runtime.named_parameters():
+        torch.testing.assert_close(param.grad, ref_grads[pname].grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{pname}: {m}")
+        worst_abs = max(worst_abs, (param.grad - ref_grads[pname].grad).abs().max().item())
+        checked += 1
+    torch.testing.assert_close(torch.tensor(losses[-1]), ref_loss.detach(), rtol=RTOL, atol=0)
+    return {"case": f"awkward-pp3-{kind}", "rank": rank, "loss": losses[-1], "ref_loss": ref_loss.item(),
+            "worst_abs": worst_abs, "params_checked": checked, "tied": sorted(runtime._tied),
+            "boundaries": [list(io.outputs) for io in split.io]}
 
 
 def make_plan(spec: str, pp: int, kind: str, v: int) -> hp.Plan:
@@ -100,6 +173,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    triple = dist.new_group([0, 1, 2])
     groups = {2: pairs[world // 2], 4: dist.group.WORLD}
     results = []
     cases = [(name, pp, kind, v) for name in MODELS for pp in (2, 4) for kind, v in SCHEDULES]
@@ -110,6 +184,14 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 -- reported to the test, which fails on it
             result = {"case": f"{name}-pp{pp}-{kind}", "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc()}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        results.append(gathered)
+    for kind in ("gpipe", "1f1b"):
+        try:
+            result = run_awkward(kind, triple) if world < 3 else {"case": f"awkward-pp3-{kind}", "rank": None}
+        except Exception as exc:  # noqa: BLE001 -- reported to the test, which fails on it
+            result = {"case": f"awkward-pp3-{kind}", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         results.append(gathered)
