@@ -8,12 +8,13 @@ from hyparallel import models
 from hyparallel.cluster import ClusterSpec
 from hyparallel.errors import ConfigError, HyparallelError, ModelSpecError, TraceError
 from hyparallel.graph import ModelGraph, trace
+from hyparallel.parallel import ParallelModel, parallelize
 from hyparallel.planner import PlanError, plan
 from hyparallel.schema import Plan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ClusterSpec", "ConfigError", "HyparallelError", "ModelGraph", "ModelSpecError", "Plan", "PlanError", "TraceError",
-    "models", "plan", "trace", "__version__",
+    "ClusterSpec", "ConfigError", "HyparallelError", "ModelGraph", "ModelSpecError", "ParallelModel", "Plan", "PlanError",
+    "TraceError", "models", "parallelize", "plan", "trace", "__version__",
 ]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from hyparallel.errors import ConfigError
 from hyparallel.pipeline.schedule import Action, ScheduleKind, lower, schedule
@@ -28,6 +28,8 @@ from hyparallel.pipeline.split import PipelineSplit, Stage, split_model
 from hyparallel.schema import Plan
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+StageCall = Callable[[Stage, Any, Any], Any]  # (stage, micro-batch inputs, received) -> output
+BeforeBackward = Callable[[Stage, bool], None]  # (stage, is this its last backward of the step)
 
 # Note [transfers]
 # A stage hands the next one a tuple of values (PipelineSplit.io): activations, masks, the odd Python
@@ -61,8 +63,13 @@ class PipelineRuntime:
     """One rank of a pipeline: its stage modules, the schedule, and the p2p between neighbours."""
 
     def __init__(self, split: PipelineSplit, stages: Mapping[int, Stage], group: ProcessGroup | None, *,
-                 schedule_kind: ScheduleKind, num_microbatches: int, virtual_stages: int = 1):
+                 schedule_kind: ScheduleKind, num_microbatches: int, virtual_stages: int = 1,
+                 stage_call: StageCall | None = None, before_backward: BeforeBackward | None = None):
         self.split, self.group = split, group
+        # How a stage's forward runs (autocast, recomputation: hyparallel.parallelize sets it), and what runs
+        # before each backward (FSDP: reduce gradients at a stage's last micro-batch only).
+        self.stage_call = stage_call or (lambda stage, inputs, received: stage(inputs, received))
+        self.before_backward = before_backward
         self.pp = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.num_microbatches, self.virtual_stages = num_microbatches, virtual_stages
@@ -80,17 +87,23 @@ class PipelineRuntime:
         self._tied_index = {name: index for index, (name, _) in enumerate(shared)}  # the same on every rank: tags
         self._tied = {name: sorted({s % self.pp for s in readers}) for name, readers in shared}
         self._tied = {name: ranks for name, ranks in self._tied.items() if len(ranks) > 1 and self.rank in ranks}
+        by_tensor: dict[int, list[str]] = {}
+        for name, param in split.model.named_parameters(remove_duplicate=False):
+            by_tensor.setdefault(id(param), []).append(name)
+        self._aliases = {names[0]: names for names in by_tensor.values()}  # tied head: "output.weight" too
         self._headers: dict[tuple[int, Any], list[_Entry]] = {}
         self._specs: dict[tuple[int, Any], TreeSpec] = {}
+        self._last_backward = {a.stage: a for a in self.program if a.kind == "B"}
         self._slots = max((len(io.inputs) for io in split.io), default=0) + 2  # + header length and bytes
         self.last_order: list[str] = []
         self.peak_inflight = 0.0
 
     @classmethod
     def from_plan(cls, model: torch.nn.Module, plan: Plan, group: ProcessGroup | None, *, example_inputs: Any = None,
-                  device: torch.device | str = "cpu", seed: int = 0) -> PipelineRuntime:
+                  device: torch.device | str = "cpu", seed: int = 0, **options: Any) -> PipelineRuntime:
         """This rank's pipeline for ``plan``: its ``stages`` split out of ``model``, the plan's schedule.
 
+        ``options`` go to the constructor (``stage_call``, ``before_backward``).
         A meta-device model is materialised stage by stage: this rank allocates and initialises only
         the parameters its stages read (``materialize_`` with ``seed``). ``example_inputs`` is one
         micro-batch; by default token ids of the plan's ``micro_batch x seq_len``.
@@ -114,7 +127,7 @@ class PipelineRuntime:
         if any(t.is_meta for name, t in _state(model) if name in names):
             materialize_(model, device, seed=seed, only=names)
         return cls(split, {s: split.stage_module(s, device) for s in mine}, group, schedule_kind=par.schedule,
-                   num_microbatches=plan.num_microbatches, virtual_stages=par.virtual_stages)
+                   num_microbatches=plan.num_microbatches, virtual_stages=par.virtual_stages, **options)
 
     # ---- public ----------------------------------------------------------------------------------
 
@@ -144,6 +157,19 @@ class PipelineRuntime:
         last stage; gradients are those of the mean over micro-batches (the full batch's mean for equal
         micro-batches), and every rank gets that mean loss back.
         """
+        tied_before = self._tied_grads_before()
+        self._run(self.program, inputs, targets, loss_fn)
+        self._sync_tied_grads(tied_before)
+        return self._mean_loss()
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        """The mean loss of a batch without gradients: the schedule's forwards only, on every rank."""
+        forwards = [a for a in self.program if a.kind in ("F", "SEND_F", "RECV_F")]
+        self._run(forwards, inputs, targets, loss_fn)
+        return self._mean_loss()
+
+    def _run(self, program: list[Action], inputs: Any, targets: Any, loss_fn: LossFn) -> None:
         m = self.num_microbatches
         flat = self.split.flatten_inputs(inputs)
         self._inputs = _chunk_each(flat, m, "inputs")
@@ -158,13 +184,12 @@ class PipelineRuntime:
         self._sends: dict[tuple[int, str, int], list[Any]] = {}
         self._loss_fn = loss_fn
         self._posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = {}
-        tied_before = self._tied_grads_before()
         self.last_order, self.peak_inflight, peak = [], 0.0, 0
-        receives = [i for i, a in enumerate(self.program) if a.kind.startswith("RECV")]
+        receives = [i for i, a in enumerate(program) if a.kind.startswith("RECV")]
         try:
-            for index, action in enumerate(self.program):
+            for index, action in enumerate(program):
                 if action.is_compute:  # let the next receive land while this computes (Note [transfers])
-                    upcoming = next((self.program[i] for i in receives if i > index), None)
+                    upcoming = next((program[i] for i in receives if i > index), None)
                     if upcoming is not None and upcoming not in self._posted and self._header_known(upcoming):
                         self._posted[upcoming] = self._post_recv(upcoming)
                 getattr(self, f"_{action.kind.lower()}")(action)
@@ -177,15 +202,13 @@ class PipelineRuntime:
             self._inputs = self._targets = self._received = self._outputs = self._grads = self._input_grads = None
             self._sends, self._posted = {}, {}
         self.peak_inflight = peak / self.virtual_stages
-        self._sync_tied_grads(tied_before)
-        return self._mean_loss()
 
     # ---- compute ---------------------------------------------------------------------------------
 
     def _f(self, a: Action) -> None:
         stage = self.stages[a.stage]
         received = tree_unflatten(self._take_forward(a), self._specs[a.stage - 1, self._key]) if a.stage > 0 else ()
-        output = stage(self._inputs[a.microbatch], received)
+        output = self.stage_call(stage, self._inputs[a.microbatch], received)
         if stage.is_last:
             loss = loss_fn_checked(self._loss_fn, output, self._targets[a.microbatch])
             self._losses.append(loss.detach())
@@ -198,6 +221,8 @@ class PipelineRuntime:
     def _b(self, a: Action) -> None:
         key = (a.stage, a.microbatch)
         outputs = self._outputs.pop(key)
+        if self.before_backward is not None:
+            self.before_backward(self.stages[a.stage], a == self._last_backward[a.stage])
         for work in self._sends.pop((a.stage, "F", a.microbatch), ()):
             work.wait()  # long done (its gradient came back): drop the reference to the sent activation
         if a.stage == self.num_stages - 1:
@@ -297,7 +322,8 @@ class PipelineRuntime:
             work.wait()
 
     def _send_header(self, header: tuple[TreeSpec, list[_Entry]], a: Action) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(header)), dtype=torch.uint8).to(self.device)
+        spec, entries = header
+        payload = torch.frombuffer(bytearray(pickle.dumps((treespec_dumps(spec), entries))), dtype=torch.uint8).to(self.device)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
         for work in (*self._isend([length], a, first_slot=0), *self._isend([payload], a, first_slot=1)):
             work.wait()  # once per shape: keeps the two small buffers alive until sent
@@ -307,7 +333,8 @@ class PipelineRuntime:
         self._irecv([length], a, first_slot=0)
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self._irecv([payload], a, first_slot=1)
-        return pickle.loads(payload.cpu().numpy().tobytes())  # noqa: S301 -- from a rank of our own job
+        spec, entries = pickle.loads(payload.cpu().numpy().tobytes())  # noqa: S301 -- from a rank of our own job
+        return treespec_loads(spec), entries
 
     # ---- after the schedule ----------------------------------------------------------------------
 
@@ -315,9 +342,18 @@ class PipelineRuntime:
         """The gradients of shared weights before this step: only the step's own part is exchanged."""
         before = {}
         for name in self._tied:
-            grad = self.split.model.get_parameter(name).grad
+            grad = self._tied_parameter(name).grad
             before[name] = None if grad is None else _local(grad).clone()
         return before
+
+    def _tied_parameter(self, name: str) -> torch.nn.Parameter:
+        """The shared weight as this rank's stages hold it now (under any alias; FSDP may have replaced it)."""
+        for stage in self.stages.values():
+            held = dict(stage.body.named_parameters(remove_duplicate=False))
+            for alias in self._aliases[name]:
+                if alias in held:
+                    return held[alias]
+        raise KeyError(f"no stage on pipeline rank {self.rank} holds {name}")
 
     def _sync_tied_grads(self, before: dict[str, torch.Tensor | None]) -> None:
         """A weight read by stages on several ranks (tied embedding and head): sum this step's gradient over them.
@@ -328,7 +364,7 @@ class PipelineRuntime:
         """
         first_free_tag = self.num_microbatches * self.num_stages * 2 * self._slots  # above every action's tags
         for name, ranks in self._tied.items():
-            param = self.split.model.get_parameter(name)  # the one tensor every local alias refers to
+            param = self._tied_parameter(name)
             grad = _local(param.grad) if param.grad is not None else torch.zeros_like(_local(param))
             step_part = grad - before[name] if before[name] is not None else grad.clone()
             base = first_free_tag + self._tied_index[name] * self.pp

@@ -52,7 +52,8 @@ class TensorParallelInfo:
         heads held by several ranks got gradient only from each holder's own query heads. Megatron-LM does the
         same once per step (finalize_model_grads), after gradient accumulation.
         """
-        grads = [p.grad for p in map(model.get_parameter, self.synced_params) if p.grad is not None]
+        held = [p for p in map(_parameter_or_none(model), self.synced_params) if p is not None]  # a pipeline stage: its own
+        grads = [_local(p.grad) for p in held if p.grad is not None]
         if grads and self.tp > 1:
             flat = torch.cat([g.flatten() for g in grads])  # one collective for all of them
             all_reduce_(flat, self.group)
@@ -61,9 +62,23 @@ class TensorParallelInfo:
                 grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
         for name, every_rank in self.shared_rows.items():
-            param = model.get_parameter(name)
-            if param.grad is not None:
+            param = _parameter_or_none(model)(name)
+            if param is not None and param.grad is not None:
                 param.grad.copy_(_sum_replicated_rows(param.grad, every_rank, self.rank, self.group))
+
+
+def _parameter_or_none(model: nn.Module):
+    def find(name: str) -> nn.Parameter | None:
+        try:
+            return model.get_parameter(name)
+        except AttributeError:
+            return None
+    return find
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a gradient FSDP sharded over data parallelism), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def expand_styles(model: nn.Module, tensor_parallel: dict[str, str]) -> dict[str, str]:

@@ -1,0 +1,442 @@
+"""``parallelize(model, plan) -> ParallelModel``: data x tensor x pipeline parallelism under torchrun.
+
+    pmodel = hp.parallelize(model, plan)            # in every process of `torchrun --nproc_per_node N`
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=3e-4)
+    loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets), loss_fn)
+    opt.step(); opt.zero_grad()
+
+Order of construction (Note [what parallelize does]): check the whole plan against the launch and the
+model before any collective; complete a hand-written plan (stages, tensor_parallel) with the planner,
+its choices fixed; build the DeviceMesh in the plan's placement order; swap in tensor-parallel modules
+on the meta model; split this rank's pipeline stages and materialise only their slices; recompute and
+mixed precision around each forward; finally data parallelism on the dp axis (DDP for ZeRO 0, FSDP2
+for ZeRO 1-3).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hyparallel.errors import ConfigError
+from hyparallel.schema import Plan
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Note [what parallelize does]
+# 1. Checks, with no process group touched: WORLD_SIZE = dp * tp * pp (the arithmetic and the fix in the
+#    message), the model is the one planned (parameter names and shapes, by fingerprint), the plan's
+#    dimensions divide the model's (the planner's own tensor-parallel check).
+# 2. A plan written by hand with only `training` and `parallel` gets its stages and tensor_parallel map
+#    from the planner with every degree and strategy it states fixed (the planner decides nothing else).
+# 3. init_device_mesh(device, shape, mesh_dim_names=placement.order): tp innermost by default. The
+#    sub-meshes (`pmodel.mesh["dp"]`, ...) work with any torch API that takes a DeviceMesh.
+# 4. Tensor parallelism swaps modules on the (meta) model; pipeline stages are traced from the swapped
+#    model (its collectives trace as one custom op) and each rank materialises only its stages' slices,
+#    from the same per-parameter random streams a single device would use (`seed`): any plan of the same
+#    model starts from the same weights.
+# 5. Data parallelism: ZeRO 0 is DDP (pp = 1) or one bucketed all-reduce of the accumulated gradients
+#    after the pipeline schedule (pp > 1: DDP's reducer expects one backward per forward); ZeRO 1 and 2
+#    are FSDP2 without resharding after forward (gradients and optimizer state sharded: ZeRO 2, which
+#    contains ZeRO 1's saving at the same traffic), ZeRO 3 FSDP2 resharding after forward.
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK; one process without them)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environ(cls) -> LaunchEnv:
+        """Read the launch from the environment (torchrun sets it), or from an initialised process group."""
+        if dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, seed: int = 0,
+                device: torch.device | str | None = None, vocab_parallel_loss: bool = False) -> ParallelModel:
+    """Run ``model`` as ``plan`` says, in every process of a torchrun launch; see Note [what parallelize does].
+
+    ``model`` is best built on the meta device (``hp.models.build(name)``): then no rank allocates more
+    than its share, initialised deterministically from ``seed``. ``example_inputs`` is one micro-batch
+    for tracing (default: token ids of the plan's ``micro_batch x seq_len``). With
+    ``vocab_parallel_loss`` the vocab-parallel head keeps its slice of the logits and ``train_step``'s
+    default loss is token cross-entropy computed without ever gathering them; otherwise the logits are
+    gathered and any ``loss_fn`` works.
+    """
+    from hyparallel.models import fingerprint
+
+    env = LaunchEnv.from_environ()
+    par = plan.parallel
+    if env.world_size != plan.world_size:
+        raise ConfigError(f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}) = {plan.world_size} != WORLD_SIZE({env.world_size}); "
+                          f"launch {plan.world_size} processes (torchrun --nproc_per_node {plan.world_size}) or re-plan "
+                          f"with `hyparallel plan --gpus {env.world_size}`")
+    if plan.model is not None and plan.model.fingerprint and plan.model.fingerprint != fingerprint(model):
+        count = sum(p.numel() for p in model.parameters())
+        raise ConfigError(f"the plan was made for model '{plan.model.name}' ({plan.model.num_params:,} parameters), not this "
+                          f"{type(model).__name__} ({count:,} parameters, other names or shapes); "
+                          "plan this model with `hyparallel plan` or hp.plan")
+    device = torch.device(device) if device is not None else _default_device(env)
+    example = example_inputs if example_inputs is not None else _token_ids(plan)
+    plan = complete_plan(model, plan)
+    import hyparallel as hp
+    from hyparallel.planner.tp import analyze
+
+    graph = hp.trace(model, example)  # before any swap: blocks, and the dataflow tensor parallelism splits by
+    if par.tp > 1 and (reason := analyze(graph).check(par.tp, graph)):
+        raise ConfigError(f"tp = {par.tp} does not fit {type(model).__name__}: {reason}; choose a tp that divides it")
+    return ParallelModel(model, plan, env, device, (graph, example), seed, vocab_parallel_loss)
+
+
+def complete_plan(model: nn.Module, plan: Plan) -> Plan:
+    """``plan`` with its missing ``stages`` / ``tensor_parallel`` planned, every stated choice fixed."""
+    par, tr = plan.parallel, plan.training
+    needs_stages = par.pp > 1 and plan.stages is None
+    needs_tp = par.tp > 1 and plan.tensor_parallel is None
+    if not (needs_stages or needs_tp):
+        return plan
+    from hyparallel.planner import plan as make_plan
+
+    cluster = plan.cluster
+    if cluster.num_gpus != plan.world_size:  # a preset named without a size: the launch is the cluster
+        per_node = cluster.gpus_per_node if plan.world_size % cluster.gpus_per_node == 0 else plan.world_size
+        cluster = cluster.resized(num_nodes=plan.world_size // per_node, gpus_per_node=per_node)
+    fixed = make_plan(model, cluster, tr.global_batch, tr.seq_len, tr.dtype, tp=par.tp, pp=par.pp, dp=par.dp,
+                      micro_batch=tr.micro_batch, schedule=par.schedule, virtual_stages=par.virtual_stages,
+                      recompute=par.recompute, zero=par.zero, sequence_parallel=par.sequence_parallel)
+    data = plan.to_dict()
+    data["stages"] = data.get("stages") or fixed.to_dict()["stages"]
+    if needs_tp:
+        data["tensor_parallel"] = fixed.to_dict()["tensor_parallel"]
+    if not data.get("model"):
+        data["model"] = fixed.to_dict()["model"]
+    return Plan.from_dict(data, source="completed plan")
+
+
+class ParallelModel:
+    """A model running under a plan in this process; build it with :func:`parallelize`."""
+
+    def __init__(self, model: nn.Module, plan: Plan, env: LaunchEnv, device: torch.device, traced: tuple[Any, Any],
+                 seed: int, vocab_parallel_loss: bool):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.plan, self.env, self.device, self.module = plan, env, device, model
+        par = plan.parallel
+        if not dist.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        shape = plan.mesh_shape()
+        self.mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+        self.dp_size, self.dp_rank = par.dp, self.mesh["dp"].get_local_rank()
+        self._dtype = _DTYPES[plan.training.dtype]
+        self._vocab_parallel_loss = vocab_parallel_loss and par.tp > 1
+        self._graph, example = traced  # the model's ModelGraph and the micro-batch it was traced with
+        self.tp_info = self._tensor_parallel()
+        self.pipeline = None
+        if par.pp > 1:
+            from hyparallel.pipeline import PipelineRuntime
+
+            self.pipeline = PipelineRuntime.from_plan(model, plan, self.mesh["pp"].get_group(), example_inputs=example,
+                                                      device=device, seed=seed, stage_call=self._stage_call(),
+                                                      before_backward=self._before_backward)
+            self._modules = [stage.body for stage in self.pipeline.stages.values()]
+        else:
+            self._materialize(seed)
+            self._recompute_blocks()
+            self._modules = [model]
+        self._data_parallel()
+
+    # ---- construction ----------------------------------------------------------------------------
+
+    def _tensor_parallel(self):
+        par = self.plan.parallel
+        if par.tp == 1:
+            return None
+        from hyparallel.tensor import apply_tensor_parallel
+
+        info = apply_tensor_parallel(self.module, self.plan.tensor_parallel or {}, self.mesh["tp"].get_group(), self._graph,
+                                     sequence_parallel=par.sequence_parallel, gather_logits=not self._vocab_parallel_loss,
+                                     fused_kernels=par.fused_kernels)
+        if info.shared_rows and par.zero > 0:
+            raise ConfigError(f"tp ({par.tp}) is more than the model's key/value heads, so ranks share heads, and zero "
+                              f"{par.zero} shards their gradients: not supported together yet; use zero: 0 or a tp up to "
+                              "the key/value head count")
+        return info
+
+    def _materialize(self, seed: int) -> None:
+        from hyparallel.tensor.init import materialize_
+
+        if any(t.is_meta for t in (*self.module.parameters(), *self.module.buffers())):
+            materialize_(self.module, self.device, seed=seed)
+        else:
+            self.module.to(self.device)
+
+    def _recompute_blocks(self) -> None:
+        """pp = 1: recompute each repeated block (full) or its seq x seq ops (selective), names unchanged."""
+        recompute = self.plan.parallel.recompute
+        if recompute == "none":
+            return
+        blocks = [b.path for b in self._graph.blocks]
+        if not blocks:
+            raise ConfigError(f"recompute: {recompute} needs repeated blocks (transformer layers) to recompute")
+        context = _selective_context(self.plan.training.seq_len) if recompute == "selective" else None
+        for path in blocks:
+            # The block's forward, not its __call__: hooks (sequence-parallel scatter, FSDP) run once, outside.
+            block = self.module.get_submodule(path)
+            block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False,
+                                    **({"context_fn": context} if context else {}))
+
+    def _stage_call(self) -> Callable:
+        recompute = self.plan.parallel.recompute
+        context = _selective_context(self.plan.training.seq_len) if recompute == "selective" else None
+
+        def call(stage, inputs, received):
+            with self._autocast():
+                if recompute == "none" or not torch.is_grad_enabled():
+                    return stage(inputs, received)
+                # Recompute the stage from its inputs in backward (full), or only its seq x seq ops (selective).
+                kwargs = {"context_fn": context} if context else {}
+                return torch.utils.checkpoint.checkpoint(stage, inputs, received, use_reentrant=False, **kwargs)
+        return call
+
+    def _data_parallel(self) -> None:
+        par = self.plan.parallel
+        self._ddp = None
+        if par.dp == 1:
+            return
+        dp_mesh = self.mesh["dp"]
+        if par.zero == 0:
+            if self.pipeline is None:
+                from torch.nn.parallel import DistributedDataParallel
+
+                ids = [self.device.index] if self.device.type == "cuda" else None
+                self._ddp = DistributedDataParallel(self.module, device_ids=ids, process_group=dp_mesh.get_group(),
+                                                    broadcast_buffers=False)
+            return  # pp > 1: _all_reduce_grads after the schedule
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = par.zero == 3
+        if self.pipeline is None:  # each block its own unit (gathers overlap compute), then the rest
+            for block in self._graph.blocks:
+                fully_shard(self.module.get_submodule(block.path), mesh=dp_mesh, reshard_after_forward=reshard)
+        for module in self._modules:
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+
+    def _before_backward(self, stage, last: bool) -> None:
+        if self.plan.parallel.dp > 1 and self.plan.parallel.zero > 0:
+            stage.body.set_requires_gradient_sync(last)
+
+    # ---- training --------------------------------------------------------------------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (its stages' tensor-parallel slices, sharded under ZeRO >= 1), for any optimizer."""
+        seen: set[int] = set()
+        for module in self._modules:
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield param
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` under the original model's names, each parameter once."""
+        seen: set[int] = set()
+        for module in self._modules:
+            for name, param in module.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors under the original model's names (local slices and shards as they are)."""
+        state: dict[str, torch.Tensor] = {}
+        for module in self._modules:
+            state.update(module.state_dict())
+        return state
+
+    def shard(self, batch: Any) -> Any:
+        """This data-parallel rank's rows of a global batch (dim 0 split into dp equal parts)."""
+        def cut(value):
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                return value
+            if value.size(0) % self.dp_size:
+                raise ConfigError(f"a batch of {value.size(0)} rows does not split over dp = {self.dp_size} ranks; "
+                                  f"pass a multiple of {self.dp_size}")
+            return value.chunk(self.dp_size)[self.dp_rank]
+        return torch.utils._pytree.tree_map(cut, batch)
+
+    def sampler(self, dataset, shuffle: bool = True, seed: int = 0):
+        """A DistributedSampler giving this data-parallel rank its share of ``dataset``."""
+        from torch.utils.data import DistributedSampler
+
+        return DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=seed)
+
+    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """Forward and backward of this rank's batch (``shard`` cuts it); returns the global mean loss on every rank.
+
+        The batch splits into the plan's micro-batches; gradients are those of the mean loss over the whole
+        global batch, synchronised over data parallelism and completed over tensor parallelism: call the
+        optimizer next. ``loss_fn(output, targets)`` gives a micro-batch's mean (default: token cross-entropy).
+        """
+        loss_fn = self._loss(loss_fn)
+        inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(inputs, targets, loss_fn)
+            if self.plan.parallel.dp > 1 and self.plan.parallel.zero == 0:
+                self._all_reduce_grads()
+        else:
+            loss = self._accumulate(inputs, targets, loss_fn)
+        if self.tp_info is not None:
+            for module in self._modules:
+                self.tp_info.reduce_grads(module)
+        return self._dp_mean(loss)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """The global mean loss of a batch, without gradients (validation)."""
+        loss_fn = self._loss(loss_fn)
+        inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        if self.pipeline is not None:
+            return self._dp_mean(self.pipeline.eval_step(inputs, targets, loss_fn))
+        with self._autocast():
+            return self._dp_mean(loss_fn(_call(self._ddp or self.module, inputs), targets).detach().float())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward on this rank (pp = 1 only; a pipeline runs through train_step and eval_step)."""
+        if self.pipeline is not None:
+            raise RuntimeError("a pipelined model has no single forward on one rank; use train_step or eval_step")
+        with self._autocast():
+            return (self._ddp or self.module)(*args, **kwargs)
+
+    def _accumulate(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        from hyparallel.pipeline.runtime import _chunk_tree
+
+        m = self.plan.num_microbatches
+        pieces, goals = _chunk_tree(inputs, m), _chunk_tree(targets, m)
+        runner = self._ddp or self.module
+        total = torch.zeros((), device=self.device)
+        for index, (piece, goal) in enumerate(zip(pieces, goals)):
+            last = index == m - 1
+            sync = nullcontext()
+            if self._ddp is not None and not last:
+                sync = self._ddp.no_sync()
+            elif hasattr(self.module, "set_requires_gradient_sync"):
+                self.module.set_requires_gradient_sync(last)
+            with sync:
+                with self._autocast():
+                    loss = loss_fn(_call(runner, piece), goal)
+                (loss / m).backward()
+            total += loss.detach().float()
+        return total / m
+
+    def _all_reduce_grads(self) -> None:
+        """Sum the accumulated gradients over dp, averaged, in flat buckets of about 25 MB (DDP's default)."""
+        group, size = self.mesh["dp"].get_group(), self.plan.parallel.dp
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        bucket: list[torch.Tensor] = []
+        for grad in grads + [None]:
+            if grad is not None:
+                bucket.append(grad)
+            if bucket and (grad is None or sum(g.numel() * g.element_size() for g in bucket) >= 25 * 2**20):
+                flat = torch.cat([g.flatten() for g in bucket])
+                dist.all_reduce(flat, group=group)
+                flat /= size
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                bucket = []
+
+    def _dp_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        loss = loss.detach().float().reshape(())
+        if self.plan.parallel.dp > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.mesh["dp"].get_group())
+            loss /= self.plan.parallel.dp
+        return loss
+
+    def _loss(self, loss_fn: LossFn | None) -> LossFn:
+        if loss_fn is not None:
+            if self.tp_info is not None and self._vocab_parallel_loss:
+                raise ConfigError("parallelize(..., vocab_parallel_loss=True) keeps each rank's slice of the logits; "
+                                  "use train_step's default loss, or vocab_parallel_loss=False to gather them for yours")
+            return loss_fn
+        if self.tp_info is not None and self._vocab_parallel_loss:
+            from hyparallel.tensor import vocab_parallel_cross_entropy
+
+            info = self.tp_info
+            return lambda output, targets: vocab_parallel_cross_entropy(_logits(output), targets, info.group,
+                                                                        info.vocab_start, info.vocab_size)
+        return token_cross_entropy
+
+    def _autocast(self):
+        if self._dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self._dtype)
+
+
+def token_cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of next-token logits ``(B, T, V)`` (or an output with ``.logits``) against ``(B, T)``."""
+    logits = _logits(output)
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def _logits(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def _selective_context(seq_len: int):
+    """Selective recomputation as the planner costs it: redo only the ops whose output is seq x seq."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def quadratic(func, args) -> bool:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors:
+            return False
+        name = str(func)
+        if any(k in name for k in ("bmm", "matmul", ".mm", "baddbmm")) and len(tensors) >= 2:
+            shape = (*tensors[-2].shape[:-1], tensors[-1].shape[-1])
+        else:
+            shape = tuple(tensors[0].shape)
+        return len(shape) >= 2 and shape[-1] == shape[-2] == seq_len
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE if quadratic(func, args) else CheckpointPolicy.MUST_SAVE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def _default_device(env: LaunchEnv) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _token_ids(plan: Plan) -> torch.Tensor:
+    return torch.zeros(plan.training.micro_batch, plan.training.seq_len, dtype=torch.long, device="meta")
+
+
+def _call(module: Any, inputs: Any) -> Any:
+    """``module`` on inputs given as the pipeline takes them: a tensor, a tuple of args or a dict of kwargs."""
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    return module(*inputs) if isinstance(inputs, (tuple, list)) else module(inputs)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return torch.utils._pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)

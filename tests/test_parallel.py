@@ -1,0 +1,102 @@
+"""hp.parallelize against single-device training: 3 AdamW steps, every parameter (tests/distributed/parallel_worker.py).
+
+One launch of 8 gloo processes (dp 2 x tp 2 x pp 2, 1F1B) and one of 4 for the other compositions: data
+parallelism alone, tp x pp, ZeRO 1 and 3 (FSDP2) with tp and with pp, recomputation with and without a
+pipeline. The bad-input checks run in this process: they must fail before any process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import hyparallel as hp
+from hyparallel.errors import ConfigError
+
+EIGHT = ["dp2-tp2-pp2-1f1b"]
+FOUR = ["dp4", "tp2-pp2", "dp2-tp2-zero1", "dp2-tp2-zero3", "dp2-pp2-zero1-gpipe", "dp2-tp2-recompute", "tp2-pp2-recompute"]
+
+
+def launch(repo, out, processes: int, cases: list[str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+         str(repo / "tests" / "distributed" / "parallel_worker.py"), str(out), *cases],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    failures = [p.read_text() for p in out.parent.glob(f"{out.name}.rank*")]
+    assert proc.returncode == 0 and not failures, "\n".join(failures)[-4000:] or proc.stderr[-4000:]
+    return {ranks[0]["case"]: ranks for ranks in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, repo):
+    folder = tmp_path_factory.mktemp("parallel")
+    return {**launch(repo, folder / "eight.jsonl", 8, EIGHT), **launch(repo, folder / "four.jsonl", 4, FOUR)}
+
+
+@pytest.mark.parametrize("case", EIGHT + FOUR)
+def test_three_adamw_steps_equal_single_device_training(results, case):
+    ranks = results[case]
+    for rank in ranks:
+        assert rank["worst_rel"] <= 1e-5  # every parameter tensor, ||parallel - single|| / ||single||
+        assert rank["losses"] == pytest.approx(rank["ref_losses"], rel=1e-5)
+    # Every parameter of the model was compared on some rank (4 blocks x 6 + 3 outside, the head tied).
+    assert max(r["checked"] for r in ranks) >= 14 and sum(r["checked"] for r in ranks) >= 27
+
+
+def test_the_plan_is_what_ran(results):
+    eight = results["dp2-tp2-pp2-1f1b"][0]
+    assert (eight["plan"]["dp"], eight["plan"]["tp"], eight["plan"]["pp"], eight["plan"]["schedule"]) == (2, 2, 2, "1f1b")
+    assert eight["pipeline"] and eight["tp"]
+    assert results["dp2-tp2-zero3"][0]["plan"]["zero"] == 3 and not results["dp2-tp2-zero3"][0]["pipeline"]
+
+
+@pytest.mark.parametrize("case", ["dp2-tp2-recompute", "tp2-pp2-recompute"])
+def test_recomputation_really_recomputes(results, case):
+    plain = {"dp2-tp2-recompute": "dp2-tp2-zero1", "tp2-pp2-recompute": "tp2-pp2"}[case]
+    holders = [r for r in results[case] if r["qkv_calls_per_microbatch"]]  # ranks holding the first block
+    assert holders and all(r["qkv_calls_per_microbatch"] == 2.0 for r in holders)  # forward, then again in backward
+    assert all(r["qkv_calls_per_microbatch"] in (0.0, 1.0) for r in results[plain])
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized()
+    yield monkeypatch
+    assert not dist.is_initialized()  # refused before any process group was made
+
+
+def tiny_plan(**constraints) -> hp.Plan:
+    model = hp.models.build("gpt-tiny")
+    world = constraints.get("dp", 1) * constraints.get("tp", 1) * constraints.get("pp", 1)
+    return hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world), 8, 16, "fp32", **constraints)
+
+
+def test_wrong_world_size_is_refused_with_the_arithmetic(single_process):
+    plan = tiny_plan(dp=2, tp=2, pp=2)
+    with pytest.raises(ConfigError, match=r"dp\(2\) \* tp\(2\) \* pp\(2\) = 8 != WORLD_SIZE\(1\); launch 8 processes"):
+        hp.parallelize(hp.models.build("gpt-tiny"), plan)
+
+
+def test_a_plan_for_another_model_is_refused_by_name(single_process):
+    plan = tiny_plan(dp=1, tp=1, pp=1)
+    with pytest.raises(ConfigError, match=r"the plan was made for model 'GPT' \(.*\), not this Llama"):
+        hp.parallelize(hp.models.build("llama-tiny"), plan)
+
+
+def test_an_indivisible_plan_is_refused_before_any_collective(single_process, repo):
+    single_process.setenv("WORLD_SIZE", "3")
+    single_process.setenv("RANK", "0")
+    plan = hp.Plan.from_dict({"cluster": {"name": "cpu", "gpus_per_node": 3}, "training": {"global_batch": 6, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"},
+                              "parallel": {"dp": 1, "tp": 3, "pp": 1},
+                              "tensor_parallel": {"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row"}})
+    with pytest.raises(ConfigError, match=r"tp = 3 does not fit GPT: .*3"):
+        hp.parallelize(hp.models.build("gpt-tiny"), plan)
