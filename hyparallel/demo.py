@@ -1,15 +1,20 @@
 """`hyparallel demo`: the embedded default run, on any machine, in well under a minute.
 
 1. Plans GPT-3 175B for 128 DGX A100 nodes (1,024 GPUs) on the meta device: no weights are allocated.
-2. Trains a tiny GPT on the CPU and shows the loss falling.
-
-Parallel training under torchrun joins step 2 when `hyparallel.parallelize` lands (the parallelize issue).
+2. Trains gpt-tiny with data x tensor x pipeline parallelism (dp 2 x tp 2 x pp 2, 1F1B) in 8 CPU processes:
+   `torchrun --nproc_per_node 8 examples/train_gpt.py --plan configs/plans/cpu-dp2-tp2-pp2.yaml`, and shows
+   the loss falling. Outside a repository checkout (no examples/), one process trains it instead.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +53,29 @@ def train_tiny(steps: int = 40, batch_size: int = 8, seq_len: int = 64, seed: in
     return losses
 
 
+REPO = Path(__file__).resolve().parent.parent
+PARALLEL_RUN = ["examples/train_gpt.py", "--plan", "configs/plans/cpu-dp2-tp2-pp2.yaml", "--steps", "30"]
+
+
+def train_parallel(log=print) -> list[float] | None:
+    """Run examples/train_gpt.py under torchrun with 8 processes; the first and last loss, or None without examples/."""
+    if not (REPO / PARALLEL_RUN[0]).exists():
+        return None
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8", *PARALLEL_RUN]
+    log("   $ torchrun --nproc_per_node 8 " + " ".join(PARALLEL_RUN))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    losses = None
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if line.startswith(("step", "gpt", "loss")):
+            log("   " + line.rstrip())
+        if match := re.match(r"loss ([\d.]+) -> ([\d.]+)", line):
+            losses = [float(match[1]), float(match[2])]
+    if proc.wait() != 0 or losses is None:
+        raise RuntimeError(f"the parallel training run failed (exit {proc.returncode}); run the command above to see why")
+    return losses
+
+
 def plan_gpt175b(log=print) -> Plan:
     """Trace GPT-3 175B on the meta device and plan it for 128 DGX A100 nodes (global batch 1536, 2048 tokens)."""
     start = time.perf_counter()
@@ -70,6 +98,9 @@ def run(log: Callable[[str], None] = print, show_plan: Callable[[Plan], None] | 
     text = plan.to_yaml()
     head, _, rest = text.partition("\nstages:")
     log("   " + head.replace("\n", "\n   ") + "\n   stages: ... (one per virtual stage)")
-    log("2. gpt-tiny trained on this CPU (one process)")
-    losses = train_tiny(log=log)
+    log("2. gpt-tiny trained with dp 2 x tp 2 x pp 2 (1F1B) in 8 CPU processes")
+    losses = train_parallel(log)
+    if losses is None:
+        log("   (no examples/ here: one process instead)")
+        losses = train_tiny(log=log)
     log(f"   loss {losses[0]:.3f} -> {losses[-1]:.3f}")

@@ -129,7 +129,7 @@ def test_every_command_has_an_example_in_help(capsys):
 def test_demo_prints_the_plan_and_trains(capsys, monkeypatch):
     from hyparallel import demo
 
-    monkeypatch.setattr(demo, "train_tiny", lambda log: [5.0, 2.0])  # training itself is tested in test_models
+    monkeypatch.setattr(demo, "train_parallel", lambda log: [5.0, 2.0])  # the run itself: test_example_trains
     code, out, _ = run(capsys, "demo")
     assert code == 0
     assert "mesh pp 8 x dp 32 x tp 4" in out and "pipeline stages (per device)" in out and "predicted step" in out

@@ -100,3 +100,16 @@ def test_an_indivisible_plan_is_refused_before_any_collective(single_process, re
                               "tensor_parallel": {"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row"}})
     with pytest.raises(ConfigError, match=r"tp = 3 does not fit GPT: .*3"):
         hp.parallelize(hp.models.build("gpt-tiny"), plan)
+
+
+def test_the_example_trains_under_the_hand_written_plan(repo):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
+         "examples/train_gpt.py", "--plan", "configs/plans/cpu-dp2-tp2-pp2.yaml", "--steps", "12"],
+        capture_output=True, text=True, env=env, cwd=repo, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "dp 2 x tp 2 x pp 2 (1f1b, 4 micro-batches of 2)" in proc.stdout
+    first, last = map(float, proc.stdout.split("loss ")[-1].split(" over")[0].split(" -> "))
+    assert last < 0.8 * first  # the loss falls
