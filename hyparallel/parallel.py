@@ -140,7 +140,11 @@ class ParallelModel:
         if not dist.is_initialized():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if env.world_size == 1 and "MASTER_ADDR" not in os.environ:  # one process, no torchrun: an in-memory store
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            else:
+                dist.init_process_group(backend)
         shape = plan.mesh_shape()
         self.mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
         self.dp_size, self.dp_rank = par.dp, self.mesh["dp"].get_local_rank()

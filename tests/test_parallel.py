@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import hyparallel as hp
@@ -71,7 +72,7 @@ def single_process(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert not dist.is_initialized()
     yield monkeypatch
-    assert not dist.is_initialized()  # refused before any process group was made
+    assert not dist.is_initialized()  # refused before any process group was made (or torn down by the test)
 
 
 def tiny_plan(**constraints) -> hp.Plan:
@@ -113,3 +114,20 @@ def test_the_example_trains_under_the_hand_written_plan(repo):
     assert "dp 2 x tp 2 x pp 2 (1f1b, 4 micro-batches of 2)" in proc.stdout
     first, last = map(float, proc.stdout.split("loss ")[-1].split(" over")[0].split(" -> "))
     assert last < 0.8 * first  # the loss falls
+
+
+def test_bf16_plans_compute_in_bf16_and_keep_fp32_master_weights(single_process):
+    model = hp.models.build("gpt-tiny")
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), 4, 16, "bf16", dp=1, tp=1, pp=1,
+                   micro_batch=2)
+    try:
+        pmodel = hp.parallelize(model, plan)  # one process without torchrun: a world of one
+        tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        assert pmodel(inputs).dtype == torch.bfloat16  # autocast: matmuls in bf16
+        loss = pmodel.train_step(inputs, targets)
+        assert torch.isfinite(loss) and loss.dtype == torch.float32
+        params = list(pmodel.parameters())
+        assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32 for p in params)
+    finally:
+        dist.destroy_process_group()
