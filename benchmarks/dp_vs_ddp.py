@@ -8,12 +8,11 @@ Both sides hold the same zoo model (built on meta, materialised from the same se
 each its own copy. hyparallel runs ``hp.parallelize(model, plan)`` under a plan of dp = world, tp = pp = 1,
 ZeRO 0, then ``pmodel.train_step(pmodel.shard(x), pmodel.shard(y))``; PyTorch wraps its copy in
 ``DistributedDataParallel`` on the default group and runs forward, ``token_cross_entropy`` and backward
-on the same rows (``no_sync`` on all but the last micro-batch, as hyparallel accumulates). One step is
-that plus an AdamW step and zeroing the gradients. ``--batch`` is the global batch, split over the ranks
-and then into ``--microbatches``. The sides first check they agree after one step from the same weights
-(global mean loss, every parameter), then alternate step by step after two warm-up steps each; rank 0
-prints the median step time (the slowest rank's) of each and their ratio (target: at most 1.05).
-hyparallel's step also all-reduces the scalar loss (it returns the global mean); DDP's does not.
+on the same rows (``no_sync`` on all but the last micro-batch, as hyparallel accumulates), then AdamW
+steps and zeroes the gradients on both. ``--batch`` is global, split over the ranks, then into
+``--microbatches``. The sides first check they agree after one step (global mean loss, every parameter),
+then alternate step by step after two warm-up steps each; rank 0 prints the median step time (the
+slowest rank's) of each and their ratio (target <= 1.05). hyparallel also all-reduces the scalar loss.
 """
 
 from __future__ import annotations
@@ -113,12 +112,11 @@ def main() -> None:
     dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank finishes
     ours_ms, theirs_ms = (statistics.median(row.tolist()) * 1e3 for row in per_rank)
     if rank == 0:
-        cfg = reference.config
         print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
               f"{torch.get_num_threads()} torch threads per rank; torch {torch.__version__}; dp={world} gloo CPU")
-        print(f"model: {args.model} ({sum(p.numel() for p in reference.parameters()):,} parameters, "
-              f"vocab {cfg.vocab_size}), fp32; global batch {args.batch} x seq {args.seq} in {m} micro-batch(es) "
-              f"per rank; AdamW; median of {args.steps} steps after {WARMUP} warm-up")
+        print(f"model: {args.model} ({sum(p.numel() for p in reference.parameters()):,} parameters), fp32; "
+              f"global batch {args.batch} x seq {args.seq}, {m} micro-batch(es) per rank; AdamW; "
+              f"median of {args.steps} steps after {WARMUP} warm-up")
         ok = "OK" if loss_ok and summary[0] == 0 else "MISMATCH"
         print(f"check {ok}: loss hyparallel {ours_loss.item():.6f} DDP {theirs_loss.item():.6f}; "
               f"{int(summary[1] - summary[0])}/{int(summary[1])} parameters equal after one step "

@@ -15,6 +15,7 @@ for ZeRO 1-3).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -230,8 +231,11 @@ class ParallelModel:
                 from torch.nn.parallel import DistributedDataParallel
 
                 ids = [self.device.index] if self.device.type == "cuda" else None
+                # Buffers (rotary tables) are computed alike on every rank: no broadcast before each forward.
+                quiet = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
+                    else "broadcast_buffers"  # renamed in newer torch
                 self._ddp = DistributedDataParallel(self.module, device_ids=ids, process_group=dp_mesh.get_group(),
-                                                    broadcast_buffers=False)
+                                                    **{quiet: False})
             return  # pp > 1: _all_reduce_grads after the schedule
         from torch.distributed.fsdp import fully_shard
 
