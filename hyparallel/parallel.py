@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -92,6 +93,9 @@ def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, see
         raise ConfigError(f"the plan was made for model '{plan.model.name}' ({plan.model.num_params:,} parameters), not this "
                           f"{type(model).__name__} ({count:,} parameters, other names or shapes); "
                           "plan this model with `hyparallel plan` or hp.plan")
+    if plan.training.dtype == "fp16":
+        warnings.warn("fp16 plans run under autocast without loss scaling, so small gradients can underflow; "
+                      "prefer bf16, or scale the loss inside loss_fn", stacklevel=2)
     device = torch.device(device) if device is not None else _default_device(env)
     example = example_inputs if example_inputs is not None else _token_ids(plan)
     plan = complete_plan(model, plan)

@@ -175,7 +175,8 @@ class PipelineRuntime:
         self._inputs = _chunk_each(flat, m, "inputs")
         self.split.check_microbatch(self._inputs[0])
         self._targets = _chunk_tree(targets, m)
-        self._key = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in self._inputs[0])
+        shapes = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in self._inputs[0])
+        self._key = (shapes, torch.is_grad_enabled())  # eval_step's forwards carry no requires_grad: their own header
         self._received: dict[tuple[int, int], list[Any]] = {}  # flat leaves of what a stage received
         self._outputs: dict[tuple[int, int], list[Any]] = {}  # flat leaves of what it produced (the last: its loss)
         self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}

@@ -46,7 +46,13 @@ def batches():
         yield tokens[:, :-1], tokens[:, 1:]
 
 
+def held_out() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(SEED + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def reference_training() -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-device training; the last entry of the losses is the held-out batch's loss after training."""
     model = materialize_(hp.models.load(MODEL).module, "cpu", seed=SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
@@ -56,6 +62,8 @@ def reference_training() -> tuple[dict[str, torch.Tensor], list[float]]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    with torch.no_grad():
+        losses.append(token_cross_entropy(model(held_out()[0]), held_out()[1]).item())
     return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, losses
 
 
@@ -87,6 +95,10 @@ def run_case(name: str, reference: dict[str, torch.Tensor], ref_losses: list[flo
         losses.append(pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets)).item())
         optimizer.step()
         optimizer.zero_grad()
+    train_calls = len(calls)
+    inputs, targets = held_out()
+    losses.append(pmodel.eval_step(pmodel.shard(inputs), pmodel.shard(targets)).item())  # forward only, no gradients
+    assert all(p.grad is None for p in pmodel.parameters())
     worst, worst_elem, checked = 0.0, 0.0, 0
     modules = dict(model.named_modules())
     for pname, param in pmodel.named_parameters():
@@ -102,7 +114,7 @@ def run_case(name: str, reference: dict[str, torch.Tensor], ref_losses: list[flo
     for got, want in zip(losses, ref_losses):
         assert abs(got - want) <= RTOL * abs(want), (losses, ref_losses)
     return {"case": name, "rank": dist.get_rank(), "losses": losses, "ref_losses": ref_losses, "checked": checked,
-            "worst_rel": worst, "worst_abs": worst_elem, "qkv_calls_per_microbatch": len(calls) / (STEPS * plan.num_microbatches),
+            "worst_rel": worst, "worst_abs": worst_elem, "qkv_calls_per_microbatch": train_calls / (STEPS * plan.num_microbatches),
             "plan": plan.parallel.model_dump(), "pipeline": pmodel.pipeline is not None, "tp": pmodel.tp_info is not None}
 
 
