@@ -19,19 +19,18 @@ import torch.distributed as dist
 import hyparallel as hp
 from hyparallel.errors import ConfigError
 
+from .conftest import torchrun
+
 EIGHT = ["dp2-tp2-pp2-1f1b"]
 FOUR = ["dp4", "tp2-pp2", "dp2-tp2-zero1", "dp2-tp2-zero3", "dp2-pp2-zero1-gpipe", "dp2-tp2-recompute", "tp2-pp2-recompute"]
 
 
 def launch(repo, out, processes: int, cases: list[str]) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-         str(repo / "tests" / "distributed" / "parallel_worker.py"), str(out), *cases],
-        capture_output=True, text=True, env=env, timeout=900,
-    )
-    failures = [p.read_text() for p in out.parent.glob(f"{out.name}.rank*")]
-    assert proc.returncode == 0 and not failures, "\n".join(failures)[-4000:] or proc.stderr[-4000:]
+    failures = lambda: "\n".join(p.read_text() for p in out.parent.glob(f"{out.name}.rank*"))[-4000:]  # noqa: E731
+    try:
+        torchrun(repo, "tests/distributed/parallel_worker.py", out, processes, *cases)
+    except AssertionError as exc:
+        raise AssertionError(failures() or str(exc)) from None
     return {ranks[0]["case"]: ranks for ranks in map(json.loads, out.read_text().splitlines())}
 
 

@@ -8,11 +8,10 @@ atol 1e-6 (the reason is in its docstring); this module reports each case and wh
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from .conftest import torchrun
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 CASES = [f"{m}-pp{pp}-{s}" for m in ("gpt", "hf-gpt2") for pp in (2, 4) for s in SCHEDULES] + ["hf-llama-pp2-1f1b"]
@@ -22,13 +21,7 @@ AWKWARD = ["awkward-pp3-gpipe", "awkward-pp3-1f1b"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, repo):
     out = tmp_path_factory.mktemp("pp") / "results.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-         str(repo / "tests" / "distributed" / "pp_worker.py"), str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(repo, "tests/distributed/pp_worker.py", out, 4, timeout=600)
     by_case = {}
     for line in out.read_text().splitlines():
         ranks = json.loads(line)  # one entry per global rank

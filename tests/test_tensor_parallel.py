@@ -7,11 +7,10 @@ rtol 1e-5 / atol 1e-6 (the reason is in its docstring); this module reports each
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from .conftest import torchrun
 
 MODELS = ("gpt", "llama", "hf-gpt2", "hf-llama")
 CASES = [f"{m}-tp{tp}{suffix}" for tp in (2, 4) for m in MODELS for suffix in ("", "-vocab-loss", "-sp")]
@@ -20,13 +19,7 @@ CASES += ["gpt-tp2-triton", "hf-llama-tp2-triton"]  # fused GeLU / SiLU epilogue
 
 
 def launch(repo, out, processes: int, *extra: str, env: dict | None = None) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-         str(repo / "tests" / "distributed" / "tp_worker.py"), str(out), *extra],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(repo, "tests/distributed/tp_worker.py", out, processes, *extra, env=env, timeout=600)
     return {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
 
 

@@ -199,6 +199,7 @@ def main() -> None:
         with open(out_path, "w") as f:
             for gathered in results:
                 f.write(json.dumps(gathered) + "\n")
+    dist.barrier()  # every rank done with every collective before the groups go
     dist.destroy_process_group()
 
 

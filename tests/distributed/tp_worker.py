@@ -183,6 +183,7 @@ def write_results(results: list[dict]) -> None:
                 if failures:
                     merged = {**failures[0], "ok": False}
                 out.write(json.dumps(merged) + "\n")
+    dist.barrier()  # every rank done with every collective before the groups go
     dist.destroy_process_group()
 
 
