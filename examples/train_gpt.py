@@ -70,9 +70,9 @@ def main() -> None:
         loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        last = loss.item()  # waits for the step (on a GPU too) before the clock stops
         elapsed = time.perf_counter() - start
-        first = loss.item() if first is None else first
-        last = loss.item()
+        first = last if first is None else first
         if rank0 and (step % args.log_every == 0 or step == 1):
             print(f"step {step:4d}  loss {last:.4f}  {elapsed * 1e3:7.1f} ms  {tokens_per_step / elapsed:9.0f} tokens/s",
                   flush=True)

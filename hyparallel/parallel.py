@@ -34,6 +34,7 @@ from hyparallel.schema import Plan
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IGNORE_INDEX = -100  # targets with this value (padding) are not counted, as in F.cross_entropy
 
 # Note [what parallelize does]
 # 1. Checks, with no process group touched: WORLD_SIZE = dp * tp * pp (the arithmetic and the fix in the
@@ -103,8 +104,14 @@ def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, see
     from hyparallel.planner.tp import analyze
 
     graph = hp.trace(model, example)  # before any swap: blocks, and the dataflow tensor parallelism splits by
-    if par.tp > 1 and (reason := analyze(graph).check(par.tp, graph)):
-        raise ConfigError(f"tp = {par.tp} does not fit {type(model).__name__}: {reason}; choose a tp that divides it")
+    if par.tp > 1:
+        analysis = analyze(graph)
+        if reason := analysis.check(par.tp, graph):
+            raise ConfigError(f"tp = {par.tp} does not fit {type(model).__name__}: {reason}; choose a tp that divides it")
+        if par.zero > 0 and _shares_heads(analysis, graph, par.tp):
+            raise ConfigError(f"tp ({par.tp}) is more than the model's key/value heads, so ranks share heads, and zero "
+                              f"{par.zero} shards their gradients: not supported together yet; use zero: 0 or a tp up to "
+                              "the key/value head count")
     return ParallelModel(model, plan, env, device, (graph, example), seed, vocab_parallel_loss)
 
 
@@ -165,6 +172,7 @@ class ParallelModel:
                                                       device=device, seed=seed, stage_call=self._stage_call(),
                                                       before_backward=self._before_backward)
             self._modules = [stage.body for stage in self.pipeline.stages.values()]
+            self._recompute_stages()
         else:
             self._materialize(seed)
             self._recompute_blocks()
@@ -182,10 +190,6 @@ class ParallelModel:
         info = apply_tensor_parallel(self.module, self.plan.tensor_parallel or {}, self.mesh["tp"].get_group(), self._graph,
                                      sequence_parallel=par.sequence_parallel, gather_logits=not self._vocab_parallel_loss,
                                      fused_kernels=par.fused_kernels)
-        if info.shared_rows and par.zero > 0:
-            raise ConfigError(f"tp ({par.tp}) is more than the model's key/value heads, so ranks share heads, and zero "
-                              f"{par.zero} shards their gradients: not supported together yet; use zero: 0 or a tp up to "
-                              "the key/value head count")
         return info
 
     def _materialize(self, seed: int) -> None:
@@ -212,17 +216,23 @@ class ParallelModel:
                                     **({"context_fn": context} if context else {}))
 
     def _stage_call(self) -> Callable:
-        recompute = self.plan.parallel.recompute
-        context = _selective_context(self.plan.training.seq_len) if recompute == "selective" else None
-
         def call(stage, inputs, received):
             with self._autocast():
-                if recompute == "none" or not torch.is_grad_enabled():
-                    return stage(inputs, received)
-                # Recompute the stage from its inputs in backward (full), or only its seq x seq ops (selective).
-                kwargs = {"context_fn": context} if context else {}
-                return torch.utils.checkpoint.checkpoint(stage, inputs, received, use_reentrant=False, **kwargs)
+                return stage(inputs, received)
         return call
+
+    def _recompute_stages(self) -> None:
+        """pp > 1: recompute each stage from its inputs (full), or only its seq x seq ops (selective).
+
+        The stage graph's forward is wrapped, not its __call__, so FSDP's gathers run outside the region.
+        """
+        recompute = self.plan.parallel.recompute
+        if recompute == "none":
+            return
+        context = _selective_context(self.plan.training.seq_len) if recompute == "selective" else None
+        for stage in self.pipeline.stages.values():
+            stage.body.forward = partial(torch.utils.checkpoint.checkpoint, stage.body.forward, use_reentrant=False,
+                                         **({"context_fn": context} if context else {}))
 
     def _data_parallel(self) -> None:
         par = self.plan.parallel
@@ -301,32 +311,36 @@ class ParallelModel:
     def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """Forward and backward of this rank's batch (``shard`` cuts it); returns the global mean loss on every rank.
 
-        The batch splits into the plan's micro-batches; gradients are those of the mean loss over the whole
-        global batch, synchronised over data parallelism and completed over tensor parallelism: call the
-        optimizer next. ``loss_fn(output, targets)`` gives a micro-batch's mean (default: token cross-entropy).
+        The batch splits into the plan's micro-batches; gradients are synchronised over data parallelism and
+        completed over tensor parallelism: call the optimizer next (or accumulate: gradients add up over calls).
+        The default loss is token cross-entropy averaged over every target token of the global batch that is
+        not ``ignore_index`` (-100), however they fall into micro-batches and ranks. A ``loss_fn(output,
+        targets)`` of your own returns a micro-batch's mean; micro-batches and ranks then weigh equally.
         """
-        loss_fn = self._loss(loss_fn)
+        self._check_rows(inputs)
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        loss_fn = self._loss(loss_fn, targets)
+        before = [self.tp_info.partial_grads(m) for m in self._modules] if self.tp_info is not None else []
         if self.pipeline is not None:
             loss = self.pipeline.train_step(inputs, targets, loss_fn)
             if self.plan.parallel.dp > 1 and self.plan.parallel.zero == 0:
                 self._all_reduce_grads()
         else:
             loss = self._accumulate(inputs, targets, loss_fn)
-        if self.tp_info is not None:
-            for module in self._modules:
-                self.tp_info.reduce_grads(module)
+        for module, since in zip(self._modules, before):
+            self.tp_info.reduce_grads(module, since)
         return self._dp_mean(loss)
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
         """The global mean loss of a batch, without gradients (validation)."""
-        loss_fn = self._loss(loss_fn)
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        loss_fn = self._loss(loss_fn, targets)
         if self.pipeline is not None:
             return self._dp_mean(self.pipeline.eval_step(inputs, targets, loss_fn))
         with self._autocast():
-            return self._dp_mean(loss_fn(_call(self._ddp or self.module, inputs), targets).detach().float())
+            whole = loss_fn(_call(self._ddp or self.module, inputs), targets).detach().float()
+        return self._dp_mean(whole / self.plan.num_microbatches)  # the loss was scaled for one micro-batch of m
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on this rank (pp = 1 only; a pipeline runs through train_step and eval_step)."""
@@ -382,19 +396,34 @@ class ParallelModel:
             loss /= self.plan.parallel.dp
         return loss
 
-    def _loss(self, loss_fn: LossFn | None) -> LossFn:
+    def _check_rows(self, inputs: Any) -> None:
+        tensors = [v for v in torch.utils._pytree.tree_leaves(inputs) if isinstance(v, torch.Tensor) and v.dim() > 0]
+        share = self.plan.training.global_batch // self.dp_size
+        if tensors and tensors[0].size(0) != share:
+            raise ConfigError(f"train_step got {tensors[0].size(0)} rows but this data-parallel rank's share is {share} "
+                              f"(global_batch {self.plan.training.global_batch} / dp {self.dp_size}); pass "
+                              "pmodel.shard(batch) of the global batch")
+
+    def _loss(self, loss_fn: LossFn | None, targets: Any) -> LossFn:
         if loss_fn is not None:
-            if self.tp_info is not None and self._vocab_parallel_loss:
+            if self._vocab_parallel_loss:
                 raise ConfigError("parallelize(..., vocab_parallel_loss=True) keeps each rank's slice of the logits; "
                                   "use train_step's default loss, or vocab_parallel_loss=False to gather them for yours")
             return loss_fn
-        if self.tp_info is not None and self._vocab_parallel_loss:
+        # Sum over tokens, divided by the global count of real targets: micro-batches, ranks and padding
+        # (ignore_index) weigh as in one big batch. The runtime averages micro-batches and DDP/FSDP average
+        # ranks, hence the factor m * dp.
+        count = (targets != IGNORE_INDEX).sum().float().reshape(1)
+        if self.dp_size > 1:
+            dist.all_reduce(count, group=self.mesh["dp"].get_group())
+        scale = self.plan.num_microbatches * self.dp_size / count.clamp_min(1.0)
+        if self._vocab_parallel_loss:
             from hyparallel.tensor import vocab_parallel_cross_entropy
 
             info = self.tp_info
-            return lambda output, targets: vocab_parallel_cross_entropy(_logits(output), targets, info.group,
-                                                                        info.vocab_start, info.vocab_size)
-        return token_cross_entropy
+            return lambda output, goal: (vocab_parallel_cross_entropy(_logits(output), goal, info.group, info.vocab_start,
+                                                                      info.vocab_size) * (goal != IGNORE_INDEX).sum() * scale)[0]
+        return lambda output, goal: (token_cross_entropy(output, goal, reduction="sum") * scale)[0]
 
     def _autocast(self):
         if self._dtype == torch.float32:
@@ -402,10 +431,13 @@ class ParallelModel:
         return torch.autocast(self.device.type, dtype=self._dtype)
 
 
-def token_cross_entropy(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of next-token logits ``(B, T, V)`` (or an output with ``.logits``) against ``(B, T)``."""
+def token_cross_entropy(output: Any, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of next-token logits ``(B, T, V)`` (or an output with ``.logits``) against ``(B, T)``.
+
+    Targets equal to ``IGNORE_INDEX`` (-100, padding) count for nothing.
+    """
     logits = _logits(output)
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 def _logits(output: Any) -> torch.Tensor:
@@ -431,6 +463,16 @@ def _selective_context(seq_len: int):
         return CheckpointPolicy.PREFER_RECOMPUTE if quadratic(func, args) else CheckpointPolicy.MUST_SAVE
 
     return partial(create_selective_checkpoint_contexts, policy)
+
+
+def _shares_heads(analysis, graph, tp: int) -> bool:
+    """Whether some attention projection has fewer heads than tp (grouped-query key/value heads get replicated)."""
+    for name, groups in analysis.head_groups.items():
+        width = graph.op(name).output_shapes[0][-1]
+        head_dim = width // groups
+        if any(part // head_dim < tp for part in analysis.parts.get(name, [width])):
+            return True
+    return False
 
 
 def _default_device(env: LaunchEnv) -> torch.device:

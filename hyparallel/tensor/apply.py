@@ -45,26 +45,43 @@ class TensorParallelInfo:
     synced_params: list[str] = field(default_factory=list)  # replicated inside the SP region: partial gradients
     shared_rows: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)  # param -> every rank's rows
 
-    def reduce_grads(self, model: nn.Module) -> None:
+    def partial_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
+        """Copies of the gradients ``reduce_grads`` completes, as they are now: pass them back to it as ``since``."""
+        find = _parameter_or_none(model)
+        held = {name: find(name) for name in (*self.synced_params, *self.shared_rows)}
+        return {name: None if p.grad is None else _local(p.grad).clone() for name, p in held.items() if p is not None}
+
+    def reduce_grads(self, model: nn.Module, since: dict[str, torch.Tensor | None] | None = None) -> None:
         """Complete the gradients tensor parallelism leaves partial; call once per step, after the last backward.
 
         Under sequence parallelism each rank's norm weights and row biases saw part of the sequence; key/value
         heads held by several ranks got gradient only from each holder's own query heads. Megatron-LM does the
-        same once per step (finalize_model_grads), after gradient accumulation.
+        same once per step (finalize_model_grads), after gradient accumulation. ``since`` (from
+        ``partial_grads`` before the step) limits the sums to what this step added, so gradients accumulated
+        over several steps without zero_grad are not summed twice.
         """
-        held = [p for p in map(_parameter_or_none(model), self.synced_params) if p is not None]  # a pipeline stage: its own
-        grads = [_local(p.grad) for p in held if p.grad is not None]
-        if grads and self.tp > 1:
-            flat = torch.cat([g.flatten() for g in grads])  # one collective for all of them
+        since = since or {}
+        find = _parameter_or_none(model)
+
+        def step_part(name: str, grad: torch.Tensor) -> torch.Tensor:
+            before = since.get(name)
+            return grad - before if before is not None else grad.clone()
+
+        held = [(name, p) for name in self.synced_params if (p := find(name)) is not None and p.grad is not None]
+        if held and self.tp > 1:
+            parts = [step_part(name, _local(p.grad)) for name, p in held]
+            flat = torch.cat([part.flatten() for part in parts])  # one collective for all of them
             all_reduce_(flat, self.group)
             offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            for (name, p), part in zip(held, parts):
+                total = flat[offset: offset + part.numel()].view_as(part)
+                _local(p.grad).copy_(total + since[name] if since.get(name) is not None else total)
+                offset += part.numel()
         for name, every_rank in self.shared_rows.items():
-            param = _parameter_or_none(model)(name)
+            param = find(name)
             if param is not None and param.grad is not None:
-                param.grad.copy_(_sum_replicated_rows(param.grad, every_rank, self.rank, self.group))
+                summed = _sum_replicated_rows(step_part(name, param.grad), every_rank, self.rank, self.group)
+                param.grad.copy_(summed + since[name] if since.get(name) is not None else summed)
 
 
 def _parameter_or_none(model: nn.Module):
