@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
 from contextlib import nullcontext
 
 import torch
@@ -31,6 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 import hyparallel as hp
 from hyparallel.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
+
+from common import agreement, alternate, timed  # benchmarks/common.py, beside this script
 
 MODEL = "gpt-tiny num_layers=4 hidden_size=256 num_heads=8 vocab_size=1024 max_seq_len=128"
 RTOL, ATOL = 1e-5, 1e-6  # fp32, same reductions on both sides: rounding only
@@ -43,14 +43,6 @@ def parse_args() -> argparse.Namespace:
     for name, default in (("seq", 128), ("batch", 16), ("microbatches", 1), ("steps", 10)):
         parser.add_argument(f"--{name}", type=int, default=default)
     return parser.parse_args()
-
-
-def timed(run) -> tuple[float, torch.Tensor]:
-    """One step of ``run`` (returning the loss); ranks start together."""
-    dist.barrier()
-    start = time.perf_counter()
-    loss = run()
-    return time.perf_counter() - start, loss
 
 
 def main() -> None:
@@ -95,22 +87,11 @@ def main() -> None:
     (_, ours_loss), (_, theirs_loss) = timed(ours), timed(theirs)
     dist.all_reduce(theirs_loss)  # hyparallel returns the global mean loss; DDP's is this rank's
     theirs_loss /= world
-    pairs = [(p, reference.get_parameter(name)) for name, p in pmodel.named_parameters()]
-    summary = torch.tensor([sum(not torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in pairs), len(pairs),
-                            max((a - b).abs().max().item() for a, b in pairs)], dtype=torch.float64)
-    dist.all_reduce(summary[:2])
-    dist.all_reduce(summary[2:], op=dist.ReduceOp.MAX)
+    summary = agreement(((p, reference.get_parameter(name)) for name, p in pmodel.named_parameters()), RTOL, ATOL)
     loss_ok = torch.allclose(ours_loss, theirs_loss, rtol=RTOL, atol=ATOL)
 
-    times: dict[str, list[float]] = {"hyparallel": [], "DDP": []}
-    for i in range(WARMUP + args.steps):
-        for name, run in (("hyparallel", ours), ("DDP", theirs)):
-            seconds, _ = timed(run)
-            if i >= WARMUP:
-                times[name].append(seconds)
-    per_rank = torch.tensor([times["hyparallel"], times["DDP"]], dtype=torch.float64)
-    dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank finishes
-    ours_ms, theirs_ms = (statistics.median(row.tolist()) * 1e3 for row in per_rank)
+    medians = alternate({"hyparallel": (ours, None), "DDP": (theirs, None)}, args.steps, WARMUP)
+    ours_ms, theirs_ms = medians["hyparallel"], medians["DDP"]
     if rank == 0:
         print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
               f"{torch.get_num_threads()} torch threads per rank; torch {torch.__version__}; dp={world} gloo CPU")

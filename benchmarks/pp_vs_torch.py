@@ -22,8 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 import hyparallel as hp
 from hyparallel.pipeline import PipelineRuntime, split_model
 from hyparallel.tensor.init import materialize_
+
+from common import agreement, alternate, timed  # benchmarks/common.py, beside this script
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 RTOL, ATOL = 1e-5, 1e-6  # fp32: torch divides the summed gradients by m, hyparallel each loss: rounding only
@@ -86,14 +87,9 @@ class TorchAdapter(nn.Module):
         return self.stage([args[0]], ()) if self.stage.index == 0 else self.stage([None], args)
 
 
-def timed(run, params: list[nn.Parameter]) -> tuple[float, torch.Tensor]:
-    """One step of ``run`` (returning the mean loss) with gradients zeroed first; ranks start together."""
+def clear_grads(params: list[nn.Parameter]) -> None:
     for p in params:
         p.grad = None
-    dist.barrier()
-    start = time.perf_counter()
-    loss = run()
-    return time.perf_counter() - start, loss
 
 
 def main() -> None:
@@ -134,23 +130,14 @@ def main() -> None:
             return loss
 
         # Agreement: a step each from zeroed gradients, compared parameter by parameter under the model's names.
-        (_, ours_loss), (_, theirs_loss) = timed(ours, ours_params), timed(theirs, theirs_params)
-        pairs = [(p.grad, adapter.stage.body.get_parameter(name).grad) for name, p in ours_stage.body.named_parameters()]
-        summary = torch.tensor([sum(not torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in pairs), len(pairs),
-                                max((a - b).abs().max().item() for a, b in pairs)], dtype=torch.float64)
-        dist.all_reduce(summary[:2])
-        dist.all_reduce(summary[2:], op=dist.ReduceOp.MAX)
+        zero_ours, zero_theirs = partial(clear_grads, ours_params), partial(clear_grads, theirs_params)
+        (_, ours_loss), (_, theirs_loss) = timed(ours, zero_ours), timed(theirs, zero_theirs)
+        summary = agreement(((p.grad, adapter.stage.body.get_parameter(name).grad)
+                             for name, p in ours_stage.body.named_parameters()), RTOL, ATOL)
         loss_ok = torch.allclose(ours_loss, theirs_loss, rtol=RTOL, atol=0)
 
-        times: dict[str, list[float]] = {"hyparallel": [], "torch": []}
-        for i in range(WARMUP + args.steps):
-            for name, run, params in (("hyparallel", ours, ours_params), ("torch", theirs, theirs_params)):
-                seconds, _ = timed(run, params)
-                if i >= WARMUP:
-                    times[name].append(seconds)
-        per_rank = torch.tensor([times["hyparallel"], times["torch"]], dtype=torch.float64)
-        dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank finishes
-        ours_ms, theirs_ms = (statistics.median(row.tolist()) * 1e3 for row in per_rank)
+        medians = alternate({"hyparallel": (ours, zero_ours), "torch": (theirs, zero_theirs)}, args.steps, WARMUP)
+        ours_ms, theirs_ms = medians["hyparallel"], medians["torch"]
         if rank == 0:
             ok = "OK" if loss_ok and summary[0] == 0 else "MISMATCH"
             print(f"[{kind}] check {ok}: loss hyparallel {ours_loss.item():.6f} torch {theirs_loss.item():.6f}; "
