@@ -68,6 +68,7 @@ def main() -> None:
         inputs, targets = next(data)
         start = time.perf_counter()
         loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
+        pmodel.clip_grad_norm_(1.0)  # the global norm, over every rank's slices and shards
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         last = loss.item()  # waits for the step (on a GPU too) before the clock stops

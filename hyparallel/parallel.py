@@ -370,6 +370,50 @@ class ParallelModel:
             total += loss.detach().float()
         return total / m
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient so that the model's global 2-norm is at most ``max_norm``; returns the norm before.
+
+        The norm is the single-device model's: each element counted once over tensor slices, pipeline stages
+        and data-parallel shards (replicated copies, tied weights and shared key/value heads once), the same on
+        every rank. torch's clip_grad_norm_ on ``parameters()`` would see only this rank's share.
+        """
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, param in self.named_parameters():
+            if param.grad is not None:
+                squares += self._own_square_sum(name, param.grad)
+        dist.all_reduce(squares)  # every element was counted on exactly one rank
+        norm = squares.sqrt().float()
+        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)
+        return norm
+
+    def _own_square_sum(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """Sum of squares of the gradient elements this rank counts for the global norm."""
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if not hasattr(grad, "to_local") and self.dp_rank != 0:  # replicated over dp (DDP): dp rank 0 counts
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.pipeline is not None:
+            canonical = next((c for c, names in self.pipeline._aliases.items() if name in names), name)
+            holders = self.pipeline._tied.get(canonical)
+            if holders and self.pipeline.rank != min(holders):  # tied across stages: the first holder counts
+                return torch.zeros((), dtype=torch.float64, device=self.device)
+        owner = self.module.get_submodule(name.rpartition(".")[0]) if "." in name else self.module
+        split = self.tp_info is not None and callable(getattr(owner, "shard_layout", None)) \
+            and owner.shard_layout(name.rpartition(".")[2]) is not None
+        if self.tp_info is not None and not split and self.tp_info.rank != 0:  # replicated over tp: tp rank 0 counts
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        shared = self.tp_info.shared_rows.get(name) if self.tp_info is not None else None
+        if shared and not hasattr(grad, "to_local"):  # key/value heads several tp ranks hold: the lowest counts
+            keep, offset = torch.zeros(local.size(0), dtype=torch.bool, device=local.device), 0
+            for start, stop in shared[self.tp_info.rank]:
+                first = min(r for r, rows in enumerate(shared) if (start, stop) in rows)
+                keep[offset: offset + stop - start] = first == self.tp_info.rank
+                offset += stop - start
+            local = local[keep]
+        return local.double().pow(2).sum()
+
     def _all_reduce_grads(self) -> None:
         """Sum the accumulated gradients over dp, averaged, in flat buckets of about 25 MB (DDP's default)."""
         group, size = self.mesh["dp"].get_group(), self.plan.parallel.dp

@@ -47,6 +47,8 @@ def test_training_equals_single_device_training(results, case):
     ranks = results[case]
     for rank in ranks:
         assert rank["grad_worst_rel"] <= 1e-5  # first step: every gradient (elementwise checked in the worker)
+        # pmodel.clip_grad_norm_: the single device's global norm, on every rank (clipping checked in the worker).
+        assert rank["grad_norm"] == pytest.approx(rank["ref_grad_norm"], rel=1e-5)
         assert rank["worst_rel"] <= 1e-5  # after 3 steps: every parameter tensor, ||parallel - single|| / ||single||
         assert rank["losses"] == pytest.approx(rank["ref_losses"], rel=1e-5)  # 3 training steps, then eval_step
         assert len(rank["losses"]) == 4
@@ -60,6 +62,7 @@ def test_gradients_accumulate_over_train_steps(results, case):
     # Two train_steps before the optimizer: twice the single device's gradients, sequence-parallel norms included.
     for rank in results[case]:
         assert rank["accumulated"] == 2 and rank["grad_worst_rel"] <= 1e-5 and rank["grads_checked"] >= 13
+        assert rank["grad_norm"] == pytest.approx(rank["ref_grad_norm"], rel=1e-5)
 
 
 def test_the_plan_is_what_ran(results):

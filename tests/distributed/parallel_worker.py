@@ -89,13 +89,14 @@ def reference(spec: str) -> dict:
         loss.backward()
         if first_grads is None:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+            first_norm = torch.stack([p.grad.double().pow(2).sum() for p in model.parameters()]).sum().sqrt().item()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     with torch.no_grad():
         held_inputs, held_targets = batch(spec, SEED + 100)
         losses.append(token_cross_entropy(model(held_inputs), held_targets).item())
-    return {"grads": first_grads, "params": {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
+    return {"grads": first_grads, "grad_norm": first_norm, "params": {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
             "losses": losses}
 
 
@@ -151,6 +152,14 @@ def run_case(name: str) -> dict:
         losses.append(loss.item())
         if step == 0:
             result["grads_checked"], result["grad_worst_rel"] = compare(pmodel, model, ref["grads"], True, calls_first)
+            # The global norm as one device computes it, then clipping to half of it scales every gradient alike.
+            norm = pmodel.clip_grad_norm_(float("inf")).item()
+            result["grad_norm"], result["ref_grad_norm"] = norm, ref["grad_norm"] * calls_first
+            unclipped = [p.grad.clone() for p in pmodel.parameters()]
+            pmodel.clip_grad_norm_(norm / 2)
+            compare(pmodel, model, ref["grads"], True, calls_first * (norm / 2) / (norm + 1e-6))
+            for param, grad in zip(pmodel.parameters(), unclipped):  # the optimizer steps on the unclipped ones
+                param.grad.copy_(grad)
             if calls_first > 1:  # accumulated: the rest would train on doubled gradients
                 return {**result, "losses": losses, "ref_losses": ref["losses"][:1], "accumulated": calls_first}
         optimizer.step()
