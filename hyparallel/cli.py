@@ -26,6 +26,8 @@ EXAMPLES = {
         "  hyparallel trace --model mypkg.models:make_model --json"
     ),
     "demo": "example:\n  hyparallel demo",
+    "checkpoint": ("example:\n  hyparallel checkpoint export ckpt/ model.safetensors   # the newest complete checkpoint in ckpt/\n"
+                   "  hyparallel checkpoint export ckpt/step-00000100 model.pt"),
     "plan": (
         "examples:\n  hyparallel plan --model gpt-175b --gpus 1024 --cluster a100-80g --global-batch 1536 --seq-len 2048 -o plan.yaml\n"
         "  hyparallel plan --model llama-70b --gpus 64 --cluster h100-sxm --tp 8 --top 5\n"
@@ -265,6 +267,14 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> None:
     demo.run(log=lambda text: out.print(text, markup=False, highlight=False), show_plan=lambda plan: _print_plan(plan, out))
 
 
+def cmd_checkpoint(args: argparse.Namespace, out: Console) -> None:
+    """Consolidate a sharded checkpoint (saved under any plan) into one single-device state dict file."""
+    from hyparallel import checkpoint
+
+    written = checkpoint.export(args.path, args.out)
+    out.print(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB)", markup=False, highlight=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="hyparallel", description="Hybrid-parallel model partitioning for PyTorch.")
@@ -302,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")
     add("demo", cmd_demo, "The embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU.")
+    ckpt = add("checkpoint", cmd_checkpoint, "Consolidate a sharded checkpoint into one single-device state dict.")
+    ckpt.add_argument("action", choices=("export",), help="what to do (export)")
+    ckpt.add_argument("path", help="a checkpoint directory (its newest complete checkpoint) or one step-* folder")
+    ckpt.add_argument("out", help="output file: .safetensors, or anything else for torch.save")
     return parser
 
 

@@ -1,0 +1,94 @@
+"""Checkpoint worker: `torchrun --nproc_per_node 4 tests/distributed/checkpoint_worker.py OUT DIR`.
+
+Trains gpt-tiny 2 AdamW steps under dp 2 x tp 2 with ZeRO 1 (FSDP shards over dp, tensor-parallel slices),
+saves, then loads into a fresh model and optimizer under tp 2 x pp 2 (1F1B) and compares every parameter
+and every AdamW moment with single-device training after 2 steps; then both plans take step 3 and are
+compared again. Rank 0 writes one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import hyparallel as hp
+from hyparallel import checkpoint
+from hyparallel.parallel import token_cross_entropy
+from hyparallel.tensor.init import materialize_
+from parallel_worker import GPT, GLOBAL_BATCH, LR, SEED, SEQ, batch, expected_slice, full
+
+PLANS = {"saved": dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1), "loaded": dict(dp=1, tp=2, pp=2, schedule="1f1b",
+                                                                             micro_batch=2, zero=0)}
+
+
+def reference(steps: int):
+    model = materialize_(hp.models.load(GPT).module, "cpu", seed=SEED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(steps):
+        inputs, targets = batch(GPT, SEED + step)
+        token_cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def build(name: str):
+    model = hp.models.load(GPT).module
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=4), GLOBAL_BATCH, SEQ, "fp32", **PLANS[name])
+    pmodel = hp.parallelize(model, plan, seed=SEED + 1 if name == "loaded" else SEED)  # loaded: other initial weights
+    return model, pmodel, torch.optim.AdamW(pmodel.parameters(), lr=LR)
+
+
+def train(pmodel, optimizer, steps: range) -> None:
+    for step in steps:
+        inputs, targets = batch(GPT, SEED + step)
+        pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def worst_error(model, pmodel, optimizer, ref_model, ref_optimizer) -> tuple[float, int]:
+    """Largest relative (norm) difference over every parameter and AdamW moment this rank holds."""
+    ref_params = dict(ref_model.named_parameters(remove_duplicate=False))
+    modules, worst, checked = dict(model.named_modules()), 0.0, 0
+    for name, param in pmodel.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        pairs = [(param, ref_params[name])]
+        pairs += [(optimizer.state[param][k], ref_optimizer.state[ref_params[name]][k]) for k in ("exp_avg", "exp_avg_sq")]
+        for got, want in pairs:
+            want = expected_slice(modules[owner], leaf, want)
+            got = full(got)
+            worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-12)).item())
+            checked += 1
+    return worst, checked
+
+
+def main() -> None:
+    out, directory = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    result = {"rank": dist.get_rank()}
+    model, pmodel, optimizer = build("saved")
+    train(pmodel, optimizer, range(2))
+    path = checkpoint.save(pmodel, optimizer, directory, step=2, extra={"samples_seen": 2 * GLOBAL_BATCH})
+    result["saved_error"], _ = worst_error(model, pmodel, optimizer, *reference(2))
+
+    model, pmodel, optimizer = build("loaded")
+    info = checkpoint.load(pmodel, optimizer, directory)
+    result.update(step=info["step"], extra=info["extra"], path=str(path))
+    result["loaded_error"], result["loaded_checked"] = worst_error(model, pmodel, optimizer, *reference(2))
+    train(pmodel, optimizer, range(2, 3))  # and training goes on where it left off
+    result["continued_error"], _ = worst_error(model, pmodel, optimizer, *reference(3))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(gathered) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

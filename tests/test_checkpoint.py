@@ -1,0 +1,109 @@
+"""Checkpoints: saved under one plan, loaded under another (4 gloo processes), in one process, and exported.
+
+tests/distributed/checkpoint_worker.py saves after 2 AdamW steps under dp 2 x tp 2 with ZeRO 1 and loads into
+tp 2 x pp 2; here the same checkpoint loads into a single process and exports to one state dict. Every
+comparison is with single-device training to the step saved; relative (norm) error 1e-5, the bound the
+parallel parity tests use after AdamW steps.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hyparallel as hp
+from hyparallel import checkpoint
+from hyparallel.cli import main as cli
+from hyparallel.errors import ConfigError
+
+from .conftest import REPO, torchrun
+
+sys.path.insert(0, str(REPO / "tests" / "distributed"))
+from checkpoint_worker import GLOBAL_BATCH, GPT, SEED, SEQ, reference  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, repo):
+    folder = tmp_path_factory.mktemp("ckpt")
+    out = folder / "results.json"
+    torchrun(repo, "tests/distributed/checkpoint_worker.py", out, 4, str(folder / "run"))
+    return folder / "run", json.loads(out.read_text())
+
+
+def test_saved_under_one_plan_loads_under_another_and_training_continues(saved):
+    _, ranks = saved
+    for rank in ranks:
+        assert rank["saved_error"] <= 1e-5  # dp2 x tp2 ZeRO 1 after 2 steps
+        assert rank["loaded_error"] <= 1e-5 and rank["loaded_checked"] >= 13 * 3  # tp2 x pp2: weights and both moments
+        assert rank["continued_error"] <= 1e-5  # step 3 under the new plan = the single device's step 3
+        assert rank["step"] == 2 and rank["extra"] == {"samples_seen": 2 * GLOBAL_BATCH}
+
+
+def test_loads_into_one_process(saved, monkeypatch):
+    directory, _ = saved
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    model = hp.models.load(GPT).module
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), GLOBAL_BATCH, SEQ, "fp32",
+                   dp=1, tp=1, pp=1, micro_batch=GLOBAL_BATCH)
+    try:
+        pmodel = hp.parallelize(model, plan, seed=SEED + 7)
+        optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+        assert checkpoint.load(pmodel, optimizer, directory)["step"] == 2
+        ref_model, ref_optimizer = reference(2)
+        ref = dict(ref_model.named_parameters())
+        for name, param in pmodel.named_parameters():
+            for got, want in ((param, ref[name]), (optimizer.state[param]["exp_avg"], ref_optimizer.state[ref[name]]["exp_avg"])):
+                assert ((got - want).norm() / want.norm()).item() <= 1e-5, name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_export_gives_a_single_device_state_dict(saved, tmp_path, capsys):
+    directory, _ = saved
+    assert cli(["checkpoint", "export", str(directory), str(tmp_path / "model.pt")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    model = hp.models.load(GPT, device="cpu").module
+    model.load_state_dict(torch.load(tmp_path / "model.pt"))  # strict: every name, the tied head included
+    ref = dict(reference(2)[0].named_parameters())
+    for name, param in model.named_parameters():
+        assert ((param - ref[name]).norm() / ref[name].norm()).item() <= 1e-5, name
+
+
+def test_a_checkpoint_cut_off_mid_write_is_passed_over(saved, tmp_path):
+    directory, _ = saved
+    copy = tmp_path / "run"
+    shutil.copytree(directory, copy)
+    good = checkpoint.latest(copy)
+    broken = copy / "step-00000009"  # renamed but its files cut short: no marker
+    shutil.copytree(good, broken)
+    (broken / checkpoint.MARKER).unlink()
+    next(broken.glob("*.distcp")).write_bytes(b"")
+    (copy / ".step-00000010.tmp").mkdir()  # a save that died before its rename
+    (copy / "latest").write_text(broken.name)  # and a stale pointer
+    assert checkpoint.latest(copy) == good
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert checkpoint.latest(empty) is None
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        checkpoint.load(None, None, empty)
+    assert cli(["checkpoint", "export", str(empty), str(tmp_path / "x.pt")]) == 2
+
+
+def test_a_checkpoint_of_another_model_is_refused(saved, monkeypatch):
+    directory, _ = saved
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    model = hp.models.build("llama-tiny")
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), 2, 16, "fp32", dp=1, tp=1, pp=1)
+    try:
+        pmodel = hp.parallelize(model, plan)
+        with pytest.raises(ConfigError, match=r"saved from model 'GPT', not 'Llama'"):
+            checkpoint.load(pmodel, None, directory)
+    finally:
+        dist.destroy_process_group()
