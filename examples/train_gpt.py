@@ -1,9 +1,11 @@
 """Train a zoo GPT under any plan: `torchrun --nproc_per_node 8 examples/train_gpt.py --plan configs/plans/cpu-dp2-tp2-pp2.yaml`.
 
-Byte-level language modelling on examples/data/corpus.txt (hyparallel's own docs: 256 token ids, the
-vocabulary of gpt-tiny). Without --plan the planner picks one for this launch on the `cpu` cluster preset.
-Every rank draws the same global batch from a seeded generator; `shard` gives each data-parallel rank
-its rows. Rank 0 logs loss, step time and tokens/s.
+Byte-level language modelling on examples/data/corpus.txt (hyparallel's own docs: 256 token ids, gpt-tiny's
+vocabulary). Without --plan the planner plans for the launch it finds (WORLD_SIZE, the `cpu` preset, the
+same global batch): under `torchrun --nnodes MIN:MAX --max-restarts N` a restart with fewer workers
+re-plans, loads the newest checkpoint of --checkpoint-dir resharded, and goes on. Every rank draws the same
+global batches from a seeded generator (so a resumed run skips exactly the batches already seen);
+`shard` gives each data-parallel rank its rows. Rank 0 logs loss, step time and tokens/s.
 """
 
 from __future__ import annotations
@@ -25,29 +27,33 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--plan", help="plan YAML (default: plan for this launch with the cpu preset)")
     parser.add_argument("--model", default="gpt-tiny", help="zoo name or model spec (default gpt-tiny)")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--global-batch", type=int, default=16, help="without --plan (default 16)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", help="save here, and resume from its newest complete checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: never)")
     return parser.parse_args()
 
 
 def load_plan(args: argparse.Namespace, model: torch.nn.Module) -> hp.Plan:
     if args.plan:
         return hp.Plan.load(args.plan)
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = int(os.environ.get("WORLD_SIZE", 1))  # deterministic: every rank derives the same plan
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world)
-    return hp.plan(model, cluster, global_batch=8 * world, seq_len=64, dtype="fp32")
+    return hp.plan(model, cluster, global_batch=args.global_batch, seq_len=64, dtype="fp32")
 
 
-def batches(plan: hp.Plan, seed: int):
+def batches(plan: hp.Plan, seed: int, skip: int):
     """Global batches of (inputs, targets): rows of seq_len + 1 bytes from random places in the corpus."""
     data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
     rows, length = plan.training.global_batch, plan.training.seq_len
     generator = torch.Generator().manual_seed(seed)
-    while True:
+    for step in range(10**9):
         starts = torch.randint(0, data.numel() - length - 1, (rows,), generator=generator)
-        chunk = torch.stack([data[s: s + length + 1] for s in starts.tolist()])
-        yield chunk[:, :-1], chunk[:, 1:]
+        if step >= skip:
+            chunk = torch.stack([data[s: s + length + 1] for s in starts.tolist()])
+            yield chunk[:, :-1], chunk[:, 1:]
 
 
 def main() -> None:
@@ -56,15 +62,18 @@ def main() -> None:
     plan = load_plan(args, model)
     pmodel = hp.parallelize(model, plan, seed=args.seed)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr, weight_decay=0.0)
-    rank0 = pmodel.env.rank == 0
+    rank0, done = pmodel.env.rank == 0, 0
+    if args.checkpoint_dir and hp.checkpoint.latest(args.checkpoint_dir):
+        done = hp.checkpoint.load(pmodel, optimizer, args.checkpoint_dir)["step"]
     if rank0:
         par = plan.parallel
         print(f"{args.model}: dp {par.dp} x tp {par.tp} x pp {par.pp} ({par.schedule}, {plan.num_microbatches} "
-              f"micro-batches of {plan.training.micro_batch}), zero {par.zero}, recompute {par.recompute}", flush=True)
+              f"micro-batches of {plan.training.micro_batch}), zero {par.zero}, recompute {par.recompute}"
+              + (f"; resumed after step {done}" if done else ""), flush=True)
     tokens_per_step = plan.training.global_batch * plan.training.seq_len
-    data = batches(plan, args.seed)
+    data = batches(plan, args.seed, skip=done)
     first = last = None
-    for step in range(1, args.steps + 1):
+    for step in range(done + 1, args.steps + 1):
         inputs, targets = next(data)
         start = time.perf_counter()
         loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
@@ -74,11 +83,13 @@ def main() -> None:
         last = loss.item()  # waits for the step (on a GPU too) before the clock stops
         elapsed = time.perf_counter() - start
         first = last if first is None else first
-        if rank0 and (step % args.log_every == 0 or step == 1):
+        if rank0 and (step % args.log_every == 0 or step == done + 1):
             print(f"step {step:4d}  loss {last:.4f}  {elapsed * 1e3:7.1f} ms  {tokens_per_step / elapsed:9.0f} tokens/s",
                   flush=True)
-    if rank0:
-        print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps", flush=True)
+        if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
+            hp.checkpoint.save(pmodel, optimizer, args.checkpoint_dir, step, extra={"sequences_seen": step * plan.training.global_batch})
+    if rank0 and first is not None:
+        print(f"loss {first:.4f} -> {last:.4f} over steps {done + 1}..{args.steps}", flush=True)
     torch.distributed.destroy_process_group()
 
 

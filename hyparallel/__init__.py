@@ -4,7 +4,7 @@ trace a model (``trace``) -> plan data x tensor x pipeline parallelism for a clu
 ``ClusterSpec``) -> run it. See README.md and SPEC.md for the user-facing contract.
 """
 
-from hyparallel import models
+from hyparallel import checkpoint, models
 from hyparallel.cluster import ClusterSpec
 from hyparallel.errors import ConfigError, HyparallelError, ModelSpecError, TraceError
 from hyparallel.graph import ModelGraph, trace
@@ -16,5 +16,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClusterSpec", "ConfigError", "HyparallelError", "ModelGraph", "ModelSpecError", "ParallelModel", "Plan", "PlanError",
-    "TraceError", "models", "parallelize", "plan", "trace", "__version__",
+    "TraceError", "checkpoint", "models", "parallelize", "plan", "trace", "__version__",
 ]

@@ -152,11 +152,7 @@ class ParallelModel:
         if not dist.is_initialized():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            if env.world_size == 1 and "MASTER_ADDR" not in os.environ:  # one process, no torchrun: an in-memory store
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            else:
-                dist.init_process_group(backend)
+            _init_process_group("nccl" if device.type == "cuda" else "gloo", env)
         shape = plan.mesh_shape()
         self.mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
         self.dp_size, self.dp_rank = par.dp, self.mesh["dp"].get_local_rank()
@@ -517,6 +513,28 @@ def _shares_heads(analysis, graph, tp: int) -> bool:
         if any(part // head_dim < tp for part in analysis.parts.get(name, [width])):
             return True
     return False
+
+
+def _init_process_group(backend: str, env: LaunchEnv) -> None:
+    """The default process group for this launch; see Note [restarted groups]."""
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:  # one process, no torchrun: an in-memory store
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:  # not under torchrun's agent: env:// as usual
+        dist.init_process_group(backend)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                          is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and env.rank == 0)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"hyparallel/attempt-{attempt}", store),
+                            rank=env.rank, world_size=env.world_size)
+
+
+# Note [restarted groups]
+# torchrun's agent keeps one TCPStore for the whole job. After a worker dies and the agent restarts the
+# group, the new workers' process groups would meet under the same keys as the dead ones', and gloo can
+# read a dead peer's address there ("Connection refused", the race of pytorch/pytorch#167288). Each
+# restart attempt therefore meets under its own prefix.
 
 
 def _default_device(env: LaunchEnv) -> torch.device:
