@@ -62,11 +62,14 @@ class Entry:
 
 
 def save(pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path, step: int,
-         extra: dict[str, Any] | None = None) -> Path:
+         extra: dict[str, Any] | None = None, asynchronous: bool = False) -> Path | PendingSave:
     """Write a checkpoint of ``pmodel`` (and the optimizer's state) for ``step``; every rank calls it.
 
     ``extra`` (JSON-able: the data position, anything the loop needs) comes back from :func:`load`.
-    Returns the checkpoint folder.
+    Returns the checkpoint folder. With ``asynchronous`` the tensors are copied (staged) and written by a
+    background thread over a process group of its own while training goes on; the returned
+    :class:`PendingSave`'s ``wait()``, on every rank, makes the checkpoint current (call it before the
+    next save and before exiting).
     """
     root = Path(directory)
     final, temporary = root / f"step-{step:08d}", root / f".step-{step:08d}.tmp"
@@ -75,20 +78,47 @@ def save(pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path,
         temporary.mkdir(parents=True)
     _barrier()
     entries = state_entries(pmodel, optimizer)
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(entries))
     torch.save(_rng_state(), temporary / f"rng-{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
-        meta = {"format": FORMAT, "step": step, "extra": extra or {}, "world_size": _world(),
-                "plan": pmodel.plan.parallel.model_dump(), "model": pmodel.plan.model.model_dump() if pmodel.plan.model else None,
-                "optimizer": _hyperparameters(optimizer),
-                "tied": {alias: first for alias, first in _canonical_names(pmodel).items() if alias != first}}
-        (temporary / MARKER).write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(temporary, final)  # complete: now it may become current
-        _write_atomically(root / "latest", final.name)
-    _barrier()
-    return final
+    meta = {"format": FORMAT, "step": step, "extra": extra or {}, "world_size": _world(),
+            "plan": pmodel.plan.parallel.model_dump(), "model": pmodel.plan.model.model_dump() if pmodel.plan.model else None,
+            "optimizer": _hyperparameters(optimizer),
+            "tied": {alias: first for alias, first in _canonical_names(pmodel).items() if alias != first}}
+    pending = PendingSave(root, temporary, final, meta)
+    if not asynchronous:
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(entries))
+        return pending.wait()
+    staged = {fqn: Entry(e.shape, [Piece(p.offsets, p.view.detach().to("cpu", copy=True)) for p in e.pieces])
+              for fqn, e in entries.items()}  # a copy: training may change the tensors while the writer runs
+    pending.group = pmodel.io_group()
+    pending.future = dcp.async_save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(staged),
+                                    process_group=pending.group)
+    return pending
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being written; ``wait()`` (every rank) finishes it and makes it current."""
+
+    root: Path
+    temporary: Path
+    final: Path
+    meta: dict[str, Any]
+    future: Any = None
+    group: Any = None
+
+    def wait(self) -> Path:
+        """Block until written, then mark it complete and current; returns its folder."""
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+        _barrier(self.group)
+        if _rank() == 0:
+            (self.temporary / MARKER).write_text(json.dumps(self.meta, indent=1))
+            shutil.rmtree(self.final, ignore_errors=True)  # the same step saved again
+            os.replace(self.temporary, self.final)  # complete: now it may become current
+            _write_atomically(self.root / "latest", self.final.name)
+        _barrier(self.group)
+        return self.final
 
 
 def latest(directory: str | Path) -> Path | None:
@@ -356,6 +386,6 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=group)

@@ -148,6 +148,7 @@ class ParallelModel:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.plan, self.env, self.device, self.module = plan, env, device, model
+        self._io = None
         par = plan.parallel
         if not dist.is_initialized():
             if device.type == "cuda":
@@ -279,6 +280,15 @@ class ParallelModel:
                 if id(param) not in seen:
                     seen.add(id(param))
                     yield name, param
+
+    def io_group(self):
+        """A gloo group of every rank for background work (asynchronous checkpoints), made on first use.
+
+        Every rank must call it at the same point, as for any new group.
+        """
+        if self._io is None:
+            self._io = dist.new_group(backend="gloo")
+        return self._io
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's tensors under the original model's names (local slices and shards as they are)."""

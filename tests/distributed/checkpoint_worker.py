@@ -1,7 +1,7 @@
 """Checkpoint worker: `torchrun --nproc_per_node 4 tests/distributed/checkpoint_worker.py OUT DIR`.
 
 Trains gpt-tiny 2 AdamW steps under dp 2 x tp 2 with ZeRO 1 (FSDP shards over dp, tensor-parallel slices),
-saves, then loads into a fresh model and optimizer under tp 2 x pp 2 (1F1B) and compares every parameter
+saves asynchronously while it trains a third step, then loads into a fresh model and optimizer under tp 2 x pp 2 (1F1B) and compares every parameter
 and every AdamW moment with single-device training after 2 steps; then both plans take step 3 and are
 compared again. Rank 0 writes one JSON line.
 """
@@ -73,8 +73,11 @@ def main() -> None:
     result = {"rank": dist.get_rank()}
     model, pmodel, optimizer = build("saved")
     train(pmodel, optimizer, range(2))
-    path = checkpoint.save(pmodel, optimizer, directory, step=2, extra={"samples_seen": 2 * GLOBAL_BATCH})
     result["saved_error"], _ = worst_error(model, pmodel, optimizer, *reference(2))
+    pending = checkpoint.save(pmodel, optimizer, directory, step=2, extra={"samples_seen": 2 * GLOBAL_BATCH},
+                              asynchronous=True)
+    train(pmodel, optimizer, range(2, 3))  # training goes on while the checkpoint is written: it keeps step 2
+    path = pending.wait()
 
     model, pmodel, optimizer = build("loaded")
     info = checkpoint.load(pmodel, optimizer, directory)
