@@ -2,8 +2,9 @@
 
 Byte-level language modelling on examples/data/corpus.txt (hyparallel's own docs: 256 token ids, gpt-tiny's
 vocabulary). Without --plan the planner plans for the launch it finds (WORLD_SIZE, the `cpu` preset, the
-same global batch): under `torchrun --nnodes MIN:MAX --max-restarts N` a restart with fewer workers
-re-plans, loads the newest checkpoint of --checkpoint-dir resharded, and goes on. Every rank draws the same
+same global batch): under `torchrun --nnodes MIN:MAX --max-restarts N` (with
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: see README) a restart with fewer workers re-plans, loads the newest
+checkpoint of --checkpoint-dir resharded, and goes on. Every rank draws the same
 global batches from a seeded generator (so a resumed run skips exactly the batches already seen);
 `shard` gives each data-parallel rank its rows. Rank 0 logs loss, step time and tokens/s.
 """

@@ -114,9 +114,13 @@ class PendingSave:
         _barrier(self.group)
         if _rank() == 0:
             (self.temporary / MARKER).write_text(json.dumps(self.meta, indent=1))
-            shutil.rmtree(self.final, ignore_errors=True)  # the same step saved again
-            os.replace(self.temporary, self.final)  # complete: now it may become current
-            _write_atomically(self.root / "latest", self.final.name)
+            previous = self.final.with_name(f".{self.final.name}.old")
+            if self.final.exists():  # the same step saved again: the old copy goes only once the new is in place
+                shutil.rmtree(previous, ignore_errors=True)
+                os.replace(self.final, previous)
+            os.replace(self.temporary, self.final)  # complete: now it is current
+            shutil.rmtree(previous, ignore_errors=True)
+            _write_atomically(self.root / "latest", self.final.name)  # for people; latest() scans
         _barrier(self.group)
         return self.final
 
@@ -124,14 +128,11 @@ class PendingSave:
 def latest(directory: str | Path) -> Path | None:
     """The newest complete checkpoint under ``directory`` (None if there is none).
 
-    ``latest`` is trusted only if it names a folder with its marker; otherwise the complete folders are
-    searched, so a checkpoint truncated mid-write (no marker, or a stale ``latest``) is passed over.
+    Complete means renamed into place with its marker written; the folders are scanned rather than the
+    ``latest`` pointer trusted, so a crash between the rename and the pointer, or a folder cut off mid-write
+    (no marker), never hides the newest good one.
     """
-    root = Path(directory)
-    named = root / (root / "latest").read_text().strip() if (root / "latest").exists() else None
-    if named is not None and (named / MARKER).exists():
-        return named
-    complete = sorted(p for p in root.glob("step-*") if (p / MARKER).exists())
+    complete = sorted(p for p in Path(directory).glob("step-*") if (p / MARKER).is_file())
     return complete[-1] if complete else None
 
 
@@ -152,10 +153,12 @@ def load(pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path)
     if planned is not None and meta.get("model") and meta["model"].get("fingerprint") not in (None, planned.fingerprint):
         raise ConfigError(f"{path}: saved from model '{meta['model']['name']}', not '{planned.name}'; "
                           "load it into the model it was saved from")
-    if optimizer is not None:
+    reader = dcp.FileSystemReader(path)
+    saved_optimizer = any(key.startswith("optim.") for key in reader.read_metadata().state_dict_metadata)
+    if optimizer is not None and saved_optimizer:  # none saved (before the first step): the optimizer starts fresh
         _initialise_state(optimizer)
-    entries = state_entries(pmodel, optimizer)
-    dcp.load({}, storage_reader=dcp.FileSystemReader(path), planner=_LoadPieces(entries))
+    entries = state_entries(pmodel, optimizer if saved_optimizer else None)
+    dcp.load({}, storage_reader=reader, planner=_LoadPieces(entries))
     rng = path / f"rng-{_rank()}.pt"
     if rng.exists() and meta["world_size"] == _world():  # same layout: each rank resumes its own streams
         _set_rng_state(torch.load(rng, weights_only=False))
@@ -176,10 +179,11 @@ def export(directory: str | Path, out: str | Path) -> Path:
     path = latest(directory) if not (Path(directory) / MARKER).exists() else Path(directory)
     if path is None:
         raise ConfigError(f"{directory}: no complete checkpoint (a step-* folder with {MARKER}) to export")
+    reader = dcp.FileSystemReader(path)
+    keys = [key for key in reader.read_metadata().state_dict_metadata if key.startswith("model.")]
     everything: dict[str, Any] = {}
-    _load_state_dict(everything, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
-    model = {key[len("model."):]: value for key, value in everything.items() if key.startswith("model.")}
+    _load_state_dict(everything, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    model = {key[len("model."):]: value for key, value in everything.items()}
     tied = json.loads((path / MARKER).read_text()).get("tied", {})
     out = Path(out)
     if out.suffix == ".safetensors":
@@ -203,11 +207,23 @@ def state_entries(pmodel, optimizer: torch.optim.Optimizer | None) -> dict[str, 
         key = aliases.get(name, name)
         entries[f"model.{key}"] = _entry(pmodel, name, param.detach())
         for slot, value in state.get(param, {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.shape == param.shape:  # moments: laid out like the parameter
                 entries[f"optim.{key}.{slot}"] = _entry(pmodel, name, value)
-            elif isinstance(value, torch.Tensor):  # step counters: the same everywhere
+            elif value.dim() == 0:  # step counters: the same on every rank
                 local = value.to_local() if hasattr(value, "to_local") else value
-                entries[f"optim.{key}.{slot}"] = Entry(tuple(local.shape), [Piece((0,) * local.dim(), local)])
+                entries[f"optim.{key}.{slot}"] = Entry((), [Piece((), local)])
+            else:
+                raise ConfigError(f"optimizer state '{slot}' of {key} has shape {tuple(value.shape)}, not its parameter's "
+                                  f"{tuple(param.shape)}: factored state (Adafactor's row/col) cannot be resharded; "
+                                  "use an optimizer whose state is shaped like the parameters (Adam, AdamW, SGD)")
+    # The model's persistent buffers (running statistics, counters; not rotary tables it recomputes): replicated.
+    persistent = {name for name, t in pmodel.module.state_dict(keep_vars=True).items() if not isinstance(t, torch.nn.Parameter)}
+    for module in pmodel._modules:
+        for name, tensor in module.named_buffers():
+            if name in persistent:
+                entries[f"model.{name}"] = Entry(tuple(tensor.shape), [Piece((0,) * tensor.dim(), tensor.detach())])
     return entries
 
 
@@ -289,6 +305,7 @@ class _SavePieces(SavePlanner):
         from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
         plans, metadata = create_default_global_save_plan(dedup_save_plans(all_plans), rewrite_index_hints=False)
+        metadata.planner_data = {fqn: (fqn,) for fqn in metadata.state_dict_metadata}  # flat keys (export filters by them)
         self.metadata = metadata
         return plans, metadata
 
@@ -344,11 +361,29 @@ class _LoadPieces(LoadPlanner):
         pass  # read straight into the view
 
 
+@torch.no_grad()
 def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (torch builds them lazily at the first step) so they can be loaded."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    """Create the optimizer's state tensors (torch builds them at the first step) so they can be loaded into.
 
-    _init_optim_state(optimizer)
+    One step on zero gradients with every learning rate at 0 changes no parameter; the gradients the
+    parameters had are put back. The state's values are then overwritten by the load.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    grads = [p.grad for p in params]
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else torch.zeros_like(group["lr"])
+    try:
+        optimizer.step()
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["lr"] = rate
+        for p, grad in zip(params, grads):
+            p.grad = grad
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:

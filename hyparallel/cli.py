@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from hyparallel.errors import HyparallelError
+from hyparallel.errors import ConfigError, HyparallelError
 
 EXAMPLES = {
     "models": "example:\n  hyparallel models\n  hyparallel models --json",
@@ -271,7 +271,10 @@ def cmd_checkpoint(args: argparse.Namespace, out: Console) -> None:
     """Consolidate a sharded checkpoint (saved under any plan) into one single-device state dict file."""
     from hyparallel import checkpoint
 
-    written = checkpoint.export(args.path, args.out)
+    try:
+        written = checkpoint.export(args.path, args.out)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {args.out}: {exc.strerror or exc}; check the folder exists and is writable") from None
     out.print(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB)", markup=False, highlight=False)
 
 

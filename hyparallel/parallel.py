@@ -526,25 +526,16 @@ def _shares_heads(analysis, graph, tp: int) -> bool:
 
 
 def _init_process_group(backend: str, env: LaunchEnv) -> None:
-    """The default process group for this launch; see Note [restarted groups]."""
-    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:  # one process, no torchrun: an in-memory store
+    """The default process group for this launch: env:// under torchrun, an in-memory store for one process.
+
+    Restarts under torchrun need each rendezvous round to get its own store, or the new gloo/NCCL groups
+    can read the dead workers' addresses (pytorch/pytorch#167288): launch torchrun with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when it may restart workers (README, examples/train_gpt.py).
+    """
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        return
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:  # not under torchrun's agent: env:// as usual
+    else:
         dist.init_process_group(backend)
-        return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
-                          is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and env.rank == 0)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"hyparallel/attempt-{attempt}", store),
-                            rank=env.rank, world_size=env.world_size)
-
-
-# Note [restarted groups]
-# torchrun's agent keeps one TCPStore for the whole job. After a worker dies and the agent restarts the
-# group, the new workers' process groups would meet under the same keys as the dead ones', and gloo can
-# read a dead peer's address there ("Connection refused", the race of pytorch/pytorch#167288). Each
-# restart attempt therefore meets under its own prefix.
 
 
 def _default_device(env: LaunchEnv) -> torch.device:

@@ -54,6 +54,8 @@ def test_loads_into_one_process(saved, monkeypatch):
     try:
         pmodel = hp.parallelize(model, plan, seed=SEED + 7)
         optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+        tokens = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1))
+        pmodel.train_step(tokens[:, :-1], tokens[:, 1:])  # gradients but no optimizer state yet: it is made to load into
         assert checkpoint.load(pmodel, optimizer, directory)["step"] == 2
         ref_model, ref_optimizer = reference(2)
         ref = dict(ref_model.named_parameters())
@@ -87,6 +89,10 @@ def test_a_checkpoint_cut_off_mid_write_is_passed_over(saved, tmp_path):
     (copy / ".step-00000010.tmp").mkdir()  # a save that died before its rename
     (copy / "latest").write_text(broken.name)  # and a stale pointer
     assert checkpoint.latest(copy) == good
+    newer = copy / "step-00000012"  # complete, but the crash came before the pointer moved
+    shutil.copytree(good, newer)
+    (copy / "latest").write_text(good.name)
+    assert checkpoint.latest(copy) == newer
     empty = tmp_path / "empty"
     empty.mkdir()
     assert checkpoint.latest(empty) is None
@@ -105,5 +111,22 @@ def test_a_checkpoint_of_another_model_is_refused(saved, monkeypatch):
         pmodel = hp.parallelize(model, plan)
         with pytest.raises(ConfigError, match=r"saved from model 'GPT', not 'Llama'"):
             checkpoint.load(pmodel, None, directory)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_factored_optimizer_state_is_refused_not_saved_wrong(tmp_path, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    model = hp.models.build("gpt-tiny")
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), 2, 16, "fp32", dp=1, tp=1, pp=1)
+    try:
+        pmodel = hp.parallelize(model, plan)
+        optimizer = torch.optim.Adafactor(pmodel.parameters(), lr=1e-2)
+        tokens = torch.randint(0, 256, (2, 17))
+        pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
+        optimizer.step()
+        with pytest.raises(ConfigError, match="factored state .* cannot be resharded"):
+            checkpoint.save(pmodel, optimizer, tmp_path / "ck", step=1)
     finally:
         dist.destroy_process_group()

@@ -33,7 +33,9 @@ def command(repo: Path, processes: int, directory: Path, restarts: int = 0) -> l
 
 
 def environ(repo: Path) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "PYTHONWARNINGS": "ignore"}
+    # Each restart round gets a fresh store, as torchrun must be told when it may restart workers (README).
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "PYTHONWARNINGS": "ignore",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def losses(stdout: str) -> dict[int, float]:
