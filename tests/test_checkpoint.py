@@ -44,26 +44,35 @@ def test_saved_under_one_plan_loads_under_another_and_training_continues(saved):
         assert rank["step"] == 2 and rank["extra"] == {"samples_seen": 2 * GLOBAL_BATCH}
 
 
-def test_loads_into_one_process(saved, monkeypatch):
-    directory, _ = saved
+@pytest.fixture
+def one_process(monkeypatch):
+    """parallelize in this process (a world of one, no torchrun) for a model spec; the group goes afterwards."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
-    model = hp.models.load(GPT).module
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), GLOBAL_BATCH, SEQ, "fp32",
-                   dp=1, tp=1, pp=1, micro_batch=GLOBAL_BATCH)
-    try:
-        pmodel = hp.parallelize(model, plan, seed=SEED + 7)
-        optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
-        tokens = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1))
-        pmodel.train_step(tokens[:, :-1], tokens[:, 1:])  # gradients but no optimizer state yet: it is made to load into
-        assert checkpoint.load(pmodel, optimizer, directory)["step"] == 2
-        ref_model, ref_optimizer = reference(2)
-        ref = dict(ref_model.named_parameters())
-        for name, param in pmodel.named_parameters():
-            for got, want in ((param, ref[name]), (optimizer.state[param]["exp_avg"], ref_optimizer.state[ref[name]]["exp_avg"])):
-                assert ((got - want).norm() / want.norm()).item() <= 1e-5, name
-    finally:
+
+    def start(spec: str, global_batch: int, seed: int = 0):
+        model = hp.models.load(spec).module
+        plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), global_batch, SEQ, "fp32",
+                       dp=1, tp=1, pp=1, micro_batch=global_batch)
+        return hp.parallelize(model, plan, seed=seed)
+
+    yield start
+    if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def test_loads_into_one_process(saved, one_process):
+    directory, _ = saved
+    pmodel = one_process(GPT, GLOBAL_BATCH, seed=SEED + 7)
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1))
+    pmodel.train_step(tokens[:, :-1], tokens[:, 1:])  # gradients but no optimizer state yet: it is made to load into
+    assert checkpoint.load(pmodel, optimizer, directory)["step"] == 2
+    ref_model, ref_optimizer = reference(2)
+    ref = dict(ref_model.named_parameters())
+    for name, param in pmodel.named_parameters():
+        for got, want in ((param, ref[name]), (optimizer.state[param]["exp_avg"], ref_optimizer.state[ref[name]]["exp_avg"])):
+            assert ((got - want).norm() / want.norm()).item() <= 1e-5, name
 
 
 def test_export_gives_a_single_device_state_dict(saved, tmp_path, capsys):
@@ -101,32 +110,18 @@ def test_a_checkpoint_cut_off_mid_write_is_passed_over(saved, tmp_path):
     assert cli(["checkpoint", "export", str(empty), str(tmp_path / "x.pt")]) == 2
 
 
-def test_a_checkpoint_of_another_model_is_refused(saved, monkeypatch):
+def test_a_checkpoint_of_another_model_is_refused(saved, one_process):
     directory, _ = saved
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-        monkeypatch.delenv(name, raising=False)
-    model = hp.models.build("llama-tiny")
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), 2, 16, "fp32", dp=1, tp=1, pp=1)
-    try:
-        pmodel = hp.parallelize(model, plan)
-        with pytest.raises(ConfigError, match=r"saved from model 'GPT', not 'Llama'"):
-            checkpoint.load(pmodel, None, directory)
-    finally:
-        dist.destroy_process_group()
+    pmodel = one_process("llama-tiny", 2)
+    with pytest.raises(ConfigError, match=r"saved from model 'GPT', not 'Llama'"):
+        checkpoint.load(pmodel, None, directory)
 
 
-def test_factored_optimizer_state_is_refused_not_saved_wrong(tmp_path, monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-        monkeypatch.delenv(name, raising=False)
-    model = hp.models.build("gpt-tiny")
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), 2, 16, "fp32", dp=1, tp=1, pp=1)
-    try:
-        pmodel = hp.parallelize(model, plan)
-        optimizer = torch.optim.Adafactor(pmodel.parameters(), lr=1e-2)
-        tokens = torch.randint(0, 256, (2, 17))
-        pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
-        optimizer.step()
-        with pytest.raises(ConfigError, match="factored state .* cannot be resharded"):
-            checkpoint.save(pmodel, optimizer, tmp_path / "ck", step=1)
-    finally:
-        dist.destroy_process_group()
+def test_factored_optimizer_state_is_refused_not_saved_wrong(tmp_path, one_process):
+    pmodel = one_process("gpt-tiny", 2)
+    optimizer = torch.optim.Adafactor(pmodel.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 256, (2, SEQ + 1))
+    pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
+    optimizer.step()
+    with pytest.raises(ConfigError, match="factored state .* cannot be resharded"):
+        checkpoint.save(pmodel, optimizer, tmp_path / "ck", step=1)
