@@ -401,8 +401,7 @@ class ParallelModel:
         if not hasattr(grad, "to_local") and self.dp_rank != 0:  # replicated over dp (DDP): dp rank 0 counts
             return torch.zeros((), dtype=torch.float64, device=self.device)
         if self.pipeline is not None:
-            canonical = next((c for c, names in self.pipeline._aliases.items() if name in names), name)
-            holders = self.pipeline._tied.get(canonical)
+            holders = self.pipeline._tied.get(self.pipeline.canonical.get(name, name))
             if holders and self.pipeline.rank != min(holders):  # tied across stages: the first holder counts
                 return torch.zeros((), dtype=torch.float64, device=self.device)
         owner = self.module.get_submodule(name.rpartition(".")[0]) if "." in name else self.module

@@ -91,6 +91,7 @@ class PipelineRuntime:
         for name, param in split.model.named_parameters(remove_duplicate=False):
             by_tensor.setdefault(id(param), []).append(name)
         self._aliases = {names[0]: names for names in by_tensor.values()}  # tied head: "output.weight" too
+        self.canonical = {alias: names[0] for names in by_tensor.values() for alias in names}
         self._headers: dict[tuple[int, Any], list[_Entry]] = {}
         self._specs: dict[tuple[int, Any], TreeSpec] = {}
         self._last_backward = {a.stage: a for a in self.program if a.kind == "B"}
@@ -186,11 +187,11 @@ class PipelineRuntime:
         self._loss_fn = loss_fn
         self._posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = {}
         self.last_order, self.peak_inflight, peak = [], 0.0, 0
-        receives = [i for i, a in enumerate(program) if a.kind.startswith("RECV")]
+        upcoming_receive = _next_receives(program)
         try:
             for index, action in enumerate(program):
                 if action.is_compute:  # let the next receive land while this computes (Note [transfers])
-                    upcoming = next((program[i] for i in receives if i > index), None)
+                    upcoming = upcoming_receive[index]
                     if upcoming is not None and upcoming not in self._posted and self._header_known(upcoming):
                         self._posted[upcoming] = self._post_recv(upcoming)
                 getattr(self, f"_{action.kind.lower()}")(action)
@@ -404,6 +405,17 @@ def loss_fn_checked(loss_fn: LossFn, output: Any, targets: Any) -> torch.Tensor:
         raise TypeError(f"loss_fn must return a scalar tensor (a micro-batch's mean loss), got {type(loss).__name__}"
                         + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
     return loss
+
+
+def _next_receives(program: list[Action]) -> list[Action | None]:
+    """For each position of ``program``, the first receive after it (None if there is none)."""
+    upcoming: list[Action | None] = [None] * len(program)
+    following = None
+    for index in range(len(program) - 1, -1, -1):
+        upcoming[index] = following
+        if program[index].kind.startswith("RECV"):
+            following = program[index]
+    return upcoming
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
