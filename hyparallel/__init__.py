@@ -4,15 +4,26 @@ trace a model (``trace``) -> plan data x tensor x pipeline parallelism for a clu
 ``ClusterSpec``) -> run it. See README.md and SPEC.md for the user-facing contract.
 """
 
-from hyparallel import checkpoint, models
+from hyparallel import models
 from hyparallel.cluster import ClusterSpec
 from hyparallel.errors import ConfigError, HyparallelError, ModelSpecError, TraceError
 from hyparallel.graph import ModelGraph, trace
-from hyparallel.parallel import ParallelModel, parallelize
 from hyparallel.planner import PlanError, plan
 from hyparallel.schema import Plan
 
 __version__ = "0.1.0"
+
+# The runtime loads on first use: `hyparallel plan` and friends start without torch.distributed.checkpoint.
+_LAZY = {"parallelize": "hyparallel.parallel", "ParallelModel": "hyparallel.parallel", "checkpoint": None}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from importlib import import_module
+
+        module = import_module(_LAZY[name] or f"hyparallel.{name}")
+        return module if _LAZY[name] is None else getattr(module, name)
+    raise AttributeError(f"module 'hyparallel' has no attribute '{name}'")
 
 __all__ = [
     "ClusterSpec", "ConfigError", "HyparallelError", "ModelGraph", "ModelSpecError", "ParallelModel", "Plan", "PlanError",
