@@ -220,7 +220,7 @@ def state_entries(pmodel, optimizer: torch.optim.Optimizer | None) -> dict[str, 
                                   "use an optimizer whose state is shaped like the parameters (Adam, AdamW, SGD)")
     # The model's persistent buffers (running statistics, counters; not rotary tables it recomputes): replicated.
     persistent = {name for name, t in pmodel.module.state_dict(keep_vars=True).items() if not isinstance(t, torch.nn.Parameter)}
-    for module in pmodel._modules:
+    for module in pmodel.local_modules():
         for name, tensor in module.named_buffers():
             if name in persistent:
                 entries[f"model.{name}"] = Entry(tuple(tensor.shape), [Piece((0,) * tensor.dim(), tensor.detach())])

@@ -281,6 +281,10 @@ class ParallelModel:
                     seen.add(id(param))
                     yield name, param
 
+    def local_modules(self) -> list[nn.Module]:
+        """The modules this rank runs: the model (pp = 1) or its pipeline stages' graphs, under original names."""
+        return list(self._modules)
+
     def io_group(self):
         """A gloo group of every rank for background work (asynchronous checkpoints), made on first use.
 
@@ -400,10 +404,8 @@ class ParallelModel:
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         if not hasattr(grad, "to_local") and self.dp_rank != 0:  # replicated over dp (DDP): dp rank 0 counts
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.pipeline is not None:
-            holders = self.pipeline._tied.get(self.pipeline.canonical.get(name, name))
-            if holders and self.pipeline.rank != min(holders):  # tied across stages: the first holder counts
-                return torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.pipeline is not None and not self.pipeline.first_holder(name):  # tied across stages: counted once
+            return torch.zeros((), dtype=torch.float64, device=self.device)
         owner = self.module.get_submodule(name.rpartition(".")[0]) if "." in name else self.module
         split = self.tp_info is not None and callable(getattr(owner, "shard_layout", None)) \
             and owner.shard_layout(name.rpartition(".")[2]) is not None

@@ -150,6 +150,15 @@ class PipelineRuntime:
                     seen.add(id(param))
                     yield name, param
 
+    def first_holder(self, name: str) -> bool:
+        """Whether this rank is the first of the pipeline ranks holding weight ``name`` (under any alias).
+
+        A weight several stages read (a tied embedding and head) has a copy on each of their ranks; sums over
+        the model, such as a gradient norm, count it on the first one only.
+        """
+        holders = self._tied.get(self.canonical.get(name, name))
+        return not holders or self.rank == min(holders)
+
     def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         """Forward and backward of one batch over the pipeline; gradients accumulate into the parameters.
 
