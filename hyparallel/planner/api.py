@@ -12,10 +12,10 @@ from hyparallel.errors import HyparallelError
 from hyparallel.graph import ModelGraph
 from hyparallel.planner import costs
 from hyparallel.planner.profile import ModelProfile
-from hyparallel.planner.search import Evaluation, Search, enumerate_configs
+from hyparallel.planner.search import Evaluation, Progress, Search, axis_link, enumerate_configs
 from hyparallel.schema import Plan
 
-CONSTRAINTS = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "zero", "sequence_parallel")
+CONSTRAINTS = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "zero", "sequence_parallel", "order")
 
 
 class PlanError(HyparallelError, ValueError):
@@ -58,19 +58,24 @@ def plan(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int,
 
     ``model`` may be a (meta-device) module, traced here at micro-batch 1, or a ModelGraph traced
     at ``seq_len``. Constraints: tp, pp, dp, micro_batch, schedule, virtual_stages, recompute, zero,
-    sequence_parallel.
+    sequence_parallel, order (placement.order, outermost axis first).
     """
     return search(model, cluster, global_batch, seq_len, dtype, name=name, **constraints).plan()
 
 
 def search(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int, seq_len: int, dtype: str = "bf16",
-           *, name: str | None = None, top: int = 1, alternatives: bool = False, **constraints) -> SearchResult:
-    """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost)."""
+           *, name: str | None = None, top: int = 1, alternatives: bool = False, progress: Progress | None = None,
+           **constraints) -> SearchResult:
+    """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost).
+
+    ``progress(phase, done, total)`` is called as the search goes (a progress bar); the search logs to the
+    ``hyparallel.planner`` logger (INFO: its phases, DEBUG: every configuration costed).
+    """
     _check_request(cluster, global_batch, seq_len, dtype, constraints)
     graph = model if isinstance(model, ModelGraph) else _trace(model, seq_len, name)
     start = time.perf_counter()
     profile = ModelProfile(graph, cluster, dtype, seq_len)
-    engine = Search(profile, cluster, global_batch, dtype)
+    engine = Search(profile, cluster, global_batch, dtype, progress)
     best, frugal = engine.best(constraints, top=top)
     if not best:
         raise PlanError(_nothing_found(engine, profile, cluster, global_batch, constraints, frugal))
@@ -103,6 +108,9 @@ def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int, dtype:
         value = constraints.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise PlanError(f"{key} must be a positive integer, got {value!r}")
+    order = constraints.get("order")
+    if order is not None and (isinstance(order, str) or sorted(order) != ["dp", "pp", "tp"]):
+        raise PlanError(f"order must name pp, dp and tp once each, outermost first (e.g. ['pp', 'dp', 'tp']), got {order!r}")
     degrees = {k: constraints[k] for k in ("tp", "pp", "dp") if k in constraints}
     n = cluster.num_gpus
     product = 1
@@ -153,17 +161,47 @@ def _alternatives(engine: Search, profile: ModelProfile, cluster: ClusterSpec, w
         best, frugal = engine.best(fixed, top=1)
         if best:
             e = best[0]
-            slower = e.step_time_s / winner.step_time_s - 1
             c = e.config
-            why = (f"{slower:.0%} slower at its best (ZeRO {c.zero}, recompute {c.recompute}, micro-batch {c.micro_batch}): "
-                   f"bubble {e.bubble_fraction:.0%}, comm tp {e.comm_s['tp']:.2f}s dp {e.comm_s['dp']:.2f}s "
-                   f"pp {e.comm_s['pp']:.2f}s") if slower > 1e-9 else "as fast as the winner"
+            why = why_slower(e, winner)
+            if e.step_time_s > winner.step_time_s * (1 + 1e-9):
+                why = f"at its best (ZeRO {c.zero}, recompute {c.recompute}, micro-batch {c.micro_batch}): {why}"
             result.append(Alternative(label, e, why))
         elif frugal is not None:
             result.append(Alternative(label, frugal, frugal.reason))
         else:
             result.append(Alternative(label, None, _why_none(engine, profile, cluster, shape)))
     return result
+
+
+def step_parts(e: Evaluation) -> dict[str, float]:
+    """An evaluation's step time in parts: compute, bubble, exposed tp / pp communication, dp sync + optimizer.
+
+    The comm parts are the planner's own per-step figures; the rest of the step is compute and bubble,
+    split by the bubble fraction (idle time over compute time).
+    """
+    comm = {"tp communication": e.comm_s["tp"], "pp sends": e.comm_s["pp"], "dp sync + optimizer": e.comm_s["dp"]}
+    rest = max(e.step_time_s - sum(comm.values()), 0.0)
+    compute = rest / (1 + e.bubble_fraction)
+    return {"compute": compute, "bubble": rest - compute, **comm}
+
+
+def why_slower(loser: Evaluation, winner: Evaluation) -> str:
+    """One line on why ``loser`` ranks below ``winner``: out of memory, or how much slower and mostly from what."""
+    if not loser.feasible:
+        return loser.reason or "does not fit in memory"
+    slower = loser.step_time_s / winner.step_time_s - 1
+    if slower < 1e-3:
+        return "as fast as the winner (within 0.1%)"
+    ours, theirs = step_parts(loser), step_parts(winner)
+    part = max(ours, key=lambda k: ours[k] - theirs[k])
+    detail = f" ({loser.bubble_fraction:.0%} vs {winner.bubble_fraction:.0%})" if part == "bubble" else ""
+    if part == "compute":
+        a, b = loser.config, winner.config
+        differences = [f"{name} {x} vs {y}" for name, x, y in (("recompute", a.recompute, b.recompute),
+                       ("micro-batch", a.micro_batch, b.micro_batch), ("tp", a.tp, b.tp)) if x != y]
+        detail = f" ({', '.join(differences) or 'uneven stages: the slowest holds more than its share'})"
+    return (f"{slower:.1%} slower ({loser.step_time_s - winner.step_time_s:.3g} s), mostly {part} "
+            f"+{ours[part] - theirs[part]:.3g} s{detail}")
 
 
 def _why_none(engine: Search, profile: ModelProfile, cluster: ClusterSpec, shape: dict) -> str:
@@ -192,6 +230,7 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
     step = evaluation.step_time_s
     reserved = result.cluster.device.reserved_bytes
     stages = []
+    timings = _stage_timings(result, evaluation)
     every = {m for s in segments for m in s.modules}
     # A parent whose children are listed (Hugging Face's `transformer`, running position ids and masks) is
     # left out: its own glue ops run where execution order puts them (Note [which stage runs a node]).
@@ -206,6 +245,7 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
             "compute_s": float(sum(x.forward_s + x.backward_s for x in profile.segment_costs(
                 c.tp, c.sequence_parallel, c.micro_batch, c.recompute, result.cluster.intra_node)[start:end])),
             "memory_gib": (evaluation.stage_memory_bytes[device] + reserved) / 2**30,
+            **timings[index],
         })
     tflops = model_flops / step / result.cluster.num_gpus / 1e12
     data = {
@@ -229,6 +269,36 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
         },
     }
     return Plan.model_validate(_rounded({k: v for k, v in data.items() if v is not None}))
+
+
+def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
+    """Per (virtual) stage, the per-micro-batch figures ``hyparallel simulate`` times the schedule with.
+
+    Each segment's tensor-parallel all-reduces go to the direction that runs them. What the search charges a
+    device per micro-batch beyond its segments and its transfers (ZeRO-2/3's traffic, which exists only with
+    pp = 1) goes to the backward, so a device's forward_s + backward_s + 2 v p2p_s is its costed stage time.
+    """
+    c, profile = evaluation.config, result.profile
+    sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
+    tp_link, pp_link = (axis_link(c.order, sizes, axis, result.cluster) for axis in ("tp", "pp"))
+    segment_costs = profile.segment_costs(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, tp_link)
+    tp_forward_s = [float(sum(costs.ring_allreduce_s(x * c.micro_batch, c.tp, tp_link) for x in raw.comm_fwd))
+                    for raw in profile.raw]
+    p2p_s = costs.p2p_s(profile.cut_bytes * c.micro_batch / c.tp, pp_link) if c.pp > 1 else 0.0  # as Search._p2p_s
+    figures = []
+    for start, end in evaluation.stages:
+        parts = [(segment_costs[i], tp_forward_s[i]) for i in range(start, end)]
+        figures.append({"forward_s": sum(s.forward_s + fwd for s, fwd in parts),
+                        "backward_s": sum(s.backward_s + s.tp_comm_s - fwd for s, fwd in parts),
+                        "activation_gib": sum(s.activation_bytes for s, _ in parts) / 2**30})
+    for device, stage_time_s in enumerate(evaluation.stage_time_s):
+        chunks = figures[device::c.pp]
+        extra = stage_time_s - 2 * c.virtual_stages * p2p_s - sum(f["forward_s"] + f["backward_s"] for f in chunks)
+        for figure in chunks:
+            figure["backward_s"] += max(extra, 0.0) / len(chunks)
+    for figure in figures[:-1] if c.pp > 1 else ():
+        figure["p2p_s"] = p2p_s
+    return figures
 
 
 def _rounded(value):

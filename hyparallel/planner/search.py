@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +33,11 @@ import numpy as np
 from hyparallel.cluster import ClusterSpec, LinkSpec
 from hyparallel.planner import costs
 from hyparallel.planner.profile import ModelProfile, SegmentCost
+
+log = logging.getLogger("hyparallel.planner")
+# Called as progress(phase, done, total) while a search runs: phase "bounding" (every configuration gets a
+# lower bound) then "costing" (candidates evaluated exactly in bound order; most are pruned, so it ends early).
+Progress = Callable[[str, int, int], None]
 
 ORDERS: tuple[tuple[str, str, str], ...] = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
 RECOMPUTE = ("none", "selective", "full")
@@ -51,6 +58,12 @@ class Config:
     zero: int
     sequence_parallel: bool
     order: tuple[str, str, str]
+
+    def __str__(self) -> str:
+        schedule = self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return (f"tp {self.tp} pp {self.pp} dp {self.dp}, micro-batch {self.micro_batch} x {self.num_microbatches}, "
+                f"{schedule}, recompute {self.recompute}, ZeRO {self.zero}, SP {'on' if self.sequence_parallel else 'off'}, "
+                f"order {','.join(self.order)}")
 
 
 @dataclass
@@ -109,7 +122,7 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
             schedules = list(_schedules(pp, m, ctx.profile.num_blocks, fixed))
             options = itertools.product(
                 schedules, _recomputes(ctx.profile, fixed), _zeros(pp, dp, fixed),
-                (False, True) if tp > 1 else (False,), ORDERS if pp > 1 and dp > 1 else ORDERS[:1],
+                (False, True) if tp > 1 else (False,), _orders(pp, dp, fixed),
             )
             configs.extend(Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order)
                            for (schedule, v), recompute, zero, sp, order in options
@@ -129,6 +142,12 @@ def _layouts(ctx: _Context, fixed: dict):
             if fixed.get("pp", pp) == pp and fixed.get("dp", dp) == dp and pp <= len(ctx.profile.segments) \
                     and ctx.global_batch % dp == 0:
                 yield tp, pp, dp
+
+
+def _orders(pp: int, dp: int, fixed: dict) -> tuple[tuple[str, ...], ...]:
+    if "order" in fixed:
+        return (tuple(fixed["order"]),)
+    return ORDERS if pp > 1 and dp > 1 else ORDERS[:1]
 
 
 def _recomputes(profile: ModelProfile, fixed: dict) -> list[str]:
@@ -167,29 +186,45 @@ def _divisors(n: int) -> list[int]:
 class Search:
     """Searches the plans of one model on one cluster for one batch shape."""
 
-    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, global_batch: int, dtype: str):
+    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, global_batch: int, dtype: str,
+                 progress: Progress | None = None):
         self.ctx = _Context(profile, cluster, global_batch, dtype)
         self.evaluated = 0
         self.considered = 0
+        self.progress = progress
 
     def best(self, fixed: dict, top: int = 1) -> tuple[list[Evaluation], Evaluation | None]:
         """The ``top`` fastest feasible evaluations (fastest first), and the most frugal infeasible one seen."""
         configs = enumerate_configs(self.ctx, fixed)
         self.considered += len(configs)
-        bounds = [(bound, i) for i, c in enumerate(configs) if (bound := self._lower_bound(c)) is not None]
+        bounds = []
+        for i, c in enumerate(configs):
+            if (bound := self._lower_bound(c)) is not None:
+                bounds.append((bound, i))
+            if self.progress and i % 256 == 255:
+                self.progress("bounding", i + 1, len(configs))
+        log.info("%d configurations, %d may fit in memory; costing them in order of their lower bounds",
+                 len(configs), len(bounds))
         heapq.heapify(bounds)
         found: list[Evaluation] = []
         frugal: Evaluation | None = None
+        candidates = len(bounds)
         while bounds:
             bound, i = heapq.heappop(bounds)
             if len(found) >= top and bound >= found[top - 1].step_time_s:
+                log.info("stopped: the next lower bound, %.4g s, cannot beat the top %d (the slowest of them: %.4g s); "
+                         "%d left uncosted", bound, top, found[top - 1].step_time_s, len(bounds) + 1)
                 break
             evaluation = self.evaluate(configs[i])
+            log.debug("%s: bound %.4g s, %s", configs[i], bound,
+                      f"{evaluation.step_time_s:.4g} s" if evaluation.feasible else evaluation.reason)
             if evaluation.feasible:
                 found.append(evaluation)
                 found.sort(key=lambda e: e.step_time_s)
             elif frugal is None or evaluation.peak_memory_bytes < frugal.peak_memory_bytes:
                 frugal = evaluation
+            if self.progress:
+                self.progress("costing", candidates - len(bounds), candidates)
         return found[:top], frugal
 
     def least_memory_bytes(self, fixed: dict) -> float | None:
