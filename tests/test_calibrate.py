@@ -1,0 +1,121 @@
+"""`hyparallel calibrate`: measured figures are plausible and become a ClusterSpec the planner plans with."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import torch
+from rich.console import Console
+
+import hyparallel as hp
+from hyparallel import calibrate
+from hyparallel.cli import main
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU's figures with 2 gloo processes")
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    """One quick calibration with 2 gloo processes, shared by the tests (a few seconds)."""
+    return calibrate.calibrate(nproc=2, quick=True)
+
+
+@cpu_only
+def test_measurements_are_plausible(calibrated):
+    spec, measured = calibrated
+    assert measured.nproc == 2 and measured.backend == "gloo" and measured.rank == 0
+    assert set(measured.matmul_flops) == {"fp32", "bf16", "fp16"}  # no TF32 on a CPU
+    assert all(len(rates) == len(calibrate.settings_for("cpu", True, 1).matmul_shapes) for rates in measured.matmul_flops.values())
+    assert 1e8 < measured.achievable_flops("fp32") < 1e13
+    assert measured.achievable_flops("tf32") == measured.achievable_flops("fp32")
+    assert measured.attention_flops > 0 and measured.memory_bandwidth_bytes_per_s > 1e7
+    assert measured.allreduce_bus_bytes_per_s > 1e5 and 1e-6 < measured.latency_s < 1
+    assert 2**20 < measured.reserved_bytes < measured.memory_bytes
+
+
+@cpu_only
+def test_spec_without_base_uses_measured_rates(calibrated, tmp_path):
+    spec, measured = calibrated
+    device = spec.device
+    assert spec.gpus_per_node == 2 and spec.backend == "gloo" and spec.name.startswith("calibrated-")
+    assert device.peak_flops.fp32 == pytest.approx(measured.achievable_flops("fp32"), rel=1e-3)
+    assert device.matmul_efficiency == 1.0 and 0 < device.attention_efficiency <= 1
+    assert device.reserved_bytes >= measured.reserved_bytes and device.reserved_bytes % 2**20 == 0
+    assert spec.intra_node.latency_s == pytest.approx(measured.latency_s, rel=1e-3)
+    assert spec.inter_node.bandwidth_bytes_per_s == spec.intra_node.bandwidth_bytes_per_s  # one machine
+
+    path = tmp_path / "cluster.yaml"
+    calibrate.write(spec, measured, path)
+    text = path.read_text()
+    assert text.startswith("# Written by `hyparallel calibrate`") and "512x512x512" in text and "All-reduce" in text
+    loaded = hp.ClusterSpec.load(path)
+    assert loaded == spec
+    plan = hp.plan(hp.models.build("gpt-tiny", device="meta"), loaded, global_batch=8, seq_len=64, dtype="fp32")
+    assert plan.predicted.step_time_s > 0 and plan.world_size <= loaded.num_gpus
+
+
+@cpu_only
+def test_base_keeps_datasheet_figures(calibrated):
+    _, measured = calibrated
+    base = hp.ClusterSpec.preset("cpu")
+    spec = calibrate.to_cluster_spec(measured, base, name="here")
+    assert spec.name == "here" and spec.device.peak_flops == base.device.peak_flops
+    assert spec.device.memory_bytes == base.device.memory_bytes
+    for fraction in (spec.device.matmul_efficiency, spec.device.attention_efficiency, spec.device.memory_efficiency):
+        assert 0 < fraction <= 1
+    assert spec.intra_node.name.endswith("(measured)") and spec.inter_node == base.inter_node
+    assert spec.device.reserved_bytes >= base.device.reserved_bytes
+
+
+@cpu_only
+def test_one_process_takes_links_from_the_base(calibrated):
+    _, measured = calibrated
+    alone = dataclasses.replace(measured, nproc=1, allreduce_bus_bytes_per_s=None, latency_s=None)
+    base = hp.ClusterSpec.preset("cpu")
+    spec = calibrate.to_cluster_spec(alone, base)
+    assert spec.intra_node == base.intra_node and spec.inter_node == base.inter_node
+    assert "one process" in spec.description and "not measured (one process)" in _render(calibrate.measurements_table(alone))
+    with pytest.raises(hp.ConfigError, match="no links to measure"):
+        calibrate.to_cluster_spec(alone)
+
+
+@cpu_only
+def test_cli_writes_a_loadable_spec(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    assert main(["calibrate", "--quick", "--nproc", "2", "--out", str(path), "--name", "ci"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul fp32" in out and f"wrote {path}" in out
+    assert hp.ClusterSpec.load(path).name == "ci"
+
+
+@cpu_only
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--base", "no-such-preset"], "unknown cluster preset 'no-such-preset'"),
+    (["--nproc", "0"], "--nproc must be at least 1"),
+    (["--nproc", "1"], "one process has no links to measure"),
+    (["--out", "/no/such/folder/c.yaml"], "cannot write /no/such/folder/c.yaml"),
+])
+def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
+    assert main(["calibrate", "--quick", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hyparallel: error: ") and message in err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_gpu_keeps_the_base_links():
+    base = hp.ClusterSpec.preset("h200")
+    spec, measured = calibrate.calibrate(nproc=1, base=base, quick=True)
+    assert measured.backend == "nccl" and measured.allreduce_bus_bytes_per_s is None and set(measured.matmul_flops) == set(calibrate.DTYPES)
+    assert 1e12 < measured.achievable_flops("bf16") < 1e16 and measured.memory_bandwidth_bytes_per_s > 1e11
+    assert spec.intra_node == base.intra_node and spec.inter_node == base.inter_node and spec.device.peak_flops == base.device.peak_flops
+    for fraction in (spec.device.matmul_efficiency, spec.device.attention_efficiency, spec.device.memory_efficiency):
+        assert 0 < fraction <= 1
+    assert hp.plan(hp.models.build("gpt-tiny", device="meta"), spec, global_batch=8, seq_len=64, dtype="bf16").world_size <= spec.num_gpus
+
+
+def _render(table) -> str:
+    console = Console(file=io.StringIO(), width=200)
+    console.print(table)
+    return console.file.getvalue()
