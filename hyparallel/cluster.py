@@ -33,10 +33,10 @@ class _Frozen(BaseModel):
 class PeakFlops(_Frozen):
     """Dense (no structured sparsity) peak FLOP/s of one device by dtype."""
 
-    fp32: PositiveFloat
-    tf32: PositiveFloat
-    bf16: PositiveFloat
-    fp16: PositiveFloat
+    fp32: PositiveFloat = Field(description="FLOP/s of fp32 arithmetic without tensor cores.")
+    tf32: PositiveFloat = Field(description="FLOP/s of TF32 tensor-core matmuls (fp32 on machines without TF32).")
+    bf16: PositiveFloat = Field(description="FLOP/s of bf16 matmuls.")
+    fp16: PositiveFloat = Field(description="FLOP/s of fp16 matmuls.")
 
 
 Fraction = Annotated[float, Field(gt=0, le=1)]
@@ -50,14 +50,15 @@ class DeviceSpec(_Frozen):
     buffers, allocator slack).
     """
 
-    name: str
-    peak_flops: PeakFlops
-    memory_bytes: PositiveInt
-    memory_bandwidth_bytes_per_s: PositiveFloat
-    matmul_efficiency: Fraction = 0.75
-    attention_efficiency: Fraction = 0.6
-    memory_efficiency: Fraction = 0.8
-    reserved_bytes: Annotated[int, Field(ge=0, strict=True)] = 0
+    name: str = Field(description="The device's name, for people.")
+    peak_flops: PeakFlops = Field(description="Dense peak FLOP/s by dtype.")
+    memory_bytes: PositiveInt = Field(description="Total device memory in bytes.")
+    memory_bandwidth_bytes_per_s: PositiveFloat = Field(description="Peak memory (HBM) bandwidth.")
+    matmul_efficiency: Fraction = Field(0.75, description="Fraction of peak FLOP/s that matrix products reach.")
+    attention_efficiency: Fraction = Field(0.6, description="Fraction of peak FLOP/s that fused attention reaches.")
+    memory_efficiency: Fraction = Field(0.8, description="Fraction of memory bandwidth that memory-bound kernels reach.")
+    reserved_bytes: Annotated[int, Field(ge=0, strict=True)] = Field(
+        0, description="Memory the model cannot use (CUDA context, communication buffers, allocator slack).")
 
     @property
     def usable_memory_bytes(self) -> int:
@@ -68,22 +69,24 @@ class DeviceSpec(_Frozen):
 class LinkSpec(_Frozen):
     """An interconnect as seen from one device: per-direction bandwidth and per-message latency."""
 
-    name: str
-    bandwidth_bytes_per_s: PositiveFloat
-    latency_s: NonNegativeFloat
+    name: str = Field(description="The link's name, for people.")
+    bandwidth_bytes_per_s: PositiveFloat = Field(
+        description="Bytes per second one device sends in one direction, as collectives reach it (bus bandwidth).")
+    latency_s: NonNegativeFloat = Field(description="Seconds per message (one step of a ring collective).")
 
 
 class ClusterSpec(_Frozen):
     """A homogeneous cluster: ``num_nodes`` nodes of ``gpus_per_node`` identical devices."""
 
-    name: str
-    description: str = ""
-    num_nodes: PositiveInt = 1
-    gpus_per_node: PositiveInt
-    backend: Backend
-    device: DeviceSpec
-    intra_node: LinkSpec
-    inter_node: LinkSpec
+    name: str = Field(description="Preset name, or any name for a cluster file.")
+    description: str = Field("", description="One line for people.")
+    num_nodes: PositiveInt = Field(1, description="Nodes; `--gpus` and `ClusterSpec.preset(..., num_nodes=)` resize it.")
+    gpus_per_node: PositiveInt = Field(description="Devices (processes) per node.")
+    backend: Backend = Field(description="The torch.distributed backend the link figures are for: `nccl` for GPUs, `gloo` for CPUs "
+                                         "(`parallelize` picks its backend from the device).")
+    device: DeviceSpec = Field(description="One device's compute and memory.")
+    intra_node: LinkSpec = Field(description="The link between devices of one node.")
+    inter_node: LinkSpec = Field(description="A device's share of the network between nodes.")
 
     @property
     def num_gpus(self) -> int:
