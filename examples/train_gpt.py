@@ -6,14 +6,16 @@ same global batch): under `torchrun --nnodes MIN:MAX --max-restarts N` (with
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: see README) a restart with fewer workers re-plans, loads the newest
 checkpoint of --checkpoint-dir resharded, and goes on. Every rank draws the same
 global batches from a seeded generator (so a resumed run skips exactly the batches already seen);
-`shard` gives each data-parallel rank its rows. Rank 0 logs loss, step time and tokens/s.
+`shard` gives each data-parallel rank its rows. Rank 0 logs loss, step time, tokens/s, TFLOP/s and MFU
+(with peak memory on a GPU) against the plan's predictions, and their medians at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", help="save here, and resume from its newest complete checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: never)")
+    parser.add_argument("--metrics-out", help="rank 0 writes the measured step figures here as JSON")
     return parser.parse_args()
 
 
@@ -71,26 +74,27 @@ def main() -> None:
         print(f"{args.model}: dp {par.dp} x tp {par.tp} x pp {par.pp} ({par.schedule}, {plan.num_microbatches} "
               f"micro-batches of {plan.training.micro_batch}), zero {par.zero}, recompute {par.recompute}"
               + (f"; resumed after step {done}" if done else ""), flush=True)
-    tokens_per_step = plan.training.global_batch * plan.training.seq_len
     data = batches(plan, args.seed, skip=done)
     first = last = None
     for step in range(done + 1, args.steps + 1):
         inputs, targets = next(data)
-        start = time.perf_counter()
-        loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
+        loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))  # pmodel.metrics times each step
         pmodel.clip_grad_norm_(1.0)  # the global norm, over every rank's slices and shards
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        last = loss.item()  # waits for the step (on a GPU too) before the clock stops
-        elapsed = time.perf_counter() - start
+        last = loss.item()
         first = last if first is None else first
+        recent = pmodel.metrics.last(args.log_every)  # steps closed so far: this one closes at the next train_step
         if rank0 and (step % args.log_every == 0 or step == done + 1):
-            print(f"step {step:4d}  loss {last:.4f}  {elapsed * 1e3:7.1f} ms  {tokens_per_step / elapsed:9.0f} tokens/s",
-                  flush=True)
+            print(f"step {step:4d}  loss {last:.4f}" + (f"  {recent.line()}" if recent else ""), flush=True)
         if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
             hp.checkpoint.save(pmodel, optimizer, args.checkpoint_dir, step, extra={"sequences_seen": step * plan.training.global_batch})
-    if rank0 and first is not None:
-        print(f"loss {first:.4f} -> {last:.4f} over steps {done + 1}..{args.steps}", flush=True)
+    summary = pmodel.metrics.summary()  # median over the steps after the first
+    if rank0 and summary is not None:
+        print(f"loss {first:.4f} -> {last:.4f} over steps {done + 1}..{args.steps}; median of {summary.steps} steps: "
+              f"{summary.line()}", flush=True)
+        if args.metrics_out:
+            Path(args.metrics_out).write_text(json.dumps(dataclasses.asdict(summary), indent=1))
     torch.distributed.destroy_process_group()
 
 

@@ -7,7 +7,9 @@ User errors (a bad file, an unknown model, an untraceable model) print one line 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -19,19 +21,30 @@ from hyparallel.errors import ConfigError, HyparallelError
 EXAMPLES = {
     "models": "example:\n  hyparallel models\n  hyparallel models --json",
     "clusters": "example:\n  hyparallel clusters",
-    "show": "example:\n  hyparallel show configs/plans/gpt-175b-a100-1024.yaml\n  hyparallel show my-plan.yaml --yaml",
+    "show": ("examples:\n  hyparallel show plan.yaml                 # a plan from `hyparallel plan -o plan.yaml`\n"
+             "  hyparallel show configs/plans/gpt-175b-a100-1024.yaml --model gpt-175b   # a hand plan, completed\n"
+             "  hyparallel show my-plan.yaml --yaml"),
     "trace": (
         "examples:\n  hyparallel trace --model gpt-175b --seq-len 2048\n"
         "  hyparallel trace --model hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=512 --seq-len 256\n"
         "  hyparallel trace --model mypkg.models:make_model --json"
     ),
     "demo": "example:\n  hyparallel demo",
+    "simulate": ("examples:\n  hyparallel simulate plan.yaml --out timeline.png   # a plan from `hyparallel plan -o plan.yaml`\n"
+                 "  hyparallel simulate configs/plans/gpt-175b-a100-1024.yaml --out timeline.svg   # a hand plan: relative units\n"
+                 "  hyparallel simulate plan.yaml                       # the schedule as text, one column per time step"),
     "checkpoint": ("example:\n  hyparallel checkpoint export ckpt/ model.safetensors   # the newest complete checkpoint in ckpt/\n"
                    "  hyparallel checkpoint export ckpt/step-00000100 model.pt"),
     "plan": (
         "examples:\n  hyparallel plan --model gpt-175b --gpus 1024 --cluster a100-80g --global-batch 1536 --seq-len 2048 -o plan.yaml\n"
         "  hyparallel plan --model llama-70b --gpus 64 --cluster h100-sxm --tp 8 --top 5\n"
         "  hyparallel plan --model hf:LlamaForCausalLM num_hidden_layers=8 --gpus 8 --json"
+    ),
+    "calibrate": (
+        "examples:\n  hyparallel calibrate --out my-cluster.yaml              # 8 gloo processes on a CPU; one per GPU on CUDA\n"
+        "  hyparallel plan --model gpt-tiny --gpus 8 --cluster my-cluster.yaml --dtype fp32\n"
+        "  hyparallel calibrate --base h200 --out my-h200.yaml      # datasheet peaks kept; efficiencies and links measured\n"
+        "  torchrun --nproc_per_node 4 -m hyparallel calibrate --quick --out my-cluster.yaml   # inside a launch: its world"
     ),
 }
 
@@ -85,20 +98,29 @@ def cmd_clusters(args: argparse.Namespace, out: Console) -> None:
 
 
 def cmd_show(args: argparse.Namespace, out: Console) -> None:
-    """Check a plan file and print it, completed."""
+    """Check a plan file and print it, completed: mesh and device map, stages and memory, predicted time."""
+    from hyparallel import views
     from hyparallel.schema import Plan
 
     plan = Plan.load(args.plan)
+    if args.model:
+        from hyparallel import models
+        from hyparallel.parallel import complete_plan
+
+        plan = complete_plan(models.load(args.model).module, plan)
     if args.yaml:
         print(plan.to_yaml(), end="")
         return
     par, train = plan.parallel, plan.training
-    out.print(f"{args.plan}: valid plan (version {plan.version})", markup=False)
+    out.print(f"{args.plan}: valid plan (version {plan.version})" + (", completed for the model by the planner" if args.model else ""),
+              markup=False)
     if plan.model:
-        out.print(f"model    {plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers")
+        out.print(f"model    {plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers",
+                  markup=False)
     if plan.cluster:
         c = plan.cluster
-        out.print(f"cluster  {c.name}: {c.num_nodes} node(s) x {c.gpus_per_node} {c.device.name} = {c.num_gpus} devices")
+        out.print(f"cluster  {c.name}: {c.num_nodes} node(s) x {c.gpus_per_node} {c.device.name} = {c.num_gpus} devices",
+                  markup=False)
     out.print(
         f"training global batch {train.global_batch} = dp {par.dp} x {plan.num_microbatches} micro-batches x {train.micro_batch}, "
         f"seq_len {train.seq_len}, {train.dtype}"
@@ -107,28 +129,37 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
     out.print(f"parallel {mesh} = {plan.world_size} processes; schedule {par.schedule}"
               + (f" ({par.virtual_stages} virtual stages)" if par.virtual_stages > 1 else "")
               + f", recompute {par.recompute}, ZeRO {par.zero}, sequence parallel {'on' if par.sequence_parallel else 'off'}")
-    table = Table(title="groups (first of each kind; ranks listed)")
-    table.add_column("axis")
-    table.add_column("groups", justify="right")
-    table.add_column("example group")
+    groups = Table(title="process groups (ranks of the first group of each kind)")
+    for column in ("axis", "groups", "first group", "link"):
+        groups.add_column(column)
     for axis in ("tp", "dp", "pp"):
-        groups = plan.group_ranks(axis)
-        table.add_row(axis, str(len(groups)), str(groups[0]))
-    out.print(table)
-    if plan.stages:
-        stages = Table(title="stages")
-        for column in ("stage", "modules", "parameters", "memory GiB"):
-            stages.add_column(column)
-        for stage in plan.stages:
-            modules = ", ".join(stage.modules[:3]) + (f" ... (+{len(stage.modules) - 3})" if len(stage.modules) > 3 else "")
-            stages.add_row(str(stage.index), modules, _count(stage.num_params or 0), f"{stage.memory_gib or 0:.1f}")
-        out.print(stages)
+        ranks = plan.group_ranks(axis)
+        groups.add_row(axis, str(len(ranks)), _ranks(ranks[0]), _link(plan, axis))
+    out.print(groups)
+    out.print(views.device_map(plan))
+    out.print(views.stage_table(plan))
     if plan.predicted:
-        p = plan.predicted
-        out.print(f"predicted step {p.step_time_s:.3f}s, {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_gpu:.1f} TFLOP/s per GPU, "
-                  f"MFU {p.mfu:.1%}, bubble {p.bubble_fraction:.1%}")
+        out.print(views.time_breakdown(plan))
     else:
-        out.print("no predictions in this plan (stages, tensor-parallel styles and predictions come from the planner)")
+        out.print("no predictions in this plan (stages, tensor-parallel styles and predictions come from the planner: "
+                  "`hyparallel plan`)")
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1, ranks[1] - ranks[0])):
+        step = ranks[1] - ranks[0]
+        return f"{ranks[0]}..{ranks[-1]}" + (f" step {step}" if step > 1 else "") + f" ({len(ranks)})"
+    return str(ranks)
+
+
+def _link(plan, axis: str) -> str:
+    """Whether the groups along ``axis`` stay inside a node (the planner's rule) and the link they use."""
+    from hyparallel.planner.search import axis_link
+
+    if plan.cluster is None or getattr(plan.parallel, axis) == 1:
+        return "-"
+    sizes = {a: getattr(plan.parallel, a) for a in ("pp", "dp", "tp")}
+    return axis_link(plan.placement.order, sizes, axis, plan.cluster).name
 
 
 def cmd_trace(args: argparse.Namespace, out: Console) -> None:
@@ -186,12 +217,14 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     if args.gpus % per_node:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {per_node}; use whole nodes")
     cluster = base.resized(num_nodes=args.gpus // per_node, gpus_per_node=per_node)
-    loaded = models.load(args.model)
-    seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
-    graph = trace(loaded.module, models.example_inputs(loaded.module, 1, seq_len), name=loaded.name)
-    constraints = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
-    result = search(graph, cluster, args.global_batch, seq_len, args.dtype, top=max(args.top, 1),
-                    alternatives=args.top > 1, **constraints)
+    with _logged(args.verbose), _progress(sys.stderr.isatty() and not args.json and not args.verbose) as progress:
+        loaded = models.load(args.model)
+        seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
+        progress("tracing", 0, 0)
+        graph = trace(loaded.module, models.example_inputs(loaded.module, 1, seq_len), name=loaded.name)
+        constraints = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
+        result = search(graph, cluster, args.global_batch, seq_len, args.dtype, top=max(args.top, 1),
+                        alternatives=args.top > 1, progress=progress, **constraints)
     plan = result.plan()
     if args.output:
         plan.save(args.output)
@@ -205,8 +238,48 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
               + (f"; wrote {args.output}" if args.output else "; pass -o plan.yaml to save it"), markup=False)
 
 
+@contextlib.contextmanager
+def _logged(verbose: bool):
+    """With ``verbose``, hyparallel's loggers print on stderr at DEBUG level while the block runs."""
+    if not verbose:
+        yield
+        return
+    logger, handler = logging.getLogger("hyparallel"), logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool):
+    """A progress(phase, done, total) callback: a transient bar on stderr when it is a terminal, else a no-op."""
+    if not enabled:
+        yield lambda phase, done, total: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total or None)
+            bar.update(tasks[phase], completed=done, total=total or None)
+
+        yield update
+
+
 def _print_plan(plan, out: Console) -> None:
-    par, pred, cluster = plan.parallel, plan.predicted, plan.cluster
+    from hyparallel import views
+
+    par, cluster = plan.parallel, plan.cluster
     out.print(f"{plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers, on "
               f"{cluster.num_nodes} x {cluster.gpus_per_node} {cluster.device.name} ({cluster.name})", markup=False)
     mesh = " x ".join(f"{axis} {size}" for axis, size in plan.mesh_shape().items())
@@ -214,33 +287,24 @@ def _print_plan(plan, out: Console) -> None:
               + (f" (v={par.virtual_stages})" if par.virtual_stages > 1 else "")
               + f"; recompute {par.recompute}; ZeRO {par.zero}; sequence parallel {'on' if par.sequence_parallel else 'off'}",
               markup=False)
-    memory = cluster.device.memory_bytes / 2**30
-    table = Table(title="pipeline stages (per device)")
-    for column in ("stage", "layers", "parameters", "compute s / micro-batch", f"memory GiB (of {memory:.0f})"):
-        table.add_column(column, justify="left" if column == "layers" else "right")
-    for device in range(par.pp):
-        chunks = [st for st in plan.stages if st.index % par.pp == device]
-        modules = [m for st in chunks for m in st.modules]
-        label = f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)" if len(modules) > 2 else ", ".join(modules)
-        table.add_row(str(device), label, _count(sum(st.num_params or 0 for st in chunks)),
-                      f"{sum(st.compute_s or 0 for st in chunks):.4f}", f"{pred.memory_gib[device]:.1f}")
-    out.print(table)
-    out.print(f"predicted step {pred.step_time_s:.3f}s, {pred.tokens_per_s:,.0f} tokens/s, {pred.tflops_per_gpu:.1f} TFLOP/s "
-              f"per GPU, MFU {pred.mfu:.1%}, bubble {pred.bubble_fraction:.1%}; exposed comm tp {pred.comm_s.tp:.3f}s "
-              f"dp {pred.comm_s.dp:.3f}s pp {pred.comm_s.pp:.3f}s", markup=False)
+    out.print(views.stage_table(plan))
+    out.print(views.time_breakdown(plan))
 
 
 def _print_top(result, to_plan, out: Console) -> None:
+    from hyparallel.planner.api import why_slower
+
     table = Table(title=f"the {len(result.best)} best plans")
     for column in ("#", "tp", "pp", "dp", "rank order", "micro-batch", "schedule", "recompute", "ZeRO", "SP", "step s",
-                   "MFU", "peak GiB"):
-        table.add_column(column, justify="right")
+                   "MFU", "peak GiB", "why not"):
+        table.add_column(column, justify="left" if column == "why not" else "right")
+    winner = result.best[0]
     for rank, evaluation in enumerate(result.best):
         c, pred = evaluation.config, to_plan(result, evaluation).predicted
         schedule = c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "")
         table.add_row(str(rank + 1), str(c.tp), str(c.pp), str(c.dp), ",".join(c.order), f"{c.micro_batch} x {c.num_microbatches}", schedule,
                       c.recompute, str(c.zero), "on" if c.sequence_parallel else "off", f"{evaluation.step_time_s:.3f}",
-                      f"{pred.mfu:.1%}", f"{max(pred.memory_gib):.1f}")
+                      f"{pred.mfu:.1%}", f"{max(pred.memory_gib):.1f}", "the pick" if rank == 0 else why_slower(evaluation, winner))
     out.print(table)
     why = Table(title="why not the usual alternatives")
     for column in ("alternative", "tp", "pp", "dp", "why not"):
@@ -278,6 +342,58 @@ def cmd_checkpoint(args: argparse.Namespace, out: Console) -> None:
     out.print(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB)", markup=False, highlight=False)
 
 
+def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
+    """Measure this machine's matmul, memory and collective speeds; print them and write a ClusterSpec."""
+    from hyparallel import calibrate
+
+    if args.out:
+        calibrate.check_writable(args.out)
+    spec, measured = calibrate.calibrate(nproc=args.nproc, base=args.base, quick=args.quick, name=args.name,
+                                         log=lambda text: out.print(text, markup=False, highlight=False))
+    if measured.rank != 0:
+        return  # under torchrun rank 0 reports for everyone
+    out.print(calibrate.measurements_table(measured))
+    if args.out:
+        calibrate.write(spec, measured, args.out)
+        out.print(f"wrote {args.out}; plan with it: hyparallel plan --cluster {args.out} --gpus {spec.gpus_per_node} ...",
+                  markup=False, highlight=False)
+    else:
+        print(calibrate.cluster_yaml(spec, measured), end="")
+
+
+def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
+    """Simulate one training step of a plan's pipeline schedule; draw it with --out, else print it as text."""
+    from hyparallel.pipeline.schedule import format_schedule, lower, schedule, simulate
+    from hyparallel.pipeline.timeline import timeline
+    from hyparallel.schema import Plan
+
+    plan = Plan.load(args.plan)
+    result = timeline(plan)
+    if result.units == "seconds":
+        step = f"simulated step {result.total_s:.4g}s (planner: {result.predicted_step_s:.4g}s)"
+    else:
+        step = f"simulated step {result.total_s:g} relative units (forward 1, backward 2: the plan has no planner timings)"
+    bubbles = ", ".join(f"{rank} {fraction:.0%}" for rank, fraction in result.bubble_fraction.items())
+    summary = f"{step}; bubble per rank {bubbles}"
+    if args.out:
+        from hyparallel.pictures import render_timeline
+
+        drawn = render_timeline(result, args.out)
+        out.print(summary, markup=False, highlight=False, soft_wrap=True)
+        out.print(f"wrote {drawn.path} ({drawn.compute_bars} forward and backward blocks)", markup=False, highlight=False)
+        return
+    par = plan.parallel
+    steps = simulate(lower(schedule(par.schedule, par.pp, plan.num_microbatches, par.virtual_stages), par.pp, par.virtual_stages),
+                     par.pp, par.virtual_stages)
+    lines = format_schedule(steps.timeline).splitlines()
+    cut = any(len(line) > out.width for line in lines)
+    out.print("\n".join(line[:out.width - 2] + " ~" if len(line) > out.width else line for line in lines),
+              markup=False, highlight=False)
+    out.print(f"unit steps, '.' idle ({steps.steps} steps{', cut at the console width' if cut else ''}); {summary}",
+              markup=False, highlight=False, soft_wrap=True)
+    out.print("pass --out timeline.png (or .svg) for the timed picture of the step", markup=False, highlight=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="hyparallel", description="Hybrid-parallel model partitioning for PyTorch.")
@@ -294,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     show = add("show", cmd_show, "Check a plan file and print it, with the derived fields completed.")
     show.add_argument("plan", help="plan YAML file")
     show.add_argument("--yaml", action="store_true", help="print the completed plan as YAML")
+    show.add_argument("--model", nargs="+", metavar="MODEL", default=None,
+                      help="plan what a hand-written plan leaves open (stages, tensor-parallel map, predictions) for this "
+                           "model, as parallelize does; a name, package.module:factory or hf:ARCH, then key=value overrides")
     trace = add("trace", cmd_trace, "Trace a model on the meta device: parameters, FLOPs, blocks, cut points.")
     trace.add_argument("--model", nargs="+", required=True, metavar="MODEL",
                        help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides")
@@ -314,11 +433,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=1, help="list the K best plans and why the usual alternatives lost")
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")
+    plan.add_argument("--verbose", action="store_true", help="log the search on stderr: its phases and every configuration costed")
     add("demo", cmd_demo, "The embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU.")
     ckpt = add("checkpoint", cmd_checkpoint, "Consolidate a sharded checkpoint into one single-device state dict.")
     ckpt.add_argument("action", choices=("export",), help="what to do (export)")
     ckpt.add_argument("path", help="a checkpoint directory (its newest complete checkpoint) or one step-* folder")
     ckpt.add_argument("out", help="output file: .safetensors, or anything else for torch.save")
+    calibrate = add("calibrate", cmd_calibrate, "Measure this machine (matmul, memory, collectives) and write a ClusterSpec.")
+    calibrate.add_argument("--out", default=None, metavar="FILE", help="write the ClusterSpec YAML here (default: print it)")
+    calibrate.add_argument("--nproc", type=int, default=None, metavar="N",
+                           help="local processes to measure with (default: the GPU count on CUDA, else 8; torchrun's world inside a launch)")
+    calibrate.add_argument("--base", default=None, metavar="PRESET",
+                           help="keep this preset's (or YAML file's) datasheet peaks and memory; set efficiencies from the measurements")
+    calibrate.add_argument("--quick", action="store_true", help="fewer sizes and shorter timings: seconds, less accurate")
+    calibrate.add_argument("--name", default=None, help="the cluster's name (default calibrated-<hostname>)")
+    simulate = add("simulate", cmd_simulate, "Simulate one training step of a plan's pipeline schedule and draw it.")
+    simulate.add_argument("plan", help="plan YAML file (from `hyparallel plan`, for seconds and GiB; a hand plan is drawn in relative units)")
+    simulate.add_argument("--out", default=None, metavar="FILE", help="write the picture here: .png or .svg (default: print the schedule as text)")
     return parser
 
 

@@ -16,6 +16,7 @@ for ZeRO 1-3).
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -116,27 +117,45 @@ def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, see
 
 
 def complete_plan(model: nn.Module, plan: Plan) -> Plan:
-    """``plan`` with its missing ``stages`` / ``tensor_parallel`` planned, every stated choice fixed."""
+    """``plan`` with its missing ``stages`` / ``tensor_parallel`` planned, every stated choice fixed.
+
+    A plan without predictions gets the planner's for its configuration when its stages are the planner's
+    (what ``pmodel.metrics`` compares with); one the planner would refuse (e.g. over its memory estimate)
+    runs without them.
+    """
+    from hyparallel.planner import PlanError
+    from hyparallel.planner import plan as make_plan
+
     par, tr = plan.parallel, plan.training
     needs_stages = par.pp > 1 and plan.stages is None
     needs_tp = par.tp > 1 and plan.tensor_parallel is None
-    if not (needs_stages or needs_tp):
+    if plan.cluster is None and (needs_stages or needs_tp):
+        raise ConfigError(f"the plan has pp = {par.pp}, tp = {par.tp} but no cluster, so its stages and tensor-parallel "
+                          "map cannot be planned; add `cluster: PRESET` (e.g. cpu, h100-sxm; `hyparallel clusters`) or "
+                          "list `stages` and `tensor_parallel` yourself")
+    if not (needs_stages or needs_tp or plan.predicted is None) or plan.cluster is None:
         return plan
-    from hyparallel.planner import plan as make_plan
-
     cluster = plan.cluster
     if cluster.num_gpus != plan.world_size:  # a preset named without a size: the launch is the cluster
         per_node = cluster.gpus_per_node if plan.world_size % cluster.gpus_per_node == 0 else plan.world_size
         cluster = cluster.resized(num_nodes=plan.world_size // per_node, gpus_per_node=per_node)
-    fixed = make_plan(model, cluster, tr.global_batch, tr.seq_len, tr.dtype, tp=par.tp, pp=par.pp, dp=par.dp,
-                      micro_batch=tr.micro_batch, schedule=par.schedule, virtual_stages=par.virtual_stages,
-                      recompute=par.recompute, zero=par.zero, sequence_parallel=par.sequence_parallel)
-    data = plan.to_dict()
-    data["stages"] = data.get("stages") or fixed.to_dict()["stages"]
+    try:
+        fixed = make_plan(model, cluster, tr.global_batch, tr.seq_len, tr.dtype, tp=par.tp, pp=par.pp, dp=par.dp,
+                          micro_batch=tr.micro_batch, schedule=par.schedule, virtual_stages=par.virtual_stages,
+                          recompute=par.recompute, zero=par.zero, sequence_parallel=par.sequence_parallel,
+                          order=plan.placement.order)
+    except PlanError:
+        if needs_stages or needs_tp:
+            raise
+        return plan
+    data, planned = plan.to_dict(), fixed.to_dict()
+    data["stages"] = data.get("stages") or planned.get("stages")
     if needs_tp:
-        data["tensor_parallel"] = fixed.to_dict()["tensor_parallel"]
+        data["tensor_parallel"] = planned["tensor_parallel"]
     if not data.get("model"):
-        data["model"] = fixed.to_dict()["model"]
+        data["model"] = planned["model"]
+    if plan.predicted is None and [s["modules"] for s in data["stages"] or []] == [s["modules"] for s in planned.get("stages", [])]:
+        data["predicted"] = planned["predicted"]
     return Plan.from_dict(data, source="completed plan")
 
 
@@ -175,6 +194,10 @@ class ParallelModel:
             self._recompute_blocks()
             self._modules = [model]
         self._data_parallel()
+        from hyparallel.metrics import RunMetrics
+
+        self.metrics = RunMetrics(plan, self._graph.flops / max(_token_count(example), 1), device,
+                                  pp_rank=self.mesh["pp"].get_local_rank())
 
     # ---- construction ----------------------------------------------------------------------------
 
@@ -328,6 +351,7 @@ class ParallelModel:
         targets)`` of your own returns a micro-batch's mean; micro-batches and ranks then weigh equally.
         """
         self._check_rows(inputs)
+        self.metrics.step_started(_token_count(inputs) * self.dp_size)  # Note [what a measured step is]
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
         loss_fn = self._loss(loss_fn, targets)
         before = [self.tp_info.partial_grads(m) for m in self._modules] if self.tp_info is not None else []
@@ -547,6 +571,15 @@ def _default_device(env: LaunchEnv) -> torch.device:
 
 def _token_ids(plan: Plan) -> torch.Tensor:
     return torch.zeros(plan.training.micro_batch, plan.training.seq_len, dtype=torch.long, device="meta")
+
+
+def _token_count(inputs: Any) -> int:
+    """Tokens in a batch: the size of its first integer tensor (token ids), else batch x sequence of its first tensor."""
+    leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]
+    for leaf in leaves:
+        if not leaf.is_floating_point() and not leaf.is_complex():
+            return leaf.numel()
+    return math.prod(leaves[0].shape[:2]) if leaves else 0
 
 
 def _call(module: Any, inputs: Any) -> Any:

@@ -132,7 +132,7 @@ def test_demo_prints_the_plan_and_trains(capsys, monkeypatch):
     monkeypatch.setattr(demo, "train_parallel", lambda log: [5.0, 2.0])  # the run itself: test_example_trains
     code, out, _ = run(capsys, "demo")
     assert code == 0
-    assert "mesh pp 8 x dp 32 x tp 4" in out and "pipeline stages (per device)" in out and "predicted step" in out
+    assert "mesh pp 8 x dp 32 x tp 4" in out and "pipeline stages (per device" in out and "predicted step" in out
     assert "parallel:" in out and "order: [pp, dp, tp]" in out  # the plan file's head
     assert "repeated blocks 96" in out and "loss 5.000 -> 2.000" in out
 
@@ -163,6 +163,50 @@ def test_plan_top_lists_candidates_and_alternatives(capsys):
                        "--seq-len", "32", "--top", "3")
     assert code == 0
     assert "the 3 best plans" in out and "pure data parallel" in out and "most pipeline parallel" in out
+    assert "the pick" in out and out.count("slower (") >= 2  # a why-not for each loser: how much slower, from what
+
+
+def test_why_slower_names_the_part_that_grew():
+    import hyparallel as hp
+    from hyparallel.planner import search
+    from hyparallel.planner.api import step_parts, why_slower
+
+    result = search(hp.models.build("gpt-mini"), hp.ClusterSpec.preset("cpu"), 16, 32, "fp32", top=1)
+    winner = result.best[0]
+    gpipe = search(hp.models.build("gpt-mini"), hp.ClusterSpec.preset("cpu"), 16, 32, "fp32", pp=4, micro_batch=2,
+                   schedule="gpipe", top=1).best[0]
+    parts = step_parts(gpipe)
+    assert sum(parts.values()) == pytest.approx(gpipe.step_time_s)
+    assert parts["bubble"] == pytest.approx(parts["compute"] * gpipe.bubble_fraction)
+    line = why_slower(gpipe, winner)
+    part = max(parts, key=lambda k: parts[k] - step_parts(winner)[k])
+    assert line.startswith(f"{gpipe.step_time_s / winner.step_time_s - 1:.1%} slower") and f"mostly {part} +" in line
+    assert why_slower(winner, winner) == "as fast as the winner (within 0.1%)"
+
+
+def test_plan_verbose_logs_the_search_on_stderr(capsys):
+    code, out, err = run(capsys, "plan", "--model", "gpt-mini", "--gpus", "4", "--cluster", "cpu", "--global-batch", "8",
+                         "--seq-len", "32", "--verbose", "--json")
+    assert code == 0 and json.loads(out)["version"] == 1  # stdout stays the JSON
+    assert "configurations" in err and "may fit in memory" in err and "recompute" in err and "stopped:" in err
+
+
+def test_show_draws_the_device_map_stages_and_time_breakdown(capsys, tmp_path):
+    plan_file = tmp_path / "plan.yaml"
+    assert run(capsys, "plan", "--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--global-batch", "16",
+               "--seq-len", "32", "--pp", "2", "--tp", "2", "-o", str(plan_file))[0] == 0
+    code, out, _ = run(capsys, "show", str(plan_file))
+    assert code == 0
+    assert "device map" in out and "pp1 dp1 tp1" in out and "rank 7" in out  # every GPU's coordinates
+    assert "█" in out and "/ 3 GiB" in out  # memory against the device's 3 GiB (cpu preset)
+    assert "taken apart" in out and "pipeline bubble and stage imbalance" in out and "MFU" in out
+    assert "link" in out and "gloo over loopback TCP" in out
+
+
+def test_show_completes_a_hand_plan_for_a_model(capsys, repo):
+    code, out, _ = run(capsys, "show", str(repo / "configs/plans/cpu-dp2-tp2-pp2.yaml"), "--model", "gpt-tiny")
+    assert code == 0
+    assert "completed for the model" in out and "tok_embeddings" in out and "taken apart" in out
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

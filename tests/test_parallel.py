@@ -145,3 +145,12 @@ def test_bf16_plans_compute_in_bf16_and_keep_fp32_master_weights(single_process)
         assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32 for p in params)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_hand_plan_without_cluster_or_stages_is_refused_with_the_fix(single_process):
+    single_process.setenv("WORLD_SIZE", "2")
+    single_process.setenv("RANK", "0")
+    plan = hp.Plan.from_dict({"training": {"global_batch": 4, "micro_batch": 1, "seq_len": 16, "dtype": "fp32"},
+                              "parallel": {"pp": 2}})
+    with pytest.raises(ConfigError, match=r"pp = 2, tp = 1 but no cluster.*add `cluster: PRESET`"):
+        hp.parallelize(hp.models.build("gpt-tiny"), plan)

@@ -1,0 +1,119 @@
+"""Rich tables of a Plan, for ``hyparallel show`` and ``hyparallel plan``: the device map, the stages with
+their memory against the device's, and the predicted step time taken apart.
+
+Note [what the time breakdown adds up]
+    The planner's step time is max over devices of (m - 1/v) x t_s + tail_s, plus sum(t_s) / v, with t_s a
+    device's time per micro-batch (its compute, exposed tensor-parallel communication and pipeline sends)
+    and tail_s the data-parallel gradient sync and optimizer step after the last backward (search.py,
+    ``_finish``). The plan keeps the exposed tp, pp and dp+optimizer time per step (``predicted.comm_s``)
+    and each stage's compute per micro-batch, so the table shows compute as m x the slowest device's
+    compute, those three, and the rest of the step as the pipeline bubble (fill and drain, plus any
+    imbalance between stages), so the rows add up to the predicted step time.
+"""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from hyparallel.schema import Plan
+
+BAR_WIDTH = 24
+MAX_NODES = 6  # device-map rows; larger clusters show the first and last nodes (the layout repeats)
+
+
+def count(n: float) -> str:
+    """1.32B, 125M, 64K: a count in a few characters."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(int(n))
+
+
+def memory_bar(used_gib: float, capacity_gib: float, width: int = BAR_WIDTH) -> Text:
+    """A bar of ``used`` against ``capacity``, green under 80 %, yellow under 95 %, red beyond."""
+    fraction = used_gib / capacity_gib if capacity_gib else 0.0
+    filled = min(width, round(fraction * width))
+    style = "green" if fraction < 0.8 else "yellow" if fraction < 0.95 else "red"
+    bar = Text("█" * filled, style=style)
+    bar.append("░" * (width - filled), style="dim")
+    bar.append(f" {used_gib:,.1f} / {capacity_gib:,.0f} GiB ({fraction:.0%})")
+    return bar
+
+
+def device_map(plan: Plan) -> Table:
+    """Which node and GPU holds which pipeline stage, data-parallel replica and tensor-parallel shard."""
+    per_node = plan.cluster.gpus_per_node if plan.cluster else plan.world_size
+    nodes = -(-plan.world_size // per_node)
+    shown = list(range(nodes)) if nodes <= MAX_NODES else [*range(MAX_NODES - 1), nodes - 1]
+    table = Table(title="device map: pp stage / dp replica / tp shard of each GPU (global rank)")
+    table.add_column("node")
+    for gpu in range(per_node):
+        table.add_column(f"GPU {gpu}", justify="center")
+    for node in shown:
+        if node == nodes - 1 and nodes > MAX_NODES:
+            table.add_row("...", *["..."] * per_node)
+        cells = []
+        for gpu in range(per_node):
+            rank = node * per_node + gpu
+            c = plan.coords(rank)
+            cells.append(f"pp{c['pp']} dp{c['dp']} tp{c['tp']}\n[dim]rank {rank}[/dim]")
+        table.add_row(str(node), *cells)
+    return table
+
+
+def stage_nodes(plan: Plan) -> dict[int, list[int]]:
+    """Pipeline stage -> the nodes its GPUs are on."""
+    per_node = plan.cluster.gpus_per_node if plan.cluster else plan.world_size
+    nodes: dict[int, set[int]] = {}
+    for rank in range(plan.world_size):
+        nodes.setdefault(plan.coords(rank)["pp"], set()).add(rank // per_node)
+    return {stage: sorted(members) for stage, members in sorted(nodes.items())}
+
+
+def stage_table(plan: Plan) -> Table:
+    """One row per pipeline device: its layers, parameters, compute per micro-batch and peak memory as a bar."""
+    par, pred = plan.parallel, plan.predicted
+    capacity = plan.cluster.device.memory_bytes / 2**30 if plan.cluster else None
+    table = Table(title="pipeline stages (per device" + (f", {par.virtual_stages} chunks each" if par.virtual_stages > 1 else "") + ")")
+    for column in ("stage", "nodes", "layers", "parameters", "compute s / micro-batch", "peak memory per GPU"):
+        table.add_column(column, justify="left" if column in ("layers", "peak memory per GPU") else "right")
+    where = stage_nodes(plan)
+    for device in range(par.pp):
+        chunks = [st for st in plan.stages or [] if st.index % par.pp == device]
+        modules = [m for st in chunks for m in st.modules]
+        label = (f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)" if len(modules) > 2
+                 else ", ".join(modules) or "(planned at launch)")
+        memory = pred.memory_gib[device] if pred else None
+        bar = memory_bar(memory, capacity) if memory is not None and capacity else Text("-")
+        compute = sum(st.compute_s or 0 for st in chunks)
+        nodes = where[device]
+        table.add_row(str(device), f"{nodes[0]}" if len(nodes) == 1 else f"{nodes[0]}-{nodes[-1]}", label,
+                      count(sum(st.num_params or 0 for st in chunks)) if chunks else "-",
+                      f"{compute:.4f}" if compute else "-", bar)
+    return table
+
+
+def time_breakdown(plan: Plan) -> Table:
+    """The predicted step time taken apart; see Note [what the time breakdown adds up]."""
+    pred, m = plan.predicted, plan.num_microbatches
+    per_device = [sum(st.compute_s or 0 for st in plan.stages or [] if st.index % plan.parallel.pp == d)
+                  for d in range(plan.parallel.pp)]
+    parts = {"tensor-parallel communication (exposed)": pred.comm_s.tp, "pipeline sends": pred.comm_s.pp,
+             "data-parallel gradient sync + optimizer step": pred.comm_s.dp}
+    rest = max(pred.step_time_s - sum(parts.values()), 0.0)
+    compute = min(m * max(per_device, default=0.0), rest)
+    if compute:
+        other = "pipeline bubble and stage imbalance" + (
+            f", ZeRO-{plan.parallel.zero} traffic per micro-batch" if plan.parallel.zero >= 2 and plan.parallel.dp > 1 else "")
+        parts = {"compute (m x slowest stage)": compute, **parts, other: rest - compute}
+    else:  # a plan without per-stage compute figures
+        parts = {"compute and pipeline bubble": rest, **parts}
+    table = Table(title=f"predicted step {pred.step_time_s:.3f} s, taken apart",
+                  caption=f"{pred.tokens_per_s:,.0f} tokens/s, {pred.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pred.mfu:.1%}, "
+                          f"pipeline bubble {pred.bubble_fraction:.1%} of compute")
+    for column in ("part", "seconds", "share"):
+        table.add_column(column, justify="left" if column == "part" else "right")
+    for part, seconds in parts.items():
+        table.add_row(part, f"{seconds:.4f}", f"{seconds / pred.step_time_s:.1%}" if pred.step_time_s else "-")
+    return table

@@ -1,0 +1,60 @@
+"""Run-time figures (hyparallel.metrics): what a step is, the derived rates, and predictions next to them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hyparallel as hp
+from hyparallel.metrics import RunMetrics
+
+
+def cpu_plan(**parallel) -> hp.Plan:
+    return hp.Plan.from_dict({"cluster": {"name": "cpu", "gpus_per_node": 1}, "parallel": parallel,
+                              "training": {"global_batch": 4, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"}})
+
+
+def test_a_step_is_the_time_from_one_train_step_to_the_next():
+    meter = RunMetrics(cpu_plan(), flops_per_token=1e6, device=torch.device("cpu"), pp_rank=0)
+    assert meter.last() is None and meter.summary() is None
+    for pause in (0.20, 0.05, 0.05):  # the first step is warm-up: left out of the summary
+        meter.step_started(tokens=1000)
+        time.sleep(pause)
+    assert len(meter.steps()) == 2  # the third is still open
+    summary = meter.summary()  # closes it
+    assert summary.steps == 2 and 0.05 <= summary.step_time_s < 0.15
+    assert summary.tokens_per_s == pytest.approx(1000 / summary.step_time_s, rel=0.5)
+    assert summary.tflops_per_gpu == pytest.approx(3 * 1e6 * summary.tokens_per_s / 1e12)
+    assert summary.mfu == pytest.approx(summary.tflops_per_gpu * 1e12 / 36.6e9)  # the cpu preset's fp32 peak
+    assert summary.peak_memory_gib is None and summary.predicted_step_time_s is None  # CPU; a plan without predictions
+    assert meter.last(5).steps == 3 and meter.last().step_time_s < 0.15  # last() counts warm-up, newest first
+    meter.step_started(tokens=1000)  # training may go on after a summary: a new step opens
+    assert len(meter.steps()) == 3
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_parallel_model_measures_its_steps_against_the_plans_prediction(world_of_one):
+    model = hp.models.build("gpt-tiny")
+    pmodel = hp.parallelize(model, cpu_plan(), seed=0)  # a hand plan: the planner's prediction is filled in
+    assert pmodel.plan.predicted is not None and pmodel.plan.predicted.step_time_s > 0
+    graph = hp.trace(hp.models.build("gpt-tiny"), torch.zeros(1, 16, dtype=torch.long))
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
+    summary = pmodel.metrics.summary()
+    assert summary.steps == 2 and summary.step_time_s > 0
+    assert summary.tflops_per_gpu == pytest.approx(3 * graph.flops / 16 * summary.tokens_per_s / 1e12, rel=1e-6)
+    assert summary.predicted_step_time_s == pmodel.plan.predicted.step_time_s
+    assert summary.predicted_memory_gib == pmodel.plan.predicted.memory_gib[0]
+    assert "predicted" in summary.line() and "tokens/s" in summary.line()
