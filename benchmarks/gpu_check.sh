@@ -3,7 +3,7 @@
 #   1. the Triton kernels against torch eager (numerics and speed; benchmarks/gpu_kernels.py --quick --no-compile);
 #   2. training steps of gpt-1.3b at tp = pp = dp = 1 against the planner's prediction for the h200 preset:
 #      step time, MFU, peak memory, weight/gradient/optimizer bytes (benchmarks/gpu_step.py);
-#   3. `hyparallel calibrate --base h200` on the device, then step 2's planner's pick again, predicted with
+#   3. `hyparallel calibrate --quick --base h200` on the device, then step 2's planner's pick again, predicted with
 #      the calibrated figures.
 # Run from anywhere: bash benchmarks/gpu_check.sh [OUT_DIR] (default benchmarks/gpu-out). Logs and JSON go
 # to OUT_DIR; benchmarks/run_all.py folds them into RESULTS.md. On a machine whose python3 lacks pydantic
@@ -26,15 +26,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
 
 echo "== 1. Triton kernels (gpu_kernels.py --quick --no-compile)"
-timeout 200 python3 "$repo/benchmarks/gpu_kernels.py" --quick --no-compile 2>&1 | tee "$out/kernels.txt" || status=1
+timeout 150 python3 "$repo/benchmarks/gpu_kernels.py" --quick --no-compile 2>&1 | tee "$out/kernels.txt" || status=1
 
 echo "== 2. gpt-1.3b steps against the h200 preset's prediction (gpu_step.py)"
-timeout 180 python3 "$repo/benchmarks/gpu_step.py" --steps 8 --json "$out/step.json" 2>&1 | tee "$out/step.txt" || status=1
+timeout 150 python3 "$repo/benchmarks/gpu_step.py" --steps 8 --json "$out/step.json" 2>&1 | tee "$out/step.txt" || status=1
 
 echo "== 3. calibrate on the device, then the planner's pick predicted with the calibrated figures"
-if timeout 120 python3 -m hyparallel.cli calibrate --base h200 --nproc 1 --out "$out/h200-calibrated.yaml" 2>&1 \
+if timeout 60 python3 -m hyparallel.cli calibrate --quick --base h200 --nproc 1 --out "$out/h200-calibrated.yaml" 2>&1 \
         | tee "$out/calibrate.txt"; then
-    timeout 90 python3 "$repo/benchmarks/gpu_step.py" --steps 8 --cluster "$out/h200-calibrated.yaml" \
+    timeout 60 python3 "$repo/benchmarks/gpu_step.py" --steps 8 --cluster "$out/h200-calibrated.yaml" \
         --variants "planner's pick" --json "$out/step-calibrated.json" 2>&1 | tee "$out/step-calibrated.txt" || status=1
 else
     status=1
