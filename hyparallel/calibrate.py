@@ -141,6 +141,7 @@ class Measurements:
     allreduce_bus_bytes_per_s: float | None  # None with one process
     allreduce_bytes: int
     latency_s: float | None  # None with one process
+    op_overhead_s: float  # host time per dispatched op: Note [op overhead] in hyparallel/planner/costs.py
 
     def achievable_flops(self, dtype: str) -> float:
         """The fastest shape's rate for ``dtype`` (a CPU's tf32 is its fp32)."""
@@ -202,7 +203,7 @@ def measure(nproc: int | None = None, quick: bool = False) -> Measurements:
         attention_shape=settings.attention_shape, memory_bandwidth_bytes_per_s=figures["copy"],
         copy_bytes=settings.copy_bytes, memory_bytes=info["memory_bytes"], reserved_bytes=int(figures["reserved"]),
         allreduce_bus_bytes_per_s=figures.get("allreduce"), allreduce_bytes=settings.allreduce_bytes,
-        latency_s=figures.get("latency"),
+        latency_s=figures.get("latency"), op_overhead_s=figures["op_overhead"],
     )
 
 
@@ -221,14 +222,14 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
             matmul_efficiency=_fraction(rates["bf16"], peaks.bf16),
             attention_efficiency=_fraction(measured.attention_flops, getattr(peaks, measured.attention_dtype)),
             memory_efficiency=_fraction(measured.memory_bandwidth_bytes_per_s, base.device.memory_bandwidth_bytes_per_s),
-            reserved_bytes=max(base.device.reserved_bytes, reserved),
+            reserved_bytes=max(base.device.reserved_bytes, reserved), op_overhead_s=_significant(measured.op_overhead_s),
         )
     else:
         device = DeviceSpec(
             name=device_name, peak_flops=PeakFlops(**rates), memory_bytes=measured.memory_bytes,
             memory_bandwidth_bytes_per_s=_significant(measured.memory_bandwidth_bytes_per_s), matmul_efficiency=1.0,
             attention_efficiency=_fraction(measured.attention_flops, rates[measured.attention_dtype]),
-            memory_efficiency=1.0, reserved_bytes=reserved,
+            memory_efficiency=1.0, reserved_bytes=reserved, op_overhead_s=_significant(measured.op_overhead_s),
         )
     intra_node, inter_node, links_from = _links(measured, base)
     figures_from = (f"datasheet peaks, memory and bandwidth from preset {base.name}, efficiencies measured"
@@ -303,6 +304,7 @@ def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
         f"Memory: copy_ of {measured.copy_bytes / 2**20:.0f} MiB: {measured.memory_bandwidth_bytes_per_s:.3g} B/s read + written; "
         f"reserved {measured.reserved_bytes / 2**20:.0f} MiB measured "
         + ("(device memory in use after the run)." if measured.device_kind == "cuda" else "(resident set of a torch + gloo process)."),
+        f"Op overhead: {measured.op_overhead_s:.3g} s per op (8x8 F.linear, weight requiring grad, back to back).",
     ]
     if measured.allreduce_bus_bytes_per_s is None:
         lines.append("Links: one process, nothing to measure; taken from the preset named in the description.")
@@ -350,6 +352,7 @@ def measurements_table(measured: Measurements):
     table.add_row(f"attention {measured.attention_dtype}", "BxHxTxD " + "x".join(map(str, measured.attention_shape)),
                   _si(measured.attention_flops, "FLOP/s"))
     table.add_row("memory copy_", f"{measured.copy_bytes / 2**20:.0f} MiB", _si(measured.memory_bandwidth_bytes_per_s, "B/s"))
+    table.add_row("op dispatch overhead", "8x8 F.linear", f"{measured.op_overhead_s * 1e6:,.1f} us")
     if measured.allreduce_bus_bytes_per_s is not None and measured.latency_s is not None:
         table.add_row(f"all-reduce bus bandwidth ({measured.nproc} processes)", f"{measured.allreduce_bytes / 2**20:.0f} MiB",
                       _si(measured.allreduce_bus_bytes_per_s, "B/s"))
@@ -575,6 +578,7 @@ def _measure_rank(settings: Settings, kind: DeviceKind, device, rank: int, world
         figures = _matmul_rates(settings, kind, device, rate)
         figures["attention"] = _attention_rate(settings, kind, device, rate)
         figures["copy"] = _copy_rate(settings, device, rate)
+        figures["op_overhead"] = 1.0 / _op_rate(device, rate)
         if world > 1:
             figures.update(_collective_figures(settings, kind, device, rank, world, sync))
         figures["reserved"] = float(_reserved_bytes(kind, device))
@@ -655,6 +659,19 @@ def _attention_rate(settings: Settings, kind: DeviceKind, device, rate: Callable
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype) for _ in range(3))
     return rate(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 4 * batch * heads * seq * seq * head_dim)
+
+
+def _op_rate(device, rate: Callable[..., float]) -> float:
+    """Ops per second dispatched one after another: a tiny F.linear whose weight requires grad, as a model's are.
+
+    Its work is negligible, so the rate is the host's: Python, dispatch, autograd's bookkeeping, the launch.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(8, 8, device=device)
+    weight = torch.randn(8, 8, device=device, requires_grad=True)
+    return rate(lambda: F.linear(x, weight), 1.0)
 
 
 def _copy_rate(settings: Settings, device, rate: Callable[..., float]) -> float:

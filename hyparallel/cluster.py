@@ -59,6 +59,9 @@ class DeviceSpec(_Frozen):
     memory_efficiency: Fraction = Field(0.8, description="Fraction of memory bandwidth that memory-bound kernels reach.")
     reserved_bytes: Annotated[int, Field(ge=0, strict=True)] = Field(
         0, description="Memory the model cannot use (CUDA context, communication buffers, allocator slack).")
+    op_overhead_s: NonNegativeFloat = Field(
+        0.0, description="Host time to dispatch one op (Python, the framework, the kernel launch): a GPU op takes "
+                         "at least this long, a CPU op (backend gloo) this long on top of its work.")
 
     @property
     def usable_memory_bytes(self) -> int:

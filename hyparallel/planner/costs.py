@@ -72,6 +72,21 @@ def roofline_s(flops: float, num_bytes: float, peak_flops: float, flop_efficienc
     return max(compute_s, memory_s)
 
 
+# Note [op overhead]
+#     Every op the traced graph runs costs host time before any kernel runs: Python, the framework's
+#     dispatch and autograd bookkeeping, the kernel launch (DeviceSpec.op_overhead_s; `hyparallel calibrate`
+#     measures it with a small F.linear whose weight requires grad). A GPU runs kernels asynchronously, so the
+#     host's dispatch hides behind kernels longer than it, and an op costs max(kernel, overhead): small ops
+#     are launch-bound. A CPU computes in the thread that dispatches, so the two add. The backward of an op
+#     dispatches about as many kernels again per forward one as its time ratio says (two matmuls for a
+#     Linear), so the backward's overhead scales with the same ratio as its work.
+
+
+def dispatched_s(work_s: float, op_overhead_s: float, serial: bool) -> float:
+    """One op's time with the host's dispatch overhead: added on a CPU, a floor on a GPU (Note [op overhead])."""
+    return work_s + op_overhead_s if serial else max(work_s, op_overhead_s)
+
+
 def bubble_fraction(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
     """Idle time over ideal compute time: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved (Narayanan et al. 2021)."""
     return (pp - 1) / (virtual_stages * num_microbatches)

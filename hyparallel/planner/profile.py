@@ -138,9 +138,10 @@ class ModelProfile:
     def _cost(self, raw: _SegmentRaw, tp: int, sp: bool, b: int, recompute: str, link: LinkSpec) -> SegmentCost:
         device = self.cluster.device
         peak = getattr(device.peak_flops, self.dtype)
+        serial = self.cluster.backend == "gloo"  # gloo clusters are CPU processes: Note [op overhead] in costs.py
         forward = backward = quadratic_forward = 0.0
         for op in raw.ops:
-            t = _op_time(op, tp, sp, b, peak, device)
+            t = _op_time(op, tp, sp, b, peak, device, serial)
             forward += t
             backward += t * _BACKWARD_RATIO.get(op.kind, 2.0)
             quadratic_forward += t if op.quadratic else 0.0
@@ -291,8 +292,8 @@ def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape) if shape else 1
 
 
-def _op_time(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device) -> float:
-    """Forward seconds of one op for a micro-batch of ``b`` on one tensor-parallel rank."""
+def _op_time(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, serial: bool) -> float:
+    """Forward seconds of one op for a micro-batch of ``b`` on one tensor-parallel rank (``serial``: a CPU)."""
     if op.kind == "view":  # aliases its input: no kernel runs
         return 0.0
     flops, weight = op.flops * b, op.weight_bytes
@@ -307,6 +308,9 @@ def _op_time(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device) -> flo
         in_bytes, out_bytes = in_bytes / tp, out_bytes / tp
     if op.kind in _MATMUL_KINDS:
         efficiency = device.attention_efficiency if op.kind == "attention" else device.matmul_efficiency
-        return costs.roofline_s(flops, in_bytes + out_bytes + weight, peak, efficiency,
-                                device.memory_bandwidth_bytes_per_s, device.memory_efficiency)
-    return costs.roofline_s(0.0, in_bytes + out_bytes, peak, 1.0, device.memory_bandwidth_bytes_per_s, device.memory_efficiency)
+        work_s = costs.roofline_s(flops, in_bytes + out_bytes + weight, peak, efficiency,
+                                  device.memory_bandwidth_bytes_per_s, device.memory_efficiency)
+    else:
+        work_s = costs.roofline_s(0.0, in_bytes + out_bytes, peak, 1.0, device.memory_bandwidth_bytes_per_s,
+                                  device.memory_efficiency)
+    return costs.dispatched_s(work_s, device.op_overhead_s, serial)
