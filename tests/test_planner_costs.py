@@ -151,3 +151,25 @@ def test_seq_by_seq_tensors_come_from_dataflow_not_shapes():
     scores = 4 * 48 * 48 * 4  # one (heads, seq, seq) fp32 tensor
     assert none.activation_bytes - selective.activation_bytes >= 2 * scores  # softmax output, dropout output at least
     assert selective.backward_s > none.backward_s
+
+
+def test_op_overhead_is_a_floor_on_a_gpu_and_adds_on_a_cpu():
+    assert costs.dispatched_s(2e-6, 1e-5, serial=False) == 1e-5  # a short kernel waits for its launch
+    assert costs.dispatched_s(3e-3, 1e-5, serial=False) == 3e-3  # a long one hides the next launch
+    assert costs.dispatched_s(2e-6, 1e-5, serial=True) == pytest.approx(1.2e-5)
+
+
+def test_op_overhead_costs_every_dispatched_op_on_a_cpu():
+    model = hp.models.build("gpt-tiny")
+    graph = hp.trace(model, model.example_inputs(1, 16))
+
+    def forward_s(overhead: float) -> float:
+        cluster = hp.ClusterSpec.preset("cpu")
+        cluster = cluster.model_copy(update={"device": cluster.device.model_copy(update={"op_overhead_s": overhead})})
+        profile = ModelProfile(graph, cluster, "fp32", 16)
+        return sum(s.forward_s for s in profile.segment_costs(1, False, 1, "none", cluster.intra_node))
+
+    from hyparallel.planner.profile import _COPYING_VIEWS
+
+    kernels = sum(1 for op in graph.compute_ops() if op.kind != "view" or op.target in _COPYING_VIEWS)  # aliases are free
+    assert forward_s(1e-3) - forward_s(0.0) == pytest.approx(kernels * 1e-3, rel=1e-6)
