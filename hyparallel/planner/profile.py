@@ -195,7 +195,8 @@ class ModelProfile:
         in_bytes = sum(_numel(s) for s in op.input_shapes) * self.dtype_bytes
         out_bytes = op.output_bytes * scale
         weight = op.input_shapes[0][-1] * op.output_shapes[0][-1] * self.dtype_bytes if op.kind == "linear" and op.params else 0
-        return _OpCost(kind=op.kind if op.kind != "view" or op.target in _COPYING_VIEWS else "copy", flops=op.flops,
+        kind = "copy" if op.kind == "view" and op.target in _COPYING_VIEWS else op.kind  # other views alias: free
+        return _OpCost(kind=kind, flops=op.flops,
                        in_bytes=in_bytes, out_bytes=out_bytes, weight_bytes=weight, style=style,
                        quadratic=op.name in self.quadratic)
 
