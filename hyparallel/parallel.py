@@ -20,7 +20,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -355,12 +355,13 @@ class ParallelModel:
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
         loss_fn = self._loss(loss_fn, targets)
         before = [self.tp_info.partial_grads(m) for m in self._modules] if self.tp_info is not None else []
-        if self.pipeline is not None:
-            loss = self.pipeline.train_step(inputs, targets, loss_fn)
-            if self.plan.parallel.dp > 1 and self.plan.parallel.zero == 0:
-                self._all_reduce_grads()
-        else:
-            loss = self._accumulate(inputs, targets, loss_fn)
+        with self._one_cast_per_step():
+            if self.pipeline is not None:
+                loss = self.pipeline.train_step(inputs, targets, loss_fn)
+            else:
+                loss = self._accumulate(inputs, targets, loss_fn)
+        if self.pipeline is not None and self.plan.parallel.dp > 1 and self.plan.parallel.zero == 0:
+            self._all_reduce_grads()
         for module, since in zip(self._modules, before):
             self.tp_info.reduce_grads(module, since)
         return self._dp_mean(loss)
@@ -504,6 +505,29 @@ class ParallelModel:
         if self._dtype == torch.float32:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self._dtype)
+
+    @contextmanager
+    def _one_cast_per_step(self):
+        """Note [one 16-bit copy of the weights per step]."""
+        if self._dtype == torch.float32 or self.plan.parallel.zero == 3:
+            yield
+            return
+        torch.autocast_increment_nesting()
+        try:
+            yield
+        finally:
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+
+
+# Note [one 16-bit copy of the weights per step]
+#     Autocast casts each fp32 weight to bf16/fp16 when a forward first uses it and caches the copy until the
+#     outermost autocast region exits; a Linear saves that copy for its backward. With one region per
+#     micro-batch, every micro-batch in flight (p of them on a 1F1B pipeline's first stage) would hold its own
+#     copy: 2 bytes per parameter each. train_step therefore holds the autocast nesting open for the whole
+#     step (torch.autocast's own counter), so micro-batches share one copy, freed when the step ends: 2 bytes
+#     per parameter, as the planner counts. The weights do not change within a step, so the copy is exact.
+#     Under ZeRO 3 a step-long copy of every weight would undo the sharding, so each micro-batch casts anew.
 
 
 def token_cross_entropy(output: Any, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -154,3 +154,28 @@ def test_a_hand_plan_without_cluster_or_stages_is_refused_with_the_fix(single_pr
                               "parallel": {"pp": 2}})
     with pytest.raises(ConfigError, match=r"pp = 2, tp = 1 but no cluster.*add `cluster: PRESET`"):
         hp.parallelize(hp.models.build("gpt-tiny"), plan)
+
+
+def test_bf16_micro_batches_share_one_cast_of_each_weight(single_process):
+    # Note [one 16-bit copy of the weights per step]: 4 micro-batches save the same bf16 weight copies.
+    model = hp.models.build("gpt-tiny")
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), 8, 16, "bf16", dp=1, tp=1, pp=1,
+                   micro_batch=2)
+    assert plan.num_microbatches == 4
+    try:
+        pmodel = hp.parallelize(model, plan)
+        weights = {tuple(p.shape) for p in pmodel.parameters() if p.dim() == 2}
+        saved = []  # references keep every saved tensor alive, so no storage is reused and counted twice
+
+        def pack(tensor):
+            if tensor.dtype == torch.bfloat16 and tensor.dim() == 2 and tuple(tensor.shape) in weights:
+                saved.append(tensor)
+            return tensor
+
+        tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
+        distinct = {t.untyped_storage().data_ptr() for t in saved}
+        assert len(saved) >= 4 * len(distinct) > 0  # every micro-batch saved them; one copy each
+    finally:
+        dist.destroy_process_group()
