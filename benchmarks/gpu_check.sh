@@ -4,7 +4,10 @@
 #   2. training steps of gpt-1.3b at tp = pp = dp = 1 against the planner's prediction for the h200 preset:
 #      step time, MFU, peak memory, weight/gradient/optimizer bytes (benchmarks/gpu_step.py);
 #   3. `hyparallel calibrate --quick --base h200` on the device, then step 2's planner's pick again, predicted with
-#      the calibrated figures.
+#      the calibrated figures;
+#   4. a torch.profiler step of the planner's pick and of full recomputation (the kernels that take the time);
+#   5. the activation bytes small zoo and Hugging Face models save per micro-batch on CUDA against the planner's
+#      (benchmarks/prediction.py --only activations --device cuda).
 # Run from anywhere: bash benchmarks/gpu_check.sh [OUT_DIR] (default benchmarks/gpu-out). Logs and JSON go
 # to OUT_DIR; benchmarks/run_all.py folds them into RESULTS.md. On a machine whose python3 lacks pydantic
 # and cannot reach a package index, put wheels in .whl/ first (see the device notes in RESULTS.md).
@@ -39,4 +42,11 @@ if timeout 60 python3 -m hyparallel.cli calibrate --quick --base h200 --nproc 1 
 else
     status=1
 fi
+
+echo "== 4. profile one step: the planner's pick and full recomputation"
+timeout 120 python3 "$repo/benchmarks/gpu_step.py" --steps 3 --variants "planner's pick,recompute full" --profile \
+    2>&1 | tee "$out/profile.txt" || status=1
+
+echo "== 5. activation bytes per micro-batch on CUDA against the planner's"
+timeout 90 python3 "$repo/benchmarks/prediction.py" --only activations --device cuda 2>&1 | tee "$out/activations.txt" || status=1
 exit $status

@@ -66,11 +66,31 @@ def run(model_name: str, cluster: hp.ClusterSpec, args: argparse.Namespace, cons
         "state_bytes_measured": state, "state_bytes_measured_total": sum(state.values()),
         "state_bytes_predicted": predicted_state,
     }
+    if args.profile:
+        try:
+            profile_step(pmodel, optimizer, tokens)
+        except Exception as exc:  # noqa: BLE001 - the measurements above stand without the profile
+            print(f"profile failed: {type(exc).__name__}: {exc}", flush=True)
     del pmodel, optimizer
     dist.destroy_process_group()
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def profile_step(pmodel, optimizer, tokens) -> None:
+    """torch.profiler over one step: the kernels that take the device's time, and how many launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    print(f"profile: {kernels} kernel launches in the step", flush=True)
+    print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
 
 
 def print_row(name: str, row: dict) -> None:
@@ -96,6 +116,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from: " + ", ".join(VARIANTS))
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--profile", action="store_true", help="also profile one step of each variant (top kernels)")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for a smoke test with a tiny model")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():

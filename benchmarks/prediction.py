@@ -14,6 +14,10 @@ Run: .venv/bin/python benchmarks/prediction.py [--model gpt-mini] [--seq-len 128
    10 % of it.
 4. Memory: for a few of the plans, every rank's weights, gradients and AdamW state (bytes of the real tensors
    after a step) against the planner's per-rank parameters x bytes per parameter (fp32: 4 + 4 + 8).
+5. Activations: the bytes one micro-batch's forward and loss save for the backward (every distinct tensor
+   autograd packs, parameters left out) against the planner's activation bytes per micro-batch, in fp32 and
+   under bf16 autocast, for zoo and Hugging Face models. Under autocast the saved 16-bit weight copies are
+   shown apart: a step holds one of each, shared by its micro-batches, which the planner counts as weights.
 """
 
 from __future__ import annotations
@@ -208,6 +212,66 @@ def memory(args, folder: Path) -> list[str]:
     return lines
 
 
+ACTIVATION_MODELS = [(["gpt-mini"], 128), (["llama-tiny"], 64),
+                     (["gpt-tiny", "num_layers=2", "hidden_size=512", "num_heads=8", "vocab_size=4096", "max_seq_len=256"], 256),
+                     (["hf:GPT2LMHeadModel", "n_layer=2", "n_embd=128", "n_head=4", "vocab_size=512", "n_positions=128"], 128),
+                     (["hf:LlamaForCausalLM", "num_hidden_layers=2", "hidden_size=128", "intermediate_size=352",
+                       "num_attention_heads=4", "num_key_value_heads=2", "vocab_size=512"], 128)]
+
+
+def saved_bytes(model, tokens, dtype: str, device: str = "cpu") -> tuple[int, int]:
+    """(activation bytes, 16-bit weight-copy bytes) autograd saves for one forward and loss of ``tokens``."""
+    import torch
+
+    from hyparallel.parallel import token_cross_entropy
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    seen: set[int] = set()
+    totals = [0, 0]
+
+    def pack(tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in seen and ptr not in params:
+            seen.add(ptr)
+            cast = tensor.dtype == torch.bfloat16 and tensor.dim() == 2 and tuple(tensor.shape) in shapes
+            totals[int(cast)] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bf16")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+        token_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    return totals[0], totals[1]
+
+
+def activations(micro_batch: int = 2, device: str = "cpu") -> list[str]:
+    """Saved-for-backward bytes of one micro-batch against the planner's, per model and dtype (kernels differ by
+    device: on a CPU, SDPA with an explicit mask takes the math path and saves the seq x seq probabilities)."""
+    import torch
+
+    import hyparallel as hp
+    from hyparallel.planner.profile import ModelProfile
+    from hyparallel.tensor.init import materialize_
+
+    cluster = hp.ClusterSpec.preset("cpu")
+    lines = ["| model | seq | dtype | saved activations, MiB | planner, MiB | measured / planner | 16-bit weight copies, MiB |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for spec, seq in ACTIVATION_MODELS:
+        for dtype in ("fp32", "bf16"):
+            loaded = hp.models.load(spec)
+            graph = hp.trace(loaded.module, hp.models.example_inputs(loaded.module, 1, seq))
+            profile = ModelProfile(graph, cluster, dtype, seq)
+            predicted = sum(s.activation_bytes for s in profile.segment_costs(1, False, micro_batch, "none", cluster.intra_node))
+            model = hp.models.load(spec).module
+            materialize_(model, device, seed=0)
+            vocab = model.config.vocab_size
+            tokens = torch.randint(0, vocab, (micro_batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
+            measured, casts = saved_bytes(model, tokens, dtype, device)
+            lines.append(f"| {' '.join(spec)} | {seq} | {dtype} | {measured / 2**20:.2f} | {predicted / 2**20:.2f} | "
+                         f"{measured / predicted:.2f} | {casts / 2**20:.2f} |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-mini")
@@ -217,6 +281,8 @@ def main() -> int:
     parser.add_argument("--worlds", default="2,4,8", help="world sizes to run, from 2, 4, 8")
     parser.add_argument("--quick", action="store_true", help="quick calibration, 4 steps per run")
     parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--only", choices=("steps", "memory", "activations"), help="run one part")
+    parser.add_argument("--device", default="cpu", help="device of the activations part (cpu, or cuda on a GPU)")
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_worker:
@@ -224,18 +290,29 @@ def main() -> int:
         return 0
     args.worlds = [int(n) for n in args.worlds.split(",")]
     args.steps = 4 if args.quick else args.steps
+    parts = {"steps", "memory", "activations"} if args.only is None else {args.only}
+    rows, step_lines, memory_lines, activation_lines = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        rows = step_times(args, Path(tmp))
-        step_lines = step_report(rows)
-        memory_lines = memory(args, Path(tmp))
-    print(f"## Step time: predicted vs measured ({args.model}, global batch {args.global_batch} x {args.seq_len}, fp32, "
-          f"gloo; calibrated per world size)\n")
-    print("\n".join(step_lines))
-    print("\n## Memory: weights, gradients and optimizer state per rank (bytes), measured vs planner\n")
-    print("\n".join(memory_lines))
+        if "steps" in parts:
+            rows = step_times(args, Path(tmp))
+            step_lines = step_report(rows)
+        if "memory" in parts:
+            memory_lines = memory(args, Path(tmp))
+    if "activations" in parts:
+        activation_lines = activations(device=args.device)
+    if step_lines:
+        print(f"## Step time: predicted vs measured ({args.model}, global batch {args.global_batch} x {args.seq_len}, "
+              "fp32, gloo; calibrated per world size)\n")
+        print("\n".join(step_lines))
+    if memory_lines:
+        print("\n## Memory: weights, gradients and optimizer state per rank (bytes), measured vs planner\n")
+        print("\n".join(memory_lines))
+    if activation_lines:
+        print(f"\n## Activations: bytes one micro-batch of 2 saves for the backward on {args.device}, measured vs planner\n")
+        print("\n".join(activation_lines))
     if args.json:
-        Path(args.json).write_text(json.dumps({"steps": rows, "step_report": step_lines, "memory_report": memory_lines},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"steps": rows, "step_report": step_lines, "memory_report": memory_lines,
+                                               "activation_report": activation_lines}, indent=1))
     return 0
 
 
