@@ -173,3 +173,16 @@ def test_op_overhead_costs_every_dispatched_op_on_a_cpu():
 
     kernels = sum(1 for op in graph.compute_ops() if op.kind != "view" or op.target in _COPYING_VIEWS)  # aliases are free
     assert forward_s(1e-3) - forward_s(0.0) == pytest.approx(kernels * 1e-3, rel=1e-6)
+
+
+def test_the_loss_keeps_fp32_log_probabilities_and_briefly_the_logits_twice():
+    # Note [the loss's memory]: 4 bytes per logit saved; while the loss runs, the logits (2 in bf16) and their
+    # fp32 copy (4) too.
+    model = hp.models.build("gpt-tiny")
+    graph = hp.trace(model, model.example_inputs(1, 16))
+    logits = 16 * model.config.vocab_size
+    for dtype, transient in (("bf16", 6), ("fp32", 4)):
+        cluster = hp.ClusterSpec.preset("a100-80g")
+        last = ModelProfile(graph, cluster, dtype, 16).segment_costs(1, False, 2, "none", cluster.intra_node)[-1]
+        assert last.working_bytes == pytest.approx(2 * logits * transient)
+        assert last.activation_bytes >= 2 * logits * 4

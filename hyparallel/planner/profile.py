@@ -69,6 +69,7 @@ class _SegmentRaw:
     is_block: bool
     comm_fwd: tuple[float, ...]
     comm_bwd: tuple[float, ...]
+    loss_working: tuple[float, float] = (0.0, 0.0)  # (split by tp, whole) bytes alive while the loss runs
 
 
 class ModelProfile:
@@ -148,7 +149,7 @@ class ModelProfile:
         comm_fwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_fwd)
         comm_bwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_bwd)
         saved = raw.saved_split / tp + raw.saved_full / (tp if sp else 1)
-        working = 0.0
+        working = raw.loss_working[0] / tp + raw.loss_working[1] / (tp if sp else 1)
         if raw.is_block and recompute == "full":
             backward += forward  # the block's forward runs again before its backward
             comm_bwd += comm_fwd
@@ -167,14 +168,22 @@ class ModelProfile:
         ops = [graph.op(name) for name in segment.ops]
         op_costs = tuple(self._op_cost(op) for op in ops)
         saved_split, saved_full, quadratic = self._saved(ops)
+        loss_working = (0.0, 0.0)
         if ops[-1].name == self.segments_last_op:
-            # The loss over the model's output keeps an fp32 copy of the logits for its backward.
+            # Note [the loss's memory]
+            # The loss (token cross-entropy in fp32, as parallelize's default computes it) keeps its fp32
+            # log-probabilities for the backward: 4 bytes per logit saved. While it runs, the model's logits
+            # (in the plan's dtype) and their fp32 copy are alive too: a transient of 2 + 4 bytes per logit
+            # in bf16/fp16 (4 in fp32, where the copy is the tensor itself), measured on an H200 (RESULTS.md).
             outputs = [graph.op(p) for p in graph.graph.predecessors(graph.ops[-1].name)]
-            logits = sum(_numel(s) for op in outputs for s in op.output_shapes) * 4 / scale
-            if analysis.styles.get(ops[-1].name) == "vocab":
+            numel = sum(_numel(s) for op in outputs for s in op.output_shapes)
+            logits, transient = numel * 4 / scale, numel * (self.dtype_bytes + (4 if self.dtype != "fp32" else 0)) / scale
+            vocab_split = analysis.styles.get(ops[-1].name) == "vocab"
+            if vocab_split:
                 saved_split += logits
             else:
                 saved_full += logits
+            loss_working = (transient, 0.0) if vocab_split else (0.0, transient)
         comm_fwd, comm_bwd = self._tp_comm(ops)
         entering = self._entering_bytes(ops) if segment.is_block else 0.0
 
@@ -182,12 +191,13 @@ class ModelProfile:
         def params_by_tp(tp: int) -> float:
             return sum(analysis.params_per_rank(op, tp) for op in ops)
 
-        signature = (tuple(op_costs), saved_split, saved_full, quadratic, comm_fwd, comm_bwd, entering,
+        signature = (tuple(op_costs), saved_split, saved_full, quadratic, comm_fwd, comm_bwd, entering, loss_working,
                      segment.is_block, tuple((analysis.styles.get(op.name), op.param_count) for op in ops))
         return _SegmentRaw(ops=op_costs, signature=signature, params_by_tp=params_by_tp, saved_split=saved_split * scale,
                            saved_full=saved_full * scale, saved_quadratic=(quadratic[0] * scale, quadratic[1] * scale),
                            block_input_bytes=entering * scale, is_block=segment.is_block,
-                           comm_fwd=tuple(x * scale for x in comm_fwd), comm_bwd=tuple(x * scale for x in comm_bwd))
+                           comm_fwd=tuple(x * scale for x in comm_fwd), comm_bwd=tuple(x * scale for x in comm_bwd),
+                           loss_working=(loss_working[0] * scale, loss_working[1] * scale))
 
     def _op_cost(self, op: Op) -> _OpCost:
         analysis, scale = self.tp_analysis, self.scale
