@@ -30,6 +30,7 @@ from pydantic.fields import FieldInfo
 from hyparallel import schema
 from hyparallel.cluster import ClusterSpec, DeviceSpec, LinkSpec, PeakFlops, _preset_dir
 from hyparallel.errors import ConfigError
+from hyparallel.planner.api import round_figures
 
 DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
 COMMAND = "python -m hyparallel.docgen"
@@ -170,16 +171,6 @@ def model_section(key: str, model: type[BaseModel], link=None) -> str:
 
 # ---- the plan reference -------------------------------------------------------------------------------
 
-def _rounded(value: Any) -> Any:
-    if isinstance(value, float):
-        return float(f"{value:.3g}")
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_rounded(v) for v in value]
-    return value
-
-
 def example_plan() -> schema.Plan:
     """The example of plan-reference.md: gpt-tiny planned on the cpu preset with tp 2 x pp 2 (so dp 2)."""
     import hyparallel as hp
@@ -192,7 +183,7 @@ def example_yaml(plan: schema.Plan) -> str:
     """The plan as annotated YAML: the cluster in its short form, predictions to 3 significant digits."""
     from hyparallel._yaml import dump_yaml
 
-    data = _rounded(plan.to_dict())
+    data = round_figures(plan.to_dict(), 3)
     cluster = plan.cluster
     data["cluster"] = {"name": cluster.name, "num_nodes": cluster.num_nodes, "gpus_per_node": cluster.gpus_per_node}
     par, tr = plan.parallel, plan.training

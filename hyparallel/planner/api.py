@@ -268,7 +268,7 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
             "comm_s": {k: float(v) for k, v in evaluation.comm_s.items()},
         },
     }
-    return Plan.model_validate(_rounded({k: v for k, v in data.items() if v is not None}))
+    return Plan.model_validate(round_figures({k: v for k, v in data.items() if v is not None}))
 
 
 def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
@@ -301,14 +301,15 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
     return figures
 
 
-def _rounded(value):
-    """Predictions to 6 significant digits: readable YAML, and nothing the model knows more precisely."""
+def round_figures(value, digits: int = 6):
+    """Every float in ``value`` (nested dicts and lists) to ``digits`` significant digits; predictions use 6:
+    readable YAML, and nothing the model knows more precisely."""
     if isinstance(value, float):
-        return float(f"{value:.6g}")
+        return float(f"{value:.{digits}g}")
     if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
+        return {k: round_figures(v, digits) for k, v in value.items()}
     if isinstance(value, list):
-        return [_rounded(v) for v in value]
+        return [round_figures(v, digits) for v in value]
     return value
 
 
