@@ -282,7 +282,14 @@ class ParallelModel:
 
     def _before_backward(self, stage, last: bool) -> None:
         if self.plan.parallel.dp > 1 and self.plan.parallel.zero > 0:
-            stage.body.set_requires_gradient_sync(last)
+            self._fsdp_micro_batch(stage.body, last)
+
+    def _fsdp_micro_batch(self, module, last: bool) -> None:
+        """Note [ZeRO stages on FSDP2]: what one micro-batch's backward does with weights and gradients."""
+        zero = self.plan.parallel.zero
+        module.set_requires_gradient_sync(last or zero >= 2)
+        if zero < 3:
+            module.set_reshard_after_backward(last)
 
     # ---- training --------------------------------------------------------------------------------
 
@@ -397,7 +404,7 @@ class ParallelModel:
             if self._ddp is not None and not last:
                 sync = self._ddp.no_sync()
             elif hasattr(self.module, "set_requires_gradient_sync"):
-                self.module.set_requires_gradient_sync(last)
+                self._fsdp_micro_batch(self.module, last)
             with sync:
                 with self._autocast():
                     loss = loss_fn(_call(runner, piece), goal)
@@ -518,6 +525,17 @@ class ParallelModel:
         finally:
             if torch.autocast_decrement_nesting() == 0:
                 torch.clear_autocast_cache()
+
+
+# Note [ZeRO stages on FSDP2]
+#     ZeRO 1-3 run on FSDP2 (fully_shard: each block a unit when pp = 1, each stage when pp > 1), configured per
+#     micro-batch to do what the planner costs (docs/data-parallel.md):
+#       ZeRO 1: weights gathered once per step (no resharding until the last micro-batch's backward), gradients
+#               kept whole and reduce-scattered once, after the last micro-batch; optimizer state sharded.
+#       ZeRO 2: as ZeRO 1, but gradients reduce-scattered after every micro-batch (only shards accumulate).
+#       ZeRO 3: weights gathered for every forward and backward and resharded after each; gradients
+#               reduce-scattered after every micro-batch.
+#     The gathered weights are the fp32 master copies (no FSDP mixed-precision policy: autocast casts them).
 
 
 # Note [one 16-bit copy of the weights per step]

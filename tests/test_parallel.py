@@ -1,7 +1,7 @@
 """hp.parallelize against single-device training: 3 AdamW steps, every parameter (tests/distributed/parallel_worker.py).
 
 One launch of 8 gloo processes (dp 2 x tp 2 x pp 2, 1F1B) and one of 4 for the other compositions: data
-parallelism alone, tp x pp, ZeRO 1 and 3 (FSDP2) with tp and with pp, recomputation with and without a
+parallelism alone, tp x pp, ZeRO 1, 2 and 3 (FSDP2) with tp and ZeRO 1 with pp, recomputation with and without a
 pipeline. The bad-input checks run in this process: they must fail before any process group exists.
 """
 
@@ -22,7 +22,7 @@ from hyparallel.errors import ConfigError
 from .conftest import torchrun
 
 EIGHT = ["dp2-tp2-pp2-1f1b"]
-FOUR = ["dp4", "tp2-pp2", "dp2-tp2-nosp", "dp2-tp2-zero1", "dp2-tp2-zero3", "dp2-pp2-zero1-gpipe", "dp2-pp2-interleaved",
+FOUR = ["dp4", "tp2-pp2", "dp2-tp2-nosp", "dp2-tp2-zero1", "dp2-tp2-zero2", "dp2-tp2-zero3", "dp2-pp2-zero1-gpipe", "dp2-pp2-interleaved",
         "dp2-tp2-recompute", "tp2-pp2-recompute", "hf-gpt2-tp2-pp2", "hf-gpt2-dp2-pp2-zero1-selective"]
 ACCUMULATE = ["dp2-tp2-sp-accumulate"]
 

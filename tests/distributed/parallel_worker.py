@@ -44,6 +44,7 @@ CASES = {  # name -> (model, plan constraints, train_step calls before the first
     "tp2-pp2": (GPT, dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0), 1),
     "dp2-tp2-nosp": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, sequence_parallel=False), 1),
     "dp2-tp2-zero1": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1), 1),
+    "dp2-tp2-zero2": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=1, zero=2), 1),
     "dp2-tp2-zero3": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=3), 1),
     "dp2-pp2-zero1-gpipe": (GPT, dict(dp=2, tp=1, pp=2, schedule="gpipe", micro_batch=1, zero=1), 1),
     "dp2-pp2-interleaved": (GPT, dict(dp=2, tp=1, pp=2, schedule="interleaved-1f1b", virtual_stages=2, micro_batch=1,
