@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup clean
+.PHONY: demo test bench setup clean
 
 setup: $(VENV)/.ready
 
@@ -22,6 +22,11 @@ demo: $(VENV)/.ready
 
 test: $(VENV)/.ready
 	$(BIN)/python -m pytest -q
+
+# Every benchmark against its peer, written to benchmarks/RESULTS.md (several minutes; a smoke test:
+# $(BIN)/python benchmarks/run_all.py --quick).
+bench: $(VENV)/.ready
+	$(BIN)/python benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

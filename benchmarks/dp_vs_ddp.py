@@ -1,7 +1,7 @@
 """hyparallel's data parallelism against plain PyTorch DDP, one training step each.
 
 Run: torchrun --nproc_per_node 2 benchmarks/dp_vs_ddp.py [--model "gpt-tiny num_layers=4 hidden_size=256
-     num_heads=8 vocab_size=1024 max_seq_len=128" --seq 128 --batch 16 --microbatches 1 --steps 10]
+     num_heads=8 vocab_size=1024 max_seq_len=128" --seq 128 --batch 16 --microbatches 1 --steps 10] [--json FILE]
 (gloo on the CPU; torchrun sets OMP_NUM_THREADS=1.)
 
 Both sides hold the same zoo model (built on meta, materialised from the same seed, so the same weights),
@@ -13,14 +13,17 @@ steps and zeroes the gradients on both. ``--batch`` is global, split over the ra
 ``--microbatches``. The sides first check they agree after one step (global mean loss, every parameter),
 then alternate step by step after two warm-up steps each; rank 0 prints the median step time (the
 slowest rank's) of each and their ratio (target <= 1.05). hyparallel also all-reduces the scalar loss.
+``--json FILE``: rank 0 also writes the figures there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=MODEL)
     for name, default in (("seq", 128), ("batch", 16), ("microbatches", 1), ("steps", 10)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--json", help="rank 0 writes the figures here")
     return parser.parse_args()
 
 
@@ -105,6 +109,11 @@ def main() -> None:
         ratio = ours_ms / theirs_ms
         print(f"hyparallel / DDP step time ratio: {ratio:.3f} (hyparallel {ours_ms:.1f} ms, DDP {theirs_ms:.1f} ms; "
               f"target <= 1.05: {'met' if ratio <= 1.05 else 'MISSED'})")
+        if args.json:
+            case = {"case": f"dp={world}", "hyparallel_ms": ours_ms, "torch_ms": theirs_ms, "ratio": ratio, "target": 1.05,
+                    "check": f"{ok}: max abs parameter diff {summary[2]:.1e} after one step"}
+            Path(args.json).write_text(json.dumps({"peer": "torch DistributedDataParallel",
+                                                   "config": {**vars(args), "dp": world}, "cases": [case]}, indent=1))
     dist.destroy_process_group()
 
 

@@ -1,7 +1,7 @@
 """hyparallel's pipeline runtime against PyTorch's torch.distributed.pipelining, one training step each.
 
 Run: torchrun --nproc_per_node 2 benchmarks/pp_vs_torch.py [--layers 8 --hidden 256 --seq 128 --batch 16
-     --microbatches 8 --steps 10 --schedules gpipe,1f1b]
+     --microbatches 8 --steps 10 --schedules gpipe,1f1b] [--json FILE]
 (gloo on the CPU, one stage per rank; torchrun sets OMP_NUM_THREADS=1.)
 
 Both sides run the same zoo GPT (same seed, so the same weights) cut into the same stages, one per rank:
@@ -14,15 +14,17 @@ weight's gradient over the ranks holding it, which hyparallel does. hyparallel r
 forward and backward over all micro-batches with a mean cross-entropy loss, no optimizer, gradients
 zeroed between steps. Per schedule the sides first check they agree (mean loss and this rank's
 gradients), then alternate step by step after two warm-up steps each; rank 0 prints the median step time
-(the slowest rank's) of each and their ratio.
+(the slowest rank's) of each and their ratio (``--json FILE``: rank 0 also writes the figures there).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,7 @@ def parse_args() -> argparse.Namespace:
                           ("microbatches", 8), ("steps", 10)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--schedules", default="gpipe,1f1b")
+    parser.add_argument("--json", help="rank 0 writes the figures here")
     return parser.parse_args()
 
 
@@ -112,6 +115,7 @@ def main() -> None:
               f"batch {args.batch} x seq {args.seq} in {args.microbatches} micro-batches; "
               f"median of {args.steps} steps after {WARMUP} warm-up")
 
+    cases = []
     for kind in args.schedules.split(","):
         runtime = PipelineRuntime(split, {rank: ours_stage}, ours_group, schedule_kind=kind,
                                   num_microbatches=args.microbatches)
@@ -145,6 +149,11 @@ def main() -> None:
                   f"max abs diff {summary[2]:.1e}")
             print(f"[{kind}] hyparallel / torch step time ratio: {ours_ms / theirs_ms:.2f} "
                   f"(hyparallel {ours_ms:.1f} ms, torch {theirs_ms:.1f} ms)")
+            cases.append({"case": kind, "hyparallel_ms": ours_ms, "torch_ms": theirs_ms, "ratio": ours_ms / theirs_ms,
+                          "check": f"{ok}: max abs gradient diff {summary[2]:.1e}"})
+    if rank == 0 and args.json:
+        Path(args.json).write_text(json.dumps({"peer": "torch.distributed.pipelining (PipelineStage + ScheduleGPipe/1F1B)",
+                                               "config": {**vars(args), "pp": pp}, "cases": cases}, indent=1))
     dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
 """hyparallel's tensor parallelism against PyTorch's DTensor tensor parallelism, one training step each.
 
-Run: torchrun --nproc_per_node 2 benchmarks/tp_vs_dtensor.py [--layers 4 --hidden 256 --seq 128 --batch 4]
+Run: torchrun --nproc_per_node 2 benchmarks/tp_vs_dtensor.py [--layers 4 --hidden 256 --seq 128 --batch 4] [--json FILE]
 (gloo on the CPU; torchrun sets OMP_NUM_THREADS=1.)
 
 Both sides start from the same zoo GPT (same seed, so the same weights) and split exactly the same
@@ -9,15 +9,18 @@ Embeddings and the output head stay replicated on both sides. hyparallel uses
 ``apply_tensor_parallel``; DTensor uses ``parallelize_module`` with ``ColwiseParallel`` and
 ``RowwiseParallel`` on a 1-D DeviceMesh. One step is forward, cross-entropy and backward (gradients
 zeroed between steps); the two sides alternate step by step on the same batch, and rank 0 prints the
-median step times and their ratio, after checking that each side's loss matches the single-device loss.
+median step times and their ratio, after checking that each side's loss matches the single-device loss
+(``--json FILE``: rank 0 also writes the figures there).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--json", help="rank 0 writes the figures here")
     return parser.parse_args()
 
 
@@ -130,6 +134,12 @@ def main() -> None:
                   f"  logits rel diff {errors[name]:.1e}")
         print(f"hyparallel / DTensor step time ratio: {ours_ms / theirs_ms:.2f} (hyparallel {ours_ms:.1f} ms, "
               f"DTensor {theirs_ms:.1f} ms, median of {args.iterations}, tp={tp} gloo CPU)")
+        if args.json:
+            check = f"logits rel diff vs single-device: hyparallel {errors['hyparallel']:.1e}, DTensor {errors['DTensor']:.1e}"
+            case = {"case": f"tp={tp}", "hyparallel_ms": ours_ms, "torch_ms": theirs_ms, "ratio": ours_ms / theirs_ms,
+                    "check": check}
+            Path(args.json).write_text(json.dumps({"peer": "torch DTensor parallelize_module (Colwise/RowwiseParallel)",
+                                                   "config": {**vars(args), "tp": tp}, "cases": [case]}, indent=1))
     dist.destroy_process_group()
 
 

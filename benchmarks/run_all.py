@@ -1,0 +1,426 @@
+"""Run every benchmark and write benchmarks/RESULTS.md: each figure with the machine, its peer and their ratio.
+
+Run: .venv/bin/python benchmarks/run_all.py [--quick] [--only planner_speed,tp_vs_dtensor] [--out FILE]
+(or `make bench`). Each benchmark runs as a subprocess, with a timeout, and hands back its figures through
+``--json FILE``; the torchrun ones run 2 gloo processes with OMP_NUM_THREADS=1. The peers (torch DTensor,
+torch.distributed.pipelining, DDP) are measured in the same run, step by step alternating with hyparallel.
+A benchmark that fails, times out or is missing gets a line saying so, with the end of its stderr: none is
+dropped. GPU checks: with CUDA here, benchmarks/gpu_check.sh runs; elsewhere the results committed under
+benchmarks/results/gpu/ are folded in, marked with their date as not re-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+REPO = Path(__file__).resolve().parent.parent
+GPU_RESULTS = REPO / "benchmarks" / "results" / "gpu"  # the lent GPU's committed logs and JSON
+GPU_OUT = REPO / "benchmarks" / "gpu-out"  # where gpu_check.sh writes when run here
+STDERR_TAIL_LINES = 15
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+FASTER = "hyparallel / peer < 1 means hyparallel is faster"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one benchmark run left: its figures (the JSON it wrote) or why there are none."""
+
+    name: str
+    command: str  # as a reader would type it, from the repository root
+    status: Literal["ok", "failed", "missing"]
+    seconds: float = 0.0
+    figures: dict | None = None
+    stdout: str = ""
+    failure: str = ""  # the reason and the end of stderr, when status is "failed"
+    note: str = ""  # e.g. a non-zero exit after the figures were written
+
+
+Renderer = Callable[[Outcome], tuple[str, list[str]]]  # -> (one-line summary, markdown lines)
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A script under benchmarks/, how to run it (full and --quick) and how to show its figures."""
+
+    name: str
+    title: str
+    about: str  # what it measures, one paragraph of markdown
+    render: Renderer
+    args: tuple[str, ...] = ()
+    quick_args: tuple[str, ...] = ()
+    distributed: bool = False  # run under torchrun with 2 processes
+    timeout_s: int = 900
+
+    @property
+    def script(self) -> Path:
+        return REPO / "benchmarks" / f"{self.name}.py"
+
+    def argv(self, quick: bool, json_path: str, python: str = sys.executable) -> list[str]:
+        launcher = list(TORCHRUN) if self.distributed else []
+        extra = self.quick_args if quick else self.args
+        return [python, *launcher, f"benchmarks/{self.name}.py", *extra, "--json", json_path]
+
+
+def _row(cells: list) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _table(header: list[str], align: str, rows: list[list]) -> list[str]:
+    """A markdown table; ``align`` has one letter per column: l(eft) or r(ight)."""
+    return [_row(header), _row(["---:" if a == "r" else "---" for a in align]), *(_row(r) for r in rows)]
+
+
+def _config(figures: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in figures.get("config", {}).items() if k != "json")
+
+
+def render_planner(outcome: Outcome) -> tuple[str, list[str]]:
+    """Search seconds per case; the two target cases with their target and search / target."""
+    cases = outcome.figures["cases"]
+    rows, summary = [], []
+    for c in cases:
+        target = c.get("target_s")
+        ratio = f"{c['search_s'] / target:.2f} ({'met' if c['search_s'] <= target else 'MISSED'})" if target else ""
+        if target:
+            summary.append(f"{c['model']} on {c['gpus']:,}: {c['search_s']:.2f} s / {target:g} s = {ratio}")
+        rows.append([c["group"], c["model"], c["layers"], f"{c['gpus']:,}", f"{c['global_batch']:,}", f"{c['trace_s']:.2f}",
+                     f"{c['search_s']:.2f}", f"{target:g}" if target else "", ratio, f"{c['configs']:,}", c["costed"],
+                     f"{c['plan']}, MFU {c['mfu']:.1%}"])
+    lines = _table(["case", "model", "layers", "GPUs", "batch", "trace s", "search s", "target s", "search / target",
+                    "configs", "costed", "best plan"], "llrrrrrrrrrl", rows)
+    lines += ["", "Peer: the targets the Planner issue set (GPT-3 175B on 1,024 A100s in at most 1 s, a 1T GPT on "
+              "3,072 GPUs in at most 5 s, one core); search / target <= 1 meets one. Tracing is timed apart: one "
+              "trace serves every plan of a model."]
+    return "; ".join(summary), lines
+
+
+def render_trace(outcome: Outcome) -> tuple[str, list[str]]:
+    """Build and trace seconds per model (meta device)."""
+    cases = outcome.figures["cases"]
+    rows = [[c["model"], f"{c['params'] / 1e9:.2f}B", c["seq_len"], f"{c['build_s']:.2f}", f"{c['trace_s']:.2f}",
+             c["method"], c["ops"], c["blocks"]] for c in cases]
+    slowest = max(cases, key=lambda c: c["trace_s"])
+    lines = _table(["model", "params", "seq", "build s", "trace s", "method", "ops", "blocks"], "lrrrrlrr", rows)
+    lines += ["", "Peer: none (absolute times; the planner's figures above exclude the trace)."]
+    return f"slowest trace {slowest['trace_s']:.2f} s ({slowest['model']})", lines
+
+
+def render_peer(outcome: Outcome) -> tuple[str, list[str]]:
+    """hyparallel against its torch peer: median step milliseconds of each and their ratio, per case."""
+    figures = outcome.figures
+    rows, summary = [], []
+    for c in figures["cases"]:
+        target = c.get("target")
+        verdict = f" (target <= {target:g}: {'met' if c['ratio'] <= target else 'MISSED'})" if target else ""
+        summary.append(f"{c['case']} {c['ratio']:.2f}{verdict}")
+        rows.append([c["case"], f"{c['hyparallel_ms']:.1f}", f"{c['torch_ms']:.1f}", f"**{c['ratio']:.2f}**",
+                     f"<= {target:g}" if target else "", c["check"]])
+    lines = [f"Config: {_config(figures)}.", "", f"Peer: {figures['peer']}, measured in the same run.", ""]
+    lines += _table(["case", "hyparallel ms", "peer ms", "hyparallel / peer", "target", "agreement check"], "lrrrll", rows)
+    lines += ["", f"Median step times, the slowest rank's, the two sides alternating step by step; {FASTER}."]
+    return ", ".join(summary) + " (hyparallel / peer)", lines
+
+
+def _demoted(markdown: str, levels: int) -> list[str]:
+    """The lines of ``markdown`` with its headings ``levels`` deeper, to sit inside a section."""
+    return [("#" * levels + line) if line.startswith("#") else line for line in markdown.splitlines()]
+
+
+def render_prediction(outcome: Outcome) -> tuple[str, list[str]]:
+    """prediction.py's markdown as it prints it (its headings one level down), else its JSON's report lines."""
+    text = outcome.stdout.strip()
+    if text:
+        lines = _demoted(text, 1)
+    else:
+        figures = outcome.figures
+        lines = [line for key in ("step_report", "memory_report", "activation_report") for line in [*figures.get(key, []), ""]]
+    spearman = next((line for line in lines if line.startswith("Spearman")), "")
+    lines = ["Peer: the measurement; measured / predicted near 1 means the cost model is right.", "", *lines]
+    return spearman, lines
+
+
+BENCHMARKS = [
+    Benchmark("planner_speed", "Planner search time",
+              "How long the planner takes to trace a model and search its plans, for the two targets and as "
+              "GPUs and layers grow.", render_planner, quick_args=("--quick",), timeout_s=600),
+    Benchmark("trace_speed", "Model build and trace time",
+              "Building each zoo and Hugging Face model on the meta device and tracing it to a ModelGraph.",
+              render_trace, timeout_s=600),
+    Benchmark("tp_vs_dtensor", "Tensor parallelism: hyparallel vs torch DTensor",
+              "One training step (forward, cross-entropy, backward) of the same GPT split Megatron-style over tp = 2 "
+              "gloo processes, by `apply_tensor_parallel` and by DTensor's `parallelize_module`.", render_peer,
+              quick_args=("--layers", "2", "--hidden", "128", "--seq", "64", "--batch", "2", "--warmup", "2",
+                          "--iterations", "5"), distributed=True, timeout_s=600),
+    Benchmark("pp_vs_torch", "Pipeline parallelism: hyparallel vs torch.distributed.pipelining",
+              "One training step over all micro-batches of the same GPT cut into pp = 2 stages, by hyparallel's "
+              "`PipelineRuntime` and by torch's `PipelineStage` under GPipe and 1F1B.", render_peer,
+              quick_args=("--layers", "4", "--hidden", "128", "--seq", "64", "--batch", "8", "--microbatches", "4",
+                          "--steps", "3"), distributed=True, timeout_s=900),
+    Benchmark("dp_vs_ddp", "Data parallelism: hp.parallelize vs torch DDP",
+              "One AdamW training step of the same GPT over dp = 2 gloo processes, through `hp.parallelize` and "
+              "through `DistributedDataParallel`.", render_peer,
+              quick_args=("--model", "gpt-tiny num_layers=2 hidden_size=128 num_heads=4 vocab_size=512 max_seq_len=64",
+                          "--seq", "64", "--batch", "8", "--steps", "3"), distributed=True, timeout_s=600),
+    Benchmark("prediction", "Predicted vs measured step time and memory, this machine",
+              "The planner's predicted step time, with the cluster calibrated here, against training steps measured "
+              "with `examples/train_gpt.py` over a grid of plans; every rank's state bytes, and the activation bytes a "
+              "micro-batch saves, against the planner's.",
+              render_prediction, quick_args=("--quick", "--worlds", "2"), timeout_s=3600),
+]
+NAMES = [b.name for b in BENCHMARKS] + ["gpu"]
+
+
+def _stderr_tail(stderr: str) -> str:
+    return "\n".join(stderr.strip().splitlines()[-STDERR_TAIL_LINES:])
+
+
+def _load_json(path: Path) -> dict | None:
+    """The figures a benchmark wrote, or None when it wrote none (or a broken file)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run(bench: Benchmark, quick: bool, folder: Path) -> Outcome:
+    """Run one benchmark in its own process group (killed whole on timeout) and collect its JSON."""
+    command = "OMP_NUM_THREADS=1 " + shlex.join(bench.argv(quick, "FILE", python="python"))
+    if not bench.script.exists():
+        return Outcome(bench.name, command, "missing")
+    json_path = folder / f"{bench.name}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                                          os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    proc = subprocess.Popen(bench.argv(quick, str(json_path)), cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=bench.timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too: the session holds only this run
+        stdout, stderr = proc.communicate()
+        return Outcome(bench.name, command, "failed", time.perf_counter() - start, stdout=stdout,
+                       failure=f"timed out after {bench.timeout_s} s; end of stderr:\n{_stderr_tail(stderr)}")
+    seconds = time.perf_counter() - start
+    figures = _load_json(json_path)
+    # Note: gloo sometimes aborts while the processes tear their groups down ("terminate called ..."), after
+    # rank 0 wrote its figures (after the last collective): the figures stand, with a note (as tests/conftest.py).
+    if proc.returncode == 0 and figures is not None:
+        return Outcome(bench.name, command, "ok", seconds, figures, stdout)
+    if figures is not None and "terminate called" in stderr:
+        return Outcome(bench.name, command, "ok", seconds, figures, stdout,
+                       note=f"exited {proc.returncode} in gloo's teardown, after writing its figures")
+    reason = f"exit {proc.returncode}" if proc.returncode else "exit 0 but no readable JSON written"
+    return Outcome(bench.name, command, "failed", seconds, stdout=stdout,
+                   failure=f"{reason} after {seconds:.0f} s; end of stderr:\n{_stderr_tail(stderr)}")
+
+
+def _git(*args: str) -> str:
+    proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def _proc_field(path: str, key: str) -> str:
+    """The value of ``key: value`` (or ``key=value``) in a /proc or /etc file, '' if absent."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            name, sep, value = line.partition(":" if ":" in line else "=")
+            if sep and name.strip() == key:
+                return value.strip().strip('"')
+    except OSError:
+        pass
+    return ""
+
+
+def machine() -> list[str]:
+    """Markdown bullet lines describing this machine and the code measured."""
+    import torch
+
+    mem_kib = _proc_field("/proc/meminfo", "MemTotal").split()
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = " + uncommitted changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return [
+        f"- Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
+        f"- CPU: {_proc_field('/proc/cpuinfo', 'model name') or platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores (load average {load} at the start; the machine may be shared)",
+        f"- RAM: {int(mem_kib[0]) / 2**20:.1f} GiB" if mem_kib else "- RAM: unknown",
+        f"- OS: {_proc_field('/etc/os-release', 'PRETTY_NAME') or platform.system()}, kernel {platform.release()}",
+        f"- Python {platform.python_version()}, torch {torch.__version__}"
+        + (f", CUDA {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),
+        f"- hyparallel at git commit {commit}{dirty}",
+    ]
+
+
+def section(bench: Benchmark, outcome: Outcome) -> tuple[str, str, list[str]]:
+    """(status, summary cell, markdown lines) of one benchmark's outcome, whatever its status."""
+    lines = [f"## {bench.title} (`{bench.name}`)", "", bench.about, "", f"Command: `{outcome.command}`"
+             + (f" ({outcome.seconds:.0f} s here)" if outcome.seconds else ""), ""]
+    if outcome.status == "missing":
+        return "missing", "not found", lines + [f"**NOT RUN**: benchmarks/{bench.name}.py was not found.", ""]
+    failure = outcome.failure
+    if outcome.status == "ok":
+        try:
+            summary, body = bench.render(outcome)
+        except (KeyError, TypeError, ValueError) as exc:  # the script's JSON changed shape: say so, keep going
+            failure = f"its JSON could not be rendered ({type(exc).__name__}: {exc}); the JSON:\n" + json.dumps(
+                outcome.figures, indent=1)[:2000]
+    if failure:
+        reason, *rest = failure.splitlines()
+        return "failed", reason.split(";")[0], lines + ["**FAILED**: " + reason, "", "```text", *rest, "```", ""]
+    note = [f"Note: {outcome.note}.", ""] if outcome.note else []
+    return "ok", summary, lines + note + body + [""]
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository root when it is inside it."""
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def _read(folder: Path, name: str) -> str:
+    path = folder / name
+    return path.read_text().strip() if path.exists() else ""
+
+
+def _gpu_step_table(rows: dict) -> list[str]:
+    """gpu_step.py's JSON rows as a table: measured against the planner's prediction."""
+    return _table(["variant", "config", "measured ms", "predicted ms", "measured / predicted", "MFU measured",
+                   "MFU predicted", "peak GiB (allocated)", "predicted GiB (+ reserve)"], "llrrrrrrr",
+                  [[name, r["config"], f"{r['measured_step_s'] * 1e3:.1f}", f"{r['predicted_step_s'] * 1e3:.1f}",
+                    f"**{r['measured_step_s'] / r['predicted_step_s']:.2f}**", f"{r['measured_mfu']:.1%}",
+                    f"{r['predicted_mfu']:.1%}", f"{r['peak_allocated_gib']:.2f}",
+                    f"{r['predicted_peak_without_reserved_gib']:.2f} ({r['predicted_peak_gib']:.2f})"]
+                   for name, r in rows.items()])
+
+
+def _profiled(profile: str) -> list[str]:
+    """One bullet per variant of gpu_step.py --profile's log: its kernel launches (printed before its header)."""
+    bullets, pending = [], ""
+    for line in profile.splitlines():
+        if line.startswith("profile"):
+            pending = line.removeprefix("profile: ")
+        elif line.startswith("== ") and pending:
+            bullets.append(f"- {line[3:]}: {pending}")
+            pending = ""
+    return bullets
+
+
+def gpu_lines(folder: Path) -> tuple[str, list[str]]:
+    """(summary, lines) from gpu_check.sh's folder: device, step tables, kernels, calibration, profile, activations."""
+    lines = ["Device: " + "; ".join(_read(folder, "device.txt").splitlines()), ""]
+    summary = []
+    for name, preset, title in (
+            ("step", "h200 preset", "gpt-1.3b training steps against the h200 preset's prediction"),
+            ("step-calibrated", "calibrated", "the planner's pick predicted with the figures calibrated on the device")):
+        if (folder / f"{name}.json").exists():
+            rows = json.loads(_read(folder, f"{name}.json"))
+            summary += [f"{r['measured_step_s'] / r['predicted_step_s']:.2f} ({preset})"
+                        for v, r in rows.items() if v == "planner's pick"]
+            lines += [f"### {title}", "", "Peer: the planner's prediction; measured / predicted near 1 means the "
+                      "cost model is right.", "", *_gpu_step_table(rows), ""]
+        elif _read(folder, f"{name}.txt"):
+            lines += [f"### {title} (no JSON: the end of its log)", "", "```text",
+                      *_read(folder, f"{name}.txt").splitlines()[-STDERR_TAIL_LINES:], "```", ""]
+    if kernels := _read(folder, "kernels.txt"):
+        start = kernels.find("times in ms")  # gpu_kernels.py's closing table, checks and verdict
+        lines += ["### Triton kernels against torch (`gpu_kernels.py`)", "", "```text",
+                  *(kernels[start:] if start >= 0 else kernels).splitlines()[-40:], "```", ""]
+    if calibrate := _read(folder, "calibrate.txt"):
+        lines += ["### `hyparallel calibrate --base h200` on the device", "", "```text",
+                  *calibrate.splitlines()[-40:], "```", ""]
+    if profile := _read(folder, "profile.txt"):  # the full profiler tables stay in the file
+        lines += ["### One profiled step (`gpu_step.py --profile`)", "", *_profiled(profile), "",
+                  f"The profiler's top kernels per variant: {_shown(folder)}/profile.txt.", ""]
+    if activations := _read(folder, "activations.txt"):  # prediction.py's markdown, after any library warnings
+        heading = activations.find("\n#") + 1 if not activations.startswith("#") else 0
+        lines += _demoted(activations[heading:], 1) + [""]
+    if notes := _read(folder, "README.md"):  # how the device run was set up, kept beside its results
+        lines += ["### Device notes (from README.md beside the results)", "",
+                  *_demoted(notes, 2), ""]
+    return "planner's pick measured / predicted " + ", ".join(summary) if summary else "", lines
+
+
+def gpu_section(run_here: bool) -> tuple[str, str, list[str]]:
+    """(status, summary, lines): gpu_check.sh run here when there is CUDA, else the lent GPU's committed results."""
+    head = ["## GPU checks (`gpu_check.sh`)", ""]
+    if run_here:
+        start = time.perf_counter()
+        proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(GPU_OUT)], cwd=REPO, capture_output=True,
+                              text=True, timeout=1200)
+        status = "ok" if proc.returncode == 0 else "failed"
+        summary, lines = gpu_lines(GPU_OUT)
+        failure = [f"**FAILED** (exit {proc.returncode}); end of its output:", "", "```text",
+                   _stderr_tail(proc.stdout + proc.stderr), "```", ""] if proc.returncode else []
+        return status, summary, head + [f"Run here: `bash benchmarks/gpu_check.sh {_shown(GPU_OUT)}` "
+                                        f"({time.perf_counter() - start:.0f} s).", "", *failure, *lines]
+    if not (GPU_RESULTS / "device.txt").exists():
+        return "missing", "no GPU here, and no GPU results committed", head + [
+            f"**NOT AVAILABLE**: no GPU here, and no results under {_shown(GPU_RESULTS)}/.", ""]
+    date = _git("log", "-1", "--format=%cs", "--", str(GPU_RESULTS))
+    if not date:
+        date = f"{datetime.date.fromtimestamp((GPU_RESULTS / 'device.txt').stat().st_mtime)} (files not yet committed)"
+    device = _read(GPU_RESULTS, "device.txt").split(",")[0]
+    summary, lines = gpu_lines(GPU_RESULTS)
+    provenance = (f"Measured on a lent GPU ({device}) on {date}, not re-run: no GPU here. The logs and JSON are "
+                  f"committed under {_shown(GPU_RESULTS)}/.")
+    return "not re-run", f"{device}, {date}: {summary}", head + [provenance, "", *lines]
+
+
+def results_markdown(sections: list[tuple[str, str, str, list[str]]], machine_lines: list[str], quick: bool,
+                     only: list[str] | None, total_s: float) -> str:
+    """RESULTS.md from (name, status, summary, lines) per benchmark: the machine, a summary table, the sections."""
+    head = ["# Benchmark results", "", "Written by `benchmarks/run_all.py`" + (" --quick (smaller sizes, fewer steps: a "
+            "smoke test, not figures to quote)" if quick else "") + f" in {total_s / 60:.1f} min. Each figure was "
+            "measured on the machine below, its peer in the same run; ratios are hyparallel / peer unless a "
+            "table says otherwise.", ""]
+    if only:
+        head += [f"Run with `--only {','.join(only)}`: the other benchmarks were not run.", ""]
+    rows = [[f"`{name}`", status, summary] for name, status, summary, _ in sections]
+    head += ["Machine:", "", *machine_lines, "", "## Summary", "", *_table(["benchmark", "status", "figures"], "lll", rows), ""]
+    return "\n".join(head + [line for *_, lines in sections for line in lines]).rstrip() + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer steps: a smoke test")
+    parser.add_argument("--only", help="comma-separated, from: " + ", ".join(NAMES) + " (--out then holds only these)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
+    args = parser.parse_args()
+    only = args.only.split(",") if args.only else None
+    if unknown := sorted(set(only or []) - set(NAMES)):
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(NAMES)}")
+    import torch
+
+    start, sections, machine_lines = time.perf_counter(), [], machine()
+    with tempfile.TemporaryDirectory() as folder:
+        for bench in BENCHMARKS:
+            if only is None or bench.name in only:
+                print(f"run_all: {bench.name} ...", file=sys.stderr, flush=True)
+                outcome = run(bench, args.quick, Path(folder))
+                sections.append((bench.name, *section(bench, outcome)))
+                print(f"run_all: {bench.name} {sections[-1][1]} ({outcome.seconds:.0f} s)", file=sys.stderr, flush=True)
+    if only is None or "gpu" in only:
+        sections.append(("gpu", *gpu_section(run_here=torch.cuda.is_available())))
+    args.out.write_text(results_markdown(sections, machine_lines, args.quick, only, time.perf_counter() - start))
+    print(f"run_all: wrote {args.out}", file=sys.stderr)
+    for name, status, *_ in sections:
+        if status in ("failed", "missing"):
+            print(f"run_all: {name} {status}: see {args.out}", file=sys.stderr)
+    return 1 if any(status == "failed" for _, status, *_ in sections) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
