@@ -24,6 +24,10 @@ DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRAD_BYTES_PER_PARAM = 4
 OPTIMIZER_BYTES_PER_PARAM: dict[str, int] = {"bf16": 12, "fp16": 12, "fp32": 8}  # fp32 training needs no master copy
 
+# ZeRO's all-gathers move the weights as parallelize holds them: fp32 master copies, cast by autocast after the
+# gather (FSDP2 without a mixed-precision policy; Note [ZeRO stages on FSDP2] in parallel.py).
+GATHERED_BYTES_PER_PARAM = 4
+
 # Communication overlapped with computation is not free: NCCL kernels take SMs and memory bandwidth from
 # the GEMMs they run beside, which slow by roughly 10-30% while both run (e.g. Wang et al. 2023,
 # "Overlap Communication with Dependent Computation via Decomposition", Sec. 2; Zhao et al. 2023,

@@ -297,24 +297,30 @@ class Search:
         dtype, cluster = self.ctx.dtype, self.ctx.cluster
         t = t + self._p2p_s(c, links)
         grad_bytes = params * costs.GRAD_BYTES_PER_PARAM
-        weight_bytes = params * costs.DTYPE_BYTES[dtype]
+        weight_bytes = params * costs.GATHERED_BYTES_PER_PARAM
         tail = np.zeros_like(t)
-        if c.dp > 1:
+        if c.dp > 1 and c.zero == 0:
+            # DDP reduces gradients in buckets while the last micro-batch's backward runs; the last bucket
+            # waits for the end of the backward.
             bucket = np.minimum(grad_bytes, costs.DP_BUCKET_BYTES)
-            # Gradients are reduced in buckets while the last micro-batch's backward runs; the last bucket
-            # waits for the end of the backward (DDP, and ZeRO's reduce-scatter likewise).
-            if c.zero in (0, 1):
-                collective = costs.ring_allreduce_s if c.zero == 0 else costs.ring_reduce_scatter_s
-                reduce, last = collective(grad_bytes, c.dp, links["dp"]), collective(bucket, c.dp, links["dp"])
-                tail = np.maximum(costs.overlapped_s(reduce - last, bwd), 0) + last
-                if c.zero == 1:  # updated shards are all-gathered after the optimizer step
-                    tail = tail + costs.ring_allgather_s(weight_bytes, c.dp, links["dp"])
+            reduce, last = costs.ring_allreduce_s(grad_bytes, c.dp, links["dp"]), costs.ring_allreduce_s(bucket, c.dp, links["dp"])
+            tail = np.maximum(costs.overlapped_s(reduce - last, bwd), 0) + last
+        elif c.dp > 1:  # Note [ZeRO stages on FSDP2] in parallel.py: one collective per FSDP unit
+            units = self.ctx.profile.num_blocks + 1 if c.pp == 1 else c.virtual_stages
+            link = links["dp"]
+
+            def per_unit(collective, num_bytes):
+                return units * collective(num_bytes / units, c.dp, link)
+
+            gather = per_unit(costs.ring_allgather_s, weight_bytes)
+            scatter = per_unit(costs.ring_reduce_scatter_s, grad_bytes)
+            if c.zero == 1:  # gradients reduce-scattered unit by unit in the last backward; weights gathered once
+                last = costs.ring_reduce_scatter_s(grad_bytes / units, c.dp, link)
+                tail = np.maximum(costs.overlapped_s(scatter - last, bwd), 0) + last + gather
             elif c.zero == 2:  # gradients reduce-scattered after every micro-batch's backward
-                t = t + costs.overlapped_s(costs.ring_reduce_scatter_s(grad_bytes, c.dp, links["dp"]), bwd)
-                tail = costs.ring_allgather_s(weight_bytes, c.dp, links["dp"])
-            else:  # ZeRO-3: parameters gathered for forward and backward, gradients scattered, every micro-batch
-                gather = costs.ring_allgather_s(weight_bytes, c.dp, links["dp"])
-                scatter = costs.ring_reduce_scatter_s(grad_bytes, c.dp, links["dp"])
+                t = t + costs.overlapped_s(scatter, bwd)
+                tail = gather
+            else:  # ZeRO-3: weights gathered for forward and backward, gradients scattered, every micro-batch
                 t = t + costs.overlapped_s(gather, t - bwd) + costs.overlapped_s(gather + scatter, bwd)
         optimizer_params = params / c.dp if c.zero >= 1 else params
         device = cluster.device
