@@ -31,6 +31,11 @@ def test_roofline():
     assert costs.roofline_s(1e9, 10e9, 100e12, 0.5, 1e12, 0.8) == pytest.approx(0.0125)
 
 
+def test_nothing_hides_behind_compute_on_a_cpu():
+    assert costs.overlapped_s(2.0, 5.0, serial=True) == 2.0
+    assert costs.overlapped_s(2.0, 5.0) == pytest.approx(costs.OVERLAP_CONTENTION * 2.0)
+
+
 def test_overlap_charges_contention():
     assert costs.overlapped_s(1.0, 3.0) == pytest.approx(costs.OVERLAP_CONTENTION * 1.0)
     assert costs.overlapped_s(3.0, 1.0) == pytest.approx(2.0 + costs.OVERLAP_CONTENTION * 1.0)

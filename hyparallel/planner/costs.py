@@ -156,7 +156,12 @@ def model_flops_per_step(forward_flops_per_sequence: float, global_batch: int) -
     return 3 * forward_flops_per_sequence * global_batch
 
 
-def overlapped_s(comm_s: Bytes, compute_s: Bytes) -> Bytes:
-    """Time communication adds when it runs beside ``compute_s`` of computation: what does not fit, plus contention."""
+def overlapped_s(comm_s: Bytes, compute_s: Bytes, serial: bool = False) -> Bytes:
+    """Time communication adds when it runs beside ``compute_s`` of computation: what does not fit, plus contention.
+
+    ``serial``: a CPU cluster (backend gloo), whose collectives run on the cores that compute: nothing hides.
+    """
+    if serial:
+        return comm_s + 0.0 * compute_s  # the shape of an array argument, as the overlapped case returns
     hidden = np.minimum(comm_s, compute_s)
     return np.maximum(comm_s - compute_s, 0.0) + OVERLAP_CONTENTION * hidden

@@ -303,6 +303,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape) if shape else 1
 
 
+def dispatched_ops(graph: ModelGraph) -> list[Op]:
+    """The ops whose dispatch the cost model charges (Note [op overhead]): all but views that alias their input."""
+    return [op for op in graph.compute_ops() if op.kind != "view" or op.target in _COPYING_VIEWS]
+
+
 def _op_time(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, serial: bool) -> float:
     """Forward seconds of one op for a micro-batch of ``b`` on one tensor-parallel rank (``serial``: a CPU)."""
     if op.kind == "view":  # aliases its input: no kernel runs

@@ -298,13 +298,14 @@ class Search:
         t = t + self._p2p_s(c, links)
         grad_bytes = params * costs.GRAD_BYTES_PER_PARAM
         weight_bytes = params * costs.GATHERED_BYTES_PER_PARAM
+        serial = cluster.backend == "gloo"  # CPU processes: collectives and compute share the cores
         tail = np.zeros_like(t)
         if c.dp > 1 and c.zero == 0:
             # DDP reduces gradients in buckets while the last micro-batch's backward runs; the last bucket
             # waits for the end of the backward.
             bucket = np.minimum(grad_bytes, costs.DP_BUCKET_BYTES)
             reduce, last = costs.ring_allreduce_s(grad_bytes, c.dp, links["dp"]), costs.ring_allreduce_s(bucket, c.dp, links["dp"])
-            tail = np.maximum(costs.overlapped_s(reduce - last, bwd), 0) + last
+            tail = np.maximum(costs.overlapped_s(reduce - last, bwd, serial), 0) + last
         elif c.dp > 1:  # Note [ZeRO stages on FSDP2] in parallel.py: one collective per FSDP unit
             units = self.ctx.profile.num_blocks + 1 if c.pp == 1 else c.virtual_stages
             link = links["dp"]
@@ -316,12 +317,12 @@ class Search:
             scatter = per_unit(costs.ring_reduce_scatter_s, grad_bytes)
             if c.zero == 1:  # gradients reduce-scattered unit by unit in the last backward; weights gathered once
                 last = costs.ring_reduce_scatter_s(grad_bytes / units, c.dp, link)
-                tail = np.maximum(costs.overlapped_s(scatter - last, bwd), 0) + last + gather
+                tail = np.maximum(costs.overlapped_s(scatter - last, bwd, serial), 0) + last + gather
             elif c.zero == 2:  # gradients reduce-scattered after every micro-batch's backward
-                t = t + costs.overlapped_s(scatter, bwd)
+                t = t + costs.overlapped_s(scatter, bwd, serial)
                 tail = gather
             else:  # ZeRO-3: weights gathered for forward and backward, gradients scattered, every micro-batch
-                t = t + costs.overlapped_s(gather, t - bwd) + costs.overlapped_s(gather + scatter, bwd)
+                t = t + costs.overlapped_s(gather, t - bwd, serial) + costs.overlapped_s(gather + scatter, bwd, serial)
         optimizer_params = params / c.dp if c.zero >= 1 else params
         device = cluster.device
         tail = tail + optimizer_params * costs.adam_step_bytes_per_param(dtype) / (
