@@ -2,7 +2,7 @@
 
 An uninterrupted 4-process run is the reference. The same run has one worker killed with SIGKILL after
 a checkpoint: torchrun restarts the group, the script resumes from the newest complete checkpoint, and
-its final parameters are bitwise equal to the reference's. A run continued with 2 processes from the
+trains on the reference's batches with the reference's losses (to rounding: see the test). A run continued with 2 processes from the
 reference's mid-run checkpoint re-plans for 2, loads the checkpoint resharded and goes on from the loss
 the reference had there.
 """
@@ -85,9 +85,17 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint(reference, tm
     assert int(resumed[1]) % EVERY == 0 and int(resumed[1]) >= 2 * EVERY
     ours, theirs = consolidated(directory, tmp_path / "a.pt"), consolidated(ref_dir, tmp_path / "b.pt")
     assert ours.keys() == theirs.keys()
-    for name in theirs:
-        assert torch.equal(ours[name], theirs[name]), name  # bitwise: the same steps on the same data
-    assert losses(stdout)[STEPS] == ref_losses[STEPS]
+    # The same steps on the same data, checked on the loss. Not bitwise: the plan for 4 processes is DDP, which
+    # rebuilds its gradient buckets after each process's first step, so the restarted group's first step sums
+    # gradients in other chunks than the uninterrupted run's. AdamW turns that rounding in near-zero gradients
+    # into weight differences that grow step by step (1e-4 of the loss ~16 steps later); a lost, repeated or
+    # shifted step trains on another batch and moves the very next loss by ~1e-2.
+    assert all(ours[name].shape == theirs[name].shape for name in theirs)
+    resumed_losses, start = losses(stdout), int(resumed[1])
+    assert max(resumed_losses) == STEPS
+    for step in range(start + 1, start + 1 + EVERY):
+        assert resumed_losses[step] == pytest.approx(ref_losses[step], rel=1e-5), step
+    assert resumed_losses[STEPS] == pytest.approx(ref_losses[STEPS], rel=1e-2)
 
 
 def test_fewer_workers_continue_from_the_checkpoint(reference, tmp_path, repo):

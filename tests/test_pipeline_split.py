@@ -49,6 +49,8 @@ def loss_fn(output, targets):
 
 
 def planned_stages(model: nn.Module, pp: int, **constraints) -> list[list[str]]:
+    """The planner's stages for ``pp`` ranks; one per rank unless the constraints ask for virtual stages."""
+    constraints.setdefault("schedule", "1f1b")
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=pp)
     plan = hp.plan(model, cluster, global_batch=BATCH * 2, seq_len=SEQ, dtype="fp32", pp=pp, tp=1, dp=1,
                    micro_batch=BATCH, **constraints)
