@@ -36,7 +36,7 @@ class StepFigures:
     predicted_step_time_s: float | None = None
     predicted_tokens_per_s: float | None = None
     predicted_mfu: float | None = None
-    predicted_memory_gib: float | None = None  # this rank's pipeline stage
+    predicted_memory_gib: float | None = None  # this rank's stage, without the preset's reserve: as allocated
 
     def line(self) -> str:
         """One log line: measured figures, with the prediction where there is one."""
@@ -118,7 +118,8 @@ class RunMetrics:
             predicted_step_time_s=predicted.step_time_s if predicted else None,
             predicted_tokens_per_s=predicted.tokens_per_s if predicted else None,
             predicted_mfu=predicted.mfu if predicted else None,
-            predicted_memory_gib=predicted.memory_gib[self.pp_rank] if predicted else None)
+            predicted_memory_gib=(predicted.memory_gib[self.pp_rank] - cluster.device.reserved_bytes / 2**30
+                                  if predicted and cluster else None))
 
     def _mark(self) -> object:
         if self.device.type == "cuda":

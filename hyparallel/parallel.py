@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hyparallel.errors import ConfigError
+from hyparallel.errors import ConfigError, HyparallelError
 from hyparallel.schema import Plan
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -123,7 +123,6 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
     (what ``pmodel.metrics`` compares with); one the planner would refuse (e.g. over its memory estimate)
     runs without them.
     """
-    from hyparallel.planner import PlanError
     from hyparallel.planner import plan as make_plan
 
     par, tr = plan.parallel, plan.training
@@ -144,10 +143,10 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
                           micro_batch=tr.micro_batch, schedule=par.schedule, virtual_stages=par.virtual_stages,
                           recompute=par.recompute, zero=par.zero, sequence_parallel=par.sequence_parallel,
                           order=plan.placement.order)
-    except PlanError:
+    except HyparallelError:  # e.g. a model that traces only with the caller's example_inputs
         if needs_stages or needs_tp:
             raise
-        return plan
+        return plan  # it runs; only the predictions are missing
     data, planned = plan.to_dict(), fixed.to_dict()
     data["stages"] = data.get("stages") or planned.get("stages")
     if needs_tp:
@@ -516,7 +515,7 @@ class ParallelModel:
     @contextmanager
     def _one_cast_per_step(self):
         """Note [one 16-bit copy of the weights per step]."""
-        if self._dtype == torch.float32 or self.plan.parallel.zero == 3:
+        if self._dtype == torch.float32 or self.plan.parallel.zero == 3 or self.plan.parallel.recompute != "none":
             yield
             return
         torch.autocast_increment_nesting()
@@ -545,7 +544,10 @@ class ParallelModel:
 #     copy: 2 bytes per parameter each. train_step therefore holds the autocast nesting open for the whole
 #     step (torch.autocast's own counter), so micro-batches share one copy, freed when the step ends: 2 bytes
 #     per parameter, as the planner counts. The weights do not change within a step, so the copy is exact.
-#     Under ZeRO 3 a step-long copy of every weight would undo the sharding, so each micro-batch casts anew.
+#     Under ZeRO 3 a step-long copy of every weight would undo the sharding, so each micro-batch casts anew. So
+#     does recomputation: checkpointing matches the ops a recompute runs against those the forward ran, and a
+#     cast the forward recorded (cache miss) would be a cache hit in the recompute; and on CUDA the recompute
+#     runs on autograd's thread, whose autocast exit would clear the shared cache anyway.
 
 
 def token_cross_entropy(output: Any, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -618,8 +620,8 @@ def _token_ids(plan: Plan) -> torch.Tensor:
 def _token_count(inputs: Any) -> int:
     """Tokens in a batch: the size of its first integer tensor (token ids), else batch x sequence of its first tensor."""
     leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]
-    for leaf in leaves:
-        if not leaf.is_floating_point() and not leaf.is_complex():
+    for leaf in leaves:  # token ids; a boolean mask may be (B, 1, T, T)
+        if not leaf.is_floating_point() and not leaf.is_complex() and leaf.dtype != torch.bool:
             return leaf.numel()
     return math.prod(leaves[0].shape[:2]) if leaves else 0
 

@@ -54,11 +54,14 @@ def test_bubble_and_inflight_microbatches():
 
 
 def test_zero_state_bytes():
-    # bf16 mixed-precision Adam: 2 (weight) + 4 (fp32 grad) + 12 (master, m, v) = 18 bytes per parameter.
+    # bf16 under autocast: 4 (fp32 weight) + 2 (its bf16 copy) + 4 (fp32 grad) + 8 (AdamW m, v) = 18 bytes.
     assert costs.state_bytes_per_param("bf16", 0, 8) == 18
-    assert costs.state_bytes_per_param("bf16", 1, 8) == 2 + 4 + 12 / 8
-    assert costs.state_bytes_per_param("bf16", 2, 8) == 2 + 16 / 8
-    assert costs.state_bytes_per_param("bf16", 3, 8) == 18 / 8
+    # ZeRO 1 as parallelize runs it: fp32 weights gathered through the step + a bf16 copy + whole fp32 gradients,
+    # sharded fp32 master weights and AdamW m, v.
+    assert costs.state_bytes_per_param("bf16", 1, 8) == 4 + 2 + 4 + (4 + 8) / 8
+    assert costs.state_bytes_per_param("bf16", 2, 8) == 4 + 2 + (4 + 4 + 8) / 8
+    assert costs.state_bytes_per_param("bf16", 3, 8) == 16 / 8  # shards only; the gathered units are the search's
+    assert costs.state_bytes_per_param("bf16", 3, 1) == 18  # nothing to shard over
     assert costs.state_bytes_per_param("fp32", 0, 1) == 4 + 4 + 8
     assert costs.adam_step_bytes_per_param("bf16") == 30 and costs.adam_step_bytes_per_param("fp32") == 28
 

@@ -115,15 +115,22 @@ def inflight_microbatches(schedule: Schedule, pp: int, num_microbatches: int, st
 
 
 def state_bytes_per_param(dtype: Dtype, zero: int, dp: int) -> float:
-    """Bytes per parameter for weights, gradients and Adam state on one rank under ZeRO stage ``zero``."""
-    weight, grad, optimizer = DTYPE_BYTES[dtype], GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM[dtype]
-    if zero == 0:
-        return weight + grad + optimizer
+    """Bytes per parameter one rank holds through a step for weights, gradients and AdamW state under ZeRO ``zero``.
+
+    As parallelize runs it (Note [ZeRO stages on FSDP2] in parallel.py): fp32 master weights, plus a 16-bit copy
+    under bf16/fp16 autocast, fp32 gradients and AdamW's m and v. ZeRO 1 shards the master weights and m, v but
+    keeps the weights gathered (fp32) and the gradients whole through the step; ZeRO 2 shards the gradients too;
+    ZeRO 3 holds only shards (the units gathered at a time are added by the search). With dp = 1 nothing shards.
+    """
+    master, grad, adam = GATHERED_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM["fp32"]
+    copy = 0 if dtype == "fp32" else DTYPE_BYTES[dtype]
+    if zero == 0 or dp == 1:
+        return master + copy + grad + adam
     if zero == 1:
-        return weight + grad + optimizer / dp
+        return master / dp + master + copy + grad + adam / dp
     if zero == 2:
-        return weight + (grad + optimizer) / dp
-    return (weight + grad + optimizer) / dp
+        return master / dp + master + copy + (grad + adam) / dp
+    return (master + grad + adam) / dp
 
 
 def adam_step_bytes_per_param(dtype: Dtype) -> int:

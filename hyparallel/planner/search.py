@@ -330,7 +330,8 @@ class Search:
         inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages)
         memory = params * costs.state_bytes_per_param(dtype, c.zero, c.dp) + inflight * act + work
         if c.zero == 3:  # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
-            memory = memory + 2 * largest * (costs.DTYPE_BYTES[dtype] + costs.GRAD_BYTES_PER_PARAM)
+            copy = 0 if dtype == "fp32" else costs.DTYPE_BYTES[dtype]  # autocast's 16-bit copy of the gathered weights
+            memory = memory + 2 * largest * (costs.GATHERED_BYTES_PER_PARAM + copy + costs.GRAD_BYTES_PER_PARAM)
         return t, tail, memory
 
     def _partition(self, c: Config, links, tables: _Tables) -> list[tuple[int, int]] | None:
