@@ -179,3 +179,21 @@ def test_bf16_micro_batches_share_one_cast_of_each_weight(single_process):
         assert len(saved) >= 4 * len(distinct) > 0  # every micro-batch saved them; one copy each
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recompute", ["full"])  # selective + bf16 + eager attention: a known failure (docs)
+def test_bf16_recomputation_replays_the_forwards_casts(single_process, recompute):
+    # Note [one 16-bit copy of the weights per step]: a step-long cast cache would make the recompute's casts
+    # cache hits where the forward's were misses, and checkpointing would replay the wrong tensors.
+    model = hp.models.load(["hf:GPT2LMHeadModel", "n_layer=2", "n_embd=32", "n_head=2", "vocab_size=64", "n_positions=32",
+                            "bos_token_id=0", "eos_token_id=0", "attn_implementation=eager"]).module
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), 4, 16, "bf16", dp=1, tp=1, pp=1,
+                   micro_batch=2, recompute=recompute)
+    try:
+        pmodel = hp.parallelize(model, plan)
+        tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+        loss = pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
+        assert torch.isfinite(loss)
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in pmodel.parameters())
+    finally:
+        dist.destroy_process_group()
