@@ -43,10 +43,11 @@ def memory_bar(used_gib: float, capacity_gib: float, width: int = BAR_WIDTH) -> 
 
 def device_map(plan: Plan) -> Table:
     """Which node and GPU holds which pipeline stage, data-parallel replica and tensor-parallel shard."""
-    per_node = plan.cluster.gpus_per_node if plan.cluster else plan.world_size
+    per_node = plan.cluster.gpus_per_node if plan.cluster else min(plan.world_size, 8)
     nodes = -(-plan.world_size // per_node)
     shown = list(range(nodes)) if nodes <= MAX_NODES else [*range(MAX_NODES - 1), nodes - 1]
-    table = Table(title="device map: pp stage / dp replica / tp shard of each GPU (global rank)")
+    table = Table(title="device map: pp stage / dp replica / tp shard of each GPU (global rank)"
+                        + ("" if plan.cluster else "; no cluster in the plan: rows of 8 ranks"))
     table.add_column("node")
     for gpu in range(per_node):
         table.add_column(f"GPU {gpu}", justify="center")
@@ -54,7 +55,7 @@ def device_map(plan: Plan) -> Table:
         if node == nodes - 1 and nodes > MAX_NODES:
             table.add_row("...", *["..."] * per_node)
         cells = []
-        for gpu in range(per_node):
+        for gpu in range(min(per_node, plan.world_size - node * per_node)):
             rank = node * per_node + gpu
             c = plan.coords(rank)
             cells.append(f"pp{c['pp']} dp{c['dp']} tp{c['tp']}\n[dim]rank {rank}[/dim]")
@@ -64,7 +65,7 @@ def device_map(plan: Plan) -> Table:
 
 def stage_nodes(plan: Plan) -> dict[int, list[int]]:
     """Pipeline stage -> the nodes its GPUs are on."""
-    per_node = plan.cluster.gpus_per_node if plan.cluster else plan.world_size
+    per_node = plan.cluster.gpus_per_node if plan.cluster else min(plan.world_size, 8)
     nodes: dict[int, set[int]] = {}
     for rank in range(plan.world_size):
         nodes.setdefault(plan.coords(rank)["pp"], set()).add(rank // per_node)

@@ -219,3 +219,10 @@ def test_show_completes_a_hand_plan_for_a_model(capsys, repo):
 def test_plan_user_errors_exit_2(capsys, argv, expected):
     code, out, err = run(capsys, "plan", *argv)
     assert code == 2 and out == "" and err.count("\n") == 1 and expected in err
+
+
+def test_show_lays_out_a_plan_without_a_cluster_in_rows_of_eight(capsys, tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("training: {global_batch: 64, micro_batch: 1, seq_len: 128}\nparallel: {dp: 4, tp: 2, pp: 2}\n")
+    code, out, _ = run(capsys, "show", str(path))
+    assert code == 0 and "rows of 8 ranks" in out and "rank 15" in out and "GPU 8" not in out

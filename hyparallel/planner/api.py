@@ -109,7 +109,8 @@ def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int, dtype:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise PlanError(f"{key} must be a positive integer, got {value!r}")
     order = constraints.get("order")
-    if order is not None and (isinstance(order, str) or sorted(order) != ["dp", "pp", "tp"]):
+    if order is not None and (isinstance(order, str) or not all(isinstance(axis, str) for axis in order)
+                              or sorted(order) != ["dp", "pp", "tp"]):
         raise PlanError(f"order must name pp, dp and tp once each, outermost first (e.g. ['pp', 'dp', 'tp']), got {order!r}")
     degrees = {k: constraints[k] for k in ("tp", "pp", "dp") if k in constraints}
     n = cluster.num_gpus
