@@ -12,7 +12,7 @@ from hyparallel.errors import HyparallelError
 from hyparallel.graph import ModelGraph
 from hyparallel.planner import costs
 from hyparallel.planner.profile import ModelProfile
-from hyparallel.planner.search import Evaluation, Progress, Search, axis_link, enumerate_configs
+from hyparallel.planner.search import Evaluation, Progress, Search, axis_link, enumerate_configs, transfer_s
 from hyparallel.schema import Plan
 
 CONSTRAINTS = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "zero", "sequence_parallel", "order")
@@ -285,7 +285,7 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
     segment_costs = profile.segment_costs(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, tp_link)
     tp_forward_s = [float(sum(costs.ring_allreduce_s(x * c.micro_batch, c.tp, tp_link) for x in raw.comm_fwd))
                     for raw in profile.raw]
-    p2p_s = costs.p2p_s(profile.cut_bytes * c.micro_batch / c.tp, pp_link) if c.pp > 1 else 0.0  # as Search._p2p_s
+    p2p_s = transfer_s(profile, c, pp_link)
     figures = []
     for start, end in evaluation.stages:
         parts = [(segment_costs[i], tp_forward_s[i]) for i in range(start, end)]

@@ -179,6 +179,11 @@ def _schedules(pp: int, m: int, num_blocks: int, fixed: dict):
             yield "interleaved-1f1b", v
 
 
+def transfer_s(profile: ModelProfile, c: Config, link: LinkSpec) -> float:
+    """One pipeline boundary transfer of a micro-batch (its activations, or their gradient); 0 without a pipeline."""
+    return costs.p2p_s(profile.cut_bytes * c.micro_batch / c.tp, link) if c.pp > 1 else 0.0
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -246,9 +251,7 @@ class Search:
 
     def _p2p_s(self, c: Config, links) -> float:
         """Point-to-point seconds per micro-batch on one device: activations forward, gradients back, per chunk."""
-        if c.pp == 1:
-            return 0.0
-        return 2 * c.virtual_stages * costs.p2p_s(self.ctx.profile.cut_bytes * c.micro_batch / c.tp, links["pp"])
+        return 2 * c.virtual_stages * transfer_s(self.ctx.profile, c, links["pp"])
 
     def _lower_bound(self, c: Config) -> float | None:
         """A step time no plan of this configuration beats (None when it cannot fit in memory at all).
