@@ -149,15 +149,17 @@ class Measurements:
 
 
 def calibrate(nproc: int | None = None, base: str | ClusterSpec | None = None, quick: bool = False,
-              name: str | None = None, log: Callable[[str], None] | None = None) -> tuple[ClusterSpec, Measurements]:
+              name: str | None = None, log: Callable[[str], None] | None = None,
+              device: DeviceKind | None = None) -> tuple[ClusterSpec, Measurements]:
     """Measure this machine with ``nproc`` processes and return (ClusterSpec, raw measurements).
 
     ``nproc`` defaults to the GPU count on CUDA, else 8 (as the cpu preset); inside a torchrun launch
     the launched world is used. ``base`` is a preset name, YAML path or ClusterSpec whose datasheet
-    figures to keep (see the module docstring).
+    figures to keep (see the module docstring). ``device`` ("cpu" or "cuda") defaults to CUDA when
+    torch sees a GPU.
     """
     base_spec = ClusterSpec.resolve(base) if isinstance(base, str) else base
-    kind = _device_kind()
+    kind = device or _device_kind()
     nproc = _resolve_nproc(kind, nproc)
     if nproc == 1 and base_spec is None and _preset_named_for(_local_device_name(kind)) is None:
         raise ConfigError("one process has no links to measure; pass --base PRESET to take them from "
@@ -166,15 +168,15 @@ def calibrate(nproc: int | None = None, base: str | ClusterSpec | None = None, q
         where = "one per GPU" if kind == "cuda" else f"sharing {_cores()} CPU cores"
         log(f"calibrating with {nproc} {BACKEND[kind]} process(es), {where}{' (quick)' if quick else ''}: "
             "a few seconds to a minute")
-    measurements = measure(nproc, quick)
+    measurements = measure(nproc, quick, kind)
     return to_cluster_spec(measurements, base_spec, name), measurements
 
 
-def measure(nproc: int | None = None, quick: bool = False) -> Measurements:
-    """Run the measurements with ``nproc`` local processes (spawned, in place, or the torchrun world)."""
+def measure(nproc: int | None = None, quick: bool = False, device: DeviceKind | None = None) -> Measurements:
+    """Run the measurements with ``nproc`` local processes (spawned, in place, or the torchrun world) on ``device``."""
     import torch
 
-    kind = _device_kind()
+    kind = device or _device_kind()
     nproc = _resolve_nproc(kind, nproc)
     launched = _launched_world()
     cores = _cores()

@@ -77,7 +77,9 @@ def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, see
 
     ``model`` is best built on the meta device (``hp.models.build(name)``): then no rank allocates more
     than its share, initialised deterministically from ``seed``. ``example_inputs`` is one micro-batch
-    for tracing (default: token ids of the plan's ``micro_batch x seq_len``). With
+    for tracing (default: token ids of the plan's ``micro_batch x seq_len``). ``device`` defaults to the
+    CPU for a gloo cluster's plan, else cuda:LOCAL_RANK when there is a GPU (Note [which device a rank
+    uses]). With
     ``vocab_parallel_loss`` the vocab-parallel head keeps its slice of the logits and ``train_step``'s
     default loss is token cross-entropy computed without ever gathering them; otherwise the logits are
     gathered and any ``loss_fn`` works.
@@ -98,7 +100,7 @@ def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, see
     if plan.training.dtype == "fp16":
         warnings.warn("fp16 plans run under autocast without loss scaling, so small gradients can underflow; "
                       "prefer bf16, or scale the loss inside loss_fn", stacklevel=2)
-    device = torch.device(device) if device is not None else _default_device(env)
+    device = torch.device(device) if device is not None else _default_device(env, plan)
     example = example_inputs if example_inputs is not None else _token_ids(plan)
     plan = complete_plan(model, plan)
     import hyparallel as hp
@@ -549,6 +551,12 @@ class ParallelModel:
 #     cast the forward recorded (cache miss) would be a cache hit in the recompute; and on CUDA the recompute
 #     runs on autograd's thread, whose autocast exit would clear the shared cache anyway.
 
+# Note [which device a rank uses]
+#     parallelize(device=...) wins. Otherwise a plan for a gloo cluster (the cpu preset, a CPU calibration) runs on
+#     the CPU, GPUs present or not: gloo ranks sharing one GPU through NCCL would fail, and the plan's figures are
+#     the CPU's. Any other plan takes cuda:LOCAL_RANK when torch sees a GPU, and a node launched with more
+#     processes than GPUs is refused before the first collective (NCCL cannot put two ranks on one GPU).
+
 
 def token_cross_entropy(output: Any, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of next-token logits ``(B, T, V)`` (or an output with ``.logits``) against ``(B, T)``.
@@ -601,16 +609,23 @@ def _init_process_group(backend: str, env: LaunchEnv) -> None:
     can read the dead workers' addresses (pytorch/pytorch#167288): launch torchrun with
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when it may restart workers (README, examples/train_gpt.py).
     """
-    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+    if env.world_size == 1:  # a world of one needs no rendezvous, whatever MASTER_ADDR a shell exported
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group(backend)
 
 
-def _default_device(env: LaunchEnv) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+def _default_device(env: LaunchEnv, plan: Plan) -> torch.device:
+    """Where this rank computes when ``parallelize`` is not told: see Note [which device a rank uses]."""
+    if (plan.cluster is not None and plan.cluster.backend == "gloo") or not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.local_rank + 1))
+    if local_world > gpus:
+        raise ConfigError(f"{local_world} processes on this node (LOCAL_WORLD_SIZE) but {gpus} CUDA device(s): NCCL "
+                          f"needs one GPU per process; launch --nproc_per_node {gpus}, or pass device='cpu' to "
+                          "parallelize (gloo)")
+    return torch.device("cuda", env.local_rank)
 
 
 def _token_ids(plan: Plan) -> torch.Tensor:

@@ -9,10 +9,42 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import hyparallel as hp
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Note [the suite's environment]
+#     A user may run the suite from inside a launch, or with hyparallel's and Triton's switches exported.
+#     torchrun's variables make parallelize join a launch that does not exist (MASTER_ADDR alone made the
+#     in-process tests rendezvous), HYPARALLEL_TRITON=0 and TRITON_INTERPRET=1 change which kernels run.
+#     Every test starts without them; a test or launch that needs one sets it itself.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "TRITON_INTERPRET")
+LAUNCH_PREFIXES = ("TORCHELASTIC_", "HYPARALLEL_", "DLROVER_")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def clean_launch_environment():
+    """Every test (and every process a test starts) runs without launch or kernel variables: Note [the suite's environment]."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name in LAUNCH_VARIABLES or name.startswith(LAUNCH_PREFIXES):
+                patch.delenv(name)
+        yield
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """parallelize in this process, a world of one without torchrun; the process group it made goes afterwards.
+
+    Yields ``monkeypatch`` for tests that pretend to be one rank of a larger launch (``setenv("WORLD_SIZE", ...)``).
+    """
+    assert not dist.is_initialized()
+    yield monkeypatch
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 # Tiny configs for Hugging Face models: small vocabularies make transformers warn about token ids.
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -51,4 +83,18 @@ def torchrun(repo: Path, script: str, out: Path, processes: int, *args: str, env
         capture_output=True, text=True, env=environ, timeout=timeout,
     )
     teardown_only = out.exists() and "terminate called" in proc.stderr  # out is written after the last collective
-    assert proc.returncode == 0 or teardown_only, proc.stderr[-4000:]
+    failures = "\n".join(p.read_text() for p in sorted(out.parent.glob(f"{out.name}.rank*")))  # tests/distributed/harness.py
+    assert proc.returncode == 0 or teardown_only, (failures or proc.stderr)[-4000:]
+
+
+def assert_every_parameter_compared(groups: list[list[str]], compared: dict[object, set[str]]) -> None:
+    """Each replica compared every parameter, by name: ``groups`` are the model's names (tied ones together, from
+    tests/distributed/harness.parameter_groups), ``compared`` maps a replica (e.g. a dp rank) to the names its ranks
+    compared. A name outside the model, or a parameter no rank of a replica compared, fails with its name.
+    """
+    known = {name for group in groups for name in group}
+    assert compared, "no replica compared anything"
+    for replica, names in compared.items():
+        assert names <= known, f"replica {replica} compared names the model does not have: {sorted(names - known)}"
+        missing = [group for group in groups if not names & set(group)]
+        assert not missing, f"replica {replica} never compared {missing}"

@@ -14,14 +14,13 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import hyparallel as hp
 from hyparallel import checkpoint
 from hyparallel.cli import main as cli
 from hyparallel.errors import ConfigError
 
-from .conftest import REPO, torchrun
+from .conftest import REPO, assert_every_parameter_compared, torchrun
 
 sys.path.insert(0, str(REPO / "tests" / "distributed"))
 from checkpoint_worker import GLOBAL_BATCH, GPT, SEED, SEQ, reference  # noqa: E402
@@ -39,26 +38,24 @@ def test_saved_under_one_plan_loads_under_another_and_training_continues(saved):
     _, ranks = saved
     for rank in ranks:
         assert rank["saved_error"] <= 1e-5  # dp2 x tp2 ZeRO 1 after 2 steps
-        assert rank["loaded_error"] <= 1e-5 and rank["loaded_checked"] >= 13 * 3  # tp2 x pp2: weights and both moments
+        assert rank["loaded_error"] <= 1e-5  # tp2 x pp2: weights and both moments
         assert rank["continued_error"] <= 1e-5  # step 3 under the new plan = the single device's step 3
         assert rank["step"] == 2 and rank["extra"] == {"samples_seen": 2 * GLOBAL_BATCH}
+    loaded = {0: {name for rank in ranks for name in rank["loaded_checked"]}}  # dp 1: one replica
+    assert_every_parameter_compared(ranks[0]["parameter_groups"], loaded)
 
 
 @pytest.fixture
-def one_process(monkeypatch):
+def one_process(world_of_one):
     """parallelize in this process (a world of one, no torchrun) for a model spec; the group goes afterwards."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-        monkeypatch.delenv(name, raising=False)
 
     def start(spec: str, global_batch: int, seed: int = 0):
         model = hp.models.load(spec).module
         plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), global_batch, SEQ, "fp32",
                        dp=1, tp=1, pp=1, micro_batch=global_batch)
-        return hp.parallelize(model, plan, seed=seed)
+        return hp.parallelize(model, plan, seed=seed, device="cpu")
 
-    yield start
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return start
 
 
 def test_loads_into_one_process(saved, one_process):

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import hyparallel as hp
+from hyparallel import metrics
 from hyparallel.metrics import RunMetrics
 
 
@@ -17,36 +15,30 @@ def cpu_plan(**parallel) -> hp.Plan:
                               "training": {"global_batch": 4, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"}})
 
 
-def test_a_step_is_the_time_from_one_train_step_to_the_next():
+def test_a_step_is_the_time_from_one_train_step_to_the_next(monkeypatch):
     meter = RunMetrics(cpu_plan(), flops_per_token=1e6, device=torch.device("cpu"), pp_rank=0)
     assert meter.last() is None and meter.summary() is None
-    for pause in (0.20, 0.05, 0.05):  # the first step is warm-up: left out of the summary
+    clock = iter([10.0, 10.2, 10.25, 10.32])  # a fake clock: what is measured is the arithmetic, not this machine
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    for _ in range(3):  # steps of 0.2 s (warm-up, left out of the summary), 0.05 s and 0.07 s
         meter.step_started(tokens=1000)
-        time.sleep(pause)
     assert len(meter.steps()) == 2  # the third is still open
     summary = meter.summary()  # closes it
-    assert summary.steps == 2 and 0.05 <= summary.step_time_s < 0.15
-    assert summary.tokens_per_s == pytest.approx(1000 / summary.step_time_s, rel=0.5)
+    assert summary.steps == 2 and summary.step_time_s == pytest.approx(0.06)  # the median of 0.05 and 0.07
+    assert summary.tokens_per_s == pytest.approx((1000 / 0.05 + 1000 / 0.07) / 2)  # the median of the rates
     assert summary.tflops_per_gpu == pytest.approx(3 * 1e6 * summary.tokens_per_s / 1e12)
     assert summary.mfu == pytest.approx(summary.tflops_per_gpu * 1e12 / 36.6e9)  # the cpu preset's fp32 peak
     assert summary.peak_memory_gib is None and summary.predicted_step_time_s is None  # CPU; a plan without predictions
-    assert meter.last(5).steps == 3 and meter.last().step_time_s < 0.15  # last() counts warm-up, newest first
+    assert meter.last(5).steps == 3 and meter.last().step_time_s == pytest.approx(0.07)  # newest first, warm-up in
+    assert meter.last(5).step_time_s == pytest.approx(0.07)  # the median of 0.2, 0.05 and 0.07
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: 11.0)
     meter.step_started(tokens=1000)  # training may go on after a summary: a new step opens
     assert len(meter.steps()) == 3
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_parallel_model_measures_its_steps_against_the_plans_prediction(world_of_one):
     model = hp.models.build("gpt-tiny")
-    pmodel = hp.parallelize(model, cpu_plan(), seed=0)  # a hand plan: the planner's prediction is filled in
+    pmodel = hp.parallelize(model, cpu_plan(), seed=0, device="cpu")  # a hand plan: the planner's prediction is filled in
     assert pmodel.plan.predicted is not None and pmodel.plan.predicted.step_time_s > 0
     graph = hp.trace(hp.models.build("gpt-tiny"), torch.zeros(1, 16, dtype=torch.long))
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))

@@ -20,6 +20,9 @@ from hyparallel.errors import ConfigError
 from hyparallel.pipeline import PipelineRuntime, split_model
 from hyparallel.tensor.init import materialize_
 
+from .conftest import assert_every_parameter_compared
+from .distributed.harness import parameter_groups
+
 logging.getLogger("transformers").setLevel(logging.ERROR)
 SEED, BATCH, SEQ = 5, 2, 12
 HF_COMMON = "bos_token_id=0 eos_token_id=0 vocab_size=96"
@@ -86,16 +89,18 @@ def test_chained_stages_equal_the_model_forward_and_backward(name):
     ref = reference(spec)
     ref_loss = loss_fn(ref(inputs), targets)
     ref_loss.backward()
-    # The same operations in the same order on the same values: bitwise equal, not just close.
-    assert torch.equal(logits_of(received), logits_of(ref(inputs)))
-    assert torch.equal(loss, ref_loss)
+    # The same operations on the same values, but not always the same kernels: torch.export's decomposed ops and
+    # the CPU's vector width choose other kernels for some of them (Hugging Face Llama and Qwen2 gradients differ by
+    # 1.5e-7 relative on an AMD EPYC, not at all on an Intel Xeon). So fp32 rounding: rtol 1e-5 / atol 1e-6.
+    torch.testing.assert_close(logits_of(received), logits_of(ref(inputs)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     ref_grads = dict(ref.named_parameters(remove_duplicate=False))
-    compared = 0
+    compared = set()
     for module in modules:
         for pname, param in module.body.named_parameters():
-            assert torch.equal(param.grad, ref_grads[pname].grad), pname
-            compared += 1
-    assert compared >= len(list(ref.parameters()))
+            torch.testing.assert_close(param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}")
+            compared.add(pname)
+    assert_every_parameter_compared(parameter_groups(ref), {"the stages": compared})
 
 
 def test_boundaries_relay_values_a_later_stage_reads():
@@ -121,7 +126,7 @@ def test_a_rank_materialises_only_its_stages_with_the_full_models_values():
     assert "layers.3.mlp.fc.weight" in real and "layers.0.mlp.fc.weight" not in real
     assert {"output.weight", "tok_embeddings.weight"} <= real  # the tied head is the embedding: one tensor
     assert model.output.weight is model.tok_embeddings.weight
-    for pname in real:
+    for pname in real:  # the same random stream, the same values: initialisation is exact (tests/test_tensor_init.py)
         assert torch.equal(model.get_parameter(pname), ref[pname]), pname
 
 
@@ -147,8 +152,11 @@ def test_runtime_with_one_rank_and_virtual_stages_matches_the_model(name):
     ref_loss.backward()
     ref_grads = dict(ref.named_parameters(remove_duplicate=False))
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
+    compared = set()
     for pname, param in runtime.named_parameters():  # micro-batch sums vs one whole-batch reduction: rounding only
         torch.testing.assert_close(param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}")
+        compared.add(pname)
+    assert_every_parameter_compared(parameter_groups(ref), {"the runtime": compared})
 
 
 def test_stage_map_errors_name_the_module_and_the_fix():

@@ -14,6 +14,8 @@ def full(shape, name="w", std=0.5, seed=3):
     return tensor
 
 
+# Exact comparisons below are safe: a slice and the whole parameter draw the same CHUNK_ROWS-row blocks from the
+# same generators with the same kernel in this process, so the values are the very same numbers, not a rounding.
 def test_slices_equal_the_full_parameter():
     shape = (2 * CHUNK_ROWS + 37, 40)
     whole = full(shape)

@@ -8,12 +8,11 @@ compared again. Rank 0 writes one JSON line.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+import harness  # tests/distributed/harness.py, beside this script
 import torch
-import torch.distributed as dist
 
 import hyparallel as hp
 from hyparallel import checkpoint
@@ -39,7 +38,8 @@ def reference(steps: int):
 def build(name: str):
     model = hp.models.load(GPT).module
     plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=4), GLOBAL_BATCH, SEQ, "fp32", **PLANS[name])
-    pmodel = hp.parallelize(model, plan, seed=SEED + 1 if name == "loaded" else SEED)  # loaded: other initial weights
+    # loaded: other initial weights; gloo on the CPU, a GPU present or not
+    pmodel = hp.parallelize(model, plan, seed=SEED + 1 if name == "loaded" else SEED, device="cpu")
     return model, pmodel, torch.optim.AdamW(pmodel.parameters(), lr=LR)
 
 
@@ -51,10 +51,10 @@ def train(pmodel, optimizer, steps: range) -> None:
         optimizer.zero_grad()
 
 
-def worst_error(model, pmodel, optimizer, ref_model, ref_optimizer) -> tuple[float, int]:
-    """Largest relative (norm) difference over every parameter and AdamW moment this rank holds."""
+def worst_error(model, pmodel, optimizer, ref_model, ref_optimizer) -> tuple[float, list[str]]:
+    """Largest relative (norm) difference over every parameter and AdamW moment this rank holds, and their names."""
     ref_params = dict(ref_model.named_parameters(remove_duplicate=False))
-    modules, worst, checked = dict(model.named_modules()), 0.0, 0
+    modules, worst, checked = dict(model.named_modules()), 0.0, []
     for name, param in pmodel.named_parameters():
         owner, _, leaf = name.rpartition(".")
         pairs = [(param, ref_params[name])]
@@ -63,14 +63,13 @@ def worst_error(model, pmodel, optimizer, ref_model, ref_optimizer) -> tuple[flo
             want = expected_slice(modules[owner], leaf, want)
             got = full(got)
             worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-12)).item())
-            checked += 1
+        checked.append(name)  # its value and both moments
     return worst, checked
 
 
-def main() -> None:
-    out, directory = sys.argv[1], Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    result = {"rank": dist.get_rank()}
+def run(directory: Path) -> dict:
+    """Train and save under one plan, load under the other, train on; the errors against one device at each point."""
+    result = {"parameter_groups": harness.parameter_groups(hp.models.load(GPT).module)}
     model, pmodel, optimizer = build("saved")
     train(pmodel, optimizer, range(2))
     result["saved_error"], _ = worst_error(model, pmodel, optimizer, *reference(2))
@@ -81,16 +80,17 @@ def main() -> None:
 
     model, pmodel, optimizer = build("loaded")
     info = checkpoint.load(pmodel, optimizer, directory)
-    result.update(step=info["step"], extra=info["extra"], path=str(path))
+    result.update(step=info["step"], extra=info["extra"], path=str(path), dp_rank=pmodel.dp_rank)
     result["loaded_error"], result["loaded_checked"] = worst_error(model, pmodel, optimizer, *reference(2))
     train(pmodel, optimizer, range(2, 3))  # and training goes on where it left off
     result["continued_error"], _ = worst_error(model, pmodel, optimizer, *reference(3))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(gathered) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    return result
+
+
+def main() -> None:
+    out, directory = sys.argv[1], Path(sys.argv[2])
+    harness.init()
+    harness.run_cases(out, [("save-dp2-tp2-zero1-load-tp2-pp2", lambda: run(directory))])
 
 
 if __name__ == "__main__":

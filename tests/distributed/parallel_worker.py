@@ -20,11 +20,10 @@ gradient zero; the first-step gradient check is the same for both.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import sys
-import traceback
 
+import harness  # tests/distributed/harness.py, beside this script
 import torch
 import torch.distributed as dist
 
@@ -118,8 +117,9 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()  # FSDP: gather over dp
 
 
-def compare(pmodel, model, expected: dict[str, torch.Tensor], of_grads: bool, factor: float = 1.0) -> tuple[int, float]:
-    modules, checked, worst = dict(model.named_modules()), 0, 0.0
+def compare(pmodel, model, expected: dict[str, torch.Tensor], of_grads: bool, factor: float = 1.0) -> tuple[list[str], float]:
+    """The names of the parameters this rank holds, each compared with ``expected``, and the worst relative error."""
+    modules, checked, worst = dict(model.named_modules()), [], 0.0
     for pname, param in pmodel.named_parameters():
         owner, _, leaf = pname.rpartition(".")
         want = expected_slice(modules[owner], leaf, expected[pname]) * factor
@@ -130,7 +130,7 @@ def compare(pmodel, model, expected: dict[str, torch.Tensor], of_grads: bool, fa
         assert of_grads or relative <= RTOL, f"{what}{pname}: relative error {relative:.2e} > {RTOL}"
         torch.testing.assert_close(got, want, rtol=RTOL, atol=GRAD_ATOL if of_grads else PARAM_ATOL,
                                    msg=lambda m: f"{what}{pname}: {m}")
-        checked += 1
+        checked.append(pname)
     return checked, worst
 
 
@@ -141,12 +141,14 @@ def run_case(name: str) -> dict:
     world = dist.get_world_size()
     plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world), GLOBAL_BATCH, SEQ, "fp32",
                    **constraints)
-    pmodel = hp.parallelize(model, plan, seed=SEED)
+    groups = harness.parameter_groups(model)  # before parallelize swaps modules in
+    pmodel = hp.parallelize(model, plan, seed=SEED, device="cpu")  # gloo on the CPU, a GPU present or not
     first_block = "layers.0.attn.qkv" if spec == GPT else "transformer.h.0.attn.c_attn"
     calls = []  # forward calls of the first block's qkv: twice per micro-batch when the block is recomputed
     model.get_submodule(first_block).register_forward_hook(lambda *_: calls.append(1))
     optimizer = optimizer_for(spec, pmodel.parameters())
-    losses, result = [], {"case": name, "rank": dist.get_rank(), "plan": plan.parallel.model_dump()}
+    losses = []
+    result = {"plan": plan.parallel.model_dump(), "dp_rank": pmodel.dp_rank, "parameter_groups": groups}
     for step, (inputs, targets) in enumerate(batches(spec)):
         for _ in range(calls_first if step == 0 else 1):
             loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
@@ -178,25 +180,8 @@ def run_case(name: str) -> dict:
 
 def main() -> None:
     out_path, names = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo")
-    rows = []
-    for name in names:
-        try:
-            result = run_case(name)
-        except Exception as exc:  # noqa: BLE001 -- reported to the test; the launch stops (peers may be mid-collective)
-            result = {"case": name, "rank": dist.get_rank(), "error": f"{type(exc).__name__}: {exc}",
-                      "traceback": traceback.format_exc()[-3000:]}
-            with open(f"{out_path}.rank{dist.get_rank()}", "w") as f:
-                f.write(json.dumps([result]) + "\n")
-            raise
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, result)
-        rows.append(gathered)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    dist.barrier()  # every rank done with every collective before the groups go
-    dist.destroy_process_group()
+    harness.init()
+    harness.run_cases(out_path, [(name, functools.partial(run_case, name)) for name in names])
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ device reduces over the whole batch at once, so results differ by float rounding
 from __future__ import annotations
 
 import copy
-import json
+import functools
 import logging
 import sys
-import traceback
 
+import harness  # tests/distributed/harness.py, beside this script
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -111,13 +111,13 @@ def run_awkward(kind: str, group) -> dict:
         ref_loss = loss_fn(reference(tokens, mask), targets)
         ref_loss.backward()
     ref_grads = dict(reference.named_parameters(remove_duplicate=False))
-    worst_abs, checked = 0.0, 0
+    worst_abs, checked = 0.0, []
     for pname, param in runtime.named_parameters():
         torch.testing.assert_close(param.grad, ref_grads[pname].grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{pname}: {m}")
         worst_abs = max(worst_abs, (param.grad - ref_grads[pname].grad).abs().max().item())
-        checked += 1
+        checked.append(pname)
     torch.testing.assert_close(torch.tensor(losses[-1]), ref_loss.detach(), rtol=RTOL, atol=0)
-    return {"case": f"awkward-pp3-{kind}", "rank": rank, "loss": losses[-1], "ref_loss": ref_loss.item(),
+    return {"rank": rank, "loss": losses[-1], "ref_loss": ref_loss.item(), "parameter_groups": harness.parameter_groups(reference),
             "worst_abs": worst_abs, "params_checked": checked, "tied": sorted(runtime._tied),
             "boundaries": [list(io.outputs) for io in split.io]}
 
@@ -148,17 +148,17 @@ def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
     rank = dist.get_rank(group)
     loss = runtime.train_step(inputs, targets, loss_fn)
 
-    worst_abs, checked = 0.0, 0
+    worst_abs, checked = 0.0, []
     for pname, param in runtime.named_parameters():
         torch.testing.assert_close(param.grad, ref_grads[pname], rtol=RTOL, atol=ATOL, msg=lambda m: f"{pname}: {m}")
         worst_abs = max(worst_abs, (param.grad - ref_grads[pname]).abs().max().item())
-        checked += 1
+        checked.append(pname)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=0)
     materialized = [n for n, p in model.named_parameters() if not p.is_meta]
     lowered = lower(schedule(kind, pp, MICROBATCHES, v), pp, v)
     sim = simulate(lowered, pp, v)
     return {
-        "case": f"{name}-pp{pp}-{kind}", "rank": rank, "loss": loss.item(), "ref_loss": ref_loss.item(),
+        "rank": rank, "loss": loss.item(), "ref_loss": ref_loss.item(), "parameter_groups": harness.parameter_groups(reference),
         "worst_abs": worst_abs, "params_checked": checked, "stages": stages,
         "materialized": len(materialized), "model_params": len(list(model.parameters())),
         "order_matches_simulator": runtime.last_order == sim.order[rank],
@@ -169,38 +169,18 @@ def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
 
 
 def main() -> None:
-    out_path = sys.argv[1]
-    dist.init_process_group("gloo")
+    harness.init()
     world = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     triple = dist.new_group([0, 1, 2])
     groups = {2: pairs[world // 2], 4: dist.group.WORLD}
-    results = []
     cases = [(name, pp, kind, v) for name in MODELS for pp in (2, 4) for kind, v in SCHEDULES]
     cases.append(("hf-llama", 2, "1f1b", 1))
-    for name, pp, kind, v in cases:
-        try:
-            result = run_case(name, pp, kind, v, groups[pp], seed=7)
-        except Exception as exc:  # noqa: BLE001 -- reported to the test, which fails on it
-            result = {"case": f"{name}-pp{pp}-{kind}", "error": f"{type(exc).__name__}: {exc}",
-                      "traceback": traceback.format_exc()}
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, result)
-        results.append(gathered)
-    for kind in ("gpipe", "1f1b"):
-        try:
-            result = run_awkward(kind, triple) if world < 3 else {"case": f"awkward-pp3-{kind}", "rank": None}
-        except Exception as exc:  # noqa: BLE001 -- reported to the test, which fails on it
-            result = {"case": f"awkward-pp3-{kind}", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, result)
-        results.append(gathered)
-    if world == 0:
-        with open(out_path, "w") as f:
-            for gathered in results:
-                f.write(json.dumps(gathered) + "\n")
-    dist.barrier()  # every rank done with every collective before the groups go
-    dist.destroy_process_group()
+    listed = [(f"{name}-pp{pp}-{kind}", functools.partial(run_case, name, pp, kind, v, groups[pp], seed=7))
+              for name, pp, kind, v in cases]
+    for kind in ("gpipe", "1f1b"):  # ranks 0-2; rank 3 reports nothing
+        listed.append((f"awkward-pp3-{kind}", functools.partial(run_awkward, kind, triple) if world < 3 else dict))
+    harness.run_cases(sys.argv[1], listed)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Every case builds the single-device reference model with a fixed seed on every rank, copies it, applies
 tensor parallelism over a tp group (tp=2: ranks {0,1} and {2,3}; tp=4: all four), runs the same batch,
 and compares the logits, the loss and every parameter's gradient (split gradients gathered back to full
-shape). Rank 0 writes one JSON line per case to the file given as argv[1].
+shape). Rank 0 writes one JSON line per case (every rank's result) to the file given as argv[1].
 
 Tolerance: fp32, rtol 1e-5 with atol 1e-6: the all-reduces sum partial products in another order than the
 single-device matmul, so results differ by float rounding only; atol covers entries near zero, where a
@@ -12,12 +12,12 @@ relative bound means nothing.
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import os
 import sys
-import traceback
 
+import harness  # tests/distributed/harness.py, beside this script
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -100,7 +100,7 @@ def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss
     loss.backward()
     info.reduce_grads(model)
     reference_params = dict(reference.named_parameters())
-    checked, split_bytes, full_bytes = 0, 0, 0
+    checked, split_bytes, full_bytes = [], 0, 0
     for param_name, param in model.named_parameters():
         owner_path, _, leaf = param_name.rpartition(".")
         owner = model.get_submodule(owner_path)
@@ -112,79 +112,51 @@ def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss
         if isinstance(owner, (ColumnParallelLinear, RowParallelLinear)) and leaf == "weight":
             split_bytes += param.numel() * param.element_size()
             full_bytes += expected.numel() * expected.element_size()
-        checked += 1
+        checked.append(param_name)
     tp = dist.get_world_size(tp_group)
     # Memory: split weights hold 1/tp of the full bytes (more only where key/value heads are replicated).
     fused = sum(1 for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.activation != "none")
-    return {"case": name, "checked_params": checked, "split_fraction": split_bytes / full_bytes, "tp": tp,
+    return {"checked_params": checked, "parameter_groups": harness.parameter_groups(reference),
+            "split_fraction": split_bytes / full_bytes, "tp": tp,
             "synced": len(info.synced_params), "fused": fused, "shared": len(info.shared_rows)}
 
 
-def triton_cases() -> list[dict]:
+def triton_cases() -> list[tuple[str, object]]:
     """The fused column Linears through the Triton kernels, run by Triton's interpreter on the CPU.
 
     Launched on its own with TRITON_INTERPRET=1 in the environment: Triton reads it when first imported.
     """
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    results = []
-    for model_name in ("gpt", "hf-llama"):
-        name = f"{model_name}-tp2-triton"
-        try:
-            result = run_case(name, MODELS[model_name], dist.group.WORLD, False, False)
-            results.append({**result, "ok": True, "triton": kernels_enabled(torch.zeros(1))})
-        except Exception as exc:  # noqa: BLE001 -- reported per case to the test
-            results.append({"case": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                            "trace": traceback.format_exc()[-3000:]})
-        dist.barrier()
-    return results
+
+    def case(model_name: str) -> dict:
+        result = run_case(f"{model_name}-tp2-triton", MODELS[model_name], dist.group.WORLD, False, False)
+        return {**result, "triton": kernels_enabled(torch.zeros(1))}
+
+    return [(f"{model_name}-tp2-triton", functools.partial(case, model_name)) for model_name in ("gpt", "hf-llama")]
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    if len(sys.argv) > 2 and sys.argv[2] == "triton":
-        write_results(triton_cases())
-        return
+def cases(rank: int) -> list[tuple[str, object]]:
+    """Every (name, case) of the main launch: tp 2 on ranks {0, 1} and {2, 3} at once, then tp 4 on all four."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     everyone = dist.new_group([0, 1, 2, 3])
-    results = []
+    listed = []
     for tp in (2, 4):
         group = pairs[rank // 2] if tp == 2 else everyone
         for model_name, spec in MODELS.items():
             for sequence_parallel in (False, True):
                 for vocab_loss in ((False, True) if not sequence_parallel else (False,)):
                     name = f"{model_name}-tp{tp}{'-sp' if sequence_parallel else ''}{'-vocab-loss' if vocab_loss else ''}"
-                    try:
-                        results.append({**run_case(name, spec, group, sequence_parallel, vocab_loss), "ok": True})
-                    except Exception as exc:  # noqa: BLE001 -- reported per case to the test
-                        results.append({"case": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                                        "trace": traceback.format_exc()[-3000:]})
-                    dist.barrier()
-        for model_name in MODELS:  # hf-gpt2: Conv1D stores (in, out); its slices must take those values
+                    listed.append((name, functools.partial(run_case, name, spec, group, sequence_parallel, vocab_loss)))
+        for model_name, spec in MODELS.items():  # hf-gpt2: Conv1D stores (in, out); its slices must take those values
             name = f"{model_name}-tp{tp}-meta"
-            try:
-                results.append({**run_case(name, MODELS[model_name], group, False, False, from_meta=True), "ok": True})
-            except Exception as exc:  # noqa: BLE001 -- reported per case to the test
-                results.append({"case": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                                "trace": traceback.format_exc()[-3000:]})
-            dist.barrier()
-    write_results(results)
+            listed.append((name, functools.partial(run_case, name, spec, group, False, False, from_meta=True)))
+    return listed
 
 
-def write_results(results: list[dict]) -> None:
-    """Merge every rank's results per case (a failure anywhere fails the case) and write them from rank 0."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as out:
-            for per_rank in zip(*gathered):
-                merged = dict(per_rank[0])
-                failures = [r for r in per_rank if not r["ok"]]
-                if failures:
-                    merged = {**failures[0], "ok": False}
-                out.write(json.dumps(merged) + "\n")
-    dist.barrier()  # every rank done with every collective before the groups go
-    dist.destroy_process_group()
+def main() -> None:
+    harness.init()
+    triton = len(sys.argv) > 2 and sys.argv[2] == "triton"
+    harness.run_cases(sys.argv[1], triton_cases() if triton else cases(dist.get_rank()))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""The multi-process tests' harness (tests/distributed/harness.py): a case failing on one rank ends the launch at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import hyparallel as hp
+
+from .conftest import LAUNCH_PREFIXES, LAUNCH_VARIABLES, assert_every_parameter_compared
+from .distributed.harness import GROUP_TIMEOUT_S, parameter_groups
+
+
+def test_a_rank_that_fails_stops_its_peers_waiting_in_a_collective(tmp_path, repo):
+    out = tmp_path / "results.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    # A hang detector, not a speed check: without the harness rank 0 waits GROUP_TIMEOUT_S in its all-reduce.
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(repo / "tests" / "distributed" / "abort_worker.py"), str(out)],
+        capture_output=True, text=True, env=env, timeout=GROUP_TIMEOUT_S // 2,
+    )
+    assert proc.returncode != 0 and not out.exists()  # no results: the launch ended before the last case
+    report = json.loads((tmp_path / "results.jsonl.rank1").read_text())
+    assert report["case"] == "fails-on-rank-1" and report["rank"] == 1
+    assert report["error"] == "ValueError: rank 1 gives up before the all-reduce" and "Traceback" in report["traceback"]
+    peer = tmp_path / "results.jsonl.rank0"  # rank 0 was stopped, or its all-reduce saw the peer go (gloo)
+    assert not peer.exists() or json.loads(peer.read_text())["case"] == "fails-on-rank-1"
+
+
+def test_every_parameter_is_compared_by_name_on_every_replica():
+    model = hp.models.build("gpt-tiny", num_layers=2)  # a tied head: output.weight is tok_embeddings.weight
+    groups = parameter_groups(model)
+    names = {name for name, _ in model.named_parameters()}  # one name per tensor
+    assert ["tok_embeddings.weight", "output.weight"] in groups
+    assert_every_parameter_compared(groups, {0: names, 1: names - {"tok_embeddings.weight"} | {"output.weight"}})
+    dropped = sorted(names)[3]
+    with pytest.raises(AssertionError, match=f"replica 1 never compared .*{dropped}"):
+        assert_every_parameter_compared(groups, {0: names, 1: names - {dropped}})
+    with pytest.raises(AssertionError, match="names the model does not have: \\['layers.9.w'\\]"):
+        assert_every_parameter_compared(groups, {0: names | {"layers.9.w"}})
+
+
+def test_the_suite_runs_the_same_inside_an_exported_launch(repo):
+    # Note [the suite's environment]: torchrun's variables (this rank 1 of 2 would wait for a rank 0 that is not
+    # there), a Triton interpreter switch and hyparallel's kernel switch, as a user's shell may export them.
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+              "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "user", "TRITON_INTERPRET": "1", "HYPARALLEL_TRITON": "0"}
+    probe = "tests/test_metrics.py::test_parallel_model_measures_its_steps_against_the_plans_prediction"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", probe, "tests/test_harness.py::"
+                           "test_no_launch_variable_reaches_a_test"], capture_output=True, text=True, cwd=repo,
+                          env={**os.environ, **launch}, timeout=GROUP_TIMEOUT_S)
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_no_launch_variable_reaches_a_test():
+    left = [name for name in os.environ if name in LAUNCH_VARIABLES or name.startswith(LAUNCH_PREFIXES)]
+    assert not left
