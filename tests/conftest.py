@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import subprocess
@@ -54,6 +55,14 @@ HF_LLAMA_TINY = (
     "hf:LlamaForCausalLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
     "intermediate_size=128 vocab_size=128 max_position_embeddings=64 bos_token_id=0 eos_token_id=0"
 )
+
+
+def have_triton() -> bool:
+    """Whether triton is installed (pyproject installs it on Linux x86-64 only), without importing it here."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules["triton"] is None (imports of it blocked)
+        return False
 
 
 @pytest.fixture(scope="session")

@@ -60,3 +60,14 @@ def test_the_suite_runs_the_same_inside_an_exported_launch(repo):
 def test_no_launch_variable_reaches_a_test():
     left = [name for name in os.environ if name in LAUNCH_VARIABLES or name.startswith(LAUNCH_PREFIXES)]
     assert not left
+
+
+def test_without_triton_the_kernel_tests_skip_and_say_why(repo, tmp_path):
+    # pyproject installs triton on Linux x86-64 only: elsewhere the kernel checks skip and the rest still runs.
+    (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["triton"] = None  # as if not installed\n')
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_kernels.py",
+                           "tests/test_tensor_layers.py", "tests/test_layering.py"], capture_output=True, text=True,
+                          cwd=repo, env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"}, timeout=GROUP_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "SKIPPED [1] tests/test_kernels.py" in proc.stdout and "triton is not installed" in proc.stdout
+    assert " 1 skipped" in proc.stdout and "failed" not in proc.stdout

@@ -6,12 +6,11 @@ rtol 1e-5 / atol 1e-6 (the reason is in its docstring); this module reports each
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from .conftest import assert_every_parameter_compared, torchrun
+from .conftest import assert_every_parameter_compared, have_triton, torchrun
 
 NO_TRITON = "triton is not installed: the fused kernels run under its CPU interpreter"
 
@@ -30,7 +29,7 @@ def launch(repo, out, processes: int, *extra: str, env: dict | None = None) -> d
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, repo):
     main = launch(repo, tmp_path_factory.mktemp("tp") / "results.jsonl", 4)
-    if importlib.util.find_spec("triton") is None:
+    if not have_triton():
         return main
     triton = launch(repo, tmp_path_factory.mktemp("tp") / "triton.jsonl", 2, "triton", env={"TRITON_INTERPRET": "1"})
     return {**main, **triton}
