@@ -8,7 +8,7 @@ from hyparallel import models
 from hyparallel.cluster import ClusterSpec
 from hyparallel.errors import ConfigError, HyparallelError, ModelSpecError, TraceError
 from hyparallel.graph import ModelGraph, trace
-from hyparallel.planner import PlanError, plan
+from hyparallel.planner import PlanError, plan, search
 from hyparallel.schema import Plan
 
 __version__ = "0.1.0"
@@ -27,5 +27,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "ClusterSpec", "ConfigError", "HyparallelError", "ModelGraph", "ModelSpecError", "ParallelModel", "Plan", "PlanError",
-    "TraceError", "checkpoint", "models", "parallelize", "plan", "trace", "__version__",
+    "TraceError", "checkpoint", "models", "parallelize", "plan", "search", "trace", "__version__",
 ]

@@ -38,7 +38,8 @@ EXAMPLES = {
     "plan": (
         "examples:\n  hyparallel plan --model gpt-175b --gpus 1024 --cluster a100-80g --global-batch 1536 --seq-len 2048 -o plan.yaml\n"
         "  hyparallel plan --model llama-70b --gpus 64 --cluster h100-sxm --tp 8 --top 5\n"
-        "  hyparallel plan --model hf:LlamaForCausalLM num_hidden_layers=8 --gpus 8 --json"
+        "  hyparallel plan --model hf:LlamaForCausalLM num_hidden_layers=8 --gpus 8 --json\n"
+        "  hyparallel plan --model mypkg.gpt:make_model --example-inputs mypkg.gpt:make_inputs --gpus 8 --seq-len 1024"
     ),
     "calibrate": (
         "examples:\n  hyparallel calibrate --out my-cluster.yaml              # 8 gloo processes on a CPU; one per GPU on CUDA\n"
@@ -208,7 +209,6 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     """Search the best plan for a model on a cluster; print it, write it with -o."""
     from hyparallel import models
     from hyparallel.cluster import ClusterSpec
-    from hyparallel.graph import trace
     from hyparallel.planner import PlanError, search, to_plan
 
     per_node = args.gpus_per_node
@@ -219,12 +219,13 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     cluster = base.resized(num_nodes=args.gpus // per_node, gpus_per_node=per_node)
     with _logged(args.verbose), _progress(sys.stderr.isatty() and not args.json and not args.verbose) as progress:
         loaded = models.load(args.model)
+        make_inputs = models.load_callable(args.example_inputs, "example inputs") if args.example_inputs else None
         seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
         progress("tracing", 0, 0)
-        graph = trace(loaded.module, models.example_inputs(loaded.module, 1, seq_len), name=loaded.name)
         constraints = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
-        result = search(graph, cluster, args.global_batch, seq_len, args.dtype, top=max(args.top, 1),
-                        alternatives=args.top > 1, progress=progress, **constraints)
+        result = search(loaded.module, cluster, args.global_batch, seq_len, args.dtype, example_inputs=make_inputs,
+                        name=loaded.name, top=max(args.top, 1), alternatives=args.top > 1, progress=progress,
+                        **constraints)
     plan = result.plan()
     if args.output:
         plan.save(args.output)
@@ -430,6 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training precision (default bf16)")
     for axis in ("tp", "pp", "dp"):
         plan.add_argument(f"--{axis}", type=int, default=None, help=f"fix the {axis} degree")
+    plan.add_argument("--example-inputs", default=None, metavar="package.module:make_inputs",
+                      help="for a model without an example_inputs(batch_size, seq_len, device) method: a function "
+                           "make_inputs(batch_size, seq_len) returning one micro-batch of its inputs (a tensor, a "
+                           "tuple of args or a dict of kwargs) with the same meaning; the planner traces "
+                           "make_inputs(1, seq_len), and parallelize takes example_inputs=make_inputs(micro_batch, "
+                           "seq_len)")
     plan.add_argument("--top", type=int, default=1, help="list the K best plans and why the usual alternatives lost")
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")

@@ -102,7 +102,7 @@ def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, see
                       "prefer bf16, or scale the loss inside loss_fn", stacklevel=2)
     device = torch.device(device) if device is not None else _default_device(env, plan)
     example = example_inputs if example_inputs is not None else _token_ids(plan)
-    plan = complete_plan(model, plan)
+    plan = complete_plan(model, plan, example_inputs=example_inputs)
     import hyparallel as hp
     from hyparallel.planner.tp import analyze
 
@@ -118,8 +118,10 @@ def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, see
     return ParallelModel(model, plan, env, device, (graph, example), seed, vocab_parallel_loss)
 
 
-def complete_plan(model: nn.Module, plan: Plan) -> Plan:
+def complete_plan(model: nn.Module, plan: Plan, *, example_inputs: Any = None) -> Plan:
     """``plan`` with its missing ``stages`` / ``tensor_parallel`` planned, every stated choice fixed.
+
+    ``example_inputs`` (one micro-batch, as ``parallelize`` takes them) are what the planner traces with, if given.
 
     A plan without predictions gets the planner's for its configuration when its stages are the planner's
     (what ``pmodel.metrics`` compares with); one the planner would refuse (e.g. over its memory estimate)
@@ -144,7 +146,7 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
         fixed = make_plan(model, cluster, tr.global_batch, tr.seq_len, tr.dtype, tp=par.tp, pp=par.pp, dp=par.dp,
                           micro_batch=tr.micro_batch, schedule=par.schedule, virtual_stages=par.virtual_stages,
                           recompute=par.recompute, zero=par.zero, sequence_parallel=par.sequence_parallel,
-                          order=plan.placement.order)
+                          order=plan.placement.order, example_inputs=example_inputs)
     except HyparallelError:  # e.g. a model that traces only with the caller's example_inputs
         if needs_stages or needs_tp:
             raise

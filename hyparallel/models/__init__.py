@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from hyparallel.models.zoo import ZooEntry, build, config, entries, names
 
 __all__ = [
     "GPT", "GPTConfig", "Llama", "LlamaConfig", "ZooEntry", "LoadedModel",
-    "build", "build_hf", "config", "entries", "names", "load", "example_inputs", "fingerprint",
+    "build", "build_hf", "config", "entries", "names", "load", "load_callable", "example_inputs", "fingerprint",
 ]
 
 
@@ -74,14 +74,7 @@ def _parse_overrides(words: Sequence[str]) -> dict[str, Any]:
 
 
 def _from_factory(spec: str, device: torch.device | str, overrides: dict[str, Any]) -> nn.Module:
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelSpecError(f"model factory '{spec}': cannot import '{module_name}': {exc}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ModelSpecError(f"model factory '{spec}': '{module_name}' has no callable '{attr}'")
+    factory = load_callable(spec, "model factory")
     with torch.device(device):
         model = factory(**overrides)
     if not isinstance(model, nn.Module):
@@ -89,12 +82,27 @@ def _from_factory(spec: str, device: torch.device | str, overrides: dict[str, An
     return model
 
 
+def load_callable(spec: str, what: str) -> Callable[..., Any]:
+    """The callable a ``package.module:name`` spec names; ``what`` (e.g. "model factory") words the errors."""
+    module_name, colon, attr = spec.partition(":")
+    if not (colon and module_name and attr):
+        raise ModelSpecError(f"{what} '{spec}' is not package.module:name (e.g. mypkg.models:make_model)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelSpecError(f"{what} '{spec}': cannot import '{module_name}': {exc}") from None
+    found = getattr(module, attr, None)
+    if not callable(found):
+        raise ModelSpecError(f"{what} '{spec}': '{module_name}' has no callable '{attr}'")
+    return found
+
+
 def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> Any:
     """Inputs of the given batch and sequence length for tracing ``model``.
 
     Uses ``model.example_inputs(batch_size, seq_len, device)`` when the model defines it (the zoo
-    does), token ids under ``model.main_input_name`` for Hugging Face models; anything else must
-    define that method.
+    does), token ids under ``model.main_input_name`` for Hugging Face models; for anything else the
+    caller passes its own (``hp.plan(..., example_inputs=)``) or the model defines that method.
     """
     if callable(getattr(model, "example_inputs", None)):
         return model.example_inputs(batch_size, seq_len, device)
@@ -102,8 +110,9 @@ def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torc
     if main_input == "input_ids":
         return {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)}
     raise ModelSpecError(
-        f"cannot tell what inputs {type(model).__name__} takes; give it a method "
-        "example_inputs(batch_size, seq_len, device) returning a tuple of tensors (or a dict of keyword inputs)"
+        f"cannot tell what inputs {type(model).__name__} takes; pass example_inputs= (one micro-batch: a tensor, "
+        "a tuple of args or a dict of kwargs; `hyparallel plan --example-inputs package.module:make_inputs`), or "
+        "give the model a method example_inputs(batch_size, seq_len, device) returning them"
     )
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
 from hyparallel.cluster import ClusterSpec
-from hyparallel.errors import HyparallelError
+from hyparallel.errors import ConfigError, HyparallelError
 from hyparallel.graph import ModelGraph
 from hyparallel.planner import costs
+from hyparallel.planner.inputs import make as make_inputs
+from hyparallel.planner.inputs import read as read_inputs
 from hyparallel.planner.profile import ModelProfile
 from hyparallel.planner.search import Evaluation, Progress, Search, axis_link, enumerate_configs, transfer_s
 from hyparallel.schema import Plan
@@ -52,29 +55,45 @@ class SearchResult:
         return to_plan(self, self.best[rank])
 
 
-def plan(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int, seq_len: int, dtype: str = "bf16",
-         *, name: str | None = None, **constraints) -> Plan:
+# Note [example inputs]
+# The planner costs everything per sequence and scales it to the micro-batch it considers. With no
+# example_inputs (or a function making them) it traces one sequence, batch 1 x seq_len, from the model's
+# example_inputs(batch_size, seq_len, device) method, Hugging Face's main_input_name, or the function given,
+# and searches the micro-batch. example_inputs themselves are one micro-batch, as parallelize takes them:
+# the graph is traced with them (on the meta device, dtypes kept), its figures are divided by their rows b
+# into per-sequence ones, and the micro-batch is fixed to b. So the costs at micro-batch b are the traced
+# graph's own, and the plan runs under parallelize with the same example_inputs (a torch.export trace, which
+# the pipeline uses for models torch.fx cannot trace, fixes the micro-batch shape). seq_len may then be
+# left out: dim 1 of the token ids gives it.
+
+
+def plan(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int, seq_len: int | None = None,
+         dtype: str = "bf16", *, example_inputs: Any = None, name: str | None = None, **constraints) -> Plan:
     """The fastest plan that fits memory for ``model`` on ``cluster``; keyword constraints fix any decision.
 
-    ``model`` may be a (meta-device) module, traced here at micro-batch 1, or a ModelGraph traced
-    at ``seq_len``. Constraints: tp, pp, dp, micro_batch, schedule, virtual_stages, recompute, zero,
-    sequence_parallel, order (placement.order, outermost axis first).
+    ``model`` may be a (meta-device) module or a ModelGraph traced at batch 1 x ``seq_len``. ``example_inputs``
+    is one micro-batch for tracing, as ``parallelize`` takes it (a tensor, a tuple of args or a dict of kwargs;
+    it fixes micro_batch to its rows and gives seq_len), or a function ``(batch_size, seq_len) -> inputs`` used
+    as a model's ``example_inputs`` method is (Note [example inputs]). Constraints: tp, pp, dp, micro_batch,
+    schedule, virtual_stages, recompute, zero, sequence_parallel, order (placement.order, outermost axis first).
     """
-    return search(model, cluster, global_batch, seq_len, dtype, name=name, **constraints).plan()
+    return search(model, cluster, global_batch, seq_len, dtype, example_inputs=example_inputs, name=name,
+                  **constraints).plan()
 
 
-def search(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int, seq_len: int, dtype: str = "bf16",
-           *, name: str | None = None, top: int = 1, alternatives: bool = False, progress: Progress | None = None,
-           **constraints) -> SearchResult:
+def search(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int, seq_len: int | None = None,
+           dtype: str = "bf16", *, example_inputs: Any = None, name: str | None = None, top: int = 1,
+           alternatives: bool = False, progress: Progress | None = None, **constraints) -> SearchResult:
     """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost).
 
-    ``progress(phase, done, total)`` is called as the search goes (a progress bar); the search logs to the
-    ``hyparallel.planner`` logger (INFO: its phases, DEBUG: every configuration costed).
+    ``model``, ``example_inputs`` and the constraints are as ``plan`` takes them. ``progress(phase, done,
+    total)`` is called as the search goes (a progress bar); the search logs to the ``hyparallel.planner``
+    logger (INFO: its phases, DEBUG: every configuration costed).
     """
     _check_request(cluster, global_batch, seq_len, dtype, constraints)
-    graph = model if isinstance(model, ModelGraph) else _trace(model, seq_len, name)
+    graph, seq_len, rows = _graph(model, global_batch, seq_len, name, example_inputs, constraints)
     start = time.perf_counter()
-    profile = ModelProfile(graph, cluster, dtype, seq_len)
+    profile = ModelProfile(graph, cluster, dtype, seq_len, traced_rows=rows or 1)
     engine = Search(profile, cluster, global_batch, dtype, progress)
     best, frugal = engine.best(constraints, top=top)
     if not best:
@@ -88,21 +107,69 @@ def search(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: in
     return result
 
 
-def _trace(model: nn.Module, seq_len: int, name: str | None) -> ModelGraph:
+def _graph(model: nn.Module | ModelGraph, global_batch: int, seq_len: int | None, name: str | None, example_inputs: Any,
+           constraints: dict) -> tuple[ModelGraph, int, int | None]:
+    """The graph to plan, its seq_len, and the micro-batch example_inputs fix (None: searched); sets that constraint."""
     from hyparallel import models
     from hyparallel.graph import trace
 
-    return trace(model, models.example_inputs(model, 1, seq_len), name=name or type(model).__name__)
+    name = name or type(model).__name__
+    if isinstance(model, ModelGraph):
+        if example_inputs is not None:
+            raise PlanError("example_inputs= are for tracing a module, and this ModelGraph is traced already; pass the "
+                            "module itself, or plan the graph without example_inputs=")
+        _batch_one(model)
+        return model, _needed(seq_len), None
+    if example_inputs is None or callable(example_inputs):
+        seq_len = _needed(seq_len)
+        batch = (make_inputs(example_inputs, 1, seq_len).inputs if example_inputs is not None
+                 else models.example_inputs(model, 1, seq_len))
+        return trace(model, batch, name=name), seq_len, None
+    batch = read_inputs(example_inputs)
+    if seq_len is not None and batch.seq_len is not None and seq_len != batch.seq_len:
+        raise ConfigError(f"seq_len={seq_len} but example_inputs hold sequences of {batch.seq_len} tokens; "
+                          "make them agree, or leave seq_len out")
+    seq_len = _needed(seq_len or batch.seq_len)
+    _fix_micro_batch(constraints, batch.rows, global_batch)
+    return trace(model, batch.inputs, name=name), seq_len, batch.rows
 
 
-def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int, dtype: str, constraints: dict) -> None:
+def _needed(seq_len: int | None) -> int:
+    if seq_len is None:
+        raise PlanError("seq_len is not given: pass seq_len=, or example_inputs= whose token ids (batch, seq_len) "
+                        "give it")
+    return seq_len
+
+
+def _batch_one(graph: ModelGraph) -> None:
+    """Refuse a graph traced with more than one row: its figures would be taken for one sequence's."""
+    rows = next((op.output_shapes[0][0] for op in graph.ops if op.kind == "input" and op.output_shapes
+                 and op.output_shapes[0]), 1)
+    if rows != 1:
+        raise PlanError(f"the ModelGraph was traced with {rows} rows, and the planner reads a graph as one sequence; "
+                        "trace it at batch 1, or pass the module with example_inputs= of one micro-batch")
+
+
+def _fix_micro_batch(constraints: dict, rows: int, global_batch: int) -> None:
+    """example_inputs are one micro-batch: the plan's micro_batch is their rows."""
+    given = constraints.get("micro_batch")
+    if given is not None and given != rows:
+        raise ConfigError(f"micro_batch={given} but example_inputs are one micro-batch of {rows} rows; "
+                          f"pass example_inputs of {given} rows, or leave micro_batch out")
+    if global_batch % rows:
+        raise PlanError(f"global batch {global_batch} is not a multiple of the micro-batch of example_inputs "
+                        f"({rows} rows); change either")
+    constraints["micro_batch"] = rows
+
+
+def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int | None, dtype: str, constraints: dict) -> None:
     unknown = sorted(set(constraints) - set(CONSTRAINTS))
     if unknown:
         raise PlanError(f"unknown constraint {', '.join(unknown)}; the planner takes {', '.join(CONSTRAINTS)}")
     if dtype not in costs.DTYPE_BYTES:
         raise PlanError(f"dtype '{dtype}' is not one of {', '.join(costs.DTYPE_BYTES)}")
     for key, value in (("global_batch", global_batch), ("seq_len", seq_len)):
-        if not isinstance(value, int) or value < 1:
+        if (value is not None or key == "global_batch") and (not isinstance(value, int) or value < 1):
             raise PlanError(f"{key} must be a positive integer, got {value!r}")
     for key in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
         value = constraints.get(key)
@@ -227,7 +294,7 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
     graph, profile, c = result.graph, result.profile, evaluation.config
     segments = graph.segments()
     peak = getattr(result.cluster.device.peak_flops, result.dtype)
-    model_flops = costs.model_flops_per_step(graph.flops, result.global_batch)
+    model_flops = costs.model_flops_per_step(profile.forward_flops, result.global_batch)
     step = evaluation.step_time_s
     reserved = result.cluster.device.reserved_bytes
     stages = []

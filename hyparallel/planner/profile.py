@@ -1,9 +1,9 @@
 """Per-segment costs of a traced model under a tensor-parallel degree: the planner's raw material.
 
-A ``ModelProfile`` reads a ModelGraph once (at micro-batch 1, as traced) and answers, for any
-(tp, sequence_parallel, micro_batch, recompute), each segment's forward and backward seconds, its
-tensor-parallel communication, the parameters a rank holds and the activation bytes it keeps for
-the backward pass. Identical repeated blocks are costed once. Formulas: docs/cost-model.md.
+A ``ModelProfile`` reads a ModelGraph once, per sequence (its figures divided by the rows it was traced
+with), and answers, for any (tp, sequence_parallel, micro_batch, recompute), each segment's forward and
+backward seconds, its tensor-parallel communication, the parameters a rank holds and the activation
+bytes it keeps for the backward pass. Identical repeated blocks are costed once. Formulas: docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _MATMUL_KINDS = {"linear", "matmul", "attention"}
 
 @dataclass(frozen=True)
 class _OpCost:
-    """One op at micro-batch 1 in the plan's dtype."""
+    """One op for one sequence in the plan's dtype."""
 
     kind: str
     flops: float
@@ -75,18 +75,21 @@ class _SegmentRaw:
 class ModelProfile:
     """Everything the search needs from a ModelGraph, for one dtype and one cluster."""
 
-    def __init__(self, graph: ModelGraph, cluster: ClusterSpec, dtype: costs.Dtype, seq_len: int):
+    def __init__(self, graph: ModelGraph, cluster: ClusterSpec, dtype: costs.Dtype, seq_len: int, traced_rows: int = 1):
+        """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in api.py)."""
         self.graph, self.cluster, self.dtype, self.seq_len = graph, cluster, dtype, seq_len
+        self.traced_rows = traced_rows
         self.tp_analysis: TPAnalysis = analyze(graph)
         self.segments = graph.segments()
         self.segments_last_op = self.segments[-1].ops[-1]
         self.quadratic = self._quadratic_ops()
         element = graph.param_bytes / graph.num_params if graph.num_params else 4
         self.scale = costs.DTYPE_BYTES[dtype] / element  # traced bytes -> plan-dtype bytes
+        self.per_sequence = self.scale / traced_rows  # traced bytes -> plan-dtype bytes of one sequence
         self.dtype_bytes = costs.DTYPE_BYTES[dtype]
         self.raw = [self._raw(segment) for segment in self.segments]
-        self.cut_bytes = max((cut.bytes for cut in graph.cut_points), default=0) * self.scale
-        self.forward_flops = graph.flops  # per sequence: the graph is traced at batch 1
+        self.cut_bytes = max((cut.bytes for cut in graph.cut_points), default=0) * self.per_sequence
+        self.forward_flops = graph.flops / traced_rows  # per sequence
         self.num_blocks = len(graph.blocks)
         self.has_quadratic = any(sum(raw.saved_quadratic) for raw in self.raw)
         self._cache: dict[tuple, tuple[SegmentCost, ...]] = {}
@@ -193,20 +196,21 @@ class ModelProfile:
 
         signature = (tuple(op_costs), saved_split, saved_full, quadratic, comm_fwd, comm_bwd, entering, loss_working,
                      segment.is_block, tuple((analysis.styles.get(op.name), op.param_count) for op in ops))
-        return _SegmentRaw(ops=op_costs, signature=signature, params_by_tp=params_by_tp, saved_split=saved_split * scale,
-                           saved_full=saved_full * scale, saved_quadratic=(quadratic[0] * scale, quadratic[1] * scale),
-                           block_input_bytes=entering * scale, is_block=segment.is_block,
-                           comm_fwd=tuple(x * scale for x in comm_fwd), comm_bwd=tuple(x * scale for x in comm_bwd),
-                           loss_working=(loss_working[0] * scale, loss_working[1] * scale))
+        one = self.per_sequence  # traced bytes (the graph's rows, its dtype) -> one sequence's in the plan's dtype
+        return _SegmentRaw(ops=op_costs, signature=signature, params_by_tp=params_by_tp, saved_split=saved_split * one,
+                           saved_full=saved_full * one, saved_quadratic=(quadratic[0] * one, quadratic[1] * one),
+                           block_input_bytes=entering * one, is_block=segment.is_block,
+                           comm_fwd=tuple(x * one for x in comm_fwd), comm_bwd=tuple(x * one for x in comm_bwd),
+                           loss_working=(loss_working[0] * one, loss_working[1] * one))
 
     def _op_cost(self, op: Op) -> _OpCost:
-        analysis, scale = self.tp_analysis, self.scale
+        analysis, rows = self.tp_analysis, self.traced_rows
         style = analysis.styles.get(op.name) or ("split" if op.name in analysis.split_ops else "full")
-        in_bytes = sum(_numel(s) for s in op.input_shapes) * self.dtype_bytes
-        out_bytes = op.output_bytes * scale
+        in_bytes = sum(_numel(s) for s in op.input_shapes) * self.dtype_bytes / rows
+        out_bytes = op.output_bytes * self.per_sequence
         weight = op.input_shapes[0][-1] * op.output_shapes[0][-1] * self.dtype_bytes if op.kind == "linear" and op.params else 0
         kind = "copy" if op.kind == "view" and op.target in _COPYING_VIEWS else op.kind  # other views alias: free
-        return _OpCost(kind=kind, flops=op.flops,
+        return _OpCost(kind=kind, flops=op.flops / rows,
                        in_bytes=in_bytes, out_bytes=out_bytes, weight_bytes=weight, style=style,
                        quadratic=op.name in self.quadratic)
 
@@ -243,7 +247,7 @@ class ModelProfile:
         return name
 
     def _saved(self, ops: list[Op]) -> tuple[float, float, float]:
-        """Bytes (traced dtype, micro-batch 1) the segment keeps for backward: split by tp, replicated, seq^2-sized."""
+        """Bytes (traced dtype and rows) the segment keeps for backward: split by tp, replicated, seq^2-sized."""
         g, split_ops = self.graph.graph, self.tp_analysis.split_ops
         saved: dict[str, float] = {}
         for op in ops:
@@ -277,7 +281,7 @@ class ModelProfile:
         return split, full, (quadratic_split, quadratic_full)
 
     def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Bytes (traced dtype, micro-batch 1) of each all-reduce forward and backward in these ops."""
+        """Bytes (traced dtype and rows) of each all-reduce forward and backward in these ops."""
         analysis, g = self.tp_analysis, self.graph.graph
         names = {op.name for op in ops}
         forward = [self.graph.op(r).output_bytes for r in analysis.row_ops if r in names]

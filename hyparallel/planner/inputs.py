@@ -1,0 +1,62 @@
+"""What a planner's ``example_inputs`` say: one micro-batch (its rows and sequence length), or a function making one.
+
+Read as ``parallelize`` reads a batch: a tensor, a tuple of positional inputs or a dict of keyword inputs, any of
+them holding non-tensor leaves too; the rows are dim 0 of the first tensor (pytree order) that has dims, the
+sequence length dim 1 of the token ids (the first integer tensor of two or more dims), else of the first tensor
+of two or more dims.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from hyparallel.errors import ConfigError
+
+InputsFactory = Callable[[int, int], Any]  # (batch_size, seq_len) -> one micro-batch, as a model's example_inputs
+_SHAPE_HINT = "a tensor, a tuple of positional inputs or a dict of keyword inputs, e.g. token ids (batch, seq_len)"
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Example inputs of one micro-batch, with what the planner reads from them."""
+
+    inputs: Any
+    rows: int
+    seq_len: int | None  # None when no tensor has a sequence dim
+
+
+def read(inputs: Any, what: str = "example_inputs") -> MicroBatch:
+    """``inputs`` as one micro-batch; a ConfigError names ``what`` when they hold no batched tensor."""
+    if not isinstance(inputs, (torch.Tensor, tuple, list, Mapping)):
+        raise ConfigError(f"{what} is a {type(inputs).__name__}; give one micro-batch: {_SHAPE_HINT}")
+    tensors = [leaf for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    if not tensors:
+        raise ConfigError(f"{what} hold no tensor with a batch dim; give one micro-batch: {_SHAPE_HINT}")
+    token_ids = [t for t in tensors if t.dim() >= 2 and not (t.is_floating_point() or t.is_complex())
+                 and t.dtype != torch.bool]
+    sequences = token_ids or [t for t in tensors if t.dim() >= 2]
+    return MicroBatch(inputs, rows=tensors[0].size(0), seq_len=sequences[0].size(1) if sequences else None)
+
+
+def make(factory: InputsFactory, batch_size: int, seq_len: int) -> MicroBatch:
+    """``factory(batch_size, seq_len)`` read as one micro-batch, refused unless it has those rows and that length."""
+    name = f"{getattr(factory, '__module__', None) or '?'}:{getattr(factory, '__qualname__', type(factory).__name__)}"
+    call = f"example inputs {name}({batch_size}, {seq_len})"
+    try:
+        inspect.signature(factory).bind(batch_size, seq_len)
+    except TypeError:
+        raise ConfigError(f"example inputs {name} must take (batch_size, seq_len), as a model's example_inputs "
+                          "method does") from None
+    except ValueError:  # a builtin without a signature: call it and see
+        pass
+    batch = read(factory(batch_size, seq_len), what=call)
+    if batch.rows != batch_size or batch.seq_len not in (None, seq_len):
+        got = f"{batch.rows} rows" + (f" of {batch.seq_len} tokens" if batch.seq_len is not None else "")
+        raise ConfigError(f"{call} returned {got}; it must return batch_size rows of seq_len tokens")
+    return batch
