@@ -199,3 +199,19 @@ def test_bf16_recomputation_replays_the_forwards_casts(single_process, recompute
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in pmodel.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_the_device_follows_the_plans_backend_and_a_node_needs_a_gpu_per_process(monkeypatch):
+    # Note [which device a rank uses], on a pretended node of 2 GPUs.
+    from hyparallel.parallel import LaunchEnv, _default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    gloo = tiny_plan(dp=2)  # the cpu preset: gloo
+    nccl = gloo.model_copy(update={"cluster": hp.ClusterSpec.preset("h200", num_nodes=1, gpus_per_node=2)})
+    assert _default_device(LaunchEnv(1, 2, 1), gloo) == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _default_device(LaunchEnv(1, 2, 1), nccl) == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"4 processes on this node \(LOCAL_WORLD_SIZE\) but 2 CUDA device\(s\)"):
+        _default_device(LaunchEnv(3, 4, 3), nccl.model_copy(update={"cluster": None}))
