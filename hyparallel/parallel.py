@@ -588,9 +588,10 @@ def _logits(output: Any) -> torch.Tensor:
 #          region's recompute, so the recompute draws the forward's numbers only if it makes every draw the
 #          forward made, in the same order; one saved (skipped) draw would shift the ones after it, and the
 #          backward would use other dropout masks than the forward did.
-#     Everything else is saved. Rules 2 and 3 add only elementwise work: no matmul is recomputed that the
-#     planner does not count. A model that writes in place into the result of some other op (say `relu_` on
-#     a matmul's output) still stops with torch's error in its first backward: loud, never wrong.
+#     Everything else is saved. In transformer blocks rules 2 and 3 add elementwise work only (dropout's
+#     draws, masks built in place), which the planner does not count. A model that writes in place into the
+#     result of some other op (say `relu_` on a matmul's output) still stops with torch's error in its first
+#     backward: loud, never wrong.
 
 
 def _selective_context(seq_len: int):
