@@ -241,11 +241,12 @@ def test_recomputation_gives_the_loss_and_gradients_of_none_under_the_same_autoc
     # Recomputation replays the forward's ops on the same inputs: the same autocast casts (a fresh cast per
     # micro-batch, Note [one 16-bit copy of the weights per step]; none shares one per step: the same values), the
     # same dropout masks (checkpointing restores the RNG state; Note [what selective recomputation saves]). So
-    # loss and gradients agree to rounding. Measured on this CPU at one thread count: bitwise equal in every dtype;
-    # gradients of one and the same run move by 1.6e-7 relative with the thread count alone, and by up to 3e-6
-    # (fp32) between runs on the loaded machine. Hence rtol 1e-5 (atol 1e-6). A replay with other masks moves
-    # them by ~0.8 relative (measured with checkpointing's RNG restore turned off). Until rule 2 of the Note, selective
-    # stopped here with "Tensor cached during selective activation checkpoint has been mutated", in every dtype.
+    # loss and gradients agree to rounding. Measured on this CPU: bitwise equal in every dtype in repeated runs;
+    # the thread count alone (1 vs 2) moves the gradients of recompute none by 1.6e-7 relative, and one run on the
+    # loaded machine measured 3e-6 (fp32, full and selective against none). Hence rtol 1e-5 (atol 1e-6). A replay
+    # with other masks moves them by ~0.8 relative (measured with checkpointing's RNG restore turned off). Before
+    # rule 2 of the Note, selective stopped here with "Tensor cached during selective activation checkpoint has been
+    # mutated", in every dtype.
     try:
         ref_loss, ref_grads, ref_ops = _one_step("none", dtype)
         for recompute in ("full", "selective"):
