@@ -1,13 +1,12 @@
 """Train a zoo GPT under any plan: `torchrun --nproc_per_node 8 examples/train_gpt.py --plan configs/plans/cpu-dp2-tp2-pp2.yaml`.
 
-Byte-level language modelling on examples/data/corpus.txt (hyparallel's own docs: 256 token ids, gpt-tiny's
-vocabulary). Without --plan the planner plans for the launch it finds (WORLD_SIZE, the `cpu` preset, the
-same global batch): under `torchrun --nnodes MIN:MAX --max-restarts N` (with
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: see README) a restart with fewer workers re-plans, loads the newest
-checkpoint of --checkpoint-dir resharded, and goes on. Every rank draws the same
-global batches from a seeded generator (so a resumed run skips exactly the batches already seen);
-`shard` gives each data-parallel rank its rows. Rank 0 logs loss, step time, tokens/s, TFLOP/s and MFU
-(with peak memory on a GPU) against the plan's predictions, and their medians at the end.
+Byte-level language modelling on examples/data/corpus.txt (hyparallel's own docs: 256 token ids, gpt-tiny's vocabulary).
+Without --plan the planner plans for the launch it finds (WORLD_SIZE, the `cpu` preset, the same global batch): under
+`torchrun --nnodes MIN:MAX --max-restarts N` (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: see README) a restart with
+fewer workers re-plans, loads the newest checkpoint of --checkpoint-dir resharded, and goes on. Every rank draws the
+same global batches from a seeded generator (so a resumed run skips exactly the batches already seen); `shard` gives
+each data-parallel rank its rows. Rank 0 logs loss, step time, tokens/s, TFLOP/s and MFU (with peak memory on a GPU)
+against the plan's predictions, and their medians at the end; --log-json FILE adds every step's loss, unrounded.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", help="save here, and resume from its newest complete checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: never)")
     parser.add_argument("--metrics-out", help="rank 0 writes the measured step figures here as JSON")
+    parser.add_argument("--log-json", help="rank 0 appends {step, loss, world_size, restart} here, a JSON line a step")
     return parser.parse_args()
 
 
@@ -87,6 +87,10 @@ def main() -> None:
         recent = pmodel.metrics.last(args.log_every)  # steps closed so far: this one closes at the next train_step
         if rank0 and (step % args.log_every == 0 or step == done + 1):
             print(f"step {step:4d}  loss {last:.4f}" + (f"  {recent.line()}" if recent else ""), flush=True)
+        if rank0 and args.log_json:  # appended: a restarted run adds the steps it redoes after the earlier ones
+            with open(args.log_json, "a") as log:
+                print(json.dumps({"step": step, "loss": last, "world_size": pmodel.env.world_size,
+                                  "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}), file=log)
         if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
             hp.checkpoint.save(pmodel, optimizer, args.checkpoint_dir, step, extra={"sequences_seen": step * plan.training.global_batch})
     summary = pmodel.metrics.summary()  # median over the steps after the first

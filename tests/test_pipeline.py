@@ -11,11 +11,25 @@ import json
 
 import pytest
 
+from hyparallel.pipeline.schedule import parse_action
+
 from .conftest import assert_every_parameter_compared, torchrun
+from .expected_orders import HAND_WRITTEN, expected
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 CASES = [f"{m}-pp{pp}-{s}" for m in ("gpt", "hf-gpt2") for pp in (2, 4) for s in SCHEDULES] + ["hf-llama-pp2-1f1b"]
 AWKWARD = ["awkward-pp3-gpipe", "awkward-pp3-1f1b"]
+MICROBATCHES = 4  # the worker's
+
+
+def schedule_of(case: str) -> tuple[str, int, int, int]:
+    """(kind, pp, m, v) of a worker case such as "gpt-pp2-interleaved-1f1b" (interleaved: 2 virtual stages)."""
+    pp = int(case.split("-pp")[1][0])
+    kind = case.split(f"-pp{pp}-")[1]
+    return kind, pp, MICROBATCHES, 2 if kind == "interleaved-1f1b" else 1
+
+
+HAND_CHECKED = [case for case in CASES + AWKWARD if schedule_of(case) in HAND_WRITTEN]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +73,15 @@ def test_runtime_holds_the_activations_the_simulator_and_cost_model_assume(resul
         # Most micro-batches whose activations the rank really held (saved outputs awaiting their backward)
         # = the simulator's count = what the planner's memory model charges.
         assert rank["peak_inflight"] == rank["simulated_peak"] == rank["cost_model_peak"]
+
+
+@pytest.mark.parametrize("case", HAND_CHECKED)
+def test_runtime_ran_the_order_written_by_hand(results, case):
+    # The compute actions each rank executed, against tests/expected_orders.py (written from the schedules'
+    # definitions): the simulator comparison above would pass for a wrong schedule the runtime ran faithfully.
+    want = expected(*schedule_of(case))
+    for index, rank in enumerate(pipeline_ranks(results, case)):
+        assert [a for a in rank["order"] if parse_action(a).is_compute] == want[index], index
 
 
 @pytest.mark.parametrize("case", AWKWARD)

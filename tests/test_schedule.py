@@ -17,6 +17,8 @@ from hyparallel.pipeline.schedule import (
 )
 from hyparallel.planner.costs import inflight_microbatches
 
+from .expected_orders import HAND_WRITTEN, expected
+
 
 def cases():
     """(kind, pp, m, v) for every schedule over pp 1..6, m from below pp to a few times pp."""
@@ -99,6 +101,25 @@ def test_step_counts(case):
         # the (p - 1) / (v m) of costs.bubble_fraction.
         assert steps == 2 * m * v + 2 * (pp - 1)
         assert steps < 2 * (m + pp - 1) * v or pp == 1
+
+
+@pytest.mark.parametrize("case", sorted(HAND_WRITTEN), ids=case_id)
+def test_schedules_equal_the_orders_written_by_hand(case):
+    # tests/expected_orders.py writes each order out from the schedule's definition, independently of schedule().
+    kind, pp, m, v = case
+    compute = schedule(kind, pp, m, v)
+    assert {rank: [str(a) for a in actions] for rank, actions in compute.items()} == expected(*case)
+    result = simulate(lower(compute, pp, v), pp, v)  # and the lowered program runs them in that order
+    assert not result.deadlock
+    ran = {rank: [a for a in order if parse_action(a).is_compute] for rank, order in result.order.items()}
+    assert ran == expected(*case)
+
+
+def test_gpipe_lowering_written_by_hand():
+    # Receive before each F of a later stage and each B of an earlier one; send after, to the other neighbour.
+    lowered = lower(schedule("gpipe", pp=2, num_microbatches=2), pp=2)
+    assert [str(a) for a in lowered[0]] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
+    assert [str(a) for a in lowered[1]] == ["1RECV_F0", "1F0", "1RECV_F1", "1F1", "1B0", "1SEND_B0", "1B1", "1SEND_B1"]
 
 
 def test_lowering_inserts_sends_and_receives():

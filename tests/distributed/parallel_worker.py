@@ -5,7 +5,8 @@ trains 3 AdamW steps on the same global batches (about 10% of targets padding, -
 materialised from the same seed. After the first step every gradient slice this rank holds is compared
 with the single device's; after the last, every parameter slice (gathered over dp where FSDP shards it);
 then eval_step on a held-out batch. "accumulate" cases call train_step twice before the first optimizer
-step: gradients must be twice the single device's. Rank 0 writes one JSON line per case.
+step: gradients must be twice the single device's. Recompute cases (run_recompute_case) compare bf16 training
+under recompute full and selective with recompute none instead. Rank 0 writes one JSON line per case.
 
 Tolerances, fp32: gradients rtol 1e-5 / atol 1e-6 elementwise (sums over micro-batches, ranks and
 tensor-parallel partial products in another order: rounding only). Parameters after 3 steps: each tensor
@@ -54,6 +55,14 @@ CASES = {  # name -> (model, plan constraints, train_step calls before the first
     "hf-gpt2-tp2-pp2": (GPT2, dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0), 1),
     "hf-gpt2-dp2-pp2-zero1-selective": (GPT2, dict(dp=2, tp=1, pp=2, schedule="1f1b", micro_batch=1, zero=1,
                                                    recompute="selective"), 1),
+}
+# GPT-2 with eager attention and its default dropout (0.1): bf16, one train_step under recompute none, full and
+# selective from the same weights, batch and RNG state; the gradients must agree (run_recompute_case).
+GPT2_EAGER_DROPOUT = ("hf:GPT2LMHeadModel n_layer=4 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 "
+                      "eos_token_id=0 attn_implementation=eager")
+RECOMPUTE_CASES = {  # name -> (model, plan constraints); two blocks per pipeline stage, each stage one region
+    "hf-gpt2-dp2-pp2-bf16-recompute": (GPT2_EAGER_DROPOUT, dict(dp=2, tp=1, pp=2, schedule="1f1b", micro_batch=1,
+                                                                zero=0)),
 }
 
 
@@ -178,10 +187,42 @@ def run_case(name: str) -> dict:
             "tp": pmodel.tp_info is not None, "qkv_calls_per_microbatch": train_calls / (STEPS * plan.num_microbatches)}
 
 
+def run_recompute_case(name: str) -> dict:
+    """bf16 gradients of one train_step under recompute full and selective against recompute none, by name.
+
+    Tolerance: rtol 1e-5 / atol 1e-6, as tests/test_parallel.py's single-process check says: recomputation replays
+    the same ops on the same inputs, dropout masks included (checkpointing restores the RNG state per region).
+    """
+    spec, constraints = RECOMPUTE_CASES[name]
+    inputs, targets = batch(spec, SEED)
+    world = dist.get_world_size()
+    losses, grads, worst = {}, {}, {}
+    for recompute in ("none", "full", "selective"):
+        model = hp.models.load(spec).module
+        plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world), GLOBAL_BATCH, SEQ, "bf16",
+                       recompute=recompute, **constraints)
+        groups = harness.parameter_groups(model)  # before parallelize swaps modules in
+        pmodel = hp.parallelize(model, plan, seed=SEED, device="cpu")  # gloo on the CPU, a GPU present or not
+        torch.manual_seed(SEED + dist.get_rank())  # the same dropout draws under each mode; other ones on each rank
+        losses[recompute] = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets)).item()
+        grads[recompute] = {pname: full(param.grad) for pname, param in pmodel.named_parameters()}
+    for recompute in ("full", "selective"):
+        assert grads[recompute].keys() == grads["none"].keys(), recompute
+        assert abs(losses[recompute] - losses["none"]) <= RTOL * abs(losses["none"]), (recompute, losses)
+        for pname, grad in grads[recompute].items():
+            torch.testing.assert_close(grad, grads["none"][pname], rtol=RTOL, atol=GRAD_ATOL,
+                                       msg=lambda m: f"{recompute}: {pname}: {m}")
+        worst[recompute] = max(((g - grads["none"][n]).norm() / grads["none"][n].norm().clamp_min(1e-12)).item()
+                               for n, g in grads[recompute].items())
+    return {"losses": losses, "grad_worst_rel": worst, "grads_checked": sorted(grads["none"]),
+            "dp_rank": pmodel.dp_rank, "parameter_groups": groups}
+
+
 def main() -> None:
     out_path, names = sys.argv[1], sys.argv[2:]
     harness.init()
-    harness.run_cases(out_path, [(name, functools.partial(run_case, name)) for name in names])
+    harness.run_cases(out_path, [(name, functools.partial(run_recompute_case if name in RECOMPUTE_CASES else run_case,
+                                                          name)) for name in names])
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def run_awkward(kind: str, group) -> dict:
     torch.testing.assert_close(torch.tensor(losses[-1]), ref_loss.detach(), rtol=RTOL, atol=0)
     return {"rank": rank, "loss": losses[-1], "ref_loss": ref_loss.item(), "parameter_groups": harness.parameter_groups(reference),
             "worst_abs": worst_abs, "params_checked": checked, "tied": sorted(runtime._tied),
-            "boundaries": [list(io.outputs) for io in split.io]}
+            "boundaries": [list(io.outputs) for io in split.io], "order": runtime.last_order}
 
 
 def make_plan(spec: str, pp: int, kind: str, v: int) -> hp.Plan:
@@ -161,7 +161,7 @@ def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
         "rank": rank, "loss": loss.item(), "ref_loss": ref_loss.item(), "parameter_groups": harness.parameter_groups(reference),
         "worst_abs": worst_abs, "params_checked": checked, "stages": stages,
         "materialized": len(materialized), "model_params": len(list(model.parameters())),
-        "order_matches_simulator": runtime.last_order == sim.order[rank],
+        "order_matches_simulator": runtime.last_order == sim.order[rank], "order": runtime.last_order,
         "peak_inflight": runtime.peak_inflight, "simulated_peak": sim.peak_inflight[rank],
         "cost_model_peak": costs.inflight_microbatches(kind, pp, MICROBATCHES, rank, v),
         "tied": sorted(runtime._tied),
