@@ -74,9 +74,11 @@ def _constraints(metadata: list) -> str:
             if getattr(item, name, None) is not None and isinstance(item, annotated_types.BaseMetadata):
                 bounds[name] = getattr(item, name)
     words = list(bounds.pop("text", []))
-    low = ("(", bounds["gt"]) if "gt" in bounds else ("[", bounds["ge"]) if "ge" in bounds else None
-    high = (")", bounds["lt"]) if "lt" in bounds else ("]", bounds["le"]) if "le" in bounds else None
-    if low and high:
+    low = ("(", _number(bounds["gt"])) if "gt" in bounds else ("[", _number(bounds["ge"])) if "ge" in bounds else None
+    high = (")", _number(bounds["lt"])) if "lt" in bounds else ("]", _number(bounds["le"])) if "le" in bounds else None
+    if low and high and isinstance(bounds.get("ge"), int) and isinstance(bounds.get("le"), int):
+        words.append(f"from {low[1]} to {high[1]}")  # the bounds of hyparallel.limits: integers, both included
+    elif low and high:
         words.append(f"in {low[0]}{low[1]}, {high[1]}{high[0]}")
     elif low:
         words.append(f"{'>' if low[0] == '(' else '>='} {low[1]}")
@@ -87,6 +89,11 @@ def _constraints(metadata: list) -> str:
     if "max_length" in bounds:
         words.append(f"at most {bounds['max_length']}")
     return ", ".join(words)
+
+
+def _number(value: Any) -> str:
+    """1,048,576 and 1e+21: a bound as people read it."""
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
 _SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
