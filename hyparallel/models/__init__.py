@@ -18,6 +18,7 @@ import torch
 import yaml
 from torch import nn
 
+from hyparallel._yaml import load_yaml_text
 from hyparallel.errors import ModelSpecError
 from hyparallel.models.gpt import GPT, GPTConfig
 from hyparallel.models.hf import build_hf
@@ -67,8 +68,8 @@ def _parse_overrides(words: Sequence[str]) -> dict[str, Any]:
         if not sep or not key.isidentifier():
             raise ModelSpecError(f"model override '{word}' is not key=value (e.g. num_layers=4)")
         try:
-            overrides[key] = yaml.safe_load(value)
-        except yaml.YAMLError:
+            overrides[key] = load_yaml_text(value)
+        except yaml.YAMLError:  # not YAML (or nested too deep, a huge number...): the text itself
             overrides[key] = value
     return overrides
 
@@ -94,8 +95,12 @@ def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torc
 
     Uses ``model.example_inputs(batch_size, seq_len, device)`` when the model defines it (the zoo
     does), token ids under ``model.main_input_name`` for Hugging Face models; anything else must
-    define that method.
+    define that method. A zoo model refuses a ``seq_len`` past its position table (``max_seq_len``).
     """
+    limit = getattr(getattr(model, "config", None), "max_seq_len", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise ModelSpecError(f"seq_len {seq_len} is longer than the model's max_seq_len ({limit}); pass a shorter "
+                             f"--seq-len, or build the model with max_seq_len={seq_len}")
     if callable(getattr(model, "example_inputs", None)):
         return model.example_inputs(batch_size, seq_len, device)
     main_input = getattr(model, "main_input_name", None)
