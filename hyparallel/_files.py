@@ -63,7 +63,8 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except OSError as exc:
-        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}; check the folder exists and is writable") from None
+        reason = exc.strerror or exc
+        raise ConfigError(f"cannot write {path}: {reason}; check the folder exists and is writable") from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

@@ -39,7 +39,7 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys, deep nesting, alias bombs and huge numbers (Note [what the loader refuses])."""
+    """SafeLoader refusing duplicate keys, deep nesting, alias bombs, huge numbers (Note [what the loader refuses])."""
 
     def __init__(self, stream: str):
         super().__init__(stream)
@@ -49,7 +49,8 @@ class _Loader(yaml.SafeLoader):
         self._depth += 1
         try:
             if self._depth > MAX_YAML_DEPTH:
-                raise ComposerError(None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", self.peek_event().start_mark)
+                mark = self.peek_event().start_mark
+                raise ComposerError(None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -116,7 +117,8 @@ def _check_expansion(root: Node) -> None:
             size[key] = 1 + sum(size[id(child)] for child in children)
             depth[key] = 1 + max((depth[id(child)] for child in children), default=0)
             if size[key] > MAX_YAML_NODES or depth[key] > MAX_YAML_DEPTH:
-                what = (f"holds more than {MAX_YAML_NODES:,} values once its aliases are expanded" if size[key] > MAX_YAML_NODES
+                too_many = size[key] > MAX_YAML_NODES
+                what = (f"holds more than {MAX_YAML_NODES:,} values once its aliases are expanded" if too_many
                         else f"is nested more than {MAX_YAML_DEPTH} levels deep through aliases")
                 raise ComposerError(None, None, f"this value {what}", node.start_mark)
             continue
@@ -231,11 +233,11 @@ def _describe_error(error: dict, loc: tuple, schema: dict) -> str:
     expected = _expectation(_schema_at(schema, loc, schema))
     if expected is None:
         return f"{error['msg'][0].lower()}{error['msg'][1:]}, got {_show(got)}"
-    return f"expected {expected}{_bound(kind, error.get('ctx', {}))}, got {_show(got)}"
+    return f"expected {expected}{_bound(kind, error.get('ctx', {}), expected)}, got {_show(got)}"
 
 
-def _bound(kind: str, ctx: dict) -> str:
-    """The bound a number broke, where "a positive integer" and the like do not already say it."""
+def _bound(kind: str, ctx: dict, expected: str) -> str:
+    """The bound a number broke, where ``expected`` ("a positive integer" and the like) does not already say it."""
     def number(value: float) -> str:
         return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
@@ -243,9 +245,10 @@ def _bound(kind: str, ctx: dict) -> str:
         return f" up to {number(ctx['le'])}"
     if kind == "less_than":
         return f" below {number(ctx['lt'])}"
-    if kind == "greater_than_equal" and ctx["ge"] not in (0, 1):
+    said = "positive" in expected or "non-negative" in expected
+    if kind == "greater_than_equal" and not (said and ctx["ge"] in (0, 1)):
         return f" of at least {number(ctx['ge'])}"
-    if kind == "greater_than" and ctx["gt"] != 0:
+    if kind == "greater_than" and not (said and ctx["gt"] == 0):
         return f" above {number(ctx['gt'])}"
     return ""
 

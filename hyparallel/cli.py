@@ -469,16 +469,19 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--model", nargs="+", required=True, metavar="MODEL",
                        help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides")
     trace.add_argument("--batch-size", type=SEQUENCES, default=1, help="sequences per traced call (default 1)")
-    trace.add_argument("--seq-len", type=SEQ_LEN, default=None, help="tokens per sequence (default: the model's, at most 2048)")
+    trace.add_argument("--seq-len", type=SEQ_LEN, default=None,
+                       help="tokens per sequence (default: the model's, at most 2048)")
     trace.add_argument("--json", action="store_true", help="print JSON on stdout and nothing else")
     plan = add("plan", cmd_plan, "Find the fastest data x tensor x pipeline plan that fits memory, and write it as YAML.")
     plan.add_argument("--model", nargs="+", required=True, metavar="MODEL",
                       help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides")
     plan.add_argument("--gpus", type=DEVICES, required=True, help="number of GPUs (processes) in all")
-    plan.add_argument("--gpus-per-node", type=PER_NODE, default=None, help="GPUs per node (default: the cluster preset's)")
+    plan.add_argument("--gpus-per-node", type=PER_NODE, default=None,
+                      help="GPUs per node (default: the cluster preset's)")
     plan.add_argument("--cluster", default="a100-80g", help="a preset from `hyparallel clusters` or a YAML file (default a100-80g)")
     plan.add_argument("--global-batch", type=SEQUENCES, default=512, help="sequences per optimizer step (default 512)")
-    plan.add_argument("--seq-len", type=SEQ_LEN, default=None, help="tokens per sequence (default: the model's, at most 2048)")
+    plan.add_argument("--seq-len", type=SEQ_LEN, default=None,
+                      help="tokens per sequence (default: the model's, at most 2048)")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training precision (default bf16)")
     for axis in ("tp", "pp", "dp"):
         plan.add_argument(f"--{axis}", type=DEVICES, default=None, help=f"fix the {axis} degree")

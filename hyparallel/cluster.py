@@ -119,8 +119,9 @@ class ClusterSpec(_Frozen):
     @model_validator(mode="after")
     def _check_size(self) -> ClusterSpec:
         if self.num_gpus > limits.MAX_DEVICES:
-            raise ValueError(f"num_nodes ({self.num_nodes:,}) x gpus_per_node ({self.gpus_per_node:,}) = {self.num_gpus:,} "
-                             f"devices, more than the {limits.MAX_DEVICES:,} hyparallel plans for; use fewer nodes")
+            raise ValueError(f"num_nodes ({self.num_nodes:,}) x gpus_per_node ({self.gpus_per_node:,}) = "
+                             f"{self.num_gpus:,} devices, more than the {limits.MAX_DEVICES:,} hyparallel plans for; "
+                             "use fewer nodes")
         return self
 
     @property
@@ -149,7 +150,7 @@ class ClusterSpec(_Frozen):
         if name not in names:
             raise ConfigError(f"unknown cluster preset '{name}'; choose one of: {', '.join(names)} (or pass a YAML file)")
         spec = cls.load(_preset_dir() / f"{name}.yaml")
-        return spec.resized(num_nodes, gpus_per_node) if (num_nodes is not None or gpus_per_node is not None) else spec
+        return spec if num_nodes is None and gpus_per_node is None else spec.resized(num_nodes, gpus_per_node)
 
     @classmethod
     def load(cls, path: str | Path) -> ClusterSpec:
@@ -159,9 +160,11 @@ class ClusterSpec(_Frozen):
     @classmethod
     def resolve(cls, name_or_path: str, num_nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
         """A preset name or a YAML file path, as the CLI's ``--cluster`` accepts."""
-        if name_or_path.endswith((".yaml", ".yml")) or Path(name_or_path).is_file():
+        path = Path(name_or_path)
+        is_folder = path.is_dir() and name_or_path not in cls.presets()  # loaded, to say "is a folder"
+        if name_or_path.endswith((".yaml", ".yml")) or path.is_file() or is_folder:
             spec = cls.load(name_or_path)
-            return spec.resized(num_nodes, gpus_per_node) if (num_nodes is not None or gpus_per_node is not None) else spec
+            return spec if num_nodes is None and gpus_per_node is None else spec.resized(num_nodes, gpus_per_node)
         return cls.preset(name_or_path, num_nodes, gpus_per_node)
 
     def to_yaml(self) -> str:

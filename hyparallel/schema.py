@@ -101,8 +101,8 @@ class ParallelConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
         if self.world_size > limits.MAX_DEVICES:
-            raise ValueError(f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size:,} processes, more than "
-                             f"the {limits.MAX_DEVICES:,} hyparallel plans for; lower a degree")
+            raise ValueError(f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size:,} processes, "
+                             f"more than the {limits.MAX_DEVICES:,} hyparallel plans for; lower a degree")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(
                 f"parallel.virtual_stages is {self.virtual_stages} but schedule is '{self.schedule}'; "

@@ -27,7 +27,8 @@ def check_int(name: str, value: Any, low: int, high: int) -> None:
         raise ValueError(f"{name} must be an integer from {low:,} to {high:,}, got {_shown(value)}")
 
 
-def check_number(name: str, value: Any, low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> None:
+def check_number(name: str, value: Any, low: float, high: float, *, open_low: bool = False,
+                 open_high: bool = False) -> None:
     """``value`` must be a finite int or float in the interval from ``low`` to ``high`` (ends open when asked)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not number or value < low or value > high or (open_low and value == low) or (open_high and value == high):
@@ -38,7 +39,7 @@ def check_number(name: str, value: Any, low: float, high: float, *, open_low: bo
 def check_bool(name: str, value: Any) -> None:
     """``value`` must be True or False."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {_shown(value)}")  # noqa: TRY004 -- see the module docstring
+        raise ValueError(f"{name} must be true or false, got {_shown(value)}")  # noqa: TRY004 -- module docstring
 
 
 def check_common(num_layers: Any, hidden_size: Any, num_heads: Any, vocab_size: Any, max_seq_len: Any) -> None:

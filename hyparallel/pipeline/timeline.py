@@ -235,9 +235,9 @@ def check_simulable(plan: Plan) -> None:
     if actions > MAX_SIMULATED_ACTIONS:
         raise ConfigError(
             f"the schedule has 2 x pp ({par.pp}) x virtual_stages ({par.virtual_stages}) x num_microbatches "
-            f"({plan.num_microbatches:,}) = {actions:,} forwards and backwards, more than the {MAX_SIMULATED_ACTIONS:,} "
-            "simulate times one by one; simulate a copy with fewer micro-batches (a smaller global_batch or a larger "
-            "micro_batch)")
+            f"({plan.num_microbatches:,}) = {actions:,} forwards and backwards, more than the "
+            f"{MAX_SIMULATED_ACTIONS:,} simulate times one by one; simulate a copy with fewer micro-batches "
+            "(a smaller global_batch or a larger micro_batch)")
 
 
 def timeline(plan: Plan) -> Timeline:
@@ -251,7 +251,8 @@ def timeline(plan: Plan) -> Timeline:
     m, pp, v = plan.num_microbatches, par.pp, par.virtual_stages
     figures = _figures(plan)
     blocks = run_timed(lower(schedule(par.schedule, pp, m, v), pp, v), figures.forward_s, figures.backward_s, figures.p2p_s)
-    ends = {rank: max(b.end_s for b in own if not b.kind.startswith("SEND")) for rank, own in _by_rank(blocks, pp).items()}
+    ends = {rank: max(b.end_s for b in own if not b.kind.startswith("SEND"))
+            for rank, own in _by_rank(blocks, pp).items()}
     if figures.tail_s > 0:
         blocks += [Block(rank, "tail", end, end + figures.tail_s) for rank, end in ends.items()]
     total_s = max(b.end_s for b in blocks)

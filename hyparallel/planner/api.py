@@ -127,8 +127,8 @@ def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int, dtype:
 
 
 # The schema's bounds (hyparallel.limits), so the planner never accepts what a plan file would refuse.
-_BOUNDS = {"global_batch": limits.MAX_GLOBAL_BATCH, "micro_batch": limits.MAX_GLOBAL_BATCH, "seq_len": limits.MAX_SEQ_LEN,
-           "tp": limits.MAX_DEVICES, "pp": limits.MAX_DEVICES, "dp": limits.MAX_DEVICES,
+_BOUNDS = {"global_batch": limits.MAX_GLOBAL_BATCH, "micro_batch": limits.MAX_GLOBAL_BATCH,
+           "seq_len": limits.MAX_SEQ_LEN, "tp": limits.MAX_DEVICES, "pp": limits.MAX_DEVICES, "dp": limits.MAX_DEVICES,
            "virtual_stages": limits.MAX_VIRTUAL_STAGES}
 
 
