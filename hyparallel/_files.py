@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 from hyparallel.errors import ConfigError
 from hyparallel.limits import MAX_YAML_BYTES
@@ -37,15 +39,27 @@ def read_text(path: str | Path, limit_bytes: int = MAX_YAML_BYTES) -> str:
                           "expected a YAML file") from None
 
 
+def kind_of(path: str | Path) -> Literal["file", "folder", "other", "missing"]:
+    """What is at ``path``; a path the system cannot even look up (a name too long, a loop) is a ConfigError."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except OSError as exc:
+        raise ConfigError(f"{str(path)[:200]}: {exc.strerror or exc}") from None
+    return "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+
+
 def check_writable(path: str | Path) -> Path:
     """Fail early, in one line, when ``path`` cannot be written as a file (before minutes of work)."""
     path = Path(path)
     folder = path.parent
-    if not folder.is_dir():
+    if kind_of(folder) != "folder":
         raise ConfigError(f"cannot write {path}: no folder {folder}; create it first")
-    if path.is_dir():
+    kind = kind_of(path)
+    if kind == "folder":
         raise ConfigError(f"cannot write {path}: it is a folder; give a file name")
-    if not os.access(path if path.exists() else folder, os.W_OK):
+    if not os.access(path if kind != "missing" else folder, os.W_OK):
         raise ConfigError(f"cannot write {path}: permission denied")
     return path
 

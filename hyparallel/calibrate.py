@@ -377,7 +377,12 @@ def _device_kind() -> DeviceKind:
 
 def _launched_world() -> int | None:
     """The torchrun world size when launched by torchrun (WORLD_SIZE set), else None."""
-    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    text = os.environ["WORLD_SIZE"]
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"WORLD_SIZE={text[:40]!r} is not a positive integer; launch with torchrun or unset it")
+    return int(text)
 
 
 def _launched_rank() -> int:

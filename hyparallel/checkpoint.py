@@ -178,6 +178,10 @@ def export(directory: str | Path, out: str | Path) -> Path:
 
     out = _files.check_writable(out)  # before reading gigabytes
     save_file = _safetensors_writer() if out.suffix == ".safetensors" else None
+    kind = _files.kind_of(directory)
+    if kind != "folder":
+        what = "no such folder" if kind == "missing" else "not a folder"
+        raise ConfigError(f"{directory}: {what}; give a checkpoint directory or one of its step-* folders")
     path = latest(directory) if not (Path(directory) / MARKER).exists() else Path(directory)
     if path is None:
         raise ConfigError(f"{directory}: no complete checkpoint (a step-* folder with {MARKER}) to export")

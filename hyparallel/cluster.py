@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hyparallel import limits
-from hyparallel._files import atomic_output
+from hyparallel._files import atomic_output, kind_of
 from hyparallel._yaml import dump_yaml, read_yaml, validate
 from hyparallel.errors import ConfigError
 
@@ -160,9 +160,9 @@ class ClusterSpec(_Frozen):
     @classmethod
     def resolve(cls, name_or_path: str, num_nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
         """A preset name or a YAML file path, as the CLI's ``--cluster`` accepts."""
-        path = Path(name_or_path)
-        is_folder = path.is_dir() and name_or_path not in cls.presets()  # loaded, to say "is a folder"
-        if name_or_path.endswith((".yaml", ".yml")) or path.is_file() or is_folder:
+        kind = kind_of(name_or_path) if name_or_path else "missing"
+        is_folder = kind == "folder" and name_or_path not in cls.presets()  # loaded, to say "is a folder"
+        if name_or_path.endswith((".yaml", ".yml")) or kind == "file" or is_folder:
             spec = cls.load(name_or_path)
             return spec if num_nodes is None and gpus_per_node is None else spec.resized(num_nodes, gpus_per_node)
         return cls.preset(name_or_path, num_nodes, gpus_per_node)

@@ -392,3 +392,20 @@ def test_seq_len_past_a_zoo_models_positions_is_one_line(capsys):
     line = one_line_error(capsys, *PLAN, "--seq-len", "4096")
     assert line == ("hyparallel: error: seq_len 4096 is longer than the model's max_seq_len (128); pass a shorter "
                     "--seq-len, or build the model with max_seq_len=4096")
+
+
+def test_paths_the_system_cannot_look_up_are_one_line(capsys, tmp_path):
+    long = str(tmp_path / ("a" * 5000))  # ENAMETOOLONG: Path.is_file() and friends raise on it
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("training: {global_batch: 8, seq_len: 4}\nparallel: {}\n")
+    for argv in (["show", long], [*PLAN[:-1], long], [*PLAN, "-o", long],
+                 ["simulate", str(plan), "--out", long + ".png"], ["checkpoint", "export", long, str(tmp_path / "m.pt")],
+                 ["calibrate", "--base", long]):
+        assert "File name too long" in one_line_error(capsys, *argv)
+
+
+def test_model_factories_are_checked_before_they_are_called(capsys):
+    line = one_line_error(capsys, "trace", "--model", "os:system")  # never called: it needs an argument
+    assert "model factory 'os:system' cannot be called with no arguments: missing a required argument" in line
+    assert "cannot import ''" in one_line_error(capsys, "trace", "--model", ":make")
+    assert "No closing quotation" in one_line_error(capsys, "trace", "--model", "gpt-tiny", "num_layers='2")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +46,10 @@ def load(spec: str | Sequence[str], device: torch.device | str = "meta") -> Load
     The spec may be one string (words separated by spaces) or a list of words; every word after
     the first is a ``key=value`` override, its value read as YAML (``4`` is an int, ``true`` a bool).
     """
-    words = shlex.split(spec) if isinstance(spec, str) else [w for part in spec for w in shlex.split(part)]
+    try:
+        words = shlex.split(spec) if isinstance(spec, str) else [w for part in spec for w in shlex.split(part)]
+    except ValueError as exc:  # an unclosed quote
+        raise ModelSpecError(f"model spec {spec!r:.80}: {exc}; quote each key=value whole") from None
     if not words:
         raise ModelSpecError("no model given; pass a name from `hyparallel models`, package.module:factory or hf:ARCH")
     head, overrides = words[0], _parse_overrides(words[1:])
@@ -78,16 +82,30 @@ def _from_factory(spec: str, device: torch.device | str, overrides: dict[str, An
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except (ImportError, ValueError, TypeError) as exc:  # ValueError, TypeError: an empty or relative module name
         raise ModelSpecError(f"model factory '{spec}': cannot import '{module_name}': {exc}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ModelSpecError(f"model factory '{spec}': '{module_name}' has no callable '{attr}'")
+    _check_call(spec, factory, overrides)
     with torch.device(device):
         model = factory(**overrides)
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"model factory '{spec}' returned {type(model).__name__}, expected a torch.nn.Module")
     return model
+
+
+def _check_call(spec: str, factory: Any, overrides: dict[str, Any]) -> None:
+    """Refuse overrides the factory's signature does not take (before calling it, so nothing runs)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to check (some builtins): the call itself will say
+        return
+    try:
+        signature.bind(**overrides)
+    except TypeError as exc:
+        raise ModelSpecError(f"model factory '{spec}' cannot be called with {overrides or 'no arguments'}: {exc}; "
+                             "pass key=value for each of its parameters") from None
 
 
 def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> Any:
