@@ -409,3 +409,25 @@ def test_model_factories_are_checked_before_they_are_called(capsys):
     assert "model factory 'os:system' cannot be called with no arguments: missing a required argument" in line
     assert "cannot import ''" in one_line_error(capsys, "trace", "--model", ":make")
     assert "No closing quotation" in one_line_error(capsys, "trace", "--model", "gpt-tiny", "num_layers='2")
+
+
+def test_a_model_too_large_to_trace_is_one_line_on_the_real_stderr():
+    # torch's fake tensors log each failing op with a traceback through a handler holding the process's stderr;
+    # only a subprocess sees that stream.
+    argv = ["trace", "--model", "gpt-tiny", "max_seq_len=16777216", "--batch-size", "16777216", "--seq-len", "16777216"]
+    result = subprocess.run([sys.executable, "-m", "hyparallel", *argv], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("hyparallel: error: cannot trace GPT: torch.fx: RuntimeError: Storage size")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes files whatever their mode")
+def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path):
+    locked = tmp_path / "plan.yaml"
+    locked.write_text("training: {global_batch: 8, seq_len: 4}\nparallel: {}\n")
+    locked.chmod(0)
+    assert one_line_error(capsys, "show", str(locked)).endswith("plan.yaml: cannot read: Permission denied")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    assert one_line_error(capsys, *PLAN, "-o", str(folder / "plan.yaml")).endswith("permission denied")
