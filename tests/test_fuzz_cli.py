@@ -422,3 +422,6 @@ def test_every_numeric_flag_is_fuzzed(flag):
                for option in action.option_strings if getattr(action.type, "__name__", "") == "parse"}
     assert flag in options
     assert options <= {f for _, f, _ in NUMERIC_FLAGS}  # a numeric flag added later must join NUMERIC_FLAGS
+    unbounded = [option for command in commands.values() for action in command._actions
+                 for option in action.option_strings if action.type in (int, float)]
+    assert not unbounded  # every numeric flag takes a bounded type (cli._int_in), never a bare int or float
