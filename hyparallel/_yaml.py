@@ -1,21 +1,143 @@
 """YAML and schema I/O shared by plans and cluster specs.
 
-Safe loading only, floats written so that YAML 1.1 readers load them back as floats, and
-pydantic validation errors turned into one line: ``file: field.path: expected ..., got ...``.
+Safe loading only, hardened (see Note [what the loader refuses]), floats written so that YAML 1.1
+readers load them back as floats, and pydantic validation errors turned into one line:
+``file: field.path: expected ..., got ...``.
+
+Note [what the loader refuses]
+    PyYAML's SafeLoader builds no objects, but it still lets the last of two equal keys win silently
+    (a plan edited by hand could say two things), recurses once per nesting level (10^5 ``[`` is a
+    RecursionError), expands aliases without limit (a "billion laughs" bomb), and converts integers of
+    any length (quadratic for sexagesimal ``1:2:3...``, and Python refuses to print ones over 4,300
+    digits). ``_Loader`` refuses each with a ``file:line:col`` error: duplicate keys at any level
+    (merge keys ``<<`` may still be overridden), nesting deeper than MAX_YAML_DEPTH, more than
+    MAX_YAML_NODES values once aliases are expanded (or an alias inside itself), and numbers written
+    with more than MAX_NUMBER_CHARS characters.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pydantic
 import yaml
+from yaml.composer import ComposerError
+from yaml.constructor import ConstructorError
+from yaml.nodes import MappingNode, Node, SequenceNode
 
+from hyparallel._files import read_text
 from hyparallel.errors import ConfigError
+from hyparallel.limits import MAX_YAML_DEPTH, MAX_YAML_NODES
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+
+MAX_NUMBER_CHARS = 1000  # digits of a number in a file; every bound in hyparallel.limits has fewer than 25
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader refusing duplicate keys, deep nesting, alias bombs, huge numbers (Note [what the loader refuses])."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise ComposerError(None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_document(self, node: Node) -> Any:
+        _check_expansion(node)
+        return super().construct_document(node)
+
+    def construct_mapping(self, node: Node, deep: bool = False) -> dict:
+        if isinstance(node, MappingNode):
+            _check_duplicates(self, node)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: Node) -> int:
+        _check_number_length(self, node)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: Node) -> float:
+        _check_number_length(self, node)
+        return super().construct_yaml_float(node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
+
+
+def _check_duplicates(loader: _Loader, node: MappingNode) -> None:
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == _MERGE_TAG or isinstance(key_node, (MappingNode, SequenceNode)):
+            continue  # merged keys may be overridden; unhashable keys are the base loader's error
+        key = loader.construct_object(key_node)
+        if key in first_line:
+            raise ConstructorError(None, None, f"duplicate key {_show(key)} (first on line {first_line[key]}); "
+                                   "keep one of them", key_node.start_mark)
+        first_line[key] = key_node.start_mark.line + 1
+
+
+def _check_number_length(loader: _Loader, node: Node) -> None:
+    text = loader.construct_scalar(node)
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ConstructorError(None, None, f"a number written with {len(text):,} characters (at most "
+                               f"{MAX_NUMBER_CHARS:,})", node.start_mark)
+
+
+def _children(node: Node) -> list[Node]:
+    if isinstance(node, MappingNode):
+        return [part for pair in node.value for part in pair]
+    return list(node.value) if isinstance(node, SequenceNode) else []
+
+
+def _check_expansion(root: Node) -> None:
+    """Refuse a document of more than MAX_YAML_NODES values once aliases are expanded, or deeper than
+    MAX_YAML_DEPTH through them, or with an alias inside its own anchor; iterative, so no recursion."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key, children = id(node), _children(node)
+        if finished:
+            open_nodes.discard(key)
+            size[key] = 1 + sum(size[id(child)] for child in children)
+            depth[key] = 1 + max((depth[id(child)] for child in children), default=0)
+            if size[key] > MAX_YAML_NODES or depth[key] > MAX_YAML_DEPTH:
+                too_many = size[key] > MAX_YAML_NODES
+                what = (f"holds more than {MAX_YAML_NODES:,} values once its aliases are expanded" if too_many
+                        else f"is nested more than {MAX_YAML_DEPTH} levels deep through aliases")
+                raise ComposerError(None, None, f"this value {what}", node.start_mark)
+            continue
+        if key in size:
+            continue
+        if key in open_nodes:
+            raise ComposerError(None, None, "an alias refers to a value that contains it", node.start_mark)
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in size)
+
+
+def load_yaml_text(text: str) -> Any:
+    """Parse YAML text with the hardened safe loader (Note [what the loader refuses]); errors are yaml.YAMLError."""
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 class _Dumper(yaml.SafeDumper):
@@ -58,16 +180,11 @@ def dump_yaml(data: Any) -> str:
 
 
 def read_yaml(path: str | Path) -> Any:
-    """Load a YAML file with the safe loader; a missing file or bad syntax is a one-line ConfigError."""
+    """Load a YAML file with the hardened safe loader; a missing, binary or malformed file is a one-line ConfigError."""
     path = Path(path)
+    text = read_text(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        return yaml.safe_load(text)
+        return load_yaml_text(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -78,7 +195,7 @@ def read_yaml(path: str | Path) -> Any:
 def validate(model_cls: type[ModelT], data: Any, source: str) -> ModelT:
     """Validate ``data`` as ``model_cls``; errors become one line prefixed by ``source``."""
     if not isinstance(data, dict):
-        got = "an empty file" if data is None else f"{type(data).__name__} {data!r}"[:80]
+        got = "an empty file" if data is None else f"{type(data).__name__} {_show(data)}"
         raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {got}")
     try:
         return model_cls.model_validate(data)
@@ -111,16 +228,63 @@ def _describe_error(error: dict, loc: tuple, schema: dict) -> str:
         return f"unknown key '{loc[-1]}'" + (f"; expected one of: {allowed}" if allowed else "")
     if kind == "value_error":
         return str(error.get("ctx", {}).get("error", error["msg"]))
+    if kind == "finite_number":
+        return f"expected a finite number, got {_show(got)}"
     expected = _expectation(_schema_at(schema, loc, schema))
     if expected is None:
         return f"{error['msg'][0].lower()}{error['msg'][1:]}, got {_show(got)}"
-    return f"expected {expected}, got {_show(got)}"
+    return f"expected {expected}{_bound(kind, error.get('ctx', {}), expected)}, got {_show(got)}"
+
+
+def _bound(kind: str, ctx: dict, expected: str) -> str:
+    """The bound a number broke, where ``expected`` ("a positive integer" and the like) does not already say it."""
+    def number(value: float) -> str:
+        return f"{value:,}" if isinstance(value, int) else f"{value:g}"
+
+    if kind == "less_than_equal":
+        return f" up to {number(ctx['le'])}"
+    if kind == "less_than":
+        return f" below {number(ctx['lt'])}"
+    said = "positive" in expected or "non-negative" in expected
+    if kind == "greater_than_equal" and not (said and ctx["ge"] in (0, 1)):
+        return f" of at least {number(ctx['ge'])}"
+    if kind == "greater_than" and not (said and ctx["gt"] == 0):
+        return f" above {number(ctx['gt'])}"
+    return ""
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxlist, _BRIEF.maxdict, _BRIEF.maxstring, _BRIEF.maxother = 2, 4, 4, 40, 40
 
 
 def _show(value: Any) -> str:
-    text = repr(value) if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True).strip()
-    text = text.removesuffix("\n...").removesuffix(" ...")
+    """The offending value, in at most 60 characters, in the file's own (YAML flow) notation where it is small."""
+    if isinstance(value, int) and value.bit_length() > 200:  # no decimal string: Python refuses past 4,300 digits
+        return f"an integer of about {int(value.bit_length() * math.log10(2)):,} digits"
+    if not _small(value):
+        text = _BRIEF.repr(value)
+    else:
+        text = repr(value) if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True).strip()
+        text = text.removesuffix("\n...").removesuffix(" ...")
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _small(value: Any, budget: int = 32) -> bool:
+    """Whether ``value`` holds at most ``budget`` scalars (so dumping it whole is cheap)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        budget -= 1
+        if budget < 0:
+            return False
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            pending.extend(item)
+        elif (isinstance(item, str) and len(item) > 1000) or (isinstance(item, int) and item.bit_length() > 200):
+            return False
+    return True
 
 
 def _resolve(node: dict, root: dict) -> dict:

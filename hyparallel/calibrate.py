@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from hyparallel import _files
 from hyparallel.cluster import ClusterSpec, DeviceSpec, LinkSpec, PeakFlops
 from hyparallel.errors import ConfigError, HyparallelError
 
@@ -324,20 +325,14 @@ def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
 
 def check_writable(path: str | Path) -> None:
     """Fail early, in one line, when ``path`` cannot be written (before minutes of measuring)."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise ConfigError(f"cannot write {path}: no folder {folder}")
-    if path.is_dir() or not os.access(path if path.exists() else folder, os.W_OK):
-        raise ConfigError(f"cannot write {path}: " + ("it is a folder" if path.is_dir() else "permission denied"))
+    _files.check_writable(path)
 
 
 def write(spec: ClusterSpec, measured: Measurements, path: str | Path) -> None:
-    """Write :func:`cluster_yaml` to ``path``; an OS error is a one-line ConfigError."""
-    try:
-        Path(path).write_text(cluster_yaml(spec, measured))
-    except OSError as exc:
-        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
+    """Write :func:`cluster_yaml` to ``path`` (replaced only once complete); an OS error is a one-line ConfigError."""
+    text = cluster_yaml(spec, measured)
+    with _files.atomic_output(path) as tmp:
+        tmp.write_text(text)
 
 
 def measurements_table(measured: Measurements):
@@ -384,7 +379,12 @@ def _device_kind() -> DeviceKind:
 
 def _launched_world() -> int | None:
     """The torchrun world size when launched by torchrun (WORLD_SIZE set), else None."""
-    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    text = os.environ["WORLD_SIZE"]
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"WORLD_SIZE={text[:40]!r} is not a positive integer; launch with torchrun or unset it")
+    return int(text)
 
 
 def _launched_rank() -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner import TensorWriteData
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from hyparallel import _files
 from hyparallel.errors import ConfigError
 
 MARKER = "hyparallel.json"
@@ -146,9 +148,7 @@ def load(pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path)
     if path is None:
         raise ConfigError(f"{directory}: no complete checkpoint (a step-* folder with {MARKER}); "
                           "check the path, or start without one")
-    meta = json.loads((path / MARKER).read_text())
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{path}: not a hyparallel checkpoint of format {FORMAT}")
+    meta = _read_marker(path)
     planned = pmodel.plan.model
     if planned is not None and meta.get("model") and meta["model"].get("fingerprint") not in (None, planned.fingerprint):
         raise ConfigError(f"{path}: saved from model '{meta['model']['name']}', not '{planned.name}'; "
@@ -176,26 +176,54 @@ def export(directory: str | Path, out: str | Path) -> Path:
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    out = _files.check_writable(out)  # before reading gigabytes
+    save_file = _safetensors_writer() if out.suffix == ".safetensors" else None
+    kind = _files.kind_of(directory)
+    if kind != "folder":
+        what = "no such folder" if kind == "missing" else "not a folder"
+        raise ConfigError(f"{directory}: {what}; give a checkpoint directory or one of its step-* folders")
     path = latest(directory) if not (Path(directory) / MARKER).exists() else Path(directory)
     if path is None:
         raise ConfigError(f"{directory}: no complete checkpoint (a step-* folder with {MARKER}) to export")
+    tied = _read_marker(path).get("tied", {})
     reader = dcp.FileSystemReader(path)
-    keys = [key for key in reader.read_metadata().state_dict_metadata if key.startswith("model.")]
+    try:
+        metadata = reader.read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError):
+        raise ConfigError(f"{path}: no readable torch.distributed.checkpoint metadata (.metadata); "
+                          "not a complete hyparallel checkpoint") from None
+    keys = [key for key in metadata.state_dict_metadata if key.startswith("model.")]
     everything: dict[str, Any] = {}
     _load_state_dict(everything, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
     model = {key[len("model."):]: value for key, value in everything.items()}
-    tied = json.loads((path / MARKER).read_text()).get("tied", {})
-    out = Path(out)
-    if out.suffix == ".safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            raise ConfigError("writing .safetensors needs the safetensors package (pip install safetensors); "
-                              "or give OUT a .pt name") from None
-        save_file({k: v.contiguous() for k, v in model.items()}, str(out))
-    else:  # tied names too, one tensor: load_state_dict(strict=True) works on the original model
-        torch.save({**model, **{alias: model[first] for alias, first in tied.items() if first in model}}, out)
+    with _files.atomic_output(out) as tmp:
+        if save_file is not None:
+            save_file({k: v.contiguous() for k, v in model.items()}, str(tmp))
+        else:  # tied names too, one tensor: load_state_dict(strict=True) works on the original model
+            torch.save({**model, **{alias: model[first] for alias, first in tied.items() if first in model}}, tmp)
     return out
+
+
+def _safetensors_writer():
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ConfigError("writing .safetensors needs the safetensors package (pip install safetensors); "
+                          "or give OUT a .pt name") from None
+    return save_file
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    """The checkpoint's ``hyparallel.json``, checked; anything else there is a one-line ConfigError."""
+    try:
+        meta = json.loads((path / MARKER).read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"{path / MARKER}: cannot read: {exc.strerror or exc}") from None
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ConfigError(f"{path}: not a hyparallel checkpoint of format {FORMAT} ({MARKER} is not its marker)")
+    return meta
 
 
 def state_entries(pmodel, optimizer: torch.optim.Optimizer | None) -> dict[str, Entry]:

@@ -1,7 +1,8 @@
 """The ``hyparallel`` command line.
 
-User errors (a bad file, an unknown model, an untraceable model) print one line to stderr and exit
-2 with no traceback; anything else is a bug and keeps its traceback.
+User errors (a bad file, an unknown model, an untraceable model, a malformed command line, a number
+out of range) print one line to stderr and exit 2 with no traceback; anything else is a bug and keeps
+its traceback. Numeric flags are bounded by hyparallel.limits, the same bounds the plan schema uses.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from rich.console import Console
 from rich.table import Table
 
-from hyparallel.errors import ConfigError, HyparallelError
+from hyparallel import limits
+from hyparallel.errors import HyparallelError
 
 EXAMPLES = {
     "models": "example:\n  hyparallel models\n  hyparallel models --json",
@@ -134,8 +137,8 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
     for column in ("axis", "groups", "first group", "link"):
         groups.add_column(column)
     for axis in ("tp", "dp", "pp"):
-        ranks = plan.group_ranks(axis)
-        groups.add_row(axis, str(len(ranks)), _ranks(ranks[0]), _link(plan, axis))
+        size = getattr(par, axis)
+        groups.add_row(axis, str(plan.world_size // size), _ranks(_first_group(plan, axis)), _link(plan, axis))
     out.print(groups)
     out.print(views.device_map(plan))
     out.print(views.stage_table(plan))
@@ -146,11 +149,20 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
                   "`hyparallel plan`)")
 
 
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1, ranks[1] - ranks[0])):
-        step = ranks[1] - ranks[0]
-        return f"{ranks[0]}..{ranks[-1]}" + (f" step {step}" if step > 1 else "") + f" ({len(ranks)})"
-    return str(ranks)
+def _first_group(plan, axis: str) -> range:
+    """The ranks of the first process group along ``axis`` (the others' coordinates 0), without listing every rank."""
+    shape = plan.mesh_shape()
+    axes = list(shape)
+    stride = 1
+    for inner in axes[axes.index(axis) + 1:]:
+        stride *= shape[inner]
+    return range(0, shape[axis] * stride, stride)
+
+
+def _ranks(ranks: range) -> str:
+    if len(ranks) > 2:
+        return f"{ranks[0]}..{ranks[-1]}" + (f" step {ranks.step}" if ranks.step > 1 else "") + f" ({len(ranks)})"
+    return str(list(ranks))
 
 
 def _link(plan, axis: str) -> str:
@@ -208,9 +220,12 @@ def _runs(segments):
 def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     """Search the best plan for a model on a cluster; print it, write it with -o."""
     from hyparallel import models
+    from hyparallel._files import check_writable
     from hyparallel.cluster import ClusterSpec
     from hyparallel.planner import PlanError, search, to_plan
 
+    if args.output:
+        check_writable(args.output)  # before the search, not after it
     per_node = args.gpus_per_node
     base = ClusterSpec.resolve(args.cluster)
     per_node = per_node or min(base.gpus_per_node, args.gpus)
@@ -336,10 +351,7 @@ def cmd_checkpoint(args: argparse.Namespace, out: Console) -> None:
     """Consolidate a sharded checkpoint (saved under any plan) into one single-device state dict file."""
     from hyparallel import checkpoint
 
-    try:
-        written = checkpoint.export(args.path, args.out)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {args.out}: {exc.strerror or exc}; check the folder exists and is writable") from None
+    written = checkpoint.export(args.path, args.out)
     out.print(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB)", markup=False, highlight=False)
 
 
@@ -368,6 +380,10 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
     from hyparallel.pipeline.timeline import timeline
     from hyparallel.schema import Plan
 
+    if args.out:
+        from hyparallel.pictures import check_picture_path
+
+        check_picture_path(args.out)  # before simulating, not after
     plan = Plan.load(args.plan)
     result = timeline(plan)
     if result.units == "seconds":
@@ -395,9 +411,45 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
     out.print("pass --out timeline.png (or .svg) for the timed picture of the step", markup=False, highlight=False)
 
 
+class UsageError(HyparallelError):
+    """A command line argparse refuses; ``prog`` is the (sub)command whose ``--help`` explains it."""
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (a UsageError), not its usage block on stderr and SystemExit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self.prog, message)
+
+
+def _int_in(high: int, low: int = 1) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer flag from ``low`` to ``high`` (the bounds of hyparallel.limits)."""
+    what = f"a positive integer up to {high:,}" if low == 1 else f"an integer from {low:,} to {high:,}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            shown = text if len(text) <= 40 else text[:37] + "..."
+            raise argparse.ArgumentTypeError(f"expected {what}, got '{shown}'")
+        return value
+
+    return parse
+
+
+DEVICES, PER_NODE = _int_in(limits.MAX_DEVICES), _int_in(limits.MAX_GPUS_PER_NODE)
+SEQUENCES, SEQ_LEN = _int_in(limits.MAX_GLOBAL_BATCH), _int_in(limits.MAX_SEQ_LEN)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(prog="hyparallel", description="Hybrid-parallel model partitioning for PyTorch.")
+    """The argument parser of every subcommand; its errors raise :class:`UsageError`."""
+    parser = _Parser(prog="hyparallel", description="Hybrid-parallel model partitioning for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, func: Callable, help_text: str) -> argparse.ArgumentParser:
@@ -417,27 +469,31 @@ def build_parser() -> argparse.ArgumentParser:
     trace = add("trace", cmd_trace, "Trace a model on the meta device: parameters, FLOPs, blocks, cut points.")
     trace.add_argument("--model", nargs="+", required=True, metavar="MODEL",
                        help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides")
-    trace.add_argument("--batch-size", type=int, default=1, help="sequences per traced call (default 1)")
-    trace.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 2048)")
+    trace.add_argument("--batch-size", type=SEQUENCES, default=1, help="sequences per traced call (default 1)")
+    trace.add_argument("--seq-len", type=SEQ_LEN, default=None,
+                       help="tokens per sequence (default: the model's, at most 2048)")
     trace.add_argument("--json", action="store_true", help="print JSON on stdout and nothing else")
     plan = add("plan", cmd_plan, "Find the fastest data x tensor x pipeline plan that fits memory, and write it as YAML.")
     plan.add_argument("--model", nargs="+", required=True, metavar="MODEL",
                       help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides")
-    plan.add_argument("--gpus", type=int, required=True, help="number of GPUs (processes) in all")
-    plan.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the cluster preset's)")
+    plan.add_argument("--gpus", type=DEVICES, required=True, help="number of GPUs (processes) in all")
+    plan.add_argument("--gpus-per-node", type=PER_NODE, default=None,
+                      help="GPUs per node (default: the cluster preset's)")
     plan.add_argument("--cluster", default="a100-80g", help="a preset from `hyparallel clusters` or a YAML file (default a100-80g)")
-    plan.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step (default 512)")
-    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's, at most 2048)")
+    plan.add_argument("--global-batch", type=SEQUENCES, default=512, help="sequences per optimizer step (default 512)")
+    plan.add_argument("--seq-len", type=SEQ_LEN, default=None,
+                      help="tokens per sequence (default: the model's, at most 2048)")
     plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training precision (default bf16)")
     for axis in ("tp", "pp", "dp"):
-        plan.add_argument(f"--{axis}", type=int, default=None, help=f"fix the {axis} degree")
+        plan.add_argument(f"--{axis}", type=DEVICES, default=None, help=f"fix the {axis} degree")
     plan.add_argument("--example-inputs", default=None, metavar="package.module:make_inputs",
                       help="for a model without an example_inputs(batch_size, seq_len, device) method: a function "
                            "make_inputs(batch_size, seq_len) returning one micro-batch of its inputs (a tensor, a "
                            "tuple of args or a dict of kwargs) with the same meaning; the planner traces "
                            "make_inputs(1, seq_len), and parallelize takes example_inputs=make_inputs(micro_batch, "
                            "seq_len)")
-    plan.add_argument("--top", type=int, default=1, help="list the K best plans and why the usual alternatives lost")
+    plan.add_argument("--top", type=_int_in(limits.MAX_TOP), default=1,
+                      help=f"list the K best plans (at most {limits.MAX_TOP}) and why the usual alternatives lost")
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")
     plan.add_argument("--verbose", action="store_true", help="log the search on stderr: its phases and every configuration costed")
@@ -448,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("out", help="output file: .safetensors, or anything else for torch.save")
     calibrate = add("calibrate", cmd_calibrate, "Measure this machine (matmul, memory, collectives) and write a ClusterSpec.")
     calibrate.add_argument("--out", default=None, metavar="FILE", help="write the ClusterSpec YAML here (default: print it)")
-    calibrate.add_argument("--nproc", type=int, default=None, metavar="N",
+    calibrate.add_argument("--nproc", type=PER_NODE, default=None, metavar="N",
                            help="local processes to measure with (default: the GPU count on CUDA, else 8; torchrun's world inside a launch)")
     calibrate.add_argument("--base", default=None, metavar="PRESET",
                            help="keep this preset's (or YAML file's) datasheet peaks and memory; set efficiencies from the measurements")
@@ -461,8 +517,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hyparallel`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the ``hyparallel`` console script; returns the exit status (2 for a user error)."""
+    try:
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # named here, not by the top-level parser, so the message points at the subcommand's --help
+            raise UsageError(f"hyparallel {args.command}", f"unrecognized arguments: {' '.join(extra)}")
+    except UsageError as exc:
+        print(f"{exc.prog}: error: {exc}; see {exc.prog} --help", file=sys.stderr)
+        return 2
     try:
         # Piped output gets a wide console: tables are read in logs and files, not wrapped at 80 columns.
         args.func(args, Console(width=None if sys.stdout.isatty() else 160))

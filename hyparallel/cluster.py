@@ -11,16 +11,32 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hyparallel import limits
+from hyparallel._files import atomic_output, kind_of
 from hyparallel._yaml import dump_yaml, read_yaml, validate
 from hyparallel.errors import ConfigError
 
+
+def int_in(low: int, high: int) -> Any:
+    """The type of an integer field from ``low`` to ``high`` inclusive (bools, floats and strings refused)."""
+    return Annotated[int, Field(ge=low, le=high, strict=True)]
+
+
+def float_in(low: float, high: float | None = None) -> Any:
+    """The type of a finite float field from ``low`` (inclusive) up to ``high`` (inf and nan refused)."""
+    return Annotated[float, Field(ge=low, le=high, allow_inf_nan=False)]
+
+
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
+NonNegativeFloat = float_in(0.0)  # finite; planner figures (seconds, GiB) with no upper bound of their own
+Flops = float_in(limits.MIN_RATE, limits.MAX_FLOPS)
+BytesPerS = float_in(limits.MIN_RATE, limits.MAX_BYTES_PER_S)
+LatencyS = float_in(0.0, limits.MAX_LATENCY_S)
+MemoryBytes = int_in(1, limits.MAX_DEVICE_MEMORY_BYTES)
 
 Dtype = Literal["fp32", "tf32", "bf16", "fp16"]
 Backend = Literal["nccl", "gloo"]
@@ -33,13 +49,13 @@ class _Frozen(BaseModel):
 class PeakFlops(_Frozen):
     """Dense (no structured sparsity) peak FLOP/s of one device by dtype."""
 
-    fp32: PositiveFloat = Field(description="FLOP/s of fp32 arithmetic without tensor cores.")
-    tf32: PositiveFloat = Field(description="FLOP/s of TF32 tensor-core matmuls (fp32 on machines without TF32).")
-    bf16: PositiveFloat = Field(description="FLOP/s of bf16 matmuls.")
-    fp16: PositiveFloat = Field(description="FLOP/s of fp16 matmuls.")
+    fp32: Flops = Field(description="FLOP/s of fp32 arithmetic without tensor cores.")
+    tf32: Flops = Field(description="FLOP/s of TF32 tensor-core matmuls (fp32 on machines without TF32).")
+    bf16: Flops = Field(description="FLOP/s of bf16 matmuls.")
+    fp16: Flops = Field(description="FLOP/s of fp16 matmuls.")
 
 
-Fraction = Annotated[float, Field(gt=0, le=1)]
+Fraction = float_in(limits.MIN_EFFICIENCY, 1.0)
 
 
 class DeviceSpec(_Frozen):
@@ -52,16 +68,24 @@ class DeviceSpec(_Frozen):
 
     name: str = Field(description="The device's name, for people.")
     peak_flops: PeakFlops = Field(description="Dense peak FLOP/s by dtype.")
-    memory_bytes: PositiveInt = Field(description="Total device memory in bytes.")
-    memory_bandwidth_bytes_per_s: PositiveFloat = Field(description="Peak memory (HBM) bandwidth.")
+    memory_bytes: MemoryBytes = Field(description="Total device memory in bytes.")
+    memory_bandwidth_bytes_per_s: BytesPerS = Field(description="Peak memory (HBM) bandwidth.")
     matmul_efficiency: Fraction = Field(0.75, description="Fraction of peak FLOP/s that matrix products reach.")
     attention_efficiency: Fraction = Field(0.6, description="Fraction of peak FLOP/s that fused attention reaches.")
     memory_efficiency: Fraction = Field(0.8, description="Fraction of memory bandwidth that memory-bound kernels reach.")
-    reserved_bytes: Annotated[int, Field(ge=0, strict=True)] = Field(
-        0, description="Memory the model cannot use (CUDA context, communication buffers, allocator slack).")
-    op_overhead_s: NonNegativeFloat = Field(
+    reserved_bytes: int_in(0, limits.MAX_DEVICE_MEMORY_BYTES) = Field(
+        0, description="Memory the model cannot use (CUDA context, communication buffers, allocator slack); less "
+                       "than memory_bytes.")
+    op_overhead_s: LatencyS = Field(
         0.0, description="Host time to dispatch one op (Python, the framework, the kernel launch): a GPU op takes "
                          "at least this long, a CPU op (backend gloo) this long on top of its work.")
+
+    @model_validator(mode="after")
+    def _check_memory(self) -> DeviceSpec:
+        if self.reserved_bytes >= self.memory_bytes:
+            raise ValueError(f"device.reserved_bytes ({self.reserved_bytes:,}) must be less than memory_bytes "
+                             f"({self.memory_bytes:,}): nothing would be left for the model")
+        return self
 
     @property
     def usable_memory_bytes(self) -> int:
@@ -73,9 +97,9 @@ class LinkSpec(_Frozen):
     """An interconnect as seen from one device: per-direction bandwidth and per-message latency."""
 
     name: str = Field(description="The link's name, for people.")
-    bandwidth_bytes_per_s: PositiveFloat = Field(
+    bandwidth_bytes_per_s: BytesPerS = Field(
         description="Bytes per second one device sends in one direction, as collectives reach it (bus bandwidth).")
-    latency_s: NonNegativeFloat = Field(description="Seconds per message (one step of a ring collective).")
+    latency_s: LatencyS = Field(description="Seconds per message (one step of a ring collective).")
 
 
 class ClusterSpec(_Frozen):
@@ -83,13 +107,22 @@ class ClusterSpec(_Frozen):
 
     name: str = Field(description="Preset name, or any name for a cluster file.")
     description: str = Field("", description="One line for people.")
-    num_nodes: PositiveInt = Field(1, description="Nodes; `--gpus` and `ClusterSpec.preset(..., num_nodes=)` resize it.")
-    gpus_per_node: PositiveInt = Field(description="Devices (processes) per node.")
+    num_nodes: int_in(1, limits.MAX_DEVICES) = Field(
+        1, description="Nodes; `--gpus` and `ClusterSpec.preset(..., num_nodes=)` resize it.")
+    gpus_per_node: int_in(1, limits.MAX_GPUS_PER_NODE) = Field(description="Devices (processes) per node.")
     backend: Backend = Field(description="The torch.distributed backend the link figures are for: `nccl` for GPUs, `gloo` for CPUs "
                                          "(`parallelize` picks its backend from the device).")
     device: DeviceSpec = Field(description="One device's compute and memory.")
     intra_node: LinkSpec = Field(description="The link between devices of one node.")
     inter_node: LinkSpec = Field(description="A device's share of the network between nodes.")
+
+    @model_validator(mode="after")
+    def _check_size(self) -> ClusterSpec:
+        if self.num_gpus > limits.MAX_DEVICES:
+            raise ValueError(f"num_nodes ({self.num_nodes:,}) x gpus_per_node ({self.gpus_per_node:,}) = "
+                             f"{self.num_gpus:,} devices, more than the {limits.MAX_DEVICES:,} hyparallel plans for; "
+                             "use fewer nodes")
+        return self
 
     @property
     def num_gpus(self) -> int:
@@ -103,7 +136,7 @@ class ClusterSpec(_Frozen):
             update["num_nodes"] = num_nodes
         if gpus_per_node is not None:
             update["gpus_per_node"] = gpus_per_node
-        return ClusterSpec.model_validate({**self.model_dump(), **update})
+        return validate(ClusterSpec, {**self.model_dump(), **update}, f"cluster '{self.name}'")
 
     @staticmethod
     def presets() -> list[str]:
@@ -117,7 +150,7 @@ class ClusterSpec(_Frozen):
         if name not in names:
             raise ConfigError(f"unknown cluster preset '{name}'; choose one of: {', '.join(names)} (or pass a YAML file)")
         spec = cls.load(_preset_dir() / f"{name}.yaml")
-        return spec.resized(num_nodes, gpus_per_node) if (num_nodes or gpus_per_node) else spec
+        return spec if num_nodes is None and gpus_per_node is None else spec.resized(num_nodes, gpus_per_node)
 
     @classmethod
     def load(cls, path: str | Path) -> ClusterSpec:
@@ -127,9 +160,11 @@ class ClusterSpec(_Frozen):
     @classmethod
     def resolve(cls, name_or_path: str, num_nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
         """A preset name or a YAML file path, as the CLI's ``--cluster`` accepts."""
-        if name_or_path.endswith((".yaml", ".yml")) or Path(name_or_path).is_file():
+        kind = kind_of(name_or_path) if name_or_path else "missing"
+        is_folder = kind == "folder" and name_or_path not in cls.presets()  # loaded, to say "is a folder"
+        if name_or_path.endswith((".yaml", ".yml")) or kind == "file" or is_folder:
             spec = cls.load(name_or_path)
-            return spec.resized(num_nodes, gpus_per_node) if (num_nodes or gpus_per_node) else spec
+            return spec if num_nodes is None and gpus_per_node is None else spec.resized(num_nodes, gpus_per_node)
         return cls.preset(name_or_path, num_nodes, gpus_per_node)
 
     def to_yaml(self) -> str:
@@ -137,8 +172,9 @@ class ClusterSpec(_Frozen):
         return dump_yaml(self.model_dump(mode="json"))
 
     def save(self, path: str | Path) -> None:
-        """Write this spec as YAML."""
-        Path(path).write_text(self.to_yaml())
+        """Write this spec as YAML; the file is replaced only once the new text is complete."""
+        with atomic_output(path) as tmp:
+            tmp.write_text(self.to_yaml())
 
 
 def _preset_dir():

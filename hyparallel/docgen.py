@@ -74,9 +74,11 @@ def _constraints(metadata: list) -> str:
             if getattr(item, name, None) is not None and isinstance(item, annotated_types.BaseMetadata):
                 bounds[name] = getattr(item, name)
     words = list(bounds.pop("text", []))
-    low = ("(", bounds["gt"]) if "gt" in bounds else ("[", bounds["ge"]) if "ge" in bounds else None
-    high = (")", bounds["lt"]) if "lt" in bounds else ("]", bounds["le"]) if "le" in bounds else None
-    if low and high:
+    low = ("(", _number(bounds["gt"])) if "gt" in bounds else ("[", _number(bounds["ge"])) if "ge" in bounds else None
+    high = (")", _number(bounds["lt"])) if "lt" in bounds else ("]", _number(bounds["le"])) if "le" in bounds else None
+    if low and high and isinstance(bounds.get("ge"), int) and isinstance(bounds.get("le"), int):
+        words.append(f"from {low[1]} to {high[1]}")  # the bounds of hyparallel.limits: integers, both included
+    elif low and high:
         words.append(f"in {low[0]}{low[1]}, {high[1]}{high[0]}")
     elif low:
         words.append(f"{'>' if low[0] == '(' else '>='} {low[1]}")
@@ -87,6 +89,11 @@ def _constraints(metadata: list) -> str:
     if "max_length" in bounds:
         words.append(f"at most {bounds['max_length']}")
     return ", ".join(words)
+
+
+def _number(value: Any) -> str:
+    """1,048,576 and 1e+21: a bound as people read it."""
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
 _SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
@@ -243,6 +250,11 @@ _PLAN_RULES: tuple[tuple[str, dict], ...] = (
       "stages": [{"index": 0, "modules": ["a"]}, {"index": 1, "modules": ["a"]}]}),
     ("`placement.order` names pp, dp and tp once each.",
      {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {}, "placement": {"order": ["pp", "pp", "tp"]}}),
+    ("Every number is within its bounds (the type column of each section gives them; they are hyparallel.limits', the "
+     "same the CLI's flags use), and every float is finite ...",
+     {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {"dp": 10**30}}),
+    ("... and dp x tp x pp is at most 1,048,576.",
+     {"training": {"global_batch": 2**20, "seq_len": 64}, "parallel": {"dp": 2**10, "tp": 2**10, "pp": 2}}),
     ("`predicted.memory_gib` has one entry per pipeline rank.",
      {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {"pp": 2},
       "predicted": {"step_time_s": 1.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "mfu": 0.1, "bubble_fraction": 0.0,
@@ -344,6 +356,11 @@ a node when pp x tp <= gpus_per_node) and the dp groups span nodes instead. For 
 with the error it gives now (one line, naming the file and field, with the fix):
 
 {rules}
+Before any of these, the file itself must be UTF-8 text of at most 16 MiB, nested at most 64 levels
+deep, with at most 1,000,000 values once YAML aliases are expanded, numbers of at most 1,000 characters,
+and no key twice in one mapping (a hand edit must not say two things), each refused with its place:
+`plan.yaml:3:1: invalid YAML: duplicate key 'training' (first on line 1); keep one of them`.
+
 `hp.parallelize(model, plan)` checks more, still before any collective: WORLD_SIZE equals dp x tp x pp;
 the model's fingerprint equals `model.fingerprint`; tp divides the attention heads and the widths it
 splits; `tensor_parallel` splits only Linears the model's dataflow allows (both Linears of a column/row

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from hyparallel._files import atomic_output, check_writable
 from hyparallel.errors import ConfigError
 from hyparallel.pipeline.timeline import Block, Timeline
 
@@ -40,12 +41,18 @@ class Rendered:
     magnified: bool  # whether the first and last stretch of the step got panels of their own
 
 
-def render_timeline(timeline: Timeline, path: str | Path) -> Rendered:
-    """Draw ``timeline`` (a Gantt chart of the step over its memory per rank) to ``path``, PNG or SVG by extension."""
+def check_picture_path(path: str | Path) -> Path:
+    """``path`` if a picture can be written there (a known extension, a writable place), else a one-line ConfigError."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise ConfigError(f"cannot draw '{path}': unknown picture extension '{path.suffix or '(none)'}'; "
                           f"use one of {', '.join(FORMATS)}")
+    return check_writable(path)
+
+
+def render_timeline(timeline: Timeline, path: str | Path) -> Rendered:
+    """Draw ``timeline`` (a Gantt chart of the step over its memory per rank) to ``path``, PNG or SVG by extension."""
+    path = check_picture_path(path)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -77,10 +84,8 @@ def render_timeline(timeline: Timeline, path: str | Path) -> Rendered:
         ax.set_xlabel(unit, fontsize=8)
     fig.suptitle(_title(timeline), fontsize=10, x=LEFT, ha="left", y=1 - 0.15 / fig.get_figheight(), va="top")
     _legend(fig, timeline)
-    try:
-        fig.savefig(path, format=path.suffix.lower()[1:])
-    except OSError as exc:
-        raise ConfigError(f"cannot write '{path}': {exc.strerror or exc}; check the folder exists and is writable") from None
+    with atomic_output(path) as tmp:  # a failed write leaves no partial picture
+        fig.savefig(tmp, format=path.suffix.lower()[1:])
     return Rendered(path, bars, labels, magnify)
 
 

@@ -14,15 +14,20 @@ Note [rank order]
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hyparallel import limits
+from hyparallel._files import atomic_output
 from hyparallel._yaml import dump_yaml, read_yaml, validate
-from hyparallel.cluster import ClusterSpec, NonNegativeFloat, PositiveInt
+from hyparallel.cluster import ClusterSpec, NonNegativeFloat, int_in
 from hyparallel.errors import ConfigError
 
-NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
+# The bounds are hyparallel.limits', shared with the CLI's flags and the planner's request checks.
+Sequences = int_in(1, limits.MAX_GLOBAL_BATCH)
+Degree = int_in(1, limits.MAX_DEVICES)
+ParamCount = int_in(0, limits.MAX_PARAMS)
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
@@ -42,8 +47,8 @@ class ModelInfo(_Section):
     """What the plan was made for; ``fingerprint`` is hyparallel.models.fingerprint(model)."""
 
     name: str = Field(description="The model's name as traced (the class name unless `hyparallel plan --model` named it).")
-    num_params: NonNegativeInt = Field(description="Parameters of the whole, unsplit model.")
-    num_layers: NonNegativeInt = Field(
+    num_params: ParamCount = Field(description="Parameters of the whole, unsplit model.")
+    num_layers: int_in(0, limits.MAX_MODEL_OPS) = Field(
         description="Repeated blocks (transformer layers) found by the trace; the parameterised ops when there are none.")
     fingerprint: str = Field(
         description="`sha256:` hash of the parameter names and shapes; `parallelize` refuses a model whose fingerprint "
@@ -53,11 +58,11 @@ class ModelInfo(_Section):
 class TrainingConfig(_Section):
     """Batch and precision of one optimizer step. ``global_batch`` and ``micro_batch`` count sequences."""
 
-    global_batch: PositiveInt = Field(description="Sequences per optimizer step, summed over the data-parallel replicas.")
-    micro_batch: PositiveInt = Field(
+    global_batch: Sequences = Field(description="Sequences per optimizer step, summed over the data-parallel replicas.")
+    micro_batch: Sequences = Field(
         1, description="Sequences in one micro-batch on one replica; derived from `parallel.num_microbatches` when only "
                        "that is given.")
-    seq_len: PositiveInt = Field(description="Tokens per sequence.")
+    seq_len: int_in(1, limits.MAX_SEQ_LEN) = Field(description="Tokens per sequence.")
     dtype: Dtype = Field(
         "bf16", description="Compute precision: `bf16`/`fp16` run under autocast with fp32 weights, gradients and "
                             "optimizer state; `fp32` runs in fp32 throughout.")
@@ -66,13 +71,13 @@ class TrainingConfig(_Section):
 class ParallelConfig(_Section):
     """Degrees and strategies; ``num_microbatches`` is derived when omitted."""
 
-    dp: PositiveInt = Field(1, description="Data-parallel degree: model replicas, each taking global_batch / dp sequences.")
-    tp: PositiveInt = Field(1, description="Tensor-parallel degree: ranks splitting each layer's matrices.")
-    pp: PositiveInt = Field(1, description="Pipeline-parallel degree: ranks each running a part of the layers.")
+    dp: Degree = Field(1, description="Data-parallel degree: model replicas, each taking global_batch / dp sequences.")
+    tp: Degree = Field(1, description="Tensor-parallel degree: ranks splitting each layer's matrices.")
+    pp: Degree = Field(1, description="Pipeline-parallel degree: ranks each running a part of the layers.")
     schedule: Schedule = Field("1f1b", description="Pipeline schedule (ignored when pp = 1).")
-    virtual_stages: PositiveInt = Field(
+    virtual_stages: int_in(1, limits.MAX_VIRTUAL_STAGES) = Field(
         1, description="Model chunks per pipeline rank; more than 1 only with `interleaved-1f1b`.")
-    num_microbatches: PositiveInt | None = Field(
+    num_microbatches: Sequences | None = Field(
         None, description="Micro-batches per step on each replica: global_batch / (dp x micro_batch); derived when omitted.")
     recompute: Recompute = Field(
         "none", description="Activation recomputation: `selective` recomputes only the ops producing seq x seq tensors, "
@@ -95,6 +100,9 @@ class ParallelConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
+        if self.world_size > limits.MAX_DEVICES:
+            raise ValueError(f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size:,} processes, "
+                             f"more than the {limits.MAX_DEVICES:,} hyparallel plans for; lower a degree")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(
                 f"parallel.virtual_stages is {self.virtual_stages} but schedule is '{self.schedule}'; "
@@ -128,12 +136,12 @@ class Placement(_Section):
 class StageSpec(_Section):
     """One pipeline stage (a virtual stage under interleaving): the module paths it runs."""
 
-    index: NonNegativeInt = Field(
+    index: int_in(0, limits.MAX_DEVICES * limits.MAX_VIRTUAL_STAGES) = Field(
         description="Position in the pipeline, 0 first; stage i runs on pipeline rank i % pp.")
     modules: list[str] = Field(
         min_length=1, description="Module paths (as in `named_modules()`) this stage runs; a module's children go with "
                                   "it, and glue code of unlisted parents runs where execution order puts it.")
-    num_params: NonNegativeInt | None = Field(
+    num_params: ParamCount | None = Field(
         None, description="Planner: parameters of these modules in the unsplit model (before tensor-parallel splitting).")
     compute_s: NonNegativeFloat | None = Field(
         None, description="Planner: forward + backward seconds of one micro-batch through this stage on one device, "
@@ -344,10 +352,9 @@ class Plan(_Section):
 
     def save(self, path: str | Path) -> None:
         """Write the plan as YAML; the file is replaced only once the new text is complete."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_yaml())
-        tmp.replace(path)
+        text = self.to_yaml()
+        with atomic_output(path) as tmp:
+            tmp.write_text(text)
 
 
 def _expand_cluster(cluster: Any) -> Any:
@@ -358,8 +365,7 @@ def _expand_cluster(cluster: Any) -> Any:
         extra = set(cluster) - {"name", "num_nodes", "gpus_per_node"}
         if extra:
             return cluster  # let validation name what is missing or unknown
-        nodes, per_node = cluster.get("num_nodes"), cluster.get("gpus_per_node")
-        if all(v is None or (type(v) is int and v > 0) for v in (nodes, per_node)):
-            return ClusterSpec.preset(cluster["name"], nodes, per_node)
+        # The preset's figures with the given sizes, validated (and their bounds reported) with the plan.
+        return {**ClusterSpec.preset(cluster["name"]).model_dump(), **cluster}
     return cluster
 

@@ -20,6 +20,7 @@ from hyparallel.schema import Plan
 
 BAR_WIDTH = 24
 MAX_NODES = 6  # device-map rows; larger clusters show the first and last nodes (the layout repeats)
+MAX_STAGE_ROWS = 32  # stage-table rows; deeper pipelines show the first stages and the last
 
 
 def count(n: float) -> str:
@@ -63,13 +64,22 @@ def device_map(plan: Plan) -> Table:
     return table
 
 
-def stage_nodes(plan: Plan) -> dict[int, list[int]]:
-    """Pipeline stage -> the nodes its GPUs are on."""
+def stage_nodes(plan: Plan) -> dict[int, tuple[int, int]]:
+    """Pipeline stage -> the first and last node its GPUs are on.
+
+    Computed from the rank layout, not by visiting every rank (a plan may have a million): the ranks of
+    stage s are ``outer`` blocks of ``inner`` consecutive ranks, ``inner`` the product of the axes after pp
+    in the placement order; the first block starts at s x inner, the last at ((outer - 1) x pp + s) x inner.
+    """
     per_node = plan.cluster.gpus_per_node if plan.cluster else min(plan.world_size, 8)
-    nodes: dict[int, set[int]] = {}
-    for rank in range(plan.world_size):
-        nodes.setdefault(plan.coords(rank)["pp"], set()).add(rank // per_node)
-    return {stage: sorted(members) for stage, members in sorted(nodes.items())}
+    shape, pp = plan.mesh_shape(), plan.parallel.pp
+    axes = list(shape)
+    inner = 1
+    for axis in axes[axes.index("pp") + 1:]:
+        inner *= shape[axis]
+    outer = plan.world_size // (pp * inner)
+    return {stage: (stage * inner // per_node, (((outer - 1) * pp + stage) * inner + inner - 1) // per_node)
+            for stage in range(pp)}
 
 
 def stage_table(plan: Plan) -> Table:
@@ -79,27 +89,37 @@ def stage_table(plan: Plan) -> Table:
     table = Table(title="pipeline stages (per device" + (f", {par.virtual_stages} chunks each" if par.virtual_stages > 1 else "") + ")")
     for column in ("stage", "nodes", "layers", "parameters", "compute s / micro-batch", "peak memory per GPU"):
         table.add_column(column, justify="left" if column in ("layers", "peak memory per GPU") else "right")
-    where = stage_nodes(plan)
-    for device in range(par.pp):
-        chunks = [st for st in plan.stages or [] if st.index % par.pp == device]
+    where, by_device = stage_nodes(plan), _chunks_by_device(plan)
+    shown = range(par.pp) if par.pp <= MAX_STAGE_ROWS else [*range(MAX_STAGE_ROWS - 1), par.pp - 1]
+    for device in shown:
+        if device == par.pp - 1 and par.pp > MAX_STAGE_ROWS:
+            table.add_row("...", "...", f"({par.pp - MAX_STAGE_ROWS} more stages)", "...", "...", "...")
+        chunks = by_device.get(device, [])
         modules = [m for st in chunks for m in st.modules]
         label = (f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)" if len(modules) > 2
                  else ", ".join(modules) or "(planned at launch)")
         memory = pred.memory_gib[device] if pred else None
         bar = memory_bar(memory, capacity) if memory is not None and capacity else Text("-")
         compute = sum(st.compute_s or 0 for st in chunks)
-        nodes = where[device]
-        table.add_row(str(device), f"{nodes[0]}" if len(nodes) == 1 else f"{nodes[0]}-{nodes[-1]}", label,
+        first, last = where[device]
+        table.add_row(str(device), f"{first}" if first == last else f"{first}-{last}", label,
                       count(sum(st.num_params or 0 for st in chunks)) if chunks else "-",
                       f"{compute:.4f}" if compute else "-", bar)
     return table
 
 
+def _chunks_by_device(plan: Plan) -> dict:
+    """Pipeline device -> its (virtual) stages, in one pass over the stage list."""
+    by_device: dict[int, list] = {}
+    for stage in plan.stages or []:
+        by_device.setdefault(stage.index % plan.parallel.pp, []).append(stage)
+    return by_device
+
+
 def time_breakdown(plan: Plan) -> Table:
     """The predicted step time taken apart; see Note [what the time breakdown adds up]."""
     pred, m = plan.predicted, plan.num_microbatches
-    per_device = [sum(st.compute_s or 0 for st in plan.stages or [] if st.index % plan.parallel.pp == d)
-                  for d in range(plan.parallel.pp)]
+    per_device = [sum(st.compute_s or 0 for st in chunks) for chunks in _chunks_by_device(plan).values()]
     parts = {"tensor-parallel communication (exposed)": pred.comm_s.tp, "pipeline sends": pred.comm_s.pp,
              "data-parallel gradient sync + optimizer step": pred.comm_s.dp}
     rest = max(pred.step_time_s - sum(parts.values()), 0.0)

@@ -226,3 +226,208 @@ def test_show_lays_out_a_plan_without_a_cluster_in_rows_of_eight(capsys, tmp_pat
     path.write_text("training: {global_batch: 64, micro_batch: 1, seq_len: 128}\nparallel: {dp: 4, tp: 2, pp: 2}\n")
     code, out, _ = run(capsys, "show", str(path))
     assert code == 0 and "rows of 8 ranks" in out and "rank 15" in out and "GPU 8" not in out
+
+
+# ---- every bad input refused with one line (issue 14) ---------------------------------------------------
+
+def one_line_error(capsys, *argv) -> str:
+    """Run the CLI expecting a user error: exit 2, nothing on stdout, one line on stderr; returns that line."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "", (code, out, err)
+    assert err.count("\n") == 1 and err.endswith("\n") and "Traceback" not in err, err
+    return err.rstrip("\n")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], "hyparallel: error: the following arguments are required: COMMAND; see hyparallel --help"),
+    (["bogus"], "hyparallel: error: argument COMMAND: invalid choice: 'bogus'"),
+    (["plan", "--gpus", "8"],
+     "hyparallel plan: error: the following arguments are required: --model; see hyparallel plan --help"),
+    (["plan", "--model"], "hyparallel plan: error: argument --model: expected at least one argument"),
+    (["show", "plan.yaml", "--bogus"],
+     "hyparallel show: error: unrecognized arguments: --bogus; see hyparallel show --help"),
+    (["simulate"], "hyparallel simulate: error: the following arguments are required: plan"),
+    (["checkpoint", "import", "a", "b"], "hyparallel checkpoint: error: argument action: invalid choice: 'import'"),
+    (["plan", "--model", "gpt-tiny", "--gpus", "8", "--dtype", "fp8"],
+     "hyparallel plan: error: argument --dtype: invalid choice"),
+])
+def test_argparse_errors_are_one_line(capsys, argv, expected):
+    assert one_line_error(capsys, *argv).startswith(expected)
+
+
+PLAN = ["plan", "--model", "gpt-tiny", "--gpus", "8", "--cluster", "cpu"]
+NUMERIC_FLAGS = [  # (argv before the flag, flag, the bound from hyparallel.limits)
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu"], "--gpus", 2**20),
+    (PLAN, "--gpus-per-node", 1024), (PLAN, "--global-batch", 2**24), (PLAN, "--seq-len", 2**24),
+    (PLAN, "--tp", 2**20), (PLAN, "--pp", 2**20), (PLAN, "--dp", 2**20), (PLAN, "--top", 100),
+    (["trace", "--model", "gpt-tiny"], "--batch-size", 2**24), (["trace", "--model", "gpt-tiny"], "--seq-len", 2**24),
+    (["calibrate"], "--nproc", 1024),
+]
+
+
+@pytest.mark.parametrize(("before", "flag", "bound"), NUMERIC_FLAGS)
+@pytest.mark.parametrize("value", ["0", "-3", "bound+1", "10" * 30, "2.5", "eight", "9" * 5000])
+def test_every_numeric_flag_refuses_zero_negative_and_absurd(capsys, before, flag, bound, value):
+    value = str(bound + 1) if value == "bound+1" else value
+    line = one_line_error(capsys, *before, flag, value)
+    command = before[0]
+    expected = f"argument {flag}: expected a positive integer up to {bound:,}, got "
+    assert line.startswith(f"hyparallel {command}: error: {expected}")
+    assert line.endswith(f"; see hyparallel {command} --help") and len(line) < 250
+
+
+def test_bounds_of_flags_are_the_schemas():
+    from hyparallel import cli, limits
+
+    assert cli.DEVICES(str(limits.MAX_DEVICES)) == limits.MAX_DEVICES
+    assert cli.SEQ_LEN(str(limits.MAX_SEQ_LEN)) == limits.MAX_SEQ_LEN
+    assert cli.PER_NODE(str(limits.MAX_GPUS_PER_NODE)) == limits.MAX_GPUS_PER_NODE
+
+
+BAD_FILES = {  # name -> (bytes, what the line says)
+    "binary": (b"\x89PNG\r\n\x1a\n\x00\xff", "not UTF-8 text (byte 0x89 at offset 0)"),
+    "duplicate key": (b"name: a\nname: b\n", ":2:1: invalid YAML: duplicate key 'name' (first on line 1)"),
+    "deep nesting": (b"[" * 100_000, ":1:65: invalid YAML: nested more than 64 levels deep"),
+    "alias bomb": (b"a: &a [x, x, x, x, x, x, x, x, x, x]\n" + b"".join(
+        f"{k}: &{k} [{', '.join([f'*{j}'] * 10)}]\n".encode() for j, k in zip("abcde", "bcdef")),
+        "invalid YAML: this value holds more than 1,000,000 values"),
+    "a list": (b"- 1\n", "expected a mapping of keys at the top level, got list [1]"),
+    "empty": (b"", "expected a mapping of keys at the top level, got an empty file"),
+}
+READERS = {  # how each command reads a file
+    "show": lambda path: ["show", path],
+    "simulate": lambda path: ["simulate", path],
+    "plan --cluster": lambda path: [*PLAN[:-1], path],
+    "calibrate --base": lambda path: ["calibrate", "--quick", "--nproc", "2", "--base", path],
+}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+@pytest.mark.parametrize("bad", list(BAD_FILES))
+def test_every_file_the_cli_reads_refuses_bad_contents(capsys, tmp_path, reader, bad):
+    content, expected = BAD_FILES[bad]
+    path = tmp_path / "input.yaml"
+    path.write_bytes(content)
+    line = one_line_error(capsys, *READERS[reader](str(path)))
+    assert line.startswith(f"hyparallel: error: {path}") and expected in line, line
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+def test_every_file_the_cli_reads_may_be_missing_or_a_folder(capsys, tmp_path, reader):
+    assert one_line_error(capsys, *READERS[reader](str(tmp_path / "none.yaml"))).endswith("none.yaml: no such file")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    assert one_line_error(capsys, *READERS[reader](str(folder))).endswith(f"{folder}: is a folder; give a YAML file")
+
+
+def test_a_failing_plan_leaves_an_existing_plan_file_untouched(capsys, tmp_path):
+    target = tmp_path / "plan.yaml"
+    target.write_text("my plan\n")
+    assert "tp(3) = 3 does not divide" in one_line_error(capsys, *PLAN, "--tp", "3", "-o", str(target))
+    assert one_line_error(capsys, *PLAN, "--gpus", "0", "-o", str(target))
+    assert target.read_text() == "my plan\n" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([*PLAN, "-o", "{tmp}/missing/plan.yaml"],
+     "cannot write {tmp}/missing/plan.yaml: no folder {tmp}/missing; create it first"),
+    ([*PLAN, "-o", "{tmp}"], "cannot write {tmp}: it is a folder; give a file name"),
+    (["simulate", "{plan}", "--out", "{tmp}/t.jpg"], "cannot draw '{tmp}/t.jpg': unknown picture extension '.jpg'"),
+    (["simulate", "{plan}", "--out", "{tmp}/missing/t.png"], "cannot write {tmp}/missing/t.png: no folder"),
+    (["checkpoint", "export", "{tmp}", "{tmp}/model.pt"], "{tmp}: no complete checkpoint"),
+    (["checkpoint", "export", "{fake}", "{tmp}/model.pt"], "{fake}: not a hyparallel checkpoint of format 1"),
+    (["checkpoint", "export", "{tmp}", "{tmp}/missing/model.pt"], "cannot write {tmp}/missing/model.pt: no folder"),
+    (["calibrate", "--out", "{tmp}"], "cannot write {tmp}: it is a folder"),
+])
+def test_bad_output_paths_are_one_line_and_write_nothing(capsys, tmp_path, argv, expected):
+    plan = tmp_path / "in" / "plan.yaml"
+    plan.parent.mkdir()
+    plan.write_text("training: {global_batch: 8, seq_len: 4}\nparallel: {pp: 2}\n")
+    fake = tmp_path / "in" / "step-00000001"
+    fake.mkdir()
+    (fake / "hyparallel.json").write_bytes(b"\xff not json")
+    names = {"tmp": tmp_path, "plan": plan, "fake": fake}
+    before = sorted(tmp_path.rglob("*"))
+    line = one_line_error(capsys, *(word.format(**names) for word in argv))
+    assert expected.format(**names) in line, line
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing partial
+
+
+@pytest.mark.parametrize("parallel", ["{dp: 1048576}", "{pp: 1048576}", "{dp: 1024, tp: 1024}"])
+def test_show_at_the_largest_world_size_visits_no_rank_by_rank(capsys, tmp_path, parallel):
+    # A hang detector, not a timing: at 2^20 ranks, anything rank by rank (or stage by stage) ran for minutes.
+    path = tmp_path / "plan.yaml"
+    path.write_text(f"training: {{global_batch: 1048576, seq_len: 4}}\nparallel: {parallel}\n")
+    code, out, err = run(capsys, "show", str(path))
+    assert code == 0, err
+    assert "= 1048576 processes" in out and "rank 7" in out
+    if "pp" in parallel:
+        assert "(1048544 more stages)" in out
+        assert "simulate draws one row per pipeline rank, at most 256" in one_line_error(capsys, "simulate", str(path))
+
+
+def test_simulate_refuses_a_schedule_too_long_to_time(capsys, tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("training: {global_batch: 16777216, seq_len: 4}\nparallel: {pp: 4}\n")
+    line = one_line_error(capsys, "simulate", str(path))
+    assert "= 134,217,728 forwards and backwards, more than the 131,072 simulate times" in line
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    (["gpt-tiny", "num_layers=-1"], "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got -1"),
+    (["gpt-tiny", "num_layers=abc"], "got 'abc'"),
+    (["gpt-tiny", "num_layers=10**12"], "got '10**12'"),
+    (["gpt-tiny", "num_layers=1000000000000"], "got 1000000000000"),
+    (["gpt-tiny", "hidden_size=" + "9" * 5000], "hidden_size must be an integer"),
+    (["gpt-tiny", "nmu_layers=2"], "model 'gpt-tiny' has no setting 'nmu_layers'"),
+    (["hf:gpt2", "n_layer=-1"], "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1"),
+    (["hf:gpt2", "n_layr=2"], "hf:gpt2: GPT2Config has no setting 'n_layr'"),
+])
+def test_bad_model_specs_are_one_line(capsys, model, expected):
+    for argv in (["trace", "--model", *model], [*PLAN[:2], *model, *PLAN[3:]]):
+        assert expected in one_line_error(capsys, *argv)
+
+
+def test_seq_len_past_a_zoo_models_positions_is_one_line(capsys):
+    line = one_line_error(capsys, *PLAN, "--seq-len", "4096")
+    assert line == ("hyparallel: error: seq_len 4096 is longer than the model's max_seq_len (128); pass a shorter "
+                    "--seq-len, or build the model with max_seq_len=4096")
+
+
+def test_paths_the_system_cannot_look_up_are_one_line(capsys, tmp_path):
+    long = str(tmp_path / ("a" * 5000))  # ENAMETOOLONG: Path.is_file() and friends raise on it
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("training: {global_batch: 8, seq_len: 4}\nparallel: {}\n")
+    for argv in (["show", long], [*PLAN[:-1], long], [*PLAN, "-o", long],
+                 ["simulate", str(plan), "--out", long + ".png"], ["checkpoint", "export", long, str(tmp_path / "m.pt")],
+                 ["calibrate", "--base", long]):
+        assert "File name too long" in one_line_error(capsys, *argv)
+
+
+def test_model_factories_are_checked_before_they_are_called(capsys):
+    line = one_line_error(capsys, "trace", "--model", "os:system")  # never called: it needs an argument
+    assert "model factory 'os:system' cannot be called with no arguments: missing a required argument" in line
+    assert "cannot import ''" in one_line_error(capsys, "trace", "--model", ":make")
+    assert "No closing quotation" in one_line_error(capsys, "trace", "--model", "gpt-tiny", "num_layers='2")
+
+
+def test_a_model_too_large_to_trace_is_one_line_on_the_real_stderr():
+    # torch's fake tensors log each failing op with a traceback through a handler holding the process's stderr;
+    # only a subprocess sees that stream.
+    argv = ["trace", "--model", "gpt-tiny", "max_seq_len=16777216", "--batch-size", "16777216", "--seq-len", "16777216"]
+    result = subprocess.run([sys.executable, "-m", "hyparallel", *argv], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("hyparallel: error: cannot trace GPT: torch.fx: RuntimeError: Storage size")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes files whatever their mode")
+def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path):
+    locked = tmp_path / "plan.yaml"
+    locked.write_text("training: {global_batch: 8, seq_len: 4}\nparallel: {}\n")
+    locked.chmod(0)
+    assert one_line_error(capsys, "show", str(locked)).endswith("plan.yaml: cannot read: Permission denied")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    assert one_line_error(capsys, *PLAN, "-o", str(folder / "plan.yaml")).endswith("permission denied")

@@ -78,3 +78,42 @@ def test_unknown_cluster_key_rejected(tmp_path):
     path.write_text(hp.ClusterSpec.preset("cpu").to_yaml() + "gpus: 8\n")
     with pytest.raises(ConfigError, match=r"c.yaml: gpus: unknown key 'gpus'; expected one of: name, description"):
         hp.ClusterSpec.load(path)
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (("bf16: 3.12e+14", "bf16: .inf"), "device.peak_flops.bf16: expected a finite number, got .inf"),
+    (("bf16: 3.12e+14", "bf16: .nan"), "device.peak_flops.bf16: expected a finite number, got .nan"),
+    (("bf16: 3.12e+14", "bf16: 1.0e-300"), "device.peak_flops.bf16: expected a number of at least 1, got 1.0e-300"),
+    (("bf16: 3.12e+14", "bf16: 1.0e+300"), "device.peak_flops.bf16: expected a number up to 1e+21, got 1.0e+300"),
+    (("matmul_efficiency: 0.7", "matmul_efficiency: 0.0"), "matmul_efficiency: expected a number of at least 0.001"),
+    (("latency_s: 5.0e-06", "latency_s: -1.0"), "intra_node.latency_s: expected a non-negative number, got -1.0"),
+    (("reserved_bytes: 3221225472", "reserved_bytes: 85899345920"),
+     "device.reserved_bytes (85,899,345,920) must be less than memory_bytes (85,899,345,920)"),
+    (("gpus_per_node: 8", "gpus_per_node: 4096"), "gpus_per_node: expected a positive integer up to 1,024, got 4096"),
+])
+def test_cluster_figures_are_finite_and_bounded(tmp_path, edit, expected):
+    text = hp.ClusterSpec.preset("a100-80g").to_yaml()
+    assert edit[0] in text, edit[0]
+    path = tmp_path / "c.yaml"
+    path.write_text(text.replace(edit[0], edit[1], 1))
+    with pytest.raises(ConfigError) as info:
+        hp.ClusterSpec.load(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{path}: ") and expected in message, message
+
+
+@pytest.mark.parametrize(("sizes", "expected"), [
+    ({"num_nodes": 0}, "cluster 'cpu': num_nodes: expected a positive integer, got 0"),
+    ({"gpus_per_node": -8}, "cluster 'cpu': gpus_per_node: expected a positive integer, got -8"),
+    ({"num_nodes": 2**20, "gpus_per_node": 8}, "= 8,388,608 devices, more than the 1,048,576 hyparallel plans for"),
+])
+def test_resizing_to_a_bad_size_is_one_line(sizes, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        hp.ClusterSpec.preset("cpu", **sizes)
+
+
+def test_presets_fit_the_bounds_at_the_largest_size():
+    from hyparallel import limits
+
+    spec = hp.ClusterSpec.preset("h200", num_nodes=limits.MAX_DEVICES // 8)
+    assert spec.num_gpus == limits.MAX_DEVICES

@@ -110,7 +110,8 @@ def test_type_text_reads_like_words():
     assert docgen.type_text(Optional[PositiveInt]) == "integer > 0"
     assert docgen.type_text(Literal["a", "b"]) == "one of `a`, `b`"
     assert docgen.type_text(list[schema.StageSpec]) == "list of [StageSpec](#stagespec)"
-    assert docgen.type_text(cluster.Fraction) == "number in (0, 1]"
+    assert docgen.type_text(cluster.Fraction) == "number in [0.001, 1]"
+    assert docgen.type_text(schema.Degree) == "integer from 1 to 1,048,576"
     assert docgen.type_text(dict[str, schema.TPStyle]) == "map of string to one of `column`, `row`, `vocab`, `replicate`"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 
@@ -136,9 +137,28 @@ def test_spec_hugging_face(spec):
     ("hf:NoSuchModel", "unknown Hugging Face architecture 'NoSuchModel'"),
     ("hf:phi3 num_hidden_layers=1 vocab_size=1000", "cannot build from config .* Padding_idx must be within num_embeddings"),
     ("", "no model given"),
+    # Shapes out of range are refused before anything is built (a billion layers would build for hours).
+    ("gpt-tiny num_layers=-1", "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got -1"),
+    ("gpt-tiny num_layers=abc", "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got 'abc'"),
+    ("gpt-tiny num_layers=10**12", "num_layers must be an integer from 1 to 512, got '10**12'"),
+    ("gpt-tiny num_layers=1000000000000", "num_layers must be an integer from 1 to 512, got 1000000000000"),
+    ("gpt-tiny num_layers=2.0", "num_layers must be an integer from 1 to 512, got 2.0"),
+    ("gpt-tiny hidden_size=0", "hidden_size must be an integer from 1 to 131,072, got 0"),
+    ("gpt-tiny num_heads=0", "num_heads must be an integer from 1 to 64, got 0"),
+    ("gpt-tiny vocab_size=99999999", "vocab_size must be an integer from 1 to 4,194,304"),
+    ("gpt-tiny dropout=1.5", "dropout must be a number in [0, 1), got 1.5"),
+    ("gpt-tiny bias=maybe", "bias must be true or false, got 'maybe'"),
+    ("llama-tiny num_kv_heads=0", "num_kv_heads must be an integer from 1 to 4, got 0"),
+    ("llama-tiny rope_theta=.inf", "rope_theta must be a number in (0, 1e+12], got inf"),
+    ("hf:gpt2 n_layer=-1", "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1"),
+    ("hf:LlamaForCausalLM num_hidden_layers=100000", "hf:LlamaForCausalLM: num_hidden_layers must be an integer"),
+    ("hf:LlamaForCausalLM vocab_size=0", "hf:LlamaForCausalLM: vocab_size must be an integer from 1 to 4,194,304"),
+    ("hf:gpt2 n_layr=2", "hf:gpt2: GPT2Config has no setting 'n_layr'"),
+    ("hf:llama num_attention_heads=0", "hf:llama: (cannot build from config|num_attention_heads must be)"),
+    ("hf:gpt2 n_embd=abc", "hf:gpt2: .*n_embd"),
 ])
 def test_spec_errors(spec, message):
-    pattern = message if ".*" in message else message.replace("(", r"\(").replace(")", r"\)")
+    pattern = message if ".*" in message or "|" in message else re.escape(message)
     with pytest.raises(ModelSpecError, match=pattern):
         hp.models.load(spec)
 
@@ -158,3 +178,5 @@ def test_example_inputs():
     assert hp.models.example_inputs(hf, 2, 5)["input_ids"].shape == (2, 5)
     with pytest.raises(ModelSpecError, match="example_inputs"):
         hp.models.example_inputs(torch.nn.Linear(2, 2), 1, 1)
+    with pytest.raises(ModelSpecError, match=r"seq_len 129 is longer than the model's max_seq_len \(128\)"):
+        hp.models.example_inputs(gpt, 1, 129)  # learned positions end at 128; planning past them was silent

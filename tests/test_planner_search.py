@@ -138,12 +138,21 @@ def test_hugging_face_model_plans():
     ({"dp": 8, "global_batch": 12}, "global batch 12 is not divisible by dp 8"),
     ({"pipeline": 2}, "unknown constraint pipeline"),
     ({"tp": 0}, "tp must be a positive integer, got 0"),
+    ({"dp": -2}, "dp must be a positive integer, got -2"),
+    ({"pp": 2.0}, "pp must be a positive integer, got 2.0"),
+    ({"global_batch": 0}, "global_batch must be a positive integer, got 0"),
+    ({"global_batch": True}, "global_batch must be a positive integer, got True"),
+    ({"seq_len": 0}, "seq_len must be a positive integer, got 0"),
+    ({"seq_len": 2**40}, "seq_len must be a positive integer up to 16,777,216, got 1,099,511,627,776"),
+    ({"tp": 10**100}, "tp must be a positive integer up to 1,048,576, got an integer of more than 60 digits"),
+    ({"virtual_stages": 0}, "virtual_stages must be a positive integer, got 0"),
 ])
 def test_impossible_requests_fail_clearly(kwargs, message):
     model = hp.models.build("gpt-mini")
     args = {"global_batch": 16, "seq_len": 32, "dtype": "fp32", **kwargs}
-    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")) as info:
         hp.plan(model, small_cluster("cpu", 1, 8), **args)
+    assert "\n" not in str(info.value)  # one line, and a HyparallelError (PlanError), never a ZeroDivisionError
 
 
 def test_indivisible_heads_fail_clearly():

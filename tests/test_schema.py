@@ -173,3 +173,117 @@ def test_plans_are_frozen():
     plan = hp.Plan.model_validate(HAND)
     with pytest.raises(Exception):
         plan.parallel.tp = 8  # type: ignore[misc]
+
+
+# ---- files that are not plans, and numbers out of range: one line each, naming file and place ------------
+
+def test_a_binary_file_is_one_line(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_bytes(b"training:\n  seq_len: \xff\xfe\x00\x01")
+    with pytest.raises(ConfigError) as info:
+        hp.Plan.load(path)
+    assert str(info.value) == f"{path}: not UTF-8 text (byte 0xff at offset 21); expected a YAML file"
+
+
+def test_a_folder_and_an_oversized_file_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: is a folder; give a YAML file$"):
+        hp.Plan.load(tmp_path)
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (16 * 2**20 + 1))
+    with pytest.raises(ConfigError, match="big.yaml: larger than 16 MiB"):
+        hp.Plan.load(big)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("training: {global_batch: 8, seq_len: 4}\nparallel: {dp: 1}\ntraining: {global_batch: 16, seq_len: 4}\n",
+     ":3:1: invalid YAML: duplicate key 'training' (first on line 1); keep one of them"),
+    ("training:\n  global_batch: 8\n  seq_len: 4\n  global_batch: 16\nparallel: {}\n",
+     ":4:3: invalid YAML: duplicate key 'global_batch' (first on line 2)"),
+    ("training: {global_batch: 8, seq_len: 4}\nparallel: {}\nstages:\n  - {index: 0, modules: [a], index: 1}\n",
+     ":4:30: invalid YAML: duplicate key 'index' (first on line 4)"),
+    ("[" * 100_000, ":1:65: invalid YAML: nested more than 64 levels deep"),
+    ("a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{k}: &{k} [*{j}, *{j}, *{j}, *{j}, *{j}, *{j}, *{j}, *{j}, *{j}, *{j}]\n" for j, k in zip("abcde", "bcdef")),
+     "invalid YAML: this value holds more than 1,000,000 values once its aliases are expanded"),
+    ("a: &a [*a]\n", ":1:4: invalid YAML: an alias refers to a value that contains it"),
+    ("training: {global_batch: " + "9" * 2000 + ", seq_len: 4}\n",
+     "invalid YAML: a number written with 2,000 characters"),
+    ("- 1\n- 2\n", "expected a mapping of keys at the top level, got list [1, 2]"),
+    ("just text\n", "expected a mapping of keys at the top level, got str 'just text'"),
+    ("# only a comment\n", "expected a mapping of keys at the top level, got an empty file"),
+])
+def test_malformed_yaml_is_one_line(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        hp.Plan.load(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(str(path)) and expected in message, message
+
+
+def test_merge_keys_may_still_be_overridden(tmp_path):
+    text = "base: &base {global_batch: 8, seq_len: 4}\n"
+    path = write(tmp_path, text + "training:\n  <<: *base\n  global_batch: 16\n")
+    merged = text + "training:\n  <<: *base\n  global_batch: 16\nparallel: {}\n"
+    assert "unknown key 'base'" in load_error(tmp_path, merged)  # the override itself is no duplicate
+    from hyparallel._yaml import read_yaml
+
+    assert read_yaml(path)["training"] == {"global_batch": 16, "seq_len": 4}
+
+
+TRAIN = {"global_batch": 8, "seq_len": 8}
+INF_STEP = {"step_time_s": float("inf"), "tokens_per_s": 1, "tflops_per_gpu": 1, "mfu": 0.1, "bubble_fraction": 0,
+            "memory_gib": [1, 1], "comm_s": {"tp": 0, "dp": 0, "pp": 0}}
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    ({**HAND, "parallel": {"dp": 10**30}},
+     "parallel.dp: expected a positive integer up to 1,048,576, got 1000000000000000000000000000000"),
+    ({**HAND, "parallel": {"pp": -1}}, "parallel.pp: expected a positive integer, got -1"),
+    ({**HAND, "parallel": {"dp": 1024, "tp": 1024, "pp": 2}},
+     "parallel: dp(1024) * tp(1024) * pp(2) = 2,097,152 processes, more than the 1,048,576"),
+    ({**HAND, "parallel": {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 513}},
+     "parallel.virtual_stages: expected a positive integer up to 512, got 513"),
+    ({"training": {**TRAIN, "global_batch": 2**24 + 1}, "parallel": {}},
+     "training.global_batch: expected a positive integer up to 16,777,216"),
+    ({"training": {**TRAIN, "seq_len": 0}, "parallel": {}}, "training.seq_len: expected a positive integer, got 0"),
+    ({"training": {**TRAIN, "seq_len": 2**24 + 1}, "parallel": {}},
+     "training.seq_len: expected a positive integer up to 16,777,216"),
+    ({"training": {**TRAIN, "micro_batch": True}, "parallel": {}},
+     "training.micro_batch: expected a positive integer, got true"),
+    ({**HAND, "cluster": {"name": "cpu", "num_nodes": 10**9}},
+     "cluster.num_nodes: expected a positive integer up to 1,048,576"),
+    ({**HAND, "cluster": {"name": "cpu", "gpus_per_node": 0}},
+     "cluster.gpus_per_node: expected a positive integer, got 0"),
+    ({**HAND, "cluster": {"name": "cpu", "num_nodes": 2**20, "gpus_per_node": 2}},
+     "num_nodes (1,048,576) x gpus_per_node (2) = 2,097,152 devices"),
+    ({**HAND, "model": {"name": "m", "num_params": 2**60, "num_layers": 2, "fingerprint": ""}},
+     "model.num_params: expected a non-negative integer up to"),
+    ({**HAND, "predicted": INF_STEP}, "predicted.step_time_s: expected a finite number, got .inf"),
+])
+def test_numbers_out_of_range_give_one_line(tmp_path, data, expected):
+    assert expected in load_error(tmp_path, data)
+
+
+def test_bounds_are_the_ones_in_limits():
+    from hyparallel import limits
+
+    def maximum(model, name):
+        return max(getattr(m, "le", None) or 0 for m in model.model_fields[name].metadata)
+
+    assert {maximum(hp.schema.ParallelConfig, axis) for axis in ("dp", "tp", "pp")} == {limits.MAX_DEVICES}
+    assert maximum(hp.schema.TrainingConfig, "seq_len") == limits.MAX_SEQ_LEN
+    assert maximum(hp.schema.TrainingConfig, "global_batch") == limits.MAX_GLOBAL_BATCH
+    assert maximum(hp.ClusterSpec, "gpus_per_node") == limits.MAX_GPUS_PER_NODE
+
+
+def test_a_failed_save_leaves_the_old_plan_and_nothing_partial(tmp_path):
+    plan = hp.Plan.model_validate(HAND)
+    with pytest.raises(ConfigError, match=f"cannot write {tmp_path}/missing/plan.yaml: no folder"):
+        plan.save(tmp_path / "missing" / "plan.yaml")
+    with pytest.raises(ConfigError, match="it is a folder"):
+        plan.save(tmp_path)
+    target = tmp_path / "plan.yaml"
+    target.write_text("old\n")
+    plan.save(target)
+    assert hp.Plan.load(target) == plan
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]  # no temporary file left behind

@@ -183,10 +183,14 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
 
 @contextlib.contextmanager
 def _quiet_torch_logs():
-    """Silence torch's logs and stderr: a failed torch.export prints its partial graph to stderr."""
+    """Silence torch's logs and stderr: a failed torch.export prints its partial graph to stderr.
+
+    CRITICAL, not ERROR: fake tensors log each op that fails on meta (a shape overflow, say) with its
+    traceback at ERROR, through a handler holding the original stderr; the failure is reported as one line.
+    """
     logger = logging.getLogger("torch")
     level = logger.level
-    logger.setLevel(logging.ERROR)
+    logger.setLevel(logging.CRITICAL)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             yield

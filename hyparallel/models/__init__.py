@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 import yaml
 from torch import nn
 
+from hyparallel._yaml import load_yaml_text
 from hyparallel.errors import ModelSpecError
 from hyparallel.models.gpt import GPT, GPTConfig
 from hyparallel.models.hf import build_hf
@@ -44,7 +46,10 @@ def load(spec: str | Sequence[str], device: torch.device | str = "meta") -> Load
     The spec may be one string (words separated by spaces) or a list of words; every word after
     the first is a ``key=value`` override, its value read as YAML (``4`` is an int, ``true`` a bool).
     """
-    words = shlex.split(spec) if isinstance(spec, str) else [w for part in spec for w in shlex.split(part)]
+    try:
+        words = shlex.split(spec) if isinstance(spec, str) else [w for part in spec for w in shlex.split(part)]
+    except ValueError as exc:  # an unclosed quote
+        raise ModelSpecError(f"model spec {spec!r:.80}: {exc}; quote each key=value whole") from None
     if not words:
         raise ModelSpecError("no model given; pass a name from `hyparallel models`, package.module:factory or hf:ARCH")
     head, overrides = words[0], _parse_overrides(words[1:])
@@ -67,14 +72,15 @@ def _parse_overrides(words: Sequence[str]) -> dict[str, Any]:
         if not sep or not key.isidentifier():
             raise ModelSpecError(f"model override '{word}' is not key=value (e.g. num_layers=4)")
         try:
-            overrides[key] = yaml.safe_load(value)
-        except yaml.YAMLError:
+            overrides[key] = load_yaml_text(value)
+        except yaml.YAMLError:  # not YAML (or nested too deep, a huge number...): the text itself
             overrides[key] = value
     return overrides
 
 
 def _from_factory(spec: str, device: torch.device | str, overrides: dict[str, Any]) -> nn.Module:
     factory = load_callable(spec, "model factory")
+    _check_call(spec, factory, overrides)
     with torch.device(device):
         model = factory(**overrides)
     if not isinstance(model, nn.Module):
@@ -89,7 +95,7 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
         raise ModelSpecError(f"{what} '{spec}' is not package.module:name (e.g. mypkg.models:make_model)")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except (ImportError, ValueError, TypeError) as exc:  # ValueError, TypeError: an empty or relative module name
         raise ModelSpecError(f"{what} '{spec}': cannot import '{module_name}': {exc}") from None
     found = getattr(module, attr, None)
     if not callable(found):
@@ -97,13 +103,31 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
     return found
 
 
+def _check_call(spec: str, factory: Any, overrides: dict[str, Any]) -> None:
+    """Refuse overrides the factory's signature does not take (before calling it, so nothing runs)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to check (some builtins): the call itself will say
+        return
+    try:
+        signature.bind(**overrides)
+    except TypeError as exc:
+        raise ModelSpecError(f"model factory '{spec}' cannot be called with {overrides or 'no arguments'}: {exc}; "
+                             "pass key=value for each of its parameters") from None
+
+
 def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> Any:
     """Inputs of the given batch and sequence length for tracing ``model``.
 
     Uses ``model.example_inputs(batch_size, seq_len, device)`` when the model defines it (the zoo
     does), token ids under ``model.main_input_name`` for Hugging Face models; for anything else the
-    caller passes its own (``hp.plan(..., example_inputs=)``) or the model defines that method.
+    caller passes its own (``hp.plan(..., example_inputs=)``) or the model defines that method. A zoo
+    model refuses a ``seq_len`` past its position table (``max_seq_len``).
     """
+    limit = getattr(getattr(model, "config", None), "max_seq_len", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise ModelSpecError(f"seq_len {seq_len} is longer than the model's max_seq_len ({limit}); pass a shorter "
+                             f"--seq-len, or build the model with max_seq_len={seq_len}")
     if callable(getattr(model, "example_inputs", None)):
         return model.example_inputs(batch_size, seq_len, device)
     main_input = getattr(model, "main_input_name", None)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyparallel.limits import MAX_FFN_HIDDEN
+from hyparallel.models.bounds import check_bool, check_common, check_int, check_number
 from hyparallel.tensor.kernels import bias_dropout_residual
 
 # Traced as one op (the kernel's Python dispatch is not traceable), like a leaf module.
@@ -36,6 +38,13 @@ class GPTConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
+        check_common(self.num_layers, self.hidden_size, self.num_heads, self.vocab_size, self.max_seq_len)
+        if self.ffn_hidden_size is not None:
+            check_int("ffn_hidden_size", self.ffn_hidden_size, 1, MAX_FFN_HIDDEN)
+        check_bool("tie_embeddings", self.tie_embeddings)
+        check_bool("bias", self.bias)
+        check_number("dropout", self.dropout, 0.0, 1.0, open_high=True)
+        check_number("norm_eps", self.norm_eps, 0.0, 1.0, open_low=True)
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
 

@@ -6,13 +6,15 @@ import torch
 from torch import nn
 
 from hyparallel.errors import ModelSpecError
+from hyparallel.models.bounds import check_hf_config
 
 
 def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.Module:
     """Build ``arch`` (a class name such as ``LlamaForCausalLM``, or a model type such as ``llama``).
 
     ``overrides`` are config fields (``num_hidden_layers=4``). The KV cache is turned off
-    (``use_cache=False``), as training and tracing want.
+    (``use_cache=False``), as training and tracing want. The config's shape (layers, widths, heads,
+    vocabulary, positions) is checked against hyparallel.limits before the model is built.
     """
     try:
         import transformers
@@ -20,22 +22,51 @@ def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.
         raise ModelSpecError("hf: models need the 'transformers' package; pip install transformers") from None
     overrides = {"use_cache": False, **overrides}
     model_cls = getattr(transformers, arch, None)
+    from_class = isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel)
+    if not from_class and arch not in transformers.CONFIG_MAPPING:
+        raise ModelSpecError(
+            f"unknown Hugging Face architecture '{arch}'; give a transformers model class "
+            "(e.g. hf:LlamaForCausalLM, hf:GPT2LMHeadModel) or a model type (e.g. hf:llama, hf:gpt2)"
+        )
+    errors = _config_errors()
+    config_cls = model_cls.config_class if from_class else transformers.CONFIG_MAPPING[arch]
+    _check_known(arch, config_cls, overrides, errors)
     try:
-        if isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel):
-            config = model_cls.config_class(**overrides)
-            with torch.device(device):
-                return model_cls(config)
+        config = config_cls(**overrides)
         try:
-            config = transformers.AutoConfig.for_model(arch, **overrides)
-        except ValueError:
-            raise ModelSpecError(
-                f"unknown Hugging Face architecture '{arch}'; give a transformers model class "
-                "(e.g. hf:LlamaForCausalLM, hf:GPT2LMHeadModel) or a model type (e.g. hf:llama, hf:gpt2)"
-            ) from None
+            check_hf_config(config)
+        except ValueError as exc:
+            raise ModelSpecError(f"hf:{arch}: {exc}") from None
         with torch.device(device):
-            return transformers.AutoModelForCausalLM.from_config(config)
+            return model_cls(config) if from_class else transformers.AutoModelForCausalLM.from_config(config)
     except ModelSpecError:
         raise
-    except (TypeError, ValueError, AttributeError, AssertionError) as exc:  # transformers checks configs with asserts too
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ModelSpecError(f"hf:{arch}: cannot build from config {overrides}: {first}") from None
+    except errors as exc:
+        text = " ".join(line.strip() for line in str(exc).splitlines()) or type(exc).__name__
+        raise ModelSpecError(f"hf:{arch}: cannot build from config {overrides}: {text[:200]}") from None
+
+
+def _check_known(arch: str, config_cls: type, overrides: dict, errors: tuple[type[BaseException], ...]) -> None:
+    """Refuse an override the config does not have: transformers keeps unknown keys silently, so a typo
+    (``num_hiden_layers=4``) would build the default model."""
+    try:
+        default = config_cls()
+    except errors:
+        return  # a config that needs arguments: nothing to compare with
+    aliases = getattr(config_cls, "attribute_map", {}) or {}
+    unknown = [key for key in overrides
+               if key not in aliases and not hasattr(default, key) and not hasattr(default, f"_{key}")]
+    if unknown:
+        raise ModelSpecError(f"hf:{arch}: {config_cls.__name__} has no setting {', '.join(map(repr, unknown))}; "
+                             "check the spelling against its documentation (transformers would ignore it)")
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config it refuses: its own checks use asserts, its configs divide by head
+    counts, and recent versions validate fields as strict dataclasses (huggingface_hub)."""
+    errors: tuple[type[BaseException], ...] = (TypeError, ValueError, AttributeError, AssertionError, ZeroDivisionError)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return errors
+    return (*errors, StrictDataclassError)

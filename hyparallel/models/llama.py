@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyparallel.limits import MAX_FFN_HIDDEN
+from hyparallel.models.bounds import check_bool, check_common, check_int, check_number
 from hyparallel.tensor.kernels import swiglu
 
 # Traced as one op (the kernel's Python dispatch is not traceable), like a leaf module.
@@ -35,6 +37,13 @@ class LlamaConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        check_common(self.num_layers, self.hidden_size, self.num_heads, self.vocab_size, self.max_seq_len)
+        check_int("ffn_hidden_size", self.ffn_hidden_size, 1, MAX_FFN_HIDDEN)
+        if self.num_kv_heads is not None:
+            check_int("num_kv_heads", self.num_kv_heads, 1, self.num_heads)
+        check_number("rope_theta", self.rope_theta, 0.0, 1e12, open_low=True)
+        check_number("norm_eps", self.norm_eps, 0.0, 1.0, open_low=True)
+        check_bool("tie_embeddings", self.tie_embeddings)
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
         if self.num_heads % self.kv_heads:

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
+from hyparallel.errors import ConfigError
+from hyparallel.limits import MAX_SIMULATED_ACTIONS, MAX_SIMULATED_PP
 from hyparallel.pipeline.schedule import Action, lower, schedule
 from hyparallel.schema import Plan
 
@@ -187,13 +189,21 @@ def _figures(plan: Plan) -> _Figures:
 # figures, memory counts micro-batches in flight, a chunk being 1/v of one.
 
 
+def _by_rank(blocks: Sequence[Block], pp: int) -> dict[int, list[Block]]:
+    """Each rank's blocks, in one pass (a pipeline may have a thousand ranks)."""
+    grouped: dict[int, list[Block]] = {rank: [] for rank in range(pp)}
+    for b in blocks:
+        grouped[b.rank].append(b)
+    return grouped
+
+
 def _memory(blocks: Sequence[Block], figures: _Figures, pp: int, total_s: float) -> dict[int, list[tuple[float, float]]]:
     """Per rank, (time, memory) points of a step function; see Note [timeline memory]."""
     series = {}
-    for rank in range(pp):
+    for rank, own in _by_rank(blocks, pp).items():
         # Frees sort before allocations at the same instant: a backward ending as the next forward starts.
-        events = sorted([(b.start_s, 1, figures.activation[b.stage]) for b in blocks if b.rank == rank and b.kind == "F"]
-                        + [(b.end_s, 0, -figures.activation[b.stage]) for b in blocks if b.rank == rank and b.kind == "B"])
+        events = sorted([(b.start_s, 1, figures.activation[b.stage]) for b in own if b.kind == "F"]
+                        + [(b.end_s, 0, -figures.activation[b.stage]) for b in own if b.kind == "B"])
         level, points = 0.0, [(0.0, 0.0)]
         for time_s, _, change in events:
             level += change
@@ -215,20 +225,40 @@ def _bubbles(blocks: Sequence[Block], pp: int, total_s: float) -> dict[int, floa
     return {rank: (1 - busy[rank] / total_s) if total_s else 0.0 for rank in range(pp)}
 
 
+def check_simulable(plan: Plan) -> None:
+    """Refuse, in one line, a plan whose schedule is too large to simulate action by action in seconds."""
+    par = plan.parallel
+    actions = 2 * par.pp * par.virtual_stages * plan.num_microbatches
+    if par.pp > MAX_SIMULATED_PP:
+        raise ConfigError(f"pp is {par.pp:,}; simulate draws one row per pipeline rank, at most {MAX_SIMULATED_PP}; "
+                          "simulate a copy of the plan with a smaller pp")
+    if actions > MAX_SIMULATED_ACTIONS:
+        raise ConfigError(
+            f"the schedule has 2 x pp ({par.pp}) x virtual_stages ({par.virtual_stages}) x num_microbatches "
+            f"({plan.num_microbatches:,}) = {actions:,} forwards and backwards, more than the "
+            f"{MAX_SIMULATED_ACTIONS:,} simulate times one by one; simulate a copy with fewer micro-batches "
+            "(a smaller global_batch or a larger micro_batch)")
+
+
 def timeline(plan: Plan) -> Timeline:
     """Simulate one training step of ``plan``'s pipeline schedule with the planner's per-stage times.
 
     A plan without them (written by hand, never planned) is timed in relative units (F = 1, B = 2, free
     transfers, no tail) and says so in ``units`` and ``notes``; nothing here fails for lack of figures.
     """
+    check_simulable(plan)
     par = plan.parallel
     m, pp, v = plan.num_microbatches, par.pp, par.virtual_stages
     figures = _figures(plan)
     blocks = run_timed(lower(schedule(par.schedule, pp, m, v), pp, v), figures.forward_s, figures.backward_s, figures.p2p_s)
-    ends = {rank: max(b.end_s for b in blocks if b.rank == rank and not b.kind.startswith("SEND")) for rank in range(pp)}
+    ends = {rank: max(b.end_s for b in own if not b.kind.startswith("SEND"))
+            for rank, own in _by_rank(blocks, pp).items()}
     if figures.tail_s > 0:
         blocks += [Block(rank, "tail", end, end + figures.tail_s) for rank, end in ends.items()]
     total_s = max(b.end_s for b in blocks)
+    if not math.isfinite(total_s):
+        raise ConfigError("the plan's per-stage seconds add up to more than a float holds; check the stages' "
+                          "forward_s, backward_s and p2p_s")
     notes = []
     if figures.units == "relative":
         notes.append(f"relative units (F = {RELATIVE_FORWARD:g}, B = {RELATIVE_BACKWARD:g}, transfers free): the plan has "

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from hyparallel import limits
 from hyparallel.cluster import ClusterSpec
 from hyparallel.errors import ConfigError, HyparallelError
 from hyparallel.graph import ModelGraph
@@ -138,6 +139,7 @@ def _needed(seq_len: int | None) -> int:
     if seq_len is None:
         raise PlanError("seq_len is not given: pass seq_len=, or example_inputs= whose token ids (batch, seq_len) "
                         "give it")
+    _check_count("seq_len", seq_len)  # also when example_inputs gave it
     return seq_len
 
 
@@ -169,12 +171,11 @@ def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int | None,
     if dtype not in costs.DTYPE_BYTES:
         raise PlanError(f"dtype '{dtype}' is not one of {', '.join(costs.DTYPE_BYTES)}")
     for key, value in (("global_batch", global_batch), ("seq_len", seq_len)):
-        if (value is not None or key == "global_batch") and (not isinstance(value, int) or value < 1):
-            raise PlanError(f"{key} must be a positive integer, got {value!r}")
+        if value is not None or key == "global_batch":  # seq_len may come from example_inputs
+            _check_count(key, value)
     for key in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
-        value = constraints.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise PlanError(f"{key} must be a positive integer, got {value!r}")
+        if constraints.get(key) is not None:
+            _check_count(key, constraints[key])
     order = constraints.get("order")
     if order is not None and (isinstance(order, str) or not all(isinstance(axis, str) for axis in order)
                               or sorted(order) != ["dp", "pp", "tp"]):
@@ -192,6 +193,21 @@ def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int | None,
         raise PlanError(f"{fixed} = {product} does not divide the {n} GPUs; pick degrees whose product divides {n}")
     if "dp" in constraints and global_batch % constraints["dp"]:
         raise PlanError(f"global batch {global_batch} is not divisible by dp {constraints['dp']}; change either")
+
+
+# The schema's bounds (hyparallel.limits), so the planner never accepts what a plan file would refuse.
+_BOUNDS = {"global_batch": limits.MAX_GLOBAL_BATCH, "micro_batch": limits.MAX_GLOBAL_BATCH,
+           "seq_len": limits.MAX_SEQ_LEN, "tp": limits.MAX_DEVICES, "pp": limits.MAX_DEVICES, "dp": limits.MAX_DEVICES,
+           "virtual_stages": limits.MAX_VIRTUAL_STAGES}
+
+
+def _check_count(key: str, value: object) -> None:
+    high = _BOUNDS[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"{key} must be a positive integer, got {repr(value)[:40]}")
+    if value > high:
+        shown = f"{value:,}" if value.bit_length() < 200 else "an integer of more than 60 digits"
+        raise PlanError(f"{key} must be a positive integer up to {high:,}, got {shown}")
 
 
 def _nothing_found(engine: Search, profile: ModelProfile, cluster: ClusterSpec, global_batch: int, constraints: dict,
