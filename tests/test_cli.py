@@ -407,7 +407,7 @@ def test_paths_the_system_cannot_look_up_are_one_line(capsys, tmp_path):
 def test_model_factories_are_checked_before_they_are_called(capsys):
     line = one_line_error(capsys, "trace", "--model", "os:system")  # never called: it needs an argument
     assert "model factory 'os:system' cannot be called with no arguments: missing a required argument" in line
-    assert "cannot import ''" in one_line_error(capsys, "trace", "--model", ":make")
+    assert "':make' is not package.module:name" in one_line_error(capsys, "trace", "--model", ":make")
     assert "No closing quotation" in one_line_error(capsys, "trace", "--model", "gpt-tiny", "num_layers='2")
 
 
