@@ -362,7 +362,7 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
     if args.out:
         calibrate.check_writable(args.out)
     spec, measured = calibrate.calibrate(nproc=args.nproc, base=args.base, quick=args.quick, name=args.name,
-                                         log=lambda text: out.print(text, markup=False, highlight=False))
+                                         device=args.device, log=lambda text: out.print(text, markup=False, highlight=False))
     if measured.rank != 0:
         return  # under torchrun rank 0 reports for everyone
     out.print(calibrate.measurements_table(measured))
@@ -510,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="keep this preset's (or YAML file's) datasheet peaks and memory; set efficiencies from the measurements")
     calibrate.add_argument("--quick", action="store_true", help="fewer sizes and shorter timings: seconds, less accurate")
     calibrate.add_argument("--name", default=None, help="the cluster's name (default calibrated-<hostname>)")
+    calibrate.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                           help="what to measure: the GPUs (nccl) or the CPU (gloo processes); default cuda when "
+                                "torch sees a GPU")
     simulate = add("simulate", cmd_simulate, "Simulate one training step of a plan's pipeline schedule and draw it.")
     simulate.add_argument("plan", help="plan YAML file (from `hyparallel plan`, for seconds and GiB; a hand plan is drawn in relative units)")
     simulate.add_argument("--out", default=None, metavar="FILE", help="write the picture here: .png or .svg (default: print the schedule as text)")

@@ -263,7 +263,7 @@ def test_bad_plan_files_are_refused_in_one_line(content, command, existed):
 CLUSTER_COMMANDS = [
     lambda cluster, out: ["plan", "--model", "gpt-tiny", "--gpus", "8", "--cluster", cluster, "--global-batch", "16",
                           "--seq-len", "32", "-o", out],
-    lambda cluster, out: ["calibrate", "--quick", "--nproc", "2", "--base", cluster, "--out", out],
+    lambda cluster, out: ["calibrate", "--quick", "--device", "cpu", "--nproc", "2", "--base", cluster, "--out", out],
 ]
 
 
@@ -342,7 +342,7 @@ def defective_argv(draw, folder: Path) -> tuple[list[str], Path | None]:
     if defect == "numeric flag":
         command, flag, bound = draw(st.sampled_from(NUMERIC_FLAGS))
         base = {"plan": plan_argv(folder), "trace": trace_argv(folder),
-                "calibrate": ["calibrate", "--quick", "--out", str(folder / "out" / "c.yaml")]}[command]
+                "calibrate": ["calibrate", "--quick", "--device", "cpu", "--out", str(folder / "out" / "c.yaml")]}[command]
         value = draw(bad_number(bound))
         if flag in base:
             argv = [value if i and base[i - 1] == flag else word for i, word in enumerate(base)]
