@@ -10,9 +10,11 @@ under recompute full and selective with recompute none instead. Rank 0 writes on
 
 Tolerances, fp32: gradients rtol 1e-5 / atol 1e-6 elementwise (sums over micro-batches, ranks and
 tensor-parallel partial products in another order: rounding only). Parameters after 3 steps: each tensor
-within 1e-5 of the single device's in norm, and elementwise rtol 1e-5 / atol 1e-5: AdamW's m / (sqrt(v) + eps)
-turns a rounding difference in a gradient entry near eps into a larger one in the update; the norm bound
-keeps the whole tensor honest. Hugging Face GPT-2 has a key bias, whose gradient is exactly zero (softmax
+within 1e-5 of the single device's in norm, and elementwise rtol 1e-5 / atol 1e-4: AdamW's m / (sqrt(v) + eps)
+turns a rounding difference in a small gradient entry into a larger one in the update (up to lr = 1e-3 a step
+for an entry whose gradient is all rounding). Measured: below 1e-5 with this CPU's AVX-512 kernels, 1.25e-5
+on one qkv entry with AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, what a CPU without AVX-512 runs), so atol 1e-4;
+the norm bound keeps the whole tensor honest. Hugging Face GPT-2 has a key bias, whose gradient is exactly zero (softmax
 ignores a shift of every key): its computed gradient is rounding noise that AdamW would turn into +-lr
 updates, different on every layout. Its cases train with SGD (momentum 0.9) instead, which keeps a zero
 gradient zero; the first-step gradient check is the same for both.
@@ -33,7 +35,7 @@ from hyparallel.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
-RTOL, GRAD_ATOL, PARAM_ATOL, STEPS, LR = 1e-5, 1e-6, 1e-5, 3, 1e-3
+RTOL, GRAD_ATOL, PARAM_ATOL, STEPS, LR = 1e-5, 1e-6, 1e-4, 3, 1e-3
 SEQ, GLOBAL_BATCH, SEED = 16, 8, 17
 GPT = "gpt-tiny num_layers=4 bias=false"  # no biases: a key bias's gradient is exactly zero, all rounding (see test)
 GPT2 = ("hf:GPT2LMHeadModel n_layer=4 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 eos_token_id=0 "
