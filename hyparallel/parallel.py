@@ -127,8 +127,14 @@ def complete_plan(model: nn.Module, plan: Plan, *, example_inputs: Any = None) -
     (what ``pmodel.metrics`` compares with); one the planner would refuse (e.g. over its memory estimate)
     runs without them.
     """
+    from hyparallel.pipeline.split import listed_stages
     from hyparallel.planner import plan as make_plan
+    from hyparallel.tensor.apply import expand_styles
 
+    if plan.stages is not None:  # a hand-written map names this model's modules, or is refused here, not mid-launch
+        listed_stages(model, [stage.modules for stage in plan.stages])
+    if plan.tensor_parallel is not None:
+        expand_styles(model, plan.tensor_parallel)
     par, tr = plan.parallel, plan.training
     needs_stages = par.pp > 1 and plan.stages is None
     needs_tp = par.tp > 1 and plan.tensor_parallel is None

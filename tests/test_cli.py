@@ -431,3 +431,16 @@ def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path)
     folder.mkdir()
     folder.chmod(0o500)
     assert one_line_error(capsys, *PLAN, "-o", str(folder / "plan.yaml")).endswith("permission denied")
+
+
+def test_show_model_refuses_a_hand_map_naming_modules_the_model_lacks(capsys, tmp_path):
+    head = "training: {global_batch: 8, micro_batch: 2, seq_len: 16, dtype: fp32}\ncluster: {name: cpu, gpus_per_node: 2}\n"
+    stages = tmp_path / "stages.yaml"
+    stages.write_text(head + "parallel: {pp: 2}\nstages:\n  - {index: 0, modules: [tok_embeddings, layers.0]}\n"
+                             "  - {index: 1, modules: [layers.9, norm, output]}\n")
+    line = one_line_error(capsys, "show", str(stages), "--model", "gpt-tiny")
+    assert "stages[1]: 'layers.9' is not a module of GPT" in line
+    styles = tmp_path / "styles.yaml"
+    styles.write_text(head + "parallel: {tp: 2}\ntensor_parallel: {'layers.*.attn.qkvx': column}\n")
+    line = one_line_error(capsys, "show", str(styles), "--model", "gpt-tiny")
+    assert "tensor_parallel: 'layers.*.attn.qkvx' matches no module of GPT" in line

@@ -256,8 +256,9 @@ def _drop_concrete_placeholders(program) -> None:
         program.gm.graph.erase_node(node)
 
 
-def _assign(model: nn.Module, graph: fx.Graph, stages: list[list[str]]) -> dict[str, int]:
-    """Graph node name -> stage; see Note [which stage runs a node]."""
+def listed_stages(model: nn.Module, stages: list[list[str]]) -> dict[str, int]:
+    """Module path -> stage of a plan's stage map, refused in one line unless every path is one module of
+    ``model`` listed in one stage (checked before anything is traced or allocated)."""
     modules = dict(model.named_modules())
     listed: dict[str, int] = {}
     for index, paths in enumerate(stages):
@@ -270,6 +271,12 @@ def _assign(model: nn.Module, graph: fx.Graph, stages: list[list[str]]) -> dict[
             if path in listed and listed[path] != index:
                 raise ConfigError(f"module '{path}' is in stages {listed[path]} and {index}; each module belongs to one stage")
             listed[path] = index
+    return listed
+
+
+def _assign(model: nn.Module, graph: fx.Graph, stages: list[list[str]]) -> dict[str, int]:
+    """Graph node name -> stage; see Note [which stage runs a node]."""
+    listed = listed_stages(model, stages)
 
     def listed_path(path: str) -> str | None:
         parts = path.split(".") if path else []
