@@ -363,8 +363,12 @@ def _expand_cluster(cluster: Any) -> Any:
         return ClusterSpec.preset(cluster)
     if isinstance(cluster, dict) and "device" not in cluster and cluster.get("name") in ClusterSpec.presets():
         extra = set(cluster) - {"name", "num_nodes", "gpus_per_node"}
+        unknown = sorted(str(key) for key in extra - set(ClusterSpec.model_fields))
+        if unknown:  # a typo, not a full spec: say so rather than list what a full spec would miss
+            raise ValueError(f"cluster: unknown key '{unknown[0]}'; a preset takes name, num_nodes and gpus_per_node "
+                             f"(or give every figure: {', '.join(ClusterSpec.model_fields)})")
         if extra:
-            return cluster  # let validation name what is missing or unknown
+            return cluster  # figures of a full spec: let validation name what is missing
         # The preset's figures with the given sizes, validated (and their bounds reported) with the plan.
         return {**ClusterSpec.preset(cluster["name"]).model_dump(), **cluster}
     return cluster

@@ -287,3 +287,11 @@ def test_a_failed_save_leaves_the_old_plan_and_nothing_partial(tmp_path):
     plan.save(target)
     assert hp.Plan.load(target) == plan
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]  # no temporary file left behind
+
+
+def test_a_typo_in_a_preset_cluster_names_the_unknown_key():
+    data = {"cluster": {"name": "cpu", "num_nodes": 1, "gpus": 8}, "training": {"global_batch": 8, "seq_len": 16},
+            "parallel": {}}
+    with pytest.raises(ConfigError, match=r"^plan: cluster: unknown key 'gpus'; a preset takes name, num_nodes and "
+                                          r"gpus_per_node"):
+        hp.Plan.from_dict(data)
