@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from hyparallel import limits
 from hyparallel._files import atomic_output, kind_of
@@ -26,9 +26,18 @@ def int_in(low: int, high: int) -> Any:
     return Annotated[int, Field(ge=low, le=high, strict=True)]
 
 
+def _not_a_boolean(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic's lax floats would read true as 1.0: a figure edited by mistake
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
+
+
 def float_in(low: float, high: float | None = None) -> Any:
-    """The type of a finite float field from ``low`` (inclusive) up to ``high`` (inf and nan refused)."""
-    return Annotated[float, Field(ge=low, le=high, allow_inf_nan=False)]
+    """The type of a finite float field from ``low`` (inclusive) up to ``high`` (inf, nan and booleans refused).
+
+    Numeric strings stay accepted: PyYAML reads ``3e14`` (no dot) as the string '3e14'.
+    """
+    return Annotated[float, Field(ge=low, le=high, allow_inf_nan=False), BeforeValidator(_not_a_boolean)]
 
 
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]

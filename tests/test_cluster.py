@@ -90,6 +90,7 @@ def test_unknown_cluster_key_rejected(tmp_path):
     (("reserved_bytes: 3221225472", "reserved_bytes: 85899345920"),
      "device.reserved_bytes (85,899,345,920) must be less than memory_bytes (85,899,345,920)"),
     (("gpus_per_node: 8", "gpus_per_node: 4096"), "gpus_per_node: expected a positive integer up to 1,024, got 4096"),
+    (("matmul_efficiency: 0.7", "matmul_efficiency: true"), "device.matmul_efficiency: expected a number, got true"),
 ])
 def test_cluster_figures_are_finite_and_bounded(tmp_path, edit, expected):
     text = hp.ClusterSpec.preset("a100-80g").to_yaml()
