@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -421,16 +422,28 @@ def test_a_model_too_large_to_trace_is_one_line_on_the_real_stderr():
     assert result.stderr.startswith("hyparallel: error: cannot trace GPT: torch.fx: RuntimeError: Storage size")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes files whatever their mode")
-def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path):
+def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path, monkeypatch):
+    from hyparallel import _files
+
     locked = tmp_path / "plan.yaml"
     locked.write_text("training: {global_batch: 8, seq_len: 4}\nparallel: {}\n")
     locked.chmod(0)
-    assert one_line_error(capsys, "show", str(locked)).endswith("plan.yaml: cannot read: Permission denied")
     folder = tmp_path / "read-only"
     folder.mkdir()
     folder.chmod(0o500)
+    if os.geteuid() == 0:  # root reads and writes whatever the mode: the system answers as it would anyone else
+        real_open, real_access = open, os.access
+
+        def denied_open(path, *args, **kwargs):
+            if Path(path) == locked:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(_files, "open", denied_open, raising=False)  # the module's open, not the builtin
+        monkeypatch.setattr(_files.os, "access", lambda path, mode: Path(path) != folder and real_access(path, mode))
+    assert one_line_error(capsys, "show", str(locked)).endswith("plan.yaml: cannot read: Permission denied")
     assert one_line_error(capsys, *PLAN, "-o", str(folder / "plan.yaml")).endswith("permission denied")
+    assert not (folder / "plan.yaml").exists()
 
 
 def test_show_model_refuses_a_hand_map_naming_modules_the_model_lacks(capsys, tmp_path):
