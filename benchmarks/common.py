@@ -23,15 +23,22 @@ def timed(run: Callable[[], torch.Tensor], before: Callable[[], None] | None = N
 def agreement(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], rtol: float, atol: float) -> torch.Tensor:
     """(tensors that differ, tensors compared, largest absolute difference) over every rank's pairs."""
     pairs = list(pairs)
-    summary = torch.tensor([sum(not torch.allclose(a, b, rtol=rtol, atol=atol) for a, b in pairs), len(pairs),
-                            max((a - b).abs().max().item() for a, b in pairs)], dtype=torch.float64)
+    summary = torch.tensor(
+        [
+            sum(not torch.allclose(a, b, rtol=rtol, atol=atol) for a, b in pairs),
+            len(pairs),
+            max((a - b).abs().max().item() for a, b in pairs),
+        ],
+        dtype=torch.float64,
+    )
     dist.all_reduce(summary[:2])
     dist.all_reduce(summary[2:], op=dist.ReduceOp.MAX)
     return summary
 
 
-def alternate(runs: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], None] | None]], steps: int,
-              warmup: int) -> dict[str, float]:
+def alternate(
+    runs: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], None] | None]], steps: int, warmup: int
+) -> dict[str, float]:
     """Median milliseconds per step of each run, taken in turn; a step ends when the slowest rank finishes."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(warmup + steps):

@@ -27,13 +27,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import agreement, alternate, timed  # benchmarks/common.py, beside this script
 from torch.nn.parallel import DistributedDataParallel
 
 import hyparallel as hp
 from hyparallel.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
-
-from common import agreement, alternate, timed  # benchmarks/common.py, beside this script
 
 MODEL = "gpt-tiny num_layers=4 hidden_size=256 num_heads=8 vocab_size=1024 max_seq_len=128"
 RTOL, ATOL = 1e-5, 1e-6  # fp32, same reductions on both sides: rounding only
@@ -56,8 +55,18 @@ def main() -> None:
     m = args.microbatches
 
     model = hp.models.load(args.model).module
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world), args.batch, args.seq, "fp32",
-                   dp=world, tp=1, pp=1, zero=0, micro_batch=args.batch // world // m)
+    plan = hp.plan(
+        model,
+        hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world),
+        args.batch,
+        args.seq,
+        "fp32",
+        dp=world,
+        tp=1,
+        pp=1,
+        zero=0,
+        micro_batch=args.batch // world // m,
+    )
     pmodel = hp.parallelize(model, plan, seed=SEED)
     ours_opt = torch.optim.AdamW(pmodel.parameters(), lr=LR)
     reference = materialize_(hp.models.load(args.model).module, "cpu", seed=SEED)
@@ -97,23 +106,41 @@ def main() -> None:
     medians = alternate({"hyparallel": (ours, None), "DDP": (theirs, None)}, args.steps, WARMUP)
     ours_ms, theirs_ms = medians["hyparallel"], medians["DDP"]
     if rank == 0:
-        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-              f"{torch.get_num_threads()} torch threads per rank; torch {torch.__version__}; dp={world} gloo CPU")
-        print(f"model: {args.model} ({sum(p.numel() for p in reference.parameters()):,} parameters), fp32; "
-              f"global batch {args.batch} x seq {args.seq}, {m} micro-batch(es) per rank; AdamW; "
-              f"median of {args.steps} steps after {WARMUP} warm-up")
+        print(
+            f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+            f"{torch.get_num_threads()} torch threads per rank; torch {torch.__version__}; dp={world} gloo CPU"
+        )
+        print(
+            f"model: {args.model} ({sum(p.numel() for p in reference.parameters()):,} parameters), fp32; "
+            f"global batch {args.batch} x seq {args.seq}, {m} micro-batch(es) per rank; AdamW; "
+            f"median of {args.steps} steps after {WARMUP} warm-up"
+        )
         ok = "OK" if loss_ok and summary[0] == 0 else "MISMATCH"
-        print(f"check {ok}: loss hyparallel {ours_loss.item():.6f} DDP {theirs_loss.item():.6f}; "
-              f"{int(summary[1] - summary[0])}/{int(summary[1])} parameters equal after one step "
-              f"(rtol {RTOL:g}, atol {ATOL:g}), max abs diff {summary[2]:.1e}")
+        print(
+            f"check {ok}: loss hyparallel {ours_loss.item():.6f} DDP {theirs_loss.item():.6f}; "
+            f"{int(summary[1] - summary[0])}/{int(summary[1])} parameters equal after one step "
+            f"(rtol {RTOL:g}, atol {ATOL:g}), max abs diff {summary[2]:.1e}"
+        )
         ratio = ours_ms / theirs_ms
-        print(f"hyparallel / DDP step time ratio: {ratio:.3f} (hyparallel {ours_ms:.1f} ms, DDP {theirs_ms:.1f} ms; "
-              f"target <= 1.05: {'met' if ratio <= 1.05 else 'MISSED'})")
+        print(
+            f"hyparallel / DDP step time ratio: {ratio:.3f} (hyparallel {ours_ms:.1f} ms, DDP {theirs_ms:.1f} ms; "
+            f"target <= 1.05: {'met' if ratio <= 1.05 else 'MISSED'})"
+        )
         if args.json:
-            case = {"case": f"dp={world}", "hyparallel_ms": ours_ms, "torch_ms": theirs_ms, "ratio": ratio, "target": 1.05,
-                    "check": f"{ok}: max abs parameter diff {summary[2]:.1e} after one step"}
-            Path(args.json).write_text(json.dumps({"peer": "torch DistributedDataParallel",
-                                                   "config": {**vars(args), "dp": world}, "cases": [case]}, indent=1))
+            case = {
+                "case": f"dp={world}",
+                "hyparallel_ms": ours_ms,
+                "torch_ms": theirs_ms,
+                "ratio": ratio,
+                "target": 1.05,
+                "check": f"{ok}: max abs parameter diff {summary[2]:.1e} after one step",
+            }
+            Path(args.json).write_text(
+                json.dumps(
+                    {"peer": "torch DistributedDataParallel", "config": {**vars(args), "dp": world}, "cases": [case]},
+                    indent=1,
+                )
+            )
     dist.destroy_process_group()
 
 

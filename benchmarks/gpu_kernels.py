@@ -21,8 +21,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,41 +57,58 @@ def activation(z: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def linear_act_case(tokens: int, hidden: int, ffn: int, act: str) -> Case:
-    return Case(f"linear_act({act})", f"{tokens}x{hidden}->{ffn}",
-                lambda: [randn(tokens, hidden), randn(ffn, hidden, scale=hidden**-0.5), randn(ffn)],
-                lambda x, w, b: kernels.linear_act(x, w, b, act),
-                lambda x, w, b: activation(F.linear(x, w, b), act),
-                forward_flops=2.0 * tokens * hidden * ffn)
+    return Case(
+        f"linear_act({act})",
+        f"{tokens}x{hidden}->{ffn}",
+        lambda: [randn(tokens, hidden), randn(ffn, hidden, scale=hidden**-0.5), randn(ffn)],
+        lambda x, w, b: kernels.linear_act(x, w, b, act),
+        lambda x, w, b: activation(F.linear(x, w, b), act),
+        forward_flops=2.0 * tokens * hidden * ffn,
+    )
 
 
 def swiglu_linear_case(tokens: int, hidden: int, ffn: int) -> Case:
-    return Case("swiglu_linear", f"{tokens}x{hidden}->{ffn}",
-                lambda: [randn(tokens, hidden), randn(ffn, hidden, scale=hidden**-0.5),
-                         randn(ffn, hidden, scale=hidden**-0.5)],
-                kernels.swiglu_linear,
-                lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu),
-                forward_flops=4.0 * tokens * hidden * ffn)
+    return Case(
+        "swiglu_linear",
+        f"{tokens}x{hidden}->{ffn}",
+        lambda: [randn(tokens, hidden), randn(ffn, hidden, scale=hidden**-0.5), randn(ffn, hidden, scale=hidden**-0.5)],
+        kernels.swiglu_linear,
+        lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu),
+        forward_flops=4.0 * tokens * hidden * ffn,
+    )
 
 
 def swiglu_case(tokens: int, ffn: int) -> Case:
-    return Case("swiglu", f"{tokens}x{ffn}", lambda: [randn(tokens, ffn, scale=2.0), randn(tokens, ffn)],
-                kernels.swiglu, lambda gate, up: F.silu(gate) * up)
+    return Case(
+        "swiglu",
+        f"{tokens}x{ffn}",
+        lambda: [randn(tokens, ffn, scale=2.0), randn(tokens, ffn)],
+        kernels.swiglu,
+        lambda gate, up: F.silu(gate) * up,
+    )
 
 
 def dropout_case(tokens: int, hidden: int) -> Case:
-    return Case(f"bias_dropout_residual(p={DROPOUT_P})", f"{tokens}x{hidden}",
-                lambda: [randn(tokens, hidden), randn(hidden), randn(tokens, hidden)],
-                lambda x, b, r: kernels.bias_dropout_residual(x, b, r, DROPOUT_P, training=True),
-                lambda x, b, r: r + F.dropout(x + b, DROPOUT_P, training=True),
-                check=check_dropout)
+    return Case(
+        f"bias_dropout_residual(p={DROPOUT_P})",
+        f"{tokens}x{hidden}",
+        lambda: [randn(tokens, hidden), randn(hidden), randn(tokens, hidden)],
+        lambda x, b, r: kernels.bias_dropout_residual(x, b, r, DROPOUT_P, training=True),
+        lambda x, b, r: r + F.dropout(x + b, DROPOUT_P, training=True),
+        check=check_dropout,
+    )
 
 
 def cases(quick: bool) -> list[Case]:
     all_cases = [
-        linear_act_case(4096, 4096, 16384, "gelu_tanh"), linear_act_case(8192, 8192, 32768, "gelu"),
-        swiglu_linear_case(4096, 4096, 11008), swiglu_linear_case(8192, 8192, 22016),  # 8/3 x hidden
-        swiglu_case(8192, 11008), swiglu_case(16384, 14336),
-        dropout_case(8192, 4096), dropout_case(16384, 8192),
+        linear_act_case(4096, 4096, 16384, "gelu_tanh"),
+        linear_act_case(8192, 8192, 32768, "gelu"),
+        swiglu_linear_case(4096, 4096, 11008),
+        swiglu_linear_case(8192, 8192, 22016),  # 8/3 x hidden
+        swiglu_case(8192, 11008),
+        swiglu_case(16384, 14336),
+        dropout_case(8192, 4096),
+        dropout_case(16384, 8192),
     ]
     return all_cases[::2] if quick else all_cases
 
@@ -99,6 +116,7 @@ def cases(quick: bool) -> list[Case]:
 # ---------------------------------------------------------------------------------------------------------
 # Numerics
 # ---------------------------------------------------------------------------------------------------------
+
 
 def forward_backward(fn, inputs: list, grad_out: torch.Tensor | None) -> tuple[torch.Tensor, list]:
     leaves = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in inputs]
@@ -148,20 +166,25 @@ def check_dropout(case: Case, inputs: list) -> list[str]:
     rate = dropped.float().mean().item()
     kept_scale = (positive.grad[~dropped].float() * (1 - DROPOUT_P)).sub(1).abs().max().item()
     mask_reused = torch.equal(positive.grad == 0, dropped)
-    print(f"    p=0 vs torch rel {rel_err:.2e}; p={DROPOUT_P}: dropped {rate:.4f}, "
-          f"kept grad scale error {kept_scale:.1e}, backward mask == forward mask: {mask_reused}", flush=True)
+    print(
+        f"    p=0 vs torch rel {rel_err:.2e}; p={DROPOUT_P}: dropped {rate:.4f}, "
+        f"kept grad scale error {kept_scale:.1e}, backward mask == forward mask: {mask_reused}",
+        flush=True,
+    )
     if rel_err > REL_TOLERANCE:
         failures.append(f"{case.kernel} {case.shape}: p=0 relative error {rel_err:.2e}")
     # 0.005 is about 100 binomial standard deviations at these sizes; the kept scale is 1/(1-p) rounded to bf16.
     if abs(rate - DROPOUT_P) > 0.005 or kept_scale > 1e-2 or not mask_reused:
-        failures.append(f"{case.kernel} {case.shape}: dropped {rate:.4f}, scale error {kept_scale:.1e}, "
-                        f"mask reused {mask_reused}")
+        failures.append(
+            f"{case.kernel} {case.shape}: dropped {rate:.4f}, scale error {kept_scale:.1e}, mask reused {mask_reused}"
+        )
     return failures
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------------------
+
 
 def time_ms(fn, inputs: list, backward: bool) -> float:
     from triton.testing import do_bench
@@ -211,8 +234,21 @@ def run_case(case: Case, use_compile: bool) -> tuple[list[str], list[str]]:
     return row, failures
 
 
-HEADER = ["kernel", "shape", "fwd triton", "eager", "compile", "vs eager", "vs compile", "TFLOP/s",
-          "fwd+bwd triton", "eager", "compile", "vs eager", "vs compile"]
+HEADER = [
+    "kernel",
+    "shape",
+    "fwd triton",
+    "eager",
+    "compile",
+    "vs eager",
+    "vs compile",
+    "TFLOP/s",
+    "fwd+bwd triton",
+    "eager",
+    "compile",
+    "vs eager",
+    "vs compile",
+]
 
 
 def print_table(rows: list[list[str]]) -> None:

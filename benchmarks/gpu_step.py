@@ -37,7 +37,9 @@ def run(model_name: str, cluster: hp.ClusterSpec, args: argparse.Namespace, cons
         torch.cuda.reset_peak_memory_stats()
     pmodel = hp.parallelize(model, plan, seed=0, device="cuda:0" if cuda else "cpu")
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-4, fused=cuda)
-    tokens = torch.randint(0, pmodel.module.config.vocab_size, (args.global_batch, args.seq_len + 1), device=args.device)
+    tokens = torch.randint(
+        0, pmodel.module.config.vocab_size, (args.global_batch, args.seq_len + 1), device=args.device
+    )
     state = {}
     for step in range(args.steps):
         loss = pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
@@ -55,15 +57,20 @@ def run(model_name: str, cluster: hp.ClusterSpec, args: argparse.Namespace, cons
     reserved = cluster.device.reserved_bytes
     row = {
         "config": f"micro-batch {plan.training.micro_batch} x {plan.num_microbatches}, recompute {plan.parallel.recompute}",
-        "loss": loss_value, "parameters": count,
-        "measured_step_s": summary.step_time_s, "predicted_step_s": summary.predicted_step_time_s,
-        "measured_mfu": summary.mfu, "predicted_mfu": summary.predicted_mfu,
-        "tokens_per_s": summary.tokens_per_s, "tflops_per_gpu": summary.tflops_per_gpu,
+        "loss": loss_value,
+        "parameters": count,
+        "measured_step_s": summary.step_time_s,
+        "predicted_step_s": summary.predicted_step_time_s,
+        "measured_mfu": summary.mfu,
+        "predicted_mfu": summary.predicted_mfu,
+        "tokens_per_s": summary.tokens_per_s,
+        "tflops_per_gpu": summary.tflops_per_gpu,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan"),
         "predicted_peak_gib": summary.predicted_memory_gib,
         "predicted_peak_without_reserved_gib": summary.predicted_memory_gib - reserved / 2**30,
-        "state_bytes_measured": state, "state_bytes_measured_total": sum(state.values()),
+        "state_bytes_measured": state,
+        "state_bytes_measured_total": sum(state.values()),
         "state_bytes_predicted": predicted_state,
     }
     if args.profile:
@@ -95,16 +102,25 @@ def profile_step(pmodel, optimizer, tokens) -> None:
 
 def print_row(name: str, row: dict) -> None:
     print(f"\n== {name}: {row['config']} (loss {row['loss']:.3f})", flush=True)
-    print(f"step      measured {row['measured_step_s'] * 1e3:8.1f} ms   predicted {row['predicted_step_s'] * 1e3:8.1f} ms   "
-          f"measured/predicted {row['measured_step_s'] / row['predicted_step_s']:.2f}")
-    print(f"MFU       measured {row['measured_mfu']:8.1%}      predicted {row['predicted_mfu']:8.1%}   "
-          f"({row['tflops_per_gpu']:.0f} TFLOP/s, {row['tokens_per_s']:,.0f} tokens/s)")
-    print(f"memory    peak allocated {row['peak_allocated_gib']:.2f} GiB, reserved {row['peak_reserved_gib']:.2f} GiB; "
-          f"predicted {row['predicted_peak_without_reserved_gib']:.2f} GiB + preset reserve = {row['predicted_peak_gib']:.2f} GiB")
+    print(
+        f"step      measured {row['measured_step_s'] * 1e3:8.1f} ms   predicted {row['predicted_step_s'] * 1e3:8.1f} ms   "
+        f"measured/predicted {row['measured_step_s'] / row['predicted_step_s']:.2f}"
+    )
+    print(
+        f"MFU       measured {row['measured_mfu']:8.1%}      predicted {row['predicted_mfu']:8.1%}   "
+        f"({row['tflops_per_gpu']:.0f} TFLOP/s, {row['tokens_per_s']:,.0f} tokens/s)"
+    )
+    print(
+        f"memory    peak allocated {row['peak_allocated_gib']:.2f} GiB, reserved {row['peak_reserved_gib']:.2f} GiB; "
+        f"predicted {row['predicted_peak_without_reserved_gib']:.2f} GiB + preset reserve = {row['predicted_peak_gib']:.2f} GiB"
+    )
     measured = row["state_bytes_measured"]
-    print(f"state     weights {measured['weights'] / 2**30:.2f} + grads {measured['grads'] / 2**30:.2f} + optimizer "
-          f"{measured['optimizer'] / 2**30:.2f} = {row['state_bytes_measured_total'] / 2**30:.2f} GiB; planner "
-          f"{row['state_bytes_predicted'] / 2**30:.2f} GiB ({costs.state_bytes_per_param('bf16', 0, 1):.0f} B/param)", flush=True)
+    print(
+        f"state     weights {measured['weights'] / 2**30:.2f} + grads {measured['grads'] / 2**30:.2f} + optimizer "
+        f"{measured['optimizer'] / 2**30:.2f} = {row['state_bytes_measured_total'] / 2**30:.2f} GiB; planner "
+        f"{row['state_bytes_predicted'] / 2**30:.2f} GiB ({costs.state_bytes_per_param('bf16', 0, 1):.0f} B/param)",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -114,7 +130,9 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from: " + ", ".join(VARIANTS))
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated names from: " + ", ".join(VARIANTS)
+    )
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--profile", action="store_true", help="also profile one step of each variant (top kernels)")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for a smoke test with a tiny model")
@@ -123,8 +141,11 @@ def main() -> int:
         print("gpu_step: no CUDA device", file=sys.stderr)
         return 2
     cluster = hp.ClusterSpec.resolve(args.cluster, num_nodes=1, gpus_per_node=1)
-    print(f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'} torch {torch.__version__}; {args.model}, global batch {args.global_batch} x "
-          f"{args.seq_len} tokens, bf16, AdamW; predictions for '{cluster.name}'", flush=True)
+    print(
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'} torch {torch.__version__}; {args.model}, global batch {args.global_batch} x "
+        f"{args.seq_len} tokens, bf16, AdamW; predictions for '{cluster.name}'",
+        flush=True,
+    )
     rows = {}
     for name in args.variants.split(","):
         try:

@@ -30,13 +30,26 @@ def time_search(name: str, gpus: int, global_batch: int, layers: int | None = No
     result = search(graph, hp.ClusterSpec.preset("a100-80g", num_nodes=gpus // 8), global_batch, 2048, "bf16")
     done = time.perf_counter()
     par, pred = result.plan().parallel, result.plan().predicted
-    best = (f"tp {par.tp} pp {par.pp} dp {par.dp} mb {par.num_microbatches}x{result.best[0].config.micro_batch}"
-            f" {par.schedule} v{par.virtual_stages} ZeRO {par.zero}")  # mb: micro-batches x size
-    print(f"{name:9} {len(graph.blocks):>6} {gpus:>6} {traced - start:>8.2f} {done - traced:>9.2f} {result.considered:>8,} "
-          f"{result.evaluated:>6}   {best}, MFU {pred.mfu:.1%}")
-    return {"model": name, "layers": len(graph.blocks), "gpus": gpus, "global_batch": global_batch,
-            "trace_s": traced - start, "search_s": done - traced, "configs": result.considered,
-            "costed": result.evaluated, "plan": best, "mfu": pred.mfu}
+    best = (
+        f"tp {par.tp} pp {par.pp} dp {par.dp} mb {par.num_microbatches}x{result.best[0].config.micro_batch}"
+        f" {par.schedule} v{par.virtual_stages} ZeRO {par.zero}"
+    )  # mb: micro-batches x size
+    print(
+        f"{name:9} {len(graph.blocks):>6} {gpus:>6} {traced - start:>8.2f} {done - traced:>9.2f} {result.considered:>8,} "
+        f"{result.evaluated:>6}   {best}, MFU {pred.mfu:.1%}"
+    )
+    return {
+        "model": name,
+        "layers": len(graph.blocks),
+        "gpus": gpus,
+        "global_batch": global_batch,
+        "trace_s": traced - start,
+        "search_s": done - traced,
+        "configs": result.considered,
+        "costed": result.evaluated,
+        "plan": best,
+        "mfu": pred.mfu,
+    }
 
 
 def main() -> None:
@@ -46,9 +59,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"{'model':9} {'layers':>6} {'GPUs':>6} {'trace s':>8} {'search s':>9} {'configs':>8} {'costed':>6}   best plan")
-    rows = [{**time_search("gpt-175b", 1024, 1536), "group": "target", "target_s": 1.0},
-            {**time_search("gpt-1t", 3072, 3072), "group": "target", "target_s": 5.0}]
+    print(
+        f"{'model':9} {'layers':>6} {'GPUs':>6} {'trace s':>8} {'search s':>9} {'configs':>8} {'costed':>6}   best plan"
+    )
+    rows = [
+        {**time_search("gpt-175b", 1024, 1536), "group": "target", "target_s": 1.0},
+        {**time_search("gpt-1t", 3072, 3072), "group": "target", "target_s": 5.0},
+    ]
     if not args.quick:
         print("growth with GPUs (gpt-175b):")
         for gpus in (64, 256, 1024, 2048, 4096):

@@ -29,14 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import agreement, alternate, timed  # benchmarks/common.py, beside this script
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import hyparallel as hp
 from hyparallel.pipeline import PipelineRuntime, split_model
 from hyparallel.tensor.init import materialize_
-
-from common import agreement, alternate, timed  # benchmarks/common.py, beside this script
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 RTOL, ATOL = 1e-5, 1e-6  # fp32: torch divides the summed gradients by m, hyparallel each loss: rounding only
@@ -45,8 +44,16 @@ WARMUP, SEED = 2, 0
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("layers", 8), ("hidden", 256), ("heads", 8), ("vocab", 1024), ("seq", 128), ("batch", 16),
-                          ("microbatches", 8), ("steps", 10)):
+    for name, default in (
+        ("layers", 8),
+        ("hidden", 256),
+        ("heads", 8),
+        ("vocab", 1024),
+        ("seq", 128),
+        ("batch", 16),
+        ("microbatches", 8),
+        ("steps", 10),
+    ):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--json", help="rank 0 writes the figures here")
@@ -68,8 +75,10 @@ def stage_paths(layers: int, pp: int) -> list[list[str]]:
 
 def build_stage(args: argparse.Namespace, pp: int, rank: int):
     """A fresh meta model, split and with only this rank's stage materialised: (split, stage module)."""
-    spec = (f"gpt-tiny num_layers={args.layers} hidden_size={args.hidden} num_heads={args.heads} "
-            f"vocab_size={args.vocab} max_seq_len={args.seq} tie_embeddings=false")
+    spec = (
+        f"gpt-tiny num_layers={args.layers} hidden_size={args.hidden} num_heads={args.heads} "
+        f"vocab_size={args.vocab} max_seq_len={args.seq} tie_embeddings=false"
+    )
     model = hp.models.load(spec).module
     example = torch.zeros(args.batch // args.microbatches, args.seq, dtype=torch.long, device="meta")
     split = split_model(model, stage_paths(args.layers, pp), example)
@@ -109,16 +118,21 @@ def main() -> None:
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     if rank == 0:
-        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-              f"{torch.get_num_threads()} torch threads per rank; torch {torch.__version__}; pp={pp} gloo CPU")
-        print(f"model: gpt {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, fp32; "
-              f"batch {args.batch} x seq {args.seq} in {args.microbatches} micro-batches; "
-              f"median of {args.steps} steps after {WARMUP} warm-up")
+        print(
+            f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+            f"{torch.get_num_threads()} torch threads per rank; torch {torch.__version__}; pp={pp} gloo CPU"
+        )
+        print(
+            f"model: gpt {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, fp32; "
+            f"batch {args.batch} x seq {args.seq} in {args.microbatches} micro-batches; "
+            f"median of {args.steps} steps after {WARMUP} warm-up"
+        )
 
     cases = []
     for kind in args.schedules.split(","):
-        runtime = PipelineRuntime(split, {rank: ours_stage}, ours_group, schedule_kind=kind,
-                                  num_microbatches=args.microbatches)
+        runtime = PipelineRuntime(
+            split, {rank: ours_stage}, ours_group, schedule_kind=kind, num_microbatches=args.microbatches
+        )
         torch_stage = PipelineStage(adapter, rank, pp, torch.device("cpu"), group=theirs_group)
         torch_schedule = TORCH_SCHEDULES[kind](torch_stage, args.microbatches, loss_fn=loss_fn)
 
@@ -127,8 +141,12 @@ def main() -> None:
 
         def theirs() -> torch.Tensor:
             losses: list[torch.Tensor] = []
-            torch_schedule.step(*([inputs] if rank == 0 else []), target=targets if rank == last else None,
-                                losses=losses, return_outputs=False)
+            torch_schedule.step(
+                *([inputs] if rank == 0 else []),
+                target=targets if rank == last else None,
+                losses=losses,
+                return_outputs=False,
+            )
             loss = torch.stack(losses).mean().detach() if rank == last else torch.zeros(())
             dist.broadcast(loss, src=last, group=theirs_group)  # hyparallel hands every rank the loss too
             return loss
@@ -136,24 +154,46 @@ def main() -> None:
         # Agreement: a step each from zeroed gradients, compared parameter by parameter under the model's names.
         zero_ours, zero_theirs = partial(clear_grads, ours_params), partial(clear_grads, theirs_params)
         (_, ours_loss), (_, theirs_loss) = timed(ours, zero_ours), timed(theirs, zero_theirs)
-        summary = agreement(((p.grad, adapter.stage.body.get_parameter(name).grad)
-                             for name, p in ours_stage.body.named_parameters()), RTOL, ATOL)
+        summary = agreement(
+            ((p.grad, adapter.stage.body.get_parameter(name).grad) for name, p in ours_stage.body.named_parameters()),
+            RTOL,
+            ATOL,
+        )
         loss_ok = torch.allclose(ours_loss, theirs_loss, rtol=RTOL, atol=0)
 
         medians = alternate({"hyparallel": (ours, zero_ours), "torch": (theirs, zero_theirs)}, args.steps, WARMUP)
         ours_ms, theirs_ms = medians["hyparallel"], medians["torch"]
         if rank == 0:
             ok = "OK" if loss_ok and summary[0] == 0 else "MISMATCH"
-            print(f"[{kind}] check {ok}: loss hyparallel {ours_loss.item():.6f} torch {theirs_loss.item():.6f}; "
-                  f"{int(summary[1] - summary[0])}/{int(summary[1])} gradients equal (rtol {RTOL:g}, atol {ATOL:g}), "
-                  f"max abs diff {summary[2]:.1e}")
-            print(f"[{kind}] hyparallel / torch step time ratio: {ours_ms / theirs_ms:.2f} "
-                  f"(hyparallel {ours_ms:.1f} ms, torch {theirs_ms:.1f} ms)")
-            cases.append({"case": kind, "hyparallel_ms": ours_ms, "torch_ms": theirs_ms, "ratio": ours_ms / theirs_ms,
-                          "check": f"{ok}: max abs gradient diff {summary[2]:.1e}"})
+            print(
+                f"[{kind}] check {ok}: loss hyparallel {ours_loss.item():.6f} torch {theirs_loss.item():.6f}; "
+                f"{int(summary[1] - summary[0])}/{int(summary[1])} gradients equal (rtol {RTOL:g}, atol {ATOL:g}), "
+                f"max abs diff {summary[2]:.1e}"
+            )
+            print(
+                f"[{kind}] hyparallel / torch step time ratio: {ours_ms / theirs_ms:.2f} "
+                f"(hyparallel {ours_ms:.1f} ms, torch {theirs_ms:.1f} ms)"
+            )
+            cases.append(
+                {
+                    "case": kind,
+                    "hyparallel_ms": ours_ms,
+                    "torch_ms": theirs_ms,
+                    "ratio": ours_ms / theirs_ms,
+                    "check": f"{ok}: max abs gradient diff {summary[2]:.1e}",
+                }
+            )
     if rank == 0 and args.json:
-        Path(args.json).write_text(json.dumps({"peer": "torch.distributed.pipelining (PipelineStage + ScheduleGPipe/1F1B)",
-                                               "config": {**vars(args), "pp": pp}, "cases": cases}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "peer": "torch.distributed.pipelining (PipelineStage + ScheduleGPipe/1F1B)",
+                    "config": {**vars(args), "pp": pp},
+                    "cases": cases,
+                },
+                indent=1,
+            )
+        )
     dist.destroy_process_group()
 
 

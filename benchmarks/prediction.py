@@ -34,24 +34,52 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 GRID: dict[int, list[dict]] = {
-    2: [{"dp": 2}, {"tp": 2}, {"pp": 2, "schedule": "gpipe"}, {"pp": 2, "schedule": "1f1b"},
-        {"pp": 2, "schedule": "1f1b", "micro_batch": 1}],
-    4: [{"dp": 4}, {"dp": 2, "tp": 2}, {"dp": 2, "pp": 2}, {"tp": 2, "pp": 2}, {"pp": 4, "schedule": "1f1b"},
-        {"pp": 4, "schedule": "gpipe"}],
-    8: [{"dp": 8}, {"dp": 4, "tp": 2}, {"dp": 4, "pp": 2}, {"dp": 2, "tp": 2, "pp": 2}, {"tp": 2, "pp": 4},
-        {"dp": 2, "pp": 4}],
+    2: [
+        {"dp": 2},
+        {"tp": 2},
+        {"pp": 2, "schedule": "gpipe"},
+        {"pp": 2, "schedule": "1f1b"},
+        {"pp": 2, "schedule": "1f1b", "micro_batch": 1},
+    ],
+    4: [
+        {"dp": 4},
+        {"dp": 2, "tp": 2},
+        {"dp": 2, "pp": 2},
+        {"tp": 2, "pp": 2},
+        {"pp": 4, "schedule": "1f1b"},
+        {"pp": 4, "schedule": "gpipe"},
+    ],
+    8: [
+        {"dp": 8},
+        {"dp": 4, "tp": 2},
+        {"dp": 4, "pp": 2},
+        {"dp": 2, "tp": 2, "pp": 2},
+        {"tp": 2, "pp": 4},
+        {"dp": 2, "pp": 4},
+    ],
 }
 # ZeRO 0 and 3 hold, between steps, exactly what the planner counts; ZeRO 1 and 2 run as FSDP2 without
 # resharding, so between steps every tensor is sharded, and the full weights the planner counts exist from the
 # forward's all-gather to the end of the backward: the table shows that difference rather than hiding it.
-MEMORY_CASES = [(4, {"dp": 2, "tp": 2, "zero": 0}), (4, {"tp": 2, "pp": 2}), (8, {"dp": 2, "tp": 2, "pp": 2, "zero": 0}),
-                (4, {"dp": 4, "zero": 3}), (4, {"dp": 4, "zero": 1})]
+MEMORY_CASES = [
+    (4, {"dp": 2, "tp": 2, "zero": 0}),
+    (4, {"tp": 2, "pp": 2}),
+    (8, {"dp": 2, "tp": 2, "pp": 2, "zero": 0}),
+    (4, {"dp": 4, "zero": 3}),
+    (4, {"dp": 4, "zero": 1}),
+]
 
 
 def torchrun(n: int, *argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *argv],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
 def calibrated(n: int, folder: Path, quick: bool):
@@ -59,7 +87,9 @@ def calibrated(n: int, folder: Path, quick: bool):
     import hyparallel as hp
 
     out = folder / f"calibrated-{n}.yaml"
-    argv = [sys.executable, "-m", "hyparallel", "calibrate", "--nproc", str(n), "--out", str(out)] + (["--quick"] if quick else [])
+    argv = [sys.executable, "-m", "hyparallel", "calibrate", "--nproc", str(n), "--out", str(out)] + (
+        ["--quick"] if quick else []
+    )
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"calibrate --nproc {n} failed:\n{proc.stderr[-2000:]}")
@@ -75,10 +105,22 @@ def measure(n: int, plan, args, folder: Path) -> float | None:
     plan_file, metrics = folder / "plan.yaml", folder / "metrics.json"
     plan.save(plan_file)
     metrics.unlink(missing_ok=True)
-    proc = torchrun(n, "examples/train_gpt.py", "--plan", str(plan_file), "--model", args.model, "--steps", str(args.steps),
-                    "--log-every", str(args.steps), "--metrics-out", str(metrics))
+    proc = torchrun(
+        n,
+        "examples/train_gpt.py",
+        "--plan",
+        str(plan_file),
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--log-every",
+        str(args.steps),
+        "--metrics-out",
+        str(metrics),
+    )
     if proc.returncode != 0 or not metrics.exists():
-        print(f"   run failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:] }", file=sys.stderr)
+        print(f"   run failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
         return None
     return json.loads(metrics.read_text())["step_time_s"]
 
@@ -91,9 +133,12 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 def describe(plan) -> str:
     par, tr = plan.parallel, plan.training
-    return (f"dp {par.dp} tp {par.tp} pp {par.pp}, {par.schedule}, mb {tr.micro_batch} x {plan.num_microbatches}"
-            + (f", ZeRO {par.zero}" if par.zero else "") + (", SP" if par.sequence_parallel else "")
-            + (f", recompute {par.recompute}" if par.recompute != "none" else ""))
+    return (
+        f"dp {par.dp} tp {par.tp} pp {par.pp}, {par.schedule}, mb {tr.micro_batch} x {plan.num_microbatches}"
+        + (f", ZeRO {par.zero}" if par.zero else "")
+        + (", SP" if par.sequence_parallel else "")
+        + (f", recompute {par.recompute}" if par.recompute != "none" else "")
+    )
 
 
 def step_times(args, folder: Path) -> list[dict]:
@@ -108,7 +153,9 @@ def step_times(args, folder: Path) -> list[dict]:
         for constraints in GRID[n]:
             full = {"dp": 1, "tp": 1, "pp": 1, **constraints}
             try:
-                cases.append((label(constraints), hp.plan(model, cluster, args.global_batch, args.seq_len, "fp32", **full)))
+                cases.append(
+                    (label(constraints), hp.plan(model, cluster, args.global_batch, args.seq_len, "fp32", **full))
+                )
             except hp.planner.PlanError as exc:
                 print(f"   N={n} {label(constraints)}: not planned ({exc})", file=sys.stderr)
         seen = set()
@@ -118,10 +165,22 @@ def step_times(args, folder: Path) -> list[dict]:
                 continue
             seen.add(key)
             measured = measure(n, plan, args, folder)
-            rows.append({"world": n, "case": name, "plan": key, "predicted_s": plan.predicted.step_time_s,
-                         "measured_s": measured, "pick": name == "planner's pick"})
-            print(f"   N={n} {key}: predicted {plan.predicted.step_time_s * 1e3:.1f} ms, measured "
-                  + (f"{measured * 1e3:.1f} ms" if measured else "failed"), file=sys.stderr, flush=True)
+            rows.append(
+                {
+                    "world": n,
+                    "case": name,
+                    "plan": key,
+                    "predicted_s": plan.predicted.step_time_s,
+                    "measured_s": measured,
+                    "pick": name == "planner's pick",
+                }
+            )
+            print(
+                f"   N={n} {key}: predicted {plan.predicted.step_time_s * 1e3:.1f} ms, measured "
+                + (f"{measured * 1e3:.1f} ms" if measured else "failed"),
+                file=sys.stderr,
+                flush=True,
+            )
     return rows
 
 
@@ -131,21 +190,33 @@ def step_report(rows: list[dict]) -> list[str]:
     for r in rows:
         ratio = f"{r['measured_s'] / r['predicted_s']:.2f}" if r["measured_s"] else "failed"
         measured = f"{r['measured_s'] * 1e3:.1f}" if r["measured_s"] else "-"
-        lines.append(f"| {r['world']} | {r['plan']} | {r['case']} | {r['predicted_s'] * 1e3:.1f} | {measured} | {ratio} |")
+        lines.append(
+            f"| {r['world']} | {r['plan']} | {r['case']} | {r['predicted_s'] * 1e3:.1f} | {measured} | {ratio} |"
+        )
     ok = [r for r in rows if r["measured_s"]]
     lines.append("")
-    lines.append(f"Spearman rank correlation, predicted vs measured, all {len(ok)} runs: "
-                 f"{spearman([r['predicted_s'] for r in ok], [r['measured_s'] for r in ok]):.2f}")
+    lines.append(
+        f"Spearman rank correlation, predicted vs measured, all {len(ok)} runs: "
+        f"{spearman([r['predicted_s'] for r in ok], [r['measured_s'] for r in ok]):.2f}"
+    )
     for n in sorted({r["world"] for r in ok}):
         group = [r for r in ok if r["world"] == n]
         fastest = min(group, key=lambda r: r["measured_s"])
         pick = next((r for r in group if r["pick"]), None)
-        verdict = "no measurement of the pick" if pick is None else (
-            "the measured fastest" if pick is fastest else
-            f"{pick['measured_s'] / fastest['measured_s'] - 1:.0%} slower than the measured fastest ({fastest['plan']})"
-            + (": within 10 %" if pick["measured_s"] <= 1.1 * fastest["measured_s"] else ": NOT within 10 %"))
-        lines.append(f"N={n}: Spearman {spearman([r['predicted_s'] for r in group], [r['measured_s'] for r in group]):.2f} "
-                     f"over {len(group)} plans; the planner's pick ({pick['plan'] if pick else '-'}) is {verdict}")
+        verdict = (
+            "no measurement of the pick"
+            if pick is None
+            else (
+                "the measured fastest"
+                if pick is fastest
+                else f"{pick['measured_s'] / fastest['measured_s'] - 1:.0%} slower than the measured fastest ({fastest['plan']})"
+                + (": within 10 %" if pick["measured_s"] <= 1.1 * fastest["measured_s"] else ": NOT within 10 %")
+            )
+        )
+        lines.append(
+            f"N={n}: Spearman {spearman([r['predicted_s'] for r in group], [r['measured_s'] for r in group]):.2f} "
+            f"over {len(group)} plans; the planner's pick ({pick['plan'] if pick else '-'}) is {verdict}"
+        )
     errors = [abs(r["measured_s"] / r["predicted_s"] - 1) for r in ok]
     if errors:
         lines.append(f"median |measured / predicted - 1|: {float(np.median(errors)):.0%}")
@@ -172,9 +243,13 @@ def memory_worker(plan_file: str, model_name: str, out: str) -> None:
     grads = sum(nbytes(p.grad) for p in pmodel.parameters() if p.grad is not None)
     optimizer.step()
 
-    mine = {"rank": pmodel.env.rank, "coords": plan.coords(pmodel.env.rank),
-            "weights": sum(nbytes(p) for p in pmodel.parameters()), "grads": grads,
-            "optimizer": sum(nbytes(t) for s in optimizer.state.values() for t in s.values() if t.dim() > 0)}
+    mine = {
+        "rank": pmodel.env.rank,
+        "coords": plan.coords(pmodel.env.rank),
+        "weights": sum(nbytes(p) for p in pmodel.parameters()),
+        "grads": grads,
+        "optimizer": sum(nbytes(t) for s in optimizer.state.values() for t in s.values() if t.dim() > 0),
+    }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if pmodel.env.rank == 0:
@@ -187,8 +262,10 @@ def memory(args, folder: Path) -> list[str]:
     import hyparallel as hp
     from hyparallel.planner import costs, search
 
-    lines = ["| N | plan | rank (pp, dp, tp) | weights + grads + optimizer after a step, measured | planner | measured / planner |",
-             "|---|---|---|---:|---:|---:|"]
+    lines = [
+        "| N | plan | rank (pp, dp, tp) | weights + grads + optimizer after a step, measured | planner | measured / planner |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     for n, constraints in MEMORY_CASES:
         cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=n)
         model = hp.models.load(args.model).module
@@ -196,8 +273,16 @@ def memory(args, folder: Path) -> list[str]:
         result = search(model, cluster, args.global_batch, args.seq_len, "fp32", **full)
         plan, evaluation = result.plan(), result.best[0]
         plan.save(folder / "memory-plan.yaml")
-        proc = torchrun(n, __file__, "--memory-worker", str(folder / "memory-plan.yaml"), "--model", args.model,
-                        "--json", str(folder / "memory.json"))
+        proc = torchrun(
+            n,
+            __file__,
+            "--memory-worker",
+            str(folder / "memory-plan.yaml"),
+            "--model",
+            args.model,
+            "--json",
+            str(folder / "memory.json"),
+        )
         if proc.returncode != 0:
             lines.append(f"| {n} | {describe(plan)} | run failed: {proc.stderr.strip().splitlines()[-1:]} | | | |")
             continue
@@ -206,17 +291,32 @@ def memory(args, folder: Path) -> list[str]:
             c = rank["coords"]
             measured = rank["weights"] + rank["grads"] + rank["optimizer"]
             predicted = evaluation.stage_params[c["pp"]] * per_param
-            lines.append(f"| {n} | {describe(plan)} | {rank['rank']} ({c['pp']}, {c['dp']}, {c['tp']}) | "
-                         f"{rank['weights']:,} + {rank['grads']:,} + {rank['optimizer']:,} = {measured:,} | "
-                         f"{predicted:,.0f} | {measured / predicted:.4f} |")
+            lines.append(
+                f"| {n} | {describe(plan)} | {rank['rank']} ({c['pp']}, {c['dp']}, {c['tp']}) | "
+                f"{rank['weights']:,} + {rank['grads']:,} + {rank['optimizer']:,} = {measured:,} | "
+                f"{predicted:,.0f} | {measured / predicted:.4f} |"
+            )
     return lines
 
 
-ACTIVATION_MODELS = [(["gpt-mini"], 128), (["llama-tiny"], 64),
-                     (["gpt-tiny", "num_layers=2", "hidden_size=512", "num_heads=8", "vocab_size=4096", "max_seq_len=256"], 256),
-                     (["hf:GPT2LMHeadModel", "n_layer=2", "n_embd=128", "n_head=4", "vocab_size=512", "n_positions=128"], 128),
-                     (["hf:LlamaForCausalLM", "num_hidden_layers=2", "hidden_size=128", "intermediate_size=352",
-                       "num_attention_heads=4", "num_key_value_heads=2", "vocab_size=512"], 128)]
+ACTIVATION_MODELS = [
+    (["gpt-mini"], 128),
+    (["llama-tiny"], 64),
+    (["gpt-tiny", "num_layers=2", "hidden_size=512", "num_heads=8", "vocab_size=4096", "max_seq_len=256"], 256),
+    (["hf:GPT2LMHeadModel", "n_layer=2", "n_embd=128", "n_head=4", "vocab_size=512", "n_positions=128"], 128),
+    (
+        [
+            "hf:LlamaForCausalLM",
+            "num_hidden_layers=2",
+            "hidden_size=128",
+            "intermediate_size=352",
+            "num_attention_heads=4",
+            "num_key_value_heads=2",
+            "vocab_size=512",
+        ],
+        128,
+    ),
+]
 
 
 def saved_bytes(model, tokens, dtype: str, device: str = "cpu") -> tuple[int, int]:
@@ -254,21 +354,29 @@ def activations(micro_batch: int = 2, device: str = "cpu") -> list[str]:
     from hyparallel.tensor.init import materialize_
 
     cluster = hp.ClusterSpec.preset("cpu")
-    lines = ["| model | seq | dtype | saved activations, MiB | planner, MiB | measured / planner | 16-bit weight copies, MiB |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| model | seq | dtype | saved activations, MiB | planner, MiB | measured / planner | 16-bit weight copies, MiB |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
     for spec, seq in ACTIVATION_MODELS:
         for dtype in ("fp32", "bf16"):
             loaded = hp.models.load(spec)
             graph = hp.trace(loaded.module, hp.models.example_inputs(loaded.module, 1, seq))
             profile = ModelProfile(graph, cluster, dtype, seq)
-            predicted = sum(s.activation_bytes for s in profile.segment_costs(1, False, micro_batch, "none", cluster.intra_node))
+            predicted = sum(
+                s.activation_bytes for s in profile.segment_costs(1, False, micro_batch, "none", cluster.intra_node)
+            )
             model = hp.models.load(spec).module
             materialize_(model, device, seed=0)
             vocab = model.config.vocab_size
-            tokens = torch.randint(0, vocab, (micro_batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
+            tokens = torch.randint(0, vocab, (micro_batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(
+                device
+            )
             measured, casts = saved_bytes(model, tokens, dtype, device)
-            lines.append(f"| {' '.join(spec)} | {seq} | {dtype} | {measured / 2**20:.2f} | {predicted / 2**20:.2f} | "
-                         f"{measured / predicted:.2f} | {casts / 2**20:.2f} |")
+            lines.append(
+                f"| {' '.join(spec)} | {seq} | {dtype} | {measured / 2**20:.2f} | {predicted / 2**20:.2f} | "
+                f"{measured / predicted:.2f} | {casts / 2**20:.2f} |"
+            )
     return lines
 
 
@@ -301,18 +409,31 @@ def main() -> int:
     if "activations" in parts:
         activation_lines = activations(device=args.device)
     if step_lines:
-        print(f"## Step time: predicted vs measured ({args.model}, global batch {args.global_batch} x {args.seq_len}, "
-              "fp32, gloo; calibrated per world size)\n")
+        print(
+            f"## Step time: predicted vs measured ({args.model}, global batch {args.global_batch} x {args.seq_len}, "
+            "fp32, gloo; calibrated per world size)\n"
+        )
         print("\n".join(step_lines))
     if memory_lines:
         print("\n## Memory: weights, gradients and optimizer state per rank (bytes), measured vs planner\n")
         print("\n".join(memory_lines))
     if activation_lines:
-        print(f"\n## Activations: bytes one micro-batch of 2 saves for the backward on {args.device}, measured vs planner\n")
+        print(
+            f"\n## Activations: bytes one micro-batch of 2 saves for the backward on {args.device}, measured vs planner\n"
+        )
         print("\n".join(activation_lines))
     if args.json:
-        Path(args.json).write_text(json.dumps({"steps": rows, "step_report": step_lines, "memory_report": memory_lines,
-                                               "activation_report": activation_lines}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "steps": rows,
+                    "step_report": step_lines,
+                    "memory_report": memory_lines,
+                    "activation_report": activation_lines,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -97,22 +97,65 @@ def render_planner(outcome: Outcome) -> tuple[str, list[str]]:
         ratio = f"{c['search_s'] / target:.2f} ({'met' if c['search_s'] <= target else 'MISSED'})" if target else ""
         if target:
             summary.append(f"{c['model']} on {c['gpus']:,}: {c['search_s']:.2f} s / {target:g} s = {ratio}")
-        rows.append([c["group"], c["model"], c["layers"], f"{c['gpus']:,}", f"{c['global_batch']:,}", f"{c['trace_s']:.2f}",
-                     f"{c['search_s']:.2f}", f"{target:g}" if target else "", ratio, f"{c['configs']:,}", c["costed"],
-                     f"{c['plan']}, MFU {c['mfu']:.1%}"])
-    lines = _table(["case", "model", "layers", "GPUs", "batch", "trace s", "search s", "target s", "search / target",
-                    "configs", "costed", "best plan"], "llrrrrrrrrrl", rows)
-    lines += ["", "Peer: the targets the Planner issue set (GPT-3 175B on 1,024 A100s in at most 1 s, a 1T GPT on "
-              "3,072 GPUs in at most 5 s, one core); search / target <= 1 meets one. Tracing is timed apart: one "
-              "trace serves every plan of a model."]
+        rows.append(
+            [
+                c["group"],
+                c["model"],
+                c["layers"],
+                f"{c['gpus']:,}",
+                f"{c['global_batch']:,}",
+                f"{c['trace_s']:.2f}",
+                f"{c['search_s']:.2f}",
+                f"{target:g}" if target else "",
+                ratio,
+                f"{c['configs']:,}",
+                c["costed"],
+                f"{c['plan']}, MFU {c['mfu']:.1%}",
+            ]
+        )
+    lines = _table(
+        [
+            "case",
+            "model",
+            "layers",
+            "GPUs",
+            "batch",
+            "trace s",
+            "search s",
+            "target s",
+            "search / target",
+            "configs",
+            "costed",
+            "best plan",
+        ],
+        "llrrrrrrrrrl",
+        rows,
+    )
+    lines += [
+        "",
+        "Peer: the targets the Planner issue set (GPT-3 175B on 1,024 A100s in at most 1 s, a 1T GPT on "
+        "3,072 GPUs in at most 5 s, one core); search / target <= 1 meets one. Tracing is timed apart: one "
+        "trace serves every plan of a model.",
+    ]
     return "; ".join(summary), lines
 
 
 def render_trace(outcome: Outcome) -> tuple[str, list[str]]:
     """Build and trace seconds per model (meta device)."""
     cases = outcome.figures["cases"]
-    rows = [[c["model"], f"{c['params'] / 1e9:.2f}B", c["seq_len"], f"{c['build_s']:.2f}", f"{c['trace_s']:.2f}",
-             c["method"], c["ops"], c["blocks"]] for c in cases]
+    rows = [
+        [
+            c["model"],
+            f"{c['params'] / 1e9:.2f}B",
+            c["seq_len"],
+            f"{c['build_s']:.2f}",
+            f"{c['trace_s']:.2f}",
+            c["method"],
+            c["ops"],
+            c["blocks"],
+        ]
+        for c in cases
+    ]
     slowest = max(cases, key=lambda c: c["trace_s"])
     lines = _table(["model", "params", "seq", "build s", "trace s", "method", "ops", "blocks"], "lrrrrlrr", rows)
     lines += ["", "Peer: none (absolute times; the planner's figures above exclude the trace)."]
@@ -127,10 +170,20 @@ def render_peer(outcome: Outcome) -> tuple[str, list[str]]:
         target = c.get("target")
         verdict = f" (target <= {target:g}: {'met' if c['ratio'] <= target else 'MISSED'})" if target else ""
         summary.append(f"{c['case']} {c['ratio']:.2f}{verdict}")
-        rows.append([c["case"], f"{c['hyparallel_ms']:.1f}", f"{c['torch_ms']:.1f}", f"**{c['ratio']:.2f}**",
-                     f"<= {target:g}" if target else "", c["check"]])
+        rows.append(
+            [
+                c["case"],
+                f"{c['hyparallel_ms']:.1f}",
+                f"{c['torch_ms']:.1f}",
+                f"**{c['ratio']:.2f}**",
+                f"<= {target:g}" if target else "",
+                c["check"],
+            ]
+        )
     lines = [f"Config: {_config(figures)}.", "", f"Peer: {figures['peer']}, measured in the same run.", ""]
-    lines += _table(["case", "hyparallel ms", "peer ms", "hyparallel / peer", "target", "agreement check"], "lrrrll", rows)
+    lines += _table(
+        ["case", "hyparallel ms", "peer ms", "hyparallel / peer", "target", "agreement check"], "lrrrll", rows
+    )
     lines += ["", f"Median step times, the slowest rank's, the two sides alternating step by step; {FASTER}."]
     return ", ".join(summary) + " (hyparallel / peer)", lines
 
@@ -147,39 +200,108 @@ def render_prediction(outcome: Outcome) -> tuple[str, list[str]]:
         lines = _demoted(text, 1)
     else:
         figures = outcome.figures
-        lines = [line for key in ("step_report", "memory_report", "activation_report") for line in [*figures.get(key, []), ""]]
+        lines = [
+            line
+            for key in ("step_report", "memory_report", "activation_report")
+            for line in [*figures.get(key, []), ""]
+        ]
     spearman = next((line for line in lines if line.startswith("Spearman")), "")
     lines = ["Peer: the measurement; measured / predicted near 1 means the cost model is right.", "", *lines]
     return spearman, lines
 
 
 BENCHMARKS = [
-    Benchmark("planner_speed", "Planner search time",
-              "How long the planner takes to trace a model and search its plans, for the two targets and as "
-              "GPUs and layers grow.", render_planner, quick_args=("--quick",), timeout_s=600),
-    Benchmark("trace_speed", "Model build and trace time",
-              "Building each zoo and Hugging Face model on the meta device and tracing it to a ModelGraph.",
-              render_trace, timeout_s=600),
-    Benchmark("tp_vs_dtensor", "Tensor parallelism: hyparallel vs torch DTensor",
-              "One training step (forward, cross-entropy, backward) of the same GPT split Megatron-style over tp = 2 "
-              "gloo processes, by `apply_tensor_parallel` and by DTensor's `parallelize_module`.", render_peer,
-              quick_args=("--layers", "2", "--hidden", "128", "--seq", "64", "--batch", "2", "--warmup", "2",
-                          "--iterations", "5"), distributed=True, timeout_s=600),
-    Benchmark("pp_vs_torch", "Pipeline parallelism: hyparallel vs torch.distributed.pipelining",
-              "One training step over all micro-batches of the same GPT cut into pp = 2 stages, by hyparallel's "
-              "`PipelineRuntime` and by torch's `PipelineStage` under GPipe and 1F1B.", render_peer,
-              quick_args=("--layers", "4", "--hidden", "128", "--seq", "64", "--batch", "8", "--microbatches", "4",
-                          "--steps", "3"), distributed=True, timeout_s=900),
-    Benchmark("dp_vs_ddp", "Data parallelism: hp.parallelize vs torch DDP",
-              "One AdamW training step of the same GPT over dp = 2 gloo processes, through `hp.parallelize` and "
-              "through `DistributedDataParallel`.", render_peer,
-              quick_args=("--model", "gpt-tiny num_layers=2 hidden_size=128 num_heads=4 vocab_size=512 max_seq_len=64",
-                          "--seq", "64", "--batch", "8", "--steps", "3"), distributed=True, timeout_s=600),
-    Benchmark("prediction", "Predicted vs measured step time and memory, this machine",
-              "The planner's predicted step time, with the cluster calibrated here, against training steps measured "
-              "with `examples/train_gpt.py` over a grid of plans; every rank's state bytes, and the activation bytes a "
-              "micro-batch saves, against the planner's.",
-              render_prediction, quick_args=("--quick", "--worlds", "2"), timeout_s=3600),
+    Benchmark(
+        "planner_speed",
+        "Planner search time",
+        "How long the planner takes to trace a model and search its plans, for the two targets and as "
+        "GPUs and layers grow.",
+        render_planner,
+        quick_args=("--quick",),
+        timeout_s=600,
+    ),
+    Benchmark(
+        "trace_speed",
+        "Model build and trace time",
+        "Building each zoo and Hugging Face model on the meta device and tracing it to a ModelGraph.",
+        render_trace,
+        timeout_s=600,
+    ),
+    Benchmark(
+        "tp_vs_dtensor",
+        "Tensor parallelism: hyparallel vs torch DTensor",
+        "One training step (forward, cross-entropy, backward) of the same GPT split Megatron-style over tp = 2 "
+        "gloo processes, by `apply_tensor_parallel` and by DTensor's `parallelize_module`.",
+        render_peer,
+        quick_args=(
+            "--layers",
+            "2",
+            "--hidden",
+            "128",
+            "--seq",
+            "64",
+            "--batch",
+            "2",
+            "--warmup",
+            "2",
+            "--iterations",
+            "5",
+        ),
+        distributed=True,
+        timeout_s=600,
+    ),
+    Benchmark(
+        "pp_vs_torch",
+        "Pipeline parallelism: hyparallel vs torch.distributed.pipelining",
+        "One training step over all micro-batches of the same GPT cut into pp = 2 stages, by hyparallel's "
+        "`PipelineRuntime` and by torch's `PipelineStage` under GPipe and 1F1B.",
+        render_peer,
+        quick_args=(
+            "--layers",
+            "4",
+            "--hidden",
+            "128",
+            "--seq",
+            "64",
+            "--batch",
+            "8",
+            "--microbatches",
+            "4",
+            "--steps",
+            "3",
+        ),
+        distributed=True,
+        timeout_s=900,
+    ),
+    Benchmark(
+        "dp_vs_ddp",
+        "Data parallelism: hp.parallelize vs torch DDP",
+        "One AdamW training step of the same GPT over dp = 2 gloo processes, through `hp.parallelize` and "
+        "through `DistributedDataParallel`.",
+        render_peer,
+        quick_args=(
+            "--model",
+            "gpt-tiny num_layers=2 hidden_size=128 num_heads=4 vocab_size=512 max_seq_len=64",
+            "--seq",
+            "64",
+            "--batch",
+            "8",
+            "--steps",
+            "3",
+        ),
+        distributed=True,
+        timeout_s=600,
+    ),
+    Benchmark(
+        "prediction",
+        "Predicted vs measured step time and memory, this machine",
+        "The planner's predicted step time, with the cluster calibrated here, against training steps measured "
+        "with `examples/train_gpt.py` over a grid of plans; every rank's state bytes, and the activation bytes a "
+        "micro-batch saves, against the planner's.",
+        render_prediction,
+        quick_args=("--quick", "--worlds", "2"),
+        timeout_s=3600,
+    ),
 ]
 NAMES = [b.name for b in BENCHMARKS] + ["gpu"]
 
@@ -202,18 +324,34 @@ def run(bench: Benchmark, quick: bool, folder: Path) -> Outcome:
     if not bench.script.exists():
         return Outcome(bench.name, command, "missing")
     json_path = folder / f"{bench.name}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                                                          os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     start = time.perf_counter()
-    proc = subprocess.Popen(bench.argv(quick, str(json_path)), cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        bench.argv(quick, str(json_path)),
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=bench.timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too: the session holds only this run
         stdout, stderr = proc.communicate()
-        return Outcome(bench.name, command, "failed", time.perf_counter() - start, stdout=stdout,
-                       failure=f"timed out after {bench.timeout_s} s; end of stderr:\n{_stderr_tail(stderr)}")
+        return Outcome(
+            bench.name,
+            command,
+            "failed",
+            time.perf_counter() - start,
+            stdout=stdout,
+            failure=f"timed out after {bench.timeout_s} s; end of stderr:\n{_stderr_tail(stderr)}",
+        )
     seconds = time.perf_counter() - start
     figures = _load_json(json_path)
     # Note: gloo sometimes aborts while the processes tear their groups down ("terminate called ..."), after
@@ -221,11 +359,24 @@ def run(bench: Benchmark, quick: bool, folder: Path) -> Outcome:
     if proc.returncode == 0 and figures is not None:
         return Outcome(bench.name, command, "ok", seconds, figures, stdout)
     if figures is not None and "terminate called" in stderr:
-        return Outcome(bench.name, command, "ok", seconds, figures, stdout,
-                       note=f"exited {proc.returncode} in gloo's teardown, after writing its figures")
+        return Outcome(
+            bench.name,
+            command,
+            "ok",
+            seconds,
+            figures,
+            stdout,
+            note=f"exited {proc.returncode} in gloo's teardown, after writing its figures",
+        )
     reason = f"exit {proc.returncode}" if proc.returncode else "exit 0 but no readable JSON written"
-    return Outcome(bench.name, command, "failed", seconds, stdout=stdout,
-                   failure=f"{reason} after {seconds:.0f} s; end of stderr:\n{_stderr_tail(stderr)}")
+    return Outcome(
+        bench.name,
+        command,
+        "failed",
+        seconds,
+        stdout=stdout,
+        failure=f"{reason} after {seconds:.0f} s; end of stderr:\n{_stderr_tail(stderr)}",
+    )
 
 
 def _git(*args: str) -> str:
@@ -267,8 +418,14 @@ def machine() -> list[str]:
 
 def section(bench: Benchmark, outcome: Outcome) -> tuple[str, str, list[str]]:
     """(status, summary cell, markdown lines) of one benchmark's outcome, whatever its status."""
-    lines = [f"## {bench.title} (`{bench.name}`)", "", bench.about, "", f"Command: `{outcome.command}`"
-             + (f" ({outcome.seconds:.0f} s here)" if outcome.seconds else ""), ""]
+    lines = [
+        f"## {bench.title} (`{bench.name}`)",
+        "",
+        bench.about,
+        "",
+        f"Command: `{outcome.command}`" + (f" ({outcome.seconds:.0f} s here)" if outcome.seconds else ""),
+        "",
+    ]
     if outcome.status == "missing":
         return "missing", "not found", lines + [f"**NOT RUN**: benchmarks/{bench.name}.py was not found.", ""]
     failure = outcome.failure
@@ -276,8 +433,10 @@ def section(bench: Benchmark, outcome: Outcome) -> tuple[str, str, list[str]]:
         try:
             summary, body = bench.render(outcome)
         except (KeyError, TypeError, ValueError) as exc:  # the script's JSON changed shape: say so, keep going
-            failure = f"its JSON could not be rendered ({type(exc).__name__}: {exc}); the JSON:\n" + json.dumps(
-                outcome.figures, indent=1)[:2000]
+            failure = (
+                f"its JSON could not be rendered ({type(exc).__name__}: {exc}); the JSON:\n"
+                + json.dumps(outcome.figures, indent=1)[:2000]
+            )
     if failure:
         reason, *rest = failure.splitlines()
         return "failed", reason.split(";")[0], lines + ["**FAILED**: " + reason, "", "```text", *rest, "```", ""]
@@ -297,13 +456,34 @@ def _read(folder: Path, name: str) -> str:
 
 def _gpu_step_table(rows: dict) -> list[str]:
     """gpu_step.py's JSON rows as a table: measured against the planner's prediction."""
-    return _table(["variant", "config", "measured ms", "predicted ms", "measured / predicted", "MFU measured",
-                   "MFU predicted", "peak GiB (allocated)", "predicted GiB (+ reserve)"], "llrrrrrrr",
-                  [[name, r["config"], f"{r['measured_step_s'] * 1e3:.1f}", f"{r['predicted_step_s'] * 1e3:.1f}",
-                    f"**{r['measured_step_s'] / r['predicted_step_s']:.2f}**", f"{r['measured_mfu']:.1%}",
-                    f"{r['predicted_mfu']:.1%}", f"{r['peak_allocated_gib']:.2f}",
-                    f"{r['predicted_peak_without_reserved_gib']:.2f} ({r['predicted_peak_gib']:.2f})"]
-                   for name, r in rows.items()])
+    return _table(
+        [
+            "variant",
+            "config",
+            "measured ms",
+            "predicted ms",
+            "measured / predicted",
+            "MFU measured",
+            "MFU predicted",
+            "peak GiB (allocated)",
+            "predicted GiB (+ reserve)",
+        ],
+        "llrrrrrrr",
+        [
+            [
+                name,
+                r["config"],
+                f"{r['measured_step_s'] * 1e3:.1f}",
+                f"{r['predicted_step_s'] * 1e3:.1f}",
+                f"**{r['measured_step_s'] / r['predicted_step_s']:.2f}**",
+                f"{r['measured_mfu']:.1%}",
+                f"{r['predicted_mfu']:.1%}",
+                f"{r['peak_allocated_gib']:.2f}",
+                f"{r['predicted_peak_without_reserved_gib']:.2f} ({r['predicted_peak_gib']:.2f})",
+            ]
+            for name, r in rows.items()
+        ],
+    )
 
 
 def _profiled(profile: str) -> list[str]:
@@ -323,33 +503,66 @@ def gpu_lines(folder: Path) -> tuple[str, list[str]]:
     lines = ["Device: " + "; ".join(_read(folder, "device.txt").splitlines()), ""]
     summary = []
     for name, preset, title in (
-            ("step", "h200 preset", "gpt-1.3b training steps against the h200 preset's prediction"),
-            ("step-calibrated", "calibrated", "the planner's pick predicted with the figures calibrated on the device")):
+        ("step", "h200 preset", "gpt-1.3b training steps against the h200 preset's prediction"),
+        ("step-calibrated", "calibrated", "the planner's pick predicted with the figures calibrated on the device"),
+    ):
         if (folder / f"{name}.json").exists():
             rows = json.loads(_read(folder, f"{name}.json"))
-            summary += [f"{r['measured_step_s'] / r['predicted_step_s']:.2f} ({preset})"
-                        for v, r in rows.items() if v == "planner's pick"]
-            lines += [f"### {title}", "", "Peer: the planner's prediction; measured / predicted near 1 means the "
-                      "cost model is right.", "", *_gpu_step_table(rows), ""]
+            summary += [
+                f"{r['measured_step_s'] / r['predicted_step_s']:.2f} ({preset})"
+                for v, r in rows.items()
+                if v == "planner's pick"
+            ]
+            lines += [
+                f"### {title}",
+                "",
+                "Peer: the planner's prediction; measured / predicted near 1 means the cost model is right.",
+                "",
+                *_gpu_step_table(rows),
+                "",
+            ]
         elif _read(folder, f"{name}.txt"):
-            lines += [f"### {title} (no JSON: the end of its log)", "", "```text",
-                      *_read(folder, f"{name}.txt").splitlines()[-STDERR_TAIL_LINES:], "```", ""]
+            lines += [
+                f"### {title} (no JSON: the end of its log)",
+                "",
+                "```text",
+                *_read(folder, f"{name}.txt").splitlines()[-STDERR_TAIL_LINES:],
+                "```",
+                "",
+            ]
     if kernels := _read(folder, "kernels.txt"):
         start = kernels.find("times in ms")  # gpu_kernels.py's closing table, checks and verdict
-        lines += ["### Triton kernels against torch (`gpu_kernels.py`)", "", "```text",
-                  *(kernels[start:] if start >= 0 else kernels).splitlines()[-40:], "```", ""]
+        lines += [
+            "### Triton kernels against torch (`gpu_kernels.py`)",
+            "",
+            "```text",
+            *(kernels[start:] if start >= 0 else kernels).splitlines()[-40:],
+            "```",
+            "",
+        ]
     if calibrate := _read(folder, "calibrate.txt"):
-        lines += ["### `hyparallel calibrate --base h200` on the device", "", "```text",
-                  *calibrate.splitlines()[-40:], "```", ""]
+        lines += [
+            "### `hyparallel calibrate --base h200` on the device",
+            "",
+            "```text",
+            *calibrate.splitlines()[-40:],
+            "```",
+            "",
+        ]
     if profile := _read(folder, "profile.txt"):  # the full profiler tables stay in the file
-        lines += ["### One profiled step (`gpu_step.py --profile`)", "", *_profiled(profile), "",
-                  f"The profiler's top kernels per variant: {_shown(folder)}/profile.txt.", ""]
+        lines += [
+            "### One profiled step (`gpu_step.py --profile`)",
+            "",
+            *_profiled(profile),
+            "",
+            f"The profiler's top kernels per variant: {_shown(folder)}/profile.txt.",
+            "",
+        ]
     if activations := _read(folder, "activations.txt"):  # prediction.py's markdown, after any library warnings
         heading = activations.find("\n#") + 1 if not activations.startswith("#") else 0
         lines += _demoted(activations[heading:], 1) + [""]
     if notes := _read(folder, "README.md"):  # how the device run was set up, kept beside its results
-        lines += ["### Device notes (from README.md beside the results)", "",
-                  *_demoted(notes, 2), ""]
+        lines += ["### Device notes (from README.md beside the results)", "", *_demoted(notes, 2), ""]
     return "planner's pick measured / predicted " + ", ".join(summary) if summary else "", lines
 
 
@@ -358,38 +571,83 @@ def gpu_section(run_here: bool) -> tuple[str, str, list[str]]:
     head = ["## GPU checks (`gpu_check.sh`)", ""]
     if run_here:
         start = time.perf_counter()
-        proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(GPU_OUT)], cwd=REPO, capture_output=True,
-                              text=True, timeout=1200)
+        proc = subprocess.run(
+            ["bash", "benchmarks/gpu_check.sh", str(GPU_OUT)], cwd=REPO, capture_output=True, text=True, timeout=1200
+        )
         status = "ok" if proc.returncode == 0 else "failed"
         summary, lines = gpu_lines(GPU_OUT)
-        failure = [f"**FAILED** (exit {proc.returncode}); end of its output:", "", "```text",
-                   _stderr_tail(proc.stdout + proc.stderr), "```", ""] if proc.returncode else []
-        return status, summary, head + [f"Run here: `bash benchmarks/gpu_check.sh {_shown(GPU_OUT)}` "
-                                        f"({time.perf_counter() - start:.0f} s).", "", *failure, *lines]
+        failure = (
+            [
+                f"**FAILED** (exit {proc.returncode}); end of its output:",
+                "",
+                "```text",
+                _stderr_tail(proc.stdout + proc.stderr),
+                "```",
+                "",
+            ]
+            if proc.returncode
+            else []
+        )
+        return (
+            status,
+            summary,
+            head
+            + [
+                f"Run here: `bash benchmarks/gpu_check.sh {_shown(GPU_OUT)}` ({time.perf_counter() - start:.0f} s).",
+                "",
+                *failure,
+                *lines,
+            ],
+        )
     if not (GPU_RESULTS / "device.txt").exists():
-        return "missing", "no GPU here, and no GPU results committed", head + [
-            f"**NOT AVAILABLE**: no GPU here, and no results under {_shown(GPU_RESULTS)}/.", ""]
+        return (
+            "missing",
+            "no GPU here, and no GPU results committed",
+            head + [f"**NOT AVAILABLE**: no GPU here, and no results under {_shown(GPU_RESULTS)}/.", ""],
+        )
     date = _git("log", "-1", "--format=%cs", "--", str(GPU_RESULTS))
     if not date:
         date = f"{datetime.date.fromtimestamp((GPU_RESULTS / 'device.txt').stat().st_mtime)} (files not yet committed)"
     device = _read(GPU_RESULTS, "device.txt").split(",")[0]
     summary, lines = gpu_lines(GPU_RESULTS)
-    provenance = (f"Measured on a lent GPU ({device}) on {date}, not re-run: no GPU here. The logs and JSON are "
-                  f"committed under {_shown(GPU_RESULTS)}/.")
+    provenance = (
+        f"Measured on a lent GPU ({device}) on {date}, not re-run: no GPU here. The logs and JSON are "
+        f"committed under {_shown(GPU_RESULTS)}/."
+    )
     return "not re-run", f"{device}, {date}: {summary}", head + [provenance, "", *lines]
 
 
-def results_markdown(sections: list[tuple[str, str, str, list[str]]], machine_lines: list[str], quick: bool,
-                     only: list[str] | None, total_s: float) -> str:
+def results_markdown(
+    sections: list[tuple[str, str, str, list[str]]],
+    machine_lines: list[str],
+    quick: bool,
+    only: list[str] | None,
+    total_s: float,
+) -> str:
     """RESULTS.md from (name, status, summary, lines) per benchmark: the machine, a summary table, the sections."""
-    head = ["# Benchmark results", "", "Written by `benchmarks/run_all.py`" + (" --quick (smaller sizes, fewer steps: a "
-            "smoke test, not figures to quote)" if quick else "") + f" in {total_s / 60:.1f} min. Each figure was "
-            "measured on the machine below, its peer in the same run; ratios are hyparallel / peer unless a "
-            "table says otherwise.", ""]
+    head = [
+        "# Benchmark results",
+        "",
+        "Written by `benchmarks/run_all.py`"
+        + (" --quick (smaller sizes, fewer steps: a smoke test, not figures to quote)" if quick else "")
+        + f" in {total_s / 60:.1f} min. Each figure was "
+        "measured on the machine below, its peer in the same run; ratios are hyparallel / peer unless a "
+        "table says otherwise.",
+        "",
+    ]
     if only:
         head += [f"Run with `--only {','.join(only)}`: the other benchmarks were not run.", ""]
     rows = [[f"`{name}`", status, summary] for name, status, summary, _ in sections]
-    head += ["Machine:", "", *machine_lines, "", "## Summary", "", *_table(["benchmark", "status", "figures"], "lll", rows), ""]
+    head += [
+        "Machine:",
+        "",
+        *machine_lines,
+        "",
+        "## Summary",
+        "",
+        *_table(["benchmark", "status", "figures"], "lll", rows),
+        "",
+    ]
     return "\n".join(head + [line for *_, lines in sections for line in lines]).rstrip() + "\n"
 
 

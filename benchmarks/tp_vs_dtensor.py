@@ -31,7 +31,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import hyparallel as hp
 from hyparallel.tensor import apply_tensor_parallel
 
-STYLES = {"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "layers.*.mlp.fc": "column", "layers.*.mlp.proj": "row"}
+STYLES = {
+    "layers.*.attn.qkv": "column",
+    "layers.*.attn.proj": "row",
+    "layers.*.mlp.fc": "column",
+    "layers.*.mlp.proj": "row",
+}
 LOGITS_RTOL = 1e-5  # see the check in main
 
 
@@ -89,8 +94,14 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, tp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)
-    reference = hp.models.build("gpt-mini", device="cpu", num_layers=args.layers, hidden_size=args.hidden,
-                                num_heads=args.heads, max_seq_len=max(256, args.seq))
+    reference = hp.models.build(
+        "gpt-mini",
+        device="cpu",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        max_seq_len=max(256, args.seq),
+    )
     ours, theirs = copy.deepcopy(reference), copy.deepcopy(reference)
 
     graph = hp.trace(ours, ours.example_inputs(1, args.seq))
@@ -98,8 +109,11 @@ def main() -> None:
 
     mesh = init_device_mesh("cpu", (tp,))
     interleave_qkv_for_dtensor(theirs, tp)
-    parallelize_module(theirs, mesh, {path: ColwiseParallel() if style == "column" else RowwiseParallel()
-                                      for path, style in STYLES.items()})
+    parallelize_module(
+        theirs,
+        mesh,
+        {path: ColwiseParallel() if style == "column" else RowwiseParallel() for path, style in STYLES.items()},
+    )
 
     torch.manual_seed(7)  # same batch on every rank: tensor parallelism replicates the data
     tokens = torch.randint(0, reference.config.vocab_size, (args.batch, args.seq + 1))
@@ -127,19 +141,38 @@ def main() -> None:
     dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
     ours_ms, theirs_ms = (statistics.median(row.tolist()) * 1e3 for row in per_rank)
     if rank == 0:
-        print(f"model: gpt {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {reference.config.vocab_size}, "
-              f"batch {args.batch} x seq {args.seq}, fp32")
+        print(
+            f"model: gpt {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {reference.config.vocab_size}, "
+            f"batch {args.batch} x seq {args.seq}, fp32"
+        )
         for name, loss in losses.items():
-            print(f"{name:10} loss {loss:.6f}  single-device {ref_loss:.6f}  rel diff {abs(loss - ref_loss) / abs(ref_loss):.1e}"
-                  f"  logits rel diff {errors[name]:.1e}")
-        print(f"hyparallel / DTensor step time ratio: {ours_ms / theirs_ms:.2f} (hyparallel {ours_ms:.1f} ms, "
-              f"DTensor {theirs_ms:.1f} ms, median of {args.iterations}, tp={tp} gloo CPU)")
+            print(
+                f"{name:10} loss {loss:.6f}  single-device {ref_loss:.6f}  rel diff {abs(loss - ref_loss) / abs(ref_loss):.1e}"
+                f"  logits rel diff {errors[name]:.1e}"
+            )
+        print(
+            f"hyparallel / DTensor step time ratio: {ours_ms / theirs_ms:.2f} (hyparallel {ours_ms:.1f} ms, "
+            f"DTensor {theirs_ms:.1f} ms, median of {args.iterations}, tp={tp} gloo CPU)"
+        )
         if args.json:
             check = f"logits rel diff vs single-device: hyparallel {errors['hyparallel']:.1e}, DTensor {errors['DTensor']:.1e}"
-            case = {"case": f"tp={tp}", "hyparallel_ms": ours_ms, "torch_ms": theirs_ms, "ratio": ours_ms / theirs_ms,
-                    "check": check}
-            Path(args.json).write_text(json.dumps({"peer": "torch DTensor parallelize_module (Colwise/RowwiseParallel)",
-                                                   "config": {**vars(args), "tp": tp}, "cases": [case]}, indent=1))
+            case = {
+                "case": f"tp={tp}",
+                "hyparallel_ms": ours_ms,
+                "torch_ms": theirs_ms,
+                "ratio": ours_ms / theirs_ms,
+                "check": check,
+            }
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "peer": "torch DTensor parallelize_module (Colwise/RowwiseParallel)",
+                        "config": {**vars(args), "tp": tp},
+                        "cases": [case],
+                    },
+                    indent=1,
+                )
+            )
     dist.destroy_process_group()
 
 

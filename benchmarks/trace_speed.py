@@ -15,8 +15,17 @@ from pathlib import Path
 
 import hyparallel as hp
 
-MODELS = ["gpt-125m", "gpt-1.3b", "gpt-13b", "gpt-175b", "gpt-1t", "llama-7b", "llama-70b",
-          "hf:GPT2LMHeadModel", "hf:llama num_hidden_layers=32"]
+MODELS = [
+    "gpt-125m",
+    "gpt-1.3b",
+    "gpt-13b",
+    "gpt-175b",
+    "gpt-1t",
+    "llama-7b",
+    "llama-70b",
+    "hf:GPT2LMHeadModel",
+    "hf:llama num_hidden_layers=32",
+]
 
 
 def main() -> None:
@@ -36,10 +45,22 @@ def main() -> None:
         graph = hp.trace(loaded.module, hp.models.example_inputs(loaded.module, args.batch_size, seq_len), name=spec)
         traced = time.perf_counter()
         assert graph.num_params == sum(p.numel() for p in loaded.module.parameters())
-        print(f"{spec:32} {graph.num_params / 1e9:>9.2f}B {built - start:>8.2f} {traced - built:>8.2f} "
-              f"{graph.method:>7} {len(graph.ops):>6} {len(graph.blocks):>6}")
-        rows.append({"model": spec, "params": graph.num_params, "seq_len": seq_len, "build_s": built - start,
-                     "trace_s": traced - built, "method": graph.method, "ops": len(graph.ops), "blocks": len(graph.blocks)})
+        print(
+            f"{spec:32} {graph.num_params / 1e9:>9.2f}B {built - start:>8.2f} {traced - built:>8.2f} "
+            f"{graph.method:>7} {len(graph.ops):>6} {len(graph.blocks):>6}"
+        )
+        rows.append(
+            {
+                "model": spec,
+                "params": graph.num_params,
+                "seq_len": seq_len,
+                "build_s": built - start,
+                "trace_s": traced - built,
+                "method": graph.method,
+                "ops": len(graph.ops),
+                "blocks": len(graph.blocks),
+            }
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"config": {"batch_size": args.batch_size}, "cases": rows}, indent=1))
 

@@ -56,7 +56,7 @@ def batches(plan: hp.Plan, seed: int, skip: int):
     for step in range(10**9):
         starts = torch.randint(0, data.numel() - length - 1, (rows,), generator=generator)
         if step >= skip:
-            chunk = torch.stack([data[s: s + length + 1] for s in starts.tolist()])
+            chunk = torch.stack([data[s : s + length + 1] for s in starts.tolist()])
             yield chunk[:, :-1], chunk[:, 1:]
 
 
@@ -71,9 +71,12 @@ def main() -> None:
         done = hp.checkpoint.load(pmodel, optimizer, args.checkpoint_dir)["step"]
     if rank0:
         par = plan.parallel
-        print(f"{args.model}: dp {par.dp} x tp {par.tp} x pp {par.pp} ({par.schedule}, {plan.num_microbatches} "
-              f"micro-batches of {plan.training.micro_batch}), zero {par.zero}, recompute {par.recompute}"
-              + (f"; resumed after step {done}" if done else ""), flush=True)
+        print(
+            f"{args.model}: dp {par.dp} x tp {par.tp} x pp {par.pp} ({par.schedule}, {plan.num_microbatches} "
+            f"micro-batches of {plan.training.micro_batch}), zero {par.zero}, recompute {par.recompute}"
+            + (f"; resumed after step {done}" if done else ""),
+            flush=True,
+        )
     data = batches(plan, args.seed, skip=done)
     first = last = None
     for step in range(done + 1, args.steps + 1):
@@ -89,14 +92,32 @@ def main() -> None:
             print(f"step {step:4d}  loss {last:.4f}" + (f"  {recent.line()}" if recent else ""), flush=True)
         if rank0 and args.log_json:  # appended: a restarted run adds the steps it redoes after the earlier ones
             with open(args.log_json, "a") as log:
-                print(json.dumps({"step": step, "loss": last, "world_size": pmodel.env.world_size,
-                                  "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}), file=log)
+                print(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "loss": last,
+                            "world_size": pmodel.env.world_size,
+                            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                        }
+                    ),
+                    file=log,
+                )
         if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
-            hp.checkpoint.save(pmodel, optimizer, args.checkpoint_dir, step, extra={"sequences_seen": step * plan.training.global_batch})
+            hp.checkpoint.save(
+                pmodel,
+                optimizer,
+                args.checkpoint_dir,
+                step,
+                extra={"sequences_seen": step * plan.training.global_batch},
+            )
     summary = pmodel.metrics.summary()  # median over the steps after the first
     if rank0 and summary is not None:
-        print(f"loss {first:.4f} -> {last:.4f} over steps {done + 1}..{args.steps}; median of {summary.steps} steps: "
-              f"{summary.line()}", flush=True)
+        print(
+            f"loss {first:.4f} -> {last:.4f} over steps {done + 1}..{args.steps}; median of {summary.steps} steps: "
+            f"{summary.line()}",
+            flush=True,
+        )
         if args.metrics_out:
             Path(args.metrics_out).write_text(json.dumps(dataclasses.asdict(summary), indent=1))
     torch.distributed.destroy_process_group()

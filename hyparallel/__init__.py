@@ -25,7 +25,22 @@ def __getattr__(name: str):
         return module if _LAZY[name] is None else getattr(module, name)
     raise AttributeError(f"module 'hyparallel' has no attribute '{name}'")
 
+
 __all__ = [
-    "ClusterSpec", "ConfigError", "HyparallelError", "ModelGraph", "ModelSpecError", "ParallelModel", "Plan", "PlanError",
-    "TraceError", "checkpoint", "models", "parallelize", "plan", "search", "trace", "__version__",
+    "ClusterSpec",
+    "ConfigError",
+    "HyparallelError",
+    "ModelGraph",
+    "ModelSpecError",
+    "ParallelModel",
+    "Plan",
+    "PlanError",
+    "TraceError",
+    "checkpoint",
+    "models",
+    "parallelize",
+    "plan",
+    "search",
+    "trace",
+    "__version__",
 ]

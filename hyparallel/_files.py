@@ -35,8 +35,9 @@ def read_text(path: str | Path, limit_bytes: int = MAX_YAML_BYTES) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-                          "expected a YAML file") from None
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); expected a YAML file"
+        ) from None
 
 
 def kind_of(path: str | Path) -> Literal["file", "folder", "other", "missing"]:

@@ -84,16 +84,24 @@ def _check_duplicates(loader: _Loader, node: MappingNode) -> None:
             continue  # merged keys may be overridden; unhashable keys are the base loader's error
         key = loader.construct_object(key_node)
         if key in first_line:
-            raise ConstructorError(None, None, f"duplicate key {_show(key)} (first on line {first_line[key]}); "
-                                   "keep one of them", key_node.start_mark)
+            raise ConstructorError(
+                None,
+                None,
+                f"duplicate key {_show(key)} (first on line {first_line[key]}); keep one of them",
+                key_node.start_mark,
+            )
         first_line[key] = key_node.start_mark.line + 1
 
 
 def _check_number_length(loader: _Loader, node: Node) -> None:
     text = loader.construct_scalar(node)
     if len(text) > MAX_NUMBER_CHARS:
-        raise ConstructorError(None, None, f"a number written with {len(text):,} characters (at most "
-                               f"{MAX_NUMBER_CHARS:,})", node.start_mark)
+        raise ConstructorError(
+            None,
+            None,
+            f"a number written with {len(text):,} characters (at most {MAX_NUMBER_CHARS:,})",
+            node.start_mark,
+        )
 
 
 def _children(node: Node) -> list[Node]:
@@ -118,8 +126,11 @@ def _check_expansion(root: Node) -> None:
             depth[key] = 1 + max((depth[id(child)] for child in children), default=0)
             if size[key] > MAX_YAML_NODES or depth[key] > MAX_YAML_DEPTH:
                 too_many = size[key] > MAX_YAML_NODES
-                what = (f"holds more than {MAX_YAML_NODES:,} values once its aliases are expanded" if too_many
-                        else f"is nested more than {MAX_YAML_DEPTH} levels deep through aliases")
+                what = (
+                    f"holds more than {MAX_YAML_NODES:,} values once its aliases are expanded"
+                    if too_many
+                    else f"is nested more than {MAX_YAML_DEPTH} levels deep through aliases"
+                )
                 raise ComposerError(None, None, f"this value {what}", node.start_mark)
             continue
         if key in size:
@@ -238,6 +249,7 @@ def _describe_error(error: dict, loc: tuple, schema: dict) -> str:
 
 def _bound(kind: str, ctx: dict, expected: str) -> str:
     """The bound a number broke, where ``expected`` ("a positive integer" and the like) does not already say it."""
+
     def number(value: float) -> str:
         return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 

@@ -104,16 +104,28 @@ def settings_for(kind: DeviceKind, quick: bool, threads: int) -> Settings:
         squares = (4096, 8192) if quick else (1024, 2048, 4096, 8192)
         # Transformer MLP projections: llama-70b (8192 -> 28672) and llama-8b (4096 -> 14336), 8192/16384 tokens.
         mlp = () if quick else ((8192, 8192, 28672), (16384, 4096, 14336))
-        return Settings(matmul_shapes=tuple((s, s, s) for s in squares) + mlp, window_s=0.05 if quick else 0.25,
-                        attention_shape=(4, 32, 4096, 128), copy_bytes=2**28 if quick else 2**30,
-                        allreduce_bytes=2**27 if quick else 2**30, allreduce_repeats=3 if quick else 5,
-                        pingpong_iters=30 if quick else 100, threads=0)
+        return Settings(
+            matmul_shapes=tuple((s, s, s) for s in squares) + mlp,
+            window_s=0.05 if quick else 0.25,
+            attention_shape=(4, 32, 4096, 128),
+            copy_bytes=2**28 if quick else 2**30,
+            allreduce_bytes=2**27 if quick else 2**30,
+            allreduce_repeats=3 if quick else 5,
+            pingpong_iters=30 if quick else 100,
+            threads=0,
+        )
     squares = (256, 512) if quick else (256, 512, 1024)
     mlp = () if quick else ((1024, 1024, 4096),)
-    return Settings(matmul_shapes=tuple((s, s, s) for s in squares) + mlp, window_s=0.1 if quick else 0.5,
-                    attention_shape=(1, 4, 256, 64) if quick else (1, 8, 512, 64), copy_bytes=2**25 if quick else 2**27,
-                    allreduce_bytes=2**22 if quick else 2**26, allreduce_repeats=3 if quick else 5,
-                    pingpong_iters=50 if quick else 200, threads=threads)
+    return Settings(
+        matmul_shapes=tuple((s, s, s) for s in squares) + mlp,
+        window_s=0.1 if quick else 0.5,
+        attention_shape=(1, 4, 256, 64) if quick else (1, 8, 512, 64),
+        copy_bytes=2**25 if quick else 2**27,
+        allreduce_bytes=2**22 if quick else 2**26,
+        allreduce_repeats=3 if quick else 5,
+        pingpong_iters=50 if quick else 200,
+        threads=threads,
+    )
 
 
 @dataclass(frozen=True)
@@ -149,9 +161,14 @@ class Measurements:
         return max((self.matmul_flops.get(dtype) or self.matmul_flops["fp32"]).values())
 
 
-def calibrate(nproc: int | None = None, base: str | ClusterSpec | None = None, quick: bool = False,
-              name: str | None = None, log: Callable[[str], None] | None = None,
-              device: DeviceKind | None = None) -> tuple[ClusterSpec, Measurements]:
+def calibrate(
+    nproc: int | None = None,
+    base: str | ClusterSpec | None = None,
+    quick: bool = False,
+    name: str | None = None,
+    log: Callable[[str], None] | None = None,
+    device: DeviceKind | None = None,
+) -> tuple[ClusterSpec, Measurements]:
     """Measure this machine with ``nproc`` processes and return (ClusterSpec, raw measurements).
 
     ``nproc`` defaults to the GPU count on CUDA, else 8 (as the cpu preset); inside a torchrun launch
@@ -163,12 +180,16 @@ def calibrate(nproc: int | None = None, base: str | ClusterSpec | None = None, q
     kind = device or _device_kind()
     nproc = _resolve_nproc(kind, nproc)
     if nproc == 1 and base_spec is None and _preset_named_for(_local_device_name(kind)) is None:
-        raise ConfigError("one process has no links to measure; pass --base PRESET to take them from "
-                          f"(one of: {', '.join(ClusterSpec.presets())}) or --nproc 2 or more")
+        raise ConfigError(
+            "one process has no links to measure; pass --base PRESET to take them from "
+            f"(one of: {', '.join(ClusterSpec.presets())}) or --nproc 2 or more"
+        )
     if log and _launched_rank() == 0:
         where = "one per GPU" if kind == "cuda" else f"sharing {_cores()} CPU cores"
-        log(f"calibrating with {nproc} {BACKEND[kind]} process(es), {where}{' (quick)' if quick else ''}: "
-            "a few seconds to a minute")
+        log(
+            f"calibrating with {nproc} {BACKEND[kind]} process(es), {where}{' (quick)' if quick else ''}: "
+            "a few seconds to a minute"
+        )
     measurements = measure(nproc, quick, kind)
     return to_cluster_spec(measurements, base_spec, name), measurements
 
@@ -194,19 +215,35 @@ def measure(nproc: int | None = None, quick: bool = False, device: DeviceKind | 
         if key.startswith("matmul/"):
             _, dtype, shape = key.split("/")
             matmul[dtype][shape] = value
+
     def by_size(item: tuple[str, float]) -> tuple[int, ...]:
         return tuple(int(size) for size in item[0].split("x"))
 
     matmul = {dtype: dict(sorted(rates.items(), key=by_size)) for dtype, rates in matmul.items() if rates}
     return Measurements(
-        device_kind=kind, device_name=info["device_name"], nproc=nproc, rank=_launched_rank(), backend=BACKEND[kind],
-        cores=cores, threads=figures["threads"], hostname=socket.gethostname(), torch_version=torch.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), quick=quick,
-        matmul_flops=matmul, attention_flops=figures["attention"], attention_dtype="bf16" if kind == "cuda" else "fp32",
-        attention_shape=settings.attention_shape, memory_bandwidth_bytes_per_s=figures["copy"],
-        copy_bytes=settings.copy_bytes, memory_bytes=info["memory_bytes"], reserved_bytes=int(figures["reserved"]),
-        allreduce_bus_bytes_per_s=figures.get("allreduce"), allreduce_bytes=settings.allreduce_bytes,
-        latency_s=figures.get("latency"), op_overhead_s=figures["op_overhead"],
+        device_kind=kind,
+        device_name=info["device_name"],
+        nproc=nproc,
+        rank=_launched_rank(),
+        backend=BACKEND[kind],
+        cores=cores,
+        threads=figures["threads"],
+        hostname=socket.gethostname(),
+        torch_version=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        quick=quick,
+        matmul_flops=matmul,
+        attention_flops=figures["attention"],
+        attention_dtype="bf16" if kind == "cuda" else "fp32",
+        attention_shape=settings.attention_shape,
+        memory_bandwidth_bytes_per_s=figures["copy"],
+        copy_bytes=settings.copy_bytes,
+        memory_bytes=info["memory_bytes"],
+        reserved_bytes=int(figures["reserved"]),
+        allreduce_bus_bytes_per_s=figures.get("allreduce"),
+        allreduce_bytes=settings.allreduce_bytes,
+        latency_s=figures.get("latency"),
+        op_overhead_s=figures["op_overhead"],
     )
 
 
@@ -220,29 +257,46 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
     if base is not None:
         peaks = base.device.peak_flops
         device = DeviceSpec(
-            name=device_name, peak_flops=peaks, memory_bytes=base.device.memory_bytes,
+            name=device_name,
+            peak_flops=peaks,
+            memory_bytes=base.device.memory_bytes,
             memory_bandwidth_bytes_per_s=base.device.memory_bandwidth_bytes_per_s,
             matmul_efficiency=_fraction(rates["bf16"], peaks.bf16),
             attention_efficiency=_fraction(measured.attention_flops, getattr(peaks, measured.attention_dtype)),
-            memory_efficiency=_fraction(measured.memory_bandwidth_bytes_per_s, base.device.memory_bandwidth_bytes_per_s),
-            reserved_bytes=max(base.device.reserved_bytes, reserved), op_overhead_s=_significant(measured.op_overhead_s),
+            memory_efficiency=_fraction(
+                measured.memory_bandwidth_bytes_per_s, base.device.memory_bandwidth_bytes_per_s
+            ),
+            reserved_bytes=max(base.device.reserved_bytes, reserved),
+            op_overhead_s=_significant(measured.op_overhead_s),
         )
     else:
         device = DeviceSpec(
-            name=device_name, peak_flops=PeakFlops(**rates), memory_bytes=measured.memory_bytes,
-            memory_bandwidth_bytes_per_s=_significant(measured.memory_bandwidth_bytes_per_s), matmul_efficiency=1.0,
+            name=device_name,
+            peak_flops=PeakFlops(**rates),
+            memory_bytes=measured.memory_bytes,
+            memory_bandwidth_bytes_per_s=_significant(measured.memory_bandwidth_bytes_per_s),
+            matmul_efficiency=1.0,
             attention_efficiency=_fraction(measured.attention_flops, rates[measured.attention_dtype]),
-            memory_efficiency=1.0, reserved_bytes=reserved, op_overhead_s=_significant(measured.op_overhead_s),
+            memory_efficiency=1.0,
+            reserved_bytes=reserved,
+            op_overhead_s=_significant(measured.op_overhead_s),
         )
     intra_node, inter_node, links_from = _links(measured, base)
-    figures_from = (f"datasheet peaks, memory and bandwidth from preset {base.name}, efficiencies measured"
-                    if base else "peaks are measured rates")
+    figures_from = (
+        f"datasheet peaks, memory and bandwidth from preset {base.name}, efficiencies measured"
+        if base
+        else "peaks are measured rates"
+    )
     return ClusterSpec(
         name=name or f"calibrated-{measured.hostname}",
         description=f"`hyparallel calibrate` on {measured.hostname}, {measured.date}: {measured.nproc} {measured.backend} "
-                    f"process(es) on {measured.device_name}; {figures_from}; {links_from}",
-        num_nodes=1, gpus_per_node=measured.nproc, backend=measured.backend, device=device,
-        intra_node=intra_node, inter_node=inter_node,
+        f"process(es) on {measured.device_name}; {figures_from}; {links_from}",
+        num_nodes=1,
+        gpus_per_node=measured.nproc,
+        backend=measured.backend,
+        device=device,
+        intra_node=intra_node,
+        inter_node=inter_node,
     )
 
 
@@ -253,13 +307,18 @@ def _links(measured: Measurements, base: ClusterSpec | None) -> tuple[LinkSpec, 
         if source is None:
             raise ConfigError("one process has no links to measure and no base preset was given to take them from")
         return source.intra_node, source.inter_node, f"links from preset {source.name} (one process: none measured)"
-    intra = LinkSpec(name=f"{measured.backend} between {measured.nproc} local processes (measured)",
-                     bandwidth_bytes_per_s=_significant(measured.allreduce_bus_bytes_per_s),
-                     latency_s=_significant(measured.latency_s))
+    intra = LinkSpec(
+        name=f"{measured.backend} between {measured.nproc} local processes (measured)",
+        bandwidth_bytes_per_s=_significant(measured.allreduce_bus_bytes_per_s),
+        latency_s=_significant(measured.latency_s),
+    )
     if source is not None:
         return intra, source.inter_node, f"intra-node link measured, inter-node from preset {source.name}"
-    inter = LinkSpec(name=f"{intra.name}; inter-node not measured (one machine): same as intra-node",
-                     bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s, latency_s=intra.latency_s)
+    inter = LinkSpec(
+        name=f"{intra.name}; inter-node not measured (one machine): same as intra-node",
+        bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s,
+        latency_s=intra.latency_s,
+    )
     return intra, inter, "intra-node link measured, inter-node not measurable here (same figures)"
 
 
@@ -297,29 +356,45 @@ def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
     if "tf32" not in measured.matmul_flops:
         lines.append("  tf32: none on a CPU; the fp32 figure is used")
     fractions = {dtype: measured.achievable_flops(dtype) / getattr(spec.device.peak_flops, dtype) for dtype in DTYPES}
-    if any(abs(fraction - 1) > 1e-3 for fraction in fractions.values()):  # datasheet peaks (a base), not the measured rates
-        lines.append("  fraction of peak_flops below: " + ", ".join(f"{d} {f:.3f}" for d, f in fractions.items())
-                     + " (matmul_efficiency takes bf16's" + (", clipped to 1)" if fractions["bf16"] > 1 else ")"))
+    if any(
+        abs(fraction - 1) > 1e-3 for fraction in fractions.values()
+    ):  # datasheet peaks (a base), not the measured rates
+        lines.append(
+            "  fraction of peak_flops below: "
+            + ", ".join(f"{d} {f:.3f}" for d, f in fractions.items())
+            + " (matmul_efficiency takes bf16's"
+            + (", clipped to 1)" if fractions["bf16"] > 1 else ")")
+        )
     b, h, t, d = measured.attention_shape
     lines += [
         f"Attention: causal SDPA forward, {measured.attention_dtype}, B={b} H={h} T={t} D={d}: "
         f"{measured.attention_flops:.3g} FLOP/s counting 4*B*H*T*T*D (torch.utils.flop_counter's count).",
         f"Memory: copy_ of {measured.copy_bytes / 2**20:.0f} MiB: {measured.memory_bandwidth_bytes_per_s:.3g} B/s read + written; "
         f"reserved {measured.reserved_bytes / 2**20:.0f} MiB measured "
-        + ("(device memory in use after the run)." if measured.device_kind == "cuda" else "(resident set of a torch + gloo process)."),
+        + (
+            "(device memory in use after the run)."
+            if measured.device_kind == "cuda"
+            else "(resident set of a torch + gloo process)."
+        ),
         f"Op overhead: {measured.op_overhead_s:.3g} s per op (a tiny GPT's forward + backward over 3 x its traced ops).",
     ]
     if measured.allreduce_bus_bytes_per_s is None:
         lines.append("Links: one process, nothing to measure; taken from the preset named in the description.")
     else:
-        lines.append(f"All-reduce of {measured.allreduce_bytes / 2**20:.0f} MiB fp32 across {measured.nproc}: "
-                     f"{measured.allreduce_bus_bytes_per_s:.3g} B/s bus bandwidth (2(n-1)/n * bytes / time); "
-                     f"send/recv of 4 bytes: {measured.latency_s:.3g} s one way (ping-pong, all pairs at once).")
+        lines.append(
+            f"All-reduce of {measured.allreduce_bytes / 2**20:.0f} MiB fp32 across {measured.nproc}: "
+            f"{measured.allreduce_bus_bytes_per_s:.3g} B/s bus bandwidth (2(n-1)/n * bytes / time); "
+            f"send/recv of 4 bytes: {measured.latency_s:.3g} s one way (ping-pong, all pairs at once)."
+        )
     if measured.device_kind == "cpu":
-        lines.append(f"A \"GPU\" is one of {measured.nproc} processes sharing this machine: plan with "
-                     f"--gpus-per-node {measured.nproc} and launch torchrun --nproc_per_node {measured.nproc}.")
+        lines.append(
+            f'A "GPU" is one of {measured.nproc} processes sharing this machine: plan with '
+            f"--gpus-per-node {measured.nproc} and launch torchrun --nproc_per_node {measured.nproc}."
+        )
     else:
-        lines.append(f"gpus_per_node is the {measured.nproc} GPU(s) measured; `hyparallel plan --gpus-per-node G` plans nodes of G.")
+        lines.append(
+            f"gpus_per_node is the {measured.nproc} GPU(s) measured; `hyparallel plan --gpus-per-node G` plans nodes of G."
+        )
     return "".join(f"# {line}\n" for line in lines) + spec.to_yaml()
 
 
@@ -339,20 +414,30 @@ def measurements_table(measured: Measurements):
     """A rich Table of every measurement."""
     from rich.table import Table
 
-    table = Table(title=f"calibration of {measured.device_name}: {measured.nproc} {measured.backend} process(es), per process")
+    table = Table(
+        title=f"calibration of {measured.device_name}: {measured.nproc} {measured.backend} process(es), per process"
+    )
     for column in ("measurement", "size", "per process"):
         table.add_column(column, justify="right" if column == "per process" else "left")
     for dtype, rates in measured.matmul_flops.items():
         best = max(rates.values())
         for shape, rate in rates.items():
             table.add_row(f"matmul {dtype}", shape, _si(rate, "FLOP/s") + (" (best)" if rate == best else ""))
-    table.add_row(f"attention {measured.attention_dtype}", "BxHxTxD " + "x".join(map(str, measured.attention_shape)),
-                  _si(measured.attention_flops, "FLOP/s"))
-    table.add_row("memory copy_", f"{measured.copy_bytes / 2**20:.0f} MiB", _si(measured.memory_bandwidth_bytes_per_s, "B/s"))
+    table.add_row(
+        f"attention {measured.attention_dtype}",
+        "BxHxTxD " + "x".join(map(str, measured.attention_shape)),
+        _si(measured.attention_flops, "FLOP/s"),
+    )
+    table.add_row(
+        "memory copy_", f"{measured.copy_bytes / 2**20:.0f} MiB", _si(measured.memory_bandwidth_bytes_per_s, "B/s")
+    )
     table.add_row("op dispatch overhead", "tiny GPT step / 3 x ops", f"{measured.op_overhead_s * 1e6:,.1f} us")
     if measured.allreduce_bus_bytes_per_s is not None and measured.latency_s is not None:
-        table.add_row(f"all-reduce bus bandwidth ({measured.nproc} processes)", f"{measured.allreduce_bytes / 2**20:.0f} MiB",
-                      _si(measured.allreduce_bus_bytes_per_s, "B/s"))
+        table.add_row(
+            f"all-reduce bus bandwidth ({measured.nproc} processes)",
+            f"{measured.allreduce_bytes / 2**20:.0f} MiB",
+            _si(measured.allreduce_bus_bytes_per_s, "B/s"),
+        )
         table.add_row("send/recv latency", "4 B", f"{measured.latency_s * 1e6:,.1f} us")
     else:
         table.add_row("collectives", "-", "not measured (one process)")
@@ -398,16 +483,22 @@ def _resolve_nproc(kind: DeviceKind, nproc: int | None) -> int:
     launched = _launched_world()
     if launched is not None:
         if nproc is not None and nproc != launched:
-            raise ConfigError(f"--nproc {nproc} but torchrun launched WORLD_SIZE={launched}; drop --nproc under torchrun")
+            raise ConfigError(
+                f"--nproc {nproc} but torchrun launched WORLD_SIZE={launched}; drop --nproc under torchrun"
+            )
         if int(os.environ.get("LOCAL_WORLD_SIZE", launched)) != launched:
-            raise ConfigError(f"calibrate measures one machine, but WORLD_SIZE={launched} spans nodes; launch with --nnodes 1")
+            raise ConfigError(
+                f"calibrate measures one machine, but WORLD_SIZE={launched} spans nodes; launch with --nnodes 1"
+            )
         return launched
     gpus = torch.cuda.device_count() if kind == "cuda" else 0
     nproc = nproc if nproc is not None else (gpus if kind == "cuda" else 8)
     if nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
     if kind == "cuda" and nproc > gpus:
-        raise ConfigError(f"--nproc {nproc} but this machine has {gpus} CUDA device(s); calibrate runs one process per GPU")
+        raise ConfigError(
+            f"--nproc {nproc} but this machine has {gpus} CUDA device(s); calibrate runs one process per GPU"
+        )
     return nproc
 
 
@@ -416,8 +507,10 @@ def _device_info(kind: DeviceKind, device, nproc: int) -> dict:
     import torch
 
     if kind == "cuda":
-        return {"device_name": torch.cuda.get_device_name(device),
-                "memory_bytes": torch.cuda.get_device_properties(device).total_memory}
+        return {
+            "device_name": torch.cuda.get_device_name(device),
+            "memory_bytes": torch.cuda.get_device_properties(device).total_memory,
+        }
     return {"device_name": _cpu_name(), "memory_bytes": _ram_bytes() // nproc}
 
 
@@ -475,14 +568,21 @@ def _spawn_and_measure(kind: DeviceKind, nproc: int, settings: Settings) -> tupl
     store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="hyparallel-calibrate-") as folder:
         result = Path(folder) / "figures.json"
-        context = mp.start_processes(_spawned_worker, args=(nproc, store.port, kind, settings, str(result)),
-                                     nprocs=nproc, join=False, start_method="spawn")
+        context = mp.start_processes(
+            _spawned_worker,
+            args=(nproc, store.port, kind, settings, str(result)),
+            nprocs=nproc,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         try:
             while not context.join(timeout=1.0):
                 if time.monotonic() > deadline:
-                    raise HyparallelError(f"calibration processes did not finish within {SPAWN_TIMEOUT_S} s; "
-                                          "is another job holding the device?")
+                    raise HyparallelError(
+                        f"calibration processes did not finish within {SPAWN_TIMEOUT_S} s; "
+                        "is another job holding the device?"
+                    )
         except mp.ProcessExitedException:
             # gloo can abort while processes tear their groups down under load ("terminate called ..."),
             # after rank 0 wrote every figure; anything earlier is a real failure.
@@ -506,7 +606,9 @@ def _spawned_worker(rank: int, world: int, port: int, kind: DeviceKind, settings
     device = _bind_device(kind, rank)
     dist.init_process_group(BACKEND[kind], store=store, rank=rank, world_size=world, timeout=timeout)
     try:
-        figures = _mean_over_ranks(_measure_rank(settings, kind, device, rank, world, _barrier(kind, device)), device, world)
+        figures = _mean_over_ranks(
+            _measure_rank(settings, kind, device, rank, world, _barrier(kind, device)), device, world
+        )
         if rank == 0:
             partial = Path(result).with_suffix(".partial")
             partial.write_text(json.dumps({"figures": figures, "device": _device_info(kind, device, world)}))
@@ -567,8 +669,9 @@ def _mean_over_ranks(figures: dict[str, float], device, world: int) -> dict[str,
 # ---- measurements -------------------------------------------------------------------------------------
 
 
-def _measure_rank(settings: Settings, kind: DeviceKind, device, rank: int, world: int,
-                  sync: Callable[[], None]) -> dict[str, float]:
+def _measure_rank(
+    settings: Settings, kind: DeviceKind, device, rank: int, world: int, sync: Callable[[], None]
+) -> dict[str, float]:
     """This process's figures; ``sync`` is a barrier across the processes (a no-op alone)."""
     import torch
 
@@ -590,7 +693,9 @@ def _measure_rank(settings: Settings, kind: DeviceKind, device, rank: int, world
     return figures
 
 
-def _rate(fn: Callable[[], object], work: float, *, kind: DeviceKind, window_s: float, sync: Callable[[], None]) -> float:
+def _rate(
+    fn: Callable[[], object], work: float, *, kind: DeviceKind, window_s: float, sync: Callable[[], None]
+) -> float:
     """Work units per second of ``fn()``: CUDA events on a GPU, Note [sharing a CPU] on a CPU."""
     fn()  # warm-up: first-call allocation, cuBLAS heuristics, oneDNN primitive creation
     sync()
@@ -660,7 +765,9 @@ def _attention_rate(settings: Settings, kind: DeviceKind, device, rate: Callable
     batch, heads, seq, head_dim = settings.attention_shape
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype) for _ in range(3))
-    return rate(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 4 * batch * heads * seq * seq * head_dim)
+    return rate(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 4 * batch * heads * seq * seq * head_dim
+    )
 
 
 # A transformer too small for its kernels' work to matter: its step time is all dispatch.
@@ -702,8 +809,9 @@ def _copy_rate(settings: Settings, device, rate: Callable[..., float]) -> float:
     return rate(lambda: target.copy_(source), 2 * settings.copy_bytes)
 
 
-def _collective_figures(settings: Settings, kind: DeviceKind, device, rank: int, world: int,
-                        sync: Callable[[], None]) -> dict[str, float]:
+def _collective_figures(
+    settings: Settings, kind: DeviceKind, device, rank: int, world: int, sync: Callable[[], None]
+) -> dict[str, float]:
     """All-reduce bus bandwidth (every rank) and send/recv latency (paired ranks; NaN on an odd one out)."""
     import torch
     import torch.distributed as dist
@@ -722,8 +830,10 @@ def _collective_figures(settings: Settings, kind: DeviceKind, device, rank: int,
         synchronize()
         seconds.append(time.perf_counter() - start)
     del tensor
-    figures = {"allreduce": 2 * (world - 1) / world * settings.allreduce_bytes / statistics.median(seconds),
-               "latency": math.nan}
+    figures = {
+        "allreduce": 2 * (world - 1) / world * settings.allreduce_bytes / statistics.median(seconds),
+        "latency": math.nan,
+    }
     peer = rank ^ 1  # pairs (0, 1), (2, 3), ...
     token = torch.zeros(1, device=device)
 

@@ -28,8 +28,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner import TensorWriteData
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from hyparallel import _files
@@ -63,8 +71,14 @@ class Entry:
     pieces: list[Piece]
 
 
-def save(pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path, step: int,
-         extra: dict[str, Any] | None = None, asynchronous: bool = False) -> Path | PendingSave:
+def save(
+    pmodel,
+    optimizer: torch.optim.Optimizer | None,
+    directory: str | Path,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    asynchronous: bool = False,
+) -> Path | PendingSave:
     """Write a checkpoint of ``pmodel`` (and the optimizer's state) for ``step``; every rank calls it.
 
     ``extra`` (JSON-able: the data position, anything the loop needs) comes back from :func:`load`.
@@ -81,19 +95,28 @@ def save(pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path,
     _barrier()
     entries = state_entries(pmodel, optimizer)
     torch.save(_rng_state(), temporary / f"rng-{_rank()}.pt")
-    meta = {"format": FORMAT, "step": step, "extra": extra or {}, "world_size": _world(),
-            "plan": pmodel.plan.parallel.model_dump(), "model": pmodel.plan.model.model_dump() if pmodel.plan.model else None,
-            "optimizer": _hyperparameters(optimizer),
-            "tied": {alias: first for alias, first in _canonical_names(pmodel).items() if alias != first}}
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "extra": extra or {},
+        "world_size": _world(),
+        "plan": pmodel.plan.parallel.model_dump(),
+        "model": pmodel.plan.model.model_dump() if pmodel.plan.model else None,
+        "optimizer": _hyperparameters(optimizer),
+        "tied": {alias: first for alias, first in _canonical_names(pmodel).items() if alias != first},
+    }
     pending = PendingSave(root, temporary, final, meta)
     if not asynchronous:
         dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(entries))
         return pending.wait()
-    staged = {fqn: Entry(e.shape, [Piece(p.offsets, p.view.detach().to("cpu", copy=True)) for p in e.pieces])
-              for fqn, e in entries.items()}  # a copy: training may change the tensors while the writer runs
+    staged = {
+        fqn: Entry(e.shape, [Piece(p.offsets, p.view.detach().to("cpu", copy=True)) for p in e.pieces])
+        for fqn, e in entries.items()
+    }  # a copy: training may change the tensors while the writer runs
     pending.group = pmodel.io_group()
-    pending.future = dcp.async_save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(staged),
-                                    process_group=pending.group)
+    pending.future = dcp.async_save(
+        {}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(staged), process_group=pending.group
+    )
     return pending
 
 
@@ -146,13 +169,20 @@ def load(pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path)
     """
     path = latest(directory)
     if path is None:
-        raise ConfigError(f"{directory}: no complete checkpoint (a step-* folder with {MARKER}); "
-                          "check the path, or start without one")
+        raise ConfigError(
+            f"{directory}: no complete checkpoint (a step-* folder with {MARKER}); check the path, or start without one"
+        )
     meta = _read_marker(path)
     planned = pmodel.plan.model
-    if planned is not None and meta.get("model") and meta["model"].get("fingerprint") not in (None, planned.fingerprint):
-        raise ConfigError(f"{path}: saved from model '{meta['model']['name']}', not '{planned.name}'; "
-                          "load it into the model it was saved from")
+    if (
+        planned is not None
+        and meta.get("model")
+        and meta["model"].get("fingerprint") not in (None, planned.fingerprint)
+    ):
+        raise ConfigError(
+            f"{path}: saved from model '{meta['model']['name']}', not '{planned.name}'; "
+            "load it into the model it was saved from"
+        )
     reader = dcp.FileSystemReader(path)
     saved_optimizer = any(key.startswith("optim.") for key in reader.read_metadata().state_dict_metadata)
     if optimizer is not None and saved_optimizer:  # none saved (before the first step): the optimizer starts fresh
@@ -190,12 +220,14 @@ def export(directory: str | Path, out: str | Path) -> Path:
     try:
         metadata = reader.read_metadata()
     except (OSError, EOFError, pickle.UnpicklingError):
-        raise ConfigError(f"{path}: no readable torch.distributed.checkpoint metadata (.metadata); "
-                          "not a complete hyparallel checkpoint") from None
+        raise ConfigError(
+            f"{path}: no readable torch.distributed.checkpoint metadata (.metadata); "
+            "not a complete hyparallel checkpoint"
+        ) from None
     keys = [key for key in metadata.state_dict_metadata if key.startswith("model.")]
     everything: dict[str, Any] = {}
     _load_state_dict(everything, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
-    model = {key[len("model."):]: value for key, value in everything.items()}
+    model = {key[len("model.") :]: value for key, value in everything.items()}
     with _files.atomic_output(out) as tmp:
         if save_file is not None:
             save_file({k: v.contiguous() for k, v in model.items()}, str(tmp))
@@ -208,8 +240,9 @@ def _safetensors_writer():
     try:
         from safetensors.torch import save_file
     except ImportError:
-        raise ConfigError("writing .safetensors needs the safetensors package (pip install safetensors); "
-                          "or give OUT a .pt name") from None
+        raise ConfigError(
+            "writing .safetensors needs the safetensors package (pip install safetensors); or give OUT a .pt name"
+        ) from None
     return save_file
 
 
@@ -243,11 +276,15 @@ def state_entries(pmodel, optimizer: torch.optim.Optimizer | None) -> dict[str, 
                 local = value.to_local() if hasattr(value, "to_local") else value
                 entries[f"optim.{key}.{slot}"] = Entry((), [Piece((), local)])
             else:
-                raise ConfigError(f"optimizer state '{slot}' of {key} has shape {tuple(value.shape)}, not its parameter's "
-                                  f"{tuple(param.shape)}: factored state (Adafactor's row/col) cannot be resharded; "
-                                  "use an optimizer whose state is shaped like the parameters (Adam, AdamW, SGD)")
+                raise ConfigError(
+                    f"optimizer state '{slot}' of {key} has shape {tuple(value.shape)}, not its parameter's "
+                    f"{tuple(param.shape)}: factored state (Adafactor's row/col) cannot be resharded; "
+                    "use an optimizer whose state is shaped like the parameters (Adam, AdamW, SGD)"
+                )
     # The model's persistent buffers (running statistics, counters; not rotary tables it recomputes): replicated.
-    persistent = {name for name, t in pmodel.module.state_dict(keep_vars=True).items() if not isinstance(t, torch.nn.Parameter)}
+    persistent = {
+        name for name, t in pmodel.module.state_dict(keep_vars=True).items() if not isinstance(t, torch.nn.Parameter)
+    }
     for module in pmodel.local_modules():
         for name, tensor in module.named_buffers():
             if name in persistent:
@@ -275,7 +312,7 @@ def _entry(pmodel, name: str, tensor: torch.Tensor) -> Entry:
         model_lo, model_hi = model_start + lo - local_start, min(model_start + hi - local_start, full[0])
         if model_hi <= model_lo:  # not here, or vocabulary padding past the real rows
             continue
-        view = local[lo - first_row: lo - first_row + model_hi - model_lo]
+        view = local[lo - first_row : lo - first_row + model_hi - model_lo]
         if len(full) == 1:
             pieces.append(Piece((model_lo,), view))
         elif layout.transposed:  # Conv1D: the model's tensor is (in, out)
@@ -321,10 +358,17 @@ class _SavePieces(SavePlanner):
             for piece in entry.pieces:
                 data = piece.view.detach().contiguous()
                 self.data[fqn, piece.offsets] = data
-                items.append(WriteItem(index=MetadataIndex(fqn, piece.offsets), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(
-                                           chunk=ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=data.shape),
-                                           properties=TensorProperties.create_from_tensor(data), size=torch.Size(entry.shape))))
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, piece.offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=data.shape),
+                            properties=TensorProperties.create_from_tensor(data),
+                            size=torch.Size(entry.shape),
+                        ),
+                    )
+                )
         self.plan = SavePlan(items)
         return self.plan
 
@@ -333,7 +377,9 @@ class _SavePieces(SavePlanner):
         from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
         plans, metadata = create_default_global_save_plan(dedup_save_plans(all_plans), rewrite_index_hints=False)
-        metadata.planner_data = {fqn: (fqn,) for fqn in metadata.state_dict_metadata}  # flat keys (export filters by them)
+        metadata.planner_data = {
+            fqn: (fqn,) for fqn in metadata.state_dict_metadata
+        }  # flat keys (export filters by them)
         self.metadata = metadata
         return plans, metadata
 
@@ -359,8 +405,10 @@ class _LoadPieces(LoadPlanner):
         saved = self.metadata.state_dict_metadata
         missing = [fqn for fqn in self.entries if fqn not in saved]
         if missing:
-            raise ConfigError(f"the checkpoint has no {missing[0]} ({len(missing)} tensors missing); it was saved from "
-                              "another model, or without the optimizer")
+            raise ConfigError(
+                f"the checkpoint has no {missing[0]} ({len(missing)} tensors missing); it was saved from "
+                "another model, or without the optimizer"
+            )
         items: list[ReadItem] = []
         for fqn, entry in self.entries.items():
             if tuple(saved[fqn].size) != entry.shape:
@@ -417,8 +465,10 @@ def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
 def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
     if optimizer is None:
         return []
-    return [{k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple, list))}
-            for group in optimizer.param_groups]
+    return [
+        {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple, list))}
+        for group in optimizer.param_groups
+    ]
 
 
 def _rng_state() -> dict[str, Any]:

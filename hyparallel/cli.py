@@ -24,20 +24,26 @@ from hyparallel.errors import HyparallelError
 EXAMPLES = {
     "models": "example:\n  hyparallel models\n  hyparallel models --json",
     "clusters": "example:\n  hyparallel clusters",
-    "show": ("examples:\n  hyparallel show plan.yaml                 # a plan from `hyparallel plan -o plan.yaml`\n"
-             "  hyparallel show configs/plans/gpt-175b-a100-1024.yaml --model gpt-175b   # a hand plan, completed\n"
-             "  hyparallel show my-plan.yaml --yaml"),
+    "show": (
+        "examples:\n  hyparallel show plan.yaml                 # a plan from `hyparallel plan -o plan.yaml`\n"
+        "  hyparallel show configs/plans/gpt-175b-a100-1024.yaml --model gpt-175b   # a hand plan, completed\n"
+        "  hyparallel show my-plan.yaml --yaml"
+    ),
     "trace": (
         "examples:\n  hyparallel trace --model gpt-175b --seq-len 2048\n"
         "  hyparallel trace --model hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=512 --seq-len 256\n"
         "  hyparallel trace --model mypkg.models:make_model --json"
     ),
     "demo": "example:\n  hyparallel demo",
-    "simulate": ("examples:\n  hyparallel simulate plan.yaml --out timeline.png   # a plan from `hyparallel plan -o plan.yaml`\n"
-                 "  hyparallel simulate configs/plans/gpt-175b-a100-1024.yaml --out timeline.svg   # a hand plan: relative units\n"
-                 "  hyparallel simulate plan.yaml                       # the schedule as text, one column per time step"),
-    "checkpoint": ("example:\n  hyparallel checkpoint export ckpt/ model.safetensors   # the newest complete checkpoint in ckpt/\n"
-                   "  hyparallel checkpoint export ckpt/step-00000100 model.pt"),
+    "simulate": (
+        "examples:\n  hyparallel simulate plan.yaml --out timeline.png   # a plan from `hyparallel plan -o plan.yaml`\n"
+        "  hyparallel simulate configs/plans/gpt-175b-a100-1024.yaml --out timeline.svg   # a hand plan: relative units\n"
+        "  hyparallel simulate plan.yaml                       # the schedule as text, one column per time step"
+    ),
+    "checkpoint": (
+        "example:\n  hyparallel checkpoint export ckpt/ model.safetensors   # the newest complete checkpoint in ckpt/\n"
+        "  hyparallel checkpoint export ckpt/step-00000100 model.pt"
+    ),
     "plan": (
         "examples:\n  hyparallel plan --model gpt-175b --gpus 1024 --cluster a100-80g --global-batch 1536 --seq-len 2048 -o plan.yaml\n"
         "  hyparallel plan --model llama-70b --gpus 64 --cluster h100-sxm --tp 8 --top 5\n"
@@ -77,7 +83,15 @@ def cmd_models(args: argparse.Namespace, out: Console) -> None:
         table.add_column(column, justify="left" if column in ("name", "family") else "right")
     for row in rows:
         heads = f"{row.num_heads}" + (f" ({row.kv_heads})" if row.kv_heads != row.num_heads else "")
-        table.add_row(row.name, row.family, str(row.num_layers), str(row.hidden_size), heads, str(row.vocab_size), _count(row.num_params))
+        table.add_row(
+            row.name,
+            row.family,
+            str(row.num_layers),
+            str(row.hidden_size),
+            heads,
+            str(row.vocab_size),
+            _count(row.num_params),
+        )
     out.print(table)
 
 
@@ -90,13 +104,27 @@ def cmd_clusters(args: argparse.Namespace, out: Console) -> None:
         print(json.dumps([spec.model_dump(mode="json") for spec in specs], indent=2))
         return
     table = Table(title="hyparallel clusters (figures per device; --cluster also takes a YAML file)")
-    for column in ("name", "device", "per node", "memory GiB", "bf16 TFLOP/s", "intra-node GB/s", "inter-node GB/s", "backend"):
+    for column in (
+        "name",
+        "device",
+        "per node",
+        "memory GiB",
+        "bf16 TFLOP/s",
+        "intra-node GB/s",
+        "inter-node GB/s",
+        "backend",
+    ):
         table.add_column(column, justify="left" if column in ("name", "device", "backend") else "right")
     for spec in specs:
         table.add_row(
-            spec.name, spec.device.name, str(spec.gpus_per_node), _gib(spec.device.memory_bytes),
-            f"{spec.device.peak_flops.bf16 / 1e12:,.1f}", f"{spec.intra_node.bandwidth_bytes_per_s / 1e9:,.2f}",
-            f"{spec.inter_node.bandwidth_bytes_per_s / 1e9:,.2f}", spec.backend,
+            spec.name,
+            spec.device.name,
+            str(spec.gpus_per_node),
+            _gib(spec.device.memory_bytes),
+            f"{spec.device.peak_flops.bf16 / 1e12:,.1f}",
+            f"{spec.intra_node.bandwidth_bytes_per_s / 1e9:,.2f}",
+            f"{spec.inter_node.bandwidth_bytes_per_s / 1e9:,.2f}",
+            spec.backend,
         )
     out.print(table)
 
@@ -116,23 +144,32 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
         print(plan.to_yaml(), end="")
         return
     par, train = plan.parallel, plan.training
-    out.print(f"{args.plan}: valid plan (version {plan.version})" + (", completed for the model by the planner" if args.model else ""),
-              markup=False)
+    out.print(
+        f"{args.plan}: valid plan (version {plan.version})"
+        + (", completed for the model by the planner" if args.model else ""),
+        markup=False,
+    )
     if plan.model:
-        out.print(f"model    {plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers",
-                  markup=False)
+        out.print(
+            f"model    {plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers",
+            markup=False,
+        )
     if plan.cluster:
         c = plan.cluster
-        out.print(f"cluster  {c.name}: {c.num_nodes} node(s) x {c.gpus_per_node} {c.device.name} = {c.num_gpus} devices",
-                  markup=False)
+        out.print(
+            f"cluster  {c.name}: {c.num_nodes} node(s) x {c.gpus_per_node} {c.device.name} = {c.num_gpus} devices",
+            markup=False,
+        )
     out.print(
         f"training global batch {train.global_batch} = dp {par.dp} x {plan.num_microbatches} micro-batches x {train.micro_batch}, "
         f"seq_len {train.seq_len}, {train.dtype}"
     )
     mesh = " x ".join(f"{axis} {size}" for axis, size in plan.mesh_shape().items())
-    out.print(f"parallel {mesh} = {plan.world_size} processes; schedule {par.schedule}"
-              + (f" ({par.virtual_stages} virtual stages)" if par.virtual_stages > 1 else "")
-              + f", recompute {par.recompute}, ZeRO {par.zero}, sequence parallel {'on' if par.sequence_parallel else 'off'}")
+    out.print(
+        f"parallel {mesh} = {plan.world_size} processes; schedule {par.schedule}"
+        + (f" ({par.virtual_stages} virtual stages)" if par.virtual_stages > 1 else "")
+        + f", recompute {par.recompute}, ZeRO {par.zero}, sequence parallel {'on' if par.sequence_parallel else 'off'}"
+    )
     groups = Table(title="process groups (ranks of the first group of each kind)")
     for column in ("axis", "groups", "first group", "link"):
         groups.add_column(column)
@@ -145,8 +182,10 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
     if plan.predicted:
         out.print(views.time_breakdown(plan))
     else:
-        out.print("no predictions in this plan (stages, tensor-parallel styles and predictions come from the planner: "
-                  "`hyparallel plan`)")
+        out.print(
+            "no predictions in this plan (stages, tensor-parallel styles and predictions come from the planner: "
+            "`hyparallel plan`)"
+        )
 
 
 def _first_group(plan, axis: str) -> range:
@@ -154,7 +193,7 @@ def _first_group(plan, axis: str) -> range:
     shape = plan.mesh_shape()
     axes = list(shape)
     stride = 1
-    for inner in axes[axes.index(axis) + 1:]:
+    for inner in axes[axes.index(axis) + 1 :]:
         stride *= shape[inner]
     return range(0, shape[axis] * stride, stride)
 
@@ -185,26 +224,49 @@ def cmd_trace(args: argparse.Namespace, out: Console) -> None:
     graph = trace(loaded.module, models.example_inputs(loaded.module, args.batch_size, seq_len), name=loaded.name)
     if args.json:
         segments = [s.__dict__ for s in graph.segments()]
-        print(json.dumps({
-            "name": graph.name, "method": graph.method, "num_params": graph.num_params, "flops": graph.flops,
-            "num_layers": graph.num_layers, "fingerprint": graph.fingerprint, "batch_size": args.batch_size,
-            "seq_len": seq_len, "segments": segments,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "name": graph.name,
+                    "method": graph.method,
+                    "num_params": graph.num_params,
+                    "flops": graph.flops,
+                    "num_layers": graph.num_layers,
+                    "fingerprint": graph.fingerprint,
+                    "batch_size": args.batch_size,
+                    "seq_len": seq_len,
+                    "segments": segments,
+                },
+                indent=2,
+            )
+        )
         return
-    out.print(graph.summary() + f"\n  inputs          batch {args.batch_size} x seq_len {seq_len}; fingerprint {graph.fingerprint}",
-              markup=False, highlight=False)
+    out.print(
+        graph.summary()
+        + f"\n  inputs          batch {args.batch_size} x seq_len {seq_len}; fingerprint {graph.fingerprint}",
+        markup=False,
+        highlight=False,
+    )
     table = Table(title="segments (the units pipeline stages are made of)")
     for column in ("#", "segment", "ops", "parameters", "forward GFLOPs", "activations MiB", "sent onward MiB"):
         table.add_column(column, justify="left" if column == "segment" else "right")
     for first, last, s in _runs(graph.segments()):
         label = s.name if first == last else f"{s.name} .. {graph.segments()[last].name} (x{last - first + 1}, each)"
-        table.add_row(str(first) if first == last else f"{first}-{last}", label, str(len(s.ops)), _count(s.param_count),
-                      f"{s.flops / 1e9:,.2f}", f"{s.activation_bytes / 2**20:,.1f}", f"{s.output_bytes / 2**20:,.2f}")
+        table.add_row(
+            str(first) if first == last else f"{first}-{last}",
+            label,
+            str(len(s.ops)),
+            _count(s.param_count),
+            f"{s.flops / 1e9:,.2f}",
+            f"{s.activation_bytes / 2**20:,.1f}",
+            f"{s.output_bytes / 2**20:,.2f}",
+        )
     out.print(table)
 
 
 def _runs(segments):
     """(first index, last index, segment) for runs of identical consecutive blocks; other segments alone."""
+
     def cost(s):
         return (s.is_block, len(s.ops), s.flops, s.param_count, s.activation_bytes, s.output_bytes)
 
@@ -238,9 +300,19 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
         seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
         progress("tracing", 0, 0)
         constraints = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
-        result = search(loaded.module, cluster, args.global_batch, seq_len, args.dtype, example_inputs=make_inputs,
-                        name=loaded.name, top=max(args.top, 1), alternatives=args.top > 1, progress=progress,
-                        **constraints)
+        result = search(
+            loaded.module,
+            cluster,
+            args.global_batch,
+            seq_len,
+            args.dtype,
+            example_inputs=make_inputs,
+            name=loaded.name,
+            top=max(args.top, 1),
+            alternatives=args.top > 1,
+            progress=progress,
+            **constraints,
+        )
     plan = result.plan()
     if args.output:
         plan.save(args.output)
@@ -250,8 +322,11 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     _print_plan(plan, out)
     if args.top > 1:
         _print_top(result, to_plan, out)
-    out.print(f"searched {result.considered:,} configurations ({result.evaluated:,} costed exactly) in {result.search_s:.2f}s"
-              + (f"; wrote {args.output}" if args.output else "; pass -o plan.yaml to save it"), markup=False)
+    out.print(
+        f"searched {result.considered:,} configurations ({result.evaluated:,} costed exactly) in {result.search_s:.2f}s"
+        + (f"; wrote {args.output}" if args.output else "; pass -o plan.yaml to save it"),
+        markup=False,
+    )
 
 
 @contextlib.contextmanager
@@ -280,7 +355,13 @@ def _progress(enabled: bool):
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         tasks: dict[str, int] = {}
 
@@ -296,13 +377,18 @@ def _print_plan(plan, out: Console) -> None:
     from hyparallel import views
 
     par, cluster = plan.parallel, plan.cluster
-    out.print(f"{plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers, on "
-              f"{cluster.num_nodes} x {cluster.gpus_per_node} {cluster.device.name} ({cluster.name})", markup=False)
+    out.print(
+        f"{plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers, on "
+        f"{cluster.num_nodes} x {cluster.gpus_per_node} {cluster.device.name} ({cluster.name})",
+        markup=False,
+    )
     mesh = " x ".join(f"{axis} {size}" for axis, size in plan.mesh_shape().items())
-    out.print(f"mesh {mesh}; micro-batch {plan.training.micro_batch} x {plan.num_microbatches}; schedule {par.schedule}"
-              + (f" (v={par.virtual_stages})" if par.virtual_stages > 1 else "")
-              + f"; recompute {par.recompute}; ZeRO {par.zero}; sequence parallel {'on' if par.sequence_parallel else 'off'}",
-              markup=False)
+    out.print(
+        f"mesh {mesh}; micro-batch {plan.training.micro_batch} x {plan.num_microbatches}; schedule {par.schedule}"
+        + (f" (v={par.virtual_stages})" if par.virtual_stages > 1 else "")
+        + f"; recompute {par.recompute}; ZeRO {par.zero}; sequence parallel {'on' if par.sequence_parallel else 'off'}",
+        markup=False,
+    )
     out.print(views.stage_table(plan))
     out.print(views.time_breakdown(plan))
 
@@ -311,16 +397,43 @@ def _print_top(result, to_plan, out: Console) -> None:
     from hyparallel.planner.api import why_slower
 
     table = Table(title=f"the {len(result.best)} best plans")
-    for column in ("#", "tp", "pp", "dp", "rank order", "micro-batch", "schedule", "recompute", "ZeRO", "SP", "step s",
-                   "MFU", "peak GiB", "why not"):
+    for column in (
+        "#",
+        "tp",
+        "pp",
+        "dp",
+        "rank order",
+        "micro-batch",
+        "schedule",
+        "recompute",
+        "ZeRO",
+        "SP",
+        "step s",
+        "MFU",
+        "peak GiB",
+        "why not",
+    ):
         table.add_column(column, justify="left" if column == "why not" else "right")
     winner = result.best[0]
     for rank, evaluation in enumerate(result.best):
         c, pred = evaluation.config, to_plan(result, evaluation).predicted
         schedule = c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "")
-        table.add_row(str(rank + 1), str(c.tp), str(c.pp), str(c.dp), ",".join(c.order), f"{c.micro_batch} x {c.num_microbatches}", schedule,
-                      c.recompute, str(c.zero), "on" if c.sequence_parallel else "off", f"{evaluation.step_time_s:.3f}",
-                      f"{pred.mfu:.1%}", f"{max(pred.memory_gib):.1f}", "the pick" if rank == 0 else why_slower(evaluation, winner))
+        table.add_row(
+            str(rank + 1),
+            str(c.tp),
+            str(c.pp),
+            str(c.dp),
+            ",".join(c.order),
+            f"{c.micro_batch} x {c.num_microbatches}",
+            schedule,
+            c.recompute,
+            str(c.zero),
+            "on" if c.sequence_parallel else "off",
+            f"{evaluation.step_time_s:.3f}",
+            f"{pred.mfu:.1%}",
+            f"{max(pred.memory_gib):.1f}",
+            "the pick" if rank == 0 else why_slower(evaluation, winner),
+        )
     out.print(table)
     why = Table(title="why not the usual alternatives")
     for column in ("alternative", "tp", "pp", "dp", "why not"):
@@ -344,7 +457,9 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> None:
     """Run the embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU."""
     from hyparallel import demo
 
-    demo.run(log=lambda text: out.print(text, markup=False, highlight=False), show_plan=lambda plan: _print_plan(plan, out))
+    demo.run(
+        log=lambda text: out.print(text, markup=False, highlight=False), show_plan=lambda plan: _print_plan(plan, out)
+    )
 
 
 def cmd_checkpoint(args: argparse.Namespace, out: Console) -> None:
@@ -361,15 +476,24 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
 
     if args.out:
         calibrate.check_writable(args.out)
-    spec, measured = calibrate.calibrate(nproc=args.nproc, base=args.base, quick=args.quick, name=args.name,
-                                         device=args.device, log=lambda text: out.print(text, markup=False, highlight=False))
+    spec, measured = calibrate.calibrate(
+        nproc=args.nproc,
+        base=args.base,
+        quick=args.quick,
+        name=args.name,
+        device=args.device,
+        log=lambda text: out.print(text, markup=False, highlight=False),
+    )
     if measured.rank != 0:
         return  # under torchrun rank 0 reports for everyone
     out.print(calibrate.measurements_table(measured))
     if args.out:
         calibrate.write(spec, measured, args.out)
-        out.print(f"wrote {args.out}; plan with it: hyparallel plan --cluster {args.out} --gpus {spec.gpus_per_node} ...",
-                  markup=False, highlight=False)
+        out.print(
+            f"wrote {args.out}; plan with it: hyparallel plan --cluster {args.out} --gpus {spec.gpus_per_node} ...",
+            markup=False,
+            highlight=False,
+        )
     else:
         print(calibrate.cluster_yaml(spec, measured), end="")
 
@@ -389,7 +513,9 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
     if result.units == "seconds":
         step = f"simulated step {result.total_s:.4g}s (planner: {result.predicted_step_s:.4g}s)"
     else:
-        step = f"simulated step {result.total_s:g} relative units (forward 1, backward 2: the plan has no planner timings)"
+        step = (
+            f"simulated step {result.total_s:g} relative units (forward 1, backward 2: the plan has no planner timings)"
+        )
     bubbles = ", ".join(f"{rank} {fraction:.0%}" for rank, fraction in result.bubble_fraction.items())
     summary = f"{step}; bubble per rank {bubbles}"
     if args.out:
@@ -397,17 +523,29 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
 
         drawn = render_timeline(result, args.out)
         out.print(summary, markup=False, highlight=False, soft_wrap=True)
-        out.print(f"wrote {drawn.path} ({drawn.compute_bars} forward and backward blocks)", markup=False, highlight=False)
+        out.print(
+            f"wrote {drawn.path} ({drawn.compute_bars} forward and backward blocks)", markup=False, highlight=False
+        )
         return
     par = plan.parallel
-    steps = simulate(lower(schedule(par.schedule, par.pp, plan.num_microbatches, par.virtual_stages), par.pp, par.virtual_stages),
-                     par.pp, par.virtual_stages)
+    steps = simulate(
+        lower(schedule(par.schedule, par.pp, plan.num_microbatches, par.virtual_stages), par.pp, par.virtual_stages),
+        par.pp,
+        par.virtual_stages,
+    )
     lines = format_schedule(steps.timeline).splitlines()
     cut = any(len(line) > out.width for line in lines)
-    out.print("\n".join(line[:out.width - 2] + " ~" if len(line) > out.width else line for line in lines),
-              markup=False, highlight=False)
-    out.print(f"unit steps, '.' idle ({steps.steps} steps{', cut at the console width' if cut else ''}); {summary}",
-              markup=False, highlight=False, soft_wrap=True)
+    out.print(
+        "\n".join(line[: out.width - 2] + " ~" if len(line) > out.width else line for line in lines),
+        markup=False,
+        highlight=False,
+    )
+    out.print(
+        f"unit steps, '.' idle ({steps.steps} steps{', cut at the console width' if cut else ''}); {summary}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     out.print("pass --out timeline.png (or .svg) for the timed picture of the step", markup=False, highlight=False)
 
 
@@ -453,69 +591,138 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, func: Callable, help_text: str) -> argparse.ArgumentParser:
-        command = sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES[name],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        command = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         command.set_defaults(func=func)
         return command
 
-    add("models", cmd_models, "List the built-in models.").add_argument("--json", action="store_true", help="print JSON")
-    add("clusters", cmd_clusters, "List the cluster presets.").add_argument("--json", action="store_true", help="print JSON")
+    add("models", cmd_models, "List the built-in models.").add_argument(
+        "--json", action="store_true", help="print JSON"
+    )
+    add("clusters", cmd_clusters, "List the cluster presets.").add_argument(
+        "--json", action="store_true", help="print JSON"
+    )
     show = add("show", cmd_show, "Check a plan file and print it, with the derived fields completed.")
     show.add_argument("plan", help="plan YAML file")
     show.add_argument("--yaml", action="store_true", help="print the completed plan as YAML")
-    show.add_argument("--model", nargs="+", metavar="MODEL", default=None,
-                      help="plan what a hand-written plan leaves open (stages, tensor-parallel map, predictions) for this "
-                           "model, as parallelize does; a name, package.module:factory or hf:ARCH, then key=value overrides")
+    show.add_argument(
+        "--model",
+        nargs="+",
+        metavar="MODEL",
+        default=None,
+        help="plan what a hand-written plan leaves open (stages, tensor-parallel map, predictions) for this "
+        "model, as parallelize does; a name, package.module:factory or hf:ARCH, then key=value overrides",
+    )
     trace = add("trace", cmd_trace, "Trace a model on the meta device: parameters, FLOPs, blocks, cut points.")
-    trace.add_argument("--model", nargs="+", required=True, metavar="MODEL",
-                       help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides")
+    trace.add_argument(
+        "--model",
+        nargs="+",
+        required=True,
+        metavar="MODEL",
+        help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides",
+    )
     trace.add_argument("--batch-size", type=SEQUENCES, default=1, help="sequences per traced call (default 1)")
-    trace.add_argument("--seq-len", type=SEQ_LEN, default=None,
-                       help="tokens per sequence (default: the model's, at most 2048)")
+    trace.add_argument(
+        "--seq-len", type=SEQ_LEN, default=None, help="tokens per sequence (default: the model's, at most 2048)"
+    )
     trace.add_argument("--json", action="store_true", help="print JSON on stdout and nothing else")
-    plan = add("plan", cmd_plan, "Find the fastest data x tensor x pipeline plan that fits memory, and write it as YAML.")
-    plan.add_argument("--model", nargs="+", required=True, metavar="MODEL",
-                      help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides")
+    plan = add(
+        "plan", cmd_plan, "Find the fastest data x tensor x pipeline plan that fits memory, and write it as YAML."
+    )
+    plan.add_argument(
+        "--model",
+        nargs="+",
+        required=True,
+        metavar="MODEL",
+        help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides",
+    )
     plan.add_argument("--gpus", type=DEVICES, required=True, help="number of GPUs (processes) in all")
-    plan.add_argument("--gpus-per-node", type=PER_NODE, default=None,
-                      help="GPUs per node (default: the cluster preset's)")
-    plan.add_argument("--cluster", default="a100-80g", help="a preset from `hyparallel clusters` or a YAML file (default a100-80g)")
+    plan.add_argument(
+        "--gpus-per-node", type=PER_NODE, default=None, help="GPUs per node (default: the cluster preset's)"
+    )
+    plan.add_argument(
+        "--cluster", default="a100-80g", help="a preset from `hyparallel clusters` or a YAML file (default a100-80g)"
+    )
     plan.add_argument("--global-batch", type=SEQUENCES, default=512, help="sequences per optimizer step (default 512)")
-    plan.add_argument("--seq-len", type=SEQ_LEN, default=None,
-                      help="tokens per sequence (default: the model's, at most 2048)")
-    plan.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training precision (default bf16)")
+    plan.add_argument(
+        "--seq-len", type=SEQ_LEN, default=None, help="tokens per sequence (default: the model's, at most 2048)"
+    )
+    plan.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training precision (default bf16)"
+    )
     for axis in ("tp", "pp", "dp"):
         plan.add_argument(f"--{axis}", type=DEVICES, default=None, help=f"fix the {axis} degree")
-    plan.add_argument("--example-inputs", default=None, metavar="package.module:make_inputs",
-                      help="for a model without an example_inputs(batch_size, seq_len, device) method: a function "
-                           "make_inputs(batch_size, seq_len) returning one micro-batch of its inputs (a tensor, a "
-                           "tuple of args or a dict of kwargs) with the same meaning; the planner traces "
-                           "make_inputs(1, seq_len), and parallelize takes example_inputs=make_inputs(micro_batch, "
-                           "seq_len)")
-    plan.add_argument("--top", type=_int_in(limits.MAX_TOP), default=1,
-                      help=f"list the K best plans (at most {limits.MAX_TOP}) and why the usual alternatives lost")
+    plan.add_argument(
+        "--example-inputs",
+        default=None,
+        metavar="package.module:make_inputs",
+        help="for a model without an example_inputs(batch_size, seq_len, device) method: a function "
+        "make_inputs(batch_size, seq_len) returning one micro-batch of its inputs (a tensor, a "
+        "tuple of args or a dict of kwargs) with the same meaning; the planner traces "
+        "make_inputs(1, seq_len), and parallelize takes example_inputs=make_inputs(micro_batch, "
+        "seq_len)",
+    )
+    plan.add_argument(
+        "--top",
+        type=_int_in(limits.MAX_TOP),
+        default=1,
+        help=f"list the K best plans (at most {limits.MAX_TOP}) and why the usual alternatives lost",
+    )
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")
-    plan.add_argument("--verbose", action="store_true", help="log the search on stderr: its phases and every configuration costed")
+    plan.add_argument(
+        "--verbose", action="store_true", help="log the search on stderr: its phases and every configuration costed"
+    )
     add("demo", cmd_demo, "The embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU.")
     ckpt = add("checkpoint", cmd_checkpoint, "Consolidate a sharded checkpoint into one single-device state dict.")
     ckpt.add_argument("action", choices=("export",), help="what to do (export)")
     ckpt.add_argument("path", help="a checkpoint directory (its newest complete checkpoint) or one step-* folder")
     ckpt.add_argument("out", help="output file: .safetensors, or anything else for torch.save")
-    calibrate = add("calibrate", cmd_calibrate, "Measure this machine (matmul, memory, collectives) and write a ClusterSpec.")
-    calibrate.add_argument("--out", default=None, metavar="FILE", help="write the ClusterSpec YAML here (default: print it)")
-    calibrate.add_argument("--nproc", type=PER_NODE, default=None, metavar="N",
-                           help="local processes to measure with (default: the GPU count on CUDA, else 8; torchrun's world inside a launch)")
-    calibrate.add_argument("--base", default=None, metavar="PRESET",
-                           help="keep this preset's (or YAML file's) datasheet peaks and memory; set efficiencies from the measurements")
-    calibrate.add_argument("--quick", action="store_true", help="fewer sizes and shorter timings: seconds, less accurate")
+    calibrate = add(
+        "calibrate", cmd_calibrate, "Measure this machine (matmul, memory, collectives) and write a ClusterSpec."
+    )
+    calibrate.add_argument(
+        "--out", default=None, metavar="FILE", help="write the ClusterSpec YAML here (default: print it)"
+    )
+    calibrate.add_argument(
+        "--nproc",
+        type=PER_NODE,
+        default=None,
+        metavar="N",
+        help="local processes to measure with (default: the GPU count on CUDA, else 8; torchrun's world inside a launch)",
+    )
+    calibrate.add_argument(
+        "--base",
+        default=None,
+        metavar="PRESET",
+        help="keep this preset's (or YAML file's) datasheet peaks and memory; set efficiencies from the measurements",
+    )
+    calibrate.add_argument(
+        "--quick", action="store_true", help="fewer sizes and shorter timings: seconds, less accurate"
+    )
     calibrate.add_argument("--name", default=None, help="the cluster's name (default calibrated-<hostname>)")
-    calibrate.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                           help="what to measure: the GPUs (nccl) or the CPU (gloo processes); default cuda when "
-                                "torch sees a GPU")
+    calibrate.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="what to measure: the GPUs (nccl) or the CPU (gloo processes); default cuda when torch sees a GPU",
+    )
     simulate = add("simulate", cmd_simulate, "Simulate one training step of a plan's pipeline schedule and draw it.")
-    simulate.add_argument("plan", help="plan YAML file (from `hyparallel plan`, for seconds and GiB; a hand plan is drawn in relative units)")
-    simulate.add_argument("--out", default=None, metavar="FILE", help="write the picture here: .png or .svg (default: print the schedule as text)")
+    simulate.add_argument(
+        "plan",
+        help="plan YAML file (from `hyparallel plan`, for seconds and GiB; a hand plan is drawn in relative units)",
+    )
+    simulate.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="write the picture here: .png or .svg (default: print the schedule as text)",
+    )
     return parser
 
 

@@ -81,19 +81,27 @@ class DeviceSpec(_Frozen):
     memory_bandwidth_bytes_per_s: BytesPerS = Field(description="Peak memory (HBM) bandwidth.")
     matmul_efficiency: Fraction = Field(0.75, description="Fraction of peak FLOP/s that matrix products reach.")
     attention_efficiency: Fraction = Field(0.6, description="Fraction of peak FLOP/s that fused attention reaches.")
-    memory_efficiency: Fraction = Field(0.8, description="Fraction of memory bandwidth that memory-bound kernels reach.")
+    memory_efficiency: Fraction = Field(
+        0.8, description="Fraction of memory bandwidth that memory-bound kernels reach."
+    )
     reserved_bytes: int_in(0, limits.MAX_DEVICE_MEMORY_BYTES) = Field(
-        0, description="Memory the model cannot use (CUDA context, communication buffers, allocator slack); less "
-                       "than memory_bytes.")
+        0,
+        description="Memory the model cannot use (CUDA context, communication buffers, allocator slack); less "
+        "than memory_bytes.",
+    )
     op_overhead_s: LatencyS = Field(
-        0.0, description="Host time to dispatch one op (Python, the framework, the kernel launch): a GPU op takes "
-                         "at least this long, a CPU op (backend gloo) this long on top of its work.")
+        0.0,
+        description="Host time to dispatch one op (Python, the framework, the kernel launch): a GPU op takes "
+        "at least this long, a CPU op (backend gloo) this long on top of its work.",
+    )
 
     @model_validator(mode="after")
     def _check_memory(self) -> DeviceSpec:
         if self.reserved_bytes >= self.memory_bytes:
-            raise ValueError(f"device.reserved_bytes ({self.reserved_bytes:,}) must be less than memory_bytes "
-                             f"({self.memory_bytes:,}): nothing would be left for the model")
+            raise ValueError(
+                f"device.reserved_bytes ({self.reserved_bytes:,}) must be less than memory_bytes "
+                f"({self.memory_bytes:,}): nothing would be left for the model"
+            )
         return self
 
     @property
@@ -107,7 +115,8 @@ class LinkSpec(_Frozen):
 
     name: str = Field(description="The link's name, for people.")
     bandwidth_bytes_per_s: BytesPerS = Field(
-        description="Bytes per second one device sends in one direction, as collectives reach it (bus bandwidth).")
+        description="Bytes per second one device sends in one direction, as collectives reach it (bus bandwidth)."
+    )
     latency_s: LatencyS = Field(description="Seconds per message (one step of a ring collective).")
 
 
@@ -117,10 +126,13 @@ class ClusterSpec(_Frozen):
     name: str = Field(description="Preset name, or any name for a cluster file.")
     description: str = Field("", description="One line for people.")
     num_nodes: int_in(1, limits.MAX_DEVICES) = Field(
-        1, description="Nodes; `--gpus` and `ClusterSpec.preset(..., num_nodes=)` resize it.")
+        1, description="Nodes; `--gpus` and `ClusterSpec.preset(..., num_nodes=)` resize it."
+    )
     gpus_per_node: int_in(1, limits.MAX_GPUS_PER_NODE) = Field(description="Devices (processes) per node.")
-    backend: Backend = Field(description="The torch.distributed backend the link figures are for: `nccl` for GPUs, `gloo` for CPUs "
-                                         "(`parallelize` picks its backend from the device).")
+    backend: Backend = Field(
+        description="The torch.distributed backend the link figures are for: `nccl` for GPUs, `gloo` for CPUs "
+        "(`parallelize` picks its backend from the device)."
+    )
     device: DeviceSpec = Field(description="One device's compute and memory.")
     intra_node: LinkSpec = Field(description="The link between devices of one node.")
     inter_node: LinkSpec = Field(description="A device's share of the network between nodes.")
@@ -128,9 +140,11 @@ class ClusterSpec(_Frozen):
     @model_validator(mode="after")
     def _check_size(self) -> ClusterSpec:
         if self.num_gpus > limits.MAX_DEVICES:
-            raise ValueError(f"num_nodes ({self.num_nodes:,}) x gpus_per_node ({self.gpus_per_node:,}) = "
-                             f"{self.num_gpus:,} devices, more than the {limits.MAX_DEVICES:,} hyparallel plans for; "
-                             "use fewer nodes")
+            raise ValueError(
+                f"num_nodes ({self.num_nodes:,}) x gpus_per_node ({self.gpus_per_node:,}) = "
+                f"{self.num_gpus:,} devices, more than the {limits.MAX_DEVICES:,} hyparallel plans for; "
+                "use fewer nodes"
+            )
         return self
 
     @property
@@ -157,7 +171,9 @@ class ClusterSpec(_Frozen):
         """A built-in preset, optionally resized: ``ClusterSpec.preset("a100-80g", num_nodes=16)``."""
         names = cls.presets()
         if name not in names:
-            raise ConfigError(f"unknown cluster preset '{name}'; choose one of: {', '.join(names)} (or pass a YAML file)")
+            raise ConfigError(
+                f"unknown cluster preset '{name}'; choose one of: {', '.join(names)} (or pass a YAML file)"
+            )
         spec = cls.load(_preset_dir() / f"{name}.yaml")
         return spec if num_nodes is None and gpus_per_node is None else spec.resized(num_nodes, gpus_per_node)
 

@@ -72,7 +72,9 @@ def train_parallel(log=print) -> list[float] | None:
         if match := re.match(r"loss ([\d.]+) -> ([\d.]+)", line):
             losses = [float(match[1]), float(match[2])]
     if proc.wait() != 0 or losses is None:
-        raise RuntimeError(f"the parallel training run failed (exit {proc.returncode}); run the command above to see why")
+        raise RuntimeError(
+            f"the parallel training run failed (exit {proc.returncode}); run the command above to see why"
+        )
     return losses
 
 
@@ -84,7 +86,9 @@ def plan_gpt175b(log=print) -> Plan:
     log(f"   built and traced in {time.perf_counter() - start:.1f}s")
     log("   " + graph.summary().replace("\n", "\n   "))
     result = search(graph, ClusterSpec.preset("a100-80g", num_nodes=128), global_batch=1536, seq_len=2048, dtype="bf16")
-    log(f"   searched {result.considered:,} configurations ({result.evaluated} costed exactly) in {result.search_s:.2f}s")
+    log(
+        f"   searched {result.considered:,} configurations ({result.evaluated} costed exactly) in {result.search_s:.2f}s"
+    )
     return result.plan()
 
 

@@ -40,13 +40,20 @@ class StepFigures:
 
     def line(self) -> str:
         """One log line: measured figures, with the prediction where there is one."""
-        parts = [f"{self.step_time_s * 1e3:,.1f} ms/step" + _vs(self.step_time_s, self.predicted_step_time_s),
-                 f"{self.tokens_per_s:,.0f} tokens/s", f"{self.tflops_per_gpu:,.3g} TFLOP/s per device"]
+        parts = [
+            f"{self.step_time_s * 1e3:,.1f} ms/step" + _vs(self.step_time_s, self.predicted_step_time_s),
+            f"{self.tokens_per_s:,.0f} tokens/s",
+            f"{self.tflops_per_gpu:,.3g} TFLOP/s per device",
+        ]
         if self.mfu is not None:
-            parts.append(f"MFU {self.mfu:.1%}" + (f" (predicted {self.predicted_mfu:.1%})" if self.predicted_mfu else ""))
+            parts.append(
+                f"MFU {self.mfu:.1%}" + (f" (predicted {self.predicted_mfu:.1%})" if self.predicted_mfu else "")
+            )
         if self.peak_memory_gib is not None:
-            parts.append(f"peak {self.peak_memory_gib:.2f} GiB"
-                         + (f" (predicted {self.predicted_memory_gib:.2f})" if self.predicted_memory_gib else ""))
+            parts.append(
+                f"peak {self.peak_memory_gib:.2f} GiB"
+                + (f" (predicted {self.predicted_memory_gib:.2f})" if self.predicted_memory_gib else "")
+            )
         return ", ".join(parts)
 
 
@@ -58,7 +65,13 @@ class RunMetrics:
     """Records every ``train_step`` of a ParallelModel; see Note [what a measured step is]."""
 
     def __init__(self, plan: Plan, flops_per_token: float, device: torch.device, pp_rank: int, warmup: int = 1):
-        self.plan, self.flops_per_token, self.device, self.pp_rank, self.warmup = plan, flops_per_token, device, pp_rank, warmup
+        self.plan, self.flops_per_token, self.device, self.pp_rank, self.warmup = (
+            plan,
+            flops_per_token,
+            device,
+            pp_rank,
+            warmup,
+        )
         self._open: tuple[object, int] | None = None  # the step in progress: its start mark and global tokens
         self._pending: list[tuple[object, object, int]] = []  # closed CUDA steps whose end events may not be done
         self._steps: list[tuple[float, int]] = []  # closed steps: seconds and global tokens
@@ -101,7 +114,7 @@ class RunMetrics:
         """Closes the step in progress and gives the median over the steps after warm-up (all if that is none)."""
         self.close()
         steps = self.steps()
-        return self._figures(steps[self.warmup:] if len(steps) > self.warmup else steps) if steps else None
+        return self._figures(steps[self.warmup :] if len(steps) > self.warmup else steps) if steps else None
 
     def _figures(self, steps: list[tuple[float, int]]) -> StepFigures:
         step_s = statistics.median(seconds for seconds, _ in steps)
@@ -113,13 +126,21 @@ class RunMetrics:
         if self.device.type == "cuda":
             memory = torch.cuda.max_memory_allocated(self.device) / 2**30
         return StepFigures(
-            steps=len(steps), step_time_s=step_s, tokens_per_s=tokens_per_s, tflops_per_gpu=tflops,
-            mfu=tflops * 1e12 / peak if peak else None, peak_memory_gib=memory,
+            steps=len(steps),
+            step_time_s=step_s,
+            tokens_per_s=tokens_per_s,
+            tflops_per_gpu=tflops,
+            mfu=tflops * 1e12 / peak if peak else None,
+            peak_memory_gib=memory,
             predicted_step_time_s=predicted.step_time_s if predicted else None,
             predicted_tokens_per_s=predicted.tokens_per_s if predicted else None,
             predicted_mfu=predicted.mfu if predicted else None,
-            predicted_memory_gib=(predicted.memory_gib[self.pp_rank] - cluster.device.reserved_bytes / 2**30
-                                  if predicted and cluster else None))
+            predicted_memory_gib=(
+                predicted.memory_gib[self.pp_rank] - cluster.device.reserved_bytes / 2**30
+                if predicted and cluster
+                else None
+            ),
+        )
 
     def _mark(self) -> object:
         if self.device.type == "cuda":

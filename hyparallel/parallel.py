@@ -68,11 +68,20 @@ class LaunchEnv:
         """Read the launch from the environment (torchrun sets it), or from an initialised process group."""
         if dist.is_initialized():
             return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+        return cls(
+            int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+        )
 
 
-def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, seed: int = 0,
-                device: torch.device | str | None = None, vocab_parallel_loss: bool = False) -> ParallelModel:
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    example_inputs: Any = None,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    vocab_parallel_loss: bool = False,
+) -> ParallelModel:
     """Run ``model`` as ``plan`` says, in every process of a torchrun launch; see Note [what parallelize does].
 
     ``model`` is best built on the meta device (``hp.models.build(name)``): then no rank allocates more
@@ -89,17 +98,24 @@ def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, see
     env = LaunchEnv.from_environ()
     par = plan.parallel
     if env.world_size != plan.world_size:
-        raise ConfigError(f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}) = {plan.world_size} != WORLD_SIZE({env.world_size}); "
-                          f"launch {plan.world_size} processes (torchrun --nproc_per_node {plan.world_size}) or re-plan "
-                          f"with `hyparallel plan --gpus {env.world_size}`")
+        raise ConfigError(
+            f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}) = {plan.world_size} != WORLD_SIZE({env.world_size}); "
+            f"launch {plan.world_size} processes (torchrun --nproc_per_node {plan.world_size}) or re-plan "
+            f"with `hyparallel plan --gpus {env.world_size}`"
+        )
     if plan.model is not None and plan.model.fingerprint and plan.model.fingerprint != fingerprint(model):
         count = sum(p.numel() for p in model.parameters())
-        raise ConfigError(f"the plan was made for model '{plan.model.name}' ({plan.model.num_params:,} parameters), not this "
-                          f"{type(model).__name__} ({count:,} parameters, other names or shapes); "
-                          "plan this model with `hyparallel plan` or hp.plan")
+        raise ConfigError(
+            f"the plan was made for model '{plan.model.name}' ({plan.model.num_params:,} parameters), not this "
+            f"{type(model).__name__} ({count:,} parameters, other names or shapes); "
+            "plan this model with `hyparallel plan` or hp.plan"
+        )
     if plan.training.dtype == "fp16":
-        warnings.warn("fp16 plans run under autocast without loss scaling, so small gradients can underflow; "
-                      "prefer bf16, or scale the loss inside loss_fn", stacklevel=2)
+        warnings.warn(
+            "fp16 plans run under autocast without loss scaling, so small gradients can underflow; "
+            "prefer bf16, or scale the loss inside loss_fn",
+            stacklevel=2,
+        )
     device = torch.device(device) if device is not None else _default_device(env, plan)
     example = example_inputs if example_inputs is not None else _token_ids(plan)
     plan = complete_plan(model, plan, example_inputs=example_inputs)
@@ -110,11 +126,15 @@ def parallelize(model: nn.Module, plan: Plan, *, example_inputs: Any = None, see
     if par.tp > 1:
         analysis = analyze(graph)
         if reason := analysis.check(par.tp, graph):
-            raise ConfigError(f"tp = {par.tp} does not fit {type(model).__name__}: {reason}; choose a tp that divides it")
+            raise ConfigError(
+                f"tp = {par.tp} does not fit {type(model).__name__}: {reason}; choose a tp that divides it"
+            )
         if par.zero > 0 and _shares_heads(analysis, graph, par.tp):
-            raise ConfigError(f"tp ({par.tp}) is more than the model's key/value heads, so ranks share heads, and zero "
-                              f"{par.zero} shards their gradients: not supported together yet; use zero: 0 or a tp up to "
-                              "the key/value head count")
+            raise ConfigError(
+                f"tp ({par.tp}) is more than the model's key/value heads, so ranks share heads, and zero "
+                f"{par.zero} shards their gradients: not supported together yet; use zero: 0 or a tp up to "
+                "the key/value head count"
+            )
     return ParallelModel(model, plan, env, device, (graph, example), seed, vocab_parallel_loss)
 
 
@@ -139,9 +159,11 @@ def complete_plan(model: nn.Module, plan: Plan, *, example_inputs: Any = None) -
     needs_stages = par.pp > 1 and plan.stages is None
     needs_tp = par.tp > 1 and plan.tensor_parallel is None
     if plan.cluster is None and (needs_stages or needs_tp):
-        raise ConfigError(f"the plan has pp = {par.pp}, tp = {par.tp} but no cluster, so its stages and tensor-parallel "
-                          "map cannot be planned; add `cluster: PRESET` (e.g. cpu, h100-sxm; `hyparallel clusters`) or "
-                          "list `stages` and `tensor_parallel` yourself")
+        raise ConfigError(
+            f"the plan has pp = {par.pp}, tp = {par.tp} but no cluster, so its stages and tensor-parallel "
+            "map cannot be planned; add `cluster: PRESET` (e.g. cpu, h100-sxm; `hyparallel clusters`) or "
+            "list `stages` and `tensor_parallel` yourself"
+        )
     if not (needs_stages or needs_tp or plan.predicted is None) or plan.cluster is None:
         return plan
     cluster = plan.cluster
@@ -149,10 +171,24 @@ def complete_plan(model: nn.Module, plan: Plan, *, example_inputs: Any = None) -
         per_node = cluster.gpus_per_node if plan.world_size % cluster.gpus_per_node == 0 else plan.world_size
         cluster = cluster.resized(num_nodes=plan.world_size // per_node, gpus_per_node=per_node)
     try:
-        fixed = make_plan(model, cluster, tr.global_batch, tr.seq_len, tr.dtype, tp=par.tp, pp=par.pp, dp=par.dp,
-                          micro_batch=tr.micro_batch, schedule=par.schedule, virtual_stages=par.virtual_stages,
-                          recompute=par.recompute, zero=par.zero, sequence_parallel=par.sequence_parallel,
-                          order=plan.placement.order, example_inputs=example_inputs)
+        fixed = make_plan(
+            model,
+            cluster,
+            tr.global_batch,
+            tr.seq_len,
+            tr.dtype,
+            tp=par.tp,
+            pp=par.pp,
+            dp=par.dp,
+            micro_batch=tr.micro_batch,
+            schedule=par.schedule,
+            virtual_stages=par.virtual_stages,
+            recompute=par.recompute,
+            zero=par.zero,
+            sequence_parallel=par.sequence_parallel,
+            order=plan.placement.order,
+            example_inputs=example_inputs,
+        )
     except HyparallelError:  # e.g. a model that traces only with the caller's example_inputs
         if needs_stages or needs_tp:
             raise
@@ -163,7 +199,9 @@ def complete_plan(model: nn.Module, plan: Plan, *, example_inputs: Any = None) -
         data["tensor_parallel"] = planned["tensor_parallel"]
     if not data.get("model"):
         data["model"] = planned["model"]
-    if plan.predicted is None and [s["modules"] for s in data["stages"] or []] == [s["modules"] for s in planned.get("stages", [])]:
+    if plan.predicted is None and [s["modules"] for s in data["stages"] or []] == [
+        s["modules"] for s in planned.get("stages", [])
+    ]:
         data["predicted"] = planned["predicted"]
     return Plan.from_dict(data, source="completed plan")
 
@@ -171,8 +209,16 @@ def complete_plan(model: nn.Module, plan: Plan, *, example_inputs: Any = None) -
 class ParallelModel:
     """A model running under a plan in this process; build it with :func:`parallelize`."""
 
-    def __init__(self, model: nn.Module, plan: Plan, env: LaunchEnv, device: torch.device, traced: tuple[Any, Any],
-                 seed: int, vocab_parallel_loss: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        env: LaunchEnv,
+        device: torch.device,
+        traced: tuple[Any, Any],
+        seed: int,
+        vocab_parallel_loss: bool,
+    ):
         from torch.distributed.device_mesh import init_device_mesh
 
         self.plan, self.env, self.device, self.module = plan, env, device, model
@@ -193,9 +239,16 @@ class ParallelModel:
         if par.pp > 1:
             from hyparallel.pipeline import PipelineRuntime
 
-            self.pipeline = PipelineRuntime.from_plan(model, plan, self.mesh["pp"].get_group(), example_inputs=example,
-                                                      device=device, seed=seed, stage_call=self._stage_call(),
-                                                      before_backward=self._before_backward)
+            self.pipeline = PipelineRuntime.from_plan(
+                model,
+                plan,
+                self.mesh["pp"].get_group(),
+                example_inputs=example,
+                device=device,
+                seed=seed,
+                stage_call=self._stage_call(),
+                before_backward=self._before_backward,
+            )
             self._modules = [stage.body for stage in self.pipeline.stages.values()]
             self._recompute_stages()
         else:
@@ -205,8 +258,9 @@ class ParallelModel:
         self._data_parallel()
         from hyparallel.metrics import RunMetrics
 
-        self.metrics = RunMetrics(plan, self._graph.flops / max(_token_count(example), 1), device,
-                                  pp_rank=self.mesh["pp"].get_local_rank())
+        self.metrics = RunMetrics(
+            plan, self._graph.flops / max(_token_count(example), 1), device, pp_rank=self.mesh["pp"].get_local_rank()
+        )
 
     # ---- construction ----------------------------------------------------------------------------
 
@@ -216,9 +270,15 @@ class ParallelModel:
             return None
         from hyparallel.tensor import apply_tensor_parallel
 
-        info = apply_tensor_parallel(self.module, self.plan.tensor_parallel or {}, self.mesh["tp"].get_group(), self._graph,
-                                     sequence_parallel=par.sequence_parallel, gather_logits=not self._vocab_parallel_loss,
-                                     fused_kernels=par.fused_kernels)
+        info = apply_tensor_parallel(
+            self.module,
+            self.plan.tensor_parallel or {},
+            self.mesh["tp"].get_group(),
+            self._graph,
+            sequence_parallel=par.sequence_parallel,
+            gather_logits=not self._vocab_parallel_loss,
+            fused_kernels=par.fused_kernels,
+        )
         return info
 
     def _materialize(self, seed: int) -> None:
@@ -241,13 +301,18 @@ class ParallelModel:
         for path in blocks:
             # The block's forward, not its __call__: hooks (sequence-parallel scatter, FSDP) run once, outside.
             block = self.module.get_submodule(path)
-            block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False,
-                                    **({"context_fn": context} if context else {}))
+            block.forward = partial(
+                torch.utils.checkpoint.checkpoint,
+                block.forward,
+                use_reentrant=False,
+                **({"context_fn": context} if context else {}),
+            )
 
     def _stage_call(self) -> Callable:
         def call(stage, inputs, received):
             with self._autocast():
                 return stage(inputs, received)
+
         return call
 
     def _recompute_stages(self) -> None:
@@ -260,8 +325,12 @@ class ParallelModel:
             return
         context = _selective_context(self.plan.training.seq_len) if recompute == "selective" else None
         for stage in self.pipeline.stages.values():
-            stage.body.forward = partial(torch.utils.checkpoint.checkpoint, stage.body.forward, use_reentrant=False,
-                                         **({"context_fn": context} if context else {}))
+            stage.body.forward = partial(
+                torch.utils.checkpoint.checkpoint,
+                stage.body.forward,
+                use_reentrant=False,
+                **({"context_fn": context} if context else {}),
+            )
 
     def _data_parallel(self) -> None:
         par = self.plan.parallel
@@ -275,10 +344,14 @@ class ParallelModel:
 
                 ids = [self.device.index] if self.device.type == "cuda" else None
                 # Buffers (rotary tables) are computed alike on every rank: no broadcast before each forward.
-                quiet = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
-                    else "broadcast_buffers"  # renamed in newer torch
-                self._ddp = DistributedDataParallel(self.module, device_ids=ids, process_group=dp_mesh.get_group(),
-                                                    **{quiet: False})
+                quiet = (
+                    "forward_sync_buffers"
+                    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                    else "broadcast_buffers"
+                )  # renamed in newer torch
+                self._ddp = DistributedDataParallel(
+                    self.module, device_ids=ids, process_group=dp_mesh.get_group(), **{quiet: False}
+                )
             return  # pp > 1: _all_reduce_grads after the schedule
         from torch.distributed.fsdp import fully_shard
 
@@ -342,13 +415,17 @@ class ParallelModel:
 
     def shard(self, batch: Any) -> Any:
         """This data-parallel rank's rows of a global batch (dim 0 split into dp equal parts)."""
+
         def cut(value):
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 return value
             if value.size(0) % self.dp_size:
-                raise ConfigError(f"a batch of {value.size(0)} rows does not split over dp = {self.dp_size} ranks; "
-                                  f"pass a multiple of {self.dp_size}")
+                raise ConfigError(
+                    f"a batch of {value.size(0)} rows does not split over dp = {self.dp_size} ranks; "
+                    f"pass a multiple of {self.dp_size}"
+                )
             return value.chunk(self.dp_size)[self.dp_rank]
+
         return torch.utils._pytree.tree_map(cut, batch)
 
     def sampler(self, dataset, shuffle: bool = True, seed: int = 0):
@@ -448,8 +525,11 @@ class ParallelModel:
         if self.pipeline is not None and not self.pipeline.first_holder(name):  # tied across stages: counted once
             return torch.zeros((), dtype=torch.float64, device=self.device)
         owner = self.module.get_submodule(name.rpartition(".")[0]) if "." in name else self.module
-        split = self.tp_info is not None and callable(getattr(owner, "shard_layout", None)) \
+        split = (
+            self.tp_info is not None
+            and callable(getattr(owner, "shard_layout", None))
             and owner.shard_layout(name.rpartition(".")[2]) is not None
+        )
         if self.tp_info is not None and not split and self.tp_info.rank != 0:  # replicated over tp: tp rank 0 counts
             return torch.zeros((), dtype=torch.float64, device=self.device)
         shared = self.tp_info.shared_rows.get(name) if self.tp_info is not None else None
@@ -457,7 +537,7 @@ class ParallelModel:
             keep, offset = torch.zeros(local.size(0), dtype=torch.bool, device=local.device), 0
             for start, stop in shared[self.tp_info.rank]:
                 first = min(r for r, rows in enumerate(shared) if (start, stop) in rows)
-                keep[offset: offset + stop - start] = first == self.tp_info.rank
+                keep[offset : offset + stop - start] = first == self.tp_info.rank
                 offset += stop - start
             local = local[keep]
         return local.double().pow(2).sum()
@@ -476,7 +556,7 @@ class ParallelModel:
                 flat /= size
                 offset = 0
                 for g in bucket:
-                    g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
                 bucket = []
 
@@ -492,15 +572,19 @@ class ParallelModel:
         tensors = [v for v in torch.utils._pytree.tree_leaves(inputs) if isinstance(v, torch.Tensor) and v.dim() > 0]
         share = self.plan.training.global_batch // self.dp_size
         if tensors and tensors[0].size(0) != share:
-            raise ConfigError(f"train_step got {tensors[0].size(0)} rows but this data-parallel rank's share is {share} "
-                              f"(global_batch {self.plan.training.global_batch} / dp {self.dp_size}); pass "
-                              "pmodel.shard(batch) of the global batch")
+            raise ConfigError(
+                f"train_step got {tensors[0].size(0)} rows but this data-parallel rank's share is {share} "
+                f"(global_batch {self.plan.training.global_batch} / dp {self.dp_size}); pass "
+                "pmodel.shard(batch) of the global batch"
+            )
 
     def _loss(self, loss_fn: LossFn | None, targets: Any) -> LossFn:
         if loss_fn is not None:
             if self._vocab_parallel_loss:
-                raise ConfigError("parallelize(..., vocab_parallel_loss=True) keeps each rank's slice of the logits; "
-                                  "use train_step's default loss, or vocab_parallel_loss=False to gather them for yours")
+                raise ConfigError(
+                    "parallelize(..., vocab_parallel_loss=True) keeps each rank's slice of the logits; "
+                    "use train_step's default loss, or vocab_parallel_loss=False to gather them for yours"
+                )
             return loss_fn
         # Sum over tokens, divided by the global count of real targets: micro-batches, ranks and padding
         # (ignore_index) weigh as in one big batch. The runtime averages micro-batches and DDP/FSDP average
@@ -513,8 +597,11 @@ class ParallelModel:
             from hyparallel.tensor import vocab_parallel_cross_entropy
 
             info = self.tp_info
-            return lambda output, goal: (vocab_parallel_cross_entropy(_logits(output), goal, info.group, info.vocab_start,
-                                                                      info.vocab_size) * (goal != IGNORE_INDEX).sum() * scale)[0]
+            return lambda output, goal: (
+                vocab_parallel_cross_entropy(_logits(output), goal, info.group, info.vocab_start, info.vocab_size)
+                * (goal != IGNORE_INDEX).sum()
+                * scale
+            )[0]
         return lambda output, goal: (token_cross_entropy(output, goal, reduction="sum") * scale)[0]
 
     def _autocast(self):
@@ -572,7 +659,9 @@ def token_cross_entropy(output: Any, targets: torch.Tensor, reduction: str = "me
     Targets equal to ``IGNORE_INDEX`` (-100, padding) count for nothing.
     """
     logits = _logits(output)
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction)
+    return F.cross_entropy(
+        logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
 
 
 def _logits(output: Any) -> torch.Tensor:
@@ -665,9 +754,11 @@ def _default_device(env: LaunchEnv, plan: Plan) -> torch.device:
     gpus = torch.cuda.device_count()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.local_rank + 1))
     if local_world > gpus:
-        raise ConfigError(f"{local_world} processes on this node (LOCAL_WORLD_SIZE) but {gpus} CUDA device(s): NCCL "
-                          f"needs one GPU per process; launch --nproc_per_node {gpus}, or pass device='cpu' to "
-                          "parallelize (gloo)")
+        raise ConfigError(
+            f"{local_world} processes on this node (LOCAL_WORLD_SIZE) but {gpus} CUDA device(s): NCCL "
+            f"needs one GPU per process; launch --nproc_per_node {gpus}, or pass device='cpu' to "
+            "parallelize (gloo)"
+        )
     return torch.device("cuda", env.local_rank)
 
 

@@ -45,8 +45,10 @@ def check_picture_path(path: str | Path) -> Path:
     """``path`` if a picture can be written there (a known extension, a writable place), else a one-line ConfigError."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
-        raise ConfigError(f"cannot draw '{path}': unknown picture extension '{path.suffix or '(none)'}'; "
-                          f"use one of {', '.join(FORMATS)}")
+        raise ConfigError(
+            f"cannot draw '{path}': unknown picture extension '{path.suffix or '(none)'}'; "
+            f"use one of {', '.join(FORMATS)}"
+        )
     return check_writable(path)
 
 
@@ -63,14 +65,30 @@ def render_timeline(timeline: Timeline, path: str | Path) -> Rendered:
     heights = [gantt_in, gantt_in, memory_in] if magnify else [gantt_in, memory_in]
     fig = Figure(figsize=(WIDTH_IN, sum(heights) + 0.85 * (len(heights) - 1) + 1.75), dpi=DPI)
     FigureCanvasAgg(fig)
-    grid = fig.add_gridspec(len(heights), 2, height_ratios=heights, left=LEFT, right=RIGHT, wspace=0.04,
-                            bottom=0.5 / fig.get_figheight(), top=1 - 1.25 / fig.get_figheight(),
-                            hspace=0.85 / (sum(heights) / len(heights)))  # 0.85 in between panels
+    grid = fig.add_gridspec(
+        len(heights),
+        2,
+        height_ratios=heights,
+        left=LEFT,
+        right=RIGHT,
+        wspace=0.04,
+        bottom=0.5 / fig.get_figheight(),
+        top=1 - 1.25 / fig.get_figheight(),
+        hspace=0.85 / (sum(heights) / len(heights)),
+    )  # 0.85 in between panels
     whole = fig.add_subplot(grid[0, :])
     bars, labels = _draw_gantt(whole, timeline, scale, (0.0, timeline.total_s))
-    whole.set_title("the whole step" + (" (blocks too narrow to number: its two ends magnified below)" if magnify else "")
-                    + ("; runs of blocks under a pixel wide drawn as one bar, coloured by their forward / backward mix"
-                       if forward_s / timeline.total_s * whole.bbox.width < 1 else ""), fontsize=9, loc="left")
+    whole.set_title(
+        "the whole step"
+        + (" (blocks too narrow to number: its two ends magnified below)" if magnify else "")
+        + (
+            "; runs of blocks under a pixel wide drawn as one bar, coloured by their forward / backward mix"
+            if forward_s / timeline.total_s * whole.bbox.width < 1
+            else ""
+        ),
+        fontsize=9,
+        loc="left",
+    )
     if magnify:
         for column, name in enumerate(("start", "end")):
             ax = fig.add_subplot(grid[1, column])
@@ -112,28 +130,39 @@ def _colors(kind: str, virtual_stages: int) -> list[tuple[float, float, float, f
     return [cmap(0.85 - 0.55 * k / (virtual_stages - 1)) for k in range(virtual_stages)]
 
 
-def _draw_gantt(ax, timeline: Timeline, scale: float, window: tuple[float, float], rank_labels: bool = True) -> tuple[int, int]:
+def _draw_gantt(
+    ax, timeline: Timeline, scale: float, window: tuple[float, float], rank_labels: bool = True
+) -> tuple[int, int]:
     """The blocks overlapping ``window`` (seconds), one row per rank; returns (F and B blocks drawn, labels written)."""
     lo, hi = window
-    shown = [b for b in timeline.blocks if b.end_s >= lo and b.start_s <= hi and (b.duration_s > 0 or b.kind in ("F", "B"))]
+    shown = [
+        b for b in timeline.blocks if b.end_s >= lo and b.start_s <= hi and (b.duration_s > 0 or b.kind in ("F", "B"))
+    ]
     computes = [b for b in shown if b.kind in ("F", "B")]
     shades = {kind: _colors(kind, timeline.virtual_stages) for kind in ("F", "B")}
     px_per_s = ax.bbox.width / (hi - lo)
     if _median_forward_s(timeline) * px_per_s < 1:
         _draw_runs(ax, computes, scale, 1 / px_per_s, shades)
     else:
-        _draw_blocks(ax, computes, scale, timeline.pp, shades, edge=0.4 if _median_forward_s(timeline) * px_per_s >= 4 else 0.0)
+        _draw_blocks(
+            ax, computes, scale, timeline.pp, shades, edge=0.4 if _median_forward_s(timeline) * px_per_s >= 4 else 0.0
+        )
     _draw_marks(ax, [b for b in shown if b.kind not in ("F", "B")], scale)
     row_px = ax.bbox.height / (timeline.pp + 0.2) * ROW_HEIGHT
     labels = 0
     if row_px >= LABEL_FONT_PT * DPI / 72:
-        labels = sum(_label(ax, b, scale, px_per_s, TAIL_COLOR if b.kind == "tail" else shades[b.kind][b.stage // timeline.pp])
-                     for b in shown if b.kind in ("F", "B", "tail"))
+        labels = sum(
+            _label(ax, b, scale, px_per_s, TAIL_COLOR if b.kind == "tail" else shades[b.kind][b.stage // timeline.pp])
+            for b in shown
+            if b.kind in ("F", "B", "tail")
+        )
     ax.set_xlim(lo * scale, hi * scale)
     ax.set_ylim(timeline.pp - 0.4, -0.6)  # rank 0 on top
     ax.set_yticks(range(timeline.pp))
-    ax.set_yticklabels([f"rank {r}  bubble {timeline.bubble_fraction[r]:.1%}" for r in range(timeline.pp)] if rank_labels else [],
-                       fontsize=8)
+    ax.set_yticklabels(
+        [f"rank {r}  bubble {timeline.bubble_fraction[r]:.1%}" for r in range(timeline.pp)] if rank_labels else [],
+        fontsize=8,
+    )
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(axis="x", color="#e8e8e8", linewidth=0.6)
     ax.set_axisbelow(True)
@@ -146,7 +175,13 @@ def _draw_blocks(ax, computes: list[Block], scale: float, pp: int, shades, edge:
     for b in computes:
         groups.setdefault((b.rank, b.kind, b.stage // pp), []).append((b.start_s * scale, b.duration_s * scale))  # type: ignore[operator]
     for (rank, kind, chunk), spans in groups.items():
-        ax.broken_barh(spans, (rank - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors=shades[kind][chunk], edgecolor="white", linewidth=edge)
+        ax.broken_barh(
+            spans,
+            (rank - ROW_HEIGHT / 2, ROW_HEIGHT),
+            facecolors=shades[kind][chunk],
+            edgecolor="white",
+            linewidth=edge,
+        )
 
 
 def _draw_runs(ax, computes: list[Block], scale: float, pixel_s: float, shades) -> None:
@@ -164,9 +199,16 @@ def _draw_runs(ax, computes: list[Block], scale: float, pixel_s: float, shades) 
         run[1] = b.end_s
         run[2 if b.kind == "F" else 3] += b.duration_s
     for rank, rank_runs in runs.items():
-        colors = [_blend(shades["F"][0], shades["B"][0], forward / (forward + backward)) for _, _, forward, backward in rank_runs]
-        ax.broken_barh([(start * scale, (end - start) * scale) for start, end, _, _ in rank_runs],
-                       (rank - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors=colors, linewidth=0.0)
+        colors = [
+            _blend(shades["F"][0], shades["B"][0], forward / (forward + backward))
+            for _, _, forward, backward in rank_runs
+        ]
+        ax.broken_barh(
+            [(start * scale, (end - start) * scale) for start, end, _, _ in rank_runs],
+            (rank - ROW_HEIGHT / 2, ROW_HEIGHT),
+            facecolors=colors,
+            linewidth=0.0,
+        )
 
 
 def _blend(first, second, weight: float) -> tuple[float, ...]:
@@ -181,12 +223,20 @@ def _draw_marks(ax, blocks: list[Block], scale: float) -> None:
         groups.setdefault((b.rank, _style_key(b)), []).append((b.start_s * scale, b.duration_s * scale))
     for (rank, style), spans in groups.items():
         if style == "wait":
-            ax.broken_barh(spans, (rank - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors="white", edgecolor=WAIT_COLOR,
-                           hatch="////", linewidth=0.0)
+            ax.broken_barh(
+                spans,
+                (rank - ROW_HEIGHT / 2, ROW_HEIGHT),
+                facecolors="white",
+                edgecolor=WAIT_COLOR,
+                hatch="////",
+                linewidth=0.0,
+            )
         elif style == "wire":
             ax.broken_barh(spans, (rank + ROW_HEIGHT / 2, 0.1), facecolors=WIRE_COLOR, linewidth=0.0)
         else:
-            ax.broken_barh(spans, (rank - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors=TAIL_COLOR, edgecolor="white", linewidth=0.4)
+            ax.broken_barh(
+                spans, (rank - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors=TAIL_COLOR, edgecolor="white", linewidth=0.4
+            )
 
 
 def _style_key(block: Block) -> str:
@@ -208,8 +258,16 @@ def _label(ax, block: Block, scale: float, px_per_s: float, face) -> int:
 
     red, green, blue = to_rgb(face)
     dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.55  # perceived luminance (ITU-R BT.601)
-    ax.text((block.start_s + block.end_s) / 2 * scale, block.rank, text, ha="center", va="center",
-            fontsize=LABEL_FONT_PT, color="white" if dark else "black", clip_on=True)
+    ax.text(
+        (block.start_s + block.end_s) / 2 * scale,
+        block.rank,
+        text,
+        ha="center",
+        va="center",
+        fontsize=LABEL_FONT_PT,
+        color="white" if dark else "black",
+        clip_on=True,
+    )
     return 1
 
 
@@ -222,8 +280,14 @@ def _draw_memory(ax, timeline: Timeline, scale: float) -> None:
     low = min(level for series in timeline.memory.values() for _, level in series)
     for rank, series in timeline.memory.items():
         color = cmap(rank if timeline.pp <= 10 else rank / max(timeline.pp - 1, 1))
-        ax.step([t * scale for t, _ in series], [level for _, level in series], where="post", color=color,
-                linewidth=1.0, label=f"rank {rank}")
+        ax.step(
+            [t * scale for t, _ in series],
+            [level for _, level in series],
+            where="post",
+            color=color,
+            linewidth=1.0,
+            label=f"rank {rank}",
+        )
     limit = timeline.memory_limit
     near = limit is not None and peak >= limit / 5
     if near:
@@ -250,15 +314,20 @@ def _title(timeline: Timeline) -> str:
     mesh = " x ".join(f"{axis} {size}" for axis, size in timeline.mesh.items())
     schedule = timeline.schedule + (f" (v = {timeline.virtual_stages})" if timeline.virtual_stages > 1 else "")
     m = timeline.num_microbatches
-    first = f"{timeline.model or 'hand-written plan'}: {mesh}, {schedule}, {m} micro-batch{'es' if m > 1 else ''} per step"
+    first = (
+        f"{timeline.model or 'hand-written plan'}: {mesh}, {schedule}, {m} micro-batch{'es' if m > 1 else ''} per step"
+    )
     bubble = sum(timeline.bubble_fraction.values()) / timeline.pp
     if timeline.units == "relative":
         return f"{first}\n{timeline.notes[0]}; bubble {bubble:.1%} of the step (mean over ranks)"
     step = f"simulated step {_seconds(timeline.total_s)}"
     if timeline.predicted_step_s is not None:
         step += f" (planner: {_seconds(timeline.predicted_step_s)})"
-    planner_bubble = ("" if timeline.predicted_bubble_fraction is None
-                      else f"; planner's (p - 1) / (v m) = {timeline.predicted_bubble_fraction:.1%} of compute")
+    planner_bubble = (
+        ""
+        if timeline.predicted_bubble_fraction is None
+        else f"; planner's (p - 1) / (v m) = {timeline.predicted_bubble_fraction:.1%} of compute"
+    )
     return f"{first}\n{step}; bubble {bubble:.1%} of the step (mean over ranks){planner_bubble}"
 
 
@@ -274,13 +343,23 @@ def _legend(fig, timeline: Timeline) -> None:
     handles = []
     for kind, name in (("F", "forward"), ("B", "backward")):
         shades = _colors(kind, v)
-        handles += [Patch(facecolor=shade, label=f"{name}, chunk {k}" if v > 1 else f"{name} (number: micro-batch)")
-                    for k, shade in enumerate(shades)]
+        handles += [
+            Patch(facecolor=shade, label=f"{name}, chunk {k}" if v > 1 else f"{name} (number: micro-batch)")
+            for k, shade in enumerate(shades)
+        ]
     present = {_style_key(b) for b in timeline.blocks if b.duration_s > 0}
-    marks = [("wait", Patch(facecolor="white", edgecolor=WAIT_COLOR, hatch="////", label="waiting on a p2p transfer")),
-             ("wire", Patch(facecolor=WIRE_COLOR, label="p2p send in flight")),
-             ("tail", Patch(facecolor=TAIL_COLOR, label="grad sync + optimizer"))]
+    marks = [
+        ("wait", Patch(facecolor="white", edgecolor=WAIT_COLOR, hatch="////", label="waiting on a p2p transfer")),
+        ("wire", Patch(facecolor=WIRE_COLOR, label="p2p send in flight")),
+        ("tail", Patch(facecolor=TAIL_COLOR, label="grad sync + optimizer")),
+    ]
     handles += [patch for style, patch in marks if style in present]
     handles.append(Patch(facecolor="white", edgecolor="#c0c0c0", label="idle (bubble)"))
-    fig.legend(handles=handles, loc="upper right", ncol=min(len(handles), 6 if v == 1 else v + 1), fontsize=7,
-               frameon=False, bbox_to_anchor=(0.98, 1 - 0.55 / fig.get_figheight()))
+    fig.legend(
+        handles=handles,
+        loc="upper right",
+        ncol=min(len(handles), 6 if v == 1 else v + 1),
+        fontsize=7,
+        frameon=False,
+        bbox_to_anchor=(0.98, 1 - 0.55 / fig.get_figheight()),
+    )

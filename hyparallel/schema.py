@@ -46,13 +46,17 @@ class _Section(BaseModel):
 class ModelInfo(_Section):
     """What the plan was made for; ``fingerprint`` is hyparallel.models.fingerprint(model)."""
 
-    name: str = Field(description="The model's name as traced (the class name unless `hyparallel plan --model` named it).")
+    name: str = Field(
+        description="The model's name as traced (the class name unless `hyparallel plan --model` named it)."
+    )
     num_params: ParamCount = Field(description="Parameters of the whole, unsplit model.")
     num_layers: int_in(0, limits.MAX_MODEL_OPS) = Field(
-        description="Repeated blocks (transformer layers) found by the trace; the parameterised ops when there are none.")
+        description="Repeated blocks (transformer layers) found by the trace; the parameterised ops when there are none."
+    )
     fingerprint: str = Field(
         description="`sha256:` hash of the parameter names and shapes; `parallelize` refuses a model whose fingerprint "
-                    "differs (an empty string skips the check).")
+        "differs (an empty string skips the check)."
+    )
 
 
 class TrainingConfig(_Section):
@@ -60,12 +64,16 @@ class TrainingConfig(_Section):
 
     global_batch: Sequences = Field(description="Sequences per optimizer step, summed over the data-parallel replicas.")
     micro_batch: Sequences = Field(
-        1, description="Sequences in one micro-batch on one replica; derived from `parallel.num_microbatches` when only "
-                       "that is given.")
+        1,
+        description="Sequences in one micro-batch on one replica; derived from `parallel.num_microbatches` when only "
+        "that is given.",
+    )
     seq_len: int_in(1, limits.MAX_SEQ_LEN) = Field(description="Tokens per sequence.")
     dtype: Dtype = Field(
-        "bf16", description="Compute precision: `bf16`/`fp16` run under autocast with fp32 weights, gradients and "
-                            "optimizer state; `fp32` runs in fp32 throughout.")
+        "bf16",
+        description="Compute precision: `bf16`/`fp16` run under autocast with fp32 weights, gradients and "
+        "optimizer state; `fp32` runs in fp32 throughout.",
+    )
 
 
 class ParallelConfig(_Section):
@@ -76,22 +84,33 @@ class ParallelConfig(_Section):
     pp: Degree = Field(1, description="Pipeline-parallel degree: ranks each running a part of the layers.")
     schedule: Schedule = Field("1f1b", description="Pipeline schedule (ignored when pp = 1).")
     virtual_stages: int_in(1, limits.MAX_VIRTUAL_STAGES) = Field(
-        1, description="Model chunks per pipeline rank; more than 1 only with `interleaved-1f1b`.")
+        1, description="Model chunks per pipeline rank; more than 1 only with `interleaved-1f1b`."
+    )
     num_microbatches: Sequences | None = Field(
-        None, description="Micro-batches per step on each replica: global_batch / (dp x micro_batch); derived when omitted.")
+        None,
+        description="Micro-batches per step on each replica: global_batch / (dp x micro_batch); derived when omitted.",
+    )
     recompute: Recompute = Field(
-        "none", description="Activation recomputation: `selective` recomputes only the ops producing seq x seq tensors, "
-                            "`full` each block (each stage under a pipeline).")
+        "none",
+        description="Activation recomputation: `selective` recomputes only the ops producing seq x seq tensors, "
+        "`full` each block (each stage under a pipeline).",
+    )
     zero: ZeroStage = Field(
-        0, description="ZeRO stage of the data-parallel axis: 0 is DDP, 1 and 2 FSDP2 without resharding after forward, "
-                       "3 FSDP2 resharding after forward. The planner picks 2 and 3 only when pp = 1, and ZeRO only when dp > 1.")
+        0,
+        description="ZeRO stage of the data-parallel axis: 0 is DDP, 1 and 2 FSDP2 without resharding after forward, "
+        "3 FSDP2 resharding after forward. The planner picks 2 and 3 only when pp = 1, and ZeRO only when dp > 1.",
+    )
     sequence_parallel: bool = Field(
-        False, description="Split the norms, dropout and residual adds between the tensor-parallel matmuls along the "
-                           "sequence over the tp ranks.")
+        False,
+        description="Split the norms, dropout and residual adds between the tensor-parallel matmuls along the "
+        "sequence over the tp ranks.",
+    )
     fused_kernels: bool = Field(
-        True, description="Run the activation after a column-split Linear in that Linear's matmul epilogue (a Triton "
-                          "kernel on CUDA, outside autocast); the environment variable HYPARALLEL_TRITON=0 turns the "
-                          "kernels off as well.")
+        True,
+        description="Run the activation after a column-split Linear in that Linear's matmul epilogue (a Triton "
+        "kernel on CUDA, outside autocast); the environment variable HYPARALLEL_TRITON=0 turns the "
+        "kernels off as well.",
+    )
 
     @property
     def world_size(self) -> int:
@@ -101,8 +120,10 @@ class ParallelConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
         if self.world_size > limits.MAX_DEVICES:
-            raise ValueError(f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size:,} processes, "
-                             f"more than the {limits.MAX_DEVICES:,} hyparallel plans for; lower a degree")
+            raise ValueError(
+                f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size:,} processes, "
+                f"more than the {limits.MAX_DEVICES:,} hyparallel plans for; lower a degree"
+            )
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(
                 f"parallel.virtual_stages is {self.virtual_stages} but schedule is '{self.schedule}'; "
@@ -122,8 +143,10 @@ class Placement(_Section):
     """How ranks map onto the (pp, dp, tp) mesh; see Note [rank order]."""
 
     order: tuple[Axis, Axis, Axis] = Field(
-        DEFAULT_ORDER, description="The mesh axes outermost first, as `init_device_mesh`'s dim names: the last varies "
-                                   "fastest with the rank, so the default keeps a tp group on consecutive ranks.")
+        DEFAULT_ORDER,
+        description="The mesh axes outermost first, as `init_device_mesh`'s dim names: the last varies "
+        "fastest with the rank, so the default keeps a tp group on consecutive ranks.",
+    )
 
     @field_validator("order")
     @classmethod
@@ -137,45 +160,65 @@ class StageSpec(_Section):
     """One pipeline stage (a virtual stage under interleaving): the module paths it runs."""
 
     index: int_in(0, limits.MAX_DEVICES * limits.MAX_VIRTUAL_STAGES) = Field(
-        description="Position in the pipeline, 0 first; stage i runs on pipeline rank i % pp.")
+        description="Position in the pipeline, 0 first; stage i runs on pipeline rank i % pp."
+    )
     modules: list[str] = Field(
-        min_length=1, description="Module paths (as in `named_modules()`) this stage runs; a module's children go with "
-                                  "it, and glue code of unlisted parents runs where execution order puts it.")
+        min_length=1,
+        description="Module paths (as in `named_modules()`) this stage runs; a module's children go with "
+        "it, and glue code of unlisted parents runs where execution order puts it.",
+    )
     num_params: ParamCount | None = Field(
-        None, description="Planner: parameters of these modules in the unsplit model (before tensor-parallel splitting).")
+        None,
+        description="Planner: parameters of these modules in the unsplit model (before tensor-parallel splitting).",
+    )
     compute_s: NonNegativeFloat | None = Field(
-        None, description="Planner: forward + backward seconds of one micro-batch through this stage on one device, "
-                          "recomputation included, communication not.")
+        None,
+        description="Planner: forward + backward seconds of one micro-batch through this stage on one device, "
+        "recomputation included, communication not.",
+    )
     memory_gib: NonNegativeFloat | None = Field(
-        None, description="Planner: peak GiB of the device running this stage (all its virtual stages), reserved "
-                          "memory included.")
+        None,
+        description="Planner: peak GiB of the device running this stage (all its virtual stages), reserved "
+        "memory included.",
+    )
     # The per-micro-batch figures `hyparallel simulate` times the schedule with; a plan without them is drawn in
     # relative units (hyparallel/pipeline/timeline.py).
     forward_s: NonNegativeFloat | None = Field(
-        None, description="Planner: forward seconds of one micro-batch through this stage on one device, its "
-                          "tensor-parallel all-reduces included.")
+        None,
+        description="Planner: forward seconds of one micro-batch through this stage on one device, its "
+        "tensor-parallel all-reduces included.",
+    )
     backward_s: NonNegativeFloat | None = Field(
-        None, description="Planner: backward seconds of one micro-batch, recomputation, tensor-parallel all-reduces "
-                          "and (pp = 1 only) ZeRO-2/3's per-micro-batch traffic included.")
+        None,
+        description="Planner: backward seconds of one micro-batch, recomputation, tensor-parallel all-reduces "
+        "and (pp = 1 only) ZeRO-2/3's per-micro-batch traffic included.",
+    )
     activation_gib: NonNegativeFloat | None = Field(
-        None, description="Planner: GiB of activations one in-flight micro-batch keeps on this stage for its backward, "
-                          "under the plan's recompute.")
+        None,
+        description="Planner: GiB of activations one in-flight micro-batch keeps on this stage for its backward, "
+        "under the plan's recompute.",
+    )
     p2p_s: NonNegativeFloat | None = Field(
-        None, description="Planner: seconds of one point-to-point transfer to the next stage (a micro-batch's output "
-                          "activations; their gradient comes back in the same time); absent on the last stage.")
+        None,
+        description="Planner: seconds of one point-to-point transfer to the next stage (a micro-batch's output "
+        "activations; their gradient comes back in the same time); absent on the last stage.",
+    )
 
 
 class CommTime(_Section):
     """Exposed communication time per step by mesh axis."""
 
     tp: NonNegativeFloat = Field(
-        description="Tensor-parallel collectives of one device over the step (all its micro-batches, never overlapped).")
+        description="Tensor-parallel collectives of one device over the step (all its micro-batches, never overlapped)."
+    )
     dp: NonNegativeFloat = Field(
         description="The step's tail after the last backward on the slowest stage: gradient reduction not hidden "
-                    "behind the backward, ZeRO 1/2's weight all-gather, and the optimizer step (ZeRO 2/3's "
-                    "per-micro-batch traffic is in the stages' time instead).")
+        "behind the backward, ZeRO 1/2's weight all-gather, and the optimizer step (ZeRO 2/3's "
+        "per-micro-batch traffic is in the stages' time instead)."
+    )
     pp: NonNegativeFloat = Field(
-        description="Point-to-point activation and gradient transfers: per micro-batch x (m + pp - 1).")
+        description="Point-to-point activation and gradient transfers: per micro-batch x (m + pp - 1)."
+    )
 
 
 class Predicted(_Section):
@@ -185,12 +228,17 @@ class Predicted(_Section):
     tokens_per_s: NonNegativeFloat = Field(description="global_batch x seq_len / step_time_s, over the whole cluster.")
     tflops_per_gpu: NonNegativeFloat = Field(
         description="Model TFLOP/s per device: 3 x forward FLOPs of the global batch (recomputation not counted) / "
-                    "step time / devices.")
-    mfu: NonNegativeFloat = Field(description="Model FLOPs utilisation: tflops_per_gpu over the device's peak in `dtype`.")
+        "step time / devices."
+    )
+    mfu: NonNegativeFloat = Field(
+        description="Model FLOPs utilisation: tflops_per_gpu over the device's peak in `dtype`."
+    )
     bubble_fraction: NonNegativeFloat = Field(
-        description="Pipeline idle time over ideal compute time, (pp - 1) / (virtual_stages x num_microbatches).")
+        description="Pipeline idle time over ideal compute time, (pp - 1) / (virtual_stages x num_microbatches)."
+    )
     memory_gib: list[NonNegativeFloat] = Field(
-        description="Peak GiB per pipeline rank (one entry per rank, reserved memory included).")
+        description="Peak GiB per pipeline rank (one entry per rank, reserved memory included)."
+    )
     comm_s: CommTime = Field(description="Communication seconds per step by mesh axis.")
 
 
@@ -200,18 +248,25 @@ class Plan(_Section):
     version: Literal[1] = Field(1, description="Plan file format version.")
     model: ModelInfo | None = Field(None, description="The model the plan was made for; written by the planner.")
     cluster: ClusterSpec | None = Field(
-        None, description="The cluster: a preset name (`cluster: a100-80g`), `{name, num_nodes, gpus_per_node}` of a "
-                          "preset, or every figure (docs/clusters.md).")
+        None,
+        description="The cluster: a preset name (`cluster: a100-80g`), `{name, num_nodes, gpus_per_node}` of a "
+        "preset, or every figure (docs/clusters.md).",
+    )
     training: TrainingConfig = Field(description="Batch, sequence length and precision.")
     parallel: ParallelConfig = Field(description="Degrees and strategies.")
     placement: Placement = Field(Placement(), description="Rank layout on the (pp, dp, tp) mesh.")
     stages: list[StageSpec] | None = Field(
-        None, description="One entry per (virtual) stage, pp x virtual_stages in all; planned by `parallelize` when "
-                          "absent.")
+        None,
+        description="One entry per (virtual) stage, pp x virtual_stages in all; planned by `parallelize` when absent.",
+    )
     tensor_parallel: dict[str, TPStyle] | None = Field(
-        None, description="Module path or glob (`layers.*.attn.qkv`) -> split style; planned by `parallelize` when "
-                          "absent and tp > 1.")
-    predicted: Predicted | None = Field(None, description="The planner's predictions; informational: training does not depend on them.")
+        None,
+        description="Module path or glob (`layers.*.attn.qkv`) -> split style; planned by `parallelize` when "
+        "absent and tp > 1.",
+    )
+    predicted: Predicted | None = Field(
+        None, description="The planner's predictions; informational: training does not depend on them."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -273,15 +328,21 @@ class Plan(_Section):
                 )
             for position, stage in enumerate(self.stages):
                 if stage.index != position:
-                    raise ValueError(f"stages[{position}].index is {stage.index}; stages must be listed in order 0..{expected - 1}")
+                    raise ValueError(
+                        f"stages[{position}].index is {stage.index}; stages must be listed in order 0..{expected - 1}"
+                    )
             seen: dict[str, int] = {}
             for stage in self.stages:
                 for module in stage.modules:
                     if module in seen:
-                        raise ValueError(f"module '{module}' is in stages {seen[module]} and {stage.index}; each module belongs to one stage")
+                        raise ValueError(
+                            f"module '{module}' is in stages {seen[module]} and {stage.index}; each module belongs to one stage"
+                        )
                     seen[module] = stage.index
         if self.predicted is not None and len(self.predicted.memory_gib) != par.pp:
-            raise ValueError(f"predicted.memory_gib has {len(self.predicted.memory_gib)} entries; give one per pipeline stage (pp = {par.pp})")
+            raise ValueError(
+                f"predicted.memory_gib has {len(self.predicted.memory_gib)} entries; give one per pipeline stage (pp = {par.pp})"
+            )
         return self
 
     # ---- mesh helpers -------------------------------------------------------------------------
@@ -365,11 +426,12 @@ def _expand_cluster(cluster: Any) -> Any:
         extra = set(cluster) - {"name", "num_nodes", "gpus_per_node"}
         unknown = sorted(str(key) for key in extra - set(ClusterSpec.model_fields))
         if unknown:  # a typo, not a full spec: say so rather than list what a full spec would miss
-            raise ValueError(f"cluster: unknown key '{unknown[0]}'; a preset takes name, num_nodes and gpus_per_node "
-                             f"(or give every figure: {', '.join(ClusterSpec.model_fields)})")
+            raise ValueError(
+                f"cluster: unknown key '{unknown[0]}'; a preset takes name, num_nodes and gpus_per_node "
+                f"(or give every figure: {', '.join(ClusterSpec.model_fields)})"
+            )
         if extra:
             return cluster  # figures of a full spec: let validation name what is missing
         # The preset's figures with the given sizes, validated (and their bounds reported) with the plan.
         return {**ClusterSpec.preset(cluster["name"]).model_dump(), **cluster}
     return cluster
-

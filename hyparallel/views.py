@@ -47,8 +47,10 @@ def device_map(plan: Plan) -> Table:
     per_node = plan.cluster.gpus_per_node if plan.cluster else min(plan.world_size, 8)
     nodes = -(-plan.world_size // per_node)
     shown = list(range(nodes)) if nodes <= MAX_NODES else [*range(MAX_NODES - 1), nodes - 1]
-    table = Table(title="device map: pp stage / dp replica / tp shard of each GPU (global rank)"
-                        + ("" if plan.cluster else "; no cluster in the plan: rows of 8 ranks"))
+    table = Table(
+        title="device map: pp stage / dp replica / tp shard of each GPU (global rank)"
+        + ("" if plan.cluster else "; no cluster in the plan: rows of 8 ranks")
+    )
     table.add_column("node")
     for gpu in range(per_node):
         table.add_column(f"GPU {gpu}", justify="center")
@@ -75,18 +77,24 @@ def stage_nodes(plan: Plan) -> dict[int, tuple[int, int]]:
     shape, pp = plan.mesh_shape(), plan.parallel.pp
     axes = list(shape)
     inner = 1
-    for axis in axes[axes.index("pp") + 1:]:
+    for axis in axes[axes.index("pp") + 1 :]:
         inner *= shape[axis]
     outer = plan.world_size // (pp * inner)
-    return {stage: (stage * inner // per_node, (((outer - 1) * pp + stage) * inner + inner - 1) // per_node)
-            for stage in range(pp)}
+    return {
+        stage: (stage * inner // per_node, (((outer - 1) * pp + stage) * inner + inner - 1) // per_node)
+        for stage in range(pp)
+    }
 
 
 def stage_table(plan: Plan) -> Table:
     """One row per pipeline device: its layers, parameters, compute per micro-batch and peak memory as a bar."""
     par, pred = plan.parallel, plan.predicted
     capacity = plan.cluster.device.memory_bytes / 2**30 if plan.cluster else None
-    table = Table(title="pipeline stages (per device" + (f", {par.virtual_stages} chunks each" if par.virtual_stages > 1 else "") + ")")
+    table = Table(
+        title="pipeline stages (per device"
+        + (f", {par.virtual_stages} chunks each" if par.virtual_stages > 1 else "")
+        + ")"
+    )
     for column in ("stage", "nodes", "layers", "parameters", "compute s / micro-batch", "peak memory per GPU"):
         table.add_column(column, justify="left" if column in ("layers", "peak memory per GPU") else "right")
     where, by_device = stage_nodes(plan), _chunks_by_device(plan)
@@ -96,15 +104,23 @@ def stage_table(plan: Plan) -> Table:
             table.add_row("...", "...", f"({par.pp - MAX_STAGE_ROWS} more stages)", "...", "...", "...")
         chunks = by_device.get(device, [])
         modules = [m for st in chunks for m in st.modules]
-        label = (f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)" if len(modules) > 2
-                 else ", ".join(modules) or "(planned at launch)")
+        label = (
+            f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)"
+            if len(modules) > 2
+            else ", ".join(modules) or "(planned at launch)"
+        )
         memory = pred.memory_gib[device] if pred else None
         bar = memory_bar(memory, capacity) if memory is not None and capacity else Text("-")
         compute = sum(st.compute_s or 0 for st in chunks)
         first, last = where[device]
-        table.add_row(str(device), f"{first}" if first == last else f"{first}-{last}", label,
-                      count(sum(st.num_params or 0 for st in chunks)) if chunks else "-",
-                      f"{compute:.4f}" if compute else "-", bar)
+        table.add_row(
+            str(device),
+            f"{first}" if first == last else f"{first}-{last}",
+            label,
+            count(sum(st.num_params or 0 for st in chunks)) if chunks else "-",
+            f"{compute:.4f}" if compute else "-",
+            bar,
+        )
     return table
 
 
@@ -120,19 +136,27 @@ def time_breakdown(plan: Plan) -> Table:
     """The predicted step time taken apart; see Note [what the time breakdown adds up]."""
     pred, m = plan.predicted, plan.num_microbatches
     per_device = [sum(st.compute_s or 0 for st in chunks) for chunks in _chunks_by_device(plan).values()]
-    parts = {"tensor-parallel communication (exposed)": pred.comm_s.tp, "pipeline sends": pred.comm_s.pp,
-             "data-parallel gradient sync + optimizer step": pred.comm_s.dp}
+    parts = {
+        "tensor-parallel communication (exposed)": pred.comm_s.tp,
+        "pipeline sends": pred.comm_s.pp,
+        "data-parallel gradient sync + optimizer step": pred.comm_s.dp,
+    }
     rest = max(pred.step_time_s - sum(parts.values()), 0.0)
     compute = min(m * max(per_device, default=0.0), rest)
     if compute:
         other = "pipeline bubble and stage imbalance" + (
-            f", ZeRO-{plan.parallel.zero} traffic per micro-batch" if plan.parallel.zero >= 2 and plan.parallel.dp > 1 else "")
+            f", ZeRO-{plan.parallel.zero} traffic per micro-batch"
+            if plan.parallel.zero >= 2 and plan.parallel.dp > 1
+            else ""
+        )
         parts = {"compute (m x slowest stage)": compute, **parts, other: rest - compute}
     else:  # a plan without per-stage compute figures
         parts = {"compute and pipeline bubble": rest, **parts}
-    table = Table(title=f"predicted step {pred.step_time_s:.3f} s, taken apart",
-                  caption=f"{pred.tokens_per_s:,.0f} tokens/s, {pred.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pred.mfu:.1%}, "
-                          f"pipeline bubble {pred.bubble_fraction:.1%} of compute")
+    table = Table(
+        title=f"predicted step {pred.step_time_s:.3f} s, taken apart",
+        caption=f"{pred.tokens_per_s:,.0f} tokens/s, {pred.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pred.mfu:.1%}, "
+        f"pipeline bubble {pred.bubble_fraction:.1%} of compute",
+    )
     for column in ("part", "seconds", "share"):
         table.add_column(column, justify="left" if column == "part" else "right")
     for part, seconds in parts.items():

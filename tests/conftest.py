@@ -21,8 +21,20 @@ REPO = Path(__file__).resolve().parent.parent
 #     torchrun's variables make parallelize join a launch that does not exist (MASTER_ADDR alone made the
 #     in-process tests rendezvous), HYPARALLEL_TRITON=0 and TRITON_INTERPRET=1 change which kernels run.
 #     Every test starts without them; a test or launch that needs one sets it itself.
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "TRITON_INTERPRET")
+LAUNCH_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "TRITON_INTERPRET",
+)
 LAUNCH_PREFIXES = ("TORCHELASTIC_", "HYPARALLEL_", "DLROVER_")
 
 
@@ -47,10 +59,13 @@ def world_of_one(monkeypatch):
     if dist.is_initialized():
         dist.destroy_process_group()
 
+
 # Tiny configs for Hugging Face models: small vocabularies make transformers warn about token ids.
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
-HF_GPT2_TINY = "hf:GPT2LMHeadModel n_layer=2 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 eos_token_id=0"
+HF_GPT2_TINY = (
+    "hf:GPT2LMHeadModel n_layer=2 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 eos_token_id=0"
+)
 HF_LLAMA_TINY = (
     "hf:LlamaForCausalLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
     "intermediate_size=128 vocab_size=128 max_position_embeddings=64 bos_token_id=0 eos_token_id=0"
@@ -77,8 +92,9 @@ def gpt_tiny_graph():
     return model, hp.trace(model, model.example_inputs(2, 16))
 
 
-def torchrun(repo: Path, script: str, out: Path, processes: int, *args: str, env: dict | None = None,
-             timeout: int = 900) -> None:
+def torchrun(
+    repo: Path, script: str, out: Path, processes: int, *args: str, env: dict | None = None, timeout: int = 900
+) -> None:
     """Launch ``script`` under torchrun with gloo; it writes its results to ``out`` (rank 0, after the last case).
 
     A launch whose results are complete but that aborted while the processes tore their gloo groups down
@@ -87,12 +103,26 @@ def torchrun(repo: Path, script: str, out: Path, processes: int, *args: str, env
     """
     environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), **(env or {})}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-         str(repo / script), str(out), *args],
-        capture_output=True, text=True, env=environ, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(processes),
+            str(repo / script),
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=timeout,
     )
     teardown_only = out.exists() and "terminate called" in proc.stderr  # out is written after the last collective
-    failures = "\n".join(p.read_text() for p in sorted(out.parent.glob(f"{out.name}.rank*")))  # tests/distributed/harness.py
+    failures = "\n".join(
+        p.read_text() for p in sorted(out.parent.glob(f"{out.name}.rank*"))
+    )  # tests/distributed/harness.py
     assert proc.returncode == 0 or teardown_only, (failures or proc.stderr)[-4000:]
 
 

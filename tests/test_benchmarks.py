@@ -24,16 +24,65 @@ def _load_run_all():
 
 run_all = _load_run_all()
 BENCHMARKS = {b.name: b for b in run_all.BENCHMARKS}
-PLANNER = {"cases": [
-    {"group": "target", "model": "gpt-175b", "layers": 96, "gpus": 1024, "global_batch": 1536, "trace_s": 0.6,
-     "search_s": 0.8, "configs": 12000, "costed": 245, "plan": "tp 4 pp 8 dp 32", "mfu": 0.559, "target_s": 1.0},
-    {"group": "target", "model": "gpt-1t", "layers": 128, "gpus": 3072, "global_batch": 3072, "trace_s": 0.9,
-     "search_s": 6.0, "configs": 15616, "costed": 23, "plan": "tp 8 pp 32 dp 12", "mfu": 0.586, "target_s": 5.0},
-    {"group": "growth with GPUs", "model": "gpt-175b", "layers": 96, "gpus": 64, "global_batch": 1536, "trace_s": 0.6,
-     "search_s": 1.2, "configs": 20384, "costed": 70, "plan": "tp 4 pp 16 dp 1", "mfu": 0.599}]}
-DDP = {"peer": "torch DistributedDataParallel", "config": {"seq": 64, "json": "/tmp/x.json", "dp": 2},
-       "cases": [{"case": "dp=2", "hyparallel_ms": 20.0, "torch_ms": 16.0, "ratio": 1.25, "target": 1.05,
-                  "check": "OK: max abs parameter diff 0.0e+00 after one step"}]}
+PLANNER = {
+    "cases": [
+        {
+            "group": "target",
+            "model": "gpt-175b",
+            "layers": 96,
+            "gpus": 1024,
+            "global_batch": 1536,
+            "trace_s": 0.6,
+            "search_s": 0.8,
+            "configs": 12000,
+            "costed": 245,
+            "plan": "tp 4 pp 8 dp 32",
+            "mfu": 0.559,
+            "target_s": 1.0,
+        },
+        {
+            "group": "target",
+            "model": "gpt-1t",
+            "layers": 128,
+            "gpus": 3072,
+            "global_batch": 3072,
+            "trace_s": 0.9,
+            "search_s": 6.0,
+            "configs": 15616,
+            "costed": 23,
+            "plan": "tp 8 pp 32 dp 12",
+            "mfu": 0.586,
+            "target_s": 5.0,
+        },
+        {
+            "group": "growth with GPUs",
+            "model": "gpt-175b",
+            "layers": 96,
+            "gpus": 64,
+            "global_batch": 1536,
+            "trace_s": 0.6,
+            "search_s": 1.2,
+            "configs": 20384,
+            "costed": 70,
+            "plan": "tp 4 pp 16 dp 1",
+            "mfu": 0.599,
+        },
+    ]
+}
+DDP = {
+    "peer": "torch DistributedDataParallel",
+    "config": {"seq": 64, "json": "/tmp/x.json", "dp": 2},
+    "cases": [
+        {
+            "case": "dp=2",
+            "hyparallel_ms": 20.0,
+            "torch_ms": 16.0,
+            "ratio": 1.25,
+            "target": 1.05,
+            "check": "OK: max abs parameter diff 0.0e+00 after one step",
+        }
+    ],
+}
 
 
 def markdown(*outcomes) -> str:
@@ -43,8 +92,10 @@ def markdown(*outcomes) -> str:
 
 
 def test_figures_are_rendered_with_peer_ratio_and_targets():
-    text = markdown(run_all.Outcome("planner_speed", "python benchmarks/planner_speed.py --json FILE", "ok", 12, PLANNER),
-                    run_all.Outcome("dp_vs_ddp", "python -m torch.distributed.run ...", "ok", 30, DDP))
+    text = markdown(
+        run_all.Outcome("planner_speed", "python benchmarks/planner_speed.py --json FILE", "ok", 12, PLANNER),
+        run_all.Outcome("dp_vs_ddp", "python -m torch.distributed.run ...", "ok", 30, DDP),
+    )
     assert "- CPU: canned" in text and "in 1.5 min" in text
     assert "gpt-175b on 1,024: 0.80 s / 1 s = 0.80 (met); gpt-1t on 3,072: 6.00 s / 5 s = 1.20 (MISSED)" in text
     assert "| growth with GPUs | gpt-175b | 96 | 64 | 1,536 | 0.60 | 1.20 |  |  |" in text
@@ -57,7 +108,9 @@ def test_figures_are_rendered_with_peer_ratio_and_targets():
 
 def test_failed_benchmark_shows_its_failure_and_stderr():
     failure = "exit 1 after 3 s; end of stderr:\nTraceback (most recent call last):\nRuntimeError: gloo boom"
-    text = markdown(run_all.Outcome("tp_vs_dtensor", "python -m torch.distributed.run ...", "failed", 3, failure=failure))
+    text = markdown(
+        run_all.Outcome("tp_vs_dtensor", "python -m torch.distributed.run ...", "failed", 3, failure=failure)
+    )
     assert "| `tp_vs_dtensor` | failed | exit 1 after 3 s |" in text
     assert "**FAILED**: exit 1 after 3 s; end of stderr:" in text
     assert "```text\nTraceback (most recent call last):\nRuntimeError: gloo boom\n```" in text
@@ -66,18 +119,24 @@ def test_failed_benchmark_shows_its_failure_and_stderr():
 def test_missing_script_gets_a_line(monkeypatch, tmp_path):
     monkeypatch.setattr(run_all, "REPO", tmp_path)  # no benchmarks/ there
     outcome = run_all.run(BENCHMARKS["prediction"], quick=True, folder=tmp_path)
-    assert outcome.status == "missing" and outcome.command.endswith("benchmarks/prediction.py --quick --worlds 2 --json FILE")
+    assert outcome.status == "missing" and outcome.command.endswith(
+        "benchmarks/prediction.py --quick --worlds 2 --json FILE"
+    )
     assert "**NOT RUN**: benchmarks/prediction.py was not found." in markdown(outcome)
 
 
 def test_run_reports_a_crash_and_kills_a_hung_benchmark(monkeypatch, tmp_path):
     (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "boom.py").write_text("import sys\nprint('partial', file=sys.stderr)\nraise SystemExit(3)\n")
+    (tmp_path / "benchmarks" / "boom.py").write_text(
+        "import sys\nprint('partial', file=sys.stderr)\nraise SystemExit(3)\n"
+    )
     (tmp_path / "benchmarks" / "hang.py").write_text("import time\ntime.sleep(60)\n")
     monkeypatch.setattr(run_all, "REPO", tmp_path)
     crashed = run_all.run(run_all.Benchmark("boom", "Boom", "", run_all.render_peer), quick=False, folder=tmp_path)
     assert crashed.status == "failed" and crashed.failure.startswith("exit 3 after") and "partial" in crashed.failure
-    hung = run_all.run(run_all.Benchmark("hang", "Hang", "", run_all.render_peer, timeout_s=1), quick=False, folder=tmp_path)
+    hung = run_all.run(
+        run_all.Benchmark("hang", "Hang", "", run_all.render_peer, timeout_s=1), quick=False, folder=tmp_path
+    )
     assert hung.status == "failed" and hung.failure.startswith("timed out after 1 s")  # killed, not waited for
 
 
@@ -87,10 +146,20 @@ def test_unexpected_json_is_a_failure_not_a_crash():
 
 
 def test_prediction_markdown_is_embedded_as_printed():
-    stdout = ("## Step time: predicted vs measured\n\n| N | plan |\n|---|---|\n| 2 | dp 2 |\n\n"
-              "Spearman rank correlation, predicted vs measured, all 5 runs: 0.90\n")
-    text = markdown(run_all.Outcome("prediction", "python benchmarks/prediction.py --json FILE", "ok", 600,
-                                    {"steps": [], "step_report": [], "memory_report": []}, stdout))
+    stdout = (
+        "## Step time: predicted vs measured\n\n| N | plan |\n|---|---|\n| 2 | dp 2 |\n\n"
+        "Spearman rank correlation, predicted vs measured, all 5 runs: 0.90\n"
+    )
+    text = markdown(
+        run_all.Outcome(
+            "prediction",
+            "python benchmarks/prediction.py --json FILE",
+            "ok",
+            600,
+            {"steps": [], "step_report": [], "memory_report": []},
+            stdout,
+        )
+    )
     assert "### Step time: predicted vs measured\n\n| N | plan |\n|---|---|\n| 2 | dp 2 |" in text
     assert "| `prediction` | ok | Spearman rank correlation, predicted vs measured, all 5 runs: 0.90 |" in text
 
@@ -99,14 +168,23 @@ def test_committed_gpu_results_are_folded_in(monkeypatch, tmp_path):
     monkeypatch.setattr(run_all, "GPU_RESULTS", tmp_path)
     assert run_all.gpu_section(run_here=False)[0] == "missing"
     (tmp_path / "device.txt").write_text("NVIDIA H200, 143771 MiB, 570.1\ntorch 2.13.0 triton 3.5.0\n")
-    row = {"config": "micro-batch 2 x 8, recompute none", "measured_step_s": 1.1, "predicted_step_s": 1.0,
-           "measured_mfu": 0.40, "predicted_mfu": 0.44, "peak_allocated_gib": 30.0, "predicted_peak_gib": 33.0,
-           "predicted_peak_without_reserved_gib": 31.0}
+    row = {
+        "config": "micro-batch 2 x 8, recompute none",
+        "measured_step_s": 1.1,
+        "predicted_step_s": 1.0,
+        "measured_mfu": 0.40,
+        "predicted_mfu": 0.44,
+        "peak_allocated_gib": 30.0,
+        "predicted_peak_gib": 33.0,
+        "predicted_peak_without_reserved_gib": 31.0,
+    }
     (tmp_path / "step.json").write_text(json.dumps({"planner's pick": row}))
     kernels = "  rmsnorm (4096, 2048)\ntimes in ms (median)\nrmsnorm 0.1 0.2 2.0\nall checks passed\n"
     (tmp_path / "kernels.txt").write_text(kernels)
-    (tmp_path / "profile.txt").write_text("CUDA torch\nprofile: 1885 kernel launches in the step\n| kernel table |\n"
-                                          "\n== planner's pick: micro-batch 16 x 1 (loss 10.8)\nstep  measured 566.4 ms\n")
+    (tmp_path / "profile.txt").write_text(
+        "CUDA torch\nprofile: 1885 kernel launches in the step\n| kernel table |\n"
+        "\n== planner's pick: micro-batch 16 x 1 (loss 10.8)\nstep  measured 566.4 ms\n"
+    )
     (tmp_path / "activations.txt").write_text("[transformers] a warning\n## Activations: bytes\n\n| model |\n|---|\n")
     status, summary, lines = run_all.gpu_section(run_here=False)
     text = "\n".join(lines)
@@ -120,8 +198,14 @@ def test_committed_gpu_results_are_folded_in(monkeypatch, tmp_path):
 
 def test_quick_planner_run_writes_results(tmp_path):
     out = tmp_path / "RESULTS.md"
-    proc = subprocess.run([sys.executable, "benchmarks/run_all.py", "--quick", "--only", "planner_speed", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run_all.py", "--quick", "--only", "planner_speed", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert "- CPU: " in text and "- Python " in text and "hyparallel at git commit " in text

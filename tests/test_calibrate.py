@@ -14,7 +14,6 @@ from hyparallel import calibrate
 from hyparallel.cli import main
 
 
-
 @pytest.fixture(scope="module")
 def calibrated():
     """One quick calibration with 2 gloo processes on the CPU (a GPU present or not), shared by the tests."""
@@ -25,7 +24,10 @@ def test_measurements_are_plausible(calibrated):
     spec, measured = calibrated
     assert measured.nproc == 2 and measured.backend == "gloo" and measured.rank == 0
     assert set(measured.matmul_flops) == {"fp32", "bf16", "fp16"}  # no TF32 on a CPU
-    assert all(len(rates) == len(calibrate.settings_for("cpu", True, 1).matmul_shapes) for rates in measured.matmul_flops.values())
+    assert all(
+        len(rates) == len(calibrate.settings_for("cpu", True, 1).matmul_shapes)
+        for rates in measured.matmul_flops.values()
+    )
     assert 1e8 < measured.achievable_flops("fp32") < 1e13
     assert measured.achievable_flops("tf32") == measured.achievable_flops("fp32")
     assert measured.attention_flops > 0 and measured.memory_bandwidth_bytes_per_s > 1e7
@@ -71,7 +73,9 @@ def test_one_process_takes_links_from_the_base(calibrated):
     base = hp.ClusterSpec.preset("cpu")
     spec = calibrate.to_cluster_spec(alone, base)
     assert spec.intra_node == base.intra_node and spec.inter_node == base.inter_node
-    assert "one process" in spec.description and "not measured (one process)" in _render(calibrate.measurements_table(alone))
+    assert "one process" in spec.description and "not measured (one process)" in _render(
+        calibrate.measurements_table(alone)
+    )
     with pytest.raises(hp.ConfigError, match="no links to measure"):
         calibrate.to_cluster_spec(alone)
 
@@ -84,12 +88,15 @@ def test_cli_writes_a_loadable_spec(tmp_path, capsys):
     assert hp.ClusterSpec.load(path).name == "ci"
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--base", "no-such-preset"], "unknown cluster preset 'no-such-preset'"),
-    (["--nproc", "0"], "calibrate: error: argument --nproc: expected a positive integer up to 1,024, got '0'"),
-    (["--nproc", "1"], "one process has no links to measure"),
-    (["--out", "/no/such/folder/c.yaml"], "cannot write /no/such/folder/c.yaml"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--base", "no-such-preset"], "unknown cluster preset 'no-such-preset'"),
+        (["--nproc", "0"], "calibrate: error: argument --nproc: expected a positive integer up to 1,024, got '0'"),
+        (["--nproc", "1"], "one process has no links to measure"),
+        (["--out", "/no/such/folder/c.yaml"], "cannot write /no/such/folder/c.yaml"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
     assert main(["calibrate", "--quick", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err
@@ -101,12 +108,23 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
 def test_one_gpu_keeps_the_base_links():
     base = hp.ClusterSpec.preset("h200")
     spec, measured = calibrate.calibrate(nproc=1, base=base, quick=True)
-    assert measured.backend == "nccl" and measured.allreduce_bus_bytes_per_s is None and set(measured.matmul_flops) == set(calibrate.DTYPES)
+    assert (
+        measured.backend == "nccl"
+        and measured.allreduce_bus_bytes_per_s is None
+        and set(measured.matmul_flops) == set(calibrate.DTYPES)
+    )
     assert 1e12 < measured.achievable_flops("bf16") < 1e16 and measured.memory_bandwidth_bytes_per_s > 1e11
-    assert spec.intra_node == base.intra_node and spec.inter_node == base.inter_node and spec.device.peak_flops == base.device.peak_flops
+    assert (
+        spec.intra_node == base.intra_node
+        and spec.inter_node == base.inter_node
+        and spec.device.peak_flops == base.device.peak_flops
+    )
     for fraction in (spec.device.matmul_efficiency, spec.device.attention_efficiency, spec.device.memory_efficiency):
         assert 0 < fraction <= 1
-    assert hp.plan(hp.models.build("gpt-tiny", device="meta"), spec, global_batch=8, seq_len=64, dtype="bf16").world_size <= spec.num_gpus
+    assert (
+        hp.plan(hp.models.build("gpt-tiny", device="meta"), spec, global_batch=8, seq_len=64, dtype="bf16").world_size
+        <= spec.num_gpus
+    )
 
 
 def _render(table) -> str:

@@ -51,8 +51,17 @@ def one_process(world_of_one):
 
     def start(spec: str, global_batch: int, seed: int = 0):
         model = hp.models.load(spec).module
-        plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), global_batch, SEQ, "fp32",
-                       dp=1, tp=1, pp=1, micro_batch=global_batch)
+        plan = hp.plan(
+            model,
+            hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1),
+            global_batch,
+            SEQ,
+            "fp32",
+            dp=1,
+            tp=1,
+            pp=1,
+            micro_batch=global_batch,
+        )
         return hp.parallelize(model, plan, seed=seed, device="cpu")
 
     return start
@@ -68,7 +77,10 @@ def test_loads_into_one_process(saved, one_process):
     ref_model, ref_optimizer = reference(2)
     ref = dict(ref_model.named_parameters())
     for name, param in pmodel.named_parameters():
-        for got, want in ((param, ref[name]), (optimizer.state[param]["exp_avg"], ref_optimizer.state[ref[name]]["exp_avg"])):
+        for got, want in (
+            (param, ref[name]),
+            (optimizer.state[param]["exp_avg"], ref_optimizer.state[ref[name]]["exp_avg"]),
+        ):
             assert ((got - want).norm() / want.norm()).item() <= 1e-5, name
 
 

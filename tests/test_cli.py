@@ -53,11 +53,20 @@ def test_show_completes_a_hand_plan(capsys, repo):
     assert yaml.safe_load(out)["parallel"]["num_microbatches"] == 4
 
 
-@pytest.mark.parametrize(("content", "expected"), [
-    ("training: {global_batch: 8, seq_len: 4}\nparallel: {tp: eight}\n", "parallel.tp: expected a positive integer, got 'eight'"),
-    ("training: {global_batch: 8, seq_len: 4}\nparallel: {dp: 3}\n", "training.global_batch (8) must be a multiple of dp (3)"),
-    ("training: [\n", "invalid YAML"),
-])
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (
+            "training: {global_batch: 8, seq_len: 4}\nparallel: {tp: eight}\n",
+            "parallel.tp: expected a positive integer, got 'eight'",
+        ),
+        (
+            "training: {global_batch: 8, seq_len: 4}\nparallel: {dp: 3}\n",
+            "training.global_batch (8) must be a multiple of dp (3)",
+        ),
+        ("training: [\n", "invalid YAML"),
+    ],
+)
 def test_show_malformed_plan_exits_2_with_one_line(capsys, tmp_path, content, expected):
     path = tmp_path / "plan.yaml"
     path.write_text(content)
@@ -81,12 +90,15 @@ def test_trace_hugging_face_model(capsys):
     assert code == 0 and json.loads(out)["method"] == "export"
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["trace", "--model", "gpt-nope"], "unknown model 'gpt-nope'"),
-    (["trace", "--model", "gpt-tiny", "layers=2"], "model 'gpt-tiny' has no setting 'layers'"),
-    (["trace", "--model", "hf:NoSuchArch"], "unknown Hugging Face architecture 'NoSuchArch'"),
-    (["show", "missing.yaml"], "missing.yaml: no such file"),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["trace", "--model", "gpt-nope"], "unknown model 'gpt-nope'"),
+        (["trace", "--model", "gpt-tiny", "layers=2"], "model 'gpt-tiny' has no setting 'layers'"),
+        (["trace", "--model", "hf:NoSuchArch"], "unknown Hugging Face architecture 'NoSuchArch'"),
+        (["show", "missing.yaml"], "missing.yaml: no such file"),
+    ],
+)
 def test_user_errors_exit_2(capsys, argv, expected):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1 and expected in err
@@ -104,10 +116,17 @@ def test_untraceable_factory_model_is_one_line(tmp_path):
         "def make():\n"
         "    return Branchy(4, 4)\n"
     )
-    result = subprocess.run([sys.executable, "-m", "hyparallel", "trace", "--model", "branchy:make"], capture_output=True,
-                            text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    result = subprocess.run(
+        [sys.executable, "-m", "hyparallel", "trace", "--model", "branchy:make"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("hyparallel: error: cannot trace Branchy: torch.fx")
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(
+        "hyparallel: error: cannot trace Branchy: torch.fx"
+    )
     assert "branchy.py:4:" in result.stderr
 
 
@@ -134,15 +153,35 @@ def test_demo_prints_the_plan_and_trains(capsys, monkeypatch):
     monkeypatch.setattr(demo, "train_parallel", lambda log: [5.0, 2.0])  # the run itself: test_example_trains
     code, out, _ = run(capsys, "demo")
     assert code == 0
-    assert re.search(r"mesh pp \d+ x dp \d+ x tp \d+", out) and "pipeline stages (per device" in out and "predicted step" in out
+    assert (
+        re.search(r"mesh pp \d+ x dp \d+ x tp \d+", out)
+        and "pipeline stages (per device" in out
+        and "predicted step" in out
+    )
     assert "parallel:" in out and "order: [pp, dp, tp]" in out  # the plan file's head
     assert "repeated blocks 96" in out and "loss 5.000 -> 2.000" in out
 
 
 def test_plan_writes_yaml_and_prints_a_summary(capsys, tmp_path):
     out_file = tmp_path / "plan.yaml"
-    code, out, err = run(capsys, "plan", "--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--global-batch", "16",
-                         "--seq-len", "32", "--dtype", "fp32", "-o", str(out_file))
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--model",
+        "gpt-mini",
+        "--gpus",
+        "8",
+        "--cluster",
+        "cpu",
+        "--global-batch",
+        "16",
+        "--seq-len",
+        "32",
+        "--dtype",
+        "fp32",
+        "-o",
+        str(out_file),
+    )
     assert code == 0, err
     plan = yaml.safe_load(out_file.read_text())
     assert plan["parallel"]["dp"] * plan["parallel"]["tp"] * plan["parallel"]["pp"] == 8
@@ -153,16 +192,45 @@ def test_plan_writes_yaml_and_prints_a_summary(capsys, tmp_path):
 
 
 def test_plan_json_is_the_only_stdout(capsys):
-    code, out, _ = run(capsys, "plan", "--model", "gpt-mini", "--gpus", "4", "--cluster", "cpu", "--global-batch", "8",
-                       "--seq-len", "32", "--tp", "2", "--json")
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "gpt-mini",
+        "--gpus",
+        "4",
+        "--cluster",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "32",
+        "--tp",
+        "2",
+        "--json",
+    )
     assert code == 0
     data = json.loads(out)
     assert data["parallel"]["tp"] == 2 and data["version"] == 1
 
 
 def test_plan_top_lists_candidates_and_alternatives(capsys):
-    code, out, _ = run(capsys, "plan", "--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--global-batch", "16",
-                       "--seq-len", "32", "--top", "3")
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "gpt-mini",
+        "--gpus",
+        "8",
+        "--cluster",
+        "cpu",
+        "--global-batch",
+        "16",
+        "--seq-len",
+        "32",
+        "--top",
+        "3",
+    )
     assert code == 0
     assert "the 3 best plans" in out and "pure data parallel" in out and "most pipeline parallel" in out
     assert "the pick" in out and out.count("slower (") >= 2  # a why-not for each loser: how much slower, from what
@@ -175,8 +243,17 @@ def test_why_slower_names_the_part_that_grew():
 
     result = search(hp.models.build("gpt-mini"), hp.ClusterSpec.preset("cpu"), 16, 32, "fp32", top=1)
     winner = result.best[0]
-    gpipe = search(hp.models.build("gpt-mini"), hp.ClusterSpec.preset("cpu"), 16, 32, "fp32", pp=4, micro_batch=2,
-                   schedule="gpipe", top=1).best[0]
+    gpipe = search(
+        hp.models.build("gpt-mini"),
+        hp.ClusterSpec.preset("cpu"),
+        16,
+        32,
+        "fp32",
+        pp=4,
+        micro_batch=2,
+        schedule="gpipe",
+        top=1,
+    ).best[0]
     parts = step_parts(gpipe)
     assert sum(parts.values()) == pytest.approx(gpipe.step_time_s)
     assert parts["bubble"] == pytest.approx(parts["compute"] * gpipe.bubble_fraction)
@@ -187,16 +264,51 @@ def test_why_slower_names_the_part_that_grew():
 
 
 def test_plan_verbose_logs_the_search_on_stderr(capsys):
-    code, out, err = run(capsys, "plan", "--model", "gpt-mini", "--gpus", "4", "--cluster", "cpu", "--global-batch", "8",
-                         "--seq-len", "32", "--verbose", "--json")
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--model",
+        "gpt-mini",
+        "--gpus",
+        "4",
+        "--cluster",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "32",
+        "--verbose",
+        "--json",
+    )
     assert code == 0 and json.loads(out)["version"] == 1  # stdout stays the JSON
     assert "configurations" in err and "may fit in memory" in err and "recompute" in err and "stopped:" in err
 
 
 def test_show_draws_the_device_map_stages_and_time_breakdown(capsys, tmp_path):
     plan_file = tmp_path / "plan.yaml"
-    assert run(capsys, "plan", "--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--global-batch", "16",
-               "--seq-len", "32", "--pp", "2", "--tp", "2", "-o", str(plan_file))[0] == 0
+    assert (
+        run(
+            capsys,
+            "plan",
+            "--model",
+            "gpt-mini",
+            "--gpus",
+            "8",
+            "--cluster",
+            "cpu",
+            "--global-batch",
+            "16",
+            "--seq-len",
+            "32",
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "-o",
+            str(plan_file),
+        )[0]
+        == 0
+    )
     code, out, _ = run(capsys, "show", str(plan_file))
     assert code == 0
     assert "device map" in out and "pp1 dp1 tp1" in out and "rank 7" in out  # every GPU's coordinates
@@ -211,12 +323,21 @@ def test_show_completes_a_hand_plan_for_a_model(capsys, repo):
     assert "completed for the model" in out and "tok_embeddings" in out and "taken apart" in out
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["--model", "gpt-mini", "--gpus", "12", "--cluster", "cpu"], "--gpus 12 is not a multiple of --gpus-per-node 8"),
-    (["--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--tp", "3"], "tp(3) = 3 does not divide the 8 GPUs"),
-    (["--model", "gpt-175b", "--gpus", "8", "--global-batch", "64"], "nothing fits in 77.0 GiB per GPU"),
-    (["--model", "gpt-mini", "--gpus", "8", "--cluster", "tpu-v9"], "unknown cluster preset 'tpu-v9'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--model", "gpt-mini", "--gpus", "12", "--cluster", "cpu"],
+            "--gpus 12 is not a multiple of --gpus-per-node 8",
+        ),
+        (
+            ["--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--tp", "3"],
+            "tp(3) = 3 does not divide the 8 GPUs",
+        ),
+        (["--model", "gpt-175b", "--gpus", "8", "--global-batch", "64"], "nothing fits in 77.0 GiB per GPU"),
+        (["--model", "gpt-mini", "--gpus", "8", "--cluster", "tpu-v9"], "unknown cluster preset 'tpu-v9'"),
+    ],
+)
 def test_plan_user_errors_exit_2(capsys, argv, expected):
     code, out, err = run(capsys, "plan", *argv)
     assert code == 2 and out == "" and err.count("\n") == 1 and expected in err
@@ -231,6 +352,7 @@ def test_show_lays_out_a_plan_without_a_cluster_in_rows_of_eight(capsys, tmp_pat
 
 # ---- every bad input refused with one line (issue 14) ---------------------------------------------------
 
+
 def one_line_error(capsys, *argv) -> str:
     """Run the CLI expecting a user error: exit 2, nothing on stdout, one line on stderr; returns that line."""
     code, out, err = run(capsys, *argv)
@@ -239,19 +361,28 @@ def one_line_error(capsys, *argv) -> str:
     return err.rstrip("\n")
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    ([], "hyparallel: error: the following arguments are required: COMMAND; see hyparallel --help"),
-    (["bogus"], "hyparallel: error: argument COMMAND: invalid choice: 'bogus'"),
-    (["plan", "--gpus", "8"],
-     "hyparallel plan: error: the following arguments are required: --model; see hyparallel plan --help"),
-    (["plan", "--model"], "hyparallel plan: error: argument --model: expected at least one argument"),
-    (["show", "plan.yaml", "--bogus"],
-     "hyparallel show: error: unrecognized arguments: --bogus; see hyparallel show --help"),
-    (["simulate"], "hyparallel simulate: error: the following arguments are required: plan"),
-    (["checkpoint", "import", "a", "b"], "hyparallel checkpoint: error: argument action: invalid choice: 'import'"),
-    (["plan", "--model", "gpt-tiny", "--gpus", "8", "--dtype", "fp8"],
-     "hyparallel plan: error: argument --dtype: invalid choice"),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], "hyparallel: error: the following arguments are required: COMMAND; see hyparallel --help"),
+        (["bogus"], "hyparallel: error: argument COMMAND: invalid choice: 'bogus'"),
+        (
+            ["plan", "--gpus", "8"],
+            "hyparallel plan: error: the following arguments are required: --model; see hyparallel plan --help",
+        ),
+        (["plan", "--model"], "hyparallel plan: error: argument --model: expected at least one argument"),
+        (
+            ["show", "plan.yaml", "--bogus"],
+            "hyparallel show: error: unrecognized arguments: --bogus; see hyparallel show --help",
+        ),
+        (["simulate"], "hyparallel simulate: error: the following arguments are required: plan"),
+        (["checkpoint", "import", "a", "b"], "hyparallel checkpoint: error: argument action: invalid choice: 'import'"),
+        (
+            ["plan", "--model", "gpt-tiny", "--gpus", "8", "--dtype", "fp8"],
+            "hyparallel plan: error: argument --dtype: invalid choice",
+        ),
+    ],
+)
 def test_argparse_errors_are_one_line(capsys, argv, expected):
     assert one_line_error(capsys, *argv).startswith(expected)
 
@@ -259,9 +390,15 @@ def test_argparse_errors_are_one_line(capsys, argv, expected):
 PLAN = ["plan", "--model", "gpt-tiny", "--gpus", "8", "--cluster", "cpu"]
 NUMERIC_FLAGS = [  # (argv before the flag, flag, the bound from hyparallel.limits)
     (["plan", "--model", "gpt-tiny", "--cluster", "cpu"], "--gpus", 2**20),
-    (PLAN, "--gpus-per-node", 1024), (PLAN, "--global-batch", 2**24), (PLAN, "--seq-len", 2**24),
-    (PLAN, "--tp", 2**20), (PLAN, "--pp", 2**20), (PLAN, "--dp", 2**20), (PLAN, "--top", 100),
-    (["trace", "--model", "gpt-tiny"], "--batch-size", 2**24), (["trace", "--model", "gpt-tiny"], "--seq-len", 2**24),
+    (PLAN, "--gpus-per-node", 1024),
+    (PLAN, "--global-batch", 2**24),
+    (PLAN, "--seq-len", 2**24),
+    (PLAN, "--tp", 2**20),
+    (PLAN, "--pp", 2**20),
+    (PLAN, "--dp", 2**20),
+    (PLAN, "--top", 100),
+    (["trace", "--model", "gpt-tiny"], "--batch-size", 2**24),
+    (["trace", "--model", "gpt-tiny"], "--seq-len", 2**24),
     (["calibrate"], "--nproc", 1024),
 ]
 
@@ -289,9 +426,11 @@ BAD_FILES = {  # name -> (bytes, what the line says)
     "binary": (b"\x89PNG\r\n\x1a\n\x00\xff", "not UTF-8 text (byte 0x89 at offset 0)"),
     "duplicate key": (b"name: a\nname: b\n", ":2:1: invalid YAML: duplicate key 'name' (first on line 1)"),
     "deep nesting": (b"[" * 100_000, ":1:65: invalid YAML: nested more than 64 levels deep"),
-    "alias bomb": (b"a: &a [x, x, x, x, x, x, x, x, x, x]\n" + b"".join(
-        f"{k}: &{k} [{', '.join([f'*{j}'] * 10)}]\n".encode() for j, k in zip("abcde", "bcdef")),
-        "invalid YAML: this value holds more than 1,000,000 values"),
+    "alias bomb": (
+        b"a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+        + b"".join(f"{k}: &{k} [{', '.join([f'*{j}'] * 10)}]\n".encode() for j, k in zip("abcde", "bcdef")),
+        "invalid YAML: this value holds more than 1,000,000 values",
+    ),
     "a list": (b"- 1\n", "expected a mapping of keys at the top level, got list [1]"),
     "empty": (b"", "expected a mapping of keys at the top level, got an empty file"),
 }
@@ -329,17 +468,22 @@ def test_a_failing_plan_leaves_an_existing_plan_file_untouched(capsys, tmp_path)
     assert target.read_text() == "my plan\n" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    ([*PLAN, "-o", "{tmp}/missing/plan.yaml"],
-     "cannot write {tmp}/missing/plan.yaml: no folder {tmp}/missing; create it first"),
-    ([*PLAN, "-o", "{tmp}"], "cannot write {tmp}: it is a folder; give a file name"),
-    (["simulate", "{plan}", "--out", "{tmp}/t.jpg"], "cannot draw '{tmp}/t.jpg': unknown picture extension '.jpg'"),
-    (["simulate", "{plan}", "--out", "{tmp}/missing/t.png"], "cannot write {tmp}/missing/t.png: no folder"),
-    (["checkpoint", "export", "{tmp}", "{tmp}/model.pt"], "{tmp}: no complete checkpoint"),
-    (["checkpoint", "export", "{fake}", "{tmp}/model.pt"], "{fake}: not a hyparallel checkpoint of format 1"),
-    (["checkpoint", "export", "{tmp}", "{tmp}/missing/model.pt"], "cannot write {tmp}/missing/model.pt: no folder"),
-    (["calibrate", "--out", "{tmp}"], "cannot write {tmp}: it is a folder"),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            [*PLAN, "-o", "{tmp}/missing/plan.yaml"],
+            "cannot write {tmp}/missing/plan.yaml: no folder {tmp}/missing; create it first",
+        ),
+        ([*PLAN, "-o", "{tmp}"], "cannot write {tmp}: it is a folder; give a file name"),
+        (["simulate", "{plan}", "--out", "{tmp}/t.jpg"], "cannot draw '{tmp}/t.jpg': unknown picture extension '.jpg'"),
+        (["simulate", "{plan}", "--out", "{tmp}/missing/t.png"], "cannot write {tmp}/missing/t.png: no folder"),
+        (["checkpoint", "export", "{tmp}", "{tmp}/model.pt"], "{tmp}: no complete checkpoint"),
+        (["checkpoint", "export", "{fake}", "{tmp}/model.pt"], "{fake}: not a hyparallel checkpoint of format 1"),
+        (["checkpoint", "export", "{tmp}", "{tmp}/missing/model.pt"], "cannot write {tmp}/missing/model.pt: no folder"),
+        (["calibrate", "--out", "{tmp}"], "cannot write {tmp}: it is a folder"),
+    ],
+)
 def test_bad_output_paths_are_one_line_and_write_nothing(capsys, tmp_path, argv, expected):
     plan = tmp_path / "in" / "plan.yaml"
     plan.parent.mkdir()
@@ -374,16 +518,19 @@ def test_simulate_refuses_a_schedule_too_long_to_time(capsys, tmp_path):
     assert "= 134,217,728 forwards and backwards, more than the 131,072 simulate times" in line
 
 
-@pytest.mark.parametrize(("model", "expected"), [
-    (["gpt-tiny", "num_layers=-1"], "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got -1"),
-    (["gpt-tiny", "num_layers=abc"], "got 'abc'"),
-    (["gpt-tiny", "num_layers=10**12"], "got '10**12'"),
-    (["gpt-tiny", "num_layers=1000000000000"], "got 1000000000000"),
-    (["gpt-tiny", "hidden_size=" + "9" * 5000], "hidden_size must be an integer"),
-    (["gpt-tiny", "nmu_layers=2"], "model 'gpt-tiny' has no setting 'nmu_layers'"),
-    (["hf:gpt2", "n_layer=-1"], "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1"),
-    (["hf:gpt2", "n_layr=2"], "hf:gpt2: GPT2Config has no setting 'n_layr'"),
-])
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        (["gpt-tiny", "num_layers=-1"], "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got -1"),
+        (["gpt-tiny", "num_layers=abc"], "got 'abc'"),
+        (["gpt-tiny", "num_layers=10**12"], "got '10**12'"),
+        (["gpt-tiny", "num_layers=1000000000000"], "got 1000000000000"),
+        (["gpt-tiny", "hidden_size=" + "9" * 5000], "hidden_size must be an integer"),
+        (["gpt-tiny", "nmu_layers=2"], "model 'gpt-tiny' has no setting 'nmu_layers'"),
+        (["hf:gpt2", "n_layer=-1"], "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1"),
+        (["hf:gpt2", "n_layr=2"], "hf:gpt2: GPT2Config has no setting 'n_layr'"),
+    ],
+)
 def test_bad_model_specs_are_one_line(capsys, model, expected):
     for argv in (["trace", "--model", *model], [*PLAN[:2], *model, *PLAN[3:]]):
         assert expected in one_line_error(capsys, *argv)
@@ -391,17 +538,24 @@ def test_bad_model_specs_are_one_line(capsys, model, expected):
 
 def test_seq_len_past_a_zoo_models_positions_is_one_line(capsys):
     line = one_line_error(capsys, *PLAN, "--seq-len", "4096")
-    assert line == ("hyparallel: error: seq_len 4096 is longer than the model's max_seq_len (128); pass a shorter "
-                    "--seq-len, or build the model with max_seq_len=4096")
+    assert line == (
+        "hyparallel: error: seq_len 4096 is longer than the model's max_seq_len (128); pass a shorter "
+        "--seq-len, or build the model with max_seq_len=4096"
+    )
 
 
 def test_paths_the_system_cannot_look_up_are_one_line(capsys, tmp_path):
     long = str(tmp_path / ("a" * 5000))  # ENAMETOOLONG: Path.is_file() and friends raise on it
     plan = tmp_path / "plan.yaml"
     plan.write_text("training: {global_batch: 8, seq_len: 4}\nparallel: {}\n")
-    for argv in (["show", long], [*PLAN[:-1], long], [*PLAN, "-o", long],
-                 ["simulate", str(plan), "--out", long + ".png"], ["checkpoint", "export", long, str(tmp_path / "m.pt")],
-                 ["calibrate", "--base", long]):
+    for argv in (
+        ["show", long],
+        [*PLAN[:-1], long],
+        [*PLAN, "-o", long],
+        ["simulate", str(plan), "--out", long + ".png"],
+        ["checkpoint", "export", long, str(tmp_path / "m.pt")],
+        ["calibrate", "--base", long],
+    ):
         assert "File name too long" in one_line_error(capsys, *argv)
 
 
@@ -449,8 +603,10 @@ def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path,
 def test_show_model_refuses_a_hand_map_naming_modules_the_model_lacks(capsys, tmp_path):
     head = "training: {global_batch: 8, micro_batch: 2, seq_len: 16, dtype: fp32}\ncluster: {name: cpu, gpus_per_node: 2}\n"
     stages = tmp_path / "stages.yaml"
-    stages.write_text(head + "parallel: {pp: 2}\nstages:\n  - {index: 0, modules: [tok_embeddings, layers.0]}\n"
-                             "  - {index: 1, modules: [layers.9, norm, output]}\n")
+    stages.write_text(
+        head + "parallel: {pp: 2}\nstages:\n  - {index: 0, modules: [tok_embeddings, layers.0]}\n"
+        "  - {index: 1, modules: [layers.9, norm, output]}\n"
+    )
     line = one_line_error(capsys, "show", str(stages), "--model", "gpt-tiny")
     assert "stages[1]: 'layers.9' is not a module of GPT" in line
     styles = tmp_path / "styles.yaml"

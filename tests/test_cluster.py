@@ -26,7 +26,7 @@ def test_preset_figures_match_datasheets():
     assert a100.device.peak_flops.bf16 == 312e12
     assert a100.device.memory_bytes == 80 * 2**30
     assert a100.intra_node.bandwidth_bytes_per_s == 235e9  # NCCL-reachable share of 300 GB/s NVLink per direction
-    assert a100.inter_node.bandwidth_bytes_per_s == 23e9   # ~92% of 200 Gb/s HDR per GPU
+    assert a100.inter_node.bandwidth_bytes_per_s == 23e9  # ~92% of 200 Gb/s HDR per GPU
     h100 = hp.ClusterSpec.preset("h100-sxm")
     assert h100.device.peak_flops.bf16 == pytest.approx(989.4e12)
     h200 = hp.ClusterSpec.preset("h200")
@@ -41,7 +41,7 @@ def test_every_preset_figure_has_a_source_comment(repo):
         for field in ("peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "intra_node", "inter_node"):
             lines = text.splitlines()
             index = next(i for i, line in enumerate(lines) if line.strip().startswith(field))
-            window = "\n".join(lines[max(0, index - 3): index + 8])
+            window = "\n".join(lines[max(0, index - 3) : index + 8])
             assert "#" in window, f"{path.name}: no source comment near {field}"
 
 
@@ -80,18 +80,32 @@ def test_unknown_cluster_key_rejected(tmp_path):
         hp.ClusterSpec.load(path)
 
 
-@pytest.mark.parametrize(("edit", "expected"), [
-    (("bf16: 3.12e+14", "bf16: .inf"), "device.peak_flops.bf16: expected a finite number, got .inf"),
-    (("bf16: 3.12e+14", "bf16: .nan"), "device.peak_flops.bf16: expected a finite number, got .nan"),
-    (("bf16: 3.12e+14", "bf16: 1.0e-300"), "device.peak_flops.bf16: expected a number of at least 1, got 1.0e-300"),
-    (("bf16: 3.12e+14", "bf16: 1.0e+300"), "device.peak_flops.bf16: expected a number up to 1e+21, got 1.0e+300"),
-    (("matmul_efficiency: 0.7", "matmul_efficiency: 0.0"), "matmul_efficiency: expected a number of at least 0.001"),
-    (("latency_s: 5.0e-06", "latency_s: -1.0"), "intra_node.latency_s: expected a non-negative number, got -1.0"),
-    (("reserved_bytes: 3221225472", "reserved_bytes: 85899345920"),
-     "device.reserved_bytes (85,899,345,920) must be less than memory_bytes (85,899,345,920)"),
-    (("gpus_per_node: 8", "gpus_per_node: 4096"), "gpus_per_node: expected a positive integer up to 1,024, got 4096"),
-    (("matmul_efficiency: 0.7", "matmul_efficiency: true"), "device.matmul_efficiency: expected a number, got true"),
-])
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (("bf16: 3.12e+14", "bf16: .inf"), "device.peak_flops.bf16: expected a finite number, got .inf"),
+        (("bf16: 3.12e+14", "bf16: .nan"), "device.peak_flops.bf16: expected a finite number, got .nan"),
+        (("bf16: 3.12e+14", "bf16: 1.0e-300"), "device.peak_flops.bf16: expected a number of at least 1, got 1.0e-300"),
+        (("bf16: 3.12e+14", "bf16: 1.0e+300"), "device.peak_flops.bf16: expected a number up to 1e+21, got 1.0e+300"),
+        (
+            ("matmul_efficiency: 0.7", "matmul_efficiency: 0.0"),
+            "matmul_efficiency: expected a number of at least 0.001",
+        ),
+        (("latency_s: 5.0e-06", "latency_s: -1.0"), "intra_node.latency_s: expected a non-negative number, got -1.0"),
+        (
+            ("reserved_bytes: 3221225472", "reserved_bytes: 85899345920"),
+            "device.reserved_bytes (85,899,345,920) must be less than memory_bytes (85,899,345,920)",
+        ),
+        (
+            ("gpus_per_node: 8", "gpus_per_node: 4096"),
+            "gpus_per_node: expected a positive integer up to 1,024, got 4096",
+        ),
+        (
+            ("matmul_efficiency: 0.7", "matmul_efficiency: true"),
+            "device.matmul_efficiency: expected a number, got true",
+        ),
+    ],
+)
 def test_cluster_figures_are_finite_and_bounded(tmp_path, edit, expected):
     text = hp.ClusterSpec.preset("a100-80g").to_yaml()
     assert edit[0] in text, edit[0]
@@ -103,11 +117,14 @@ def test_cluster_figures_are_finite_and_bounded(tmp_path, edit, expected):
     assert "\n" not in message and message.startswith(f"{path}: ") and expected in message, message
 
 
-@pytest.mark.parametrize(("sizes", "expected"), [
-    ({"num_nodes": 0}, "cluster 'cpu': num_nodes: expected a positive integer, got 0"),
-    ({"gpus_per_node": -8}, "cluster 'cpu': gpus_per_node: expected a positive integer, got -8"),
-    ({"num_nodes": 2**20, "gpus_per_node": 8}, "= 8,388,608 devices, more than the 1,048,576 hyparallel plans for"),
-])
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [
+        ({"num_nodes": 0}, "cluster 'cpu': num_nodes: expected a positive integer, got 0"),
+        ({"gpus_per_node": -8}, "cluster 'cpu': gpus_per_node: expected a positive integer, got -8"),
+        ({"num_nodes": 2**20, "gpus_per_node": 8}, "= 8,388,608 devices, more than the 1,048,576 hyparallel plans for"),
+    ],
+)
 def test_resizing_to_a_bad_size_is_one_line(sizes, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         hp.ClusterSpec.preset("cpu", **sizes)

@@ -26,18 +26,22 @@ def rendered() -> dict[str, str]:
 
 
 def _models(module) -> list[type[BaseModel]]:
-    return [obj for name, obj in inspect.getmembers(module, inspect.isclass)
-            if issubclass(obj, BaseModel) and obj.__module__ == module.__name__ and not name.startswith("_")]
+    return [
+        obj
+        for name, obj in inspect.getmembers(module, inspect.isclass)
+        if issubclass(obj, BaseModel) and obj.__module__ == module.__name__ and not name.startswith("_")
+    ]
 
 
 def _section(text: str, model: type[BaseModel]) -> str:
     """The part of a generated page documenting ``model``: from its anchor to the next one."""
     start = text.index(f'<a id="{model.__name__.lower()}"></a>')
     following = text.find('<a id="', start + 1)
-    return text[start: following if following != -1 else len(text)]
+    return text[start : following if following != -1 else len(text)]
 
 
 # ---- the generated pages ----------------------------------------------------------------------------
+
 
 def test_generated_pages_are_current(rendered):
     outdated = [str(path.relative_to(ROOT)) for path in docgen.stale(DOCS, rendered)]
@@ -63,7 +67,7 @@ def test_every_preset_and_figure_is_in_clusters_page(rendered, name):
     text = rendered["clusters.md"]
     assert f"### `{name}`" in text and f"(#preset-{name})" in text
     _, figures = docgen.preset_figures((cluster._preset_dir() / f"{name}.yaml").read_text())
-    section = text[text.index(f'<a id="preset-{name}"></a>'):]
+    section = text[text.index(f'<a id="preset-{name}"></a>') :]
     for figure in figures:
         assert f"| `{figure.key}` | `{figure.value}`" in section, figure.key
 
@@ -72,7 +76,9 @@ def test_every_preset_and_figure_is_in_clusters_page(rendered, name):
 def test_every_preset_figure_has_a_source(name):
     """SPEC: each preset gives its figures 'with the source of each figure in a comment'."""
     _, figures = docgen.preset_figures((cluster._preset_dir() / f"{name}.yaml").read_text())
-    numbers = [f for f in figures if re.fullmatch(r"[-+0-9.e]+", f.value) and f.key not in ("num_nodes", "gpus_per_node")]
+    numbers = [
+        f for f in figures if re.fullmatch(r"[-+0-9.e]+", f.value) and f.key not in ("num_nodes", "gpus_per_node")
+    ]
     assert numbers
     unsourced = [f.key for f in numbers if not (f.source or f.note)]
     assert not unsourced, f"configs/clusters/{name}.yaml: no source comment for {unsourced}"
@@ -105,6 +111,7 @@ def test_validation_rules_show_current_errors(rendered):
 
 # ---- the generator ------------------------------------------------------------------------------------
 
+
 def test_type_text_reads_like_words():
     assert docgen.type_text(PositiveInt) == "integer > 0"
     assert docgen.type_text(Optional[PositiveInt]) == "integer > 0"
@@ -112,12 +119,16 @@ def test_type_text_reads_like_words():
     assert docgen.type_text(list[schema.StageSpec]) == "list of [StageSpec](#stagespec)"
     assert docgen.type_text(cluster.Fraction) == "number in [0.001, 1]"
     assert docgen.type_text(schema.Degree) == "integer from 1 to 1,048,576"
-    assert docgen.type_text(dict[str, schema.TPStyle]) == "map of string to one of `column`, `row`, `vocab`, `replicate`"
+    assert (
+        docgen.type_text(dict[str, schema.TPStyle]) == "map of string to one of `column`, `row`, `vocab`, `replicate`"
+    )
 
 
 def test_preset_comment_parser():
-    text = ("# header\nname: x\ndevice:\n  peak:\n    # datasheet\n    a: 1.0e+12  # A\n    b: 2.0e+12\n"
-            "  # measured\n  memory_bytes: 8\n")
+    text = (
+        "# header\nname: x\ndevice:\n  peak:\n    # datasheet\n    a: 1.0e+12  # A\n    b: 2.0e+12\n"
+        "  # measured\n  memory_bytes: 8\n"
+    )
     header, figures = docgen.preset_figures(text)
     assert header == "header"
     by_key = {f.key: f for f in figures}

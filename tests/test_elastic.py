@@ -51,10 +51,27 @@ def assert_same_training(ours: dict[int, float], reference: dict[int, float], st
 
 def command(repo: Path, processes: int, directory: Path, restarts: int = 0) -> list[str]:
     """The example under torchrun, checkpointing into ``directory``, logging each step to ``log_of(directory)``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-            "--max-restarts", str(restarts), str(repo / "examples" / "train_gpt.py"), "--steps", str(STEPS),
-            "--checkpoint-dir", str(directory), "--checkpoint-every", str(EVERY), "--log-every", "1",
-            "--log-json", str(log_of(directory))]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        "--max-restarts",
+        str(restarts),
+        str(repo / "examples" / "train_gpt.py"),
+        "--steps",
+        str(STEPS),
+        "--checkpoint-dir",
+        str(directory),
+        "--checkpoint-every",
+        str(EVERY),
+        "--log-every",
+        "1",
+        "--log-json",
+        str(log_of(directory)),
+    ]
 
 
 def log_of(directory: Path) -> Path:
@@ -63,8 +80,13 @@ def log_of(directory: Path) -> Path:
 
 def environ(repo: Path) -> dict:
     # Each restart round gets a fresh store, as torchrun must be told when it may restart workers (README).
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "PYTHONWARNINGS": "ignore",
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(repo),
+        "PYTHONWARNINGS": "ignore",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
 
 
 def losses(directory: Path, stdout: str, restart: int | None = None) -> dict[int, float]:
@@ -112,8 +134,13 @@ def consolidated(directory: Path, out: Path) -> dict[str, torch.Tensor]:
 def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint(reference, tmp_path, repo):
     ref_dir, ref_losses = reference
     directory = tmp_path / "faulty"
-    proc = subprocess.Popen(command(repo, 4, directory, restarts=1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=environ(repo))
+    proc = subprocess.Popen(
+        command(repo, 4, directory, restarts=1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environ(repo),
+    )
     deadline = time.time() + 300
     while not (directory / f"step-{2 * EVERY:08d}" / checkpoint.MARKER).exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its second checkpoint"
@@ -130,8 +157,9 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint(reference, tm
     assert all(ours[name].shape == theirs[name].shape for name in theirs)
     start = int(resumed[1])
     before_kill = losses(directory, stdout, restart=0)  # the same run as the reference until the kill
-    assert before_kill and all(loss == pytest.approx(ref_losses[step], rel=FIRST_RTOL)
-                               for step, loss in before_kill.items())
+    assert before_kill and all(
+        loss == pytest.approx(ref_losses[step], rel=FIRST_RTOL) for step, loss in before_kill.items()
+    )
     assert_same_training(losses(directory, stdout, restart=1), ref_losses, start)
 
 

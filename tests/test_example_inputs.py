@@ -40,23 +40,30 @@ def tokens(rows: int, seed: int = 0) -> torch.Tensor:
 
 # ---- what example_inputs say ------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("example", "rows", "seq_len"), [
-    (torch.zeros(3, 7, dtype=torch.long), 3, 7),
-    ((torch.zeros(2, 5, dtype=torch.long), None, 0.5), 2, 5),                                  # non-tensor leaves
-    ({"mask": torch.ones(4, 9, dtype=torch.bool), "idx": torch.zeros(4, 9, dtype=torch.int32), "flag": True}, 4, 9),
-    ({"embeds": torch.zeros(2, 6, 8)}, 2, 6),                                                   # no token ids
-    ((torch.zeros(5),), 5, None),                                                               # no sequence dim
-])
+
+@pytest.mark.parametrize(
+    ("example", "rows", "seq_len"),
+    [
+        (torch.zeros(3, 7, dtype=torch.long), 3, 7),
+        ((torch.zeros(2, 5, dtype=torch.long), None, 0.5), 2, 5),  # non-tensor leaves
+        ({"mask": torch.ones(4, 9, dtype=torch.bool), "idx": torch.zeros(4, 9, dtype=torch.int32), "flag": True}, 4, 9),
+        ({"embeds": torch.zeros(2, 6, 8)}, 2, 6),  # no token ids
+        ((torch.zeros(5),), 5, None),  # no sequence dim
+    ],
+)
 def test_inputs_give_rows_and_sequence_length(example, rows, seq_len):
     batch = inputs.read(example)
     assert (batch.rows, batch.seq_len) == (rows, seq_len)
 
 
-@pytest.mark.parametrize(("example", "message"), [
-    ("tokens", r"example_inputs is a str; give one micro-batch: a tensor, a tuple"),
-    ((None, 3), r"example_inputs hold no tensor with a batch dim"),
-    ({"idx": torch.tensor(1)}, r"example_inputs hold no tensor with a batch dim"),
-])
+@pytest.mark.parametrize(
+    ("example", "message"),
+    [
+        ("tokens", r"example_inputs is a str; give one micro-batch: a tensor, a tuple"),
+        ((None, 3), r"example_inputs hold no tensor with a batch dim"),
+        ({"idx": torch.tensor(1)}, r"example_inputs hold no tensor with a batch dim"),
+    ],
+)
 def test_inputs_without_a_batch_are_refused(example, message):
     with pytest.raises(ConfigError, match=message):
         inputs.read(example)
@@ -73,8 +80,12 @@ def test_a_graph_traced_with_b_rows_costs_one_sequence_as_at_batch_one():
     def figures(p: ModelProfile) -> list[float]:
         costs = p.segment_costs(2, True, 3, "selective", cluster.intra_node)
         fields = ("tp_comm_s", "activation_bytes", "working_bytes", "params")
-        return [p.forward_flops, sum(op.flops for raw in p.raw for op in raw.ops), p.cut_bytes,
-                *(sum(getattr(s, f) for s in costs) for f in fields)]
+        return [
+            p.forward_flops,
+            sum(op.flops for raw in p.raw for op in raw.ops),
+            p.cut_bytes,
+            *(sum(getattr(s, f) for s in costs) for f in fields),
+        ]
 
     assert figures(profile) == pytest.approx(figures(reference), rel=1e-9)
     assert figures(undivided)[:2] == pytest.approx([3 * x for x in figures(reference)[:2]])  # what dividing corrects
@@ -86,17 +97,26 @@ def test_a_graph_traced_with_b_rows_costs_one_sequence_as_at_batch_one():
 
 # ---- hp.plan and hp.search ------------------------------------------------------------------------
 
+
 def test_a_module_without_inputs_names_example_inputs_in_one_line():
-    expected = (r"cannot tell what inputs UserGPT takes; pass example_inputs= .*--example-inputs "
-                r"package.module:make_inputs.*example_inputs\(batch_size, seq_len, device\)")
+    expected = (
+        r"cannot tell what inputs UserGPT takes; pass example_inputs= .*--example-inputs "
+        r"package.module:make_inputs.*example_inputs\(batch_size, seq_len, device\)"
+    )
     with pytest.raises(ModelSpecError, match=expected) as info:
         hp.plan(user_gpt(), cpu(), 8, SEQ, "fp32")
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("example", [torch.zeros(2, SEQ, dtype=torch.long), (torch.zeros(2, SEQ, dtype=torch.long),),
-                                     {"idx": torch.zeros(2, SEQ, dtype=torch.long, device="meta")}],
-                         ids=["tensor", "tuple", "kwargs"])
+@pytest.mark.parametrize(
+    "example",
+    [
+        torch.zeros(2, SEQ, dtype=torch.long),
+        (torch.zeros(2, SEQ, dtype=torch.long),),
+        {"idx": torch.zeros(2, SEQ, dtype=torch.long, device="meta")},
+    ],
+    ids=["tensor", "tuple", "kwargs"],
+)
 def test_example_inputs_fix_the_micro_batch_and_give_seq_len(example):
     plan = hp.plan(user_gpt(), cpu(4), 8, dtype="fp32", example_inputs=example)
     assert plan.training.micro_batch == 2 and plan.training.seq_len == SEQ
@@ -105,8 +125,16 @@ def test_example_inputs_fix_the_micro_batch_and_give_seq_len(example):
 
 def test_search_takes_example_inputs_and_keeps_their_micro_batch():
     assert hp.search is hp.planner.search
-    result = hp.search(user_gpt(), cpu(4), 16, SEQ, "fp32", example_inputs=torch.zeros(4, SEQ, dtype=torch.long), top=3,
-                       alternatives=True)
+    result = hp.search(
+        user_gpt(),
+        cpu(4),
+        16,
+        SEQ,
+        "fp32",
+        example_inputs=torch.zeros(4, SEQ, dtype=torch.long),
+        top=3,
+        alternatives=True,
+    )
     assert len(result.best) > 1 and {e.config.micro_batch for e in result.best} == {4}
     assert all(alt.evaluation is None or alt.evaluation.config.micro_batch == 4 for alt in result.alternatives)
 
@@ -122,15 +150,25 @@ def test_a_function_of_batch_and_length_lets_the_search_pick_the_micro_batch():
     assert flops[0] == pytest.approx(flops[1], rel=1e-5)  # the figures are rounded to 6 digits
 
 
-@pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"seq_len": 32}, ConfigError, r"seq_len=32 but example_inputs hold sequences of 16 tokens; make them agree"),
-    ({"micro_batch": 4}, ConfigError,
-     r"micro_batch=4 but example_inputs are one micro-batch of 2 rows; pass example_inputs of 4 rows, or leave"),
-    ({"global_batch": 7}, PlanError, r"global batch 7 is not a multiple of the micro-batch of example_inputs \(2 rows"),
-    ({"example_inputs": torch.zeros(2)}, PlanError, r"seq_len is not given: pass seq_len=, or example_inputs="),
-    ({"example_inputs": make_inputs}, PlanError, r"seq_len is not given"),
-    ({"example_inputs": "idx"}, ConfigError, r"example_inputs is a str"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"seq_len": 32}, ConfigError, r"seq_len=32 but example_inputs hold sequences of 16 tokens; make them agree"),
+        (
+            {"micro_batch": 4},
+            ConfigError,
+            r"micro_batch=4 but example_inputs are one micro-batch of 2 rows; pass example_inputs of 4 rows, or leave",
+        ),
+        (
+            {"global_batch": 7},
+            PlanError,
+            r"global batch 7 is not a multiple of the micro-batch of example_inputs \(2 rows",
+        ),
+        ({"example_inputs": torch.zeros(2)}, PlanError, r"seq_len is not given: pass seq_len=, or example_inputs="),
+        ({"example_inputs": make_inputs}, PlanError, r"seq_len is not given"),
+        ({"example_inputs": "idx"}, ConfigError, r"example_inputs is a str"),
+    ],
+)
 def test_example_inputs_that_disagree_fail_in_one_line(kwargs, error, message):
     request = {"global_batch": 8, "dtype": "fp32", "example_inputs": torch.zeros(2, SEQ, dtype=torch.long), **kwargs}
     with pytest.raises(error, match=message) as info:
@@ -138,12 +176,20 @@ def test_example_inputs_that_disagree_fail_in_one_line(kwargs, error, message):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize(("factory", "message"), [
-    (lambda batch_size: torch.zeros(batch_size, SEQ), r"example inputs .*<lambda> must take \(batch_size, seq_len\)"),
-    (lambda batch_size, seq_len: [1, 2], r"example inputs .*<lambda>\(1, 16\) hold no tensor with a batch dim"),
-    (lambda batch_size, seq_len: torch.zeros(4, seq_len, dtype=torch.long),
-     r"<lambda>\(1, 16\) returned 4 rows of 16 tokens; it must return batch_size rows of seq_len tokens"),
-])
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (
+            lambda batch_size: torch.zeros(batch_size, SEQ),
+            r"example inputs .*<lambda> must take \(batch_size, seq_len\)",
+        ),
+        (lambda batch_size, seq_len: [1, 2], r"example inputs .*<lambda>\(1, 16\) hold no tensor with a batch dim"),
+        (
+            lambda batch_size, seq_len: torch.zeros(4, seq_len, dtype=torch.long),
+            r"<lambda>\(1, 16\) returned 4 rows of 16 tokens; it must return batch_size rows of seq_len tokens",
+        ),
+    ],
+)
 def test_a_bad_inputs_function_fails_in_one_line(factory, message):
     with pytest.raises(ConfigError, match=message):
         hp.plan(user_gpt(), cpu(), 8, SEQ, "fp32", example_inputs=factory)
@@ -160,11 +206,31 @@ def test_a_model_graph_is_planned_as_one_sequence():
 
 # ---- the command line ------------------------------------------------------------------------------
 
+
 def test_cli_plans_a_factory_model_with_its_inputs_function(capsys, tmp_path):
     out = tmp_path / "plan.yaml"
-    code = main(["plan", "--model", "tests.user_gpt:make_model", "n_layer=3",
-                 "--example-inputs", "tests.user_gpt:make_inputs", "--gpus", "2", "--cluster", "cpu",
-                 "--global-batch", "8", "--seq-len", str(SEQ), "--dtype", "fp32", "-o", str(out)])
+    code = main(
+        [
+            "plan",
+            "--model",
+            "tests.user_gpt:make_model",
+            "n_layer=3",
+            "--example-inputs",
+            "tests.user_gpt:make_inputs",
+            "--gpus",
+            "2",
+            "--cluster",
+            "cpu",
+            "--global-batch",
+            "8",
+            "--seq-len",
+            str(SEQ),
+            "--dtype",
+            "fp32",
+            "-o",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     plan = hp.Plan.load(out)
@@ -180,21 +246,41 @@ def test_cli_help_explains_example_inputs(capsys):
     assert "hyparallel plan --model mypkg.gpt:make_model --example-inputs mypkg.gpt:make_inputs" in text
 
 
-@pytest.mark.parametrize(("spec", "expected"), [
-    ("tests.no_such_module:make_inputs", "example inputs 'tests.no_such_module:make_inputs': cannot import"),
-    ("tests.user_gpt:NOT_CALLABLE", "example inputs 'tests.user_gpt:NOT_CALLABLE': 'tests.user_gpt' has no callable"),
-    ("tests.user_gpt", "example inputs 'tests.user_gpt' is not package.module:name"),
-    ("tests.user_gpt:make_words", "example inputs tests.user_gpt:make_words(1, 16) is a str; give one micro-batch"),
-    ("tests.user_gpt:make_fixed", "make_fixed(1, 16) returned 4 rows of 8 tokens; it must return batch_size rows"),
-])
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("tests.no_such_module:make_inputs", "example inputs 'tests.no_such_module:make_inputs': cannot import"),
+        (
+            "tests.user_gpt:NOT_CALLABLE",
+            "example inputs 'tests.user_gpt:NOT_CALLABLE': 'tests.user_gpt' has no callable",
+        ),
+        ("tests.user_gpt", "example inputs 'tests.user_gpt' is not package.module:name"),
+        ("tests.user_gpt:make_words", "example inputs tests.user_gpt:make_words(1, 16) is a str; give one micro-batch"),
+        ("tests.user_gpt:make_fixed", "make_fixed(1, 16) returned 4 rows of 8 tokens; it must return batch_size rows"),
+    ],
+)
 def test_cli_bad_example_inputs_exit_2_in_one_line(capsys, spec, expected):
-    code = main(["plan", "--model", "tests.user_gpt:make_model", "--example-inputs", spec, "--gpus", "1",
-                 "--cluster", "cpu", "--seq-len", str(SEQ)])
+    code = main(
+        [
+            "plan",
+            "--model",
+            "tests.user_gpt:make_model",
+            "--example-inputs",
+            spec,
+            "--gpus",
+            "1",
+            "--cluster",
+            "cpu",
+            "--seq-len",
+            str(SEQ),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 2 and captured.out == "" and captured.err.count("\n") == 1 and expected in captured.err
 
 
 # ---- the plan runs under parallelize with the same inputs ---------------------------------------------
+
 
 def _plan(how: str, micro_batch: int, tmp_path) -> tuple[hp.Plan, object]:
     """A plan for 1 process and global batch 4, and the example inputs parallelize gets: made as ``how`` says."""
@@ -206,9 +292,31 @@ def _plan(how: str, micro_batch: int, tmp_path) -> tuple[hp.Plan, object]:
     if how == "search":
         return hp.search(user_gpt(), cpu(), 4, dtype="fp32", example_inputs=(ids,), top=2).plan(), (ids,)
     out = tmp_path / "plan.yaml"
-    assert main(["plan", "--model", "tests.user_gpt:make_model", "--example-inputs", "tests.user_gpt:make_inputs",
-                 "--gpus", "1", "--cluster", "cpu", "--global-batch", "4", "--seq-len", str(SEQ), "--dtype", "fp32",
-                 "--json", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "tests.user_gpt:make_model",
+                "--example-inputs",
+                "tests.user_gpt:make_inputs",
+                "--gpus",
+                "1",
+                "--cluster",
+                "cpu",
+                "--global-batch",
+                "4",
+                "--seq-len",
+                str(SEQ),
+                "--dtype",
+                "fp32",
+                "--json",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plan = hp.Plan.load(out)
     return plan, make_inputs(plan.training.micro_batch, plan.training.seq_len)
 
@@ -246,9 +354,13 @@ def test_the_plan_runs_under_parallelize_with_the_same_inputs(one_process, tmp_p
 
 
 def test_parallelize_completes_a_hand_plan_with_its_example_inputs(one_process):
-    hand = hp.Plan.from_dict({"cluster": {"name": "cpu", "gpus_per_node": 1},
-                              "training": {"global_batch": 4, "micro_batch": 2, "seq_len": SEQ, "dtype": "fp32"},
-                              "parallel": {"dp": 1, "tp": 1, "pp": 1}})
+    hand = hp.Plan.from_dict(
+        {
+            "cluster": {"name": "cpu", "gpus_per_node": 1},
+            "training": {"global_batch": 4, "micro_batch": 2, "seq_len": SEQ, "dtype": "fp32"},
+            "parallel": {"dp": 1, "tp": 1, "pp": 1},
+        }
+    )
     assert hand.predicted is None
     pmodel = hp.parallelize(user_gpt(), hand, example_inputs=torch.zeros(2, SEQ, dtype=torch.long), device="cpu")
     assert pmodel.plan.predicted is not None and pmodel.plan.model.name == "UserGPT"  # planned with those inputs

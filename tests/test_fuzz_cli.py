@@ -42,6 +42,7 @@ class Hang(Exception):
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
     """``hyparallel.cli.main(argv)`` in this process: (exit status, stdout, stderr), under a SIGALRM watchdog."""
+
     def hang(signum, frame):
         raise Hang(f"hyparallel {' '.join(argv)[:200]} ran past {WATCHDOG_S} s")
 
@@ -82,9 +83,11 @@ def assert_refused(argv: list[str], output: Path | None = None, existed: bool = 
 # Strict int fields refuse floats, bools and strings; float fields are lax (a numeric string or a bool would
 # pass), so they get only values no reading turns into a finite number.
 KEYS = st.text(string.ascii_letters, min_size=1, max_size=4)
-SMALL_JSON = st.recursive(st.integers(-5, 5) | st.text(string.ascii_letters, max_size=4),
-                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3),
-                          max_leaves=6)
+SMALL_JSON = st.recursive(
+    st.integers(-5, 5) | st.text(string.ascii_letters, max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3),
+    max_leaves=6,
+)
 CONTAINERS = st.lists(SMALL_JSON, max_size=3) | st.dictionaries(KEYS, SMALL_JSON, max_size=3)
 WORDS = st.text(string.ascii_letters + "-_", min_size=1, max_size=12)
 WRONG_TYPE = {
@@ -102,8 +105,9 @@ def out_of_range(kind: str, low: float, high: float | None) -> st.SearchStrategy
         above = st.integers(min_value=int(high) + 1, max_value=int(high) + 10**6) | huge
         return st.integers(max_value=int(low) - 1) | above
     below = st.floats(max_value=low, exclude_max=True, allow_nan=False, allow_infinity=False)
-    above = below if high is None else st.floats(min_value=high, exclude_min=True, allow_nan=False,
-                                                 allow_infinity=False)
+    above = (
+        below if high is None else st.floats(min_value=high, exclude_min=True, allow_nan=False, allow_infinity=False)
+    )
     return below | above | st.sampled_from([float("nan"), float("inf"), float("-inf")])
 
 
@@ -159,8 +163,17 @@ PLAN_FIELDS = [
 ]
 CLUSTER_MAPPINGS = [(), ("device",), ("device", "peak_flops"), ("intra_node",), ("inter_node",)]
 # Not tensor_parallel: it maps any module path (so any key) to a style.
-PLAN_MAPPINGS = [(), ("training",), ("parallel",), ("placement",), ("model",), ("stages", 1), ("predicted",),
-                 ("predicted", "comm_s"), *(("cluster", *path) for path in CLUSTER_MAPPINGS)]
+PLAN_MAPPINGS = [
+    (),
+    ("training",),
+    ("parallel",),
+    ("placement",),
+    ("model",),
+    ("stages", 1),
+    ("predicted",),
+    ("predicted", "comm_s"),
+    *(("cluster", *path) for path in CLUSTER_MAPPINGS),
+]
 
 
 @functools.cache
@@ -188,9 +201,24 @@ PLACEHOLDER = "__HYPARALLEL_FUZZ__"
 def defective_yaml(draw, base: dict, fields: list, mappings: list) -> bytes:
     """The YAML bytes of ``base`` with exactly one defect."""
     data = copy.deepcopy(base)
-    defect = draw(st.sampled_from(["wrong type", "out of range", "out of range", "unknown key", "deep nesting",
-                                   "duplicate key", "long number", "not UTF-8", "control character", "alias bomb",
-                                   "not a mapping", "empty"]))  # numbers out of range twice as often: the main class
+    defect = draw(
+        st.sampled_from(
+            [
+                "wrong type",
+                "out of range",
+                "out of range",
+                "unknown key",
+                "deep nesting",
+                "duplicate key",
+                "long number",
+                "not UTF-8",
+                "control character",
+                "alias bomb",
+                "not a mapping",
+                "empty",
+            ]
+        )
+    )  # numbers out of range twice as often: the main class
     path, kind, low, high = draw(st.sampled_from(fields))
     event(f"file: {defect}")
     if defect == "wrong type":
@@ -215,18 +243,34 @@ def defective_yaml(draw, base: dict, fields: list, mappings: list) -> bytes:
         lines = text.splitlines(keepends=True)
         keys = [i for i, line in enumerate(lines) if re.match(r"\s*[A-Za-z_][\w.*-]*:( |$)", line)]
         i = draw(st.sampled_from(keys))
-        text = "".join(lines[:i + 1] + [lines[i]] + lines[i + 1:])
+        text = "".join(lines[: i + 1] + [lines[i]] + lines[i + 1 :])
     elif defect == "control character":
         at = draw(st.integers(0, len(text)))
         text = text[:at] + draw(st.sampled_from(["\x00", "\x01", "\x1b", "\x7f", "\ufffe"])) + text[at:]
     elif defect == "alias bomb":
         fanout = draw(st.integers(10, 30))
         levels = draw(st.integers(6, 9))
-        text = "a0: &a0 [" + ", ".join(["x"] * fanout) + "]\n" + "".join(
-            f"a{j + 1}: &a{j + 1} [{', '.join([f'*a{j}'] * fanout)}]\n" for j in range(levels))
+        text = (
+            "a0: &a0 ["
+            + ", ".join(["x"] * fanout)
+            + "]\n"
+            + "".join(f"a{j + 1}: &a{j + 1} [{', '.join([f'*a{j}'] * fanout)}]\n" for j in range(levels))
+        )
     elif defect == "not a mapping":
-        text = draw(st.sampled_from(["- 1\n- 2\n", "just a sentence\n", "42\n", "[training, parallel]\n", "~\n",
-                                     "'quoted'\n", "--- 3.5\n", "!!binary aGVsbG8=\n"]))
+        text = draw(
+            st.sampled_from(
+                [
+                    "- 1\n- 2\n",
+                    "just a sentence\n",
+                    "42\n",
+                    "[training, parallel]\n",
+                    "~\n",
+                    "'quoted'\n",
+                    "--- 3.5\n",
+                    "!!binary aGVsbG8=\n",
+                ]
+            )
+        )
     elif defect == "empty":
         text = draw(st.sampled_from(["", "\n\n", "# a comment only\n", "---\n", "   \n"]))
     raw = text.encode()
@@ -247,8 +291,11 @@ PLAN_COMMANDS = [
 
 
 @settings(FUZZ, max_examples=160)
-@given(content=st.deferred(lambda: defective_yaml(base_plan(), PLAN_FIELDS, PLAN_MAPPINGS)),
-       command=st.sampled_from(PLAN_COMMANDS), existed=st.booleans())
+@given(
+    content=st.deferred(lambda: defective_yaml(base_plan(), PLAN_FIELDS, PLAN_MAPPINGS)),
+    command=st.sampled_from(PLAN_COMMANDS),
+    existed=st.booleans(),
+)
 def test_bad_plan_files_are_refused_in_one_line(content, command, existed):
     with tempfile.TemporaryDirectory() as folder:
         plan, out = Path(folder) / "plan.yaml", Path(folder) / "pictures" / "step.png"
@@ -261,15 +308,31 @@ def test_bad_plan_files_are_refused_in_one_line(content, command, existed):
 
 
 CLUSTER_COMMANDS = [
-    lambda cluster, out: ["plan", "--model", "gpt-tiny", "--gpus", "8", "--cluster", cluster, "--global-batch", "16",
-                          "--seq-len", "32", "-o", out],
+    lambda cluster, out: [
+        "plan",
+        "--model",
+        "gpt-tiny",
+        "--gpus",
+        "8",
+        "--cluster",
+        cluster,
+        "--global-batch",
+        "16",
+        "--seq-len",
+        "32",
+        "-o",
+        out,
+    ],
     lambda cluster, out: ["calibrate", "--quick", "--device", "cpu", "--nproc", "2", "--base", cluster, "--out", out],
 ]
 
 
 @settings(FUZZ, max_examples=60)
-@given(content=defective_yaml(base_cluster(), CLUSTER_FIELDS, CLUSTER_MAPPINGS),
-       command=st.sampled_from(CLUSTER_COMMANDS), existed=st.booleans())
+@given(
+    content=defective_yaml(base_cluster(), CLUSTER_FIELDS, CLUSTER_MAPPINGS),
+    command=st.sampled_from(CLUSTER_COMMANDS),
+    existed=st.booleans(),
+)
 def test_bad_cluster_files_are_refused_in_one_line(content, command, existed):
     with tempfile.TemporaryDirectory() as folder:
         cluster, out = Path(folder) / "cluster.yaml", Path(folder) / "out" / "written.yaml"
@@ -282,9 +345,23 @@ def test_bad_cluster_files_are_refused_in_one_line(content, command, existed):
 
 # ---- command lines -------------------------------------------------------------------------------------
 
+
 def plan_argv(folder: Path) -> list[str]:
-    return ["plan", "--model", "gpt-tiny", "--gpus", "8", "--cluster", "cpu", "--global-batch", "16", "--seq-len", "32",
-            "-o", str(folder / "out" / "plan.yaml")]
+    return [
+        "plan",
+        "--model",
+        "gpt-tiny",
+        "--gpus",
+        "8",
+        "--cluster",
+        "cpu",
+        "--global-batch",
+        "16",
+        "--seq-len",
+        "32",
+        "-o",
+        str(folder / "out" / "plan.yaml"),
+    ]
 
 
 def trace_argv(folder: Path) -> list[str]:
@@ -292,11 +369,17 @@ def trace_argv(folder: Path) -> list[str]:
 
 
 NUMERIC_FLAGS = [  # (command, flag, bound): hyparallel.limits'
-    ("plan", "--gpus", limits.MAX_DEVICES), ("plan", "--gpus-per-node", limits.MAX_GPUS_PER_NODE),
-    ("plan", "--global-batch", limits.MAX_GLOBAL_BATCH), ("plan", "--seq-len", limits.MAX_SEQ_LEN),
-    ("plan", "--tp", limits.MAX_DEVICES), ("plan", "--pp", limits.MAX_DEVICES), ("plan", "--dp", limits.MAX_DEVICES),
-    ("plan", "--top", limits.MAX_TOP), ("trace", "--batch-size", limits.MAX_GLOBAL_BATCH),
-    ("trace", "--seq-len", limits.MAX_SEQ_LEN), ("calibrate", "--nproc", limits.MAX_GPUS_PER_NODE),
+    ("plan", "--gpus", limits.MAX_DEVICES),
+    ("plan", "--gpus-per-node", limits.MAX_GPUS_PER_NODE),
+    ("plan", "--global-batch", limits.MAX_GLOBAL_BATCH),
+    ("plan", "--seq-len", limits.MAX_SEQ_LEN),
+    ("plan", "--tp", limits.MAX_DEVICES),
+    ("plan", "--pp", limits.MAX_DEVICES),
+    ("plan", "--dp", limits.MAX_DEVICES),
+    ("plan", "--top", limits.MAX_TOP),
+    ("trace", "--batch-size", limits.MAX_GLOBAL_BATCH),
+    ("trace", "--seq-len", limits.MAX_SEQ_LEN),
+    ("calibrate", "--nproc", limits.MAX_GPUS_PER_NODE),
 ]
 COMMANDS = ("models", "clusters", "show", "trace", "plan", "demo", "checkpoint", "calibrate", "simulate")
 
@@ -310,11 +393,16 @@ def _int_in_range(text: str, bound: int) -> bool:
 
 @st.composite
 def bad_number(draw, bound: int) -> str:
-    value = draw(st.one_of(
-        st.integers(max_value=0).map(str), st.integers(bound + 1, bound + 10**6).map(str),
-        st.integers(20, 6000).map(lambda k: "9" * k), st.floats(allow_nan=True).map(repr),
-        st.text(max_size=10), st.sampled_from(["", " ", "1e3", "0x10", "８", "1_0", "--", "-"]),
-    ))
+    value = draw(
+        st.one_of(
+            st.integers(max_value=0).map(str),
+            st.integers(bound + 1, bound + 10**6).map(str),
+            st.integers(20, 6000).map(lambda k: "9" * k),
+            st.floats(allow_nan=True).map(repr),
+            st.text(max_size=10),
+            st.sampled_from(["", " ", "1e3", "0x10", "８", "1_0", "--", "-"]),
+        )
+    )
     return "1" * 5000 if _int_in_range(value, bound) else value  # "８" and "1_0" are ints to Python; keep it bad
 
 
@@ -334,15 +422,32 @@ GPT_SETTINGS = {  # setting -> strategy of values out of its range or of the wro
 @st.composite
 def defective_argv(draw, folder: Path) -> tuple[list[str], Path | None]:
     """A working command line with one defect, and the output path it must not write (if it has one)."""
-    defect = draw(st.sampled_from(["numeric flag", "numeric flag", "unknown flag", "unknown command",
-                                   "missing argument", "model spec", "model spec", "output path", "cluster", "dtype",
-                                   "checkpoint"]))
+    defect = draw(
+        st.sampled_from(
+            [
+                "numeric flag",
+                "numeric flag",
+                "unknown flag",
+                "unknown command",
+                "missing argument",
+                "model spec",
+                "model spec",
+                "output path",
+                "cluster",
+                "dtype",
+                "checkpoint",
+            ]
+        )
+    )
     event(f"command line: {defect}")
     plan_out = folder / "out" / "plan.yaml"
     if defect == "numeric flag":
         command, flag, bound = draw(st.sampled_from(NUMERIC_FLAGS))
-        base = {"plan": plan_argv(folder), "trace": trace_argv(folder),
-                "calibrate": ["calibrate", "--quick", "--device", "cpu", "--out", str(folder / "out" / "c.yaml")]}[command]
+        base = {
+            "plan": plan_argv(folder),
+            "trace": trace_argv(folder),
+            "calibrate": ["calibrate", "--quick", "--device", "cpu", "--out", str(folder / "out" / "c.yaml")],
+        }[command]
         value = draw(bad_number(bound))
         if flag in base:
             argv = [value if i and base[i - 1] == flag else word for i, word in enumerate(base)]
@@ -360,7 +465,7 @@ def defective_argv(draw, folder: Path) -> tuple[list[str], Path | None]:
         base = plan_argv(folder)
         drop = draw(st.sampled_from(["--model", "--gpus"]))
         at = base.index(drop)
-        return base[:at] + base[at + 2:], plan_out
+        return base[:at] + base[at + 2 :], plan_out
     if defect == "model spec":
         setting = draw(st.sampled_from([*GPT_SETTINGS, "zz_unknown"]))
         value = draw(GPT_SETTINGS[setting]) if setting in GPT_SETTINGS else "1"
@@ -368,7 +473,7 @@ def defective_argv(draw, folder: Path) -> tuple[list[str], Path | None]:
         base = draw(st.sampled_from([plan_argv(folder), trace_argv(folder)]))
         at = base.index("gpt-tiny")
         spec = [name, f"{setting}={value}"] if name == "gpt-tiny" else [name]
-        return [*base[:at], *spec, *base[at + 1:]], plan_out if base[0] == "plan" else None
+        return [*base[:at], *spec, *base[at + 1 :]], plan_out if base[0] == "plan" else None
     if defect == "output path":
         bad = draw(st.sampled_from([folder / "missing" / "plan.yaml", folder, folder / "out" / "x" / "y.yaml"]))
         base = plan_argv(folder)
@@ -397,6 +502,7 @@ def test_bad_command_lines_are_refused_in_one_line(data, existed):
 
 # ---- the starting points are valid: each defect alone is what the CLI refuses --------------------------
 
+
 def test_the_starting_points_are_valid(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(dump_yaml(base_plan()))
@@ -418,10 +524,20 @@ def test_every_numeric_flag_is_fuzzed(flag):
     from hyparallel.cli import build_parser
 
     commands = build_parser()._subparsers._group_actions[0].choices  # argparse keeps its subcommands there
-    options = {option for command in commands.values() for action in command._actions
-               for option in action.option_strings if getattr(action.type, "__name__", "") == "parse"}
+    options = {
+        option
+        for command in commands.values()
+        for action in command._actions
+        for option in action.option_strings
+        if getattr(action.type, "__name__", "") == "parse"
+    }
     assert flag in options
     assert options <= {f for _, f, _ in NUMERIC_FLAGS}  # a numeric flag added later must join NUMERIC_FLAGS
-    unbounded = [option for command in commands.values() for action in command._actions
-                 for option in action.option_strings if action.type in (int, float)]
+    unbounded = [
+        option
+        for command in commands.values()
+        for action in command._actions
+        for option in action.option_strings
+        if action.type in (int, float)
+    ]
     assert not unbounded  # every numeric flag takes a bounded type (cli._int_in), never a bare int or float

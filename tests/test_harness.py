@@ -20,9 +20,20 @@ def test_a_rank_that_fails_stops_its_peers_waiting_in_a_collective(tmp_path, rep
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
     # A hang detector, not a speed check: without the harness rank 0 waits GROUP_TIMEOUT_S in its all-reduce.
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(repo / "tests" / "distributed" / "abort_worker.py"), str(out)],
-        capture_output=True, text=True, env=env, timeout=GROUP_TIMEOUT_S // 2,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(repo / "tests" / "distributed" / "abort_worker.py"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=GROUP_TIMEOUT_S // 2,
     )
     assert proc.returncode != 0 and not out.exists()  # no results: the launch ended before the last case
     report = json.loads((tmp_path / "results.jsonl.rank1").read_text())
@@ -48,12 +59,35 @@ def test_every_parameter_is_compared_by_name_on_every_replica():
 def test_the_suite_runs_the_same_inside_an_exported_launch(repo):
     # Note [the suite's environment]: torchrun's variables (this rank 1 of 2 would wait for a rank 0 that is not
     # there), a Triton interpreter switch and hyparallel's kernel switch, as a user's shell may export them.
-    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-              "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "user", "TRITON_INTERPRET": "1", "HYPARALLEL_TRITON": "0"}
+    launch = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29533",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "user",
+        "TRITON_INTERPRET": "1",
+        "HYPARALLEL_TRITON": "0",
+    }
     probe = "tests/test_metrics.py::test_parallel_model_measures_its_steps_against_the_plans_prediction"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", probe, "tests/test_harness.py::"
-                           "test_no_launch_variable_reaches_a_test"], capture_output=True, text=True, cwd=repo,
-                          env={**os.environ, **launch}, timeout=GROUP_TIMEOUT_S)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            probe,
+            "tests/test_harness.py::test_no_launch_variable_reaches_a_test",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        env={**os.environ, **launch},
+        timeout=GROUP_TIMEOUT_S,
+    )
     assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:]
 
 
@@ -65,9 +99,25 @@ def test_no_launch_variable_reaches_a_test():
 def test_without_triton_the_kernel_tests_skip_and_say_why(repo, tmp_path):
     # pyproject installs triton on Linux x86-64 only: elsewhere the kernel checks skip and the rest still runs.
     (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["triton"] = None  # as if not installed\n')
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_kernels.py",
-                           "tests/test_tensor_layers.py", "tests/test_layering.py"], capture_output=True, text=True,
-                          cwd=repo, env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"}, timeout=GROUP_TIMEOUT_S)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_kernels.py",
+            "tests/test_tensor_layers.py",
+            "tests/test_layering.py",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"},
+        timeout=GROUP_TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "SKIPPED [1] tests/test_kernels.py" in proc.stdout and "triton is not installed" in proc.stdout
     assert " 1 skipped" in proc.stdout and "failed" not in proc.stdout

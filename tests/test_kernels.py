@@ -20,8 +20,20 @@ pytest.importorskip("triton", reason="triton is not installed: the kernel checks
 def test_kernels_match_torch_under_the_interpreter(repo):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(repo / "tests" / "interpreter" / "kernel_checks.py")],
-        capture_output=True, text=True, env=env, cwd=repo, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(repo / "tests" / "interpreter" / "kernel_checks.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=repo,
+        timeout=600,
     )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

@@ -21,7 +21,11 @@ def imported_modules(path):
 
 def test_upstream_code_never_imports_torch_distributed(repo):
     package = repo / "hyparallel"
-    files = [p for entry in UPSTREAM for p in ((package / entry).rglob("*.py") if (package / entry).is_dir() else [package / entry])]
+    files = [
+        p
+        for entry in UPSTREAM
+        for p in ((package / entry).rglob("*.py") if (package / entry).is_dir() else [package / entry])
+    ]
     assert len(files) >= 8
     for path in files:
         bad = [m for m in imported_modules(path) if m.startswith("torch.distributed")]

@@ -11,8 +11,13 @@ from hyparallel.metrics import RunMetrics
 
 
 def cpu_plan(**parallel) -> hp.Plan:
-    return hp.Plan.from_dict({"cluster": {"name": "cpu", "gpus_per_node": 1}, "parallel": parallel,
-                              "training": {"global_batch": 4, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"}})
+    return hp.Plan.from_dict(
+        {
+            "cluster": {"name": "cpu", "gpus_per_node": 1},
+            "parallel": parallel,
+            "training": {"global_batch": 4, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"},
+        }
+    )
 
 
 def test_a_step_is_the_time_from_one_train_step_to_the_next(monkeypatch):
@@ -38,7 +43,9 @@ def test_a_step_is_the_time_from_one_train_step_to_the_next(monkeypatch):
 
 def test_parallel_model_measures_its_steps_against_the_plans_prediction(world_of_one):
     model = hp.models.build("gpt-tiny")
-    pmodel = hp.parallelize(model, cpu_plan(), seed=0, device="cpu")  # a hand plan: the planner's prediction is filled in
+    pmodel = hp.parallelize(
+        model, cpu_plan(), seed=0, device="cpu"
+    )  # a hand plan: the planner's prediction is filled in
     assert pmodel.plan.predicted is not None and pmodel.plan.predicted.step_time_s > 0
     graph = hp.trace(hp.models.build("gpt-tiny"), torch.zeros(1, 16, dtype=torch.long))
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))

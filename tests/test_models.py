@@ -16,8 +16,20 @@ from hyparallel.errors import ModelSpecError
 
 from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY
 
-REQUIRED = {"gpt-125m", "gpt-350m", "gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-175b",
-            "llama-7b", "llama-13b", "llama-70b", "gpt-tiny", "llama-tiny"}
+REQUIRED = {
+    "gpt-125m",
+    "gpt-350m",
+    "gpt-1.3b",
+    "gpt-2.7b",
+    "gpt-6.7b",
+    "gpt-13b",
+    "gpt-175b",
+    "llama-7b",
+    "llama-13b",
+    "llama-70b",
+    "gpt-tiny",
+    "llama-tiny",
+}
 
 
 def test_zoo_has_the_required_presets():
@@ -80,7 +92,9 @@ def test_tied_and_untied_heads():
     assert tied.output.weight is tied.tok_embeddings.weight
     untied = hp.models.build("gpt-tiny", tie_embeddings=False)
     assert untied.output.weight is not untied.tok_embeddings.weight
-    assert hp.models.config("gpt-tiny", tie_embeddings=False).num_params() == sum(p.numel() for p in untied.parameters())
+    assert hp.models.config("gpt-tiny", tie_embeddings=False).num_params() == sum(
+        p.numel() for p in untied.parameters()
+    )
 
 
 def test_meta_model_materialises_deterministically():
@@ -106,12 +120,14 @@ def test_spec_zoo_name_with_overrides():
 
 
 def test_spec_factory(tmp_path, monkeypatch):
-    (tmp_path / "my_models.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_models.py").write_text(
+        textwrap.dedent("""
         import torch.nn as nn
         def make(width=8):
             return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
         not_callable = 3
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     loaded = hp.models.load("my_models:make width=16")
     assert loaded.module[0].weight.is_meta and loaded.module[0].out_features == 16
@@ -129,34 +145,40 @@ def test_spec_hugging_face(spec):
     assert model.config.use_cache is False
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    ("gpt-huge", "unknown model 'gpt-huge'; run `hyparallel models`"),
-    ("gpt-tiny layers=3", "model 'gpt-tiny' has no setting 'layers'"),
-    ("gpt-tiny num_layers", "model override 'num_layers' is not key=value"),
-    ("gpt-tiny num_heads=5", "hidden_size (64) must be a multiple of num_heads (5)"),
-    ("hf:NoSuchModel", "unknown Hugging Face architecture 'NoSuchModel'"),
-    ("hf:phi3 num_hidden_layers=1 vocab_size=1000", "cannot build from config .* Padding_idx must be within num_embeddings"),
-    ("", "no model given"),
-    # Shapes out of range are refused before anything is built (a billion layers would build for hours).
-    ("gpt-tiny num_layers=-1", "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got -1"),
-    ("gpt-tiny num_layers=abc", "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got 'abc'"),
-    ("gpt-tiny num_layers=10**12", "num_layers must be an integer from 1 to 512, got '10**12'"),
-    ("gpt-tiny num_layers=1000000000000", "num_layers must be an integer from 1 to 512, got 1000000000000"),
-    ("gpt-tiny num_layers=2.0", "num_layers must be an integer from 1 to 512, got 2.0"),
-    ("gpt-tiny hidden_size=0", "hidden_size must be an integer from 1 to 131,072, got 0"),
-    ("gpt-tiny num_heads=0", "num_heads must be an integer from 1 to 64, got 0"),
-    ("gpt-tiny vocab_size=99999999", "vocab_size must be an integer from 1 to 4,194,304"),
-    ("gpt-tiny dropout=1.5", "dropout must be a number in [0, 1), got 1.5"),
-    ("gpt-tiny bias=maybe", "bias must be true or false, got 'maybe'"),
-    ("llama-tiny num_kv_heads=0", "num_kv_heads must be an integer from 1 to 4, got 0"),
-    ("llama-tiny rope_theta=.inf", "rope_theta must be a number in (0, 1e+12], got inf"),
-    ("hf:gpt2 n_layer=-1", "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1"),
-    ("hf:LlamaForCausalLM num_hidden_layers=100000", "hf:LlamaForCausalLM: num_hidden_layers must be an integer"),
-    ("hf:LlamaForCausalLM vocab_size=0", "hf:LlamaForCausalLM: vocab_size must be an integer from 1 to 4,194,304"),
-    ("hf:gpt2 n_layr=2", "hf:gpt2: GPT2Config has no setting 'n_layr'"),
-    ("hf:llama num_attention_heads=0", "hf:llama: (cannot build from config|num_attention_heads must be)"),
-    ("hf:gpt2 n_embd=abc", "hf:gpt2: .*n_embd"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("gpt-huge", "unknown model 'gpt-huge'; run `hyparallel models`"),
+        ("gpt-tiny layers=3", "model 'gpt-tiny' has no setting 'layers'"),
+        ("gpt-tiny num_layers", "model override 'num_layers' is not key=value"),
+        ("gpt-tiny num_heads=5", "hidden_size (64) must be a multiple of num_heads (5)"),
+        ("hf:NoSuchModel", "unknown Hugging Face architecture 'NoSuchModel'"),
+        (
+            "hf:phi3 num_hidden_layers=1 vocab_size=1000",
+            "cannot build from config .* Padding_idx must be within num_embeddings",
+        ),
+        ("", "no model given"),
+        # Shapes out of range are refused before anything is built (a billion layers would build for hours).
+        ("gpt-tiny num_layers=-1", "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got -1"),
+        ("gpt-tiny num_layers=abc", "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got 'abc'"),
+        ("gpt-tiny num_layers=10**12", "num_layers must be an integer from 1 to 512, got '10**12'"),
+        ("gpt-tiny num_layers=1000000000000", "num_layers must be an integer from 1 to 512, got 1000000000000"),
+        ("gpt-tiny num_layers=2.0", "num_layers must be an integer from 1 to 512, got 2.0"),
+        ("gpt-tiny hidden_size=0", "hidden_size must be an integer from 1 to 131,072, got 0"),
+        ("gpt-tiny num_heads=0", "num_heads must be an integer from 1 to 64, got 0"),
+        ("gpt-tiny vocab_size=99999999", "vocab_size must be an integer from 1 to 4,194,304"),
+        ("gpt-tiny dropout=1.5", "dropout must be a number in [0, 1), got 1.5"),
+        ("gpt-tiny bias=maybe", "bias must be true or false, got 'maybe'"),
+        ("llama-tiny num_kv_heads=0", "num_kv_heads must be an integer from 1 to 4, got 0"),
+        ("llama-tiny rope_theta=.inf", "rope_theta must be a number in (0, 1e+12], got inf"),
+        ("hf:gpt2 n_layer=-1", "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1"),
+        ("hf:LlamaForCausalLM num_hidden_layers=100000", "hf:LlamaForCausalLM: num_hidden_layers must be an integer"),
+        ("hf:LlamaForCausalLM vocab_size=0", "hf:LlamaForCausalLM: vocab_size must be an integer from 1 to 4,194,304"),
+        ("hf:gpt2 n_layr=2", "hf:gpt2: GPT2Config has no setting 'n_layr'"),
+        ("hf:llama num_attention_heads=0", "hf:llama: (cannot build from config|num_attention_heads must be)"),
+        ("hf:gpt2 n_embd=abc", "hf:gpt2: .*n_embd"),
+    ],
+)
 def test_spec_errors(spec, message):
     pattern = message if ".*" in message or "|" in message else re.escape(message)
     with pytest.raises(ModelSpecError, match=pattern):

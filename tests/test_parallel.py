@@ -25,8 +25,20 @@ from hyparallel.errors import ConfigError
 from .conftest import assert_every_parameter_compared, torchrun
 
 EIGHT = ["dp2-tp2-pp2-1f1b"]
-FOUR = ["dp4", "tp2-pp2", "dp2-tp2-nosp", "dp2-tp2-zero1", "dp2-tp2-zero2", "dp2-tp2-zero3", "dp2-pp2-zero1-gpipe", "dp2-pp2-interleaved",
-        "dp2-tp2-recompute", "tp2-pp2-recompute", "hf-gpt2-tp2-pp2", "hf-gpt2-dp2-pp2-zero1-selective"]
+FOUR = [
+    "dp4",
+    "tp2-pp2",
+    "dp2-tp2-nosp",
+    "dp2-tp2-zero1",
+    "dp2-tp2-zero2",
+    "dp2-tp2-zero3",
+    "dp2-pp2-zero1-gpipe",
+    "dp2-pp2-interleaved",
+    "dp2-tp2-recompute",
+    "tp2-pp2-recompute",
+    "hf-gpt2-tp2-pp2",
+    "hf-gpt2-dp2-pp2-zero1-selective",
+]
 ACCUMULATE = ["dp2-tp2-sp-accumulate"]
 RECOMPUTE = ["hf-gpt2-dp2-pp2-bf16-recompute"]  # bf16 recompute full and selective against none (run_recompute_case)
 
@@ -47,8 +59,10 @@ def by_replica(ranks: list[dict], key: str) -> dict[int, set[str]]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, repo):
     folder = tmp_path_factory.mktemp("parallel")
-    return {**launch(repo, folder / "eight.jsonl", 8, EIGHT),
-            **launch(repo, folder / "four.jsonl", 4, FOUR + ACCUMULATE + RECOMPUTE)}
+    return {
+        **launch(repo, folder / "eight.jsonl", 8, EIGHT),
+        **launch(repo, folder / "four.jsonl", 4, FOUR + ACCUMULATE + RECOMPUTE),
+    }
 
 
 @pytest.mark.parametrize("case", EIGHT + FOUR)
@@ -91,7 +105,12 @@ def test_bf16_recomputation_under_a_pipeline_gives_the_gradients_of_none(results
 
 def test_the_plan_is_what_ran(results):
     eight = results["dp2-tp2-pp2-1f1b"][0]
-    assert (eight["plan"]["dp"], eight["plan"]["tp"], eight["plan"]["pp"], eight["plan"]["schedule"]) == (2, 2, 2, "1f1b")
+    assert (eight["plan"]["dp"], eight["plan"]["tp"], eight["plan"]["pp"], eight["plan"]["schedule"]) == (
+        2,
+        2,
+        2,
+        "1f1b",
+    )
     assert eight["pipeline"] and eight["tp"]
     assert results["dp2-tp2-zero3"][0]["plan"]["zero"] == 3 and not results["dp2-tp2-zero3"][0]["pipeline"]
 
@@ -131,9 +150,14 @@ def test_a_plan_for_another_model_is_refused_by_name(single_process):
 def test_an_indivisible_plan_is_refused_before_any_collective(single_process, repo):
     single_process.setenv("WORLD_SIZE", "3")
     single_process.setenv("RANK", "0")
-    plan = hp.Plan.from_dict({"cluster": {"name": "cpu", "gpus_per_node": 3}, "training": {"global_batch": 6, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"},
-                              "parallel": {"dp": 1, "tp": 3, "pp": 1},
-                              "tensor_parallel": {"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row"}})
+    plan = hp.Plan.from_dict(
+        {
+            "cluster": {"name": "cpu", "gpus_per_node": 3},
+            "training": {"global_batch": 6, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"},
+            "parallel": {"dp": 1, "tp": 3, "pp": 1},
+            "tensor_parallel": {"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row"},
+        }
+    )
     with pytest.raises(ConfigError, match=r"tp = 3 does not fit GPT: .*3"):
         hp.parallelize(hp.models.build("gpt-tiny"), plan)
 
@@ -141,9 +165,24 @@ def test_an_indivisible_plan_is_refused_before_any_collective(single_process, re
 def test_the_example_trains_under_the_hand_written_plan(repo):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
-         "examples/train_gpt.py", "--plan", "configs/plans/cpu-dp2-tp2-pp2.yaml", "--steps", "12"],
-        capture_output=True, text=True, env=env, cwd=repo, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "8",
+            "examples/train_gpt.py",
+            "--plan",
+            "configs/plans/cpu-dp2-tp2-pp2.yaml",
+            "--steps",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=repo,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "dp 2 x tp 2 x pp 2 (1f1b, 4 micro-batches of 2)" in proc.stdout
@@ -153,8 +192,17 @@ def test_the_example_trains_under_the_hand_written_plan(repo):
 
 def test_bf16_plans_compute_in_bf16_and_keep_fp32_master_weights(single_process):
     model = hp.models.build("gpt-tiny")
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), 4, 16, "bf16", dp=1, tp=1, pp=1,
-                   micro_batch=2)
+    plan = hp.plan(
+        model,
+        hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1),
+        4,
+        16,
+        "bf16",
+        dp=1,
+        tp=1,
+        pp=1,
+        micro_batch=2,
+    )
     try:
         pmodel = hp.parallelize(model, plan, device="cpu")  # one process without torchrun: a world of one
         tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
@@ -171,8 +219,9 @@ def test_bf16_plans_compute_in_bf16_and_keep_fp32_master_weights(single_process)
 def test_a_hand_plan_without_cluster_or_stages_is_refused_with_the_fix(single_process):
     single_process.setenv("WORLD_SIZE", "2")
     single_process.setenv("RANK", "0")
-    plan = hp.Plan.from_dict({"training": {"global_batch": 4, "micro_batch": 1, "seq_len": 16, "dtype": "fp32"},
-                              "parallel": {"pp": 2}})
+    plan = hp.Plan.from_dict(
+        {"training": {"global_batch": 4, "micro_batch": 1, "seq_len": 16, "dtype": "fp32"}, "parallel": {"pp": 2}}
+    )
     with pytest.raises(ConfigError, match=r"pp = 2, tp = 1 but no cluster.*add `cluster: PRESET`"):
         hp.parallelize(hp.models.build("gpt-tiny"), plan)
 
@@ -180,8 +229,17 @@ def test_a_hand_plan_without_cluster_or_stages_is_refused_with_the_fix(single_pr
 def test_bf16_micro_batches_share_one_cast_of_each_weight(single_process):
     # Note [one 16-bit copy of the weights per step]: 4 micro-batches save the same bf16 weight copies.
     model = hp.models.build("gpt-tiny")
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), 8, 16, "bf16", dp=1, tp=1, pp=1,
-                   micro_batch=2)
+    plan = hp.plan(
+        model,
+        hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1),
+        8,
+        16,
+        "bf16",
+        dp=1,
+        tp=1,
+        pp=1,
+        micro_batch=2,
+    )
     assert plan.num_microbatches == 4
     try:
         pmodel = hp.parallelize(model, plan, device="cpu")
@@ -204,8 +262,17 @@ def test_bf16_micro_batches_share_one_cast_of_each_weight(single_process):
 
 # GPT-2 with eager attention (seq x seq scores: selective has something to recompute) and its default dropout
 # of 0.1 everywhere: recomputation must replay the forward's masks, and CPU dropout writes in place.
-GPT2_EAGER = ["hf:GPT2LMHeadModel", "n_layer=2", "n_embd=32", "n_head=2", "vocab_size=64", "n_positions=32",
-              "bos_token_id=0", "eos_token_id=0", "attn_implementation=eager"]
+GPT2_EAGER = [
+    "hf:GPT2LMHeadModel",
+    "n_layer=2",
+    "n_embd=32",
+    "n_head=2",
+    "vocab_size=64",
+    "n_positions=32",
+    "bos_token_id=0",
+    "eos_token_id=0",
+    "attn_implementation=eager",
+]
 COUNTED = ("aten._softmax.default", "aten.addmm.default")  # forward-only ops: attention's softmax, the Linears
 
 
@@ -224,8 +291,18 @@ class _CountOps(TorchDispatchMode):
 def _one_step(recompute: str, dtype: str) -> tuple[float, dict[str, torch.Tensor], dict[str, int]]:
     """One train_step of GPT2_EAGER (2 micro-batches) from fixed weights, batch and RNG state: loss, gradients, ops."""
     model = hp.models.load(GPT2_EAGER).module
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1), 4, 16, dtype, dp=1, tp=1, pp=1,
-                   micro_batch=2, recompute=recompute)
+    plan = hp.plan(
+        model,
+        hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1),
+        4,
+        16,
+        dtype,
+        dp=1,
+        tp=1,
+        pp=1,
+        micro_batch=2,
+        recompute=recompute,
+    )
     pmodel = hp.parallelize(model, plan, seed=3, device="cpu")  # one process without torchrun: a world of one
     tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(11)  # the dropout masks
@@ -254,13 +331,16 @@ def test_recomputation_gives_the_loss_and_gradients_of_none_under_the_same_autoc
             assert loss == pytest.approx(ref_loss, rel=1e-5), recompute
             assert grads.keys() == ref_grads.keys() and len(grads) == 28  # every parameter, by name
             for name, grad in grads.items():
-                torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{recompute}: gradient of {name}: {m}")
+                torch.testing.assert_close(
+                    grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{recompute}: gradient of {name}: {m}"
+                )
             # What was recomputed: full reruns every forward op of the blocks (every addmm is a block's Conv1D, 4 per
             # block; the head has no bias: a mm), selective of these only the seq x seq softmax.
             linears = {"full": 2 * ref_ops["aten.addmm.default"], "selective": ref_ops["aten.addmm.default"]}[recompute]
-            assert ops == {"aten._softmax.default": 2 * ref_ops["aten._softmax.default"],
-                           "aten.addmm.default": linears}, recompute
+            assert ops == {
+                "aten._softmax.default": 2 * ref_ops["aten._softmax.default"],
+                "aten.addmm.default": linears,
+            }, recompute
     finally:
         dist.destroy_process_group()
 
@@ -299,8 +379,9 @@ def test_selective_recomputation_replays_every_random_draw():
         weight = torch.randn(16, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
         torch.manual_seed(5)
         if recomputed:
-            out = torch.utils.checkpoint.checkpoint(region, x, weight, use_reentrant=False,
-                                                    context_fn=_selective_context(seq))
+            out = torch.utils.checkpoint.checkpoint(
+                region, x, weight, use_reentrant=False, context_fn=_selective_context(seq)
+            )
         else:
             out = region(x, weight)
         out.backward()

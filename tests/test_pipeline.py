@@ -52,7 +52,7 @@ def pipeline_ranks(results, case):
 def assert_every_stage_parameter_compared(results, case):
     """Each pipeline (ranks 0..pp-1, and 2..3 for the second of two pp = 2 pipelines) compared every parameter."""
     pp = int(case.split("-pp")[1][0])
-    pipelines = [results[case][start:start + pp] for start in range(0, len(results[case]) - pp + 1, pp)]
+    pipelines = [results[case][start : start + pp] for start in range(0, len(results[case]) - pp + 1, pp)]
     compared = {index: {n for rank in ranks for n in rank["params_checked"]} for index, ranks in enumerate(pipelines)}
     assert_every_parameter_compared(results[case][0]["parameter_groups"], compared)
 

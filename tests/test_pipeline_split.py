@@ -30,17 +30,27 @@ MODELS = {
     "gpt": "gpt-tiny num_layers=4",  # fused qkv, tied head, fx
     "llama": "llama-tiny num_layers=4",  # GQA, rotary buffers, untied head, fx
     "hf-gpt2": f"hf:GPT2LMHeadModel n_layer=4 n_embd=32 n_head=4 n_positions=32 {HF_COMMON} resid_pdrop=0 embd_pdrop=0 attn_pdrop=0",
-    "hf-llama": (f"hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 num_key_value_heads=2 "
-                 f"intermediate_size=64 max_position_embeddings=32 {HF_COMMON}"),
-    "hf-qwen2": (f"hf:Qwen2ForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 num_key_value_heads=2 "
-                 f"intermediate_size=64 max_position_embeddings=32 tie_word_embeddings=true {HF_COMMON}"),  # qkv biases
-    "hf-neox": (f"hf:GPTNeoXForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 intermediate_size=64 "
-                f"max_position_embeddings=32 attention_dropout=0 hidden_dropout=0 {HF_COMMON}"),  # parallel residual
+    "hf-llama": (
+        f"hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 num_key_value_heads=2 "
+        f"intermediate_size=64 max_position_embeddings=32 {HF_COMMON}"
+    ),
+    "hf-qwen2": (
+        f"hf:Qwen2ForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 num_key_value_heads=2 "
+        f"intermediate_size=64 max_position_embeddings=32 tie_word_embeddings=true {HF_COMMON}"
+    ),  # qkv biases
+    "hf-neox": (
+        f"hf:GPTNeoXForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 intermediate_size=64 "
+        f"max_position_embeddings=32 attention_dropout=0 hidden_dropout=0 {HF_COMMON}"
+    ),  # parallel residual
 }
 
 
 def vocab(model: nn.Module) -> int:
-    return model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else model.config.vocab_size
+    return (
+        model.get_input_embeddings().num_embeddings
+        if hasattr(model, "get_input_embeddings")
+        else model.config.vocab_size
+    )
 
 
 def logits_of(output):
@@ -55,8 +65,18 @@ def planned_stages(model: nn.Module, pp: int, **constraints) -> list[list[str]]:
     """The planner's stages for ``pp`` ranks; one per rank unless the constraints ask for virtual stages."""
     constraints.setdefault("schedule", "1f1b")
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=pp)
-    plan = hp.plan(model, cluster, global_batch=BATCH * 2, seq_len=SEQ, dtype="fp32", pp=pp, tp=1, dp=1,
-                   micro_batch=BATCH, **constraints)
+    plan = hp.plan(
+        model,
+        cluster,
+        global_batch=BATCH * 2,
+        seq_len=SEQ,
+        dtype="fp32",
+        pp=pp,
+        tp=1,
+        dp=1,
+        micro_batch=BATCH,
+        **constraints,
+    )
     return [stage.modules for stage in plan.stages]
 
 
@@ -98,7 +118,9 @@ def test_chained_stages_equal_the_model_forward_and_backward(name):
     compared = set()
     for module in modules:
         for pname, param in module.body.named_parameters():
-            torch.testing.assert_close(param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}")
+            torch.testing.assert_close(
+                param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}"
+            )
             compared.add(pname)
     assert_every_parameter_compared(parameter_groups(ref), {"the stages": compared})
 
@@ -106,8 +128,11 @@ def test_chained_stages_equal_the_model_forward_and_backward(name):
 def test_boundaries_relay_values_a_later_stage_reads():
     model = hp.models.load(MODELS["hf-gpt2"]).module
     blocks = [f"transformer.h.{i}" for i in range(4)]
-    split = split_model(model, [["transformer.wte", "transformer.wpe", blocks[0]], blocks[1:3], [blocks[3], "lm_head"]],
-                        torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"))
+    split = split_model(
+        model,
+        [["transformer.wte", "transformer.wpe", blocks[0]], blocks[1:3], [blocks[3], "lm_head"]],
+        torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),
+    )
     first, middle, last = split.io
     assert first.inputs == () and last.outputs == ()
     assert first.outputs == middle.inputs and middle.outputs == last.inputs
@@ -142,8 +167,14 @@ def test_runtime_with_one_rank_and_virtual_stages_matches_the_model(name):
     inputs, targets = batch(model, rows=2 * BATCH)
     split = split_model(model, stages, inputs[:BATCH].to("meta"))
     materialize_(model, "cpu", seed=SEED, only=split.state_names([0, 1]))
-    runtime = PipelineRuntime(split, {0: split.stage_module(0), 1: split.stage_module(1)}, None,
-                              schedule_kind="interleaved-1f1b", num_microbatches=2, virtual_stages=2)
+    runtime = PipelineRuntime(
+        split,
+        {0: split.stage_module(0), 1: split.stage_module(1)},
+        None,
+        schedule_kind="interleaved-1f1b",
+        num_microbatches=2,
+        virtual_stages=2,
+    )
     loss = runtime.train_step(inputs, targets, loss_fn)
     # Both virtual stages on the one rank: the outputs of stage 0 go to stage 1 in memory, no send or receive.
     assert runtime.last_order == ["0F0", "1F0", "1B0", "0F1", "0B0", "1F1", "1B1", "0B1"]
@@ -154,7 +185,9 @@ def test_runtime_with_one_rank_and_virtual_stages_matches_the_model(name):
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
     compared = set()
     for pname, param in runtime.named_parameters():  # micro-batch sums vs one whole-batch reduction: rounding only
-        torch.testing.assert_close(param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}")
+        torch.testing.assert_close(
+            param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}"
+        )
         compared.add(pname)
     assert_every_parameter_compared(parameter_groups(ref), {"the runtime": compared})
 
@@ -197,7 +230,9 @@ def test_batches_that_do_not_split_or_do_not_match_the_export_trace_are_refused(
     with pytest.raises(ConfigError, match="3 rows, which do not split into 2 equal micro-batches"):
         runtime.train_step(inputs, targets, loss_fn)
     inputs, targets = batch(model, rows=4 * BATCH)
-    with pytest.raises(ConfigError, match=r"micro-batch input 0 has shape \(4, 12\) but the model was traced by torch.export"):
+    with pytest.raises(
+        ConfigError, match=r"micro-batch input 0 has shape \(4, 12\) but the model was traced by torch.export"
+    ):
         runtime.train_step(inputs, targets, loss_fn)
     with pytest.raises(TypeError, match="loss_fn must return a scalar tensor"):
         runtime.train_step(*batch(model, rows=2 * BATCH), lambda out, y: logits_of(out))
@@ -212,6 +247,8 @@ def test_from_plan_needs_stages_and_a_group_of_pp_ranks(repo):
         PipelineRuntime.from_plan(model, hand_written, None)
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=2)
     plan = hp.plan(model, cluster, global_batch=8, seq_len=SEQ, dtype="fp32", pp=2, tp=1, dp=1)
-    with pytest.raises(ConfigError, match=r"the plan has pp = 2 but the pipeline group has 1 ranks; pass a group of 2 ranks"):
+    with pytest.raises(
+        ConfigError, match=r"the plan has pp = 2 but the pipeline group has 1 ranks; pass a group of 2 ranks"
+    ):
         PipelineRuntime.from_plan(model, plan, None)
     assert all(p.is_meta for p in model.parameters())  # refused before anything was allocated

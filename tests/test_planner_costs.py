@@ -21,7 +21,8 @@ def test_collectives():
     assert costs.ring_allreduce_s(1e9, 1, LINK) == 0 and costs.ring_allreduce_s(0, 8, LINK) == 0
     # All-reduce = reduce-scatter + all-gather (the identity sequence parallelism relies on).
     assert costs.ring_allreduce_s(3e8, 4, LINK) == pytest.approx(
-        costs.ring_reduce_scatter_s(3e8, 4, LINK) + costs.ring_allgather_s(3e8, 4, LINK))
+        costs.ring_reduce_scatter_s(3e8, 4, LINK) + costs.ring_allgather_s(3e8, 4, LINK)
+    )
 
 
 def test_roofline():
@@ -70,8 +71,12 @@ def test_korthikanti_reference_formula():
     s, b, h, a = 2048, 1, 12288, 96
     assert costs.korthikanti_activation_bytes(s, b, h, a) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
     assert costs.korthikanti_activation_bytes(s, b, h, a, tp=8, sequence_parallel=True) == pytest.approx(
-        s * b * h * (34 + 5 * a * s / h) / 8)
-    assert costs.korthikanti_activation_bytes(s, b, h, a, tp=8, recompute="full", sequence_parallel=True) == 2 * s * b * h / 8
+        s * b * h * (34 + 5 * a * s / h) / 8
+    )
+    assert (
+        costs.korthikanti_activation_bytes(s, b, h, a, tp=8, recompute="full", sequence_parallel=True)
+        == 2 * s * b * h / 8
+    )
 
 
 def test_model_flops_match_megatron():
@@ -152,7 +157,9 @@ def test_seq_by_seq_tensors_come_from_dataflow_not_shapes():
     assert not ModelProfile(graph, hp.ClusterSpec.preset("cpu"), "fp32", 64).has_quadratic
     # Bloom writes attention out with baddbmm/softmax/bmm: its scores are kept, and selective recomputation drops them.
     bloom = hp.models.load("hf:bloom n_layer=2 hidden_size=128 n_head=4 vocab_size=1000").module
-    profile = ModelProfile(hp.trace(bloom, hp.models.example_inputs(bloom, 1, 48)), hp.ClusterSpec.preset("cpu"), "fp32", 48)
+    profile = ModelProfile(
+        hp.trace(bloom, hp.models.example_inputs(bloom, 1, 48)), hp.ClusterSpec.preset("cpu"), "fp32", 48
+    )
     block = next(i for i, s in enumerate(profile.segments) if s.is_block)
     link = profile.cluster.intra_node
     none, selective = (profile.segment_costs(1, False, 1, r, link)[block] for r in ("none", "selective"))
@@ -179,7 +186,9 @@ def test_op_overhead_costs_every_dispatched_op_on_a_cpu():
 
     from hyparallel.planner.profile import _COPYING_VIEWS
 
-    kernels = sum(1 for op in graph.compute_ops() if op.kind != "view" or op.target in _COPYING_VIEWS)  # aliases are free
+    kernels = sum(
+        1 for op in graph.compute_ops() if op.kind != "view" or op.target in _COPYING_VIEWS
+    )  # aliases are free
     assert forward_s(1e-3) - forward_s(0.0) == pytest.approx(kernels * 1e-3, rel=1e-6)
 
 

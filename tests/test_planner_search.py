@@ -45,12 +45,15 @@ def small_cluster(preset: str, nodes: int, per_node: int, memory_bytes: int | No
     return hp.ClusterSpec.model_validate(spec)
 
 
-@pytest.mark.parametrize(("model_name", "preset", "nodes", "per_node", "global_batch", "memory_fraction"), [
-    ("gpt-mini", "cpu", 1, 8, 16, None),
-    ("gpt-mini", "a100-80g", 2, 8, 32, 0.25),  # tight memory: many plans do not fit
-    ("llama-tiny", "h100-sxm", 2, 4, 16, 0.3),
-    ("gpt-tiny", "cpu", 1, 4, 8, 0.3),
-])
+@pytest.mark.parametrize(
+    ("model_name", "preset", "nodes", "per_node", "global_batch", "memory_fraction"),
+    [
+        ("gpt-mini", "cpu", 1, 8, 16, None),
+        ("gpt-mini", "a100-80g", 2, 8, 32, 0.25),  # tight memory: many plans do not fit
+        ("llama-tiny", "h100-sxm", 2, 4, 16, 0.3),
+        ("gpt-tiny", "cpu", 1, 4, 8, 0.3),
+    ],
+)
 def test_search_matches_brute_force(model_name, preset, nodes, per_node, global_batch, memory_fraction):
     model = hp.models.build(model_name, num_layers=4) if model_name != "gpt-mini" else hp.models.build(model_name)
     seq = 32
@@ -132,21 +135,24 @@ def test_hugging_face_model_plans():
     assert plan.model.name == "GPT2LMHeadModel"
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"tp": 3}, "tp(3) = 3 does not divide the 8 GPUs"),
-    ({"tp": 2, "pp": 2, "dp": 4}, "dp(4) * tp(2) * pp(2) = 16 != 8 GPUs"),
-    ({"dp": 8, "global_batch": 12}, "global batch 12 is not divisible by dp 8"),
-    ({"pipeline": 2}, "unknown constraint pipeline"),
-    ({"tp": 0}, "tp must be a positive integer, got 0"),
-    ({"dp": -2}, "dp must be a positive integer, got -2"),
-    ({"pp": 2.0}, "pp must be a positive integer, got 2.0"),
-    ({"global_batch": 0}, "global_batch must be a positive integer, got 0"),
-    ({"global_batch": True}, "global_batch must be a positive integer, got True"),
-    ({"seq_len": 0}, "seq_len must be a positive integer, got 0"),
-    ({"seq_len": 2**40}, "seq_len must be a positive integer up to 16,777,216, got 1,099,511,627,776"),
-    ({"tp": 10**100}, "tp must be a positive integer up to 1,048,576, got an integer of more than 60 digits"),
-    ({"virtual_stages": 0}, "virtual_stages must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 3}, "tp(3) = 3 does not divide the 8 GPUs"),
+        ({"tp": 2, "pp": 2, "dp": 4}, "dp(4) * tp(2) * pp(2) = 16 != 8 GPUs"),
+        ({"dp": 8, "global_batch": 12}, "global batch 12 is not divisible by dp 8"),
+        ({"pipeline": 2}, "unknown constraint pipeline"),
+        ({"tp": 0}, "tp must be a positive integer, got 0"),
+        ({"dp": -2}, "dp must be a positive integer, got -2"),
+        ({"pp": 2.0}, "pp must be a positive integer, got 2.0"),
+        ({"global_batch": 0}, "global_batch must be a positive integer, got 0"),
+        ({"global_batch": True}, "global_batch must be a positive integer, got True"),
+        ({"seq_len": 0}, "seq_len must be a positive integer, got 0"),
+        ({"seq_len": 2**40}, "seq_len must be a positive integer up to 16,777,216, got 1,099,511,627,776"),
+        ({"tp": 10**100}, "tp must be a positive integer up to 1,048,576, got an integer of more than 60 digits"),
+        ({"virtual_stages": 0}, "virtual_stages must be a positive integer, got 0"),
+    ],
+)
 def test_impossible_requests_fail_clearly(kwargs, message):
     model = hp.models.build("gpt-mini")
     args = {"global_batch": 16, "seq_len": 32, "dtype": "fp32", **kwargs}

@@ -19,24 +19,42 @@ def traced(spec):
 
 EXPECTED = {
     "gpt-tiny": {
-        "layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "layers.*.mlp.fc": "column",
-        "layers.*.mlp.proj": "row", "tok_embeddings": "vocab", "output": "vocab",
+        "layers.*.attn.qkv": "column",
+        "layers.*.attn.proj": "row",
+        "layers.*.mlp.fc": "column",
+        "layers.*.mlp.proj": "row",
+        "tok_embeddings": "vocab",
+        "output": "vocab",
     },
     "llama-tiny": {
-        "layers.*.attn.q_proj": "column", "layers.*.attn.k_proj": "column", "layers.*.attn.v_proj": "column",
-        "layers.*.attn.o_proj": "row", "layers.*.mlp.gate_proj": "column", "layers.*.mlp.up_proj": "column",
-        "layers.*.mlp.down_proj": "row", "tok_embeddings": "vocab", "output": "vocab",
+        "layers.*.attn.q_proj": "column",
+        "layers.*.attn.k_proj": "column",
+        "layers.*.attn.v_proj": "column",
+        "layers.*.attn.o_proj": "row",
+        "layers.*.mlp.gate_proj": "column",
+        "layers.*.mlp.up_proj": "column",
+        "layers.*.mlp.down_proj": "row",
+        "tok_embeddings": "vocab",
+        "output": "vocab",
     },
     HF_GPT2_TINY: {
-        "transformer.h.*.attn.c_attn": "column", "transformer.h.*.attn.c_proj": "row",
-        "transformer.h.*.mlp.c_fc": "column", "transformer.h.*.mlp.c_proj": "row",
-        "transformer.wte": "vocab", "lm_head": "vocab",
+        "transformer.h.*.attn.c_attn": "column",
+        "transformer.h.*.attn.c_proj": "row",
+        "transformer.h.*.mlp.c_fc": "column",
+        "transformer.h.*.mlp.c_proj": "row",
+        "transformer.wte": "vocab",
+        "lm_head": "vocab",
     },
     HF_LLAMA_TINY: {
-        "model.layers.*.self_attn.q_proj": "column", "model.layers.*.self_attn.k_proj": "column",
-        "model.layers.*.self_attn.v_proj": "column", "model.layers.*.self_attn.o_proj": "row",
-        "model.layers.*.mlp.gate_proj": "column", "model.layers.*.mlp.up_proj": "column",
-        "model.layers.*.mlp.down_proj": "row", "model.embed_tokens": "vocab", "lm_head": "vocab",
+        "model.layers.*.self_attn.q_proj": "column",
+        "model.layers.*.self_attn.k_proj": "column",
+        "model.layers.*.self_attn.v_proj": "column",
+        "model.layers.*.self_attn.o_proj": "row",
+        "model.layers.*.mlp.gate_proj": "column",
+        "model.layers.*.mlp.up_proj": "column",
+        "model.layers.*.mlp.down_proj": "row",
+        "model.embed_tokens": "vocab",
+        "lm_head": "vocab",
     },
 }
 
@@ -48,13 +66,16 @@ def test_megatron_pairs_are_found_from_dataflow(spec):
     assert _tp_map(graph, profile) == dict(sorted(EXPECTED[spec].items()))
 
 
-@pytest.mark.parametrize("spec", [
-    "hf:mistral num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 intermediate_size=256 vocab_size=1000",
-    "hf:qwen2 num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 intermediate_size=256 vocab_size=1000",
-    "hf:gpt_neox num_hidden_layers=2 hidden_size=128 num_attention_heads=4 intermediate_size=256 vocab_size=1000",
-    "hf:opt num_hidden_layers=2 hidden_size=128 num_attention_heads=4 ffn_dim=256 vocab_size=1000 word_embed_proj_dim=128",
-    "hf:falcon num_hidden_layers=2 hidden_size=128 num_attention_heads=4 vocab_size=1000",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "hf:mistral num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 intermediate_size=256 vocab_size=1000",
+        "hf:qwen2 num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 intermediate_size=256 vocab_size=1000",
+        "hf:gpt_neox num_hidden_layers=2 hidden_size=128 num_attention_heads=4 intermediate_size=256 vocab_size=1000",
+        "hf:opt num_hidden_layers=2 hidden_size=128 num_attention_heads=4 ffn_dim=256 vocab_size=1000 word_embed_proj_dim=128",
+        "hf:falcon num_hidden_layers=2 hidden_size=128 num_attention_heads=4 vocab_size=1000",
+    ],
+)
 def test_architectures_not_in_the_zoo(spec):
     # Every block of these decoders splits into attention and MLP Megatron pairs, whatever the module names.
     graph = traced(spec)
@@ -87,7 +108,10 @@ def test_head_counts_decide_valid_degrees():
     # At tp=4 the 2 kv heads are replicated: each rank holds the kv head its query head needs.
     k_proj = graph.op("layers.0.attn.k_proj")
     assert analysis.params_per_rank(k_proj, 4) == k_proj.param_count / 2
-    assert analysis.params_per_rank(graph.op("layers.0.attn.q_proj"), 4) == graph.op("layers.0.attn.q_proj").param_count / 4
+    assert (
+        analysis.params_per_rank(graph.op("layers.0.attn.q_proj"), 4)
+        == graph.op("layers.0.attn.q_proj").param_count / 4
+    )
 
 
 def test_vocab_is_padded_to_a_multiple_of_tp():
@@ -131,14 +155,18 @@ def test_a_norm_over_the_split_dimension_keeps_the_pair_replicated():
             return x
 
     graph = hp.trace(Stack().to("meta"), torch.zeros(2, 4, 8))
-    assert analyze(graph).styles == {n: "replicate" for n in ("layers.0.up", "layers.0.down", "layers.1.up", "layers.1.down")}
+    assert analyze(graph).styles == {
+        n: "replicate" for n in ("layers.0.up", "layers.0.down", "layers.1.up", "layers.1.down")
+    }
 
 
 def test_fused_qkv_with_grouped_query_attention_is_checked_part_by_part():
     # Phi-3 fuses q, k, v in one projection; with 12 query and 4 key/value heads, tp=12 holds one query head and a
     # replicated key/value head per rank (valid), tp=8 does not divide the 12 query heads.
-    spec = ("hf:phi3 num_hidden_layers=2 hidden_size=96 num_attention_heads=12 num_key_value_heads=4 "
-            "intermediate_size=144 vocab_size=1000 pad_token_id=0 bos_token_id=0 eos_token_id=0")
+    spec = (
+        "hf:phi3 num_hidden_layers=2 hidden_size=96 num_attention_heads=12 num_key_value_heads=4 "
+        "intermediate_size=144 vocab_size=1000 pad_token_id=0 bos_token_id=0 eos_token_id=0"
+    )
     graph = traced(spec)
     analysis = analyze(graph)
     qkv = next(n for n in analysis.styles if n.endswith("qkv_proj"))

@@ -150,9 +150,22 @@ def test_interleaved_order_follows_megatron():
     # then the same group through chunk 1; warmup 2 (pp - 1) + (v - 1) pp = 4 chunk forwards on rank 0.
     compute = schedule("interleaved-1f1b", pp=2, num_microbatches=4, virtual_stages=2)
     assert [str(a) for a in compute[0]] == [
-        "0F0", "0F1", "2F0", "2F1",  # warmup
-        "0F2", "2B0", "0F3", "2B1", "2F2", "0B0", "2F3", "0B1",  # steady 1F1B over chunks
-        "2B2", "2B3", "0B2", "0B3",  # cooldown
+        "0F0",
+        "0F1",
+        "2F0",
+        "2F1",  # warmup
+        "0F2",
+        "2B0",
+        "0F3",
+        "2B1",
+        "2F2",
+        "0B0",
+        "2F3",
+        "0B1",  # steady 1F1B over chunks
+        "2B2",
+        "2B3",
+        "0B2",
+        "0B3",  # cooldown
     ]
     assert [str(a) for a in compute[1]][:4] == ["1F0", "1F1", "3F0", "3B0"]  # warmup (v - 1) pp = 2
 
@@ -223,15 +236,11 @@ def test_schedule_rejects_bad_arguments():
 
 def test_format_schedule_and_timeline_picture():
     compute = schedule("1f1b", pp=2, num_microbatches=3)
-    assert format_schedule(compute) == (
-        "rank 0 | 0F0 0F1 0B0 0F2 0B1 0B2\n"
-        "rank 1 | 1F0 1B0 1F1 1B1 1F2 1B2"
-    )
+    assert format_schedule(compute) == ("rank 0 | 0F0 0F1 0B0 0F2 0B1 0B2\nrank 1 | 1F0 1B0 1F1 1B1 1F2 1B2")
     result = simulate(lower(compute, 2), pp=2)
     assert result.steps == 8
     assert format_schedule(result.timeline) == (
-        "rank 0 | 0F0 0F1   . 0B0 0F2 0B1   . 0B2\n"
-        "rank 1 |   . 1F0 1B0 1F1 1B1 1F2 1B2   ."
+        "rank 0 | 0F0 0F1   . 0B0 0F2 0B1   . 0B2\nrank 1 |   . 1F0 1B0 1F1 1B1 1F2 1B2   ."
     )
 
 

@@ -23,7 +23,7 @@ def test_slices_equal_the_full_parameter():
     rows = ((100, 300), (CHUNK_ROWS * 2, shape[0]))  # two ranges, like a fused [q | k | v] split
     part = torch.empty(200 + 37, 20)
     fill_(part, ("normal", 0.5), "w", ShardLayout(full_shape=shape, rows=rows, cols=(10, 30)), seed=3)
-    torch.testing.assert_close(part, torch.cat([whole[100:300, 10:30], whole[2 * CHUNK_ROWS:, 10:30]]), rtol=0, atol=0)
+    torch.testing.assert_close(part, torch.cat([whole[100:300, 10:30], whole[2 * CHUNK_ROWS :, 10:30]]), rtol=0, atol=0)
 
 
 def test_vocabulary_padding_is_zero():

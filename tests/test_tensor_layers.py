@@ -11,7 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyparallel.tensor import collectives
-from hyparallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from hyparallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +31,12 @@ def test_collectives_are_no_ops_for_a_group_of_one(group):
     x = torch.randn(2, 4, 3, requires_grad=True)
     for fn in (collectives.copy_to_tp, collectives.reduce_from_tp):
         assert fn(x, group) is x
-    for fn in (collectives.scatter_to_tp, collectives.gather_from_tp, collectives.all_gather_seq, collectives.reduce_scatter_seq):
+    for fn in (
+        collectives.scatter_to_tp,
+        collectives.gather_from_tp,
+        collectives.all_gather_seq,
+        collectives.reduce_scatter_seq,
+    ):
         assert fn(x, 1, group) is x
 
 
@@ -66,12 +76,18 @@ def test_vocab_parallel_cross_entropy_matches_torch(group):
     torch.testing.assert_close(ours, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
 
 
-@pytest.mark.parametrize(("styles", "message"), [
-    ({"layers.*.attn.qkv": "column"}, "layers.0.attn.proj must be split too"),
-    ({"layers.*.attn_norm": "column"}, "cannot split layers.0.attn_norm (column; the dataflow allows replicate)"),
-    ({"layers.*.attn.qkv": "row", "layers.*.attn.proj": "row"}, "cannot split layers.0.attn.qkv (row; the dataflow allows column)"),
-    ({"blocks.*.fc": "column"}, "'blocks.*.fc' matches no module of GPT"),
-])
+@pytest.mark.parametrize(
+    ("styles", "message"),
+    [
+        ({"layers.*.attn.qkv": "column"}, "layers.0.attn.proj must be split too"),
+        ({"layers.*.attn_norm": "column"}, "cannot split layers.0.attn_norm (column; the dataflow allows replicate)"),
+        (
+            {"layers.*.attn.qkv": "row", "layers.*.attn.proj": "row"},
+            "cannot split layers.0.attn.qkv (row; the dataflow allows column)",
+        ),
+        ({"blocks.*.fc": "column"}, "'blocks.*.fc' matches no module of GPT"),
+    ],
+)
 def test_a_plan_that_does_not_fit_the_model_is_refused(group, styles, message):
     import hyparallel as hp
     from hyparallel.errors import ConfigError

@@ -16,7 +16,9 @@ NO_TRITON = "triton is not installed: the fused kernels run under its CPU interp
 
 MODELS = ("gpt", "llama", "hf-gpt2", "hf-llama")
 CASES = [f"{m}-tp{tp}{suffix}" for tp in (2, 4) for m in MODELS for suffix in ("", "-vocab-loss", "-sp")]
-CASES += [f"{m}-tp{tp}-meta" for tp in (2, 4) for m in MODELS]  # materialised slice by slice (GPT-2: Conv1D's (in, out))
+CASES += [
+    f"{m}-tp{tp}-meta" for tp in (2, 4) for m in MODELS
+]  # materialised slice by slice (GPT-2: Conv1D's (in, out))
 CASES += ["gpt-tp2-triton", "hf-llama-tp2-triton"]  # fused GeLU / SiLU epilogues in Triton (interpreter on the CPU)
 
 

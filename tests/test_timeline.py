@@ -14,8 +14,12 @@ from hyparallel.pipeline.timeline import run_timed, timeline
 
 def hand_plan(schedule_kind: str, pp: int, m: int, v: int = 1) -> hp.Plan:
     """A plan written by hand: no stages, no predictions, so the timeline is in relative units."""
-    return hp.Plan.from_dict({"training": {"global_batch": m, "seq_len": 16},
-                              "parallel": {"pp": pp, "schedule": schedule_kind, "virtual_stages": v}})
+    return hp.Plan.from_dict(
+        {
+            "training": {"global_batch": m, "seq_len": 16},
+            "parallel": {"pp": pp, "schedule": schedule_kind, "virtual_stages": v},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +27,10 @@ def tiny_plans():
     """gpt-tiny planned on the CPU preset with pp forced: 4 micro-batches; stages unequal (embedding, head)."""
     model = hp.models.build("gpt-tiny", device="meta")
     cluster = hp.ClusterSpec.preset("cpu")
-    return {kind: hp.plan(model, cluster, global_batch=32, seq_len=64, pp=pp, schedule=kind)
-            for kind, pp in (("gpipe", 4), ("1f1b", 2))}
+    return {
+        kind: hp.plan(model, cluster, global_batch=32, seq_len=64, pp=pp, schedule=kind)
+        for kind, pp in (("gpipe", 4), ("1f1b", 2))
+    }
 
 
 def makespan(blocks):
@@ -57,7 +63,9 @@ def test_transfers_delay_only_the_critical_path():
     assert waits and all(b.duration_s <= c + 1e-12 for b in waits)
 
 
-@pytest.mark.parametrize(("kind", "pp", "m", "v"), [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2)])
+@pytest.mark.parametrize(
+    ("kind", "pp", "m", "v"), [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2)]
+)
 def test_every_action_appears_once_in_its_order(kind, pp, m, v):
     tl = timeline(hand_plan(kind, pp, m, v))
     lowered = lower(schedule(kind, pp, m, v), pp, v)
@@ -101,7 +109,9 @@ def test_planned_memory_peaks_at_the_prediction_and_returns_to_static(tiny_plans
             assert levels[-1] == pytest.approx(levels[0])  # every activation freed by its backward
             assert series[-1][0] == tl.total_s
         tails = [b for b in tl.blocks if b.kind == "tail"]
-        assert len(tails) == plan.parallel.pp and all(b.duration_s == pytest.approx(plan.predicted.comm_s.dp) for b in tails)
+        assert len(tails) == plan.parallel.pp and all(
+            b.duration_s == pytest.approx(plan.predicted.comm_s.dp) for b in tails
+        )
 
 
 def test_planner_writes_the_stage_timings(tiny_plans):

@@ -18,7 +18,9 @@ B, S = 2, 32
 def gpt_flops(cfg, batch, seq):
     """Megatron-LM's forward model FLOPs: per layer 24*B*s*h^2 + 4*B*s^2*h, plus 2*B*s*h*V for the head."""
     h = cfg.hidden_size
-    return cfg.num_layers * (24 * batch * seq * h * h + 4 * batch * seq * seq * h) + 2 * batch * seq * h * cfg.vocab_size
+    return (
+        cfg.num_layers * (24 * batch * seq * h * h + 4 * batch * seq * seq * h) + 2 * batch * seq * h * cfg.vocab_size
+    )
 
 
 def llama_layer_flops(hidden, heads, kv_heads, ffn, batch, seq):
@@ -67,7 +69,11 @@ def test_hf_gpt2_traced_with_export():
     assert graph.method == "export"
     check_counts(model, graph)
     cfg = model.config
-    assert graph.flops == cfg.n_layer * (24 * B * S * cfg.n_embd**2 + 4 * B * S * S * cfg.n_embd) + 2 * B * S * cfg.n_embd * cfg.vocab_size
+    assert (
+        graph.flops
+        == cfg.n_layer * (24 * B * S * cfg.n_embd**2 + 4 * B * S * S * cfg.n_embd)
+        + 2 * B * S * cfg.n_embd * cfg.vocab_size
+    )
     assert [b.path for b in graph.blocks] == ["transformer.h.0", "transformer.h.1"]
     c_attn = graph.op("transformer.h.0.attn.c_attn")  # transformers' Conv1D: a transposed Linear
     assert c_attn.kind == "linear" and c_attn.target == "Conv1D"
@@ -81,7 +87,9 @@ def test_hf_gpt2_default_config_on_meta():
     model = hp.models.load("hf:GPT2LMHeadModel").module  # the 124M GPT-2
     graph = hp.trace(model, hp.models.example_inputs(model, 1, 1024))
     assert graph.num_params == sum(p.numel() for p in model.parameters()) == 124_439_808
-    assert graph.flops == gpt_flops(hp.models.GPTConfig(num_layers=12, hidden_size=768, num_heads=12, vocab_size=50257), 1, 1024)
+    assert graph.flops == gpt_flops(
+        hp.models.GPTConfig(num_layers=12, hidden_size=768, num_heads=12, vocab_size=50257), 1, 1024
+    )
 
 
 def test_hf_llama_with_grouped_query_attention():
@@ -90,7 +98,9 @@ def test_hf_llama_with_grouped_query_attention():
     assert graph.method == "export"
     check_counts(model, graph)
     cfg = model.config
-    layer = llama_layer_flops(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, B, S)
+    layer = llama_layer_flops(
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, B, S
+    )
     assert graph.flops == cfg.num_hidden_layers * layer + 2 * B * S * cfg.hidden_size * cfg.vocab_size
     assert graph.op("model.layers.0.input_layernorm").kind == "norm"  # LlamaRMSNorm, grouped from its ATen ops
     assert graph.op("model.layers.1.self_attn.k_proj").output_shapes == ((B, S, 2 * 16),)
@@ -143,7 +153,11 @@ def test_cut_points_between_layers_carry_the_hidden_state():
     llama = hp.models.build("llama-tiny")
     graph = hp.trace(llama, llama.example_inputs(B, S))
     cfg = llama.config
-    inner = [c for c in graph.cut_points if graph.op(c.after).module.startswith("layers.") and graph.op(c.before).module.startswith("layers.")]
+    inner = [
+        c
+        for c in graph.cut_points
+        if graph.op(c.after).module.startswith("layers.") and graph.op(c.before).module.startswith("layers.")
+    ]
     assert len(inner) == cfg.num_layers - 1
     assert all(c.bytes == (B * S * cfg.hidden_size + 2 * S * cfg.head_dim) * 4 and len(c.tensors) == 3 for c in inner)
 
@@ -225,8 +239,10 @@ def test_untraceable_model_names_the_construct_the_module_and_the_line():
         hp.trace(model, torch.zeros(2, 8))
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("cannot trace Sequential: torch.fx: TraceError: symbolically traced variables cannot be used "
-                              "as inputs to control flow (in module '1', test_trace.py:")
+    assert message.startswith(
+        "cannot trace Sequential: torch.fx: TraceError: symbolically traced variables cannot be used "
+        "as inputs to control flow (in module '1', test_trace.py:"
+    )
     assert "torch.export: " in message and message.count("in module '1'") == 2
     assert "if x.sum() > 0:" in message and "torch.where or torch.cond" in message
 

@@ -8,26 +8,114 @@ from typing import Any, Literal
 from torch import nn
 
 OpKind = Literal[
-    "input", "output", "embedding", "linear", "matmul", "attention", "norm",
-    "activation", "dropout", "elementwise", "view", "loss", "other",
+    "input",
+    "output",
+    "embedding",
+    "linear",
+    "matmul",
+    "attention",
+    "norm",
+    "activation",
+    "dropout",
+    "elementwise",
+    "view",
+    "loss",
+    "other",
 ]
 
 _ATTENTION = {
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "flex_attention",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "flex_attention",
     "multi_head_attention_forward",
 }
-_MATMUL = {"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "linear", "conv1d", "conv2d", "convolution", "__matmul__"}
+_MATMUL = {
+    "matmul",
+    "mm",
+    "bmm",
+    "baddbmm",
+    "addmm",
+    "addbmm",
+    "einsum",
+    "linear",
+    "conv1d",
+    "conv2d",
+    "convolution",
+    "__matmul__",
+}
 _EMBEDDING = {"embedding", "embedding_bag"}
-_NORM = {"layer_norm", "native_layer_norm", "rms_norm", "group_norm", "batch_norm", "native_batch_norm", "instance_norm"}
-_ACTIVATION = {"swiglu", "gelu", "silu", "relu", "relu_", "tanh", "sigmoid", "mish", "softplus", "leaky_relu", "elu", "hardswish", "glu"}
+_NORM = {
+    "layer_norm",
+    "native_layer_norm",
+    "rms_norm",
+    "group_norm",
+    "batch_norm",
+    "native_batch_norm",
+    "instance_norm",
+}
+_ACTIVATION = {
+    "swiglu",
+    "gelu",
+    "silu",
+    "relu",
+    "relu_",
+    "tanh",
+    "sigmoid",
+    "mish",
+    "softplus",
+    "leaky_relu",
+    "elu",
+    "hardswish",
+    "glu",
+}
 _DROPOUT = {"dropout", "native_dropout", "dropout_", "alpha_dropout", "feature_dropout", "bias_dropout_residual"}
-_LOSS = {"cross_entropy", "nll_loss", "nll_loss_forward", "mse_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
-         "kl_div", "smooth_l1_loss", "l1_loss", "huber_loss"}
+_LOSS = {
+    "cross_entropy",
+    "nll_loss",
+    "nll_loss_forward",
+    "mse_loss",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "kl_div",
+    "smooth_l1_loss",
+    "l1_loss",
+    "huber_loss",
+}
 _VIEW = {
-    "view", "_unsafe_view", "reshape", "transpose", "permute", "unflatten", "flatten", "expand", "expand_as", "contiguous",
-    "chunk", "split", "split_with_sizes", "unbind", "getitem", "size", "dim", "unsqueeze", "squeeze", "slice", "select", "t",
-    "narrow", "alias", "detach", "view_as", "movedim", "numel", "getattr", "sym_size", "clone",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "transpose",
+    "permute",
+    "unflatten",
+    "flatten",
+    "expand",
+    "expand_as",
+    "contiguous",
+    "chunk",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "getitem",
+    "size",
+    "dim",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "t",
+    "narrow",
+    "alias",
+    "detach",
+    "view_as",
+    "movedim",
+    "numel",
+    "getattr",
+    "sym_size",
+    "clone",
 }
 
 

@@ -223,10 +223,18 @@ class ModelGraph:
         for (path, ops), (next_path, next_ops) in zip(units, units[1:]):
             position = ops[-1].index
             tensors = crossing.get(position, [])
-            candidates.append((path is not None or next_path is not None, CutPoint(
-                position=position, after=ops[-1].name, before=next_ops[0].name,
-                tensors=tuple(v.name for v in tensors), bytes=sum(v.bytes for v in tensors),
-            )))
+            candidates.append(
+                (
+                    path is not None or next_path is not None,
+                    CutPoint(
+                        position=position,
+                        after=ops[-1].name,
+                        before=next_ops[0].name,
+                        tensors=tuple(v.name for v in tensors),
+                        bytes=sum(v.bytes for v in tensors),
+                    ),
+                )
+            )
         at_blocks = [cut.bytes for touches_block, cut in candidates if touches_block]
         # Note: with repeated blocks, a cut is offered only where no more crosses than between two
         # blocks; without them every op boundary is offered and the planner prices it by its bytes.
@@ -256,10 +264,14 @@ class ModelGraph:
         is_block = len(modules) == 1 and modules[0] in block_paths
         return Segment(
             name=modules[0] if is_block else (ops[0].name if len(ops) == 1 else f"{ops[0].name}..{ops[-1].name}"),
-            ops=tuple(op.name for op in ops), modules=tuple(modules),
-            flops=sum(op.flops for op in ops), param_count=sum(op.param_count for op in ops),
-            param_bytes=sum(op.param_bytes for op in ops), activation_bytes=sum(op.output_bytes for op in ops),
-            output_bytes=output_bytes, is_block=is_block,
+            ops=tuple(op.name for op in ops),
+            modules=tuple(modules),
+            flops=sum(op.flops for op in ops),
+            param_count=sum(op.param_count for op in ops),
+            param_bytes=sum(op.param_bytes for op in ops),
+            activation_bytes=sum(op.output_bytes for op in ops),
+            output_bytes=output_bytes,
+            is_block=is_block,
         )
 
     # ---- presentation -------------------------------------------------------------------------
@@ -271,7 +283,8 @@ class ModelGraph:
             f"{self.name}: traced with torch.{self.method}, {len(compute)} ops, {self.graph.number_of_edges()} edges",
             f"  parameters      {self.num_params:,} ({self.param_bytes / 2**30:.2f} GiB at the traced dtype)",
             f"  forward FLOPs   {self.flops:.4g} ({', '.join(f'{k} {v:.3g}' for k, v in sorted(self.flops_by_kind().items()))})",
-            f"  repeated blocks {len(self.blocks)}" + (f" ({self.blocks[0].path} .. {self.blocks[-1].path})" if self.blocks else ""),
+            f"  repeated blocks {len(self.blocks)}"
+            + (f" ({self.blocks[0].path} .. {self.blocks[-1].path})" if self.blocks else ""),
             f"  cut points      {len(self.cut_points)}; segments {len(self.segments())}",
         ]
         return "\n".join(lines)

@@ -54,7 +54,9 @@ def trace(model: nn.Module, example_inputs: Any, *, name: str | None = None, met
     """
     args, kwargs = _split_inputs(example_inputs)
     args, kwargs = tree_map(_to_meta, (args, kwargs))  # only shapes and dtypes matter: no real memory
-    return first_program(model, args, kwargs, method, lambda program: _build(model, program, name or type(model).__name__))
+    return first_program(
+        model, args, kwargs, method, lambda program: _build(model, program, name or type(model).__name__)
+    )
 
 
 def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, finish: Any = None) -> Any:
@@ -134,7 +136,8 @@ def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
     signature = inspect.signature(model.forward)
     bound = signature.bind_partial(*args, **kwargs).arguments
     concrete = {
-        p.name: p.default for p in signature.parameters.values()
+        p.name: p.default
+        for p in signature.parameters.values()
         if p.name not in bound and p.default is not inspect.Parameter.empty
     }
     tracer = _LeafTracer()
@@ -160,7 +163,9 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
         kwargs = {**kwargs, "use_cache": False}  # Hugging Face: no KV cache while tracing for training
     device = next((p.device for p in model.parameters()), torch.device("meta"))
     if device.type != "meta":  # torch.export wants inputs beside the weights; it runs nothing for real
-        args, kwargs = tree_map(lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        args, kwargs = tree_map(
+            lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+        )
     with _quiet_torch_logs():  # a failed export logs whole graphs; the failure is reported as one line instead
         exported = torch.export.export(model, args, kwargs, strict=False)
     signature = exported.graph_signature
@@ -177,8 +182,14 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
         else:
             run_args.append(_to_meta(state[spec.target]))
             state_of[node] = spec.target
-    return _Program(gm=exported.graph_module, method="export", run_args=run_args, user_inputs=user_inputs,
-                    state_of=state_of, artifact=exported)
+    return _Program(
+        gm=exported.graph_module,
+        method="export",
+        run_args=run_args,
+        user_inputs=user_inputs,
+        state_of=state_of,
+        artifact=exported,
+    )
 
 
 @contextlib.contextmanager
@@ -204,12 +215,66 @@ def _quiet_torch_logs():
 # Ops that never perform matrix products: run without the FLOP counter, whose dispatch is the
 # slowest part of tracing a large model (Note [what counts as a FLOP] in model_graph.py).
 _NO_FLOPS = frozenset(_VIEW_NAMES) | {
-    "add", "sub", "mul", "truediv", "div", "neg", "pow", "cat", "stack", "to", "type", "float", "arange", "zeros",
-    "ones", "full", "new_ones", "new_zeros", "zeros_like", "ones_like", "where", "masked_fill", "eq", "ne", "lt", "le",
-    "gt", "ge", "and_", "or_", "__and__", "__or__", "cumsum", "sum", "mean", "rsqrt", "sqrt", "exp", "tanh", "sigmoid",
-    "silu", "gelu", "relu", "softmax", "log_softmax", "dropout", "native_dropout", "embedding", "layer_norm", "rms_norm",
-    "repeat_interleave", "_assert_tensor_metadata", "_assert", "_assert_is_none", "index", "diff", "cos", "sin",
-    "swiglu", "bias_dropout_residual",
+    "add",
+    "sub",
+    "mul",
+    "truediv",
+    "div",
+    "neg",
+    "pow",
+    "cat",
+    "stack",
+    "to",
+    "type",
+    "float",
+    "arange",
+    "zeros",
+    "ones",
+    "full",
+    "new_ones",
+    "new_zeros",
+    "zeros_like",
+    "ones_like",
+    "where",
+    "masked_fill",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "and_",
+    "or_",
+    "__and__",
+    "__or__",
+    "cumsum",
+    "sum",
+    "mean",
+    "rsqrt",
+    "sqrt",
+    "exp",
+    "tanh",
+    "sigmoid",
+    "silu",
+    "gelu",
+    "relu",
+    "softmax",
+    "log_softmax",
+    "dropout",
+    "native_dropout",
+    "embedding",
+    "layer_norm",
+    "rms_norm",
+    "repeat_interleave",
+    "_assert_tensor_metadata",
+    "_assert",
+    "_assert_is_none",
+    "index",
+    "diff",
+    "cos",
+    "sin",
+    "swiglu",
+    "bias_dropout_residual",
 }
 
 
@@ -235,7 +300,9 @@ def _meta_device(value: Any) -> Any:
 
 def _from_meta(value: Any) -> Any:
     if isinstance(value, _MetaSpec):
-        return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta").requires_grad_(value.requires_grad)
+        return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta").requires_grad_(
+            value.requires_grad
+        )
     return value
 
 
@@ -285,8 +352,14 @@ class _Profiler(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if n.op == "call_module":
             module = self.fetch_attr(n.target)
-            settings = tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (int, float, str, bool, tuple))))
-            target = (type(module), settings, tuple((k, _to_meta_spec(v)) for k, v in module.state_dict(keep_vars=True).items()))
+            settings = tuple(
+                sorted((k, v) for k, v in vars(module).items() if isinstance(v, (int, float, str, bool, tuple)))
+            )
+            target = (
+                type(module),
+                settings,
+                tuple((k, _to_meta_spec(v)) for k, v in module.state_dict(keep_vars=True).items()),
+            )
         else:
             target = n.target
         try:
@@ -393,8 +466,15 @@ class _OpBuilder:
         self._dataflow()
         outputs = self.profiler.outputs
         ops = [
-            Op(name=node.name, index=i, kind="input", module="", target="input",
-               output_shapes=tuple(tuple(t.shape) for t in _tensors(outputs[node])), output_bytes=_bytes(outputs[node]))
+            Op(
+                name=node.name,
+                index=i,
+                kind="input",
+                module="",
+                target="input",
+                output_shapes=tuple(tuple(t.shape) for t in _tensors(outputs[node])),
+                output_bytes=_bytes(outputs[node]),
+            )
             for i, node in enumerate(self.program.user_inputs)
         ]
         ops += [self._make_op(key, len(ops) + i) for i, key in enumerate(self.groups)]
@@ -402,8 +482,15 @@ class _OpBuilder:
         values = []
         for source, readers in self.consumers.items():
             tensors = _tensors(outputs[source])
-            values.append(Value(name=source.name, producer=self.group_of[source], consumers=tuple(readers),
-                                shape=tuple(tensors[0].shape) if len(tensors) == 1 else (), bytes=_bytes(outputs[source])))
+            values.append(
+                Value(
+                    name=source.name,
+                    producer=self.group_of[source],
+                    consumers=tuple(readers),
+                    shape=tuple(tensors[0].shape) if len(tensors) == 1 else (),
+                    bytes=_bytes(outputs[source]),
+                )
+            )
         return ops, values
 
     def _group_nodes(self) -> None:
@@ -471,7 +558,12 @@ class _OpBuilder:
         inputs = dict.fromkeys(s for n in members for s in n.all_input_nodes if self.group_of.get(s, key) != key)
         exits = [outputs[n] for n in members if n in self.consumers] or [outputs[members[-1]]]  # what leaves the op
         return Op(
-            name=key, index=index, kind=kind, module=_owner(head), target=target, params=tuple(params),
+            name=key,
+            index=index,
+            kind=kind,
+            module=_owner(head),
+            target=target,
+            params=tuple(params),
             param_count=sum(state.params[p].numel() for p in new),
             param_bytes=sum(_nbytes(state.params[p]) for p in new),
             buffer_bytes=sum(_nbytes(state.buffers[b]) for b in read if b in state.buffers),
@@ -486,8 +578,15 @@ def _build(model: nn.Module, program: _Program, name: str) -> ModelGraph:
     from hyparallel.models import fingerprint  # models import this package's users; keep the import one-way at load
 
     ops, values = _OpBuilder(model, program).build()
-    return ModelGraph(name=name, method=program.method, ops=tuple(ops), values=tuple(values),
-                      blocks=_find_blocks(model, ops), fingerprint=fingerprint(model), program=program.artifact)
+    return ModelGraph(
+        name=name,
+        method=program.method,
+        ops=tuple(ops),
+        values=tuple(values),
+        blocks=_find_blocks(model, ops),
+        fingerprint=fingerprint(model),
+        program=program.artifact,
+    )
 
 
 def _unique(base: str, used: set[str]) -> str:
@@ -529,11 +628,16 @@ def _find_blocks(model: nn.Module, ops: list[Op]) -> tuple[Block, ...]:
     for path in candidates:
         members = [op for op in ops if op.module == path or op.module.startswith(path + ".") or op.name == path]
         if members:
-            blocks.append(Block(
-                path=path, ops=tuple(op.name for op in members), flops=sum(op.flops for op in members),
-                param_count=sum(op.param_count for op in members), param_bytes=sum(op.param_bytes for op in members),
-                activation_bytes=sum(op.output_bytes for op in members),
-            ))
+            blocks.append(
+                Block(
+                    path=path,
+                    ops=tuple(op.name for op in members),
+                    flops=sum(op.flops for op in members),
+                    param_count=sum(op.param_count for op in members),
+                    param_bytes=sum(op.param_bytes for op in members),
+                    activation_bytes=sum(op.output_bytes for op in members),
+                )
+            )
     index = {op.name: op.index for op in ops}
     return tuple(sorted(blocks, key=lambda b: index[b.ops[0]]))
 
@@ -548,9 +652,13 @@ def _explain(model: nn.Module, failures: list[tuple[str, BaseException, str | No
         message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         where = [f"module '{module_path or '(root)'}'"] if module_path is not None else []
         where += [frame] if (frame := _user_frame(exc)) else []
-        parts.append(f"torch.{tracer_name}: {type(exc).__name__}: {message[:200]}" + (f" (in {', '.join(where)})" if where else ""))
+        parts.append(
+            f"torch.{tracer_name}: {type(exc).__name__}: {message[:200]}"
+            + (f" (in {', '.join(where)})" if where else "")
+        )
     return (
-        f"cannot trace {type(model).__name__}: " + "; ".join(parts)
+        f"cannot trace {type(model).__name__}: "
+        + "; ".join(parts)
         + ". Replace Python control flow that depends on tensor values in forward with torch.where or torch.cond"
     )
 

@@ -27,8 +27,21 @@ from hyparallel.models.llama import Llama, LlamaConfig
 from hyparallel.models.zoo import ZooEntry, build, config, entries, names
 
 __all__ = [
-    "GPT", "GPTConfig", "Llama", "LlamaConfig", "ZooEntry", "LoadedModel",
-    "build", "build_hf", "config", "entries", "names", "load", "load_callable", "example_inputs", "fingerprint",
+    "GPT",
+    "GPTConfig",
+    "Llama",
+    "LlamaConfig",
+    "ZooEntry",
+    "LoadedModel",
+    "build",
+    "build_hf",
+    "config",
+    "entries",
+    "names",
+    "load",
+    "load_callable",
+    "example_inputs",
+    "fingerprint",
 ]
 
 
@@ -112,8 +125,10 @@ def _check_call(spec: str, factory: Any, overrides: dict[str, Any]) -> None:
     try:
         signature.bind(**overrides)
     except TypeError as exc:
-        raise ModelSpecError(f"model factory '{spec}' cannot be called with {overrides or 'no arguments'}: {exc}; "
-                             "pass key=value for each of its parameters") from None
+        raise ModelSpecError(
+            f"model factory '{spec}' cannot be called with {overrides or 'no arguments'}: {exc}; "
+            "pass key=value for each of its parameters"
+        ) from None
 
 
 def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> Any:
@@ -126,8 +141,10 @@ def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torc
     """
     limit = getattr(getattr(model, "config", None), "max_seq_len", None)
     if isinstance(limit, int) and seq_len > limit:
-        raise ModelSpecError(f"seq_len {seq_len} is longer than the model's max_seq_len ({limit}); pass a shorter "
-                             f"--seq-len, or build the model with max_seq_len={seq_len}")
+        raise ModelSpecError(
+            f"seq_len {seq_len} is longer than the model's max_seq_len ({limit}); pass a shorter "
+            f"--seq-len, or build the model with max_seq_len={seq_len}"
+        )
     if callable(getattr(model, "example_inputs", None)):
         return model.example_inputs(batch_size, seq_len, device)
     main_input = getattr(model, "main_input_name", None)

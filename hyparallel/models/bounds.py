@@ -27,8 +27,9 @@ def check_int(name: str, value: Any, low: int, high: int) -> None:
         raise ValueError(f"{name} must be an integer from {low:,} to {high:,}, got {_shown(value)}")
 
 
-def check_number(name: str, value: Any, low: float, high: float, *, open_low: bool = False,
-                 open_high: bool = False) -> None:
+def check_number(
+    name: str, value: Any, low: float, high: float, *, open_low: bool = False, open_high: bool = False
+) -> None:
     """``value`` must be a finite int or float in the interval from ``low`` to ``high`` (ends open when asked)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not number or value < low or value > high or (open_low and value == low) or (open_high and value == high):

@@ -54,11 +54,14 @@ def _check_known(arch: str, config_cls: type, overrides: dict, errors: tuple[typ
     except errors:
         return  # a config that needs arguments: nothing to compare with
     aliases = getattr(config_cls, "attribute_map", {}) or {}
-    unknown = [key for key in overrides
-               if key not in aliases and not hasattr(default, key) and not hasattr(default, f"_{key}")]
+    unknown = [
+        key for key in overrides if key not in aliases and not hasattr(default, key) and not hasattr(default, f"_{key}")
+    ]
     if unknown:
-        raise ModelSpecError(f"hf:{arch}: {config_cls.__name__} has no setting {', '.join(map(repr, unknown))}; "
-                             "check the spelling against its documentation (transformers would ignore it)")
+        raise ModelSpecError(
+            f"hf:{arch}: {config_cls.__name__} has no setting {', '.join(map(repr, unknown))}; "
+            "check the spelling against its documentation (transformers would ignore it)"
+        )
 
 
 def _config_errors() -> tuple[type[BaseException], ...]:

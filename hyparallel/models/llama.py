@@ -82,7 +82,9 @@ class RotaryEmbedding(nn.Module):
     def reset_parameters(self) -> None:
         """(Re)compute the tables on the buffers' device (after ``to_empty`` from meta, too)."""
         device = self.cos.device
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim)
+        inv_freq = 1.0 / self.theta ** (
+            torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
+        )
         angles = torch.outer(torch.arange(self.max_seq_len, device=device, dtype=torch.float32), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, head_dim)
         self.cos.copy_(angles.cos())

@@ -31,8 +31,9 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt-13b": GPTConfig(num_layers=40, hidden_size=5120, num_heads=40),
     "gpt-175b": GPTConfig(num_layers=96, hidden_size=12288, num_heads=96),
     "gpt-1t": GPTConfig(num_layers=128, hidden_size=25600, num_heads=160),
-    "llama-tiny": LlamaConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=160,
-                              vocab_size=256, max_seq_len=128),
+    "llama-tiny": LlamaConfig(
+        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=160, vocab_size=256, max_seq_len=128
+    ),
     "llama-7b": LlamaConfig(num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=11008),
     "llama-13b": LlamaConfig(num_layers=40, hidden_size=5120, num_heads=40, ffn_hidden_size=13824),
     "llama-70b": LlamaConfig(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672),
@@ -66,7 +67,9 @@ def config(name: str, **overrides) -> ModelConfig:
     fields = {f.name for f in dataclasses.fields(base)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ModelSpecError(f"model '{name}' has no setting {', '.join(map(repr, unknown))}; settings: {', '.join(sorted(fields))}")
+        raise ModelSpecError(
+            f"model '{name}' has no setting {', '.join(map(repr, unknown))}; settings: {', '.join(sorted(fields))}"
+        )
     try:
         return dataclasses.replace(base, **overrides)
     except (TypeError, ValueError) as exc:
@@ -86,9 +89,16 @@ def entries() -> list[ZooEntry]:
     rows = []
     for name, cfg in PRESETS.items():
         is_gpt = isinstance(cfg, GPTConfig)
-        rows.append(ZooEntry(
-            name=name, family="gpt" if is_gpt else "llama", num_layers=cfg.num_layers,
-            hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
-            kv_heads=cfg.num_heads if is_gpt else cfg.kv_heads, vocab_size=cfg.vocab_size, num_params=cfg.num_params(),
-        ))
+        rows.append(
+            ZooEntry(
+                name=name,
+                family="gpt" if is_gpt else "llama",
+                num_layers=cfg.num_layers,
+                hidden_size=cfg.hidden_size,
+                num_heads=cfg.num_heads,
+                kv_heads=cfg.num_heads if is_gpt else cfg.kv_heads,
+                vocab_size=cfg.vocab_size,
+                num_params=cfg.num_params(),
+            )
+        )
     return rows

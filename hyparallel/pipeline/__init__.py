@@ -1,9 +1,32 @@
 """Pipeline parallelism: stage splitting (``split``), the schedule IR (``schedule``), the runtime (``runtime``)."""
 
 from hyparallel.pipeline.runtime import PipelineRuntime
-from hyparallel.pipeline.schedule import (Action, SimulationResult, format_schedule, lower, p2p_order_mismatches, parse_action, schedule,
-                                          simulate, validate)
+from hyparallel.pipeline.schedule import (
+    Action,
+    SimulationResult,
+    format_schedule,
+    lower,
+    p2p_order_mismatches,
+    parse_action,
+    schedule,
+    simulate,
+    validate,
+)
 from hyparallel.pipeline.split import PipelineSplit, Stage, StageIO, split_model
 
-__all__ = ["Action", "PipelineRuntime", "PipelineSplit", "SimulationResult", "Stage", "StageIO", "format_schedule", "lower",
-           "p2p_order_mismatches", "parse_action", "schedule", "simulate", "split_model", "validate"]
+__all__ = [
+    "Action",
+    "PipelineRuntime",
+    "PipelineSplit",
+    "SimulationResult",
+    "Stage",
+    "StageIO",
+    "format_schedule",
+    "lower",
+    "p2p_order_mismatches",
+    "parse_action",
+    "schedule",
+    "simulate",
+    "split_model",
+    "validate",
+]

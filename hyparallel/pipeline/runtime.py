@@ -62,9 +62,18 @@ class _Entry:
 class PipelineRuntime:
     """One rank of a pipeline: its stage modules, the schedule, and the p2p between neighbours."""
 
-    def __init__(self, split: PipelineSplit, stages: Mapping[int, Stage], group: ProcessGroup | None, *,
-                 schedule_kind: ScheduleKind, num_microbatches: int, virtual_stages: int = 1,
-                 stage_call: StageCall | None = None, before_backward: BeforeBackward | None = None):
+    def __init__(
+        self,
+        split: PipelineSplit,
+        stages: Mapping[int, Stage],
+        group: ProcessGroup | None,
+        *,
+        schedule_kind: ScheduleKind,
+        num_microbatches: int,
+        virtual_stages: int = 1,
+        stage_call: StageCall | None = None,
+        before_backward: BeforeBackward | None = None,
+    ):
         self.split, self.group = split, group
         # How a stage's forward runs (autocast, recomputation: hyparallel.parallelize sets it), and what runs
         # before each backward (FSDP: reduce gradients at a stage's last micro-batch only).
@@ -75,13 +84,17 @@ class PipelineRuntime:
         self.num_microbatches, self.virtual_stages = num_microbatches, virtual_stages
         self.num_stages = split.num_stages
         if self.num_stages != self.pp * virtual_stages:
-            raise ConfigError(f"the split has {self.num_stages} stages but pp ({self.pp}) x virtual_stages "
-                              f"({virtual_stages}) = {self.pp * virtual_stages}; split into one stage per (virtual) stage")
+            raise ConfigError(
+                f"the split has {self.num_stages} stages but pp ({self.pp}) x virtual_stages "
+                f"({virtual_stages}) = {self.pp * virtual_stages}; split into one stage per (virtual) stage"
+            )
         mine = [s for s in range(self.num_stages) if s % self.pp == self.rank]
         if sorted(stages) != mine:
             raise ConfigError(f"pipeline rank {self.rank} runs stages {mine} but was given {sorted(stages)}")
         self.stages = dict(stages)
-        self.program = lower(schedule(schedule_kind, self.pp, num_microbatches, virtual_stages), self.pp, virtual_stages)[self.rank]
+        self.program = lower(
+            schedule(schedule_kind, self.pp, num_microbatches, virtual_stages), self.pp, virtual_stages
+        )[self.rank]
         self.device = next((p.device for st in self.stages.values() for p in st.parameters()), torch.device("cpu"))
         shared = sorted(split.shared_state().items())
         self._tied_index = {name: index for index, (name, _) in enumerate(shared)}  # the same on every rank: tags
@@ -100,8 +113,17 @@ class PipelineRuntime:
         self.peak_inflight = 0.0
 
     @classmethod
-    def from_plan(cls, model: torch.nn.Module, plan: Plan, group: ProcessGroup | None, *, example_inputs: Any = None,
-                  device: torch.device | str = "cpu", seed: int = 0, **options: Any) -> PipelineRuntime:
+    def from_plan(
+        cls,
+        model: torch.nn.Module,
+        plan: Plan,
+        group: ProcessGroup | None,
+        *,
+        example_inputs: Any = None,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        **options: Any,
+    ) -> PipelineRuntime:
         """This rank's pipeline for ``plan``: its ``stages`` split out of ``model``, the plan's schedule.
 
         ``options`` go to the constructor (``stage_call``, ``before_backward``).
@@ -113,22 +135,34 @@ class PipelineRuntime:
 
         par = plan.parallel
         if plan.stages is None:
-            raise ConfigError("the plan lists no stages; complete it with `hyparallel plan` (or list each stage's "
-                              "modules under stages:) before running a pipeline")
+            raise ConfigError(
+                "the plan lists no stages; complete it with `hyparallel plan` (or list each stage's "
+                "modules under stages:) before running a pipeline"
+            )
         size = dist.get_world_size(group) if group is not None else 1
         if size != par.pp:
-            raise ConfigError(f"the plan has pp = {par.pp} but the pipeline group has {size} ranks; "
-                              f"pass a group of {par.pp} ranks")
+            raise ConfigError(
+                f"the plan has pp = {par.pp} but the pipeline group has {size} ranks; pass a group of {par.pp} ranks"
+            )
         if example_inputs is None:
-            example_inputs = torch.zeros(plan.training.micro_batch, plan.training.seq_len, dtype=torch.long, device="meta")
+            example_inputs = torch.zeros(
+                plan.training.micro_batch, plan.training.seq_len, dtype=torch.long, device="meta"
+            )
         split = split_model(model, [stage.modules for stage in plan.stages], example_inputs)
         rank = dist.get_rank(group) if group is not None else 0
         mine = [s for s in range(split.num_stages) if s % par.pp == rank]
         names = split.state_names(mine)
         if any(t.is_meta for name, t in _state(model) if name in names):
             materialize_(model, device, seed=seed, only=names)
-        return cls(split, {s: split.stage_module(s, device) for s in mine}, group, schedule_kind=par.schedule,
-                   num_microbatches=plan.num_microbatches, virtual_stages=par.virtual_stages, **options)
+        return cls(
+            split,
+            {s: split.stage_module(s, device) for s in mine},
+            group,
+            schedule_kind=par.schedule,
+            num_microbatches=plan.num_microbatches,
+            virtual_stages=par.virtual_stages,
+            **options,
+        )
 
     # ---- public ----------------------------------------------------------------------------------
 
@@ -244,8 +278,11 @@ class PipelineRuntime:
             if needs_grad:
                 torch.autograd.backward(needs_grad, grads)
         received = self._received.pop(key, [])
-        input_grads = [t.grad if t.grad is not None else torch.zeros_like(t)
-                       for t in received if isinstance(t, torch.Tensor) and t.requires_grad]
+        input_grads = [
+            t.grad if t.grad is not None else torch.zeros_like(t)
+            for t in received
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         if a.stage > 0 and (a.stage - 1) % self.pp == self.rank:  # previous stage on this rank: hand over in memory
             self._grads[a.stage - 1, a.microbatch] = input_grads
         elif a.stage > 0:
@@ -261,8 +298,12 @@ class PipelineRuntime:
 
     def _send_f(self, a: Action) -> None:
         values = self._outputs[a.stage, a.microbatch]
-        entries = [_Entry(tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else _Entry(None, None, value=v)
-                   for v in values]
+        entries = [
+            _Entry(tuple(v.shape), v.dtype, v.requires_grad)
+            if isinstance(v, torch.Tensor)
+            else _Entry(None, None, value=v)
+            for v in values
+        ]
         header_key = (a.stage, self._key)
         if header_key not in self._headers:
             self._headers[header_key] = entries
@@ -271,7 +312,8 @@ class PipelineRuntime:
             raise RuntimeError(
                 f"stage {a.stage} now hands on {_describe(entries)} but negotiated {_describe(self._headers[header_key])} "
                 "on the first step with these input shapes: a value between stages changed with the data, or "
-                "parameters were frozen or unfrozen after the first step (set requires_grad before it, or build a new runtime)")
+                "parameters were frozen or unfrozen after the first step (set requires_grad before it, or build a new runtime)"
+            )
         tensors = [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
         self._sends[a.stage, "F", a.microbatch] = self._isend(tensors, a)
 
@@ -334,7 +376,9 @@ class PipelineRuntime:
 
     def _send_header(self, header: tuple[TreeSpec, list[_Entry]], a: Action) -> None:
         spec, entries = header
-        payload = torch.frombuffer(bytearray(pickle.dumps((treespec_dumps(spec), entries))), dtype=torch.uint8).to(self.device)
+        payload = torch.frombuffer(bytearray(pickle.dumps((treespec_dumps(spec), entries))), dtype=torch.uint8).to(
+            self.device
+        )
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
         for work in (*self._isend([length], a, first_slot=0), *self._isend([payload], a, first_slot=1)):
             work.wait()  # once per shape: keeps the two small buffers alive until sent
@@ -411,8 +455,10 @@ def loss_fn_checked(loss_fn: LossFn, output: Any, targets: Any) -> torch.Tensor:
     """``loss_fn(output, targets)``, checked to be a scalar tensor."""
     loss = loss_fn(output, targets)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(f"loss_fn must return a scalar tensor (a micro-batch's mean loss), got {type(loss).__name__}"
-                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        raise TypeError(
+            f"loss_fn must return a scalar tensor (a micro-batch's mean loss), got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )
     return loss
 
 
@@ -433,8 +479,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _describe(entries: list[_Entry]) -> str:
-    return "[" + ", ".join(f"tensor{list(e.shape)}{' (grad)' if e.requires_grad else ''}" if e.is_tensor else repr(e.value)
-                           for e in entries) + "]"
+    return (
+        "["
+        + ", ".join(
+            f"tensor{list(e.shape)}{' (grad)' if e.requires_grad else ''}" if e.is_tensor else repr(e.value)
+            for e in entries
+        )
+        + "]"
+    )
 
 
 def _leaf(value: Any) -> Any:
@@ -450,8 +502,10 @@ def _chunk_each(flat: list[Any], m: int, what: str) -> list[list[Any]]:
     for position, value in enumerate(flat):
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.size(0) % m:
-                raise ConfigError(f"{what}[{position}] has {value.size(0)} rows, which do not split into {m} equal "
-                                  f"micro-batches; pass a batch that is a multiple of {m}")
+                raise ConfigError(
+                    f"{what}[{position}] has {value.size(0)} rows, which do not split into {m} equal "
+                    f"micro-batches; pass a batch that is a multiple of {m}"
+                )
             pieces.append(value.chunk(m))
         else:
             pieces.append([value] * m)

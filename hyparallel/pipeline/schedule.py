@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence, get_args
+from typing import Literal, get_args
 
 ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
@@ -57,15 +58,21 @@ class Action:
         Derived, not stored: activations flow to ``stage + 1`` and gradients to ``stage - 1``, so the
         printed form ``"1SEND_F0"`` already says everything and parses back to an equal Action.
         """
-        return {"SEND_F": self.stage + 1, "RECV_F": self.stage - 1,
-                "SEND_B": self.stage - 1, "RECV_B": self.stage + 1}.get(self.kind)
+        return {
+            "SEND_F": self.stage + 1,
+            "RECV_F": self.stage - 1,
+            "SEND_B": self.stage - 1,
+            "RECV_B": self.stage + 1,
+        }.get(self.kind)
 
 
 def parse_action(text: str) -> Action:
     """The inverse of ``str(Action)``: ``parse_action("1F0") == Action(1, "F", 0)``."""
     match = _ACTION_RE.match(text.strip())
     if not match:
-        raise ValueError(f"cannot parse action {text!r}; expected <stage><kind><microbatch> such as '1F0' or '2RECV_B3'")
+        raise ValueError(
+            f"cannot parse action {text!r}; expected <stage><kind><microbatch> such as '1F0' or '2RECV_B3'"
+        )
     return Action(int(match[1]), match[2], int(match[3]))  # type: ignore[arg-type]
 
 
@@ -89,16 +96,19 @@ def parse_action(text: str) -> Action:
 def schedule(kind: ScheduleKind, pp: int, num_microbatches: int, virtual_stages: int = 1) -> dict[int, list[Action]]:
     """Per rank, the ordered compute actions (F and B only) of ``kind``; see Note [one shape for three schedules]."""
     if pp < 1 or num_microbatches < 1 or virtual_stages < 1:
-        raise ValueError(f"pp ({pp}), num_microbatches ({num_microbatches}) and virtual_stages ({virtual_stages}) "
-                         "must be >= 1")
+        raise ValueError(
+            f"pp ({pp}), num_microbatches ({num_microbatches}) and virtual_stages ({virtual_stages}) must be >= 1"
+        )
     if kind not in get_args(ScheduleKind):
         raise ValueError(f"unknown schedule {kind!r}; expected one of {get_args(ScheduleKind)}")
     m, v = num_microbatches, virtual_stages
     if kind != "interleaved-1f1b" and v != 1:
         raise ValueError(f"virtual_stages is {v} but schedule is '{kind}'; virtual stages need interleaved-1f1b")
     if kind == "interleaved-1f1b" and m % pp:
-        raise ValueError(f"interleaved-1f1b groups micro-batches by pp as Megatron-LM does: num_microbatches ({m}) "
-                         f"% pp ({pp}) = {m % pp} != 0; use {m + pp - m % pp} or {m - m % pp or pp} micro-batches")
+        raise ValueError(
+            f"interleaved-1f1b groups micro-batches by pp as Megatron-LM does: num_microbatches ({m}) "
+            f"% pp ({pp}) = {m % pp} != 0; use {m + pp - m % pp} or {m - m % pp or pp} micro-batches"
+        )
     result = {}
     for rank in range(pp):
         if kind == "interleaved-1f1b":
@@ -137,14 +147,20 @@ def validate(actions: Mapping[int, Sequence[Action]], pp: int, num_microbatches:
     num_stages = pp * virtual_stages
     expected = {(s, k, mb) for s in range(num_stages) for k in COMPUTE_KINDS for mb in range(num_microbatches)}
     problems = []
-    misplaced = [f"{a} on rank {rank} (stage {a.stage} runs on rank {a.stage % pp})"
-                 for rank, acts in actions.items() for a in acts if a.stage % pp != rank]
+    misplaced = [
+        f"{a} on rank {rank} (stage {a.stage} runs on rank {a.stage % pp})"
+        for rank, acts in actions.items()
+        for a in acts
+        if a.stage % pp != rank
+    ]
     if misplaced:
         problems.append("misplaced " + ", ".join(misplaced))
     compute = Counter((a.stage, a.kind, a.microbatch) for acts in actions.values() for a in acts if a.is_compute)
     unexpected = sorted(key for key in compute if key not in expected)
     if unexpected:
-        problems.append(f"out of range for {num_stages} stages x {num_microbatches} micro-batches: " + _names(unexpected))
+        problems.append(
+            f"out of range for {num_stages} stages x {num_microbatches} micro-batches: " + _names(unexpected)
+        )
     missing = sorted(expected - compute.keys())
     if missing:
         problems.append("missing " + _names(missing))
@@ -206,10 +222,16 @@ def p2p_order_mismatches(lowered: Mapping[int, Sequence[Action]], pp: int) -> li
         for receiver in range(pp):
             if sender == receiver:
                 continue
-            sends = [(a.stage, a.kind[-1], a.microbatch) for a in lowered.get(sender, ())
-                     if a.kind.startswith("SEND") and a.peer % pp == receiver]
-            recvs = [(a.peer, a.kind[-1], a.microbatch) for a in lowered.get(receiver, ())
-                     if a.kind.startswith("RECV") and a.peer % pp == sender]
+            sends = [
+                (a.stage, a.kind[-1], a.microbatch)
+                for a in lowered.get(sender, ())
+                if a.kind.startswith("SEND") and a.peer % pp == receiver
+            ]
+            recvs = [
+                (a.peer, a.kind[-1], a.microbatch)
+                for a in lowered.get(receiver, ())
+                if a.kind.startswith("RECV") and a.peer % pp == sender
+            ]
             if sends != recvs:
                 bad.append((sender, receiver))
     return bad
@@ -274,7 +296,9 @@ def simulate(actions: Mapping[int, Sequence[Action]], pp: int, virtual_stages: i
                 while (a := head(rank)) is not None and not a.is_compute and _inputs_done(a, done, last):
                     run(rank, a)
                     changed = communicated = True
-        ready = [rank for rank in ranks if (a := head(rank)) is not None and a.is_compute and _inputs_done(a, done, last)]
+        ready = [
+            rank for rank in ranks if (a := head(rank)) is not None and a.is_compute and _inputs_done(a, done, last)
+        ]
         if not ready and not communicated:
             blocked = {rank: str(head(rank)) for rank in ranks if head(rank) is not None}
             return SimulationResult(steps, order, _per_rank(peak, virtual_stages), True, blocked, timeline)
@@ -310,5 +334,6 @@ def format_schedule(actions: Mapping[int, Sequence[Action | str | None]]) -> str
     cells = {rank: ["." if a is None else str(a) for a in acts] for rank, acts in sorted(actions.items())}
     width = max((len(c) for row in cells.values() for c in row), default=1)
     label = max((len(str(rank)) for rank in cells), default=1)
-    return "\n".join(f"rank {str(rank).rjust(label)} | " + " ".join(c.rjust(width) for c in row)
-                     for rank, row in cells.items())
+    return "\n".join(
+        f"rank {str(rank).rjust(label)} | " + " ".join(c.rjust(width) for c in row) for rank, row in cells.items()
+    )

@@ -29,7 +29,6 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from hyparallel.errors import ConfigError
 from hyparallel.graph.tracer import Method, _owner, _split_inputs, _to_meta, first_program
 
-
 # Note [which stage runs a node]
 # A node whose module (the innermost module it ran in) is listed in a stage, or has a listed ancestor
 # (the longest listed prefix wins), runs in that stage. Other nodes are glue code of unlisted parents
@@ -111,16 +110,20 @@ class PipelineSplit:
             missing = [name for name in self.input_names if name not in bound]
             extra = [name for name in bound if name not in self.input_names]
             if missing or extra:
-                raise ConfigError(f"the pipeline was traced with inputs {list(self.input_names)} but got {list(bound)}; "
-                                  "pass the same arguments the split was traced with")
+                raise ConfigError(
+                    f"the pipeline was traced with inputs {list(self.input_names)} but got {list(bound)}; "
+                    "pass the same arguments the split was traced with"
+                )
             return [bound[name] for name in self.input_names]
         keys = _children(self.input_spec)[1].context  # the traced keyword order
         if set(kwargs) == set(keys):
             kwargs = {key: kwargs[key] for key in keys}
         flat, spec = tree_flatten((args, kwargs))
         if spec != self.input_spec:
-            raise ConfigError(f"the pipeline was traced with inputs shaped like {self.input_spec} but got {spec}; "
-                              "pass the same arguments the split was traced with")
+            raise ConfigError(
+                f"the pipeline was traced with inputs shaped like {self.input_spec} but got {spec}; "
+                "pass the same arguments the split was traced with"
+            )
         return flat
 
     def check_microbatch(self, flat: Sequence[Any]) -> None:
@@ -129,9 +132,11 @@ class PipelineSplit:
             return
         for position, (value, shape) in enumerate(zip(flat, self.example_shapes)):
             if isinstance(value, torch.Tensor) and shape is not None and tuple(value.shape) != shape:
-                raise ConfigError(f"micro-batch input {position} has shape {tuple(value.shape)} but the model was traced "
-                                  f"by torch.export with {shape}, which fixes every shape; pass batches of "
-                                  "num_microbatches x the traced micro-batch (the plan's micro_batch x seq_len)")
+                raise ConfigError(
+                    f"micro-batch input {position} has shape {tuple(value.shape)} but the model was traced "
+                    f"by torch.export with {shape}, which fixes every shape; pass batches of "
+                    "num_microbatches x the traced micro-batch (the plan's micro_batch x seq_len)"
+                )
 
     def output(self, flat: Any) -> Any:
         """The model's output rebuilt from the last stage's graph output (export flattens it)."""
@@ -150,7 +155,8 @@ class PipelineSplit:
         device = torch.device(device)
         for node in module.graph.nodes:
             node.args, node.kwargs = fx.node.map_aggregate(
-                (node.args, node.kwargs), lambda v: device if isinstance(v, torch.device) and v.type == "meta" else v)
+                (node.args, node.kwargs), lambda v: device if isinstance(v, torch.device) and v.type == "meta" else v
+            )
         module.recompile()
         return Stage(self, index, module)
 
@@ -173,16 +179,19 @@ class Stage(nn.Module):
 
     def forward(self, flat_inputs: Sequence[Any], received: Sequence[Any] = ()) -> Any:
         if len(flat_inputs) != self._num_inputs or len(received) != len(self.io.inputs):
-            raise ValueError(f"stage {self.index} takes {self._num_inputs} inputs and {len(self.io.inputs)} received "
-                             f"values, got {len(flat_inputs)} and {len(received)}")
+            raise ValueError(
+                f"stage {self.index} takes {self._num_inputs} inputs and {len(self.io.inputs)} received "
+                f"values, got {len(flat_inputs)} and {len(received)}"
+            )
         result = self.body(*flat_inputs, *received)
         if self.is_last and self._output_spec is not None:
             return tree_unflatten(list(result), self._output_spec)
         return result
 
 
-def split_model(model: nn.Module, stages: Sequence[Sequence[str]], example_inputs: Any, *,
-                method: Method = "auto") -> PipelineSplit:
+def split_model(
+    model: nn.Module, stages: Sequence[Sequence[str]], example_inputs: Any, *, method: Method = "auto"
+) -> PipelineSplit:
     """Cut ``model`` into ``len(stages)`` stages, stage k running the modules ``stages[k]`` lists.
 
     ``example_inputs`` is one micro-batch (a tensor, a tuple of args, or a dict of kwargs); only its
@@ -204,8 +213,15 @@ def split_model(model: nn.Module, stages: Sequence[Sequence[str]], example_input
     output_spec = program.artifact.call_spec.out_spec if program.method == "export" else None
     input_spec = program.artifact.call_spec.in_spec if program.method == "export" else None
     split = PipelineSplit(
-        model=model, graph=graph, stage_of=stage_of, io=(), method=program.method, input_names=names,
-        input_spec=input_spec, output_spec=output_spec, signature=inspect.signature(model.forward),
+        model=model,
+        graph=graph,
+        stage_of=stage_of,
+        io=(),
+        method=program.method,
+        input_names=names,
+        input_spec=input_spec,
+        output_spec=output_spec,
+        signature=inspect.signature(model.forward),
         example_shapes=tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in flat_example),
         fixed_kwargs=fixed,
     )
@@ -228,14 +244,20 @@ def _lift_state(program) -> None:
         signature = program.artifact.graph_signature
         if any(spec.kind.name != "USER_OUTPUT" for spec in signature.output_specs):
             mutated = [spec.target for spec in signature.output_specs if spec.kind.name != "USER_OUTPUT"]
-            raise ConfigError(f"the model updates state in forward ({', '.join(map(str, mutated))}); pipeline stages "
-                              "cannot split a model that mutates buffers")
-        constants = set(program.artifact.constants) - {s.target for s in signature.input_specs if s.kind.name == "BUFFER"}
+            raise ConfigError(
+                f"the model updates state in forward ({', '.join(map(str, mutated))}); pipeline stages "
+                "cannot split a model that mutates buffers"
+            )
+        constants = set(program.artifact.constants) - {
+            s.target for s in signature.input_specs if s.kind.name == "BUFFER"
+        }
         first = next(n for n in graph.nodes if n.op != "placeholder")
         for node, target in list(program.state_of.items()):
             if target in constants:
-                raise ConfigError(f"the model creates tensor constant '{target}' in forward; torch.export lifted it and "
-                                  "a meta-device trace cannot give its value; register it as a buffer in __init__")
+                raise ConfigError(
+                    f"the model creates tensor constant '{target}' in forward; torch.export lifted it and "
+                    "a meta-device trace cannot give its value; register it as a buffer in __init__"
+                )
             with graph.inserting_before(first):  # create_node: the export module has no such attribute, the model has
                 attr = graph.create_node("get_attr", target)
             attr.meta = dict(node.meta)
@@ -251,8 +273,9 @@ def _drop_concrete_placeholders(program) -> None:
         if node in user:
             continue
         for consumer in list(node.users):
-            consumer.args, consumer.kwargs = fx.node.map_arg((consumer.args, consumer.kwargs),
-                                                             lambda n, node=node, value=value: value if n is node else n)
+            consumer.args, consumer.kwargs = fx.node.map_arg(
+                (consumer.args, consumer.kwargs), lambda n, node=node, value=value: value if n is node else n
+            )
         program.gm.graph.erase_node(node)
 
 
@@ -266,10 +289,14 @@ def listed_stages(model: nn.Module, stages: list[list[str]]) -> dict[str, int]:
             raise ConfigError(f"stages[{index}] lists no modules; give each stage at least one module path")
         for path in paths:
             if path not in modules or not path:
-                raise ConfigError(f"stages[{index}]: '{path}' is not a module of {type(model).__name__}; "
-                                  "use module paths such as those `hyparallel trace` prints (e.g. 'layers.0')")
+                raise ConfigError(
+                    f"stages[{index}]: '{path}' is not a module of {type(model).__name__}; "
+                    "use module paths such as those `hyparallel trace` prints (e.g. 'layers.0')"
+                )
             if path in listed and listed[path] != index:
-                raise ConfigError(f"module '{path}' is in stages {listed[path]} and {index}; each module belongs to one stage")
+                raise ConfigError(
+                    f"module '{path}' is in stages {listed[path]} and {index}; each module belongs to one stage"
+                )
             listed[path] = index
     return listed
 
@@ -292,16 +319,20 @@ def _assign(model: nn.Module, graph: fx.Graph, stages: list[list[str]]) -> dict[
         stage = listed[path] if path is not None else (current if current is not None else first_listed)
         if path is not None:
             if current is not None and stage < current:
-                raise ConfigError(f"module '{path}' (stage {stage}) runs after '{current_path}' (stage {current}); "
-                                  "stages must follow the model's execution order: move one of them")
+                raise ConfigError(
+                    f"module '{path}' (stage {stage}) runs after '{current_path}' (stage {current}); "
+                    "stages must follow the model's execution order: move one of them"
+                )
             current, current_path = stage, path
         stage_of[node.name] = stage
     used = set(stage_of.values())
     empty = [k for k in range(len(stages)) if k not in used]
     if empty:
         k = empty[0]
-        raise ConfigError(f"stages[{k}] ({', '.join(stages[k])}) runs no operation of the traced model; "
-                          "give it a module that computes something, or use fewer stages")
+        raise ConfigError(
+            f"stages[{k}] ({', '.join(stages[k])}) runs no operation of the traced model; "
+            "give it a module that computes something, or use fewer stages"
+        )
     return stage_of  # get_attr nodes have no stage: every stage that reads a tensor gets its own get_attr
 
 

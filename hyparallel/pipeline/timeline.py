@@ -13,8 +13,9 @@ counterpart. Pure Python: no torch, no processes, no plotting (``hyparallel.pict
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 from hyparallel.errors import ConfigError
 from hyparallel.limits import MAX_SIMULATED_ACTIONS, MAX_SIMULATED_PP
@@ -88,8 +89,12 @@ class Timeline:
 # ranks are advanced does not change any time. A schedule whose ranks all block is reported as a deadlock.
 
 
-def run_timed(actions: Mapping[int, Sequence[Action]], forward_s: Sequence[float], backward_s: Sequence[float],
-              p2p_s: Sequence[float] = ()) -> list[Block]:
+def run_timed(
+    actions: Mapping[int, Sequence[Action]],
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    p2p_s: Sequence[float] = (),
+) -> list[Block]:
     """Time per-rank action lists (lowered or compute-only); see Note [timed execution].
 
     ``forward_s[s]`` and ``backward_s[s]`` are virtual stage s's seconds per micro-batch; ``p2p_s[s]`` the
@@ -132,8 +137,10 @@ def run_timed(actions: Mapping[int, Sequence[Action]], forward_s: Sequence[float
                 moved = True
     blocked = {rank: str(acts[position[rank]]) for rank, acts in actions.items() if position[rank] < len(acts)}
     if blocked:
-        raise ValueError("schedule deadlocks; each blocked rank's next action: "
-                         + ", ".join(f"rank {rank}: {a}" for rank, a in blocked.items()))
+        raise ValueError(
+            "schedule deadlocks; each blocked rank's next action: "
+            + ", ".join(f"rank {rank}: {a}" for rank, a in blocked.items())
+        )
     return blocks
 
 
@@ -170,14 +177,30 @@ def _figures(plan: Plan) -> _Figures:
     """The planner's figures from the plan, or relative units when it has none."""
     par, stages, predicted = plan.parallel, plan.stages or [], plan.predicted
     num_stages = par.pp * par.virtual_stages
-    planned = predicted is not None and len(stages) == num_stages and all(
-        None not in (s.forward_s, s.backward_s, s.activation_gib) for s in stages)
+    planned = (
+        predicted is not None
+        and len(stages) == num_stages
+        and all(None not in (s.forward_s, s.backward_s, s.activation_gib) for s in stages)
+    )
     if not planned:
-        return _Figures("relative", [RELATIVE_FORWARD] * num_stages, [RELATIVE_BACKWARD] * num_stages, [],
-                        [1 / par.virtual_stages] * num_stages, 0.0, None)
-    return _Figures("seconds", [s.forward_s for s in stages], [s.backward_s for s in stages],  # type: ignore[misc]
-                    [s.p2p_s or 0.0 for s in stages[:-1]], [s.activation_gib for s in stages],  # type: ignore[misc]
-                    predicted.comm_s.dp, list(predicted.memory_gib))  # type: ignore[union-attr]
+        return _Figures(
+            "relative",
+            [RELATIVE_FORWARD] * num_stages,
+            [RELATIVE_BACKWARD] * num_stages,
+            [],
+            [1 / par.virtual_stages] * num_stages,
+            0.0,
+            None,
+        )
+    return _Figures(
+        "seconds",
+        [s.forward_s for s in stages],
+        [s.backward_s for s in stages],  # type: ignore[misc]
+        [s.p2p_s or 0.0 for s in stages[:-1]],
+        [s.activation_gib for s in stages],  # type: ignore[misc]
+        predicted.comm_s.dp,
+        list(predicted.memory_gib),
+    )  # type: ignore[union-attr]
 
 
 # Note [timeline memory]
@@ -197,17 +220,23 @@ def _by_rank(blocks: Sequence[Block], pp: int) -> dict[int, list[Block]]:
     return grouped
 
 
-def _memory(blocks: Sequence[Block], figures: _Figures, pp: int, total_s: float) -> dict[int, list[tuple[float, float]]]:
+def _memory(
+    blocks: Sequence[Block], figures: _Figures, pp: int, total_s: float
+) -> dict[int, list[tuple[float, float]]]:
     """Per rank, (time, memory) points of a step function; see Note [timeline memory]."""
     series = {}
     for rank, own in _by_rank(blocks, pp).items():
         # Frees sort before allocations at the same instant: a backward ending as the next forward starts.
-        events = sorted([(b.start_s, 1, figures.activation[b.stage]) for b in own if b.kind == "F"]
-                        + [(b.end_s, 0, -figures.activation[b.stage]) for b in own if b.kind == "B"])
+        events = sorted(
+            [(b.start_s, 1, figures.activation[b.stage]) for b in own if b.kind == "F"]
+            + [(b.end_s, 0, -figures.activation[b.stage]) for b in own if b.kind == "B"]
+        )
         level, points = 0.0, [(0.0, 0.0)]
         for time_s, _, change in events:
             level += change
-            if len(points) > 1 and math.isclose(time_s, points[-1][0], rel_tol=1e-9):  # a free and an allocation at once
+            if len(points) > 1 and math.isclose(
+                time_s, points[-1][0], rel_tol=1e-9
+            ):  # a free and an allocation at once
                 points.pop()
             points.append((time_s, level))
         peak = max(level for _, level in points)
@@ -230,14 +259,17 @@ def check_simulable(plan: Plan) -> None:
     par = plan.parallel
     actions = 2 * par.pp * par.virtual_stages * plan.num_microbatches
     if par.pp > MAX_SIMULATED_PP:
-        raise ConfigError(f"pp is {par.pp:,}; simulate draws one row per pipeline rank, at most {MAX_SIMULATED_PP}; "
-                          "simulate a copy of the plan with a smaller pp")
+        raise ConfigError(
+            f"pp is {par.pp:,}; simulate draws one row per pipeline rank, at most {MAX_SIMULATED_PP}; "
+            "simulate a copy of the plan with a smaller pp"
+        )
     if actions > MAX_SIMULATED_ACTIONS:
         raise ConfigError(
             f"the schedule has 2 x pp ({par.pp}) x virtual_stages ({par.virtual_stages}) x num_microbatches "
             f"({plan.num_microbatches:,}) = {actions:,} forwards and backwards, more than the "
             f"{MAX_SIMULATED_ACTIONS:,} simulate times one by one; simulate a copy with fewer micro-batches "
-            "(a smaller global_batch or a larger micro_batch)")
+            "(a smaller global_batch or a larger micro_batch)"
+        )
 
 
 def timeline(plan: Plan) -> Timeline:
@@ -250,27 +282,43 @@ def timeline(plan: Plan) -> Timeline:
     par = plan.parallel
     m, pp, v = plan.num_microbatches, par.pp, par.virtual_stages
     figures = _figures(plan)
-    blocks = run_timed(lower(schedule(par.schedule, pp, m, v), pp, v), figures.forward_s, figures.backward_s, figures.p2p_s)
-    ends = {rank: max(b.end_s for b in own if not b.kind.startswith("SEND"))
-            for rank, own in _by_rank(blocks, pp).items()}
+    blocks = run_timed(
+        lower(schedule(par.schedule, pp, m, v), pp, v), figures.forward_s, figures.backward_s, figures.p2p_s
+    )
+    ends = {
+        rank: max(b.end_s for b in own if not b.kind.startswith("SEND")) for rank, own in _by_rank(blocks, pp).items()
+    }
     if figures.tail_s > 0:
         blocks += [Block(rank, "tail", end, end + figures.tail_s) for rank, end in ends.items()]
     total_s = max(b.end_s for b in blocks)
     if not math.isfinite(total_s):
-        raise ConfigError("the plan's per-stage seconds add up to more than a float holds; check the stages' "
-                          "forward_s, backward_s and p2p_s")
+        raise ConfigError(
+            "the plan's per-stage seconds add up to more than a float holds; check the stages' "
+            "forward_s, backward_s and p2p_s"
+        )
     notes = []
     if figures.units == "relative":
-        notes.append(f"relative units (F = {RELATIVE_FORWARD:g}, B = {RELATIVE_BACKWARD:g}, transfers free): the plan has "
-                     "no planner timings; write it with `hyparallel plan` for seconds and GiB")
+        notes.append(
+            f"relative units (F = {RELATIVE_FORWARD:g}, B = {RELATIVE_BACKWARD:g}, transfers free): the plan has "
+            "no planner timings; write it with `hyparallel plan` for seconds and GiB"
+        )
     device = plan.cluster.device if plan.cluster else None
     predicted = plan.predicted
     return Timeline(
-        schedule=par.schedule, pp=pp, virtual_stages=v, num_microbatches=m, mesh=plan.mesh_shape(),
-        model=plan.model.name if plan.model else None, units=figures.units, blocks=blocks, total_s=total_s,
-        bubble_fraction=_bubbles(blocks, pp, total_s), memory=_memory(blocks, figures, pp, total_s),
+        schedule=par.schedule,
+        pp=pp,
+        virtual_stages=v,
+        num_microbatches=m,
+        mesh=plan.mesh_shape(),
+        model=plan.model.name if plan.model else None,
+        units=figures.units,
+        blocks=blocks,
+        total_s=total_s,
+        bubble_fraction=_bubbles(blocks, pp, total_s),
+        memory=_memory(blocks, figures, pp, total_s),
         memory_units="GiB" if figures.peak_memory else "micro-batches",
         memory_limit=device.memory_bytes / 2**30 if device and figures.peak_memory else None,
         predicted_step_s=predicted.step_time_s if predicted else None,
-        predicted_bubble_fraction=predicted.bubble_fraction if predicted else None, notes=notes,
+        predicted_bubble_fraction=predicted.bubble_fraction if predicted else None,
+        notes=notes,
     )

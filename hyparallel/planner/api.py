@@ -19,7 +19,18 @@ from hyparallel.planner.profile import ModelProfile
 from hyparallel.planner.search import Evaluation, Progress, Search, axis_link, enumerate_configs, transfer_s
 from hyparallel.schema import Plan
 
-CONSTRAINTS = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "zero", "sequence_parallel", "order")
+CONSTRAINTS = (
+    "tp",
+    "pp",
+    "dp",
+    "micro_batch",
+    "schedule",
+    "virtual_stages",
+    "recompute",
+    "zero",
+    "sequence_parallel",
+    "order",
+)
 
 
 class PlanError(HyparallelError, ValueError):
@@ -68,8 +79,17 @@ class SearchResult:
 # left out: dim 1 of the token ids gives it.
 
 
-def plan(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int, seq_len: int | None = None,
-         dtype: str = "bf16", *, example_inputs: Any = None, name: str | None = None, **constraints) -> Plan:
+def plan(
+    model: nn.Module | ModelGraph,
+    cluster: ClusterSpec,
+    global_batch: int,
+    seq_len: int | None = None,
+    dtype: str = "bf16",
+    *,
+    example_inputs: Any = None,
+    name: str | None = None,
+    **constraints,
+) -> Plan:
     """The fastest plan that fits memory for ``model`` on ``cluster``; keyword constraints fix any decision.
 
     ``model`` may be a (meta-device) module or a ModelGraph traced at batch 1 x ``seq_len``. ``example_inputs``
@@ -78,13 +98,25 @@ def plan(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int,
     as a model's ``example_inputs`` method is (Note [example inputs]). Constraints: tp, pp, dp, micro_batch,
     schedule, virtual_stages, recompute, zero, sequence_parallel, order (placement.order, outermost axis first).
     """
-    return search(model, cluster, global_batch, seq_len, dtype, example_inputs=example_inputs, name=name,
-                  **constraints).plan()
+    return search(
+        model, cluster, global_batch, seq_len, dtype, example_inputs=example_inputs, name=name, **constraints
+    ).plan()
 
 
-def search(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: int, seq_len: int | None = None,
-           dtype: str = "bf16", *, example_inputs: Any = None, name: str | None = None, top: int = 1,
-           alternatives: bool = False, progress: Progress | None = None, **constraints) -> SearchResult:
+def search(
+    model: nn.Module | ModelGraph,
+    cluster: ClusterSpec,
+    global_batch: int,
+    seq_len: int | None = None,
+    dtype: str = "bf16",
+    *,
+    example_inputs: Any = None,
+    name: str | None = None,
+    top: int = 1,
+    alternatives: bool = False,
+    progress: Progress | None = None,
+    **constraints,
+) -> SearchResult:
     """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost).
 
     ``model``, ``example_inputs`` and the constraints are as ``plan`` takes them. ``progress(phase, done,
@@ -99,8 +131,15 @@ def search(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: in
     best, frugal = engine.best(constraints, top=top)
     if not best:
         raise PlanError(_nothing_found(engine, profile, cluster, global_batch, constraints, frugal))
-    result = SearchResult(graph=graph, cluster=cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
-                          best=best, profile=profile)
+    result = SearchResult(
+        graph=graph,
+        cluster=cluster,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        dtype=dtype,
+        best=best,
+        profile=profile,
+    )
     if alternatives:
         result.alternatives = _alternatives(engine, profile, cluster, best[0], constraints)
     result.considered, result.evaluated = engine.considered, engine.evaluated
@@ -108,8 +147,14 @@ def search(model: nn.Module | ModelGraph, cluster: ClusterSpec, global_batch: in
     return result
 
 
-def _graph(model: nn.Module | ModelGraph, global_batch: int, seq_len: int | None, name: str | None, example_inputs: Any,
-           constraints: dict) -> tuple[ModelGraph, int, int | None]:
+def _graph(
+    model: nn.Module | ModelGraph,
+    global_batch: int,
+    seq_len: int | None,
+    name: str | None,
+    example_inputs: Any,
+    constraints: dict,
+) -> tuple[ModelGraph, int, int | None]:
     """The graph to plan, its seq_len, and the micro-batch example_inputs fix (None: searched); sets that constraint."""
     from hyparallel import models
     from hyparallel.graph import trace
@@ -117,19 +162,26 @@ def _graph(model: nn.Module | ModelGraph, global_batch: int, seq_len: int | None
     name = name or type(model).__name__
     if isinstance(model, ModelGraph):
         if example_inputs is not None:
-            raise PlanError("example_inputs= are for tracing a module, and this ModelGraph is traced already; pass the "
-                            "module itself, or plan the graph without example_inputs=")
+            raise PlanError(
+                "example_inputs= are for tracing a module, and this ModelGraph is traced already; pass the "
+                "module itself, or plan the graph without example_inputs="
+            )
         _batch_one(model)
         return model, _needed(seq_len), None
     if example_inputs is None or callable(example_inputs):
         seq_len = _needed(seq_len)
-        batch = (make_inputs(example_inputs, 1, seq_len).inputs if example_inputs is not None
-                 else models.example_inputs(model, 1, seq_len))
+        batch = (
+            make_inputs(example_inputs, 1, seq_len).inputs
+            if example_inputs is not None
+            else models.example_inputs(model, 1, seq_len)
+        )
         return trace(model, batch, name=name), seq_len, None
     batch = read_inputs(example_inputs)
     if seq_len is not None and batch.seq_len is not None and seq_len != batch.seq_len:
-        raise ConfigError(f"seq_len={seq_len} but example_inputs hold sequences of {batch.seq_len} tokens; "
-                          "make them agree, or leave seq_len out")
+        raise ConfigError(
+            f"seq_len={seq_len} but example_inputs hold sequences of {batch.seq_len} tokens; "
+            "make them agree, or leave seq_len out"
+        )
     seq_len = _needed(seq_len or batch.seq_len)
     _fix_micro_batch(constraints, batch.rows, global_batch)
     return trace(model, batch.inputs, name=name), seq_len, batch.rows
@@ -137,30 +189,39 @@ def _graph(model: nn.Module | ModelGraph, global_batch: int, seq_len: int | None
 
 def _needed(seq_len: int | None) -> int:
     if seq_len is None:
-        raise PlanError("seq_len is not given: pass seq_len=, or example_inputs= whose token ids (batch, seq_len) "
-                        "give it")
+        raise PlanError(
+            "seq_len is not given: pass seq_len=, or example_inputs= whose token ids (batch, seq_len) give it"
+        )
     _check_count("seq_len", seq_len)  # also when example_inputs gave it
     return seq_len
 
 
 def _batch_one(graph: ModelGraph) -> None:
     """Refuse a graph traced with more than one row: its figures would be taken for one sequence's."""
-    rows = next((op.output_shapes[0][0] for op in graph.ops if op.kind == "input" and op.output_shapes
-                 and op.output_shapes[0]), 1)
+    rows = next(
+        (op.output_shapes[0][0] for op in graph.ops if op.kind == "input" and op.output_shapes and op.output_shapes[0]),
+        1,
+    )
     if rows != 1:
-        raise PlanError(f"the ModelGraph was traced with {rows} rows, and the planner reads a graph as one sequence; "
-                        "trace it at batch 1, or pass the module with example_inputs= of one micro-batch")
+        raise PlanError(
+            f"the ModelGraph was traced with {rows} rows, and the planner reads a graph as one sequence; "
+            "trace it at batch 1, or pass the module with example_inputs= of one micro-batch"
+        )
 
 
 def _fix_micro_batch(constraints: dict, rows: int, global_batch: int) -> None:
     """example_inputs are one micro-batch: the plan's micro_batch is their rows."""
     given = constraints.get("micro_batch")
     if given is not None and given != rows:
-        raise ConfigError(f"micro_batch={given} but example_inputs are one micro-batch of {rows} rows; "
-                          f"pass example_inputs of {given} rows, or leave micro_batch out")
+        raise ConfigError(
+            f"micro_batch={given} but example_inputs are one micro-batch of {rows} rows; "
+            f"pass example_inputs of {given} rows, or leave micro_batch out"
+        )
     if global_batch % rows:
-        raise PlanError(f"global batch {global_batch} is not a multiple of the micro-batch of example_inputs "
-                        f"({rows} rows); change either")
+        raise PlanError(
+            f"global batch {global_batch} is not a multiple of the micro-batch of example_inputs "
+            f"({rows} rows); change either"
+        )
     constraints["micro_batch"] = rows
 
 
@@ -177,17 +238,24 @@ def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int | None,
         if constraints.get(key) is not None:
             _check_count(key, constraints[key])
     order = constraints.get("order")
-    if order is not None and (isinstance(order, str) or not all(isinstance(axis, str) for axis in order)
-                              or sorted(order) != ["dp", "pp", "tp"]):
-        raise PlanError(f"order must name pp, dp and tp once each, outermost first (e.g. ['pp', 'dp', 'tp']), got {order!r}")
+    if order is not None and (
+        isinstance(order, str)
+        or not all(isinstance(axis, str) for axis in order)
+        or sorted(order) != ["dp", "pp", "tp"]
+    ):
+        raise PlanError(
+            f"order must name pp, dp and tp once each, outermost first (e.g. ['pp', 'dp', 'tp']), got {order!r}"
+        )
     degrees = {k: constraints[k] for k in ("tp", "pp", "dp") if k in constraints}
     n = cluster.num_gpus
     product = 1
     for value in degrees.values():
         product *= value
     if len(degrees) == 3 and product != n:
-        raise PlanError(f"dp({degrees['dp']}) * tp({degrees['tp']}) * pp({degrees['pp']}) = {product} != {n} GPUs; "
-                        "change a degree or the number of GPUs")
+        raise PlanError(
+            f"dp({degrees['dp']}) * tp({degrees['tp']}) * pp({degrees['pp']}) = {product} != {n} GPUs; "
+            "change a degree or the number of GPUs"
+        )
     if n % product:
         fixed = " * ".join(f"{k}({v})" for k, v in degrees.items())
         raise PlanError(f"{fixed} = {product} does not divide the {n} GPUs; pick degrees whose product divides {n}")
@@ -196,9 +264,15 @@ def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int | None,
 
 
 # The schema's bounds (hyparallel.limits), so the planner never accepts what a plan file would refuse.
-_BOUNDS = {"global_batch": limits.MAX_GLOBAL_BATCH, "micro_batch": limits.MAX_GLOBAL_BATCH,
-           "seq_len": limits.MAX_SEQ_LEN, "tp": limits.MAX_DEVICES, "pp": limits.MAX_DEVICES, "dp": limits.MAX_DEVICES,
-           "virtual_stages": limits.MAX_VIRTUAL_STAGES}
+_BOUNDS = {
+    "global_batch": limits.MAX_GLOBAL_BATCH,
+    "micro_batch": limits.MAX_GLOBAL_BATCH,
+    "seq_len": limits.MAX_SEQ_LEN,
+    "tp": limits.MAX_DEVICES,
+    "pp": limits.MAX_DEVICES,
+    "dp": limits.MAX_DEVICES,
+    "virtual_stages": limits.MAX_VIRTUAL_STAGES,
+}
 
 
 def _check_count(key: str, value: object) -> None:
@@ -210,32 +284,49 @@ def _check_count(key: str, value: object) -> None:
         raise PlanError(f"{key} must be a positive integer up to {high:,}, got {shown}")
 
 
-def _nothing_found(engine: Search, profile: ModelProfile, cluster: ClusterSpec, global_batch: int, constraints: dict,
-                   frugal: Evaluation | None) -> str:
+def _nothing_found(
+    engine: Search,
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    global_batch: int,
+    constraints: dict,
+    frugal: Evaluation | None,
+) -> str:
     analysis, graph = profile.tp_analysis, profile.graph
     if "tp" in constraints and (reason := analysis.check(constraints["tp"], graph)):
         return f"{reason}; choose a tensor-parallel degree that divides it"
     if not enumerate_configs(engine.ctx, constraints):
         if not enumerate_configs(engine.ctx, {}):
-            return (f"no dp x tp x pp layout of {cluster.num_gpus} GPUs suits this model and global batch "
-                    f"{global_batch}; use a GPU count or global batch with more divisors")
+            return (
+                f"no dp x tp x pp layout of {cluster.num_gpus} GPUs suits this model and global batch "
+                f"{global_batch}; use a GPU count or global batch with more divisors"
+            )
         given = ", ".join(f"{k}={v}" for k, v in constraints.items())
         return f"no configuration satisfies {given} for {cluster.num_gpus} GPUs and global batch {global_batch}; relax a constraint"
     limit = cluster.device.usable_memory_bytes / 2**30
     if frugal is None:
         need = engine.least_memory_bytes(constraints) or 0.0
-        return (f"nothing fits in {limit:.1f} GiB per GPU: even spread evenly over the stages the smallest plan needs "
-                f"{need / 2**30:.1f} GiB; use more GPUs, a smaller micro-batch or sequence length, or recomputation")
+        return (
+            f"nothing fits in {limit:.1f} GiB per GPU: even spread evenly over the stages the smallest plan needs "
+            f"{need / 2**30:.1f} GiB; use more GPUs, a smaller micro-batch or sequence length, or recomputation"
+        )
     c = frugal.config
-    return (f"nothing fits in {limit:.1f} GiB per GPU: the smallest plan found needs {frugal.peak_memory_bytes / 2**30:.1f} GiB "
-            f"(tp {c.tp}, pp {c.pp}, dp {c.dp}, micro_batch {c.micro_batch}, recompute {c.recompute}, ZeRO {c.zero}); "
-            "use more GPUs, a smaller micro-batch or sequence length, or recomputation")
+    return (
+        f"nothing fits in {limit:.1f} GiB per GPU: the smallest plan found needs {frugal.peak_memory_bytes / 2**30:.1f} GiB "
+        f"(tp {c.tp}, pp {c.pp}, dp {c.dp}, micro_batch {c.micro_batch}, recompute {c.recompute}, ZeRO {c.zero}); "
+        "use more GPUs, a smaller micro-batch or sequence length, or recomputation"
+    )
 
 
-def _alternatives(engine: Search, profile: ModelProfile, cluster: ClusterSpec, winner: Evaluation,
-                  constraints: dict) -> list[Alternative]:
+def _alternatives(
+    engine: Search, profile: ModelProfile, cluster: ClusterSpec, winner: Evaluation, constraints: dict
+) -> list[Alternative]:
     n = cluster.num_gpus
-    tps = [t for t in range(1, min(n, cluster.gpus_per_node) + 1) if n % t == 0 and not profile.tp_analysis.check(t, profile.graph)]
+    tps = [
+        t
+        for t in range(1, min(n, cluster.gpus_per_node) + 1)
+        if n % t == 0 and not profile.tp_analysis.check(t, profile.graph)
+    ]
     shapes = [("pure data parallel", {"tp": 1, "pp": 1}), ("most tensor parallel", {"tp": max(tps), "pp": 1})]
     pps = [p for p in range(1, min(n, len(profile.segments)) + 1) if n % p == 0]
     shapes.append(("most pipeline parallel", {"tp": 1, "pp": max(pps)}))
@@ -281,11 +372,20 @@ def why_slower(loser: Evaluation, winner: Evaluation) -> str:
     detail = f" ({loser.bubble_fraction:.0%} vs {winner.bubble_fraction:.0%})" if part == "bubble" else ""
     if part == "compute":
         a, b = loser.config, winner.config
-        differences = [f"{name} {x} vs {y}" for name, x, y in (("recompute", a.recompute, b.recompute),
-                       ("micro-batch", a.micro_batch, b.micro_batch), ("tp", a.tp, b.tp)) if x != y]
+        differences = [
+            f"{name} {x} vs {y}"
+            for name, x, y in (
+                ("recompute", a.recompute, b.recompute),
+                ("micro-batch", a.micro_batch, b.micro_batch),
+                ("tp", a.tp, b.tp),
+            )
+            if x != y
+        ]
         detail = f" ({', '.join(differences) or 'uneven stages: the slowest holds more than its share'})"
-    return (f"{slower:.1%} slower ({loser.step_time_s - winner.step_time_s:.3g} s), mostly {part} "
-            f"+{ours[part] - theirs[part]:.3g} s{detail}")
+    return (
+        f"{slower:.1%} slower ({loser.step_time_s - winner.step_time_s:.3g} s), mostly {part} "
+        f"+{ours[part] - theirs[part]:.3g} s{detail}"
+    )
 
 
 def _why_none(engine: Search, profile: ModelProfile, cluster: ClusterSpec, shape: dict) -> str:
@@ -298,8 +398,10 @@ def _why_none(engine: Search, profile: ModelProfile, cluster: ClusterSpec, shape
         return f"global batch {engine.ctx.global_batch} is not divisible by dp {dp}"
     need = engine.least_memory_bytes(shape)
     if need is not None:
-        return (f"needs at least {need / 2**30:.1f} GiB per GPU for weights, gradients, optimizer state and one "
-                f"micro-batch of activations; {cluster.device.usable_memory_bytes / 2**30:.1f} GiB are usable")
+        return (
+            f"needs at least {need / 2**30:.1f} GiB per GPU for weights, gradients, optimizer state and one "
+            f"micro-batch of activations; {cluster.device.usable_memory_bytes / 2**30:.1f} GiB are usable"
+        )
     return "no configuration of this shape exists"
 
 
@@ -323,31 +425,56 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
         listed = list(dict.fromkeys(m for s in segments[start:end] for m in s.modules))
         modules = [m for m in listed if m not in parents] or listed
         device = index % c.pp
-        stages.append({
-            "index": index, "modules": modules or [segments[start].name],
-            "num_params": sum(s.param_count for s in segments[start:end]),
-            "compute_s": float(sum(x.forward_s + x.backward_s for x in profile.segment_costs(
-                c.tp, c.sequence_parallel, c.micro_batch, c.recompute, result.cluster.intra_node)[start:end])),
-            "memory_gib": (evaluation.stage_memory_bytes[device] + reserved) / 2**30,
-            **timings[index],
-        })
+        stages.append(
+            {
+                "index": index,
+                "modules": modules or [segments[start].name],
+                "num_params": sum(s.param_count for s in segments[start:end]),
+                "compute_s": float(
+                    sum(
+                        x.forward_s + x.backward_s
+                        for x in profile.segment_costs(
+                            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, result.cluster.intra_node
+                        )[start:end]
+                    )
+                ),
+                "memory_gib": (evaluation.stage_memory_bytes[device] + reserved) / 2**30,
+                **timings[index],
+            }
+        )
     tflops = model_flops / step / result.cluster.num_gpus / 1e12
     data = {
         "version": 1,
-        "model": ModelInfo(name=graph.name, num_params=graph.num_params, num_layers=graph.num_layers,
-                           fingerprint=graph.fingerprint).model_dump(),
+        "model": ModelInfo(
+            name=graph.name, num_params=graph.num_params, num_layers=graph.num_layers, fingerprint=graph.fingerprint
+        ).model_dump(),
         "cluster": result.cluster,
-        "training": {"global_batch": result.global_batch, "micro_batch": c.micro_batch, "seq_len": result.seq_len,
-                     "dtype": result.dtype},
-        "parallel": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
-                     "num_microbatches": c.num_microbatches, "recompute": c.recompute, "zero": c.zero,
-                     "sequence_parallel": c.sequence_parallel},
+        "training": {
+            "global_batch": result.global_batch,
+            "micro_batch": c.micro_batch,
+            "seq_len": result.seq_len,
+            "dtype": result.dtype,
+        },
+        "parallel": {
+            "dp": c.dp,
+            "tp": c.tp,
+            "pp": c.pp,
+            "schedule": c.schedule,
+            "virtual_stages": c.virtual_stages,
+            "num_microbatches": c.num_microbatches,
+            "recompute": c.recompute,
+            "zero": c.zero,
+            "sequence_parallel": c.sequence_parallel,
+        },
         "placement": {"order": list(c.order)},
         "stages": stages,
         "tensor_parallel": _tp_map(graph, profile) if c.tp > 1 else None,
         "predicted": {
-            "step_time_s": step, "tokens_per_s": result.global_batch * result.seq_len / step,
-            "tflops_per_gpu": tflops, "mfu": tflops * 1e12 / peak, "bubble_fraction": evaluation.bubble_fraction,
+            "step_time_s": step,
+            "tokens_per_s": result.global_batch * result.seq_len / step,
+            "tflops_per_gpu": tflops,
+            "mfu": tflops * 1e12 / peak,
+            "bubble_fraction": evaluation.bubble_fraction,
             "memory_gib": [(m + reserved) / 2**30 for m in evaluation.stage_memory_bytes],
             "comm_s": {k: float(v) for k, v in evaluation.comm_s.items()},
         },
@@ -366,17 +493,23 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
     sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
     tp_link, pp_link = (axis_link(c.order, sizes, axis, result.cluster) for axis in ("tp", "pp"))
     segment_costs = profile.segment_costs(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, tp_link)
-    tp_forward_s = [float(sum(costs.ring_allreduce_s(x * c.micro_batch, c.tp, tp_link) for x in raw.comm_fwd))
-                    for raw in profile.raw]
+    tp_forward_s = [
+        float(sum(costs.ring_allreduce_s(x * c.micro_batch, c.tp, tp_link) for x in raw.comm_fwd))
+        for raw in profile.raw
+    ]
     p2p_s = transfer_s(profile, c, pp_link)
     figures = []
     for start, end in evaluation.stages:
         parts = [(segment_costs[i], tp_forward_s[i]) for i in range(start, end)]
-        figures.append({"forward_s": sum(s.forward_s + fwd for s, fwd in parts),
-                        "backward_s": sum(s.backward_s + s.tp_comm_s - fwd for s, fwd in parts),
-                        "activation_gib": sum(s.activation_bytes for s, _ in parts) / 2**30})
+        figures.append(
+            {
+                "forward_s": sum(s.forward_s + fwd for s, fwd in parts),
+                "backward_s": sum(s.backward_s + s.tp_comm_s - fwd for s, fwd in parts),
+                "activation_gib": sum(s.activation_bytes for s, _ in parts) / 2**30,
+            }
+        )
     for device, stage_time_s in enumerate(evaluation.stage_time_s):
-        chunks = figures[device::c.pp]
+        chunks = figures[device :: c.pp]
         extra = stage_time_s - 2 * c.virtual_stages * p2p_s - sum(f["forward_s"] + f["backward_s"] for f in chunks)
         for figure in chunks:
             figure["backward_s"] += max(extra, 0.0) / len(chunks)
@@ -405,7 +538,7 @@ def _tp_map(graph: ModelGraph, profile: ModelProfile) -> dict[str, str]:
         path = graph.op(name).module
         block = block_of.get(name)
         if block and "." in block and path.startswith(block + "."):
-            key = f"{block.rsplit('.', 1)[0]}.*.{path[len(block) + 1:]}"
+            key = f"{block.rsplit('.', 1)[0]}.*.{path[len(block) + 1 :]}"
         else:
             key = path
         grouped.setdefault(key, {})[path] = style

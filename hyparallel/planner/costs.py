@@ -42,8 +42,11 @@ DP_BUCKET_BYTES = 25 * 2**20
 # The collective costs take a byte count or a numpy array of them (the stage search costs every
 # candidate stage at once); nothing to send costs nothing.
 
+
 def _ring_s(num_bytes: Bytes, steps: int, group_size: int, link: LinkSpec) -> Bytes:
-    seconds = steps * link.latency_s + steps / group_size * np.asarray(num_bytes, dtype=float) / link.bandwidth_bytes_per_s
+    seconds = (
+        steps * link.latency_s + steps / group_size * np.asarray(num_bytes, dtype=float) / link.bandwidth_bytes_per_s
+    )
     result = np.where(np.asarray(num_bytes) > 0, seconds, 0.0)
     return float(result) if np.ndim(result) == 0 else result
 
@@ -55,7 +58,11 @@ def ring_allreduce_s(num_bytes: Bytes, group_size: int, link: LinkSpec) -> Bytes
 
 def ring_allgather_s(gathered_bytes: Bytes, group_size: int, link: LinkSpec) -> Bytes:
     """Ring all-gather producing ``gathered_bytes`` on every rank: (n-1) steps of bytes/n."""
-    return _ring_s(gathered_bytes, group_size - 1, group_size, link) if group_size > 1 else 0.0 * np.asarray(gathered_bytes)
+    return (
+        _ring_s(gathered_bytes, group_size - 1, group_size, link)
+        if group_size > 1
+        else 0.0 * np.asarray(gathered_bytes)
+    )
 
 
 def ring_reduce_scatter_s(input_bytes: Bytes, group_size: int, link: LinkSpec) -> Bytes:
@@ -68,8 +75,14 @@ def p2p_s(num_bytes: float, link: LinkSpec) -> float:
     return link.latency_s + num_bytes / link.bandwidth_bytes_per_s if num_bytes > 0 else 0.0
 
 
-def roofline_s(flops: float, num_bytes: float, peak_flops: float, flop_efficiency: float,
-               memory_bandwidth_bytes_per_s: float, memory_efficiency: float) -> float:
+def roofline_s(
+    flops: float,
+    num_bytes: float,
+    peak_flops: float,
+    flop_efficiency: float,
+    memory_bandwidth_bytes_per_s: float,
+    memory_efficiency: float,
+) -> float:
     """A kernel's time: the larger of its compute time and its memory-traffic time (Williams et al. 2009)."""
     compute_s = flops / (peak_flops * flop_efficiency) if flops else 0.0
     memory_s = num_bytes / (memory_bandwidth_bytes_per_s * memory_efficiency) if num_bytes else 0.0
@@ -96,7 +109,9 @@ def bubble_fraction(pp: int, num_microbatches: int, virtual_stages: int = 1) -> 
     return (pp - 1) / (virtual_stages * num_microbatches)
 
 
-def inflight_microbatches(schedule: Schedule, pp: int, num_microbatches: int, stage: int, virtual_stages: int = 1) -> float:
+def inflight_microbatches(
+    schedule: Schedule, pp: int, num_microbatches: int, stage: int, virtual_stages: int = 1
+) -> float:
     """Micro-batches whose activations a pipeline stage holds at its peak, in units of the whole stage.
 
     GPipe runs every forward before any backward: m. 1F1B lets stage s run p - s forwards before its
@@ -140,8 +155,9 @@ def adam_step_bytes_per_param(dtype: Dtype) -> int:
     return reads + writes
 
 
-def korthikanti_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
-                                 sequence_parallel: bool = False, recompute: str = "none") -> float:
+def korthikanti_activation_bytes(
+    seq: int, batch: int, hidden: int, heads: int, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none"
+) -> float:
     """Activation bytes of one GPT layer with 16-bit activations (Korthikanti et al. 2022, Table 2).
 
     The reference formula for a standard attention layer that stores its softmax; hyparallel's

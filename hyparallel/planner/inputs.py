@@ -38,8 +38,9 @@ def read(inputs: Any, what: str = "example_inputs") -> MicroBatch:
     tensors = [leaf for leaf in tree_leaves(inputs) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     if not tensors:
         raise ConfigError(f"{what} hold no tensor with a batch dim; give one micro-batch: {_SHAPE_HINT}")
-    token_ids = [t for t in tensors if t.dim() >= 2 and not (t.is_floating_point() or t.is_complex())
-                 and t.dtype != torch.bool]
+    token_ids = [
+        t for t in tensors if t.dim() >= 2 and not (t.is_floating_point() or t.is_complex()) and t.dtype != torch.bool
+    ]
     sequences = token_ids or [t for t in tensors if t.dim() >= 2]
     return MicroBatch(inputs, rows=tensors[0].size(0), seq_len=sequences[0].size(1) if sequences else None)
 
@@ -51,8 +52,9 @@ def make(factory: InputsFactory, batch_size: int, seq_len: int) -> MicroBatch:
     try:
         inspect.signature(factory).bind(batch_size, seq_len)
     except TypeError:
-        raise ConfigError(f"example inputs {name} must take (batch_size, seq_len), as a model's example_inputs "
-                          "method does") from None
+        raise ConfigError(
+            f"example inputs {name} must take (batch_size, seq_len), as a model's example_inputs method does"
+        ) from None
     except ValueError:  # a builtin without a signature: call it and see
         pass
     batch = read(factory(batch_size, seq_len), what=call)

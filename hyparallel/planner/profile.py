@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from hyparallel.cluster import ClusterSpec, LinkSpec
 from hyparallel.graph import ModelGraph, Op
@@ -21,9 +21,42 @@ from hyparallel.planner.tp import TPAnalysis, analyze
 # View-kind ops that may copy (a reshape of a transposed tensor does): their outputs count as new tensors.
 _COPYING_VIEWS = {"clone", "contiguous", "reshape", "flatten"}
 # Elementwise ops whose backward needs none of their inputs or outputs.
-_SAVES_NOTHING = {"add", "sub", "neg", "cat", "stack", "to", "type", "float", "arange", "expand", "where", "masked_fill",
-                  "zeros", "ones", "full", "new_ones", "new_zeros", "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__",
-                  "and_", "or_", "cumsum", "diff", "index", "_assert_tensor_metadata", "floordiv", "size", "getattr"}
+_SAVES_NOTHING = {
+    "add",
+    "sub",
+    "neg",
+    "cat",
+    "stack",
+    "to",
+    "type",
+    "float",
+    "arange",
+    "expand",
+    "where",
+    "masked_fill",
+    "zeros",
+    "ones",
+    "full",
+    "new_ones",
+    "new_zeros",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "__and__",
+    "__or__",
+    "and_",
+    "or_",
+    "cumsum",
+    "diff",
+    "index",
+    "_assert_tensor_metadata",
+    "floordiv",
+    "size",
+    "getattr",
+}
 # Elementwise ops whose backward needs their output (d softmax, d exp, d tanh, d sigmoid).
 _SAVES_OUTPUT = {"softmax", "log_softmax", "_softmax", "exp", "tanh", "sigmoid"}
 # Backward FLOPs over forward FLOPs: 2 for matrix products (input and weight gradients); 2.5 for fused
@@ -98,8 +131,9 @@ class ModelProfile:
 
     # ---- per configuration ------------------------------------------------------------------
 
-    def segment_costs(self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str,
-                      tp_link: LinkSpec) -> tuple[SegmentCost, ...]:
+    def segment_costs(
+        self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str, tp_link: LinkSpec
+    ) -> tuple[SegmentCost, ...]:
         """The cost of every segment under one configuration (cached)."""
         key = (tp, sequence_parallel, micro_batch, recompute, tp_link)
         if key not in self._cache:
@@ -107,7 +141,9 @@ class ModelProfile:
             result = []
             for raw in self.raw:
                 if raw.signature not in by_signature:
-                    by_signature[raw.signature] = self._cost(raw, tp, sequence_parallel, micro_batch, recompute, tp_link)
+                    by_signature[raw.signature] = self._cost(
+                        raw, tp, sequence_parallel, micro_batch, recompute, tp_link
+                    )
                 result.append(by_signature[raw.signature])
             self._cache[key] = tuple(result)
         return self._cache[key]
@@ -123,20 +159,28 @@ class ModelProfile:
                     if op.name in segment_of and owners.get(p) is not op:
                         readers.setdefault(p, set()).add(segment_of[op.name])
             self._tied[tp] = [
-                (segment_of[owners[p].name], tuple(sorted(r - {segment_of[owners[p].name]})),
-                 self.tp_analysis.params_per_rank(owners[p], tp))
-                for p, r in readers.items() if p in owners and r - {segment_of[owners[p].name]}
+                (
+                    segment_of[owners[p].name],
+                    tuple(sorted(r - {segment_of[owners[p].name]})),
+                    self.tp_analysis.params_per_rank(owners[p], tp),
+                )
+                for p, r in readers.items()
+                if p in owners and r - {segment_of[owners[p].name]}
             ]
         return self._tied[tp]
 
-    def totals(self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str,
-               tp_link: LinkSpec) -> tuple[float, float, float]:
+    def totals(
+        self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str, tp_link: LinkSpec
+    ) -> tuple[float, float, float]:
         """(seconds per micro-batch, parameters per rank, activation bytes) summed over all segments (cached)."""
         key = (tp, sequence_parallel, micro_batch, recompute, tp_link)
         if key not in self._totals:
             segments = self.segment_costs(*key)
-            self._totals[key] = (sum(s.forward_s + s.backward_s + s.tp_comm_s for s in segments),
-                                 sum(s.params for s in segments), sum(s.activation_bytes for s in segments))
+            self._totals[key] = (
+                sum(s.forward_s + s.backward_s + s.tp_comm_s for s in segments),
+                sum(s.params for s in segments),
+                sum(s.activation_bytes for s in segments),
+            )
         return self._totals[key]
 
     def _cost(self, raw: _SegmentRaw, tp: int, sp: bool, b: int, recompute: str, link: LinkSpec) -> SegmentCost:
@@ -161,8 +205,14 @@ class ModelProfile:
             backward += quadratic_forward  # re-run the ops producing the seq^2 tensors (Korthikanti et al. 2022)
             quadratic_split, quadratic_full = raw.saved_quadratic
             saved -= quadratic_split / tp + quadratic_full / (tp if sp else 1)
-        return SegmentCost(forward_s=forward, backward_s=backward, tp_comm_s=comm_fwd + comm_bwd,
-                           params=raw.params_by_tp(tp), activation_bytes=saved * b, working_bytes=working * b)
+        return SegmentCost(
+            forward_s=forward,
+            backward_s=backward,
+            tp_comm_s=comm_fwd + comm_bwd,
+            params=raw.params_by_tp(tp),
+            activation_bytes=saved * b,
+            working_bytes=working * b,
+        )
 
     # ---- once per model ---------------------------------------------------------------------
 
@@ -180,7 +230,10 @@ class ModelProfile:
             # in bf16/fp16 (4 in fp32, where the copy is the tensor itself), measured on an H200 (RESULTS.md).
             outputs = [graph.op(p) for p in graph.graph.predecessors(graph.ops[-1].name)]
             numel = sum(_numel(s) for op in outputs for s in op.output_shapes)
-            logits, transient = numel * 4 / scale, numel * (self.dtype_bytes + (4 if self.dtype != "fp32" else 0)) / scale
+            logits, transient = (
+                numel * 4 / scale,
+                numel * (self.dtype_bytes + (4 if self.dtype != "fp32" else 0)) / scale,
+            )
             vocab_split = analysis.styles.get(ops[-1].name) == "vocab"
             if vocab_split:
                 saved_split += logits
@@ -190,29 +243,57 @@ class ModelProfile:
         comm_fwd, comm_bwd = self._tp_comm(ops)
         entering = self._entering_bytes(ops) if segment.is_block else 0.0
 
-        @lru_cache(maxsize=None)
+        @cache
         def params_by_tp(tp: int) -> float:
             return sum(analysis.params_per_rank(op, tp) for op in ops)
 
-        signature = (tuple(op_costs), saved_split, saved_full, quadratic, comm_fwd, comm_bwd, entering, loss_working,
-                     segment.is_block, tuple((analysis.styles.get(op.name), op.param_count) for op in ops))
+        signature = (
+            tuple(op_costs),
+            saved_split,
+            saved_full,
+            quadratic,
+            comm_fwd,
+            comm_bwd,
+            entering,
+            loss_working,
+            segment.is_block,
+            tuple((analysis.styles.get(op.name), op.param_count) for op in ops),
+        )
         one = self.per_sequence  # traced bytes (the graph's rows, its dtype) -> one sequence's in the plan's dtype
-        return _SegmentRaw(ops=op_costs, signature=signature, params_by_tp=params_by_tp, saved_split=saved_split * one,
-                           saved_full=saved_full * one, saved_quadratic=(quadratic[0] * one, quadratic[1] * one),
-                           block_input_bytes=entering * one, is_block=segment.is_block,
-                           comm_fwd=tuple(x * one for x in comm_fwd), comm_bwd=tuple(x * one for x in comm_bwd),
-                           loss_working=(loss_working[0] * one, loss_working[1] * one))
+        return _SegmentRaw(
+            ops=op_costs,
+            signature=signature,
+            params_by_tp=params_by_tp,
+            saved_split=saved_split * one,
+            saved_full=saved_full * one,
+            saved_quadratic=(quadratic[0] * one, quadratic[1] * one),
+            block_input_bytes=entering * one,
+            is_block=segment.is_block,
+            comm_fwd=tuple(x * one for x in comm_fwd),
+            comm_bwd=tuple(x * one for x in comm_bwd),
+            loss_working=(loss_working[0] * one, loss_working[1] * one),
+        )
 
     def _op_cost(self, op: Op) -> _OpCost:
         analysis, rows = self.tp_analysis, self.traced_rows
         style = analysis.styles.get(op.name) or ("split" if op.name in analysis.split_ops else "full")
         in_bytes = sum(_numel(s) for s in op.input_shapes) * self.dtype_bytes / rows
         out_bytes = op.output_bytes * self.per_sequence
-        weight = op.input_shapes[0][-1] * op.output_shapes[0][-1] * self.dtype_bytes if op.kind == "linear" and op.params else 0
+        weight = (
+            op.input_shapes[0][-1] * op.output_shapes[0][-1] * self.dtype_bytes
+            if op.kind == "linear" and op.params
+            else 0
+        )
         kind = "copy" if op.kind == "view" and op.target in _COPYING_VIEWS else op.kind  # other views alias: free
-        return _OpCost(kind=kind, flops=op.flops / rows,
-                       in_bytes=in_bytes, out_bytes=out_bytes, weight_bytes=weight, style=style,
-                       quadratic=op.name in self.quadratic)
+        return _OpCost(
+            kind=kind,
+            flops=op.flops / rows,
+            in_bytes=in_bytes,
+            out_bytes=out_bytes,
+            weight_bytes=weight,
+            style=style,
+            quadratic=op.name in self.quadratic,
+        )
 
     def _quadratic_ops(self) -> set[str]:
         """Ops producing seq x seq tensors (attention scores and what is computed from them before the next product).
@@ -232,7 +313,9 @@ class ModelProfile:
             if op.kind == "matmul":  # queries x keys makes scores; scores x values does not (whatever its shape)
                 if not op.params and scores(op.name) and not from_scores:
                     found.add(op.name)
-            elif op.kind in ("elementwise", "activation", "dropout", "view", "copy") and scores(op.name) and from_scores:
+            elif (
+                op.kind in ("elementwise", "activation", "dropout", "view", "copy") and scores(op.name) and from_scores
+            ):
                 found.add(op.name)
         return found
 
@@ -254,7 +337,8 @@ class ModelProfile:
             sources: list[str] = []
             name = op.target
             if op.kind in ("linear", "matmul", "attention", "norm", "activation", "loss") or (
-                    op.kind == "elementwise" and name not in _SAVES_NOTHING and name not in _SAVES_OUTPUT):
+                op.kind == "elementwise" and name not in _SAVES_NOTHING and name not in _SAVES_OUTPUT
+            ):
                 sources = [self._base(p) for p in g.predecessors(op.name) if g.nodes[p]["kind"] != "input"]
             if op.kind == "attention" or name in _SAVES_OUTPUT:
                 sources.append(op.name)
@@ -285,8 +369,11 @@ class ModelProfile:
         analysis, g = self.tp_analysis, self.graph.graph
         names = {op.name for op in ops}
         forward = [self.graph.op(r).output_bytes for r in analysis.row_ops if r in names]
-        backward = [sum(g.nodes[p]["output_bytes"] for p in inputs) for inputs in analysis.column_inputs
-                    if any(c in names for p in inputs for c in g.successors(p) if analysis.styles.get(c) == "column")]
+        backward = [
+            sum(g.nodes[p]["output_bytes"] for p in inputs)
+            for inputs in analysis.column_inputs
+            if any(c in names for p in inputs for c in g.successors(p) if analysis.styles.get(c) == "column")
+        ]
         if analysis.vocab_embedding in names:
             forward.append(self.graph.op(analysis.vocab_embedding).output_bytes)
         if analysis.vocab_head in names:
@@ -328,9 +415,16 @@ def _op_time(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, serial
         in_bytes, out_bytes = in_bytes / tp, out_bytes / tp
     if op.kind in _MATMUL_KINDS:
         efficiency = device.attention_efficiency if op.kind == "attention" else device.matmul_efficiency
-        work_s = costs.roofline_s(flops, in_bytes + out_bytes + weight, peak, efficiency,
-                                  device.memory_bandwidth_bytes_per_s, device.memory_efficiency)
+        work_s = costs.roofline_s(
+            flops,
+            in_bytes + out_bytes + weight,
+            peak,
+            efficiency,
+            device.memory_bandwidth_bytes_per_s,
+            device.memory_efficiency,
+        )
     else:
-        work_s = costs.roofline_s(0.0, in_bytes + out_bytes, peak, 1.0, device.memory_bandwidth_bytes_per_s,
-                                  device.memory_efficiency)
+        work_s = costs.roofline_s(
+            0.0, in_bytes + out_bytes, peak, 1.0, device.memory_bandwidth_bytes_per_s, device.memory_efficiency
+        )
     return costs.dispatched_s(work_s, device.op_overhead_s, serial)

@@ -61,9 +61,11 @@ class Config:
 
     def __str__(self) -> str:
         schedule = self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return (f"tp {self.tp} pp {self.pp} dp {self.dp}, micro-batch {self.micro_batch} x {self.num_microbatches}, "
-                f"{schedule}, recompute {self.recompute}, ZeRO {self.zero}, SP {'on' if self.sequence_parallel else 'off'}, "
-                f"order {','.join(self.order)}")
+        return (
+            f"tp {self.tp} pp {self.pp} dp {self.dp}, micro-batch {self.micro_batch} x {self.num_microbatches}, "
+            f"{schedule}, recompute {self.recompute}, ZeRO {self.zero}, SP {'on' if self.sequence_parallel else 'off'}, "
+            f"order {','.join(self.order)}"
+        )
 
 
 @dataclass
@@ -121,12 +123,17 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
             m = ctx.global_batch // (dp * b)
             schedules = list(_schedules(pp, m, ctx.profile.num_blocks, fixed))
             options = itertools.product(
-                schedules, _recomputes(ctx.profile, fixed), _zeros(pp, dp, fixed),
-                (False, True) if tp > 1 else (False,), _orders(pp, dp, fixed),
+                schedules,
+                _recomputes(ctx.profile, fixed),
+                _zeros(pp, dp, fixed),
+                (False, True) if tp > 1 else (False,),
+                _orders(pp, dp, fixed),
             )
-            configs.extend(Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order)
-                           for (schedule, v), recompute, zero, sp, order in options
-                           if fixed.get("micro_batch", b) == b and fixed.get("sequence_parallel", sp) == sp)
+            configs.extend(
+                Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order)
+                for (schedule, v), recompute, zero, sp, order in options
+                if fixed.get("micro_batch", b) == b and fixed.get("sequence_parallel", sp) == sp
+            )
     return configs
 
 
@@ -139,8 +146,12 @@ def _layouts(ctx: _Context, fixed: dict):
             continue
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
-            if fixed.get("pp", pp) == pp and fixed.get("dp", dp) == dp and pp <= len(ctx.profile.segments) \
-                    and ctx.global_batch % dp == 0:
+            if (
+                fixed.get("pp", pp) == pp
+                and fixed.get("dp", dp) == dp
+                and pp <= len(ctx.profile.segments)
+                and ctx.global_batch % dp == 0
+            ):
                 yield tp, pp, dp
 
 
@@ -193,8 +204,14 @@ def _divisors(n: int) -> list[int]:
 class Search:
     """Searches the plans of one model on one cluster for one batch shape."""
 
-    def __init__(self, profile: ModelProfile, cluster: ClusterSpec, global_batch: int, dtype: str,
-                 progress: Progress | None = None):
+    def __init__(
+        self,
+        profile: ModelProfile,
+        cluster: ClusterSpec,
+        global_batch: int,
+        dtype: str,
+        progress: Progress | None = None,
+    ):
         self.ctx = _Context(profile, cluster, global_batch, dtype)
         self.evaluated = 0
         self.considered = 0
@@ -210,8 +227,11 @@ class Search:
                 bounds.append((bound, i))
             if self.progress and i % 256 == 255:
                 self.progress("bounding", i + 1, len(configs))
-        log.info("%d configurations, %d may fit in memory; costing them in order of their lower bounds",
-                 len(configs), len(bounds))
+        log.info(
+            "%d configurations, %d may fit in memory; costing them in order of their lower bounds",
+            len(configs),
+            len(bounds),
+        )
         heapq.heapify(bounds)
         found: list[Evaluation] = []
         frugal: Evaluation | None = None
@@ -219,12 +239,22 @@ class Search:
         while bounds:
             bound, i = heapq.heappop(bounds)
             if len(found) >= top and bound >= found[top - 1].step_time_s:
-                log.info("stopped: the next lower bound, %.4g s, cannot beat the top %d (the slowest of them: %.4g s); "
-                         "%d left uncosted", bound, top, found[top - 1].step_time_s, len(bounds) + 1)
+                log.info(
+                    "stopped: the next lower bound, %.4g s, cannot beat the top %d (the slowest of them: %.4g s); "
+                    "%d left uncosted",
+                    bound,
+                    top,
+                    found[top - 1].step_time_s,
+                    len(bounds) + 1,
+                )
                 break
             evaluation = self.evaluate(configs[i])
-            log.debug("%s: bound %.4g s, %s", configs[i], bound,
-                      f"{evaluation.step_time_s:.4g} s" if evaluation.feasible else evaluation.reason)
+            log.debug(
+                "%s: bound %.4g s, %s",
+                configs[i],
+                bound,
+                f"{evaluation.step_time_s:.4g} s" if evaluation.feasible else evaluation.reason,
+            )
             if evaluation.feasible:
                 found.append(evaluation)
                 found.sort(key=lambda e: e.step_time_s)
@@ -268,8 +298,11 @@ class Search:
         total_t += c.pp * self._p2p_s(c, links)
         device = self.ctx.cluster.device
         optimizer_params = params / c.dp if c.zero >= 1 else params
-        optimizer_s = optimizer_params * costs.adam_step_bytes_per_param(self.ctx.dtype) / (
-            device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+        optimizer_s = (
+            optimizer_params
+            * costs.adam_step_bytes_per_param(self.ctx.dtype)
+            / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+        )
         v = c.virtual_stages
         return ((c.num_microbatches - 1 / v) * total_t + optimizer_s) / c.pp + total_t / v
 
@@ -296,8 +329,18 @@ class Search:
             return self._infeasible(c, links, tables)
         return self._finish(c, links, tables, best, [[r] for r in best])
 
-    def _stage_terms(self, c: Config, links, t: np.ndarray, bwd: np.ndarray, params: np.ndarray, act: np.ndarray,
-                     work: np.ndarray, largest: np.ndarray, stage: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _stage_terms(
+        self,
+        c: Config,
+        links,
+        t: np.ndarray,
+        bwd: np.ndarray,
+        params: np.ndarray,
+        act: np.ndarray,
+        work: np.ndarray,
+        largest: np.ndarray,
+        stage: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-micro-batch time, tail and memory of candidate stages (arrays of any shape)."""
         dtype, cluster = self.ctx.dtype, self.ctx.cluster
         t = t + self._p2p_s(c, links)
@@ -309,7 +352,10 @@ class Search:
             # DDP reduces gradients in buckets while the last micro-batch's backward runs; the last bucket
             # waits for the end of the backward.
             bucket = np.minimum(grad_bytes, costs.DP_BUCKET_BYTES)
-            reduce, last = costs.ring_allreduce_s(grad_bytes, c.dp, links["dp"]), costs.ring_allreduce_s(bucket, c.dp, links["dp"])
+            reduce, last = (
+                costs.ring_allreduce_s(grad_bytes, c.dp, links["dp"]),
+                costs.ring_allreduce_s(bucket, c.dp, links["dp"]),
+            )
             tail = np.maximum(costs.overlapped_s(reduce - last, bwd, serial), 0) + last
         elif c.dp > 1:  # Note [ZeRO stages on FSDP2] in parallel.py: one collective per FSDP unit
             units = self.ctx.profile.num_blocks + 1 if c.pp == 1 else c.virtual_stages
@@ -331,7 +377,8 @@ class Search:
         optimizer_params = params / c.dp if c.zero >= 1 else params
         device = cluster.device
         tail = tail + optimizer_params * costs.adam_step_bytes_per_param(dtype) / (
-            device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+            device.memory_bandwidth_bytes_per_s * device.memory_efficiency
+        )
         inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages)
         memory = params * costs.state_bytes_per_param(dtype, c.zero, c.dp) + inflight * act + work
         if c.zero == 3:  # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
@@ -375,8 +422,13 @@ class Search:
         dp_tail = max(tails)
         tp_comm = sum(seg.tp_comm_s for seg in tables.segments) * c.num_microbatches / c.pp
         evaluation = Evaluation(
-            config=c, feasible=fits, step_time_s=pipeline if fits else math.inf, stages=list(chunks),
-            stage_time_s=step_times, stage_memory_bytes=memories, stage_params=params_list,
+            config=c,
+            feasible=fits,
+            step_time_s=pipeline if fits else math.inf,
+            stages=list(chunks),
+            stage_time_s=step_times,
+            stage_memory_bytes=memories,
+            stage_params=params_list,
             comm_s={"tp": tp_comm, "dp": dp_tail, "pp": self._p2p_s(c, links) * (c.num_microbatches + c.pp - 1)},
             bubble_fraction=costs.bubble_fraction(c.pp, c.num_microbatches, v),
         )
@@ -407,8 +459,10 @@ class _Tables:
         # A weight read by several segments (tied embedding and head) is held by every stage that reads it:
         # (owner segment, reader segments, parameters per rank) -> extra parameters of a range without its owner.
         self.tied = tied
+
         def prefix(values):
             return np.concatenate(([0.0], np.cumsum(values)))
+
         self.t = prefix([s.forward_s + s.backward_s + s.tp_comm_s for s in segments])
         self.bwd = prefix([s.backward_s for s in segments])
         self.params = prefix([s.params for s in segments])
@@ -420,22 +474,31 @@ class _Tables:
 
     def range(self, start: int, end: int) -> tuple[float, ...]:
         """(t, backward, params, activations, working, largest segment's params) of segments [start, end)."""
-        peak = (lambda values: float(values[start:end].max()) if end > start else 0.0)  # noqa: E731
-        tied = sum(size for owner, readers, size in self.tied
-                   if not start <= owner < end and any(start <= r < end for r in readers))
-        return (self.t[end] - self.t[start], self.bwd[end] - self.bwd[start],
-                self.params[end] - self.params[start] + tied, self.act[end] - self.act[start],
-                peak(self.work), peak(self.largest))
+        peak = lambda values: float(values[start:end].max()) if end > start else 0.0  # noqa: E731
+        tied = sum(
+            size
+            for owner, readers, size in self.tied
+            if not start <= owner < end and any(start <= r < end for r in readers)
+        )
+        return (
+            self.t[end] - self.t[start],
+            self.bwd[end] - self.bwd[start],
+            self.params[end] - self.params[start] + tied,
+            self.act[end] - self.act[start],
+            peak(self.work),
+            peak(self.largest),
+        )
 
     def ranges(self) -> tuple[np.ndarray, ...]:
         """The same six quantities for every [start, end) as (n+1) x (n+1) arrays."""
+
         def diff(prefix):
             return prefix[None, :] - prefix[:, None]
 
         def running_max(values):
             table = np.zeros((self.n + 1, self.n + 1))
             for start in range(self.n):
-                table[start, start + 1:] = np.maximum.accumulate(values[start:])
+                table[start, start + 1 :] = np.maximum.accumulate(values[start:])
             return table
 
         index = np.arange(self.n + 1)
@@ -491,4 +554,3 @@ def _minmax_partition(stage_cost, n: int, p: int) -> list[tuple[int, int]] | Non
         bounds.append((start, end))
         end = start
     return bounds[::-1]
-

@@ -131,9 +131,15 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
         if _is_linear(op):
             styles.setdefault(op.name, "replicate")
     return TPAnalysis(
-        styles=styles, split_ops=frozenset(split), head_groups=head_groups, attention_heads=heads,
-        vocab_size=vocab, row_ops=tuple(rows_all), column_inputs=tuple(column_inputs),
-        vocab_head=head, vocab_embedding=vocab_embedding,
+        styles=styles,
+        split_ops=frozenset(split),
+        head_groups=head_groups,
+        attention_heads=heads,
+        vocab_size=vocab,
+        row_ops=tuple(rows_all),
+        column_inputs=tuple(column_inputs),
+        vocab_head=head,
+        vocab_embedding=vocab_embedding,
         parts={name: fused_parts(graph, name) for name, style in styles.items() if style == "column"},
     )
 
@@ -144,7 +150,11 @@ def fused_parts(graph: ModelGraph, op_name: str) -> list[int]:
     successors = sorted((graph.op(n) for n in graph.graph.successors(op_name)), key=lambda op: op.index)
     for op in successors:  # one split into pieces: x.split(...) / x.chunk(...)
         shapes = op.output_shapes
-        if op.target in ("split", "chunk", "split_with_sizes", "unbind") and len(shapes) > 1 and sum(s[-1] for s in shapes) == out:
+        if (
+            op.target in ("split", "chunk", "split_with_sizes", "unbind")
+            and len(shapes) > 1
+            and sum(s[-1] for s in shapes) == out
+        ):
             return [s[-1] for s in shapes]
     # or several slices of the last dim (x[..., :q], x[..., q:q + kv], ...), taken in the order they run
     slices = [op.output_shapes[0][-1] for op in successors if op.target == "slice" and op.output_shapes]
@@ -210,7 +220,11 @@ def _attention_heads(graph: ModelGraph, region: set[str], attention: list[str]) 
         if op.kind != "matmul" or not op.input_shapes:
             continue
         # The first product is queries x keys^T; its query operand follows baddbmm's added input.
-        query = op.input_shapes[1] if op.target in ("baddbmm", "addbmm") and len(op.input_shapes) > 2 else op.input_shapes[0]
+        query = (
+            op.input_shapes[1]
+            if op.target in ("baddbmm", "addbmm") and len(op.input_shapes) > 2
+            else op.input_shapes[0]
+        )
         if len(query) in (3, 4):
             return {name: (query[1] if len(query) == 4 else query[0] // batch, query[-1])}
     return {}

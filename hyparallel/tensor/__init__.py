@@ -7,9 +7,14 @@ torch.distributed.
 from importlib import import_module
 
 _EXPORTS = {
-    "TensorParallelInfo": "apply", "apply_tensor_parallel": "apply", "expand_styles": "apply",
-    "ColumnParallelLinear": "layers", "RowParallelLinear": "layers", "VocabParallelEmbedding": "layers",
-    "VocabParallelHead": "layers", "vocab_parallel_cross_entropy": "layers",
+    "TensorParallelInfo": "apply",
+    "apply_tensor_parallel": "apply",
+    "expand_styles": "apply",
+    "ColumnParallelLinear": "layers",
+    "RowParallelLinear": "layers",
+    "VocabParallelEmbedding": "layers",
+    "VocabParallelHead": "layers",
+    "vocab_parallel_cross_entropy": "layers",
 }
 __all__ = sorted(_EXPORTS)
 

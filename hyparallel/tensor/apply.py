@@ -23,12 +23,29 @@ from hyparallel.graph import ModelGraph
 from hyparallel.planner.tp import TPAnalysis, analyze, fused_parts
 from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
 from hyparallel.tensor.init import retie, tied_parameters
-from hyparallel.tensor.layers import (SEQ_DIM, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
-                                      enter_tp_region)
+from hyparallel.tensor.layers import (
+    SEQ_DIM,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    enter_tp_region,
+)
 
 # Integer attributes attention modules use for their head bookkeeping (transformers' conventions).
-_HEAD_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "split_size", "embed_dim", "hidden_size", "all_head_size",
-                    "num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_key_value_groups")
+_HEAD_ATTRIBUTES = (
+    "num_heads",
+    "n_head",
+    "num_attention_heads",
+    "split_size",
+    "embed_dim",
+    "hidden_size",
+    "all_head_size",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "num_key_value_groups",
+)
 
 
 @dataclass
@@ -74,7 +91,7 @@ class TensorParallelInfo:
             all_reduce_(flat, self.group)
             offset = 0
             for (name, p), part in zip(held, parts):
-                total = flat[offset: offset + part.numel()].view_as(part)
+                total = flat[offset : offset + part.numel()].view_as(part)
                 _local(p.grad).copy_(total + since[name] if since.get(name) is not None else total)
                 offset += part.numel()
         for name, every_rank in self.shared_rows.items():
@@ -90,6 +107,7 @@ def _parameter_or_none(model: nn.Module):
             return model.get_parameter(name)
         except AttributeError:
             return None
+
     return find
 
 
@@ -105,16 +123,25 @@ def expand_styles(model: nn.Module, tensor_parallel: dict[str, str]) -> dict[str
     for pattern, style in tensor_parallel.items():
         matched = [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
         if not matched:
-            raise ConfigError(f"tensor_parallel: '{pattern}' matches no module of {type(model).__name__}; "
-                              "check the module path (hyparallel trace lists them)")
+            raise ConfigError(
+                f"tensor_parallel: '{pattern}' matches no module of {type(model).__name__}; "
+                "check the module path (hyparallel trace lists them)"
+            )
         for path in matched:
             styles[path] = style
     return styles
 
 
-def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], group: ProcessGroup, graph: ModelGraph,
-                          *, sequence_parallel: bool = False, gather_logits: bool = False,
-                          fused_kernels: bool = True) -> TensorParallelInfo:
+def apply_tensor_parallel(
+    model: nn.Module,
+    tensor_parallel: dict[str, str],
+    group: ProcessGroup,
+    graph: ModelGraph,
+    *,
+    sequence_parallel: bool = False,
+    gather_logits: bool = False,
+    fused_kernels: bool = True,
+) -> TensorParallelInfo:
     """Swap the modules ``tensor_parallel`` names for their tensor-parallel versions on ``group``, in place.
 
     ``graph`` is the model traced by ``hyparallel.trace``. Each rank keeps only its slices of the split
@@ -139,8 +166,19 @@ def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], gro
         old = model.get_submodule(path)
         op = graph.op(by_module.get(path, path))
         in_blocks = path.startswith(blocks)
-        new = _parallel_module(old, style, op.name, graph, analysis, group, tp, rank,
-                               sequence_parallel and in_blocks, gather_logits, enter_region=path not in entries)
+        new = _parallel_module(
+            old,
+            style,
+            op.name,
+            graph,
+            analysis,
+            group,
+            tp,
+            rank,
+            sequence_parallel and in_blocks,
+            gather_logits,
+            enter_region=path not in entries,
+        )
         if style == "vocab":
             info.vocab_size = analysis.vocab_size
             info.vocab_start = rank * math.ceil(analysis.vocab_size / tp)
@@ -165,8 +203,15 @@ def apply_tensor_parallel(model: nn.Module, tensor_parallel: dict[str, str], gro
 
 
 # Activation modules a column Linear can apply in its epilogue (torch's and transformers' names).
-_FUSABLE = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh",
-            "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "GELUTanhActivation": "gelu_tanh"}
+_FUSABLE = {
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+    "GELUActivation": "gelu",
+    "NewGELUActivation": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "GELUTanhActivation": "gelu_tanh",
+}
 
 
 def _fusable_activation(module: nn.Module) -> str | None:
@@ -195,8 +240,9 @@ def _fuse_activations(model: nn.Module, graph: ModelGraph, styles: dict[str, str
         _set_submodule(model, act_path, nn.Identity())
 
 
-def _region_entries(graph: ModelGraph, analysis: TPAnalysis, styles: dict[str, str], blocks: tuple[str, ...],
-                    by_module: dict[str, str]) -> dict[str, str]:
+def _region_entries(
+    graph: ModelGraph, analysis: TPAnalysis, styles: dict[str, str], blocks: tuple[str, ...], by_module: dict[str, str]
+) -> dict[str, str]:
     """Column Linear path -> the module that enters the tensor-parallel region for it.
 
     Inside a block, the column Linears of one module (q/k/v of an attention, up/gate of an MLP) read
@@ -238,27 +284,45 @@ def _entry_hook(module: nn.Module, group: ProcessGroup, sequence_parallel: bool)
         if args:
             return (enter_tp_region(args[0], group, sequence_parallel), *args[1:]), kwargs
         return args, {**kwargs, first: enter_tp_region(kwargs[first], group, sequence_parallel)}
+
     return hook
 
 
 def _check_styles(model: nn.Module, styles: dict[str, str], graph: ModelGraph, analysis: TPAnalysis) -> None:
     """The plan may split only what the model's dataflow allows: its column/row pairs and vocab ops."""
     allowed = {graph.op(name).module: style for name, style in analysis.styles.items() if style != "replicate"}
-    wrong = [f"{path} ({style}; the dataflow allows {allowed.get(path, 'replicate')})"
-             for path, style in styles.items() if allowed.get(path) != style]
+    wrong = [
+        f"{path} ({style}; the dataflow allows {allowed.get(path, 'replicate')})"
+        for path, style in styles.items()
+        if allowed.get(path) != style
+    ]
     if wrong:
-        raise ConfigError(f"tensor_parallel: cannot split {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; "
-                          "use the styles `hyparallel plan` writes, or replicate")
+        raise ConfigError(
+            f"tensor_parallel: cannot split {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; "
+            "use the styles `hyparallel plan` writes, or replicate"
+        )
     missing = [path for path, style in allowed.items() if style in ("column", "row") and path not in styles]
     partners = {p for p in missing if any(p.rsplit(".", 1)[0] == q.rsplit(".", 1)[0] for q in styles)}
     if partners:
-        raise ConfigError(f"tensor_parallel: {sorted(partners)[0]} must be split too: its column/row partner is; "
-                          "split both Linears of a pair or neither")
+        raise ConfigError(
+            f"tensor_parallel: {sorted(partners)[0]} must be split too: its column/row partner is; "
+            "split both Linears of a pair or neither"
+        )
 
 
-def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph, analysis: TPAnalysis,
-                     group: ProcessGroup, tp: int, rank: int, sp: bool, gather_logits: bool,
-                     enter_region: bool = True) -> nn.Module:
+def _parallel_module(
+    old: nn.Module,
+    style: str,
+    op_name: str,
+    graph: ModelGraph,
+    analysis: TPAnalysis,
+    group: ProcessGroup,
+    tp: int,
+    rank: int,
+    sp: bool,
+    gather_logits: bool,
+    enter_region: bool = True,
+) -> nn.Module:
     weight = _linear_weight(old)  # (out, in), nn.Linear layout
     bias = getattr(old, "bias", None)
     kwargs = {"device": weight.device, "dtype": weight.dtype}
@@ -266,8 +330,16 @@ def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph
     if style == "column":
         every_rank = [_column_rows(op_name, graph, analysis, tp, r) for r in range(tp)]
         rows = every_rank[rank]
-        new = ColumnParallelLinear(weight.size(1), weight.size(0), rows, bias is not None, group, sequence_parallel=sp,
-                                   enter_region=enter_region, **linear_kwargs)
+        new = ColumnParallelLinear(
+            weight.size(1),
+            weight.size(0),
+            rows,
+            bias is not None,
+            group,
+            sequence_parallel=sp,
+            enter_region=enter_region,
+            **linear_kwargs,
+        )
         _copy(new.weight, torch.cat([weight[a:b] for a, b in rows]))
         if bias is not None:
             _copy(new.bias, torch.cat([bias[a:b] for a, b in rows]))
@@ -276,9 +348,10 @@ def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph
     if style == "row":
         width = weight.size(1) // tp
         cols = (rank * width, (rank + 1) * width)
-        new = RowParallelLinear(weight.size(1), weight.size(0), cols, bias is not None, group, sequence_parallel=sp,
-                                **linear_kwargs)
-        _copy(new.weight, weight[:, cols[0]:cols[1]])
+        new = RowParallelLinear(
+            weight.size(1), weight.size(0), cols, bias is not None, group, sequence_parallel=sp, **linear_kwargs
+        )
+        _copy(new.weight, weight[:, cols[0] : cols[1]])
         if bias is not None:
             _copy(new.bias, bias)
         return new
@@ -286,24 +359,39 @@ def _parallel_module(old: nn.Module, style: str, op_name: str, graph: ModelGraph
         vocab = analysis.vocab_size or weight.size(0)
         per_rank = math.ceil(vocab / tp)
         rows = (rank * per_rank, (rank + 1) * per_rank)
-        padded = torch.zeros(per_rank, weight.size(1), **kwargs) if not weight.is_meta else weight.new_empty(per_rank, weight.size(1))
+        padded = (
+            torch.zeros(per_rank, weight.size(1), **kwargs)
+            if not weight.is_meta
+            else weight.new_empty(per_rank, weight.size(1))
+        )
         if not weight.is_meta:
-            kept = weight[rows[0]:min(rows[1], vocab)]
+            kept = weight[rows[0] : min(rows[1], vocab)]
             padded[: kept.size(0)] = kept
         if isinstance(old, nn.Embedding):
             new = VocabParallelEmbedding(vocab, weight.size(1), rows, group, padding_idx=old.padding_idx, **kwargs)
         else:
-            new = VocabParallelHead(weight.size(1), vocab, rows, bias is not None, group, sequence_parallel=sp,
-                                    gather_output=gather_logits, **kwargs)
+            new = VocabParallelHead(
+                weight.size(1),
+                vocab,
+                rows,
+                bias is not None,
+                group,
+                sequence_parallel=sp,
+                gather_output=gather_logits,
+                **kwargs,
+            )
             if bias is not None:
-                _copy(new.bias, torch.cat([bias[rows[0]:min(rows[1], vocab)], bias.new_zeros(max(0, rows[1] - vocab))]))
+                _copy(
+                    new.bias, torch.cat([bias[rows[0] : min(rows[1], vocab)], bias.new_zeros(max(0, rows[1] - vocab))])
+                )
         _copy(new.weight, padded)
         return new
     raise ConfigError(f"tensor_parallel: unknown style '{style}' for {op_name}; use column, row, vocab or replicate")
 
 
-def _sum_replicated_rows(grad: torch.Tensor, every_rank: list[list[tuple[int, int]]], rank: int,
-                         group: ProcessGroup) -> torch.Tensor:
+def _sum_replicated_rows(
+    grad: torch.Tensor, every_rank: list[list[tuple[int, int]]], rank: int, group: ProcessGroup
+) -> torch.Tensor:
     """Each rank's gradient covers only its own query heads: add the other holders' part of a shared key/value head."""
     parts = [torch.empty_like(grad) for _ in every_rank]
     torch.distributed.all_gather(parts, grad.contiguous(), group=group)
@@ -314,7 +402,7 @@ def _sum_replicated_rows(grad: torch.Tensor, every_rank: list[list[tuple[int, in
             other_offset = 0
             for other_start, other_stop in other_rows:
                 if other != rank and (other_start, other_stop) == (start, stop):
-                    total[offset: offset + stop - start] += parts[other][other_offset: other_offset + stop - start]
+                    total[offset : offset + stop - start] += parts[other][other_offset : other_offset + stop - start]
                 other_offset += other_stop - other_start
         offset += stop - start
     return total
@@ -326,7 +414,9 @@ def _linear_weight(module: nn.Module) -> torch.Tensor:
         return weight.detach()
     if type(module).__name__ == "Conv1D":  # transformers' Conv1D stores (in, out)
         return weight.detach().t()
-    raise ConfigError(f"tensor_parallel: cannot split a {type(module).__name__}; only Linear-like layers and embeddings split")
+    raise ConfigError(
+        f"tensor_parallel: cannot split a {type(module).__name__}; only Linear-like layers and embeddings split"
+    )
 
 
 def _copy(target: nn.Parameter, source: torch.Tensor) -> None:
@@ -387,7 +477,9 @@ def _patch_attention_attributes(model: nn.Module, graph: ModelGraph, analysis: T
         owner._hyparallel_tp = tp
 
 
-def _enter_sequence_parallel(model: nn.Module, graph: ModelGraph, styles: dict[str, str], group: ProcessGroup) -> list[str]:
+def _enter_sequence_parallel(
+    model: nn.Module, graph: ModelGraph, styles: dict[str, str], group: ProcessGroup
+) -> list[str]:
     """Split the hidden state along the sequence between the first block's input and the last block's output.
 
     Replicated parameters inside the blocks (norms, row biases) then see only part of the sequence, so
@@ -417,7 +509,9 @@ def _enter_sequence_parallel(model: nn.Module, graph: ModelGraph, styles: dict[s
     for block in graph.blocks:
         for path, module in model.get_submodule(block.path).named_modules(prefix=block.path):
             for name, _ in module.named_parameters(recurse=False):
-                split = isinstance(module, ColumnParallelLinear) or (isinstance(module, RowParallelLinear) and name == "weight")
+                split = isinstance(module, ColumnParallelLinear) or (
+                    isinstance(module, RowParallelLinear) and name == "weight"
+                )
                 if not split:
                     synced.append(f"{path}.{name}")  # summed over tp by TensorParallelInfo.reduce_grads
     return synced

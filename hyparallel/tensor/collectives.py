@@ -71,7 +71,9 @@ def _pair(name: str, forward, backward) -> type[torch.autograd.Function]:
     def backward_(ctx, grad):
         return backward(grad, ctx.dim, ctx.group), None, None
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward_), "backward": staticmethod(backward_)})
+    return type(
+        name, (torch.autograd.Function,), {"forward": staticmethod(forward_), "backward": staticmethod(backward_)}
+    )
 
 
 def _reduce(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -93,9 +95,12 @@ _ReduceScatterSeq = _pair("_ReduceScatterSeq", _reduce_scatter, _all_gather)
 # backward is the same op with the mirror kind. A custom op may not return its input, so the identity
 # and own-chunk forwards copy: that cost is paid only in traced graphs.
 _KINDS = {  # kind -> (forward, the kind its backward runs)
-    "copy": (_identity, "reduce"), "reduce": (_reduce, "copy"),
-    "scatter": (_own_chunk, "gather"), "gather": (_all_gather, "scatter"),
-    "all_gather_seq": (_all_gather, "reduce_scatter_seq"), "reduce_scatter_seq": (_reduce_scatter, "all_gather_seq"),
+    "copy": (_identity, "reduce"),
+    "reduce": (_reduce, "copy"),
+    "scatter": (_own_chunk, "gather"),
+    "gather": (_all_gather, "scatter"),
+    "all_gather_seq": (_all_gather, "reduce_scatter_seq"),
+    "reduce_scatter_seq": (_reduce_scatter, "all_gather_seq"),
 }
 
 

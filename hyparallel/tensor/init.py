@@ -75,12 +75,12 @@ def fill_(tensor: torch.Tensor, rule: tuple[str, float], name: str, layout: Shar
             generator = torch.Generator().manual_seed(_seed(seed, name, chunk))
             block = torch.randn(rows_here, width, generator=generator) * std  # at most CHUNK_ROWS rows at a time
             lo, hi = max(start, first), min(stop, first + rows_here)
-            piece = block[lo - first: hi - first, cols[0]:cols[1]]
-            local[offset: offset + hi - lo].copy_(piece.to(local.dtype))
+            piece = block[lo - first : hi - first, cols[0] : cols[1]]
+            local[offset : offset + hi - lo].copy_(piece.to(local.dtype))
             offset += hi - lo
         if stop > full_rows:  # vocabulary padding past the real rows
             padding = stop - max(start, full_rows)
-            local[offset: offset + padding].zero_()
+            local[offset : offset + padding].zero_()
             offset += padding
 
 
@@ -92,13 +92,21 @@ def _fill_transposed(tensor: torch.Tensor, rule: tuple[str, float], name: str, l
     offset = 0
     for start, stop in layout.rows or ((0, out_features),):
         stored = torch.empty(cols[1] - cols[0], stop - start, dtype=tensor.dtype)  # (in, out) as stored
-        fill_(stored, rule, name, ShardLayout(full_shape=(in_features, out_features), rows=(cols,), cols=(start, stop)), seed)
-        tensor[offset: offset + stop - start].copy_(stored.t())
+        fill_(
+            stored,
+            rule,
+            name,
+            ShardLayout(full_shape=(in_features, out_features), rows=(cols,), cols=(start, stop)),
+            seed,
+        )
+        tensor[offset : offset + stop - start].copy_(stored.t())
         offset += stop - start
 
 
 @torch.no_grad()
-def materialize_(model: nn.Module, device: torch.device | str, seed: int = 0, only: Collection[str] | None = None) -> nn.Module:
+def materialize_(
+    model: nn.Module, device: torch.device | str, seed: int = 0, only: Collection[str] | None = None
+) -> nn.Module:
     """Allocate a meta-device model on ``device`` and initialise it deterministically, slice by slice.
 
     ``only`` (parameter or buffer names) materialises just the modules owning them, as a pipeline rank
@@ -141,8 +149,13 @@ def _allocate(model: nn.Module, device: torch.device, names: set[str]) -> set[in
     several modules (a tied weight) is allocated once and set on every owner, so it stays tied.
     """
     owners = {name.rpartition(".")[0] for name in names}
-    wanted = {id(t) for path, module in model.named_modules(remove_duplicate=False) if path in owners
-              for t in (*module._parameters.values(), *module._buffers.values()) if t is not None and t.device != device}
+    wanted = {
+        id(t)
+        for path, module in model.named_modules(remove_duplicate=False)
+        if path in owners
+        for t in (*module._parameters.values(), *module._buffers.values())
+        if t is not None and t.device != device
+    }
     replaced: dict[int, torch.Tensor] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         for table in (module._parameters, module._buffers):
@@ -151,7 +164,9 @@ def _allocate(model: nn.Module, device: torch.device, names: set[str]) -> set[in
                     continue
                 if id(tensor) not in replaced:
                     empty = torch.empty_like(tensor, device=device)
-                    replaced[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+                    replaced[id(tensor)] = (
+                        nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+                    )
                 table[leaf] = replaced[id(tensor)]
     return {id(t) for t in replaced.values()}
 
@@ -175,6 +190,8 @@ def retie(model: nn.Module, ties: list[list[str]]) -> None:
             owner_path, _, attr = name.rpartition(".")
             owner = model.get_submodule(owner_path) if owner_path else model
             if getattr(owner, attr).shape != source.shape:
-                raise ConfigError(f"tensor_parallel: {first} and {name} are one tied weight but were split differently; "
-                                  "give both the same style (vocab)")
+                raise ConfigError(
+                    f"tensor_parallel: {first} and {name} are one tied weight but were split differently; "
+                    "give both the same style (vocab)"
+                )
             setattr(owner, attr, source)

@@ -55,6 +55,7 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # When the kernels run
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _interpreting() -> bool:
     # The values Triton's own getenv_bool accepts for TRITON_INTERPRET.
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
@@ -200,16 +201,41 @@ def _dropout_keep(seed, offs, p, WIDE_RNG: tl.constexpr):
     return uniform >= p
 
 
-_DEVICE_FUNCTIONS = (_activation_forward, _activation_derivative, _swiglu_grads, _tile_ids, _dot, _store_tile,
-                     _dropout_keep)
+_DEVICE_FUNCTIONS = (
+    _activation_forward,
+    _activation_derivative,
+    _swiglu_grads,
+    _tile_ids,
+    _dot,
+    _store_tile,
+    _dropout_keep,
+)
 
 
-def _linear_act_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, preact_ptr, M, N, K,
-                       stride_xm, stride_xk, stride_wn, stride_wk,
-                       HAS_BIAS: tl.constexpr, STORE_PREACT: tl.constexpr, ACTIVATION: tl.constexpr,
-                       UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+def _linear_act_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    preact_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    HAS_BIAS: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     # x (M, K) and weight (N, K) with any strides; out and preact contiguous (M, N).
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -236,11 +262,31 @@ def _linear_act_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, preact_ptr, M, N, K,
     _store_tile(out_ptr, _activation_forward(acc, ACTIVATION), offs_m, offs_n, M, N)
 
 
-def _swiglu_linear_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, gate_ptr, up_ptr, M, N, K,
-                          stride_xm, stride_xk, stride_gn, stride_gk, stride_un, stride_uk,
-                          STORE_PREACT: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+def _swiglu_linear_kernel(
+    x_ptr,
+    wg_ptr,
+    wu_ptr,
+    out_ptr,
+    gate_ptr,
+    up_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_gn,
+    stride_gk,
+    stride_un,
+    stride_uk,
+    STORE_PREACT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     # As _linear_act_kernel, with two weights (N, K) sharing each x tile: two accumulators per program.
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -274,8 +320,10 @@ def _swiglu_linear_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, gate_ptr, up_ptr, M, N
 
 # The elementwise kernels run over contiguous tensors of n_elements, with 64-bit offsets.
 
-def _activation_backward_kernel(grad_ptr, preact_ptr, grad_preact_ptr, n_elements,
-                                ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+
+def _activation_backward_kernel(
+    grad_ptr, preact_ptr, grad_preact_ptr, n_elements, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -292,8 +340,7 @@ def _swiglu_forward_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.cons
     tl.store(out_ptr + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _swiglu_backward_kernel(gate_ptr, up_ptr, grad_ptr, grad_gate_ptr, grad_up_ptr, n_elements,
-                            BLOCK: tl.constexpr):
+def _swiglu_backward_kernel(gate_ptr, up_ptr, grad_ptr, grad_gate_ptr, grad_up_ptr, n_elements, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -304,9 +351,21 @@ def _swiglu_backward_kernel(gate_ptr, up_ptr, grad_ptr, grad_gate_ptr, grad_up_p
     tl.store(grad_up_ptr + offs, grad_up.to(grad_up_ptr.dtype.element_ty), mask=mask)
 
 
-def _bias_dropout_residual_kernel(x_ptr, bias_ptr, residual_ptr, out_ptr, n_elements, n_cols, p, scale, seed,
-                                  HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, WIDE_RNG: tl.constexpr,
-                                  BLOCK: tl.constexpr):
+def _bias_dropout_residual_kernel(
+    x_ptr,
+    bias_ptr,
+    residual_ptr,
+    out_ptr,
+    n_elements,
+    n_cols,
+    p,
+    scale,
+    seed,
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    WIDE_RNG: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     hidden = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -318,8 +377,9 @@ def _bias_dropout_residual_kernel(x_ptr, bias_ptr, residual_ptr, out_ptr, n_elem
     tl.store(out_ptr + offs, (residual + hidden).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _dropout_backward_kernel(grad_ptr, grad_x_ptr, n_elements, p, scale, seed,
-                             WIDE_RNG: tl.constexpr, BLOCK: tl.constexpr):
+def _dropout_backward_kernel(
+    grad_ptr, grad_x_ptr, n_elements, p, scale, seed, WIDE_RNG: tl.constexpr, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -337,11 +397,22 @@ def _matmul_configs(interpret: bool, two_accumulators: bool) -> list:
     if interpret:  # one small config: the tests stay fast, and M=37, N=45, K=29 cross every tile edge
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=1)]
     if two_accumulators:  # twice the accumulator registers and weight tiles per program: smaller tiles
-        return [config(128, 128, 64, 8, 3), config(128, 128, 64, 8, 4), config(128, 64, 64, 4, 4),
-                config(64, 128, 64, 4, 4), config(64, 64, 64, 4, 4)]
+        return [
+            config(128, 128, 64, 8, 3),
+            config(128, 128, 64, 8, 4),
+            config(128, 64, 64, 4, 4),
+            config(64, 128, 64, 4, 4),
+            config(64, 64, 64, 4, 4),
+        ]
     # Shared memory of the largest in bf16: (128*64 + 64*256) * 2 B * 3 stages = 144 KiB (Hopper has 227 KiB).
-    return [config(128, 256, 64, 8, 3), config(256, 128, 64, 8, 3), config(128, 128, 64, 8, 4),
-            config(128, 128, 64, 4, 4), config(128, 64, 64, 4, 4), config(64, 128, 64, 4, 4)]
+    return [
+        config(128, 256, 64, 8, 3),
+        config(256, 128, 64, 8, 3),
+        config(128, 128, 64, 8, 4),
+        config(128, 128, 64, 4, 4),
+        config(128, 64, 64, 4, 4),
+        config(64, 128, 64, 4, 4),
+    ]
 
 
 def _elementwise_configs(interpret: bool) -> list:
@@ -349,8 +420,11 @@ def _elementwise_configs(interpret: bool) -> list:
 
     if interpret:
         return [triton.Config({"BLOCK": 256}, num_warps=1)]
-    return [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 2048}, num_warps=8),
-            triton.Config({"BLOCK": 4096}, num_warps=8)]
+    return [
+        triton.Config({"BLOCK": 1024}, num_warps=4),
+        triton.Config({"BLOCK": 2048}, num_warps=8),
+        triton.Config({"BLOCK": 4096}, num_warps=8),
+    ]
 
 
 @functools.cache
@@ -394,6 +468,7 @@ def _kernels() -> SimpleNamespace:
 # Launchers: allocate outputs, pick the grid, pass strides. Outputs are contiguous, in the input dtype.
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _dot_options(dtype: torch.dtype) -> dict:
     interpret = _kernels().interpret
     # fp32 inputs follow torch's matmul precision setting (TF32 unless "highest"); 16-bit inputs ignore it.
@@ -409,31 +484,62 @@ def _elementwise_grid(n_elements: int):
     return lambda meta: (_cdiv(n_elements, meta["BLOCK"]),)
 
 
-def _launch_linear_act(x2d: Tensor, weight: Tensor, bias: Tensor | None, activation: str,
-                       store_preact: bool) -> tuple[Tensor, Tensor | None]:
+def _launch_linear_act(
+    x2d: Tensor, weight: Tensor, bias: Tensor | None, activation: str, store_preact: bool
+) -> tuple[Tensor, Tensor | None]:
     (M, K), N = x2d.shape, weight.shape[0]
     out = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
     preact = torch.empty_like(out) if store_preact else None
     bias = bias.contiguous() if bias is not None else None
     with _device_guard(x2d):
         _kernels().linear_act[_matmul_grid(M, N)](
-            x2d, weight, bias if bias is not None else out, out, preact if store_preact else out, M, N, K,
-            x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1),
-            HAS_BIAS=bias is not None, STORE_PREACT=store_preact, ACTIVATION=activation, **_dot_options(x2d.dtype))
+            x2d,
+            weight,
+            bias if bias is not None else out,
+            out,
+            preact if store_preact else out,
+            M,
+            N,
+            K,
+            x2d.stride(0),
+            x2d.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            HAS_BIAS=bias is not None,
+            STORE_PREACT=store_preact,
+            ACTIVATION=activation,
+            **_dot_options(x2d.dtype),
+        )
     return out, preact
 
 
-def _launch_swiglu_linear(x2d: Tensor, gate_weight: Tensor, up_weight: Tensor,
-                          store_preact: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def _launch_swiglu_linear(
+    x2d: Tensor, gate_weight: Tensor, up_weight: Tensor, store_preact: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     (M, K), N = x2d.shape, gate_weight.shape[0]
     out = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
     gate = torch.empty_like(out) if store_preact else None
     up = torch.empty_like(out) if store_preact else None
     with _device_guard(x2d):
         _kernels().swiglu_linear[_matmul_grid(M, N)](
-            x2d, gate_weight, up_weight, out, gate if store_preact else out, up if store_preact else out, M, N, K,
-            x2d.stride(0), x2d.stride(1), gate_weight.stride(0), gate_weight.stride(1),
-            up_weight.stride(0), up_weight.stride(1), STORE_PREACT=store_preact, **_dot_options(x2d.dtype))
+            x2d,
+            gate_weight,
+            up_weight,
+            out,
+            gate if store_preact else out,
+            up if store_preact else out,
+            M,
+            N,
+            K,
+            x2d.stride(0),
+            x2d.stride(1),
+            gate_weight.stride(0),
+            gate_weight.stride(1),
+            up_weight.stride(0),
+            up_weight.stride(1),
+            STORE_PREACT=store_preact,
+            **_dot_options(x2d.dtype),
+        )
     return out, gate, up
 
 
@@ -442,7 +548,8 @@ def _launch_activation_backward(grad: Tensor, preact: Tensor, activation: str) -
     grad_preact = torch.empty_like(preact)
     with _device_guard(grad):
         _kernels().activation_backward[_elementwise_grid(grad.numel())](
-            grad, preact, grad_preact, grad.numel(), ACTIVATION=activation)
+            grad, preact, grad_preact, grad.numel(), ACTIVATION=activation
+        )
     return grad_preact
 
 
@@ -450,14 +557,14 @@ def _launch_swiglu_backward(gate: Tensor, up: Tensor, grad: Tensor) -> tuple[Ten
     grad = grad.contiguous()
     grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
     with _device_guard(grad):
-        _kernels().swiglu_backward[_elementwise_grid(grad.numel())](
-            gate, up, grad, grad_gate, grad_up, grad.numel())
+        _kernels().swiglu_backward[_elementwise_grid(grad.numel())](gate, up, grad, grad_gate, grad_up, grad.numel())
     return grad_gate, grad_up
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Autograd functions (Note [what backward saves])
 # ---------------------------------------------------------------------------------------------------------
+
 
 class _LinearAct(torch.autograd.Function):
     @staticmethod
@@ -510,8 +617,7 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
         with _device_guard(gate):
-            _kernels().swiglu_forward[_elementwise_grid(gate.numel())](
-                gate, up, out, gate.numel())
+            _kernels().swiglu_forward[_elementwise_grid(gate.numel())](gate, up, out, gate.numel())
         ctx.save_for_backward(gate, up)
         return out
 
@@ -532,8 +638,19 @@ class _BiasDropoutResidual(torch.autograd.Function):
         ctx.p, ctx.seed, ctx.n_cols, ctx.has_bias = p, seed, x.shape[-1], bias is not None
         with _device_guard(x):
             _kernels().bias_dropout_residual[_elementwise_grid(n_elements)](
-                x, bias.contiguous() if bias is not None else x, residual, out, n_elements, x.shape[-1],
-                p, _dropout_scale(p), seed, HAS_BIAS=bias is not None, DROPOUT=p > 0, WIDE_RNG=n_elements >= 2**31)
+                x,
+                bias.contiguous() if bias is not None else x,
+                residual,
+                out,
+                n_elements,
+                x.shape[-1],
+                p,
+                _dropout_scale(p),
+                seed,
+                HAS_BIAS=bias is not None,
+                DROPOUT=p > 0,
+                WIDE_RNG=n_elements >= 2**31,
+            )
         return out
 
     @staticmethod
@@ -546,8 +663,8 @@ class _BiasDropoutResidual(torch.autograd.Function):
             n_elements = grad_out.numel()
             with _device_guard(grad_out):
                 _kernels().dropout_backward[_elementwise_grid(n_elements)](
-                    grad_out, grad_x, n_elements, ctx.p, _dropout_scale(ctx.p), ctx.seed,
-                    WIDE_RNG=n_elements >= 2**31)
+                    grad_out, grad_x, n_elements, ctx.p, _dropout_scale(ctx.p), ctx.seed, WIDE_RNG=n_elements >= 2**31
+                )
         needs_x, needs_bias, needs_residual = ctx.needs_input_grad[:3]
         grad_bias = grad_x.reshape(-1, ctx.n_cols).sum(0) if needs_bias and ctx.has_bias else None
         return grad_x if needs_x else None, grad_bias, grad_out if needs_residual else None, None, None
@@ -560,6 +677,7 @@ def _dropout_scale(p: float) -> float:
 # ---------------------------------------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------------------------------------
+
 
 def _activation_torch(z: Tensor, activation: str) -> Tensor:
     if activation == "gelu":
@@ -600,8 +718,9 @@ def swiglu_linear(x: Tensor, gate_weight: Tensor, up_weight: Tensor) -> Tensor:
     return _SwiGLULinear.apply(x, gate_weight, up_weight, _needs_grad(x, gate_weight, up_weight))
 
 
-def bias_dropout_residual(x: Tensor, bias: Tensor | None, residual: Tensor, p: float, training: bool,
-                          seed: int | None = None) -> Tensor:
+def bias_dropout_residual(
+    x: Tensor, bias: Tensor | None, residual: Tensor, p: float, training: bool, seed: int | None = None
+) -> Tensor:
     """``residual + dropout(x + bias, p)`` in one kernel; bias is (x.shape[-1],) or None.
 
     On the Triton path the keep mask is drawn in-kernel from (seed, element offset), so backward

@@ -12,9 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from hyparallel.tensor.collectives import (
+    all_gather_seq,
+    all_reduce_,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_seq,
+)
 from hyparallel.tensor.init import ShardLayout
 from hyparallel.tensor.kernels import linear_act
-from hyparallel.tensor.collectives import all_gather_seq, all_reduce_, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_seq
 
 SEQ_DIM = 1
 
@@ -27,9 +34,22 @@ class ColumnParallelLinear(nn.Module):
     replicated across ranks. Under sequence parallelism the input is all-gathered along the sequence.
     """
 
-    def __init__(self, in_features: int, out_features: int, rows: list[tuple[int, int]], bias: bool, group: ProcessGroup,
-                 *, sequence_parallel: bool = False, gather_output: bool = False, enter_region: bool = True,
-                 activation: str = "none", transposed_source: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rows: list[tuple[int, int]],
+        bias: bool,
+        group: ProcessGroup,
+        *,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+        enter_region: bool = True,
+        activation: str = "none",
+        transposed_source: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.transposed_source = transposed_source  # split from a weight stored (in, out): see ShardLayout.transposed
         # An activation that followed this Linear in the model, applied in the matmul's epilogue (Triton on
@@ -47,15 +67,20 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_tp_region(x, self.group, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias) if self.activation == "none" else linear_act(x, self.weight, self.bias, self.activation)
+        y = (
+            F.linear(x, self.weight, self.bias)
+            if self.activation == "none"
+            else linear_act(x, self.weight, self.bias, self.activation)
+        )
         return gather_from_tp(y, -1, self.group) if self.gather_output else y
 
     def shard_layout(self, leaf: str) -> ShardLayout:
         """Where this rank's weight/bias rows sit in the full parameter."""
         if leaf != "weight":
             return ShardLayout(full_shape=(self.out_features,), rows=tuple(self.rows))
-        return ShardLayout(full_shape=(self.out_features, self.in_features), rows=tuple(self.rows),
-                           transposed=self.transposed_source)
+        return ShardLayout(
+            full_shape=(self.out_features, self.in_features), rows=tuple(self.rows), transposed=self.transposed_source
+        )
 
     def extra_repr(self) -> str:
         fused = f", activation={self.activation}" if self.activation != "none" else ""
@@ -75,8 +100,19 @@ class RowParallelLinear(nn.Module):
     once, after the reduction.
     """
 
-    def __init__(self, in_features: int, out_features: int, cols: tuple[int, int], bias: bool, group: ProcessGroup,
-                 *, sequence_parallel: bool = False, transposed_source: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        cols: tuple[int, int],
+        bias: bool,
+        group: ProcessGroup,
+        *,
+        sequence_parallel: bool = False,
+        transposed_source: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.transposed_source = transposed_source  # split from a weight stored (in, out): see ShardLayout.transposed
         self.in_features, self.out_features, self.cols = in_features, out_features, cols
@@ -93,7 +129,9 @@ class RowParallelLinear(nn.Module):
         """Where this rank's weight columns sit in the full weight (the bias is whole)."""
         if leaf != "weight":
             return None
-        return ShardLayout(full_shape=(self.out_features, self.in_features), cols=self.cols, transposed=self.transposed_source)
+        return ShardLayout(
+            full_shape=(self.out_features, self.in_features), cols=self.cols, transposed=self.transposed_source
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, cols={self.cols}"
@@ -105,13 +143,24 @@ class VocabParallelEmbedding(nn.Module):
     Ids outside this rank's rows look up row 0 and are zeroed; the partial embeddings are all-reduced.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, rows: tuple[int, int], group: ProcessGroup,
-                 *, padding_idx: int | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        rows: tuple[int, int],
+        group: ProcessGroup,
+        *,
+        padding_idx: int | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.rows, self.group = num_embeddings, embedding_dim, rows, group
         self.padding_idx = padding_idx
         # The padding row gets no gradient (nn.Embedding's padding_idx), on the rank that holds it.
-        self._local_padding = padding_idx - rows[0] if padding_idx is not None and rows[0] <= padding_idx < rows[1] else None
+        self._local_padding = (
+            padding_idx - rows[0] if padding_idx is not None and rows[0] <= padding_idx < rows[1] else None
+        )
         self.weight = nn.Parameter(torch.empty(rows[1] - rows[0], embedding_dim, device=device, dtype=dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -135,7 +184,9 @@ class VocabParallelHead(ColumnParallelLinear):
     pass the local logits to :func:`vocab_parallel_cross_entropy`, which never forms the full logits.
     """
 
-    def __init__(self, in_features: int, vocab_size: int, rows: tuple[int, int], bias: bool, group: ProcessGroup, **kwargs):
+    def __init__(
+        self, in_features: int, vocab_size: int, rows: tuple[int, int], bias: bool, group: ProcessGroup, **kwargs
+    ):
         super().__init__(in_features, vocab_size, [rows], bias, group, **kwargs)
         self.vocab_size = vocab_size
 
@@ -182,8 +233,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return softmax * (grad / ctx.count), None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group: ProcessGroup,
-                                 vocab_start: int, vocab_size: int, ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    local_logits: torch.Tensor,
+    targets: torch.Tensor,
+    group: ProcessGroup,
+    vocab_start: int,
+    vocab_size: int,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """Mean cross-entropy over tokens from this rank's slice of the logits; equals F.cross_entropy on the full ones."""
     if torch.distributed.get_world_size(group) == 1:
         full = local_logits[..., :vocab_size]

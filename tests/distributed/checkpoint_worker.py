@@ -13,15 +13,17 @@ from pathlib import Path
 
 import harness  # tests/distributed/harness.py, beside this script
 import torch
+from parallel_worker import GLOBAL_BATCH, GPT, LR, SEED, SEQ, batch, expected_slice, full
 
 import hyparallel as hp
 from hyparallel import checkpoint
 from hyparallel.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
-from parallel_worker import GPT, GLOBAL_BATCH, LR, SEED, SEQ, batch, expected_slice, full
 
-PLANS = {"saved": dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1), "loaded": dict(dp=1, tp=2, pp=2, schedule="1f1b",
-                                                                             micro_batch=2, zero=0)}
+PLANS = {
+    "saved": dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1),
+    "loaded": dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0),
+}
 
 
 def reference(steps: int):
@@ -37,7 +39,9 @@ def reference(steps: int):
 
 def build(name: str):
     model = hp.models.load(GPT).module
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=4), GLOBAL_BATCH, SEQ, "fp32", **PLANS[name])
+    plan = hp.plan(
+        model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=4), GLOBAL_BATCH, SEQ, "fp32", **PLANS[name]
+    )
     # loaded: other initial weights; gloo on the CPU, a GPU present or not
     pmodel = hp.parallelize(model, plan, seed=SEED + 1 if name == "loaded" else SEED, device="cpu")
     return model, pmodel, torch.optim.AdamW(pmodel.parameters(), lr=LR)
@@ -58,7 +62,9 @@ def worst_error(model, pmodel, optimizer, ref_model, ref_optimizer) -> tuple[flo
     for name, param in pmodel.named_parameters():
         owner, _, leaf = name.rpartition(".")
         pairs = [(param, ref_params[name])]
-        pairs += [(optimizer.state[param][k], ref_optimizer.state[ref_params[name]][k]) for k in ("exp_avg", "exp_avg_sq")]
+        pairs += [
+            (optimizer.state[param][k], ref_optimizer.state[ref_params[name]][k]) for k in ("exp_avg", "exp_avg_sq")
+        ]
         for got, want in pairs:
             want = expected_slice(modules[owner], leaf, want)
             got = full(got)
@@ -73,8 +79,9 @@ def run(directory: Path) -> dict:
     model, pmodel, optimizer = build("saved")
     train(pmodel, optimizer, range(2))
     result["saved_error"], _ = worst_error(model, pmodel, optimizer, *reference(2))
-    pending = checkpoint.save(pmodel, optimizer, directory, step=2, extra={"samples_seen": 2 * GLOBAL_BATCH},
-                              asynchronous=True)
+    pending = checkpoint.save(
+        pmodel, optimizer, directory, step=2, extra={"samples_seen": 2 * GLOBAL_BATCH}, asynchronous=True
+    )
     train(pmodel, optimizer, range(2, 3))  # training goes on while the checkpoint is written: it keeps step 2
     path = pending.wait()
 

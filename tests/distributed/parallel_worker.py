@@ -38,8 +38,10 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 RTOL, GRAD_ATOL, PARAM_ATOL, STEPS, LR = 1e-5, 1e-6, 1e-4, 3, 1e-3
 SEQ, GLOBAL_BATCH, SEED = 16, 8, 17
 GPT = "gpt-tiny num_layers=4 bias=false"  # no biases: a key bias's gradient is exactly zero, all rounding (see test)
-GPT2 = ("hf:GPT2LMHeadModel n_layer=4 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 eos_token_id=0 "
-        "resid_pdrop=0 embd_pdrop=0 attn_pdrop=0")
+GPT2 = (
+    "hf:GPT2LMHeadModel n_layer=4 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 eos_token_id=0 "
+    "resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
+)
 CASES = {  # name -> (model, plan constraints, train_step calls before the first optimizer step)
     "dp2-tp2-pp2-1f1b": (GPT, dict(dp=2, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0), 1),
     "dp4": (GPT, dict(dp=4, tp=1, pp=1, micro_batch=1, zero=0), 1),
@@ -49,22 +51,32 @@ CASES = {  # name -> (model, plan constraints, train_step calls before the first
     "dp2-tp2-zero2": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=1, zero=2), 1),
     "dp2-tp2-zero3": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=3), 1),
     "dp2-pp2-zero1-gpipe": (GPT, dict(dp=2, tp=1, pp=2, schedule="gpipe", micro_batch=1, zero=1), 1),
-    "dp2-pp2-interleaved": (GPT, dict(dp=2, tp=1, pp=2, schedule="interleaved-1f1b", virtual_stages=2, micro_batch=1,
-                                      zero=0), 1),
+    "dp2-pp2-interleaved": (
+        GPT,
+        dict(dp=2, tp=1, pp=2, schedule="interleaved-1f1b", virtual_stages=2, micro_batch=1, zero=0),
+        1,
+    ),
     "dp2-tp2-recompute": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, recompute="full"), 1),
     "tp2-pp2-recompute": (GPT, dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, recompute="full"), 1),
     "dp2-tp2-sp-accumulate": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, sequence_parallel=True), 2),
     "hf-gpt2-tp2-pp2": (GPT2, dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0), 1),
-    "hf-gpt2-dp2-pp2-zero1-selective": (GPT2, dict(dp=2, tp=1, pp=2, schedule="1f1b", micro_batch=1, zero=1,
-                                                   recompute="selective"), 1),
+    "hf-gpt2-dp2-pp2-zero1-selective": (
+        GPT2,
+        dict(dp=2, tp=1, pp=2, schedule="1f1b", micro_batch=1, zero=1, recompute="selective"),
+        1,
+    ),
 }
 # GPT-2 with eager attention and its default dropout (0.1): bf16, one train_step under recompute none, full and
 # selective from the same weights, batch and RNG state; the gradients must agree (run_recompute_case).
-GPT2_EAGER_DROPOUT = ("hf:GPT2LMHeadModel n_layer=4 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 "
-                      "eos_token_id=0 attn_implementation=eager")
+GPT2_EAGER_DROPOUT = (
+    "hf:GPT2LMHeadModel n_layer=4 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 "
+    "eos_token_id=0 attn_implementation=eager"
+)
 RECOMPUTE_CASES = {  # name -> (model, plan constraints); two blocks per pipeline stage, each stage one region
-    "hf-gpt2-dp2-pp2-bf16-recompute": (GPT2_EAGER_DROPOUT, dict(dp=2, tp=1, pp=2, schedule="1f1b", micro_batch=1,
-                                                                zero=0)),
+    "hf-gpt2-dp2-pp2-bf16-recompute": (
+        GPT2_EAGER_DROPOUT,
+        dict(dp=2, tp=1, pp=2, schedule="1f1b", micro_batch=1, zero=0),
+    ),
 }
 
 
@@ -107,8 +119,12 @@ def reference(spec: str) -> dict:
     with torch.no_grad():
         held_inputs, held_targets = batch(spec, SEED + 100)
         losses.append(token_cross_entropy(model(held_inputs), held_targets).item())
-    return {"grads": first_grads, "grad_norm": first_norm, "params": {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
-            "losses": losses}
+    return {
+        "grads": first_grads,
+        "grad_norm": first_norm,
+        "params": {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
+        "losses": losses,
+    }
 
 
 def expected_slice(module: torch.nn.Module, leaf: str, full: torch.Tensor) -> torch.Tensor:
@@ -118,17 +134,26 @@ def expected_slice(module: torch.nn.Module, leaf: str, full: torch.Tensor) -> to
         return full
     source = full.t() if layout.transposed else full
     rows = layout.rows or ((0, layout.full_shape[0]),)
-    pieces = [torch.cat([source[a:min(b, source.size(0))], source.new_zeros(max(0, b - max(a, source.size(0))),
-                                                                           *source.shape[1:])]) for a, b in rows]
+    pieces = [
+        torch.cat(
+            [
+                source[a : min(b, source.size(0))],
+                source.new_zeros(max(0, b - max(a, source.size(0))), *source.shape[1:]),
+            ]
+        )
+        for a, b in rows
+    ]
     out = torch.cat(pieces)
-    return out[:, layout.cols[0]:layout.cols[1]] if layout.cols else out
+    return out[:, layout.cols[0] : layout.cols[1]] if layout.cols else out
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()  # FSDP: gather over dp
 
 
-def compare(pmodel, model, expected: dict[str, torch.Tensor], of_grads: bool, factor: float = 1.0) -> tuple[list[str], float]:
+def compare(
+    pmodel, model, expected: dict[str, torch.Tensor], of_grads: bool, factor: float = 1.0
+) -> tuple[list[str], float]:
     """The names of the parameters this rank holds, each compared with ``expected``, and the worst relative error."""
     modules, checked, worst = dict(model.named_modules()), [], 0.0
     for pname, param in pmodel.named_parameters():
@@ -139,8 +164,9 @@ def compare(pmodel, model, expected: dict[str, torch.Tensor], of_grads: bool, fa
         worst = max(worst, relative)
         what = "gradient of " if of_grads else ""
         assert of_grads or relative <= RTOL, f"{what}{pname}: relative error {relative:.2e} > {RTOL}"
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=GRAD_ATOL if of_grads else PARAM_ATOL,
-                                   msg=lambda m: f"{what}{pname}: {m}")
+        torch.testing.assert_close(
+            got, want, rtol=RTOL, atol=GRAD_ATOL if of_grads else PARAM_ATOL, msg=lambda m: f"{what}{pname}: {m}"
+        )
         checked.append(pname)
     return checked, worst
 
@@ -150,8 +176,9 @@ def run_case(name: str) -> dict:
     ref = reference(spec)
     model = hp.models.load(spec).module
     world = dist.get_world_size()
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world), GLOBAL_BATCH, SEQ, "fp32",
-                   **constraints)
+    plan = hp.plan(
+        model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world), GLOBAL_BATCH, SEQ, "fp32", **constraints
+    )
     groups = harness.parameter_groups(model)  # before parallelize swaps modules in
     pmodel = hp.parallelize(model, plan, seed=SEED, device="cpu")  # gloo on the CPU, a GPU present or not
     first_block = "layers.0.attn.qkv" if spec == GPT else "transformer.h.0.attn.c_attn"
@@ -185,8 +212,14 @@ def run_case(name: str) -> dict:
     result["checked"], result["worst_rel"] = compare(pmodel, model, ref["params"], False)
     for got, want in zip(losses, ref["losses"]):
         assert abs(got - want) <= RTOL * abs(want), (losses, ref["losses"])
-    return {**result, "losses": losses, "ref_losses": ref["losses"], "pipeline": pmodel.pipeline is not None,
-            "tp": pmodel.tp_info is not None, "qkv_calls_per_microbatch": train_calls / (STEPS * plan.num_microbatches)}
+    return {
+        **result,
+        "losses": losses,
+        "ref_losses": ref["losses"],
+        "pipeline": pmodel.pipeline is not None,
+        "tp": pmodel.tp_info is not None,
+        "qkv_calls_per_microbatch": train_calls / (STEPS * plan.num_microbatches),
+    }
 
 
 def run_recompute_case(name: str) -> dict:
@@ -201,8 +234,15 @@ def run_recompute_case(name: str) -> dict:
     losses, grads, worst = {}, {}, {}
     for recompute in ("none", "full", "selective"):
         model = hp.models.load(spec).module
-        plan = hp.plan(model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world), GLOBAL_BATCH, SEQ, "bf16",
-                       recompute=recompute, **constraints)
+        plan = hp.plan(
+            model,
+            hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world),
+            GLOBAL_BATCH,
+            SEQ,
+            "bf16",
+            recompute=recompute,
+            **constraints,
+        )
         groups = harness.parameter_groups(model)  # before parallelize swaps modules in
         pmodel = hp.parallelize(model, plan, seed=SEED, device="cpu")  # gloo on the CPU, a GPU present or not
         torch.manual_seed(SEED + dist.get_rank())  # the same dropout draws under each mode; other ones on each rank
@@ -212,19 +252,32 @@ def run_recompute_case(name: str) -> dict:
         assert grads[recompute].keys() == grads["none"].keys(), recompute
         assert abs(losses[recompute] - losses["none"]) <= RTOL * abs(losses["none"]), (recompute, losses)
         for pname, grad in grads[recompute].items():
-            torch.testing.assert_close(grad, grads["none"][pname], rtol=RTOL, atol=GRAD_ATOL,
-                                       msg=lambda m: f"{recompute}: {pname}: {m}")
-        worst[recompute] = max(((g - grads["none"][n]).norm() / grads["none"][n].norm().clamp_min(1e-12)).item()
-                               for n, g in grads[recompute].items())
-    return {"losses": losses, "grad_worst_rel": worst, "grads_checked": sorted(grads["none"]),
-            "dp_rank": pmodel.dp_rank, "parameter_groups": groups}
+            torch.testing.assert_close(
+                grad, grads["none"][pname], rtol=RTOL, atol=GRAD_ATOL, msg=lambda m: f"{recompute}: {pname}: {m}"
+            )
+        worst[recompute] = max(
+            ((g - grads["none"][n]).norm() / grads["none"][n].norm().clamp_min(1e-12)).item()
+            for n, g in grads[recompute].items()
+        )
+    return {
+        "losses": losses,
+        "grad_worst_rel": worst,
+        "grads_checked": sorted(grads["none"]),
+        "dp_rank": pmodel.dp_rank,
+        "parameter_groups": groups,
+    }
 
 
 def main() -> None:
     out_path, names = sys.argv[1], sys.argv[2:]
     harness.init()
-    harness.run_cases(out_path, [(name, functools.partial(run_recompute_case if name in RECOMPUTE_CASES else run_case,
-                                                          name)) for name in names])
+    harness.run_cases(
+        out_path,
+        [
+            (name, functools.partial(run_recompute_case if name in RECOMPUTE_CASES else run_case, name))
+            for name in names
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -32,12 +32,16 @@ RTOL, ATOL = 1e-5, 1e-6
 BATCH, SEQ, MICROBATCHES = 8, 16, 4
 MODELS = {
     "gpt": "gpt-tiny num_layers=8",
-    "hf-gpt2": ("hf:GPT2LMHeadModel n_layer=8 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 "
-                "eos_token_id=0 resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"),
+    "hf-gpt2": (
+        "hf:GPT2LMHeadModel n_layer=8 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 "
+        "eos_token_id=0 resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
+    ),
 }
 # Grouped-query attention, rotary tables (a buffer materialised on the first stage only), an untied head.
-LLAMA = ("hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
-         "intermediate_size=128 vocab_size=128 max_position_embeddings=64 bos_token_id=0 eos_token_id=0")
+LLAMA = (
+    "hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
+    "intermediate_size=128 vocab_size=128 max_position_embeddings=64 bos_token_id=0 eos_token_id=0"
+)
 VOCAB = {"gpt": 256, "hf-gpt2": 128, "hf-llama": 128}
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
 
@@ -105,7 +109,9 @@ def run_awkward(kind: str, group) -> dict:
     mask = (torch.rand(8, 6) > 0.3).float()
     split = split_model(model, AWKWARD_STAGES, (tokens[:2], mask[:2]))
     rank = dist.get_rank(group)
-    runtime = PipelineRuntime(split, {rank: split.stage_module(rank)}, group, schedule_kind=kind, num_microbatches=MICROBATCHES)
+    runtime = PipelineRuntime(
+        split, {rank: split.stage_module(rank)}, group, schedule_kind=kind, num_microbatches=MICROBATCHES
+    )
     losses = [runtime.train_step((tokens, mask), targets, loss_fn).item() for _ in range(2)]
     for _ in range(2):
         ref_loss = loss_fn(reference(tokens, mask), targets)
@@ -113,20 +119,41 @@ def run_awkward(kind: str, group) -> dict:
     ref_grads = dict(reference.named_parameters(remove_duplicate=False))
     worst_abs, checked = 0.0, []
     for pname, param in runtime.named_parameters():
-        torch.testing.assert_close(param.grad, ref_grads[pname].grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{pname}: {m}")
+        torch.testing.assert_close(
+            param.grad, ref_grads[pname].grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{pname}: {m}"
+        )
         worst_abs = max(worst_abs, (param.grad - ref_grads[pname].grad).abs().max().item())
         checked.append(pname)
     torch.testing.assert_close(torch.tensor(losses[-1]), ref_loss.detach(), rtol=RTOL, atol=0)
-    return {"rank": rank, "loss": losses[-1], "ref_loss": ref_loss.item(), "parameter_groups": harness.parameter_groups(reference),
-            "worst_abs": worst_abs, "params_checked": checked, "tied": sorted(runtime._tied),
-            "boundaries": [list(io.outputs) for io in split.io], "order": runtime.last_order}
+    return {
+        "rank": rank,
+        "loss": losses[-1],
+        "ref_loss": ref_loss.item(),
+        "parameter_groups": harness.parameter_groups(reference),
+        "worst_abs": worst_abs,
+        "params_checked": checked,
+        "tied": sorted(runtime._tied),
+        "boundaries": [list(io.outputs) for io in split.io],
+        "order": runtime.last_order,
+    }
 
 
 def make_plan(spec: str, pp: int, kind: str, v: int) -> hp.Plan:
     model = hp.models.load(spec).module
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=pp)
-    return hp.plan(model, cluster, global_batch=BATCH, seq_len=SEQ, dtype="fp32", pp=pp, tp=1, dp=1,
-                   schedule=kind, virtual_stages=v, micro_batch=BATCH // MICROBATCHES)
+    return hp.plan(
+        model,
+        cluster,
+        global_batch=BATCH,
+        seq_len=SEQ,
+        dtype="fp32",
+        pp=pp,
+        tp=1,
+        dp=1,
+        schedule=kind,
+        virtual_stages=v,
+        micro_batch=BATCH // MICROBATCHES,
+    )
 
 
 def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
@@ -158,11 +185,19 @@ def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
     lowered = lower(schedule(kind, pp, MICROBATCHES, v), pp, v)
     sim = simulate(lowered, pp, v)
     return {
-        "rank": rank, "loss": loss.item(), "ref_loss": ref_loss.item(), "parameter_groups": harness.parameter_groups(reference),
-        "worst_abs": worst_abs, "params_checked": checked, "stages": stages,
-        "materialized": len(materialized), "model_params": len(list(model.parameters())),
-        "order_matches_simulator": runtime.last_order == sim.order[rank], "order": runtime.last_order,
-        "peak_inflight": runtime.peak_inflight, "simulated_peak": sim.peak_inflight[rank],
+        "rank": rank,
+        "loss": loss.item(),
+        "ref_loss": ref_loss.item(),
+        "parameter_groups": harness.parameter_groups(reference),
+        "worst_abs": worst_abs,
+        "params_checked": checked,
+        "stages": stages,
+        "materialized": len(materialized),
+        "model_params": len(list(model.parameters())),
+        "order_matches_simulator": runtime.last_order == sim.order[rank],
+        "order": runtime.last_order,
+        "peak_inflight": runtime.peak_inflight,
+        "simulated_peak": sim.peak_inflight[rank],
         "cost_model_peak": costs.inflight_microbatches(kind, pp, MICROBATCHES, rank, v),
         "tied": sorted(runtime._tied),
     }
@@ -176,8 +211,10 @@ def main() -> None:
     groups = {2: pairs[world // 2], 4: dist.group.WORLD}
     cases = [(name, pp, kind, v) for name in MODELS for pp in (2, 4) for kind, v in SCHEDULES]
     cases.append(("hf-llama", 2, "1f1b", 1))
-    listed = [(f"{name}-pp{pp}-{kind}", functools.partial(run_case, name, pp, kind, v, groups[pp], seed=7))
-              for name, pp, kind, v in cases]
+    listed = [
+        (f"{name}-pp{pp}-{kind}", functools.partial(run_case, name, pp, kind, v, groups[pp], seed=7))
+        for name, pp, kind, v in cases
+    ]
     for kind in ("gpipe", "1f1b"):  # ranks 0-2; rank 3 reports nothing
         listed.append((f"awkward-pp3-{kind}", functools.partial(run_awkward, kind, triple) if world < 3 else dict))
     harness.run_cases(sys.argv[1], listed)

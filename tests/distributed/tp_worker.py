@@ -35,8 +35,10 @@ MODELS = {
     "gpt": "gpt-tiny",
     "llama": "llama-tiny",  # 4 query heads, 2 key/value heads: replicated at tp=4
     "hf-gpt2": f"hf:GPT2LMHeadModel n_layer=2 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 eos_token_id=0 {NO_DROPOUT}",
-    "hf-llama": ("hf:LlamaForCausalLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
-                 "intermediate_size=128 vocab_size=122 max_position_embeddings=64 bos_token_id=0 eos_token_id=0"),  # padded vocab at tp=4
+    "hf-llama": (
+        "hf:LlamaForCausalLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
+        "intermediate_size=128 vocab_size=122 max_position_embeddings=64 bos_token_id=0 eos_token_id=0"
+    ),  # padded vocab at tp=4
 }
 
 
@@ -58,16 +60,18 @@ def expected_local(module, param_name: str, full: torch.Tensor) -> torch.Tensor:
         rows = [module.rows] if isinstance(module, VocabParallelEmbedding) else module.rows
         pieces = []
         for start, stop in rows:
-            kept = full[start: min(stop, full.size(0))]
+            kept = full[start : min(stop, full.size(0))]
             padding = full.new_zeros(max(0, stop - max(start, full.size(0))), *full.shape[1:])
             pieces += [kept, padding]
         return torch.cat(pieces)
     if isinstance(module, RowParallelLinear) and param_name == "weight":
-        return full[:, module.cols[0]:module.cols[1]]
+        return full[:, module.cols[0] : module.cols[1]]
     return full
 
 
-def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss: bool, from_meta: bool = False) -> dict:
+def run_case(
+    name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss: bool, from_meta: bool = False
+) -> dict:
     if from_meta:  # planned on the meta device: each rank materialises only its slices
         reference = materialize_(hp.models.load(spec, device="meta").module, "cpu", seed=11)
         model = hp.models.load(spec, device="meta").module
@@ -75,7 +79,7 @@ def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss
         reference, model = build(spec), build(spec)
     batch, seq = 2, 16
     torch.manual_seed(7)
-    vocab = (reference.config.vocab_size if hasattr(reference.config, "vocab_size") else 256)
+    vocab = reference.config.vocab_size if hasattr(reference.config, "vocab_size") else 256
     tokens = torch.randint(0, vocab, (batch, seq + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     ref_logits = logits_of(reference(inputs))
@@ -83,10 +87,18 @@ def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss
     ref_loss.backward()
 
     graph = hp.trace(model, hp.models.example_inputs(model, 1, seq))
-    plan = hp.plan(graph, hp.ClusterSpec.preset("cpu", gpus_per_node=dist.get_world_size(tp_group)), global_batch=2,
-                   seq_len=seq, dtype="fp32", tp=dist.get_world_size(tp_group), pp=1)
-    info = apply_tensor_parallel(model, plan.tensor_parallel, tp_group, graph, sequence_parallel=sequence_parallel,
-                                 gather_logits=not vocab_loss)
+    plan = hp.plan(
+        graph,
+        hp.ClusterSpec.preset("cpu", gpus_per_node=dist.get_world_size(tp_group)),
+        global_batch=2,
+        seq_len=seq,
+        dtype="fp32",
+        tp=dist.get_world_size(tp_group),
+        pp=1,
+    )
+    info = apply_tensor_parallel(
+        model, plan.tensor_parallel, tp_group, graph, sequence_parallel=sequence_parallel, gather_logits=not vocab_loss
+    )
     if from_meta:
         assert all(p.is_meta for p in model.parameters())  # nothing allocated until materialised
         materialize_(model, "cpu", seed=11)
@@ -116,9 +128,15 @@ def run_case(name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss
     tp = dist.get_world_size(tp_group)
     # Memory: split weights hold 1/tp of the full bytes (more only where key/value heads are replicated).
     fused = sum(1 for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.activation != "none")
-    return {"checked_params": checked, "parameter_groups": harness.parameter_groups(reference),
-            "split_fraction": split_bytes / full_bytes, "tp": tp,
-            "synced": len(info.synced_params), "fused": fused, "shared": len(info.shared_rows)}
+    return {
+        "checked_params": checked,
+        "parameter_groups": harness.parameter_groups(reference),
+        "split_fraction": split_bytes / full_bytes,
+        "tp": tp,
+        "synced": len(info.synced_params),
+        "fused": fused,
+        "shared": len(info.shared_rows),
+    }
 
 
 def triton_cases() -> list[tuple[str, object]]:
@@ -144,8 +162,10 @@ def cases(rank: int) -> list[tuple[str, object]]:
         group = pairs[rank // 2] if tp == 2 else everyone
         for model_name, spec in MODELS.items():
             for sequence_parallel in (False, True):
-                for vocab_loss in ((False, True) if not sequence_parallel else (False,)):
-                    name = f"{model_name}-tp{tp}{'-sp' if sequence_parallel else ''}{'-vocab-loss' if vocab_loss else ''}"
+                for vocab_loss in (False, True) if not sequence_parallel else (False,):
+                    name = (
+                        f"{model_name}-tp{tp}{'-sp' if sequence_parallel else ''}{'-vocab-loss' if vocab_loss else ''}"
+                    )
                     listed.append((name, functools.partial(run_case, name, spec, group, sequence_parallel, vocab_loss)))
         for model_name, spec in MODELS.items():  # hf-gpt2: Conv1D stores (in, out); its slices must take those values
             name = f"{model_name}-tp{tp}-meta"

@@ -22,7 +22,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from hyparallel.tensor import kernels  # noqa: E402
 from hyparallel.tensor.kernels import (  # noqa: E402
-    bias_dropout_residual, kernels_enabled, linear_act, swiglu, swiglu_linear,
+    bias_dropout_residual,
+    kernels_enabled,
+    linear_act,
+    swiglu,
+    swiglu_linear,
 )
 
 # The interpreter computes sigmoid(z) as 1 / (1 + exp(-z)) in numpy, which warns when exp overflows to inf
@@ -70,8 +74,12 @@ def assert_kernel_ran(out: torch.Tensor, function: str) -> None:
 
 
 def reference_activation(z: torch.Tensor, activation: str) -> torch.Tensor:
-    return {"none": lambda: z, "gelu": lambda: F.gelu(z), "gelu_tanh": lambda: F.gelu(z, approximate="tanh"),
-            "silu": lambda: F.silu(z)}[activation]()
+    return {
+        "none": lambda: z,
+        "gelu": lambda: F.gelu(z),
+        "gelu_tanh": lambda: F.gelu(z, approximate="tanh"),
+        "silu": lambda: F.silu(z),
+    }[activation]()
 
 
 def reference_linear_act(x, weight, bias, activation):
@@ -85,6 +93,7 @@ def reference_swiglu_linear(x, gate_weight, up_weight):
 # ------------------------------------------------------------------------------------------------------------
 # kernels_enabled
 # ------------------------------------------------------------------------------------------------------------
+
 
 def test_kernels_enabled_for_cpu_tensors_under_the_interpreter(monkeypatch):
     x = torch.zeros(4, 4)
@@ -103,6 +112,7 @@ def test_kernels_enabled_for_cpu_tensors_under_the_interpreter(monkeypatch):
 # ------------------------------------------------------------------------------------------------------------
 # linear_act
 # ------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -161,6 +171,7 @@ def test_linear_act_rejects_unknown_activation():
 # swiglu and swiglu_linear
 # ------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(37, 45), (2, 5, 24)], ids=["2d_ragged", "3d"])
 def test_swiglu_matches_torch(dtype, shape):
@@ -213,13 +224,15 @@ def test_swiglu_linear_matches_torch(dtype, x_shape, n_out):
 
 def test_swiglu_linear_runs_the_kernel():
     x = randn(5, 16, dtype=torch.float32).requires_grad_()
-    assert_kernel_ran(swiglu_linear(x, randn(8, 16, dtype=torch.float32), randn(8, 16, dtype=torch.float32)),
-                      "_SwiGLULinear")
+    assert_kernel_ran(
+        swiglu_linear(x, randn(8, 16, dtype=torch.float32), randn(8, 16, dtype=torch.float32)), "_SwiGLULinear"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
 # bias_dropout_residual
 # ------------------------------------------------------------------------------------------------------------
+
 
 def dropout_inputs(shape, dtype, with_bias=True):
     # x + bias in [1, 3): a kept element changes the output by at least 1/(1-p) > 1, far above the rounding
@@ -237,8 +250,7 @@ def test_bias_dropout_residual_without_dropout_is_exact_in_fp32(shape, with_bias
         bias = randn(shape[-1], dtype=torch.float32, seed=2)
     expected = x + bias + residual if with_bias else x + residual
     for p, training in [(0.0, True), (0.5, False)]:
-        out, grads = run_with_grads(lambda *a: bias_dropout_residual(a[0], a[1], a[2], p, training),
-                                    x, bias, residual)
+        out, grads = run_with_grads(lambda *a: bias_dropout_residual(a[0], a[1], a[2], p, training), x, bias, residual)
         assert torch.equal(out, expected)
         grad_out = randn(*shape, dtype=torch.float32, seed=99)
         assert torch.equal(grads[0], grad_out) and torch.equal(grads[-1], grad_out)
@@ -249,8 +261,11 @@ def test_bias_dropout_residual_without_dropout_is_exact_in_fp32(shape, with_bias
 @pytest.mark.parametrize("shape", [(37, 45), (3, 7, 40)], ids=["2d_ragged", "3d"])
 def test_bias_dropout_residual_without_dropout_bf16(shape):
     dtype = torch.bfloat16
-    x, bias, residual = (randn(*shape, dtype=dtype, seed=1), randn(shape[-1], dtype=dtype, seed=2),
-                         randn(*shape, dtype=dtype, seed=3))
+    x, bias, residual = (
+        randn(*shape, dtype=dtype, seed=1),
+        randn(shape[-1], dtype=dtype, seed=2),
+        randn(*shape, dtype=dtype, seed=3),
+    )
     out, grads = run_with_grads(lambda *a: bias_dropout_residual(*a, p=0.0, training=True), x, bias, residual)
     expected, expected_grads = run_with_grads(lambda a, b, r: a + b + r, x, bias, residual)
     # The kernel adds in fp32 and rounds once; torch rounds x + bias to bf16 first.
@@ -325,6 +340,7 @@ def test_bias_dropout_residual_rejects_bad_p():
 # ------------------------------------------------------------------------------------------------------------
 # Fallbacks
 # ------------------------------------------------------------------------------------------------------------
+
 
 def test_fallback_when_disabled_gives_the_torch_result(monkeypatch):
     monkeypatch.setenv("HYPARALLEL_TRITON", "0")
