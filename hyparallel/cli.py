@@ -135,11 +135,16 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
     from hyparallel.schema import Plan
 
     plan = Plan.load(args.plan)
-    if args.model:
+    if args.model:  # as parallelize reads it: one trace, the plan checked against it, then completed
         from hyparallel import models
-        from hyparallel.parallel import complete_plan
+        from hyparallel.checks import check_plan
+        from hyparallel.graph import trace
+        from hyparallel.planner import complete
+        from hyparallel.planner.inputs import token_ids
 
-        plan = complete_plan(models.load(args.model).module, plan)
+        graph = trace(models.load(args.model).module, token_ids(plan))
+        check_plan(plan, graph)
+        plan = complete(plan, graph)
     if args.yaml:
         print(plan.to_yaml(), end="")
         return

@@ -347,25 +347,25 @@ def test_recomputation_gives_the_loss_and_gradients_of_none_under_the_same_autoc
 
 def test_the_device_follows_the_plans_backend_and_a_node_needs_a_gpu_per_process(monkeypatch):
     # Note [which device a rank uses], on a pretended node of 2 GPUs.
-    from hyparallel.parallel import LaunchEnv, _default_device
+    from hyparallel.parallel import LaunchEnv, default_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     gloo = tiny_plan(dp=2)  # the cpu preset: gloo
     nccl = gloo.model_copy(update={"cluster": hp.ClusterSpec.preset("h200", num_nodes=1, gpus_per_node=2)})
-    assert _default_device(LaunchEnv(1, 2, 1), gloo) == torch.device("cpu")
+    assert default_device(LaunchEnv(1, 2, 1), gloo) == torch.device("cpu")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert _default_device(LaunchEnv(1, 2, 1), nccl) == torch.device("cuda", 1)
+    assert default_device(LaunchEnv(1, 2, 1), nccl) == torch.device("cuda", 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match=r"4 processes on this node \(LOCAL_WORLD_SIZE\) but 2 CUDA device\(s\)"):
-        _default_device(LaunchEnv(3, 4, 3), nccl.model_copy(update={"cluster": None}))
+        default_device(LaunchEnv(3, 4, 3), nccl.model_copy(update={"cluster": None}))
 
 
 def test_selective_recomputation_replays_every_random_draw():
     # Rule 3 of Note [what selective recomputation saves]: a draw the policy saved would be skipped by the recompute,
     # and the draw after it (dropout on the seq x seq probabilities, recomputed) would take other numbers than the
     # forward's. torch.native_dropout is functional, as dropout is on CUDA (the CPU's writes in place: rule 2).
-    from hyparallel.parallel import _selective_context
+    from hyparallel.recompute import selective_context
 
     seq = 8
 
@@ -380,7 +380,7 @@ def test_selective_recomputation_replays_every_random_draw():
         torch.manual_seed(5)
         if recomputed:
             out = torch.utils.checkpoint.checkpoint(
-                region, x, weight, use_reentrant=False, context_fn=_selective_context(seq)
+                region, x, weight, use_reentrant=False, context_fn=selective_context(seq)
             )
         else:
             out = region(x, weight)
@@ -390,3 +390,21 @@ def test_selective_recomputation_replays_every_random_draw():
     # The same ops on the same inputs, in fp32: rounding at most (measured: bitwise equal); other masks differ by O(1).
     for got, want in zip(gradients(True), gradients(False)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_parallelize_traces_the_model_once(world_of_one):
+    # Note [one trace]: the checks, the planner completing a hand-written plan (its predictions) and the runtime
+    # read one trace. Before that note a world of one traced twice (the planner's trace, then parallelize's).
+    from hyparallel.graph import tracer
+
+    calls = []
+    real = tracer.first_program
+    world_of_one.setattr(tracer, "first_program", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cluster = {"name": "cpu", "num_nodes": 1, "gpus_per_node": 1}
+    plan = hp.Plan.from_dict(
+        {"cluster": cluster, "training": {"global_batch": 4, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"},
+         "parallel": {"dp": 1, "tp": 1, "pp": 1}}
+    )  # fmt: skip
+    pmodel = hp.parallelize(hp.models.build("gpt-tiny"), plan, device="cpu")
+    assert pmodel.plan.predicted is not None  # completed by the planner, from that same trace
+    assert len(calls) == 1

@@ -252,3 +252,33 @@ def test_from_plan_needs_stages_and_a_group_of_pp_ranks(repo):
     ):
         PipelineRuntime.from_plan(model, plan, None)
     assert all(p.is_meta for p in model.parameters())  # refused before anything was allocated
+
+
+def test_a_split_cuts_the_callers_trace_without_tracing_again(monkeypatch):
+    # Note [one trace] (hyparallel.parallel): with nothing swapped since, the split cuts a copy of the
+    # ModelGraph's own trace. The stages are the same as a fresh trace's, and the ModelGraph's trace is untouched.
+    import hyparallel.pipeline.split as split_module
+
+    model = hp.models.load(MODELS["gpt"]).module
+    stages = planned_stages(model, pp=2)
+    inputs, targets = batch(model)
+    example = inputs.to("meta")
+    graph = hp.trace(model, example)
+    nodes_before = [(n.op, n.name) for n in graph.traced.gm.graph.nodes]
+    fresh = split_model(model, stages, example)
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(split_module, "first_program", no_trace)
+    reused = split_model(model, stages, example, traced=graph)
+    assert reused.io == fresh.io and reused.stage_of == fresh.stage_of
+    assert [(n.op, n.name) for n in graph.traced.gm.graph.nodes] == nodes_before
+    materialize_(model, "cpu", seed=SEED)
+    outputs = []
+    for split in (fresh, reused):
+        received = ()
+        for k in range(split.num_stages):
+            received = split.stage_module(k)(split.flatten_inputs(inputs), received)
+        outputs.append(loss_fn(received, targets))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)  # the same graph: same ops

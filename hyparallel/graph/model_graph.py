@@ -23,11 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Literal
 
 import networkx as nx
 
 from hyparallel.graph.kinds import OpKind
+
+if TYPE_CHECKING:
+    from hyparallel.graph.structure import TPAnalysis
 
 Shape = tuple[int, ...]
 
@@ -111,6 +115,10 @@ class ModelGraph:
     blocks: tuple[Block, ...]
     fingerprint: str
     program: Any = field(default=None, repr=False)  # the fx GraphModule or the torch.export ExportedProgram
+    modules: tuple[str, ...] = field(default=(), repr=False)  # every module path of the model (root left out)
+    # The tracer's program (hyparallel.graph.tracer.Program): the pipeline splitter cuts a copy of it
+    # instead of tracing the model again.
+    traced: Any = field(default=None, repr=False, compare=False)
     graph: nx.DiGraph = field(init=False, repr=False)
     cut_points: tuple[CutPoint, ...] = field(init=False, repr=False)
 
@@ -134,6 +142,17 @@ class ModelGraph:
     def op(self, name: str) -> Op:
         """The op called ``name``."""
         return self._by_name[name]
+
+    @cached_property
+    def structure(self) -> TPAnalysis:
+        """The model's tensor-parallel structure (``hyparallel.graph.structure``), computed once per trace.
+
+        Which Linears pair as column/row, fused [q | k | v] parts, head counts: facts of the dataflow that
+        the planner costs and the runtime splits by, read from this one object by both.
+        """
+        from hyparallel.graph.structure import analyze  # it reads this module's classes
+
+        return analyze(self)
 
     def compute_ops(self) -> Iterator[Op]:
         """Ops in execution order, without graph inputs and the output."""

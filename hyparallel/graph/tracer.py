@@ -10,6 +10,8 @@ ops stay one op each, annotated with the module they ran in.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import inspect
 import io
 import itertools
@@ -34,7 +36,7 @@ Method = Literal["auto", "fx", "export"]
 
 
 @dataclass
-class _Program:
+class Program:
     """A traced fx graph plus what is needed to run and read it."""
 
     gm: fx.GraphModule
@@ -43,6 +45,19 @@ class _Program:
     user_inputs: list[fx.Node]
     state_of: dict[fx.Node, str] = field(default_factory=dict)  # get_attr / lifted placeholder -> state name
     artifact: Any = None
+
+    def copy(self) -> Program:
+        """This program over a copy of its graph, to edit (the pipeline splitter's) without changing this one."""
+        # Graph.__deepcopy__ records old node -> new node in the memo it is given (when that is not empty).
+        memo: dict[Any, Any] = {id(self): self}
+        graph = copy.deepcopy(self.gm.graph, memo)
+        return dataclasses.replace(
+            self,
+            gm=fx.GraphModule(self.gm, graph, type(self.gm).__name__),
+            run_args=list(self.run_args),
+            user_inputs=[memo[node] for node in self.user_inputs],
+            state_of={memo[node]: name for node, name in self.state_of.items()},
+        )
 
 
 def trace(model: nn.Module, example_inputs: Any, *, name: str | None = None, method: Method = "auto") -> ModelGraph:
@@ -132,7 +147,7 @@ class _LeafTracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name) or next(m.children(), None) is None
 
 
-def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
+def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
     signature = inspect.signature(model.forward)
     bound = signature.bind_partial(*args, **kwargs).arguments
     concrete = {
@@ -152,13 +167,13 @@ def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
         else:
             run_args.append(concrete[param.name])
     state_of = {n: n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    return _Program(gm=gm, method="fx", run_args=run_args, user_inputs=user_inputs, state_of=state_of, artifact=gm)
+    return Program(gm=gm, method="fx", run_args=run_args, user_inputs=user_inputs, state_of=state_of, artifact=gm)
 
 
 # ---- torch.export --------------------------------------------------------------------------------
 
 
-def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
+def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
     if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs:
         kwargs = {**kwargs, "use_cache": False}  # Hugging Face: no KV cache while tracing for training
     device = next((p.device for p in model.parameters()), torch.device("meta"))
@@ -182,7 +197,7 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> _Program:
         else:
             run_args.append(_to_meta(state[spec.target]))
             state_of[node] = spec.target
-    return _Program(
+    return Program(
         gm=exported.graph_module,
         method="export",
         run_args=run_args,
@@ -386,7 +401,7 @@ class _Runner(nn.Module):
         return profiler
 
 
-def _profile(program: _Program) -> _Profiler:
+def _profile(program: Program) -> _Profiler:
     runner = _Runner(program.gm)
     if program.method == "export":  # state arrives as (meta) graph inputs
         return runner(program.run_args)
@@ -448,7 +463,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class _OpBuilder:
     """Turns a profiled fx graph into the ops and values of a ModelGraph."""
 
-    def __init__(self, model: nn.Module, program: _Program):
+    def __init__(self, model: nn.Module, program: Program):
         self.program = program
         self.profiler = _profile(program)
         self.modules = dict(model.named_modules())
@@ -574,7 +589,7 @@ class _OpBuilder:
         )
 
 
-def _build(model: nn.Module, program: _Program, name: str) -> ModelGraph:
+def _build(model: nn.Module, program: Program, name: str) -> ModelGraph:
     from hyparallel.models import fingerprint  # models import this package's users; keep the import one-way at load
 
     ops, values = _OpBuilder(model, program).build()
@@ -586,6 +601,8 @@ def _build(model: nn.Module, program: _Program, name: str) -> ModelGraph:
         blocks=_find_blocks(model, ops),
         fingerprint=fingerprint(model),
         program=program.artifact,
+        modules=tuple(path for path, _ in model.named_modules() if path),
+        traced=program,
     )
 
 
@@ -598,7 +615,7 @@ def _unique(base: str, used: set[str]) -> str:
     return name
 
 
-def _live_nodes(nodes: list[fx.Node], outputs: dict[fx.Node, Any], program: _Program) -> set[fx.Node]:
+def _live_nodes(nodes: list[fx.Node], outputs: dict[fx.Node, Any], program: Program) -> set[fx.Node]:
     """Nodes that produce a tensor or feed one that does; drops asserts and other dead checks."""
     live: set[fx.Node] = set()
     for node in reversed(nodes):

@@ -26,7 +26,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from hyparallel.checks import assign_stages, listed_stages
 from hyparallel.errors import ConfigError
+from hyparallel.graph.model_graph import ModelGraph
 from hyparallel.graph.tracer import Method, _owner, _split_inputs, _to_meta, first_program
 
 # Note [which stage runs a node]
@@ -190,19 +192,29 @@ class Stage(nn.Module):
 
 
 def split_model(
-    model: nn.Module, stages: Sequence[Sequence[str]], example_inputs: Any, *, method: Method = "auto"
+    model: nn.Module,
+    stages: Sequence[Sequence[str]],
+    example_inputs: Any,
+    *,
+    method: Method = "auto",
+    traced: ModelGraph | None = None,
 ) -> PipelineSplit:
     """Cut ``model`` into ``len(stages)`` stages, stage k running the modules ``stages[k]`` lists.
 
     ``example_inputs`` is one micro-batch (a tensor, a tuple of args, or a dict of kwargs); only its
-    shapes and dtypes are used, on the meta device. See Note [which stage runs a node].
+    shapes and dtypes are used, on the meta device. See Note [which stage runs a node]. ``traced`` is
+    ``hyparallel.trace(model, example_inputs)`` when the caller has it: the split cuts a copy of that
+    trace instead of tracing again (only valid while the model is the one traced: no module swapped since).
     """
     if not stages:
         raise ConfigError("stages is empty; list the module paths of each pipeline stage")
     args, kwargs = _split_inputs(example_inputs)
     flat_example, _ = tree_flatten((args, kwargs))
     args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
-    program = first_program(model, args, kwargs, method)
+    if traced is not None and traced.traced is not None and method in ("auto", traced.method):
+        program = traced.traced.copy()
+    else:
+        program = first_program(model, args, kwargs, method)
     graph = program.gm.graph
     _lift_state(program)
     _drop_concrete_placeholders(program)
@@ -279,61 +291,13 @@ def _drop_concrete_placeholders(program) -> None:
         program.gm.graph.erase_node(node)
 
 
-def listed_stages(model: nn.Module, stages: list[list[str]]) -> dict[str, int]:
-    """Module path -> stage of a plan's stage map, refused in one line unless every path is one module of
-    ``model`` listed in one stage (checked before anything is traced or allocated)."""
-    modules = dict(model.named_modules())
-    listed: dict[str, int] = {}
-    for index, paths in enumerate(stages):
-        if not paths:
-            raise ConfigError(f"stages[{index}] lists no modules; give each stage at least one module path")
-        for path in paths:
-            if path not in modules or not path:
-                raise ConfigError(
-                    f"stages[{index}]: '{path}' is not a module of {type(model).__name__}; "
-                    "use module paths such as those `hyparallel trace` prints (e.g. 'layers.0')"
-                )
-            if path in listed and listed[path] != index:
-                raise ConfigError(
-                    f"module '{path}' is in stages {listed[path]} and {index}; each module belongs to one stage"
-                )
-            listed[path] = index
-    return listed
-
-
 def _assign(model: nn.Module, graph: fx.Graph, stages: list[list[str]]) -> dict[str, int]:
-    """Graph node name -> stage; see Note [which stage runs a node]."""
-    listed = listed_stages(model, stages)
-
-    def listed_path(path: str) -> str | None:
-        parts = path.split(".") if path else []
-        return next((p for end in range(len(parts), 0, -1) if (p := ".".join(parts[:end])) in listed), None)
-
+    """Graph node name -> stage; see Note [which stage runs a node] (the rule: hyparallel.checks.assign_stages)."""
+    listed = listed_stages([path for path, _ in model.named_modules() if path], stages, type(model).__name__)
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    stage_of: dict[str, int] = {}
-    paths = {n: listed_path(_owner(n)) for n in compute}
-    first_listed = next((listed[p] for p in paths.values() if p is not None), 0)
-    current, current_path = None, None
-    for node in compute:
-        path = paths[node]
-        stage = listed[path] if path is not None else (current if current is not None else first_listed)
-        if path is not None:
-            if current is not None and stage < current:
-                raise ConfigError(
-                    f"module '{path}' (stage {stage}) runs after '{current_path}' (stage {current}); "
-                    "stages must follow the model's execution order: move one of them"
-                )
-            current, current_path = stage, path
-        stage_of[node.name] = stage
-    used = set(stage_of.values())
-    empty = [k for k in range(len(stages)) if k not in used]
-    if empty:
-        k = empty[0]
-        raise ConfigError(
-            f"stages[{k}] ({', '.join(stages[k])}) runs no operation of the traced model; "
-            "give it a module that computes something, or use fewer stages"
-        )
-    return stage_of  # get_attr nodes have no stage: every stage that reads a tensor gets its own get_attr
+    stage_of = assign_stages(listed, [_owner(n) for n in compute], len(stages), stages)
+    return {node.name: stage for node, stage in zip(compute, stage_of)}
+    # get_attr nodes have no stage: every stage that reads a tensor gets its own get_attr
 
 
 def _stage_io(split: PipelineSplit, stages: list[tuple[str, ...]]) -> tuple[StageIO, ...]:

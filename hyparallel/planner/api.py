@@ -115,16 +115,19 @@ def search(
     top: int = 1,
     alternatives: bool = False,
     progress: Progress | None = None,
+    traced_rows: int | None = None,
     **constraints,
 ) -> SearchResult:
     """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost).
 
     ``model``, ``example_inputs`` and the constraints are as ``plan`` takes them. ``progress(phase, done,
     total)`` is called as the search goes (a progress bar); the search logs to the ``hyparallel.planner``
-    logger (INFO: its phases, DEBUG: every configuration costed).
+    logger (INFO: its phases, DEBUG: every configuration costed). ``traced_rows``: ``model`` is a ModelGraph
+    traced with one micro-batch of that many rows (as ``parallelize`` traces it), not one sequence; it fixes
+    micro_batch, as example_inputs of that many rows would (Note [example inputs]).
     """
     _check_request(cluster, global_batch, seq_len, dtype, constraints)
-    graph, seq_len, rows = _graph(model, global_batch, seq_len, name, example_inputs, constraints)
+    graph, seq_len, rows = _graph(model, global_batch, seq_len, name, example_inputs, constraints, traced_rows)
     start = time.perf_counter()
     profile = ModelProfile(graph, cluster, dtype, seq_len, traced_rows=rows or 1)
     engine = Search(profile, cluster, global_batch, dtype, progress)
@@ -154,6 +157,7 @@ def _graph(
     name: str | None,
     example_inputs: Any,
     constraints: dict,
+    traced_rows: int | None = None,
 ) -> tuple[ModelGraph, int, int | None]:
     """The graph to plan, its seq_len, and the micro-batch example_inputs fix (None: searched); sets that constraint."""
     from hyparallel import models
@@ -166,6 +170,9 @@ def _graph(
                 "example_inputs= are for tracing a module, and this ModelGraph is traced already; pass the "
                 "module itself, or plan the graph without example_inputs="
             )
+        if traced_rows is not None:  # one micro-batch, as parallelize traced it
+            _fix_micro_batch(constraints, traced_rows, global_batch)
+            return model, _needed(seq_len), traced_rows
         _batch_one(model)
         return model, _needed(seq_len), None
     if example_inputs is None or callable(example_inputs):

@@ -25,7 +25,7 @@ GRAD_BYTES_PER_PARAM = 4
 OPTIMIZER_BYTES_PER_PARAM: dict[str, int] = {"bf16": 12, "fp16": 12, "fp32": 8}  # fp32 training needs no master copy
 
 # ZeRO's all-gathers move the weights as parallelize holds them: fp32 master copies, cast by autocast after the
-# gather (FSDP2 without a mixed-precision policy; Note [ZeRO stages on FSDP2] in parallel.py).
+# gather (FSDP2 without a mixed-precision policy; Note [ZeRO stages on FSDP2] in data_parallel.py).
 GATHERED_BYTES_PER_PARAM = 4
 
 # Communication overlapped with computation is not free: NCCL kernels take SMs and memory bandwidth from
@@ -132,7 +132,7 @@ def inflight_microbatches(
 def state_bytes_per_param(dtype: Dtype, zero: int, dp: int) -> float:
     """Bytes per parameter one rank holds through a step for weights, gradients and AdamW state under ZeRO ``zero``.
 
-    As parallelize runs it (Note [ZeRO stages on FSDP2] in parallel.py): fp32 master weights, plus a 16-bit copy
+    As parallelize runs it (Note [ZeRO stages on FSDP2] in data_parallel.py): fp32 master weights, plus a 16-bit copy
     under bf16/fp16 autocast, fp32 gradients and AdamW's m and v. ZeRO 1 shards the master weights and m, v but
     keeps the weights gathered (fp32) and the gradients whole through the step; ZeRO 2 shards the gradients too;
     ZeRO 3 holds only shards (the units gathered at a time are added by the search). With dp = 1 nothing shards.

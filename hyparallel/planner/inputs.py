@@ -17,6 +17,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from hyparallel.errors import ConfigError
+from hyparallel.schema import Plan
 
 InputsFactory = Callable[[int, int], Any]  # (batch_size, seq_len) -> one micro-batch, as a model's example_inputs
 _SHAPE_HINT = "a tensor, a tuple of positional inputs or a dict of keyword inputs, e.g. token ids (batch, seq_len)"
@@ -62,3 +63,11 @@ def make(factory: InputsFactory, batch_size: int, seq_len: int) -> MicroBatch:
         got = f"{batch.rows} rows" + (f" of {batch.seq_len} tokens" if batch.seq_len is not None else "")
         raise ConfigError(f"{call} returned {got}; it must return batch_size rows of seq_len tokens")
     return batch
+
+
+def token_ids(plan: Plan) -> torch.Tensor:
+    """One micro-batch of token ids of ``plan``'s ``micro_batch x seq_len`` on the meta device.
+
+    What ``parallelize`` and ``hyparallel show --model`` trace a model with when given no example inputs.
+    """
+    return torch.zeros(plan.training.micro_batch, plan.training.seq_len, dtype=torch.long, device="meta")

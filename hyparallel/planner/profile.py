@@ -15,8 +15,8 @@ from functools import cache
 
 from hyparallel.cluster import ClusterSpec, LinkSpec
 from hyparallel.graph import ModelGraph, Op
+from hyparallel.graph.structure import TPAnalysis
 from hyparallel.planner import costs
-from hyparallel.planner.tp import TPAnalysis, analyze
 
 # View-kind ops that may copy (a reshape of a transposed tensor does): their outputs count as new tensors.
 _COPYING_VIEWS = {"clone", "contiguous", "reshape", "flatten"}
@@ -112,7 +112,7 @@ class ModelProfile:
         """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in api.py)."""
         self.graph, self.cluster, self.dtype, self.seq_len = graph, cluster, dtype, seq_len
         self.traced_rows = traced_rows
-        self.tp_analysis: TPAnalysis = analyze(graph)
+        self.tp_analysis: TPAnalysis = graph.structure
         self.segments = graph.segments()
         self.segments_last_op = self.segments[-1].ops[-1]
         self.quadratic = self._quadratic_ops()

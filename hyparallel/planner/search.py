@@ -357,7 +357,7 @@ class Search:
                 costs.ring_allreduce_s(bucket, c.dp, links["dp"]),
             )
             tail = np.maximum(costs.overlapped_s(reduce - last, bwd, serial), 0) + last
-        elif c.dp > 1:  # Note [ZeRO stages on FSDP2] in parallel.py: one collective per FSDP unit
+        elif c.dp > 1:  # Note [ZeRO stages on FSDP2] in data_parallel.py: one collective per FSDP unit
             units = self.ctx.profile.num_blocks + 1 if c.pp == 1 else c.virtual_stages
             link = links["dp"]
 

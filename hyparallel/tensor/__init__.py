@@ -9,7 +9,6 @@ from importlib import import_module
 _EXPORTS = {
     "TensorParallelInfo": "apply",
     "apply_tensor_parallel": "apply",
-    "expand_styles": "apply",
     "ColumnParallelLinear": "layers",
     "RowParallelLinear": "layers",
     "VocabParallelEmbedding": "layers",

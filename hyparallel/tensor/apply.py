@@ -9,7 +9,6 @@ per-rank counts.
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -18,9 +17,10 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from hyparallel.checks import check_blocks, check_styles, check_tensor_parallel_degree
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph
-from hyparallel.planner.tp import TPAnalysis, analyze, fused_parts
+from hyparallel.graph.structure import TPAnalysis, fused_parts
 from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
 from hyparallel.tensor.init import retie, tied_parameters
 from hyparallel.tensor.layers import (
@@ -116,22 +116,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def expand_styles(model: nn.Module, tensor_parallel: dict[str, str]) -> dict[str, str]:
-    """Module path -> style for every module a key (a path or a glob such as ``layers.*.attn.qkv``) names."""
-    paths = [name for name, _ in model.named_modules() if name]
-    styles: dict[str, str] = {}
-    for pattern, style in tensor_parallel.items():
-        matched = [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
-        if not matched:
-            raise ConfigError(
-                f"tensor_parallel: '{pattern}' matches no module of {type(model).__name__}; "
-                "check the module path (hyparallel trace lists them)"
-            )
-        for path in matched:
-            styles[path] = style
-    return styles
-
-
 def apply_tensor_parallel(
     model: nn.Module,
     tensor_parallel: dict[str, str],
@@ -152,11 +136,9 @@ def apply_tensor_parallel(
     epilogue (a Triton kernel on CUDA; the environment variable HYPARALLEL_TRITON=0 turns it off too).
     """
     tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    analysis = analyze(graph)
-    if reason := analysis.check(tp, graph):
-        raise ConfigError(f"tensor_parallel: {reason}")
-    styles = {p: s for p, s in expand_styles(model, tensor_parallel).items() if s != "replicate"}
-    _check_styles(model, styles, graph, analysis)
+    analysis = graph.structure
+    check_tensor_parallel_degree(graph, tp)
+    styles = check_styles(graph, tensor_parallel)
     info = TensorParallelInfo(group=group, tp=tp, rank=rank, sequence_parallel=sequence_parallel, styles=styles)
     ties = tied_parameters(model)
     by_module = {graph.op(name).module: name for name in analysis.styles}
@@ -288,28 +270,6 @@ def _entry_hook(module: nn.Module, group: ProcessGroup, sequence_parallel: bool)
     return hook
 
 
-def _check_styles(model: nn.Module, styles: dict[str, str], graph: ModelGraph, analysis: TPAnalysis) -> None:
-    """The plan may split only what the model's dataflow allows: its column/row pairs and vocab ops."""
-    allowed = {graph.op(name).module: style for name, style in analysis.styles.items() if style != "replicate"}
-    wrong = [
-        f"{path} ({style}; the dataflow allows {allowed.get(path, 'replicate')})"
-        for path, style in styles.items()
-        if allowed.get(path) != style
-    ]
-    if wrong:
-        raise ConfigError(
-            f"tensor_parallel: cannot split {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; "
-            "use the styles `hyparallel plan` writes, or replicate"
-        )
-    missing = [path for path, style in allowed.items() if style in ("column", "row") and path not in styles]
-    partners = {p for p in missing if any(p.rsplit(".", 1)[0] == q.rsplit(".", 1)[0] for q in styles)}
-    if partners:
-        raise ConfigError(
-            f"tensor_parallel: {sorted(partners)[0]} must be split too: its column/row partner is; "
-            "split both Linears of a pair or neither"
-        )
-
-
 def _parallel_module(
     old: nn.Module,
     style: str,
@@ -338,12 +298,12 @@ def _parallel_module(
             group,
             sequence_parallel=sp,
             enter_region=enter_region,
+            every_rank_rows=every_rank,
             **linear_kwargs,
         )
         _copy(new.weight, torch.cat([weight[a:b] for a, b in rows]))
         if bias is not None:
             _copy(new.bias, torch.cat([bias[a:b] for a, b in rows]))
-        new.every_rank_rows = every_rank  # key/value heads held by several ranks: see TensorParallelInfo.reduce_grads
         return new
     if style == "row":
         width = weight.size(1) // tp
@@ -454,14 +414,17 @@ def _patch_attention_attributes(model: nn.Module, graph: ModelGraph, analysis: T
     query_heads = next(iter(analysis.attention_heads.values()), None)
     if not query_heads:
         return
+    patched: set[str] = set()  # an attention with separate q, k, v Linears is one owner: divide its counts once
     for column, groups in analysis.head_groups.items():
         op = graph.op(column)
         head_dim = op.output_shapes[0][-1] // groups
         kv_heads = min(size // head_dim for size in analysis.parts.get(column) or fused_parts(graph, column))
         local_q, local_kv = query_heads // tp, max(kv_heads // tp, 1)
-        owner = model.get_submodule(op.module.rsplit(".", 1)[0]) if "." in op.module else model
-        if getattr(owner, "_hyparallel_tp", None) == tp:
+        owner_path = op.module.rsplit(".", 1)[0] if "." in op.module else ""
+        if owner_path in patched:
             continue
+        patched.add(owner_path)
+        owner = model.get_submodule(owner_path)
         for attribute in _HEAD_ATTRIBUTES:
             value = getattr(owner, attribute, None)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -474,7 +437,6 @@ def _patch_attention_attributes(model: nn.Module, graph: ModelGraph, analysis: T
                 setattr(owner, attribute, local_q * head_dim)
             elif value == kv_heads and kv_heads != query_heads:
                 setattr(owner, attribute, local_kv)
-        owner._hyparallel_tp = tp
 
 
 def _enter_sequence_parallel(
@@ -485,8 +447,7 @@ def _enter_sequence_parallel(
     Replicated parameters inside the blocks (norms, row biases) then see only part of the sequence, so
     their gradients are all-reduced over the tensor-parallel group as they are produced.
     """
-    if not graph.blocks:
-        raise ConfigError("sequence_parallel needs repeated blocks (transformer layers) to shard between")
+    check_blocks(graph, "sequence_parallel", "to shard between")
     first, last = model.get_submodule(graph.blocks[0].path), model.get_submodule(graph.blocks[-1].path)
     size = torch.distributed.get_world_size(group)
 

@@ -47,10 +47,14 @@ class ColumnParallelLinear(nn.Module):
         enter_region: bool = True,
         activation: str = "none",
         transposed_source: bool = False,
+        every_rank_rows: list[list[tuple[int, int]]] | None = None,
         device=None,
         dtype=None,
     ):
         super().__init__()
+        # Every tp rank's ``rows``, in rank order: key/value heads several ranks hold show up in more than one
+        # (TensorParallelInfo.reduce_grads sums their gradients). None: not known (a layer built on its own).
+        self.every_rank_rows = every_rank_rows
         self.transposed_source = transposed_source  # split from a weight stored (in, out): see ShardLayout.transposed
         # An activation that followed this Linear in the model, applied in the matmul's epilogue (Triton on
         # CUDA, torch otherwise): see hyparallel.tensor.kernels.linear_act.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hyparallel.graph import ModelGraph, Op
+from hyparallel.graph.model_graph import ModelGraph, Op
 
 TPStyle = str  # "column" | "row" | "vocab" | "replicate" (hyparallel.schema.TPStyle)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import hyparallel as hp
+from hyparallel.graph.structure import analyze
 from hyparallel.planner.api import _tp_map
 from hyparallel.planner.profile import ModelProfile
-from hyparallel.planner.tp import analyze
 
 from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY
 

@@ -1,0 +1,247 @@
+"""Every check a plan must pass before the first collective, in one pure function: ``check_plan``.
+
+    checked = check_plan(plan, graph, LaunchEnv.from_environ())   # raises ConfigError, or:
+    checked.styles       # module path -> column | row | vocab, every glob of tensor_parallel expanded
+    checked.stage_of     # module path -> stage, for the paths the plan's stages list
+
+``graph`` is the model traced once by ``hyparallel.trace`` (its ``structure`` is what tensor parallelism may
+split, its ``modules`` every module path, its ops the execution order). Nothing here touches a process group:
+a plan that cannot run is refused in one line naming the module and the construct, on every rank alike,
+before ``parallelize`` builds its mesh. The tensor-parallel and pipeline passes call the same checks for
+their own callers, so a rule is written once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from hyparallel.errors import ConfigError
+from hyparallel.graph.model_graph import ModelGraph
+from hyparallel.graph.structure import TPAnalysis
+from hyparallel.schema import Plan, TPStyle
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK; one process without them)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environ(cls) -> LaunchEnv:
+        """Read the launch from the environment (torchrun sets it), or from an initialised process group."""
+        import torch.distributed as dist  # is_initialized only: reads state, starts nothing
+
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), local_rank)
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), local_rank)
+
+
+@dataclass(frozen=True)
+class CheckedPlan:
+    """What ``check_plan`` found the plan to mean for this model: the split styles and the stage of each listed path."""
+
+    plan: Plan
+    styles: dict[str, TPStyle] = field(default_factory=dict)  # module path -> style, replicated ones left out
+    stage_of: dict[str, int] | None = None  # listed module path -> stage; None without a stage map
+
+
+def check_plan(plan: Plan, graph: ModelGraph, launch: LaunchEnv | None = None) -> CheckedPlan:
+    """Refuse, in one line, a plan that cannot run ``graph``'s model in ``launch``; see the module docstring.
+
+    Checks what the plan states: the world size, the model (by fingerprint), a stage map (module paths, one
+    stage each, in execution order, none empty), the tensor-parallel degree against the model's heads and
+    widths, a tensor_parallel map (only the column/row pairs and vocab ops the dataflow allows, both halves
+    of a pair), and what recomputation, sequence parallelism and ZeRO need. Parts the plan leaves out
+    (stages, tensor_parallel) are for the planner to fill (``hyparallel.planner.complete``); check the
+    completed plan again to get its styles.
+    """
+    par = plan.parallel
+    if launch is not None:
+        check_world_size(plan, launch.world_size)
+    if plan.model is not None and plan.model.fingerprint and plan.model.fingerprint != graph.fingerprint:
+        raise ConfigError(
+            f"the plan was made for model '{plan.model.name}' ({plan.model.num_params:,} parameters), not this "
+            f"{graph.name} ({graph.num_params:,} parameters, other names or shapes); "
+            "plan this model with `hyparallel plan` or hp.plan"
+        )
+    stage_of = check_stages(graph, [stage.modules for stage in plan.stages]) if plan.stages is not None else None
+    styles = {}
+    if par.tp > 1:
+        check_tensor_parallel_degree(graph, par.tp)
+        if par.zero > 0 and shares_heads(graph.structure, graph, par.tp):
+            raise ConfigError(
+                f"tp ({par.tp}) is more than the model's key/value heads, so ranks share heads, and zero "
+                f"{par.zero} shards their gradients: not supported together yet; use zero: 0 or a tp up to "
+                "the key/value head count"
+            )
+        if par.sequence_parallel:
+            check_blocks(graph, "sequence_parallel", "to shard between")
+    if plan.tensor_parallel is not None:
+        styles = check_styles(graph, plan.tensor_parallel)
+    if par.recompute != "none" and par.pp == 1:
+        check_blocks(graph, f"recompute: {par.recompute}", "to recompute")
+    return CheckedPlan(plan=plan, styles=styles, stage_of=stage_of)
+
+
+def check_world_size(plan: Plan, world_size: int) -> None:
+    """WORLD_SIZE must be dp x tp x pp: the arithmetic and the fix in the message."""
+    par = plan.parallel
+    if world_size != plan.world_size:
+        raise ConfigError(
+            f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}) = {plan.world_size} != WORLD_SIZE({world_size}); "
+            f"launch {plan.world_size} processes (torchrun --nproc_per_node {plan.world_size}) or re-plan "
+            f"with `hyparallel plan --gpus {world_size}`"
+        )
+
+
+def check_blocks(graph: ModelGraph, what: str, purpose: str) -> None:
+    """``what`` works on the model's repeated blocks (transformer layers): refuse a model without any."""
+    if not graph.blocks:
+        raise ConfigError(f"{what} needs repeated blocks (transformer layers) {purpose}")
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------------
+
+
+def check_tensor_parallel_degree(graph: ModelGraph, tp: int) -> None:
+    """``tp`` must divide the model's heads and split widths (the planner's own check, on the same structure)."""
+    if reason := graph.structure.check(tp, graph):
+        raise ConfigError(f"tp = {tp} does not fit {graph.name}: {reason}; choose a tp that divides it")
+
+
+def expand_styles(paths: Collection[str], tensor_parallel: dict[str, TPStyle], model_name: str) -> dict[str, TPStyle]:
+    """Module path -> style for every path a key (a path or a glob such as ``layers.*.attn.qkv``) names.
+
+    ``paths`` are the model's module paths (``ModelGraph.modules``); a key naming none is refused.
+    """
+    styles: dict[str, TPStyle] = {}
+    for pattern, style in tensor_parallel.items():
+        matched = [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
+        if not matched:
+            raise ConfigError(
+                f"tensor_parallel: '{pattern}' matches no module of {model_name}; "
+                "check the module path (hyparallel trace lists them)"
+            )
+        for path in matched:
+            styles[path] = style
+    return styles
+
+
+def check_styles(graph: ModelGraph, tensor_parallel: dict[str, TPStyle]) -> dict[str, TPStyle]:
+    """The split modules of a ``tensor_parallel`` map (globs expanded), refused unless the dataflow allows them.
+
+    A plan may split only the model's column/row pairs and vocab-parallel ops (``graph.structure``), and a
+    pair only whole.
+    """
+    expanded = expand_styles(graph.modules, tensor_parallel, graph.name)
+    styles = {p: s for p, s in expanded.items() if s != "replicate"}
+    analysis = graph.structure
+    allowed = {graph.op(name).module: style for name, style in analysis.styles.items() if style != "replicate"}
+    wrong = [
+        f"{path} ({style}; the dataflow allows {allowed.get(path, 'replicate')})"
+        for path, style in styles.items()
+        if allowed.get(path) != style
+    ]
+    if wrong:
+        raise ConfigError(
+            f"tensor_parallel: cannot split {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; "
+            "use the styles `hyparallel plan` writes, or replicate"
+        )
+    missing = [path for path, style in allowed.items() if style in ("column", "row") and path not in styles]
+    partners = {p for p in missing if any(p.rsplit(".", 1)[0] == q.rsplit(".", 1)[0] for q in styles)}
+    if partners:
+        raise ConfigError(
+            f"tensor_parallel: {sorted(partners)[0]} must be split too: its column/row partner is; "
+            "split both Linears of a pair or neither"
+        )
+    return styles
+
+
+def shares_heads(analysis: TPAnalysis, graph: ModelGraph, tp: int) -> bool:
+    """Whether some attention projection has fewer heads than tp (grouped-query key/value heads get replicated)."""
+    for name, groups in analysis.head_groups.items():
+        width = graph.op(name).output_shapes[0][-1]
+        head_dim = width // groups
+        if any(part // head_dim < tp for part in analysis.parts.get(name, [width])):
+            return True
+    return False
+
+
+# ---- pipeline stages -------------------------------------------------------------------------------
+
+
+def check_stages(graph: ModelGraph, stages: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Listed module path -> stage of a stage map, refused unless it names ``graph``'s modules and runs in order.
+
+    The rule of Note [which stage runs a node] (hyparallel.pipeline.split), applied to the traced ops.
+    """
+    listed = listed_stages(graph.modules, stages, graph.name)
+    assign_stages(listed, [op.module for op in graph.compute_ops()], len(stages), stages)
+    return listed
+
+
+def listed_stages(paths: Collection[str], stages: Sequence[Sequence[str]], model_name: str) -> dict[str, int]:
+    """Module path -> stage of a plan's stage map, refused in one line unless every path is one module of the model
+    (``paths``: its module paths) listed in one stage (checked before anything is traced or allocated)."""
+    known = set(paths)
+    listed: dict[str, int] = {}
+    for index, stage_paths in enumerate(stages):
+        if not stage_paths:
+            raise ConfigError(f"stages[{index}] lists no modules; give each stage at least one module path")
+        for path in stage_paths:
+            if path not in known or not path:
+                raise ConfigError(
+                    f"stages[{index}]: '{path}' is not a module of {model_name}; "
+                    "use module paths such as those `hyparallel trace` prints (e.g. 'layers.0')"
+                )
+            if path in listed and listed[path] != index:
+                raise ConfigError(
+                    f"module '{path}' is in stages {listed[path]} and {index}; each module belongs to one stage"
+                )
+            listed[path] = index
+    return listed
+
+
+def assign_stages(
+    listed: dict[str, int], owners: Iterable[str], num_stages: int, stages: Sequence[Sequence[str]]
+) -> list[int]:
+    """The stage of each operation, given the module each ran in (``owners``, in execution order).
+
+    Note [which stage runs a node]: a listed module (or its longest listed ancestor) decides; unlisted glue
+    runs in the stage before it. Refused: a listed module running after a later stage's, and a stage that
+    runs nothing.
+    """
+
+    def listed_path(path: str) -> str | None:
+        parts = path.split(".") if path else []
+        return next((p for end in range(len(parts), 0, -1) if (p := ".".join(parts[:end])) in listed), None)
+
+    paths = [listed_path(owner) for owner in owners]
+    first_listed = next((listed[p] for p in paths if p is not None), 0)
+    current, current_path, result = None, None, []
+    for path in paths:
+        stage = listed[path] if path is not None else (current if current is not None else first_listed)
+        if path is not None:
+            if current is not None and stage < current:
+                raise ConfigError(
+                    f"module '{path}' (stage {stage}) runs after '{current_path}' (stage {current}); "
+                    "stages must follow the model's execution order: move one of them"
+                )
+            current, current_path = stage, path
+        result.append(stage)
+    used = set(result)
+    empty = [k for k in range(num_stages) if k not in used]
+    if empty:
+        k = empty[0]
+        raise ConfigError(
+            f"stages[{k}] ({', '.join(stages[k])}) runs no operation of the traced model; "
+            "give it a module that computes something, or use fewer stages"
+        )
+    return result

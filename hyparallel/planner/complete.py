@@ -1,0 +1,91 @@
+"""``complete(plan, graph)``: a hand-written plan's missing stages and tensor-parallel map, planned.
+
+A plan written with only ``training`` and ``parallel`` (and a cluster) runs: what it leaves out, the
+planner fills in with every degree and strategy the plan states fixed (it decides nothing else). ``graph`` is
+the model traced with one micro-batch, as ``parallelize`` and ``hyparallel show --model`` trace it; the
+planner reads that same trace (no second one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyparallel.errors import ConfigError, HyparallelError
+from hyparallel.graph.model_graph import ModelGraph
+from hyparallel.planner.api import search
+from hyparallel.planner.inputs import read as read_inputs
+from hyparallel.schema import Plan
+
+
+def complete(plan: Plan, graph: ModelGraph, *, example_inputs: Any = None) -> Plan:
+    """``plan`` with its missing ``stages`` / ``tensor_parallel`` planned for ``graph``, every stated choice fixed.
+
+    ``graph`` is the model traced with ``example_inputs`` (one micro-batch, as ``parallelize`` takes them; None:
+    token ids of the plan's ``micro_batch x seq_len``), whose rows and length must be the plan's. A plan
+    without predictions gets the planner's for its configuration when its stages are the planner's (what
+    ``pmodel.metrics`` compares with); one the planner would refuse (e.g. over its memory estimate) runs
+    without them.
+    """
+    par, tr = plan.parallel, plan.training
+    needs_stages = par.pp > 1 and plan.stages is None
+    needs_tp = par.tp > 1 and plan.tensor_parallel is None
+    if plan.cluster is None and (needs_stages or needs_tp):
+        raise ConfigError(
+            f"the plan has pp = {par.pp}, tp = {par.tp} but no cluster, so its stages and tensor-parallel "
+            "map cannot be planned; add `cluster: PRESET` (e.g. cpu, h100-sxm; `hyparallel clusters`) or "
+            "list `stages` and `tensor_parallel` yourself"
+        )
+    if not (needs_stages or needs_tp or plan.predicted is None) or plan.cluster is None:
+        return plan
+    cluster = plan.cluster
+    if cluster.num_gpus != plan.world_size:  # a preset named without a size: the launch is the cluster
+        per_node = cluster.gpus_per_node if plan.world_size % cluster.gpus_per_node == 0 else plan.world_size
+        cluster = cluster.resized(num_nodes=plan.world_size // per_node, gpus_per_node=per_node)
+    rows, seq_len = tr.micro_batch, tr.seq_len
+    if example_inputs is not None:  # the micro-batch graph was traced with: it must be the plan's
+        batch = read_inputs(example_inputs)
+        rows = batch.rows
+        if batch.seq_len is not None and batch.seq_len != seq_len:
+            raise ConfigError(
+                f"seq_len={seq_len} but example_inputs hold sequences of {batch.seq_len} tokens; "
+                "make them agree, or leave seq_len out"
+            )
+    try:
+        fixed = search(
+            graph,
+            cluster,
+            tr.global_batch,
+            tr.seq_len,
+            tr.dtype,
+            traced_rows=rows,
+            micro_batch=tr.micro_batch,
+            tp=par.tp,
+            pp=par.pp,
+            dp=par.dp,
+            schedule=par.schedule,
+            virtual_stages=par.virtual_stages,
+            recompute=par.recompute,
+            zero=par.zero,
+            sequence_parallel=par.sequence_parallel,
+            order=plan.placement.order,
+        ).plan()
+    except HyparallelError:
+        if needs_stages or needs_tp:
+            raise
+        return plan  # it runs; only the predictions are missing
+    return _merged(plan, fixed, needs_tp)
+
+
+def _merged(plan: Plan, planned_plan: Plan, needs_tp: bool) -> Plan:
+    """``plan`` with what it left out taken from the planner's plan for the same configuration."""
+    data, planned = plan.to_dict(), planned_plan.to_dict()
+    data["stages"] = data.get("stages") or planned.get("stages")
+    if needs_tp:
+        data["tensor_parallel"] = planned["tensor_parallel"]
+    if not data.get("model"):
+        data["model"] = planned["model"]
+    if plan.predicted is None and [s["modules"] for s in data["stages"] or []] == [
+        s["modules"] for s in planned.get("stages", [])
+    ]:
+        data["predicted"] = planned["predicted"]
+    return Plan.from_dict(data, source="completed plan")
