@@ -119,7 +119,7 @@ def test_chained_stages_equal_the_model_forward_and_backward(name):
     for module in modules:
         for pname, param in module.body.named_parameters():
             torch.testing.assert_close(
-                param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}"
+                param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m, pname=pname: f"{pname}: {m}"
             )
             compared.add(pname)
     assert_every_parameter_compared(parameter_groups(ref), {"the stages": compared})
@@ -186,7 +186,7 @@ def test_runtime_with_one_rank_and_virtual_stages_matches_the_model(name):
     compared = set()
     for pname, param in runtime.named_parameters():  # micro-batch sums vs one whole-batch reduction: rounding only
         torch.testing.assert_close(
-            param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}"
+            param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m, pname=pname: f"{pname}: {m}"
         )
         compared.add(pname)
     assert_every_parameter_compared(parameter_groups(ref), {"the runtime": compared})

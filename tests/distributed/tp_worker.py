@@ -120,7 +120,9 @@ def run_case(
         if type(reference.get_submodule(owner_path)).__name__ == "Conv1D":
             expected = expected.t()  # compared in nn.Linear layout
         local = expected_local(owner, leaf, expected)
-        torch.testing.assert_close(param.grad, local, rtol=RTOL, atol=ATOL, msg=lambda m: f"{param_name}: {m}")
+        torch.testing.assert_close(
+            param.grad, local, rtol=RTOL, atol=ATOL, msg=lambda m, param_name=param_name: f"{param_name}: {m}"
+        )
         if isinstance(owner, (ColumnParallelLinear, RowParallelLinear)) and leaf == "weight":
             split_bytes += param.numel() * param.element_size()
             full_bytes += expected.numel() * expected.element_size()
