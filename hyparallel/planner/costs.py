@@ -105,7 +105,10 @@ def dispatched_s(work_s: float, op_overhead_s: float, serial: bool) -> float:
 
 
 def bubble_fraction(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle time over ideal compute time: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved (Narayanan et al. 2021)."""
+    """Idle time over ideal compute time.
+
+    (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved (Narayanan et al. 2021).
+    """
     return (pp - 1) / (virtual_stages * num_microbatches)
 
 
