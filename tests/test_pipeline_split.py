@@ -29,7 +29,10 @@ HF_COMMON = "bos_token_id=0 eos_token_id=0 vocab_size=96"
 MODELS = {
     "gpt": "gpt-tiny num_layers=4",  # fused qkv, tied head, fx
     "llama": "llama-tiny num_layers=4",  # GQA, rotary buffers, untied head, fx
-    "hf-gpt2": f"hf:GPT2LMHeadModel n_layer=4 n_embd=32 n_head=4 n_positions=32 {HF_COMMON} resid_pdrop=0 embd_pdrop=0 attn_pdrop=0",
+    "hf-gpt2": (
+        f"hf:GPT2LMHeadModel n_layer=4 n_embd=32 n_head=4 n_positions=32 {HF_COMMON} "
+        "resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
+    ),
     "hf-llama": (
         f"hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 num_key_value_heads=2 "
         f"intermediate_size=64 max_position_embeddings=32 {HF_COMMON}"
