@@ -20,7 +20,10 @@ $(VENV)/.ready: pyproject.toml Makefile
 demo: $(VENV)/.ready
 	$(BIN)/hyparallel demo
 
+# Lint and format check first (the [tool.ruff] settings in pyproject.toml): a finding fails the target.
 test: $(VENV)/.ready
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 # Every benchmark against its peer, written to benchmarks/RESULTS.md (several minutes; a smoke test:

@@ -56,7 +56,8 @@ def run(model_name: str, cluster: hp.ClusterSpec, args: argparse.Namespace, cons
     predicted_state = count * costs.state_bytes_per_param("bf16", 0, 1)
     reserved = cluster.device.reserved_bytes
     row = {
-        "config": f"micro-batch {plan.training.micro_batch} x {plan.num_microbatches}, recompute {plan.parallel.recompute}",
+        "config": f"micro-batch {plan.training.micro_batch} x {plan.num_microbatches}, "
+        f"recompute {plan.parallel.recompute}",
         "loss": loss_value,
         "parameters": count,
         "measured_step_s": summary.step_time_s,
@@ -103,7 +104,8 @@ def profile_step(pmodel, optimizer, tokens) -> None:
 def print_row(name: str, row: dict) -> None:
     print(f"\n== {name}: {row['config']} (loss {row['loss']:.3f})", flush=True)
     print(
-        f"step      measured {row['measured_step_s'] * 1e3:8.1f} ms   predicted {row['predicted_step_s'] * 1e3:8.1f} ms   "
+        f"step      measured {row['measured_step_s'] * 1e3:8.1f} ms   "
+        f"predicted {row['predicted_step_s'] * 1e3:8.1f} ms   "
         f"measured/predicted {row['measured_step_s'] / row['predicted_step_s']:.2f}"
     )
     print(
@@ -112,7 +114,8 @@ def print_row(name: str, row: dict) -> None:
     )
     print(
         f"memory    peak allocated {row['peak_allocated_gib']:.2f} GiB, reserved {row['peak_reserved_gib']:.2f} GiB; "
-        f"predicted {row['predicted_peak_without_reserved_gib']:.2f} GiB + preset reserve = {row['predicted_peak_gib']:.2f} GiB"
+        f"predicted {row['predicted_peak_without_reserved_gib']:.2f} GiB + preset reserve = "
+        f"{row['predicted_peak_gib']:.2f} GiB"
     )
     measured = row["state_bytes_measured"]
     print(
@@ -142,7 +145,8 @@ def main() -> int:
         return 2
     cluster = hp.ClusterSpec.resolve(args.cluster, num_nodes=1, gpus_per_node=1)
     print(
-        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'} torch {torch.__version__}; {args.model}, global batch {args.global_batch} x "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'} torch {torch.__version__}; "
+        f"{args.model}, global batch {args.global_batch} x "
         f"{args.seq_len} tokens, bf16, AdamW; predictions for '{cluster.name}'",
         flush=True,
     )

@@ -35,7 +35,8 @@ def time_search(name: str, gpus: int, global_batch: int, layers: int | None = No
         f" {par.schedule} v{par.virtual_stages} ZeRO {par.zero}"
     )  # mb: micro-batches x size
     print(
-        f"{name:9} {len(graph.blocks):>6} {gpus:>6} {traced - start:>8.2f} {done - traced:>9.2f} {result.considered:>8,} "
+        f"{name:9} {len(graph.blocks):>6} {gpus:>6} {traced - start:>8.2f} {done - traced:>9.2f} "
+        f"{result.considered:>8,} "
         f"{result.evaluated:>6}   {best}, MFU {pred.mfu:.1%}"
     )
     return {

@@ -136,10 +136,11 @@ def main() -> None:
         torch_stage = PipelineStage(adapter, rank, pp, torch.device("cpu"), group=theirs_group)
         torch_schedule = TORCH_SCHEDULES[kind](torch_stage, args.microbatches, loss_fn=loss_fn)
 
-        def ours() -> torch.Tensor:
+        # This iteration's runtime and schedule, bound when defined (the functions are only called in it).
+        def ours(runtime: PipelineRuntime = runtime) -> torch.Tensor:
             return runtime.train_step(inputs, targets, loss_fn)
 
-        def theirs() -> torch.Tensor:
+        def theirs(torch_schedule: ScheduleGPipe | Schedule1F1B = torch_schedule) -> torch.Tensor:
             losses: list[torch.Tensor] = []
             torch_schedule.step(
                 *([inputs] if rank == 0 else []),

@@ -209,7 +209,8 @@ def step_report(rows: list[dict]) -> list[str]:
             else (
                 "the measured fastest"
                 if pick is fastest
-                else f"{pick['measured_s'] / fastest['measured_s'] - 1:.0%} slower than the measured fastest ({fastest['plan']})"
+                else f"{pick['measured_s'] / fastest['measured_s'] - 1:.0%} slower than the measured fastest "
+                f"({fastest['plan']})"
                 + (": within 10 %" if pick["measured_s"] <= 1.1 * fastest["measured_s"] else ": NOT within 10 %")
             )
         )
@@ -263,7 +264,8 @@ def memory(args, folder: Path) -> list[str]:
     from hyparallel.planner import costs, search
 
     lines = [
-        "| N | plan | rank (pp, dp, tp) | weights + grads + optimizer after a step, measured | planner | measured / planner |",
+        "| N | plan | rank (pp, dp, tp) | weights + grads + optimizer after a step, measured | planner "
+        "| measured / planner |",
         "|---|---|---|---:|---:|---:|",
     ]
     for n, constraints in MEMORY_CASES:
@@ -355,7 +357,8 @@ def activations(micro_batch: int = 2, device: str = "cpu") -> list[str]:
 
     cluster = hp.ClusterSpec.preset("cpu")
     lines = [
-        "| model | seq | dtype | saved activations, MiB | planner, MiB | measured / planner | 16-bit weight copies, MiB |",
+        "| model | seq | dtype | saved activations, MiB | planner, MiB | measured / planner "
+        "| 16-bit weight copies, MiB |",
         "|---|---:|---|---:|---:|---:|---:|",
     ]
     for spec, seq in ACTIVATION_MODELS:
@@ -419,7 +422,8 @@ def main() -> int:
         print("\n".join(memory_lines))
     if activation_lines:
         print(
-            f"\n## Activations: bytes one micro-batch of 2 saves for the backward on {args.device}, measured vs planner\n"
+            f"\n## Activations: bytes one micro-batch of 2 saves for the backward on {args.device}, "
+            "measured vs planner\n"
         )
         print("\n".join(activation_lines))
     if args.json:

@@ -142,12 +142,14 @@ def main() -> None:
     ours_ms, theirs_ms = (statistics.median(row.tolist()) * 1e3 for row in per_rank)
     if rank == 0:
         print(
-            f"model: gpt {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {reference.config.vocab_size}, "
+            f"model: gpt {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
+            f"vocab {reference.config.vocab_size}, "
             f"batch {args.batch} x seq {args.seq}, fp32"
         )
         for name, loss in losses.items():
             print(
-                f"{name:10} loss {loss:.6f}  single-device {ref_loss:.6f}  rel diff {abs(loss - ref_loss) / abs(ref_loss):.1e}"
+                f"{name:10} loss {loss:.6f}  single-device {ref_loss:.6f}  "
+                f"rel diff {abs(loss - ref_loss) / abs(ref_loss):.1e}"
                 f"  logits rel diff {errors[name]:.1e}"
             )
         print(
@@ -155,7 +157,10 @@ def main() -> None:
             f"DTensor {theirs_ms:.1f} ms, median of {args.iterations}, tp={tp} gloo CPU)"
         )
         if args.json:
-            check = f"logits rel diff vs single-device: hyparallel {errors['hyparallel']:.1e}, DTensor {errors['DTensor']:.1e}"
+            check = (
+                f"logits rel diff vs single-device: hyparallel {errors['hyparallel']:.1e}, "
+                f"DTensor {errors['DTensor']:.1e}"
+            )
             case = {
                 "case": f"tp={tp}",
                 "hyparallel_ms": ours_ms,

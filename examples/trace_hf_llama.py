@@ -20,5 +20,6 @@ print(graph.summary())
 print(f"\n{'segment':32} {'params':>12} {'fwd TFLOPs':>11} {'sent onward MiB':>16}")
 for segment in graph.segments():
     print(
-        f"{segment.name:32} {segment.param_count:>12,} {segment.flops / 1e12:>11.2f} {segment.output_bytes / 2**20:>16.1f}"
+        f"{segment.name:32} {segment.param_count:>12,} {segment.flops / 1e12:>11.2f} "
+        f"{segment.output_bytes / 2**20:>16.1f}"
     )

@@ -1,4 +1,5 @@
-"""Train a zoo GPT under any plan: `torchrun --nproc_per_node 8 examples/train_gpt.py --plan configs/plans/cpu-dp2-tp2-pp2.yaml`.
+"""Train a zoo GPT under any plan:
+`torchrun --nproc_per_node 8 examples/train_gpt.py --plan configs/plans/cpu-dp2-tp2-pp2.yaml`.
 
 Byte-level language modelling on examples/data/corpus.txt (hyparallel's own docs: 256 token ids, gpt-tiny's vocabulary).
 Without --plan the planner plans for the launch it finds (WORLD_SIZE, the `cpu` preset, the same global batch): under
@@ -25,7 +26,8 @@ CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The docstring's first paragraph (its summary, over two lines; argparse joins them into one).
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plan", help="plan YAML (default: plan for this launch with the cpu preset)")
     parser.add_argument("--model", default="gpt-tiny", help="zoo name or model spec (default gpt-tiny)")
     parser.add_argument("--steps", type=int, default=30)

@@ -289,8 +289,8 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
     )
     return ClusterSpec(
         name=name or f"calibrated-{measured.hostname}",
-        description=f"`hyparallel calibrate` on {measured.hostname}, {measured.date}: {measured.nproc} {measured.backend} "
-        f"process(es) on {measured.device_name}; {figures_from}; {links_from}",
+        description=f"`hyparallel calibrate` on {measured.hostname}, {measured.date}: "
+        f"{measured.nproc} {measured.backend} process(es) on {measured.device_name}; {figures_from}; {links_from}",
         num_nodes=1,
         gpus_per_node=measured.nproc,
         backend=measured.backend,
@@ -344,8 +344,8 @@ def _preset_named_for(device_name: str) -> ClusterSpec | None:
 def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
     """``spec`` as YAML under a comment header listing every raw measurement (loads with ClusterSpec.load)."""
     lines = [
-        f"Written by `hyparallel calibrate`{' --quick' if measured.quick else ''} on {measured.hostname}, {measured.date}, "
-        f"torch {measured.torch_version}.",
+        f"Written by `hyparallel calibrate`{' --quick' if measured.quick else ''} on {measured.hostname}, "
+        f"{measured.date}, torch {measured.torch_version}.",
         f"Device: {measured.device_name}; {measured.nproc} {measured.backend} process(es)"
         + (f", {measured.threads:g} thread(s) each on {measured.cores} cores" if measured.device_kind == "cpu" else "")
         + ("; all measured at once, figures per process (mean over processes)." if measured.nproc > 1 else "."),
@@ -369,14 +369,16 @@ def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
     lines += [
         f"Attention: causal SDPA forward, {measured.attention_dtype}, B={b} H={h} T={t} D={d}: "
         f"{measured.attention_flops:.3g} FLOP/s counting 4*B*H*T*T*D (torch.utils.flop_counter's count).",
-        f"Memory: copy_ of {measured.copy_bytes / 2**20:.0f} MiB: {measured.memory_bandwidth_bytes_per_s:.3g} B/s read + written; "
+        f"Memory: copy_ of {measured.copy_bytes / 2**20:.0f} MiB: "
+        f"{measured.memory_bandwidth_bytes_per_s:.3g} B/s read + written; "
         f"reserved {measured.reserved_bytes / 2**20:.0f} MiB measured "
         + (
             "(device memory in use after the run)."
             if measured.device_kind == "cuda"
             else "(resident set of a torch + gloo process)."
         ),
-        f"Op overhead: {measured.op_overhead_s:.3g} s per op (a tiny GPT's forward + backward over 3 x its traced ops).",
+        f"Op overhead: {measured.op_overhead_s:.3g} s per op "
+        "(a tiny GPT's forward + backward over 3 x its traced ops).",
     ]
     if measured.allreduce_bus_bytes_per_s is None:
         lines.append("Links: one process, nothing to measure; taken from the preset named in the description.")
@@ -393,7 +395,8 @@ def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
         )
     else:
         lines.append(
-            f"gpus_per_node is the {measured.nproc} GPU(s) measured; `hyparallel plan --gpus-per-node G` plans nodes of G."
+            f"gpus_per_node is the {measured.nproc} GPU(s) measured; "
+            "`hyparallel plan --gpus-per-node G` plans nodes of G."
         )
     return "".join(f"# {line}\n" for line in lines) + spec.to_yaml()
 

@@ -36,8 +36,10 @@ EXAMPLES = {
     ),
     "demo": "example:\n  hyparallel demo",
     "simulate": (
-        "examples:\n  hyparallel simulate plan.yaml --out timeline.png   # a plan from `hyparallel plan -o plan.yaml`\n"
-        "  hyparallel simulate configs/plans/gpt-175b-a100-1024.yaml --out timeline.svg   # a hand plan: relative units\n"
+        "examples:\n"
+        "  hyparallel simulate plan.yaml --out timeline.png   # a plan from `hyparallel plan -o plan.yaml`\n"
+        "  hyparallel simulate configs/plans/gpt-175b-a100-1024.yaml --out timeline.svg   "
+        "# a hand plan: relative units\n"
         "  hyparallel simulate plan.yaml                       # the schedule as text, one column per time step"
     ),
     "checkpoint": (
@@ -45,16 +47,21 @@ EXAMPLES = {
         "  hyparallel checkpoint export ckpt/step-00000100 model.pt"
     ),
     "plan": (
-        "examples:\n  hyparallel plan --model gpt-175b --gpus 1024 --cluster a100-80g --global-batch 1536 --seq-len 2048 -o plan.yaml\n"
+        "examples:\n"
+        "  hyparallel plan --model gpt-175b --gpus 1024 --cluster a100-80g --global-batch 1536 --seq-len 2048 "
+        "-o plan.yaml\n"
         "  hyparallel plan --model llama-70b --gpus 64 --cluster h100-sxm --tp 8 --top 5\n"
         "  hyparallel plan --model hf:LlamaForCausalLM num_hidden_layers=8 --gpus 8 --json\n"
         "  hyparallel plan --model mypkg.gpt:make_model --example-inputs mypkg.gpt:make_inputs --gpus 8 --seq-len 1024"
     ),
     "calibrate": (
-        "examples:\n  hyparallel calibrate --out my-cluster.yaml              # 8 gloo processes on a CPU; one per GPU on CUDA\n"
+        "examples:\n"
+        "  hyparallel calibrate --out my-cluster.yaml              # 8 gloo processes on a CPU; one per GPU on CUDA\n"
         "  hyparallel plan --model gpt-tiny --gpus 8 --cluster my-cluster.yaml --dtype fp32\n"
-        "  hyparallel calibrate --base h200 --out my-h200.yaml      # datasheet peaks kept; efficiencies and links measured\n"
-        "  torchrun --nproc_per_node 4 -m hyparallel calibrate --quick --out my-cluster.yaml   # inside a launch: its world"
+        "  hyparallel calibrate --base h200 --out my-h200.yaml      "
+        "# datasheet peaks kept; efficiencies and links measured\n"
+        "  torchrun --nproc_per_node 4 -m hyparallel calibrate --quick --out my-cluster.yaml   "
+        "# inside a launch: its world"
     ),
 }
 
@@ -166,7 +173,8 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
             markup=False,
         )
     out.print(
-        f"training global batch {train.global_batch} = dp {par.dp} x {plan.num_microbatches} micro-batches x {train.micro_batch}, "
+        f"training global batch {train.global_batch} = dp {par.dp} x {plan.num_microbatches} micro-batches x "
+        f"{train.micro_batch}, "
         f"seq_len {train.seq_len}, {train.dtype}"
     )
     mesh = " x ".join(f"{axis} {size}" for axis, size in plan.mesh_shape().items())
@@ -699,7 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=PER_NODE,
         default=None,
         metavar="N",
-        help="local processes to measure with (default: the GPU count on CUDA, else 8; torchrun's world inside a launch)",
+        help="local processes to measure with "
+        "(default: the GPU count on CUDA, else 8; torchrun's world inside a launch)",
     )
     calibrate.add_argument(
         "--base",

@@ -87,7 +87,8 @@ def plan_gpt175b(log=print) -> Plan:
     log("   " + graph.summary().replace("\n", "\n   "))
     result = search(graph, ClusterSpec.preset("a100-80g", num_nodes=128), global_batch=1536, seq_len=2048, dtype="bf16")
     log(
-        f"   searched {result.considered:,} configurations ({result.evaluated} costed exactly) in {result.search_s:.2f}s"
+        f"   searched {result.considered:,} configurations ({result.evaluated} costed exactly) "
+        f"in {result.search_s:.2f}s"
     )
     return result.plan()
 

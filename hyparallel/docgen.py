@@ -308,8 +308,8 @@ _PLAN_RULES: tuple[tuple[str, dict], ...] = (
         {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {}, "placement": {"order": ["pp", "pp", "tp"]}},
     ),
     (
-        "Every number is within its bounds (the type column of each section gives them; they are hyparallel.limits', the "
-        "same the CLI's flags use), and every float is finite ...",
+        "Every number is within its bounds (the type column of each section gives them; "
+        "they are hyparallel.limits', the same the CLI's flags use), and every float is finite ...",
         {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {"dp": 10**30}},
     ),
     (

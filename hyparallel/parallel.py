@@ -511,7 +511,10 @@ def default_device(env: LaunchEnv, plan: Plan) -> torch.device:
 
 
 def _token_count(inputs: Any) -> int:
-    """Tokens in a batch: the size of its first integer tensor (token ids), else batch x sequence of its first tensor."""
+    """Tokens in a batch.
+
+    The size of its first integer tensor (token ids), else batch x sequence of its first tensor.
+    """
     leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]
     for leaf in leaves:  # token ids; a boolean mask may be (B, 1, T, T)
         if not leaf.is_floating_point() and not leaf.is_complex() and leaf.dtype != torch.bool:

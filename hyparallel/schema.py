@@ -51,7 +51,8 @@ class ModelInfo(_Section):
     )
     num_params: ParamCount = Field(description="Parameters of the whole, unsplit model.")
     num_layers: int_in(0, limits.MAX_MODEL_OPS) = Field(
-        description="Repeated blocks (transformer layers) found by the trace; the parameterised ops when there are none."
+        description="Repeated blocks (transformer layers) found by the trace; "
+        "the parameterised ops when there are none."
     )
     fingerprint: str = Field(
         description="`sha256:` hash of the parameter names and shapes; `parallelize` refuses a model whose fingerprint "
@@ -300,8 +301,10 @@ class Plan(_Section):
             parallel = parallel.model_copy(update={"num_microbatches": derived})
         elif parallel.num_microbatches != derived:
             raise ValueError(
-                f"parallel.num_microbatches ({parallel.num_microbatches}) must equal global_batch ({training.global_batch}) / "
-                f"(dp ({parallel.dp}) x micro_batch ({training.micro_batch})) = {derived}; fix one of them or omit num_microbatches"
+                f"parallel.num_microbatches ({parallel.num_microbatches}) must equal "
+                f"global_batch ({training.global_batch}) / "
+                f"(dp ({parallel.dp}) x micro_batch ({training.micro_batch})) = {derived}; "
+                "fix one of them or omit num_microbatches"
             )
         if parallel.schedule == "interleaved-1f1b" and parallel.pp > 1 and derived % parallel.pp:
             raise ValueError(
@@ -323,7 +326,8 @@ class Plan(_Section):
             expected = par.pp * par.virtual_stages
             if len(self.stages) != expected:
                 raise ValueError(
-                    f"stages lists {len(self.stages)} stage(s) but pp ({par.pp}) x virtual_stages ({par.virtual_stages}) "
+                    f"stages lists {len(self.stages)} stage(s) but "
+                    f"pp ({par.pp}) x virtual_stages ({par.virtual_stages}) "
                     f"= {expected}; list one entry per (virtual) stage or drop 'stages' to have them derived"
                 )
             for position, stage in enumerate(self.stages):
@@ -336,12 +340,14 @@ class Plan(_Section):
                 for module in stage.modules:
                     if module in seen:
                         raise ValueError(
-                            f"module '{module}' is in stages {seen[module]} and {stage.index}; each module belongs to one stage"
+                            f"module '{module}' is in stages {seen[module]} and {stage.index}; "
+                            "each module belongs to one stage"
                         )
                     seen[module] = stage.index
         if self.predicted is not None and len(self.predicted.memory_gib) != par.pp:
             raise ValueError(
-                f"predicted.memory_gib has {len(self.predicted.memory_gib)} entries; give one per pipeline stage (pp = {par.pp})"
+                f"predicted.memory_gib has {len(self.predicted.memory_gib)} entries; "
+                f"give one per pipeline stage (pp = {par.pp})"
             )
         return self
 

@@ -40,7 +40,10 @@ LAUNCH_PREFIXES = ("TORCHELASTIC_", "HYPARALLEL_", "DLROVER_")
 
 @pytest.fixture(scope="session", autouse=True)
 def clean_launch_environment():
-    """Every test (and every process a test starts) runs without launch or kernel variables: Note [the suite's environment]."""
+    """Every test (and every process a test starts) runs without launch or kernel variables.
+
+    See Note [the suite's environment].
+    """
     with pytest.MonkeyPatch.context() as patch:
         for name in list(os.environ):
             if name in LAUNCH_VARIABLES or name.startswith(LAUNCH_PREFIXES):

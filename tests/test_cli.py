@@ -601,7 +601,10 @@ def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path,
 
 
 def test_show_model_refuses_a_hand_map_naming_modules_the_model_lacks(capsys, tmp_path):
-    head = "training: {global_batch: 8, micro_batch: 2, seq_len: 16, dtype: fp32}\ncluster: {name: cpu, gpus_per_node: 2}\n"
+    head = (
+        "training: {global_batch: 8, micro_batch: 2, seq_len: 16, dtype: fp32}\n"
+        "cluster: {name: cpu, gpus_per_node: 2}\n"
+    )
     stages = tmp_path / "stages.yaml"
     stages.write_text(
         head + "parallel: {pp: 2}\nstages:\n  - {index: 0, modules: [tok_embeddings, layers.0]}\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 import yaml
@@ -114,7 +114,7 @@ def test_validation_rules_show_current_errors(rendered):
 
 def test_type_text_reads_like_words():
     assert docgen.type_text(PositiveInt) == "integer > 0"
-    assert docgen.type_text(Optional[PositiveInt]) == "integer > 0"
+    assert docgen.type_text(PositiveInt | None) == "integer > 0"
     assert docgen.type_text(Literal["a", "b"]) == "one of `a`, `b`"
     assert docgen.type_text(list[schema.StageSpec]) == "list of [StageSpec](#stagespec)"
     assert docgen.type_text(cluster.Fraction) == "number in [0.001, 1]"

@@ -1,4 +1,7 @@
-"""The multi-process tests' harness (tests/distributed/harness.py): a case failing on one rank ends the launch at once."""
+"""The multi-process tests' harness (tests/distributed/harness.py).
+
+A case failing on one rank ends the launch at once.
+"""
 
 from __future__ import annotations
 

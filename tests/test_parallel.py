@@ -332,7 +332,11 @@ def test_recomputation_gives_the_loss_and_gradients_of_none_under_the_same_autoc
             assert grads.keys() == ref_grads.keys() and len(grads) == 28  # every parameter, by name
             for name, grad in grads.items():
                 torch.testing.assert_close(
-                    grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{recompute}: gradient of {name}: {m}"
+                    grad,
+                    ref_grads[name],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, recompute=recompute, name=name: f"{recompute}: gradient of {name}: {m}",
                 )
             # What was recomputed: full reruns every forward op of the blocks (every addmm is a block's Conv1D, 4 per
             # block; the head has no bias: a mm), selective of these only the seq x seq softmax.

@@ -29,7 +29,10 @@ HF_COMMON = "bos_token_id=0 eos_token_id=0 vocab_size=96"
 MODELS = {
     "gpt": "gpt-tiny num_layers=4",  # fused qkv, tied head, fx
     "llama": "llama-tiny num_layers=4",  # GQA, rotary buffers, untied head, fx
-    "hf-gpt2": f"hf:GPT2LMHeadModel n_layer=4 n_embd=32 n_head=4 n_positions=32 {HF_COMMON} resid_pdrop=0 embd_pdrop=0 attn_pdrop=0",
+    "hf-gpt2": (
+        f"hf:GPT2LMHeadModel n_layer=4 n_embd=32 n_head=4 n_positions=32 {HF_COMMON} "
+        "resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
+    ),
     "hf-llama": (
         f"hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 num_key_value_heads=2 "
         f"intermediate_size=64 max_position_embeddings=32 {HF_COMMON}"
@@ -119,7 +122,7 @@ def test_chained_stages_equal_the_model_forward_and_backward(name):
     for module in modules:
         for pname, param in module.body.named_parameters():
             torch.testing.assert_close(
-                param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}"
+                param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m, pname=pname: f"{pname}: {m}"
             )
             compared.add(pname)
     assert_every_parameter_compared(parameter_groups(ref), {"the stages": compared})
@@ -186,7 +189,7 @@ def test_runtime_with_one_rank_and_virtual_stages_matches_the_model(name):
     compared = set()
     for pname, param in runtime.named_parameters():  # micro-batch sums vs one whole-batch reduction: rounding only
         torch.testing.assert_close(
-            param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}"
+            param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m, pname=pname: f"{pname}: {m}"
         )
         compared.add(pname)
     assert_every_parameter_compared(parameter_groups(ref), {"the runtime": compared})

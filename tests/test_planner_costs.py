@@ -118,7 +118,8 @@ def test_activation_bytes_of_a_gpt_layer(gpt_profile):
 
 
 def test_tp_communication_of_a_gpt_layer(gpt_profile):
-    # Megatron pairs: forward all-reduce after attention and MLP projections, backward before qkv and fc: 4 x (s*h*2 bytes).
+    # Megatron pairs: forward all-reduce after attention and MLP projections, backward before qkv and fc:
+    # 4 x (s*h*2 bytes).
     link = gpt_profile.cluster.intra_node
     block = next(i for i, seg in enumerate(gpt_profile.segments) if seg.is_block)
     cost = gpt_profile.segment_costs(4, False, 2, "none", link)[block]

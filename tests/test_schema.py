@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pydantic
 import pytest
 import torch
 import yaml
@@ -221,7 +222,7 @@ def test_cluster_shorthands():
 
 def test_plans_are_frozen():
     plan = hp.Plan.model_validate(HAND)
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         plan.parallel.tp = 8  # type: ignore[misc]
 
 

@@ -69,10 +69,13 @@ def test_megatron_pairs_are_found_from_dataflow(spec):
 @pytest.mark.parametrize(
     "spec",
     [
-        "hf:mistral num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 intermediate_size=256 vocab_size=1000",
-        "hf:qwen2 num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 intermediate_size=256 vocab_size=1000",
+        "hf:mistral num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 "
+        "intermediate_size=256 vocab_size=1000",
+        "hf:qwen2 num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 "
+        "intermediate_size=256 vocab_size=1000",
         "hf:gpt_neox num_hidden_layers=2 hidden_size=128 num_attention_heads=4 intermediate_size=256 vocab_size=1000",
-        "hf:opt num_hidden_layers=2 hidden_size=128 num_attention_heads=4 ffn_dim=256 vocab_size=1000 word_embed_proj_dim=128",
+        "hf:opt num_hidden_layers=2 hidden_size=128 num_attention_heads=4 ffn_dim=256 vocab_size=1000 "
+        "word_embed_proj_dim=128",
         "hf:falcon num_hidden_layers=2 hidden_size=128 num_attention_heads=4 vocab_size=1000",
     ],
 )

@@ -301,7 +301,8 @@ class ModelGraph:
         lines = [
             f"{self.name}: traced with torch.{self.method}, {len(compute)} ops, {self.graph.number_of_edges()} edges",
             f"  parameters      {self.num_params:,} ({self.param_bytes / 2**30:.2f} GiB at the traced dtype)",
-            f"  forward FLOPs   {self.flops:.4g} ({', '.join(f'{k} {v:.3g}' for k, v in sorted(self.flops_by_kind().items()))})",
+            f"  forward FLOPs   {self.flops:.4g} "
+            f"({', '.join(f'{k} {v:.3g}' for k, v in sorted(self.flops_by_kind().items()))})",
             f"  repeated blocks {len(self.blocks)}"
             + (f" ({self.blocks[0].path} .. {self.blocks[-1].path})" if self.blocks else ""),
             f"  cut points      {len(self.cut_points)}; segments {len(self.segments())}",

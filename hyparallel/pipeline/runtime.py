@@ -310,9 +310,11 @@ class PipelineRuntime:
             self._send_header((self._specs[header_key], entries), a)
         elif entries != self._headers[header_key]:
             raise RuntimeError(
-                f"stage {a.stage} now hands on {_describe(entries)} but negotiated {_describe(self._headers[header_key])} "
+                f"stage {a.stage} now hands on {_describe(entries)} but negotiated "
+                f"{_describe(self._headers[header_key])} "
                 "on the first step with these input shapes: a value between stages changed with the data, or "
-                "parameters were frozen or unfrozen after the first step (set requires_grad before it, or build a new runtime)"
+                "parameters were frozen or unfrozen after the first step "
+                "(set requires_grad before it, or build a new runtime)"
             )
         tensors = [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
         self._sends[a.stage, "F", a.microbatch] = self._isend(tensors, a)

@@ -309,7 +309,10 @@ def _nothing_found(
                 f"{global_batch}; use a GPU count or global batch with more divisors"
             )
         given = ", ".join(f"{k}={v}" for k, v in constraints.items())
-        return f"no configuration satisfies {given} for {cluster.num_gpus} GPUs and global batch {global_batch}; relax a constraint"
+        return (
+            f"no configuration satisfies {given} for {cluster.num_gpus} GPUs and global batch {global_batch}; "
+            "relax a constraint"
+        )
     limit = cluster.device.usable_memory_bytes / 2**30
     if frugal is None:
         need = engine.least_memory_bytes(constraints) or 0.0
@@ -319,7 +322,8 @@ def _nothing_found(
         )
     c = frugal.config
     return (
-        f"nothing fits in {limit:.1f} GiB per GPU: the smallest plan found needs {frugal.peak_memory_bytes / 2**30:.1f} GiB "
+        f"nothing fits in {limit:.1f} GiB per GPU: the smallest plan found needs "
+        f"{frugal.peak_memory_bytes / 2**30:.1f} GiB "
         f"(tp {c.tp}, pp {c.pp}, dp {c.dp}, micro_batch {c.micro_batch}, recompute {c.recompute}, ZeRO {c.zero}); "
         "use more GPUs, a smaller micro-batch or sequence length, or recomputation"
     )

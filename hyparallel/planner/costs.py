@@ -6,7 +6,7 @@ formulas and the source of every constant are written up in docs/cost-model.md.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from hyparallel.cluster import LinkSpec
 Dtype = Literal["bf16", "fp16", "fp32"]
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 
-Bytes = Union[float, np.ndarray]
+Bytes = float | np.ndarray
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -105,7 +105,10 @@ def dispatched_s(work_s: float, op_overhead_s: float, serial: bool) -> float:
 
 
 def bubble_fraction(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle time over ideal compute time: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved (Narayanan et al. 2021)."""
+    """Idle time over ideal compute time.
+
+    (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved (Narayanan et al. 2021).
+    """
     return (pp - 1) / (virtual_stages * num_microbatches)
 
 

@@ -63,7 +63,8 @@ class Config:
         schedule = self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (
             f"tp {self.tp} pp {self.pp} dp {self.dp}, micro-batch {self.micro_batch} x {self.num_microbatches}, "
-            f"{schedule}, recompute {self.recompute}, ZeRO {self.zero}, SP {'on' if self.sequence_parallel else 'off'}, "
+            f"{schedule}, recompute {self.recompute}, ZeRO {self.zero}, "
+            f"SP {'on' if self.sequence_parallel else 'off'}, "
             f"order {','.join(self.order)}"
         )
 

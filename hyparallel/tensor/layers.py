@@ -92,7 +92,10 @@ class ColumnParallelLinear(nn.Module):
 
 
 def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
-    """Where replicated activations enter split compute: all-gather the sequence (SP) or copy (gradients all-reduced)."""
+    """Where replicated activations enter split compute.
+
+    All-gather the sequence (SP) or copy (gradients all-reduced).
+    """
     return all_gather_seq(x, SEQ_DIM, group) if sequence_parallel else copy_to_tp(x, group)
 
 

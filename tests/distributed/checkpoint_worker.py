@@ -1,9 +1,9 @@
 """Checkpoint worker: `torchrun --nproc_per_node 4 tests/distributed/checkpoint_worker.py OUT DIR`.
 
 Trains gpt-tiny 2 AdamW steps under dp 2 x tp 2 with ZeRO 1 (FSDP shards over dp, tensor-parallel slices),
-saves asynchronously while it trains a third step, then loads into a fresh model and optimizer under tp 2 x pp 2 (1F1B) and compares every parameter
-and every AdamW moment with single-device training after 2 steps; then both plans take step 3 and are
-compared again. Rank 0 writes one JSON line.
+saves asynchronously while it trains a third step, then loads into a fresh model and optimizer under tp 2 x pp 2
+(1F1B) and compares every parameter and every AdamW moment with single-device training after 2 steps; then both
+plans take step 3 and are compared again. Rank 0 writes one JSON line.
 """
 
 from __future__ import annotations

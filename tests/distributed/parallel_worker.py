@@ -165,7 +165,11 @@ def compare(
         what = "gradient of " if of_grads else ""
         assert of_grads or relative <= RTOL, f"{what}{pname}: relative error {relative:.2e} > {RTOL}"
         torch.testing.assert_close(
-            got, want, rtol=RTOL, atol=GRAD_ATOL if of_grads else PARAM_ATOL, msg=lambda m: f"{what}{pname}: {m}"
+            got,
+            want,
+            rtol=RTOL,
+            atol=GRAD_ATOL if of_grads else PARAM_ATOL,
+            msg=lambda m, what=what, pname=pname: f"{what}{pname}: {m}",
         )
         checked.append(pname)
     return checked, worst
@@ -253,7 +257,11 @@ def run_recompute_case(name: str) -> dict:
         assert abs(losses[recompute] - losses["none"]) <= RTOL * abs(losses["none"]), (recompute, losses)
         for pname, grad in grads[recompute].items():
             torch.testing.assert_close(
-                grad, grads["none"][pname], rtol=RTOL, atol=GRAD_ATOL, msg=lambda m: f"{recompute}: {pname}: {m}"
+                grad,
+                grads["none"][pname],
+                rtol=RTOL,
+                atol=GRAD_ATOL,
+                msg=lambda m, recompute=recompute, pname=pname: f"{recompute}: {pname}: {m}",
             )
         worst[recompute] = max(
             ((g - grads["none"][n]).norm() / grads["none"][n].norm().clamp_min(1e-12)).item()

@@ -120,7 +120,7 @@ def run_awkward(kind: str, group) -> dict:
     worst_abs, checked = 0.0, []
     for pname, param in runtime.named_parameters():
         torch.testing.assert_close(
-            param.grad, ref_grads[pname].grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{pname}: {m}"
+            param.grad, ref_grads[pname].grad, rtol=RTOL, atol=ATOL, msg=lambda m, pname=pname: f"{pname}: {m}"
         )
         worst_abs = max(worst_abs, (param.grad - ref_grads[pname].grad).abs().max().item())
         checked.append(pname)
@@ -177,7 +177,9 @@ def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
 
     worst_abs, checked = 0.0, []
     for pname, param in runtime.named_parameters():
-        torch.testing.assert_close(param.grad, ref_grads[pname], rtol=RTOL, atol=ATOL, msg=lambda m: f"{pname}: {m}")
+        torch.testing.assert_close(
+            param.grad, ref_grads[pname], rtol=RTOL, atol=ATOL, msg=lambda m, pname=pname: f"{pname}: {m}"
+        )
         worst_abs = max(worst_abs, (param.grad - ref_grads[pname]).abs().max().item())
         checked.append(pname)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=0)

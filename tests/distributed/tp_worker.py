@@ -34,7 +34,10 @@ NO_DROPOUT = "resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
 MODELS = {
     "gpt": "gpt-tiny",
     "llama": "llama-tiny",  # 4 query heads, 2 key/value heads: replicated at tp=4
-    "hf-gpt2": f"hf:GPT2LMHeadModel n_layer=2 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 eos_token_id=0 {NO_DROPOUT}",
+    "hf-gpt2": (
+        "hf:GPT2LMHeadModel n_layer=2 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 eos_token_id=0 "
+        f"{NO_DROPOUT}"
+    ),
     "hf-llama": (
         "hf:LlamaForCausalLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
         "intermediate_size=128 vocab_size=122 max_position_embeddings=64 bos_token_id=0 eos_token_id=0"
@@ -120,7 +123,9 @@ def run_case(
         if type(reference.get_submodule(owner_path)).__name__ == "Conv1D":
             expected = expected.t()  # compared in nn.Linear layout
         local = expected_local(owner, leaf, expected)
-        torch.testing.assert_close(param.grad, local, rtol=RTOL, atol=ATOL, msg=lambda m: f"{param_name}: {m}")
+        torch.testing.assert_close(
+            param.grad, local, rtol=RTOL, atol=ATOL, msg=lambda m, param_name=param_name: f"{param_name}: {m}"
+        )
         if isinstance(owner, (ColumnParallelLinear, RowParallelLinear)) and leaf == "weight":
             split_bytes += param.numel() * param.element_size()
             full_bytes += expected.numel() * expected.element_size()

@@ -250,7 +250,9 @@ def test_bias_dropout_residual_without_dropout_is_exact_in_fp32(shape, with_bias
         bias = randn(shape[-1], dtype=torch.float32, seed=2)
     expected = x + bias + residual if with_bias else x + residual
     for p, training in [(0.0, True), (0.5, False)]:
-        out, grads = run_with_grads(lambda *a: bias_dropout_residual(a[0], a[1], a[2], p, training), x, bias, residual)
+        out, grads = run_with_grads(
+            lambda *a, p=p, training=training: bias_dropout_residual(a[0], a[1], a[2], p, training), x, bias, residual
+        )
         assert torch.equal(out, expected)
         grad_out = randn(*shape, dtype=torch.float32, seed=99)
         assert torch.equal(grads[0], grad_out) and torch.equal(grads[-1], grad_out)
