@@ -237,7 +237,7 @@ class ParallelModel:
         self.tp_info = self._tensor_parallel()
         self.pipeline = None
         if par.pp > 1:
-            from hyparallel.pipeline import PipelineRuntime
+            from hyparallel.pipeline.runtime import PipelineRuntime
 
             self.pipeline = PipelineRuntime.from_plan(
                 model,
