@@ -478,10 +478,10 @@ class ParallelModel:
             return (self._ddp or self.module)(*args, **kwargs)
 
     def _accumulate(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
-        from hyparallel.pipeline.runtime import _chunk_tree
+        from hyparallel.pipeline.runtime import chunk_tree
 
         m = self.plan.num_microbatches
-        pieces, goals = _chunk_tree(inputs, m), _chunk_tree(targets, m)
+        pieces, goals = chunk_tree(inputs, m), chunk_tree(targets, m)
         runner = self._ddp or self.module
         total = torch.zeros((), device=self.device)
         for index, (piece, goal) in enumerate(zip(pieces, goals)):

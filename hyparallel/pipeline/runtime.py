@@ -218,7 +218,7 @@ class PipelineRuntime:
         flat = self.split.flatten_inputs(inputs)
         self._inputs = _chunk_each(flat, m, "inputs")
         self.split.check_microbatch(self._inputs[0])
-        self._targets = _chunk_tree(targets, m)
+        self._targets = chunk_tree(targets, m)
         shapes = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in self._inputs[0])
         self._key = (shapes, torch.is_grad_enabled())  # eval_step's forwards carry no requires_grad: their own header
         self._received: dict[tuple[int, int], list[Any]] = {}  # flat leaves of what a stage received
@@ -512,7 +512,13 @@ def _chunk_each(flat: list[Any], m: int, what: str) -> list[list[Any]]:
     return [[p[i] for p in pieces] for i in range(m)]
 
 
-def _chunk_tree(tree: Any, m: int) -> list[Any]:
+def chunk_tree(tree: Any, m: int) -> list[Any]:
+    """``tree`` (a tensor, or a tuple, list or dict of them) as ``m`` micro-batches of the same structure.
+
+    Every tensor leaf with a dim 0 is split along it into ``m`` equal parts; other leaves (0-d tensors, Python
+    values) go to each micro-batch.
+    Raises ConfigError when a tensor's rows do not split evenly.
+    """
     leaves, spec = tree_flatten(tree)
     return [tree_unflatten(chunk, spec) for chunk in _chunk_each(leaves, m, "targets")]
 
