@@ -16,7 +16,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from hyparallel.errors import ConfigError
-from hyparallel.pipeline.schedule import Action, ScheduleKind, lower, schedule
+from hyparallel.pipeline.schedule import Action, ActionKind, ScheduleKind, lower, schedule
 from hyparallel.pipeline.split import PipelineSplit, Stage, split_model
 from hyparallel.schema import Plan
 
@@ -256,7 +256,7 @@ class PipelineRuntime:
                     upcoming = upcoming_receive[index]
                     if upcoming is not None and upcoming not in step.posted and self._header_known(step, upcoming):
                         step.posted[upcoming] = self._post_recv(step, upcoming)
-                getattr(self, f"_{action.kind.lower()}")(step, action)
+                _HANDLERS[action.kind](self, step, action)
                 self.last_order.append(str(action))
                 peak = max(peak, len(step.outputs))  # micro-batches whose activations this rank holds
             for works in step.sends.values():
@@ -482,6 +482,34 @@ class PipelineRuntime:
             loss = loss.to(torch.float32).contiguous()
             dist.broadcast(loss, src=dist.get_global_rank(self.group, last_rank), group=self.group)
         return loss
+
+
+# Note [action handlers]
+# Each kind of action has one handler, (runtime, step, action) -> None, in one table built at import, where
+# it is checked to cover ActionKind exactly: a new kind of action fails the import, not a step.
+_Handler = Callable[[PipelineRuntime, _Step, Action], None]
+
+
+def _covering(handlers: Mapping[str, _Handler]) -> dict[str, _Handler]:
+    """``handlers``, checked to have one entry for each kind in ``ActionKind`` and no other."""
+    kinds = get_args(ActionKind)
+    missing = [kind for kind in kinds if kind not in handlers]
+    unknown = [kind for kind in handlers if kind not in kinds]
+    if missing or unknown:
+        raise TypeError(f"the runtime's action handlers lack {missing} and have unknown kinds {unknown}")
+    return dict(handlers)
+
+
+_HANDLERS = _covering(
+    {
+        "F": PipelineRuntime._f,
+        "B": PipelineRuntime._b,
+        "SEND_F": PipelineRuntime._send_f,
+        "RECV_F": PipelineRuntime._recv_f,
+        "SEND_B": PipelineRuntime._send_b,
+        "RECV_B": PipelineRuntime._recv_b,
+    }
+)
 
 
 def loss_fn_checked(loss_fn: LossFn, output: Any, targets: Any) -> torch.Tensor:
