@@ -34,7 +34,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import hyparallel as hp
-from hyparallel.pipeline import PipelineRuntime, split_model
+from hyparallel.pipeline import split_model
+from hyparallel.pipeline.runtime import PipelineRuntime
 from hyparallel.tensor.init import materialize_
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}

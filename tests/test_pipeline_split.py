@@ -17,7 +17,8 @@ from torch import nn
 
 import hyparallel as hp
 from hyparallel.errors import ConfigError
-from hyparallel.pipeline import PipelineRuntime, split_model
+from hyparallel.pipeline import split_model
+from hyparallel.pipeline.runtime import PipelineRuntime
 from hyparallel.tensor.init import materialize_
 
 from .conftest import assert_every_parameter_compared

@@ -1,6 +1,10 @@
-"""Pipeline parallelism: stage splitting (``split``), the schedule IR (``schedule``), the runtime (``runtime``)."""
+"""Pipeline parallelism: stage splitting (``split``), the schedule IR (``schedule``), the runtime (``runtime``).
 
-from hyparallel.pipeline.runtime import PipelineRuntime
+The package does not import the runtime (torch.distributed point-to-point): ``hyparallel simulate`` needs
+only the schedule and the timeline. Import it from its module:
+``from hyparallel.pipeline.runtime import PipelineRuntime``.
+"""
+
 from hyparallel.pipeline.schedule import (
     Action,
     SimulationResult,
@@ -16,7 +20,6 @@ from hyparallel.pipeline.split import PipelineSplit, Stage, StageIO, split_model
 
 __all__ = [
     "Action",
-    "PipelineRuntime",
     "PipelineSplit",
     "SimulationResult",
     "Stage",

@@ -7,15 +7,16 @@
 
 The runtime walks exactly the list of actions ``lower(schedule(...))`` gives this rank (the list the
 simulator runs; ``last_order`` records what ran). Sends are non-blocking and buffered (gloo), which
-is what the simulator assumes; receives wait. See Note [transfers] for what travels and how.
+is what the simulator assumes; receives wait. See Note [transfers] for what travels and how, and
+Note [one step's state] for what a step keeps.
 """
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from hyparallel.errors import ConfigError
-from hyparallel.pipeline.schedule import Action, ScheduleKind, lower, schedule
+from hyparallel.pipeline.schedule import Action, ActionKind, ScheduleKind, lower, schedule
 from hyparallel.pipeline.split import PipelineSplit, Stage, split_model
 from hyparallel.schema import Plan
 
@@ -57,6 +58,38 @@ class _Entry:
     @property
     def is_tensor(self) -> bool:
         return self.shape is not None
+
+
+# Note [one step's state]
+# What a step builds (its micro-batches, what each stage received and produced, gradients on their way,
+# the sends and receives in flight) lives in one _Step: _run creates it and hands it to each action's
+# handler, so none of it outlives the step. What the runtime keeps across steps is only what steps share:
+# the negotiated headers and tree specs (Note [transfers]), last_order and peak_inflight. A failing
+# step's traceback still holds its _Step, so _run drops its tensors on the way out, even then.
+
+
+@dataclass
+class _Step:
+    """One step's state (Note [one step's state]); keys ``(stage, micro-batch)`` unless said otherwise."""
+
+    inputs: list[list[Any]]  # per micro-batch, the flat user inputs
+    targets: list[Any]  # per micro-batch
+    key: tuple[Any, bool]  # (input shapes, grad mode): eval_step's forwards carry no requires_grad, their own header
+    loss_fn: LossFn
+    received: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # flat leaves of what a stage received
+    outputs: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # what it produced (the last: its loss)
+    grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # of its outputs
+    input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # of what it received
+    losses: list[torch.Tensor] = field(default_factory=list)  # detached, in the order the last stage ran
+    sends: dict[tuple[int, str, int], list[Any]] = field(default_factory=dict)  # (stage, F/B, micro-batch)
+    posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = field(default_factory=dict)  # early receives
+
+    def release(self) -> None:
+        """Drop every tensor of the step but its (detached) losses."""
+        for part in (self.inputs, self.targets, self.received, self.outputs, self.grads, self.input_grads):
+            part.clear()
+        self.sends.clear()  # a failed step's sends and early receives: dropped, not waited for
+        self.posted.clear()
 
 
 class PipelineRuntime:
@@ -202,159 +235,156 @@ class PipelineRuntime:
         micro-batches), and every rank gets that mean loss back.
         """
         tied_before = self._tied_grads_before()
-        self._run(self.program, inputs, targets, loss_fn)
+        losses = self._run(self.program, inputs, targets, loss_fn)
         self._sync_tied_grads(tied_before)
-        return self._mean_loss()
+        return self._mean_loss(losses)
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         """The mean loss of a batch without gradients: the schedule's forwards only, on every rank."""
         forwards = [a for a in self.program if a.kind in ("F", "SEND_F", "RECV_F")]
-        self._run(forwards, inputs, targets, loss_fn)
-        return self._mean_loss()
+        return self._mean_loss(self._run(forwards, inputs, targets, loss_fn))
 
-    def _run(self, program: list[Action], inputs: Any, targets: Any, loss_fn: LossFn) -> None:
-        m = self.num_microbatches
-        flat = self.split.flatten_inputs(inputs)
-        self._inputs = _chunk_each(flat, m, "inputs")
-        self.split.check_microbatch(self._inputs[0])
-        self._targets = chunk_tree(targets, m)
-        shapes = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in self._inputs[0])
-        self._key = (shapes, torch.is_grad_enabled())  # eval_step's forwards carry no requires_grad: their own header
-        self._received: dict[tuple[int, int], list[Any]] = {}  # flat leaves of what a stage received
-        self._outputs: dict[tuple[int, int], list[Any]] = {}  # flat leaves of what it produced (the last: its loss)
-        self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._losses: list[torch.Tensor] = []
-        self._sends: dict[tuple[int, str, int], list[Any]] = {}
-        self._loss_fn = loss_fn
-        self._posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = {}
+    def _run(self, program: list[Action], inputs: Any, targets: Any, loss_fn: LossFn) -> list[torch.Tensor]:
+        """Execute ``program`` over one batch; the last stage's micro-batch losses (none on other ranks)."""
+        step = self._new_step(inputs, targets, loss_fn)
         self.last_order, self.peak_inflight, peak = [], 0.0, 0
         upcoming_receive = _next_receives(program)
         try:
             for index, action in enumerate(program):
                 if action.is_compute:  # let the next receive land while this computes (Note [transfers])
                     upcoming = upcoming_receive[index]
-                    if upcoming is not None and upcoming not in self._posted and self._header_known(upcoming):
-                        self._posted[upcoming] = self._post_recv(upcoming)
-                getattr(self, f"_{action.kind.lower()}")(action)
+                    if upcoming is not None and upcoming not in step.posted and self._header_known(step, upcoming):
+                        step.posted[upcoming] = self._post_recv(step, upcoming)
+                _HANDLERS[action.kind](self, step, action)
                 self.last_order.append(str(action))
-                peak = max(peak, len(self._outputs))  # micro-batches whose activations this rank holds
-            for works in self._sends.values():
+                peak = max(peak, len(step.outputs))  # micro-batches whose activations this rank holds
+            for works in step.sends.values():
                 for work in works:
                     work.wait()
-        finally:  # nothing of this step outlives it, even when it fails
-            self._inputs = self._targets = self._received = self._outputs = self._grads = self._input_grads = None
-            self._sends, self._posted = {}, {}
+        finally:  # nothing of this step outlives it, even when it fails (Note [one step's state])
+            step.release()
         self.peak_inflight = peak / self.virtual_stages
+        return step.losses
+
+    def _new_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> _Step:
+        """A step's state: ``inputs`` and ``targets`` cut into micro-batches, the first checked against the split."""
+        m = self.num_microbatches
+        flat = self.split.flatten_inputs(inputs)
+        chunks = _chunk_each(flat, m, "inputs")
+        self.split.check_microbatch(chunks[0])
+        targets_per_microbatch = chunk_tree(targets, m)
+        shapes = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in chunks[0])
+        return _Step(chunks, targets_per_microbatch, (shapes, torch.is_grad_enabled()), loss_fn)
 
     # ---- compute ---------------------------------------------------------------------------------
 
-    def _f(self, a: Action) -> None:
+    def _f(self, step: _Step, a: Action) -> None:
         stage = self.stages[a.stage]
-        received = tree_unflatten(self._take_forward(a), self._specs[a.stage - 1, self._key]) if a.stage > 0 else ()
-        output = self.stage_call(stage, self._inputs[a.microbatch], received)
+        received = ()
+        if a.stage > 0:
+            received = tree_unflatten(self._take_forward(step, a), self._specs[a.stage - 1, step.key])
+        output = self.stage_call(stage, step.inputs[a.microbatch], received)
         if stage.is_last:
-            loss = loss_fn_checked(self._loss_fn, output, self._targets[a.microbatch])
-            self._losses.append(loss.detach())
-            self._outputs[a.stage, a.microbatch] = [loss / self.num_microbatches]
+            loss = loss_fn_checked(step.loss_fn, output, step.targets[a.microbatch])
+            step.losses.append(loss.detach())
+            step.outputs[a.stage, a.microbatch] = [loss / self.num_microbatches]
             return
         leaves, spec = tree_flatten(output)  # a tuple of values, some of them tuples of tensors themselves
-        self._specs.setdefault((a.stage, self._key), spec)
-        self._outputs[a.stage, a.microbatch] = leaves
+        self._specs.setdefault((a.stage, step.key), spec)
+        step.outputs[a.stage, a.microbatch] = leaves
 
-    def _b(self, a: Action) -> None:
+    def _b(self, step: _Step, a: Action) -> None:
         key = (a.stage, a.microbatch)
-        outputs = self._outputs.pop(key)
+        outputs = step.outputs.pop(key)
         if self.before_backward is not None:
             self.before_backward(self.stages[a.stage], a == self._last_backward[a.stage])
-        for work in self._sends.pop((a.stage, "F", a.microbatch), ()):
+        for work in step.sends.pop((a.stage, "F", a.microbatch), ()):
             work.wait()  # long done (its gradient came back): drop the reference to the sent activation
         if a.stage == self.num_stages - 1:
             outputs[0].backward()
         else:
             needs_grad = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
-            grads = self._grads.pop(key)  # one per output that requires grad, in order
+            grads = step.grads.pop(key)  # one per output that requires grad, in order
             if needs_grad:
                 torch.autograd.backward(needs_grad, grads)
-        received = self._received.pop(key, [])
+        received = step.received.pop(key, [])
         input_grads = [
             t.grad if t.grad is not None else torch.zeros_like(t)
             for t in received
             if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         if a.stage > 0 and (a.stage - 1) % self.pp == self.rank:  # previous stage on this rank: hand over in memory
-            self._grads[a.stage - 1, a.microbatch] = input_grads
+            step.grads[a.stage - 1, a.microbatch] = input_grads
         elif a.stage > 0:
-            self._input_grads[key] = input_grads
+            step.input_grads[key] = input_grads
 
     # ---- transfers -------------------------------------------------------------------------------
 
-    def _take_forward(self, a: Action) -> list[Any]:
+    def _take_forward(self, step: _Step, a: Action) -> list[Any]:
         key = (a.stage, a.microbatch)
-        if key not in self._received:  # previous stage on this rank (pp == 1): its outputs, cut from its graph
-            self._received[key] = [_leaf(v) for v in self._outputs[a.stage - 1, a.microbatch]]
-        return self._received[key]
+        if key not in step.received:  # previous stage on this rank (pp == 1): its outputs, cut from its graph
+            step.received[key] = [_leaf(v) for v in step.outputs[a.stage - 1, a.microbatch]]
+        return step.received[key]
 
-    def _send_f(self, a: Action) -> None:
-        values = self._outputs[a.stage, a.microbatch]
+    def _send_f(self, step: _Step, a: Action) -> None:
+        values = step.outputs[a.stage, a.microbatch]
         entries = [
             _Entry(tuple(v.shape), v.dtype, v.requires_grad)
             if isinstance(v, torch.Tensor)
             else _Entry(None, None, value=v)
             for v in values
         ]
-        header_key = (a.stage, self._key)
+        header_key = (a.stage, step.key)
         if header_key not in self._headers:
             self._headers[header_key] = entries
             self._send_header((self._specs[header_key], entries), a)
         elif entries != self._headers[header_key]:
             raise RuntimeError(
                 f"stage {a.stage} now hands on {_describe(entries)} but negotiated "
-                f"{_describe(self._headers[header_key])} "
-                "on the first step with these input shapes: a value between stages changed with the data, or "
-                "parameters were frozen or unfrozen after the first step "
-                "(set requires_grad before it, or build a new runtime)"
+                f"{_describe(self._headers[header_key])} on the first step with these input shapes: a value between "
+                "stages changed with the data, or parameters were frozen or unfrozen after the first step (set "
+                "requires_grad before it, or build a new runtime)"
             )
         tensors = [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
-        self._sends[a.stage, "F", a.microbatch] = self._isend(tensors, a)
+        step.sends[a.stage, "F", a.microbatch] = self._isend(tensors, a)
 
-    def _recv_f(self, a: Action) -> None:
-        header_key = (a.stage - 1, self._key)
+    def _recv_f(self, step: _Step, a: Action) -> None:
+        header_key = (a.stage - 1, step.key)
         if header_key not in self._headers:
             self._specs[header_key], self._headers[header_key] = self._recv_header(a)
-        buffers = self._wait_recv(a)
+        buffers = self._wait_recv(step, a)
         received, it = [], iter(buffers)
         for e in self._headers[header_key]:
             received.append(next(it).requires_grad_(e.requires_grad) if e.is_tensor else e.value)
-        self._received[a.stage, a.microbatch] = received
+        step.received[a.stage, a.microbatch] = received
 
-    def _header_known(self, a: Action) -> bool:
-        return ((a.stage - 1 if a.kind == "RECV_F" else a.stage), self._key) in self._headers
+    def _header_known(self, step: _Step, a: Action) -> bool:
+        return ((a.stage - 1 if a.kind == "RECV_F" else a.stage), step.key) in self._headers
 
-    def _post_recv(self, a: Action) -> tuple[list[torch.Tensor], list[Any]]:
+    def _post_recv(self, step: _Step, a: Action) -> tuple[list[torch.Tensor], list[Any]]:
         """Allocate and post the receives of ``a`` (RECV_F: the values; RECV_B: gradients of those needing one)."""
         if a.kind == "RECV_F":
-            entries = [e for e in self._headers[a.stage - 1, self._key] if e.is_tensor]
+            entries = [e for e in self._headers[a.stage - 1, step.key] if e.is_tensor]
         else:
-            entries = [e for e in self._headers[a.stage, self._key] if e.is_tensor and e.requires_grad]
+            entries = [e for e in self._headers[a.stage, step.key] if e.is_tensor and e.requires_grad]
         buffers = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in entries]
         peer = self._peer(a)
         ops = [dist.P2POp(dist.irecv, t, peer, self.group, self._tag(a, 2 + i)) for i, t in enumerate(buffers)]
         return buffers, dist.batch_isend_irecv(ops) if ops else []
 
-    def _wait_recv(self, a: Action) -> list[torch.Tensor]:
-        buffers, works = self._posted.pop(a) if a in self._posted else self._post_recv(a)
+    def _wait_recv(self, step: _Step, a: Action) -> list[torch.Tensor]:
+        buffers, works = step.posted.pop(a) if a in step.posted else self._post_recv(step, a)
         for work in works:
             work.wait()
         return buffers
 
-    def _send_b(self, a: Action) -> None:
-        grads = [g.contiguous() for g in self._input_grads.pop((a.stage, a.microbatch))]
-        self._sends[a.stage, "B", a.microbatch] = self._isend(grads, a)
+    def _send_b(self, step: _Step, a: Action) -> None:
+        grads = [g.contiguous() for g in step.input_grads.pop((a.stage, a.microbatch))]
+        step.sends[a.stage, "B", a.microbatch] = self._isend(grads, a)
 
-    def _recv_b(self, a: Action) -> None:
-        self._grads[a.stage, a.microbatch] = self._wait_recv(a)
+    def _recv_b(self, step: _Step, a: Action) -> None:
+        step.grads[a.stage, a.microbatch] = self._wait_recv(step, a)
 
     def _peer(self, a: Action) -> int:
         peer_rank = a.peer % self.pp
@@ -444,13 +474,42 @@ class PipelineRuntime:
             else:
                 _local(param.grad).copy_(total)
 
-    def _mean_loss(self) -> torch.Tensor:
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch ``losses``, broadcast from its rank to the whole pipeline."""
         last_rank = (self.num_stages - 1) % self.pp
-        loss = torch.stack(self._losses).mean() if self._losses else torch.zeros((), device=self.device)
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         if self.group is not None and self.pp > 1:
             loss = loss.to(torch.float32).contiguous()
             dist.broadcast(loss, src=dist.get_global_rank(self.group, last_rank), group=self.group)
         return loss
+
+
+# Note [action handlers]
+# Each kind of action has one handler, (runtime, step, action) -> None, in one table built at import, where
+# it is checked to cover ActionKind exactly: a new kind of action fails the import, not a step.
+_Handler = Callable[[PipelineRuntime, _Step, Action], None]
+
+
+def _covering(handlers: Mapping[str, _Handler]) -> dict[str, _Handler]:
+    """``handlers``, checked to have one entry for each kind in ``ActionKind`` and no other."""
+    kinds = get_args(ActionKind)
+    missing = [kind for kind in kinds if kind not in handlers]
+    unknown = [kind for kind in handlers if kind not in kinds]
+    if missing or unknown:
+        raise TypeError(f"the runtime's action handlers lack {missing} and have unknown kinds {unknown}")
+    return dict(handlers)
+
+
+_HANDLERS = _covering(
+    {
+        "F": PipelineRuntime._f,
+        "B": PipelineRuntime._b,
+        "SEND_F": PipelineRuntime._send_f,
+        "RECV_F": PipelineRuntime._recv_f,
+        "SEND_B": PipelineRuntime._send_b,
+        "RECV_B": PipelineRuntime._recv_b,
+    }
+)
 
 
 def loss_fn_checked(loss_fn: LossFn, output: Any, targets: Any) -> torch.Tensor:
@@ -515,7 +574,12 @@ def _chunk_each(flat: list[Any], m: int, what: str) -> list[list[Any]]:
 
 
 def chunk_tree(tree: Any, m: int) -> list[Any]:
-    """Split every tensor of ``tree`` along dim 0 into ``m`` equal micro-batches (each a tree like ``tree``)."""
+    """``tree`` (a tensor, or a tuple, list or dict of them) as ``m`` micro-batches of the same structure.
+
+    Every tensor leaf with a dim 0 is split along it into ``m`` equal parts; other leaves (0-d tensors, Python
+    values) go to each micro-batch.
+    Raises ConfigError when a tensor's rows do not split evenly.
+    """
     leaves, spec = tree_flatten(tree)
     return [tree_unflatten(chunk, spec) for chunk in _chunk_each(leaves, m, "targets")]
 

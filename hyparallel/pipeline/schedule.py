@@ -258,10 +258,10 @@ class SimulationResult:
 # The simulator runs in lock-step rounds. Each round first lets every rank run the sends and receives at
 # the head of its list (they take no time: sends are buffered and never wait for the receiver, a receive
 # waits only for its matching send), then every rank whose next action is an F or B with its inputs done
-# runs it. Inputs: F of s > 0 needs F of s - 1 (same micro-batch); B of s needs F of s, and B of s + 1
-# unless s is last; a send needs the compute it sends. A compute action finishes at the end of its round,
-# so nothing it produces is used in the same round: with unit-time F and B, a lowered schedule and its
-# compute-only form take the same number of steps. A round in which nothing at all can run while
+# runs it. Inputs (`needs`): F of s > 0 needs F of s - 1 (same micro-batch); B of s needs F of s, and
+# B of s + 1 unless s is last; a send needs the compute it sends. A compute action finishes at the end of
+# its round, so nothing it produces is used in the same round: with unit-time F and B, a lowered schedule
+# and its compute-only form take the same number of steps. A round in which nothing at all can run while
 # actions remain is a deadlock: it is reported, with each rank's blocked action, never raised.
 
 
@@ -311,15 +311,27 @@ def simulate(actions: Mapping[int, Sequence[Action]], pp: int, virtual_stages: i
     return SimulationResult(steps, order, _per_rank(peak, virtual_stages), False, {}, timeline)
 
 
-def _inputs_done(a: Action, done: set[tuple[int, str, int]], last: int) -> bool:
+def needs(a: Action, last: int) -> tuple[tuple[int, str, int], ...]:
+    """The keys ``(stage, kind, microbatch)`` of the actions ``a`` waits for; ``last`` is the last virtual stage.
+
+    The one dependency rule of the IR, shared by :func:`simulate` and the timed execution
+    (:func:`hyparallel.pipeline.timeline.run_timed`): an F of stage s > 0 needs the F of s - 1 (same
+    micro-batch); a B of s needs the F of s and, unless s is last, the B of s + 1; a send needs the compute it
+    sends; a receive needs the peer's matching send. F and B wait on F and B keys only (in a lowered list the
+    receive before an F or B orders it), so the rule serves compute-only and lowered lists alike.
+    """
     s, mb = a.stage, a.microbatch
     if a.kind == "F":
-        return s == 0 or (s - 1, "F", mb) in done
+        return ((s - 1, "F", mb),) if s > 0 else ()
     if a.kind == "B":
-        return (s, "F", mb) in done and (s == last or (s + 1, "B", mb) in done)
+        return ((s, "F", mb),) if s == last else ((s, "F", mb), (s + 1, "B", mb))
     if a.kind in ("SEND_F", "SEND_B"):
-        return (s, a.kind[-1], mb) in done
-    return (a.peer, "SEND_" + a.kind[-1], mb) in done  # RECV_F / RECV_B: the peer's matching send
+        return ((s, a.kind[-1], mb),)
+    return ((a.peer, "SEND_" + a.kind[-1], mb),)  # type: ignore[return-value]  # RECV_F / RECV_B: peer is an int
+
+
+def _inputs_done(a: Action, done: set[tuple[int, str, int]], last: int) -> bool:
+    return all(key in done for key in needs(a, last))
 
 
 def _per_rank(peak: dict[int, int], virtual_stages: int) -> dict[int, float]:

@@ -19,7 +19,7 @@ from typing import Literal
 
 from hyparallel.errors import ConfigError
 from hyparallel.limits import MAX_SIMULATED_ACTIONS, MAX_SIMULATED_PP
-from hyparallel.pipeline.schedule import Action, lower, schedule
+from hyparallel.pipeline.schedule import Action, lower, needs, schedule
 from hyparallel.schema import Plan
 
 BlockKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "tail"]
@@ -81,9 +81,9 @@ class Timeline:
 
 # Note [timed execution]
 # Each rank runs its lowered action list in order, keeping its own clock. An F or B starts at the later of
-# the rank's clock and its inputs' completion (F of s needs F of s - 1; B of s needs F of s and, unless s is
-# last, B of s + 1: the same rule as the unit-step simulator) and lasts that stage's forward_s or
-# backward_s. A send costs its rank nothing (sends are buffered, as in the runtime): the data arrives
+# the rank's clock and its inputs' completion (schedule.needs, the unit-step simulator's rule too: F of s
+# needs F of s - 1; B of s needs F of s and, unless s is last, B of s + 1) and lasts that stage's
+# forward_s or backward_s. A send costs its rank nothing (sends are buffered, as in the runtime): the data arrives
 # p2p_s after it is sent. A receive posted at t completes at max(t, arrival). Ranks are advanced in turn
 # until none can move; since every start time is a function of completed actions only, the order in which
 # ranks are advanced does not change any time. A schedule whose ranks all block is reported as a deadlock.
@@ -145,19 +145,11 @@ def run_timed(
 
 
 def _ready_s(a: Action, done: Mapping[tuple[int, str, int], float], last: int) -> float | None:
-    """When ``a``'s inputs are complete, or None if one is not yet."""
-    s, mb = a.stage, a.microbatch
-    if a.kind == "F":
-        needs = [(s - 1, "F", mb)] if s > 0 else []
-    elif a.kind == "B":
-        needs = [(s, "F", mb)] + ([(s + 1, "B", mb)] if s < last else [])
-    elif a.kind.startswith("SEND"):
-        needs = [(s, a.kind[-1], mb)]
-    else:
-        needs = [(a.peer, "SEND_" + a.kind[-1], mb)]  # type: ignore[list-item]
-    if any(key not in done for key in needs):
+    """When ``a``'s inputs (:func:`~hyparallel.pipeline.schedule.needs`) are complete, or None if one is not yet."""
+    waits_for = needs(a, last)
+    if any(key not in done for key in waits_for):
         return None
-    return max((done[key] for key in needs), default=0.0)
+    return max((done[key] for key in waits_for), default=0.0)
 
 
 @dataclass(frozen=True)

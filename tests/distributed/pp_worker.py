@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hyparallel as hp
-from hyparallel.pipeline import PipelineRuntime, lower, schedule, simulate, split_model
+from hyparallel.pipeline import lower, schedule, simulate, split_model
+from hyparallel.pipeline.runtime import PipelineRuntime
 from hyparallel.planner import costs
 from hyparallel.tensor.init import materialize_
 
