@@ -1,35 +1,358 @@
-"""STYLE.md's one-way flow: nothing upstream of the runtime imports torch.distributed."""
+"""The house is built in layers, and imports only go downwards.
+
+    leaf      hyparallel.errors, .limits, ._files, ._yaml, .kernels
+    schema    hyparallel.schema, .cluster
+    model     hyparallel.graph (tracer, ModelGraph, structure), hyparallel.models
+    planner   hyparallel.planner
+    runtime   hyparallel.tensor, hyparallel.pipeline
+    top       hyparallel.parallel, .data_parallel, .checkpoint, the CLI
+
+A plan is made (and shown, and simulated) on a laptop without the runtime, and the runtime applies a plan it
+is given without planning. These tests read hyparallel's own source with ``ast`` and build its import graph:
+an arrow for every ``import``, at module level or inside a function, ``from a import b`` to the module ``a.b``
+when that is a module file, and from every module to its package (``hyparallel.a.b`` cannot load without
+``hyparallel/a/__init__.py``; the root ``hyparallel/__init__.py`` is the facade and is only an arrow when
+imported by name). ``torch.distributed*`` modules are external nodes. Each rule in ``RULES`` says which
+modules must not reach which others, transitively; a failure names every chain that crosses the line. Names
+computed at run time (``import_module(f"...")``) are not seen here; the subprocess tests back that up.
+"""
 
 from __future__ import annotations
 
 import ast
+import json
+import os
 import subprocess
 import sys
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
 
-UPSTREAM = ["planner", "graph", "models", "schema.py", "cluster.py", "_yaml.py", "errors.py"]
+import networkx as nx
+import pytest
+
+PACKAGE = "hyparallel"
+RUNTIME = (
+    "hyparallel.tensor",
+    "hyparallel.pipeline",
+    "hyparallel.parallel",
+    "hyparallel.data_parallel",
+    "hyparallel.checkpoint",
+)
+SCHEMA = ("hyparallel.schema", "hyparallel.cluster", "hyparallel._yaml", "hyparallel._files", "hyparallel.limits")
+LEAF = ("hyparallel.errors", "hyparallel.kernels")
+DISTRIBUTED = "torch.distributed"
 
 
-def imported_modules(path):
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            yield node.module
-            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+@dataclass(frozen=True)
+class Rule:
+    """The modules under ``sources`` never reach one under ``forbidden`` (unless it is under ``allowed``).
+
+    Every entry names a module and everything under it. ``direct``: only the sources' own imports count.
+    ``optional``: the sources may not exist yet (the rule then skips).
+    """
+
+    name: str
+    sources: tuple[str, ...]
+    forbidden: tuple[str, ...]
+    why: str
+    allowed: tuple[str, ...] = ()
+    direct: bool = False
+    optional: bool = False
 
 
-def test_upstream_code_never_imports_torch_distributed(repo):
-    package = repo / "hyparallel"
-    files = [
-        p
-        for entry in UPSTREAM
-        for p in ((package / entry).rglob("*.py") if (package / entry).is_dir() else [package / entry])
+RULES = [
+    Rule(
+        "graph-and-models-know-neither-planner-nor-runtime",
+        ("hyparallel.graph", "hyparallel.models"),
+        ("hyparallel.planner", *RUNTIME),
+        "the model graph and the zoo are what the planner and the runtime read; they are below both",
+    ),
+    Rule(
+        "planner-never-runs-anything",
+        ("hyparallel.planner",),
+        (*RUNTIME, DISTRIBUTED),
+        "plans are made on one machine without a launch: the planner computes, it imports no runtime",
+    ),
+    Rule(
+        "runtime-never-plans",
+        ("hyparallel.tensor", "hyparallel.pipeline"),
+        ("hyparallel.planner",),
+        "the runtime applies the plan it is given; what it shares with the planner lives below both",
+    ),
+    Rule(
+        "schema-knows-no-runtime",
+        (*SCHEMA, "hyparallel.errors"),
+        (*RUNTIME, DISTRIBUTED),
+        "plan and cluster files are read, checked and written without the runtime",
+    ),
+    Rule(
+        "kernels-are-a-leaf",
+        ("hyparallel.kernels",),
+        (PACKAGE,),
+        "the kernels are used by the zoo and the runtime alike, so they import nothing of hyparallel but errors",
+        allowed=("hyparallel.kernels", "hyparallel.errors"),
+        optional=True,
+    ),
+    Rule(
+        "upstream-never-imports-torch-distributed",
+        ("hyparallel.graph", "hyparallel.models", "hyparallel.planner", *SCHEMA, *LEAF),
+        (DISTRIBUTED,),
+        "nothing upstream of the runtime imports torch.distributed itself",
+        direct=True,
+    ),
+]
+
+# What `hyparallel show --model` and `hyparallel simulate` must not load; `import torch` itself loads
+# torch.distributed and torch.distributed.device_mesh, so those are not watched.
+RUNTIME_MODULES = [
+    "hyparallel.parallel",
+    "hyparallel.pipeline.runtime",
+    "hyparallel.tensor.apply",
+    "hyparallel.tensor.layers",
+    "hyparallel.tensor.collectives",
+    "hyparallel.data_parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.pipelining",
+]
+PLAN = "configs/plans/cpu-dp2-tp2-pp2.yaml"
+COMMANDS = {
+    "show-model": ["show", "{plan}", "--model", "gpt-tiny"],
+    "simulate": ["simulate", "{plan}"],
+    "simulate-picture": ["simulate", "{plan}", "--out", "{tmp}/timeline.png"],
+}
+
+# Runs hyparallel.cli.main in-process, then writes which watched modules hyparallel loaded and through which of
+# its modules. A first load is hyparallel's when a hyparallel module is among the modules being executed for it,
+# or the function whose import statement started them is hyparallel's: torch's own lazy imports are not (a
+# model's first parameter made on the meta device goes through torch._compile, whose torch._dynamo loads
+# torch.distributed.fsdp and torch.distributed.tensor). An import statement in a hyparallel module naming a
+# watched module counts even when torch loaded that module before.
+DRIVER = r"""
+import builtins, importlib.util, json, sys
+
+watched, argv, result = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+loaded = {}
+
+
+def ours(module):
+    return module == "hyparallel" or module.startswith("hyparallel.")
+
+
+def note(name, chain):
+    for module in watched:
+        if (name == module or name.startswith(module + ".")) and module not in loaded:
+            loaded[module] = [*[m for m in chain if ours(m)], module]
+
+
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        chain, frame = [], sys._getframe(1)
+        while frame is not None:  # the modules being executed, out to the function whose import started them
+            module = frame.f_globals.get("__name__", "")
+            if frame.f_code is not watching_import.__code__ and module.partition(".")[0] != "importlib":
+                if module not in chain:
+                    chain.append(module)
+                if frame.f_code.co_name != "<module>":
+                    break
+            frame = frame.f_back
+        if any(map(ours, chain)):
+            note(name, chain[::-1])
+        return None
+
+
+def watching_import(name, globals=None, locals=None, fromlist=(), level=0):
+    imported = real_import(name, globals, locals, fromlist, level)  # a first load notes its longer chain
+    importer = (globals or {}).get("__name__", "")
+    if ours(importer):
+        base = importlib.util.resolve_name("." * level + name, globals.get("__package__")) if level else name
+        for target in (base, *(f"{base}.{item}" for item in fromlist or ())):
+            note(target, [importer])
+    return imported
+
+
+real_import, builtins.__import__ = builtins.__import__, watching_import
+sys.meta_path.insert(0, Watch())
+import hyparallel
+from hyparallel.cli import main
+
+try:
+    code = main(argv)
+except SystemExit as exc:
+    code = exc.code
+with open(result, "w") as out:
+    json.dump({"code": code or 0, "loaded": loaded, "package": hyparallel.__file__}, out)
+"""
+
+# --- the import graph ---------------------------------------------------------------------------------------
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """hyparallel's modules by dotted name: ``hyparallel/a/b.py`` is ``hyparallel.a.b``, a package its ``__init__``."""
+    files = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        files[".".join(parts)] = path
+    return files
+
+
+def under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def imported(node: ast.AST, module: str, is_package: bool, modules) -> list[str]:
+    """The modules one ``import`` statement (or ``import_module("...")`` call) loads, as far as the graph cares."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: from the module's package, one level up per extra dot
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            source = ".".join(base + ([node.module] if node.module else []))
+        else:
+            source = node.module or ""
+        names = [f"{source}.{alias.name}" for alias in node.names]
+        if source == "torch":  # from torch import distributed
+            return [name for name in names if under(name, [DISTRIBUTED])]
+        found = [name for name in names if name in modules]
+        return found + ([source] if len(found) < len(names) else [])
+    if (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", None)) in ("import_module", "__import__")
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
+        return [node.args[0].value]
+    return []
+
+
+def build_import_graph(root: Path) -> nx.DiGraph:
+    """hyparallel's modules and the torch.distributed modules they import; an edge's ``where`` is the line."""
+    files = module_files(root)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(files, external=False)
+    for module, path in files.items():
+        parent = module.rpartition(".")[0]
+        if parent and parent != PACKAGE:
+            graph.add_edge(module, parent, where=f"{parent} loads first")
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in sorted(ast.walk(tree), key=lambda n: getattr(n, "lineno", 0)):
+            for target in imported(node, module, path.name == "__init__.py", files):
+                if under(target, [PACKAGE]) or under(target, [DISTRIBUTED]):
+                    if target != module and not graph.has_edge(module, target):
+                        graph.add_node(target, external=not under(target, [PACKAGE]))
+                        where = f"{path.relative_to(root)}:{node.lineno}"
+                        graph.add_edge(module, target, where=where)
+    return graph
+
+
+def crossings(graph: nx.DiGraph, rule: Rule) -> list[list[str]]:
+    """Every arrow into a forbidden module from where the sources reach, with the shortest chain that gets there.
+
+    The walk stops at the first forbidden module of each chain: what lies behind it is that module's business.
+    """
+
+    def forbidden(name):
+        return under(name, rule.forbidden) and not under(name, rule.allowed)
+
+    sources = sorted(n for n in graph if under(n, rule.sources))
+    parent = dict.fromkeys(sources)
+    queue = deque(sources)
+    chains = []
+    while queue:
+        module = queue.popleft()
+        for target in sorted(graph.successors(module)):
+            if forbidden(target):
+                chain = [target, module]
+                while parent[chain[-1]] is not None:
+                    chain.append(parent[chain[-1]])
+                chains.append(chain[::-1])
+            elif target not in parent and not rule.direct:
+                parent[target] = module
+                queue.append(target)
+    return sorted(chains, key=lambda chain: (len(chain), chain))
+
+
+def describe(graph: nx.DiGraph, chain: list[str]) -> str:
+    arrows = ", ".join(graph.edges[a, b]["where"] for a, b in zip(chain, chain[1:]))
+    return f"  {' -> '.join(chain)}\n      ({arrows})"
+
+
+@pytest.fixture(scope="module")
+def import_graph(repo):
+    return build_import_graph(repo)
+
+
+# --- the rules ----------------------------------------------------------------------------------------------
+
+
+def test_the_import_graph_sees_the_known_arrows(import_graph):
+    """The rules cannot pass vacuously: the layers exist and the graph finds arrows of every kind."""
+    for layer in ("hyparallel.graph", "hyparallel.models", "hyparallel.planner", "hyparallel.schema"):
+        assert any(under(n, [layer]) for n in import_graph), f"no module under {layer}"
+    for layer in ("hyparallel.tensor", "hyparallel.pipeline", "hyparallel.parallel", "hyparallel.cli"):
+        assert any(under(n, [layer]) for n in import_graph), f"no module under {layer}"
+    known = [
+        ("hyparallel.parallel", "torch.distributed"),  # import torch.distributed as dist
+        ("hyparallel.checkpoint", "torch.distributed.checkpoint"),  # import torch.distributed.checkpoint as dcp
+        ("hyparallel.planner.api", "hyparallel.schema"),  # from hyparallel.schema import Plan
+        ("hyparallel.planner.api", "hyparallel.planner.costs"),  # from hyparallel.planner import costs
+        ("hyparallel.cli", "hyparallel.planner"),  # inside a function
+        ("hyparallel.pipeline.schedule", "hyparallel.pipeline"),  # a module's package loads first
     ]
-    assert len(files) >= 8
-    for path in files:
-        bad = [m for m in imported_modules(path) if m.startswith("torch.distributed")]
-        assert not bad, f"{path.relative_to(repo)} imports {bad}"
+    missing = [f"{a} -> {b}" for a, b in known if not import_graph.has_edge(a, b)]
+    assert not missing, f"the import graph misses known arrows: {missing}"
+    assert nx.has_path(import_graph, "hyparallel.cli", "torch.distributed")
+    assert nx.has_path(import_graph, "hyparallel.planner", "hyparallel.errors")
+    assert (
+        not import_graph.nodes["hyparallel.planner"]["external"] and import_graph.nodes["torch.distributed"]["external"]
+    )
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[rule.name for rule in RULES])
+def test_layering_rule(import_graph, rule):
+    sources = [n for n in import_graph if under(n, rule.sources) and not import_graph.nodes[n]["external"]]
+    if not sources:
+        if rule.optional:
+            pytest.skip(f"no module under {', '.join(rule.sources)} yet")
+        pytest.fail(f"rule {rule.name}: no module under {', '.join(rule.sources)}: is the rule out of date?")
+    chains = crossings(import_graph, rule)
+    reach = "import" if rule.direct else "reach"
+    but = f" (but {', '.join(rule.allowed)})" if rule.allowed else ""
+    assert not chains, (
+        f"{', '.join(rule.sources)} must not {reach} {', '.join(rule.forbidden)}{but}: {rule.why}.\n"
+        f"{len(chains)} chain(s) cross the line:\n" + "\n".join(describe(import_graph, c) for c in chains)
+    )
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=list(COMMANDS))
+def test_planning_commands_never_load_the_runtime(repo, tmp_path, command):
+    """`hyparallel show (--model)` and `hyparallel simulate` run without the runtime or torch.distributed's parts."""
+    argv = [arg.format(plan=repo / PLAN, tmp=tmp_path) for arg in COMMANDS[command]]
+    shown = "hyparallel " + " ".join(COMMANDS[command]).format(plan=PLAN, tmp="TMP")
+    result = tmp_path / "result.json"
+    paths = [str(repo), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(RUNTIME_MODULES), json.dumps(argv), str(result)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and result.exists(), f"the driver failed:\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(result.read_text())
+    assert Path(report["package"]).is_relative_to(repo / PACKAGE), f"imported {report['package']}, not this checkout"
+    assert report["code"] == 0, f"{shown} exited {report['code']}:\n{proc.stdout}\n{proc.stderr}"
+    loaded = report["loaded"]
+    assert not loaded, f"{shown} loaded the runtime:\n" + "\n".join(
+        f"  {' -> '.join(chain)}" for chain in loaded.values()
+    )
 
 
 def test_package_imports_without_triton_or_cuda():
