@@ -3,9 +3,10 @@
     leaf      hyparallel.errors, .limits, ._files, ._yaml, .kernels
     schema    hyparallel.schema, .cluster
     model     hyparallel.graph (tracer, ModelGraph, structure), hyparallel.models
+    checks    hyparallel.checks (check_plan: beside the planner, never imported by it)
     planner   hyparallel.planner
     runtime   hyparallel.tensor, hyparallel.pipeline
-    top       hyparallel.parallel, .data_parallel, .checkpoint, the CLI
+    top       hyparallel.parallel, .data_parallel, .recompute, .checkpoint, the CLI
 
 A plan is made (and shown, and simulated) on a laptop without the runtime, and the runtime applies a plan it
 is given without planning. These tests read hyparallel's own source with ``ast`` and build its import graph:
@@ -37,6 +38,7 @@ RUNTIME = (
     "hyparallel.pipeline",
     "hyparallel.parallel",
     "hyparallel.data_parallel",
+    "hyparallel.recompute",
     "hyparallel.checkpoint",
 )
 SCHEMA = ("hyparallel.schema", "hyparallel.cluster", "hyparallel._yaml", "hyparallel._files", "hyparallel.limits")
@@ -65,8 +67,8 @@ RULES = [
     Rule(
         "graph-and-models-know-neither-planner-nor-runtime",
         ("hyparallel.graph", "hyparallel.models"),
-        ("hyparallel.planner", *RUNTIME),
-        "the model graph and the zoo are what the planner and the runtime read; they are below both",
+        ("hyparallel.planner", "hyparallel.checks", *RUNTIME),
+        "the model graph and the zoo are what the checks, the planner and the runtime read; they are below all three",
     ),
     Rule(
         "planner-never-runs-anything",
