@@ -1,4 +1,4 @@
-"""STYLE.md's one-way flow: nothing upstream of the runtime imports torch.distributed."""
+"""Imports flow one way: nothing upstream of the runtime imports torch.distributed, and the kernels are a leaf."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ast
 import subprocess
 import sys
 
-UPSTREAM = ["planner", "graph", "models", "schema.py", "cluster.py", "_yaml.py", "errors.py"]
+UPSTREAM = ["planner", "graph", "models", "kernels", "schema.py", "cluster.py", "_yaml.py", "errors.py"]
 
 
 def imported_modules(path):
@@ -29,6 +29,15 @@ def test_upstream_code_never_imports_torch_distributed(repo):
     assert len(files) >= 8
     for path in files:
         bad = [m for m in imported_modules(path) if m.startswith("torch.distributed")]
+        assert not bad, f"{path.relative_to(repo)} imports {bad}"
+
+
+def test_kernels_import_nothing_else_of_hyparallel(repo):
+    files = sorted((repo / "hyparallel" / "kernels").rglob("*.py"))
+    assert files
+    for path in files:
+        ours = [m for m in imported_modules(path) if m.split(".")[0] == "hyparallel"]
+        bad = [m for m in ours if not m.startswith(("hyparallel.kernels", "hyparallel.errors"))]
         assert not bad, f"{path.relative_to(repo)} imports {bad}"
 
 
