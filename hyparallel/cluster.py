@@ -47,7 +47,8 @@ BytesPerS = float_in(limits.MIN_RATE, limits.MAX_BYTES_PER_S)
 LatencyS = float_in(0.0, limits.MAX_LATENCY_S)
 MemoryBytes = int_in(1, limits.MAX_DEVICE_MEMORY_BYTES)
 
-Dtype = Literal["fp32", "tf32", "bf16", "fp16"]
+# The dtypes a device has a peak FLOP/s figure for (the fields of PeakFlops); a plan trains in a schema.Dtype.
+PeakDtype = Literal["fp32", "tf32", "bf16", "fp16"]
 Backend = Literal["nccl", "gloo"]
 
 

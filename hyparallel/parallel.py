@@ -31,9 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyparallel.errors import ConfigError, HyparallelError
-from hyparallel.schema import Plan
+from hyparallel.schema import LossFn, Plan
 
-LossFn = Callable[[Any, Any], torch.Tensor]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IGNORE_INDEX = -100  # targets with this value (padding) are not counted, as in F.cross_entropy
 

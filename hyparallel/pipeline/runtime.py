@@ -23,11 +23,11 @@ from torch.distributed import ProcessGroup
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from hyparallel.errors import ConfigError
-from hyparallel.pipeline.schedule import Action, ScheduleKind, lower, schedule
+from hyparallel.pipeline.schedule import Action, lower, schedule
 from hyparallel.pipeline.split import PipelineSplit, Stage, split_model
-from hyparallel.schema import Plan
+from hyparallel.schema import LossFn, Plan
+from hyparallel.schema import Schedule as ScheduleKind
 
-LossFn = Callable[[Any, Any], torch.Tensor]
 StageCall = Callable[[Stage, Any, Any], Any]  # (stage, micro-batch inputs, received) -> output
 BeforeBackward = Callable[[Stage, bool], None]  # (stage, is this its last backward of the step)
 
