@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from hyparallel.errors import ConfigError
-from hyparallel.graph.tracer import Method, _owner, _split_inputs, _to_meta, first_program
+from hyparallel.graph.tracer import Method, first_program, module_of, split_inputs, to_meta
 
 # Note [which stage runs a node]
 # A node whose module (the innermost module it ran in) is listed in a stage, or has a listed ancestor
@@ -103,7 +103,7 @@ class PipelineSplit:
 
     def flatten_inputs(self, inputs: Any) -> list[Any]:
         """The user's inputs (a tensor, a tuple of args or a dict of kwargs) in the order the stages read them."""
-        args, kwargs = _split_inputs(inputs)
+        args, kwargs = split_inputs(inputs)
         kwargs = {**self.fixed_kwargs, **kwargs}
         if self.input_spec is None:
             bound = self.signature.bind_partial(*args, **kwargs).arguments
@@ -199,9 +199,9 @@ def split_model(
     """
     if not stages:
         raise ConfigError("stages is empty; list the module paths of each pipeline stage")
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     flat_example, _ = tree_flatten((args, kwargs))
-    args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
+    args, kwargs = torch.utils._pytree.tree_map(to_meta, (args, kwargs))
     program = first_program(model, args, kwargs, method)
     graph = program.gm.graph
     _lift_state(program)
@@ -311,7 +311,7 @@ def _assign(model: nn.Module, graph: fx.Graph, stages: list[list[str]]) -> dict[
 
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     stage_of: dict[str, int] = {}
-    paths = {n: listed_path(_owner(n)) for n in compute}
+    paths = {n: listed_path(module_of(n)) for n in compute}
     first_listed = next((listed[p] for p in paths.values() if p is not None), 0)
     current, current_path = None, None
     for node in compute:
