@@ -251,7 +251,7 @@ class Predicted(_Section):
 
 
 class Plan(_Section):
-    """A hybrid-parallel plan (SPEC.md, 'Plan file'); load with ``Plan.load``, write with ``save``."""
+    """A hybrid-parallel plan, written by the planner for the runtime; load with ``Plan.load``, write with ``save``."""
 
     version: Literal[1] = Field(1, description="Plan file format version.")
     model: ModelInfo | None = Field(None, description="The model the plan was made for; written by the planner.")

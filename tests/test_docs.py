@@ -74,7 +74,7 @@ def test_every_preset_and_figure_is_in_clusters_page(rendered, name):
 
 @pytest.mark.parametrize("name", ClusterSpec.presets())
 def test_every_preset_figure_has_a_source(name):
-    """SPEC: each preset gives its figures 'with the source of each figure in a comment'."""
+    """Each preset gives the source of each of its figures in a comment."""
     _, figures = docgen.preset_figures((cluster.preset_dir() / f"{name}.yaml").read_text())
     numbers = [
         f for f in figures if re.fullmatch(r"[-+0-9.e]+", f.value) and f.key not in ("num_nodes", "gpus_per_node")
