@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hyparallel.tensor import kernels
+from hyparallel import kernels
 
 DTYPE = torch.bfloat16
 # A bf16 result carries 8 significant bits: one rounding is up to 2**-8 (0.4%) of the value. The kernels and
@@ -262,7 +262,7 @@ def environment_problem() -> str | None:
     """Why the benchmark cannot run here, or None."""
     if not torch.cuda.is_available():
         return "no CUDA device found; this benchmark needs one NVIDIA GPU. Nothing was run."
-    if kernels._interpreting() or os.environ.get("HYPARALLEL_TRITON") == "0":
+    if kernels.interpreting() or os.environ.get("HYPARALLEL_TRITON") == "0":
         return "unset TRITON_INTERPRET and HYPARALLEL_TRITON to benchmark the compiled kernels."
     try:
         import triton  # noqa: F401

@@ -1,7 +1,8 @@
 """hyparallel: hybrid-parallel model partitioning for PyTorch.
 
 trace a model (``trace``) -> plan data x tensor x pipeline parallelism for a cluster (``Plan``,
-``ClusterSpec``) -> run it. See README.md and SPEC.md for the user-facing contract.
+``ClusterSpec``) -> run it. README.md is the guide; docs/ holds the reference pages (the plan file,
+cluster files, the cost model).
 """
 
 from hyparallel import models

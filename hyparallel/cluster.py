@@ -47,7 +47,8 @@ BytesPerS = float_in(limits.MIN_RATE, limits.MAX_BYTES_PER_S)
 LatencyS = float_in(0.0, limits.MAX_LATENCY_S)
 MemoryBytes = int_in(1, limits.MAX_DEVICE_MEMORY_BYTES)
 
-Dtype = Literal["fp32", "tf32", "bf16", "fp16"]
+# The dtypes a device has a peak FLOP/s figure for (the fields of PeakFlops); a plan trains in a schema.Dtype.
+PeakDtype = Literal["fp32", "tf32", "bf16", "fp16"]
 Backend = Literal["nccl", "gloo"]
 
 
@@ -164,7 +165,7 @@ class ClusterSpec(_Frozen):
     @staticmethod
     def presets() -> list[str]:
         """Names of the built-in presets (``configs/clusters/*.yaml``)."""
-        return sorted(p.name.removesuffix(".yaml") for p in _preset_dir().iterdir() if p.name.endswith(".yaml"))
+        return sorted(p.name.removesuffix(".yaml") for p in preset_dir().iterdir() if p.name.endswith(".yaml"))
 
     @classmethod
     def preset(cls, name: str, num_nodes: int | None = None, gpus_per_node: int | None = None) -> ClusterSpec:
@@ -174,7 +175,7 @@ class ClusterSpec(_Frozen):
             raise ConfigError(
                 f"unknown cluster preset '{name}'; choose one of: {', '.join(names)} (or pass a YAML file)"
             )
-        spec = cls.load(_preset_dir() / f"{name}.yaml")
+        spec = cls.load(preset_dir() / f"{name}.yaml")
         return spec if num_nodes is None and gpus_per_node is None else spec.resized(num_nodes, gpus_per_node)
 
     @classmethod
@@ -202,5 +203,6 @@ class ClusterSpec(_Frozen):
             tmp.write_text(self.to_yaml())
 
 
-def _preset_dir():
+def preset_dir():
+    """The folder of the built-in cluster presets (``configs/clusters``, shipped as ``hyparallel.configs``)."""
     return resources.files("hyparallel.configs") / "clusters"

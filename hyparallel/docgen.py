@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from hyparallel import schema
-from hyparallel.cluster import ClusterSpec, DeviceSpec, LinkSpec, PeakFlops, _preset_dir
+from hyparallel.cluster import ClusterSpec, DeviceSpec, LinkSpec, PeakFlops, preset_dir
 from hyparallel.errors import ConfigError
 from hyparallel.planner.api import round_figures
 
@@ -575,7 +575,7 @@ def render_cluster_reference() -> str:
     specs = {name: ClusterSpec.preset(name) for name in names}
     presets = []
     for name in names:
-        header, figures = preset_figures((_preset_dir() / f"{name}.yaml").read_text())
+        header, figures = preset_figures((preset_dir() / f"{name}.yaml").read_text())
         presets.append(
             f'<a id="preset-{name}"></a>\n\n### `{name}`\n\n{specs[name].description}. {header}\n\n'
             f"{_preset_table(figures)}"

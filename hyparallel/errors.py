@@ -23,3 +23,7 @@ class ModelSpecError(HyparallelError, ValueError):
 
 class TraceError(HyparallelError, RuntimeError):
     """Neither torch.fx nor torch.export could trace the model."""
+
+
+class PlanError(HyparallelError, ValueError):
+    """No plan satisfies the request (impossible constraints, indivisible dimensions, nothing fits)."""

@@ -29,12 +29,12 @@ from hyparallel.checks import LaunchEnv, check_plan, check_world_size
 from hyparallel.data_parallel import DataParallel, apply_data_parallel, micro_batch_hook
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph, trace
-from hyparallel.pipeline.runtime import LossFn, PipelineRuntime, chunk_tree
+from hyparallel.pipeline.runtime import PipelineRuntime, chunk_tree
 from hyparallel.pipeline.split import split_model
 from hyparallel.planner import complete
 from hyparallel.planner.inputs import token_ids
 from hyparallel.recompute import apply_recompute
-from hyparallel.schema import Plan
+from hyparallel.schema import LossFn, Plan
 from hyparallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel
 from hyparallel.tensor.init import materialize_
 

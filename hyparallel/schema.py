@@ -13,8 +13,9 @@ Note [rank order]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -24,17 +25,24 @@ from hyparallel._yaml import dump_yaml, read_yaml, validate
 from hyparallel.cluster import ClusterSpec, NonNegativeFloat, int_in
 from hyparallel.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 # The bounds are hyparallel.limits', shared with the CLI's flags and the planner's request checks.
 Sequences = int_in(1, limits.MAX_GLOBAL_BATCH)
 Degree = int_in(1, limits.MAX_DEVICES)
 ParamCount = int_in(0, limits.MAX_PARAMS)
 
-Dtype = Literal["bf16", "fp16", "fp32"]
+# The vocabulary of plans, defined here once: the planner, the pipeline and the runtime import these names.
+Dtype = Literal["bf16", "fp16", "fp32"]  # compute precision of training (not cluster.PeakDtype, the peak table's)
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 Recompute = Literal["none", "selective", "full"]
 ZeroStage = Literal[0, 1, 2, 3]
 TPStyle = Literal["column", "row", "vocab", "replicate"]
 Axis = Literal["pp", "dp", "tp"]
+# (model output, targets) -> scalar loss, as train_step and eval_step take it. A string "torch.Tensor": this
+# module, which the planner and the CLI load, does not import torch.
+LossFn = Callable[[Any, Any], "torch.Tensor"]
 
 DEFAULT_ORDER: tuple[Axis, ...] = ("pp", "dp", "tp")
 
@@ -244,7 +252,7 @@ class Predicted(_Section):
 
 
 class Plan(_Section):
-    """A hybrid-parallel plan (SPEC.md, 'Plan file'); load with ``Plan.load``, write with ``save``."""
+    """A hybrid-parallel plan, written by the planner for the runtime; load with ``Plan.load``, write with ``save``."""
 
     version: Literal[1] = Field(1, description="Plan file format version.")
     model: ModelInfo | None = Field(None, description="The model the plan was made for; written by the planner.")

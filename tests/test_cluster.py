@@ -35,7 +35,7 @@ def test_preset_figures_match_datasheets():
 
 
 def test_every_preset_figure_has_a_source_comment(repo):
-    # SPEC: each preset gives the source of each figure in a comment.
+    # Each preset gives the source of each of its figures in a comment.
     for path in sorted((repo / "configs" / "clusters").glob("*.yaml")):
         text = path.read_text()
         for field in ("peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "intra_node", "inter_node"):

@@ -66,7 +66,7 @@ def test_every_cluster_field_is_documented(rendered, model):
 def test_every_preset_and_figure_is_in_clusters_page(rendered, name):
     text = rendered["clusters.md"]
     assert f"### `{name}`" in text and f"(#preset-{name})" in text
-    _, figures = docgen.preset_figures((cluster._preset_dir() / f"{name}.yaml").read_text())
+    _, figures = docgen.preset_figures((cluster.preset_dir() / f"{name}.yaml").read_text())
     section = text[text.index(f'<a id="preset-{name}"></a>') :]
     for figure in figures:
         assert f"| `{figure.key}` | `{figure.value}`" in section, figure.key
@@ -74,8 +74,8 @@ def test_every_preset_and_figure_is_in_clusters_page(rendered, name):
 
 @pytest.mark.parametrize("name", ClusterSpec.presets())
 def test_every_preset_figure_has_a_source(name):
-    """SPEC: each preset gives its figures 'with the source of each figure in a comment'."""
-    _, figures = docgen.preset_figures((cluster._preset_dir() / f"{name}.yaml").read_text())
+    """Each preset gives the source of each of its figures in a comment."""
+    _, figures = docgen.preset_figures((cluster.preset_dir() / f"{name}.yaml").read_text())
     numbers = [
         f for f in figures if re.fullmatch(r"[-+0-9.e]+", f.value) and f.key not in ("num_nodes", "gpus_per_node")
     ]
@@ -87,7 +87,7 @@ def test_every_preset_figure_has_a_source(name):
 def test_preset_figures_match_the_loaded_spec():
     """The line parser reads the same values pydantic loads (no key skipped or misplaced)."""
     for name in ClusterSpec.presets():
-        _, figures = docgen.preset_figures((cluster._preset_dir() / f"{name}.yaml").read_text())
+        _, figures = docgen.preset_figures((cluster.preset_dir() / f"{name}.yaml").read_text())
         dumped = ClusterSpec.preset(name).model_dump()
         for figure in figures:
             value = dumped

@@ -51,7 +51,6 @@ class Rule:
     """The modules under ``sources`` never reach one under ``forbidden`` (unless it is under ``allowed``).
 
     Every entry names a module and everything under it. ``direct``: only the sources' own imports count.
-    ``optional``: the sources may not exist yet (the rule then skips).
     """
 
     name: str
@@ -60,7 +59,6 @@ class Rule:
     why: str
     allowed: tuple[str, ...] = ()
     direct: bool = False
-    optional: bool = False
 
 
 RULES = [
@@ -94,7 +92,6 @@ RULES = [
         (PACKAGE,),
         "the kernels are used by the zoo and the runtime alike, so they import nothing of hyparallel but errors",
         allowed=("hyparallel.kernels", "hyparallel.errors"),
-        optional=True,
     ),
     Rule(
         "upstream-never-imports-torch-distributed",
@@ -319,8 +316,6 @@ def test_the_import_graph_sees_the_known_arrows(import_graph):
 def test_layering_rule(import_graph, rule):
     sources = [n for n in import_graph if under(n, rule.sources) and not import_graph.nodes[n]["external"]]
     if not sources:
-        if rule.optional:
-            pytest.skip(f"no module under {', '.join(rule.sources)} yet")
         pytest.fail(f"rule {rule.name}: no module under {', '.join(rule.sources)}: is the rule out of date?")
     chains = crossings(import_graph, rule)
     reach = "import" if rule.direct else "reach"

@@ -8,7 +8,7 @@ import math
 import pytest
 
 import hyparallel as hp
-from hyparallel.planner import PlanError, search
+from hyparallel.planner import Constraints, PlanError, search
 from hyparallel.planner.profile import ModelProfile
 from hyparallel.planner.search import Search, enumerate_configs
 
@@ -159,6 +159,37 @@ def test_impossible_requests_fail_clearly(kwargs, message):
     with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")) as info:
         hp.plan(model, small_cluster("cpu", 1, 8), **args)
     assert "\n" not in str(info.value)  # one line, and a HyparallelError (PlanError), never a ZeroDivisionError
+
+
+def test_constraints_model_plans_as_the_keywords_do():
+    model = hp.models.build("gpt-mini")
+    cluster = small_cluster("cpu", 1, 8)
+    fixed = {"tp": 2, "pp": 2, "schedule": "1f1b", "zero": 1, "order": ["pp", "dp", "tp"]}
+    by_model = hp.plan(model, cluster, 16, 32, "fp32", constraints=Constraints(**fixed))
+    assert by_model == hp.plan(model, cluster, 16, 32, "fp32", **fixed)
+    assert Constraints(**fixed).given() == {**fixed, "order": ("pp", "dp", "tp")}
+    assert Constraints(tp=None).given() == {}  # None: searched
+    with pytest.raises(PlanError, match="both constraints= and keyword constraints"):
+        hp.plan(model, cluster, 16, 32, "fp32", constraints=Constraints(tp=2), pp=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 0}, "tp must be a positive integer, got 0"),
+        ({"pipeline": 2, "tensor": 1}, "unknown constraint pipeline, tensor; the planner takes tp, pp, dp,"),
+        ({"schedule": "zb-v"}, "schedule must be one of 'gpipe', '1f1b' or 'interleaved-1f1b', got 'zb-v'"),
+        ({"zero": 4}, "zero must be one of 0, 1, 2 or 3, got 4"),
+        ({"recompute": "some"}, "recompute must be one of 'none', 'selective' or 'full', got 'some'"),
+        ({"sequence_parallel": "maybe"}, "sequence_parallel must be True or False, got 'maybe'"),
+        ({"order": ["pp", "pp", "tp"]}, "order must name pp, dp and tp once each, outermost first"),
+        ({"order": "pp,dp,tp"}, "order must name pp, dp and tp once each, outermost first"),
+    ],
+)
+def test_constraints_refuse_bad_values_in_one_line(kwargs, message):
+    with pytest.raises(PlanError) as info:
+        Constraints(**kwargs)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
 def test_indivisible_heads_fail_clearly():

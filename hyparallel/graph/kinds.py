@@ -84,7 +84,8 @@ _LOSS = {
     "l1_loss",
     "huber_loss",
 }
-_VIEW = {
+# Op names that view, reshape or look up a tensor (kind "view"); the tracer runs them without its FLOP counter.
+VIEW_OPS = {
     "view",
     "_unsafe_view",
     "reshape",
@@ -148,7 +149,7 @@ def function_kind(name: str) -> OpKind:
         return "activation"
     if name in _LOSS:
         return "loss"
-    if name in _VIEW:
+    if name in VIEW_OPS:
         return "view"
     return "elementwise"
 

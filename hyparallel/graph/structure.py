@@ -20,8 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from hyparallel.graph.model_graph import ModelGraph, Op
-
-TPStyle = str  # "column" | "row" | "vocab" | "replicate" (hyparallel.schema.TPStyle)
+from hyparallel.schema import TPStyle
 
 
 @dataclass(frozen=True)

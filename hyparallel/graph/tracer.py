@@ -28,8 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hyparallel.errors import TraceError
-from hyparallel.graph.kinds import _VIEW as _VIEW_NAMES
-from hyparallel.graph.kinds import function_kind, module_kind, target_name
+from hyparallel.graph.kinds import VIEW_OPS, function_kind, module_kind, target_name
 from hyparallel.graph.model_graph import Block, ModelGraph, Op, Value
 
 Method = Literal["auto", "fx", "export"]
@@ -67,8 +66,8 @@ def trace(model: nn.Module, example_inputs: Any, *, name: str | None = None, met
     forces one tracer; by default torch.fx is tried first and torch.export (``strict=False``)
     when symbolic tracing fails, as it does for Hugging Face models.
     """
-    args, kwargs = _split_inputs(example_inputs)
-    args, kwargs = tree_map(_to_meta, (args, kwargs))  # only shapes and dtypes matter: no real memory
+    args, kwargs = split_inputs(example_inputs)
+    args, kwargs = tree_map(to_meta, (args, kwargs))  # only shapes and dtypes matter: no real memory
     return first_program(
         model, args, kwargs, method, lambda program: _build(model, program, name or type(model).__name__)
     )
@@ -123,7 +122,9 @@ class _ModuleStack:
             handle.remove()
 
 
-def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for calling a model on ``example_inputs``: a mapping is keyword arguments, a tuple or
+    list positional ones, anything else (a tensor) the single positional argument."""
     if isinstance(example_inputs, Mapping):
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
@@ -131,7 +132,8 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
-def _to_meta(value: Any) -> Any:
+def to_meta(value: Any) -> Any:
+    """A tensor moved to the meta device (shape and dtype kept, no memory); any other value unchanged."""
     return value.to("meta") if isinstance(value, torch.Tensor) else value
 
 
@@ -191,11 +193,11 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
     run_args, user_inputs, state_of = [], [], {}
     for node, spec in zip(placeholders, signature.input_specs):
         if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT:
-            value = _to_meta(next(flat_user))
+            value = to_meta(next(flat_user))
             run_args.append(value)
             user_inputs.append(node)
         else:
-            run_args.append(_to_meta(state[spec.target]))
+            run_args.append(to_meta(state[spec.target]))
             state_of[node] = spec.target
     return Program(
         gm=exported.graph_module,
@@ -229,7 +231,7 @@ def _quiet_torch_logs():
 
 # Ops that never perform matrix products: run without the FLOP counter, whose dispatch is the
 # slowest part of tracing a large model (Note [what counts as a FLOP] in model_graph.py).
-_NO_FLOPS = frozenset(_VIEW_NAMES) | {
+_NO_FLOPS = frozenset(VIEW_OPS) | {
     "add",
     "sub",
     "mul",
@@ -408,7 +410,7 @@ def _profile(program: Program) -> _Profiler:
     # fx: the graph module shares the user's modules; run them with meta copies of their state.
     # One entry per tensor: tied weights (embedding and head) appear once, so functional_call keeps them tied.
     state = itertools.chain(program.gm.named_parameters(), program.gm.named_buffers())
-    meta_state = {f"gm.{k}": _to_meta(v) for k, v in state}
+    meta_state = {f"gm.{k}": to_meta(v) for k, v in state}
     return torch.func.functional_call(runner, meta_state, (program.run_args,), tie_weights=True, strict=False)
 
 
@@ -423,8 +425,9 @@ def _bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
-def _owner(node: fx.Node) -> str:
-    """Innermost module path a node ran in ('' for the root)."""
+def module_of(node: fx.Node) -> str:
+    """The innermost module path a traced node ran in ('' for the root): its target for a call_module node,
+    otherwise the last entry of its ``nn_module_stack``."""
     if node.op == "call_module":
         return str(node.target)
     stack = node.meta.get("nn_module_stack") or {}
@@ -521,7 +524,7 @@ class _OpBuilder:
             if source in self.groups.get(self.group_of.get(source), ()) and isinstance(outputs[source], (tuple, list)):
                 key = self.group_of[source]  # unpacking a multi-output op stays part of that op
             else:
-                owner = _owner(node)
+                owner = module_of(node)
                 is_leaf = owner in self.modules and next(self.modules[owner].children(), None) is None
                 leaf = owner if node.op == "call_module" or (program.method == "export" and is_leaf) else None
                 if leaf is not None and node.op != "call_module" and previous and previous[0] == leaf:
@@ -576,7 +579,7 @@ class _OpBuilder:
             name=key,
             index=index,
             kind=kind,
-            module=_owner(head),
+            module=module_of(head),
             target=target,
             params=tuple(params),
             param_count=sum(state.params[p].numel() for p in new),

@@ -24,11 +24,10 @@ from torch.distributed import ProcessGroup
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from hyparallel.errors import ConfigError
-from hyparallel.pipeline.schedule import Action, ActionKind, ScheduleKind, lower, schedule
+from hyparallel.pipeline.schedule import Action, ActionKind, lower, schedule
 from hyparallel.pipeline.split import PipelineSplit, Stage, split_model
-from hyparallel.schema import Plan
+from hyparallel.schema import LossFn, Plan, Schedule
 
-LossFn = Callable[[Any, Any], torch.Tensor]
 StageCall = Callable[[Stage, Any, Any], Any]  # (stage, micro-batch inputs, received) -> output
 BeforeBackward = Callable[[Stage, bool], None]  # (stage, is this its last backward of the step)
 
@@ -101,7 +100,7 @@ class PipelineRuntime:
         stages: Mapping[int, Stage],
         group: ProcessGroup | None,
         *,
-        schedule_kind: ScheduleKind,
+        schedule_kind: Schedule,
         num_microbatches: int,
         virtual_stages: int = 1,
         stage_call: StageCall | None = None,

@@ -22,8 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from hyparallel.schema import Schedule
+
 ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
-ScheduleKind = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 
 COMPUTE_KINDS = ("F", "B")
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
@@ -93,14 +94,14 @@ def parse_action(text: str) -> Action:
 #     all-warmup (its batched p2p would otherwise hang); our sends are buffered, so we keep the formula.
 
 
-def schedule(kind: ScheduleKind, pp: int, num_microbatches: int, virtual_stages: int = 1) -> dict[int, list[Action]]:
+def schedule(kind: Schedule, pp: int, num_microbatches: int, virtual_stages: int = 1) -> dict[int, list[Action]]:
     """Per rank, the ordered compute actions (F and B only) of ``kind``; see Note [one shape for three schedules]."""
     if pp < 1 or num_microbatches < 1 or virtual_stages < 1:
         raise ValueError(
             f"pp ({pp}), num_microbatches ({num_microbatches}) and virtual_stages ({virtual_stages}) must be >= 1"
         )
-    if kind not in get_args(ScheduleKind):
-        raise ValueError(f"unknown schedule {kind!r}; expected one of {get_args(ScheduleKind)}")
+    if kind not in get_args(Schedule):
+        raise ValueError(f"unknown schedule {kind!r}; expected one of {get_args(Schedule)}")
     m, v = num_microbatches, virtual_stages
     if kind != "interleaved-1f1b" and v != 1:
         raise ValueError(f"virtual_stages is {v} but schedule is '{kind}'; virtual stages need interleaved-1f1b")

@@ -29,7 +29,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from hyparallel.checks import assign_stages, listed_stages
 from hyparallel.errors import ConfigError
 from hyparallel.graph.model_graph import ModelGraph
-from hyparallel.graph.tracer import Method, _owner, _split_inputs, _to_meta, first_program
+from hyparallel.graph.tracer import Method, first_program, module_of, split_inputs, to_meta
 
 # Note [which stage runs a node]
 # A node whose module (the innermost module it ran in) is listed in a stage, or has a listed ancestor
@@ -105,7 +105,7 @@ class PipelineSplit:
 
     def flatten_inputs(self, inputs: Any) -> list[Any]:
         """The user's inputs (a tensor, a tuple of args or a dict of kwargs) in the order the stages read them."""
-        args, kwargs = _split_inputs(inputs)
+        args, kwargs = split_inputs(inputs)
         kwargs = {**self.fixed_kwargs, **kwargs}
         if self.input_spec is None:
             bound = self.signature.bind_partial(*args, **kwargs).arguments
@@ -208,9 +208,9 @@ def split_model(
     """
     if not stages:
         raise ConfigError("stages is empty; list the module paths of each pipeline stage")
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     flat_example, _ = tree_flatten((args, kwargs))
-    args, kwargs = torch.utils._pytree.tree_map(_to_meta, (args, kwargs))
+    args, kwargs = torch.utils._pytree.tree_map(to_meta, (args, kwargs))
     if traced is not None and traced.traced is not None and method in ("auto", traced.method):
         program = traced.traced.copy()
     else:
@@ -295,7 +295,7 @@ def _assign(model: nn.Module, graph: fx.Graph, stages: list[list[str]]) -> dict[
     """Graph node name -> stage; see Note [which stage runs a node] (the rule: hyparallel.checks.assign_stages)."""
     listed = listed_stages([path for path, _ in model.named_modules() if path], stages, type(model).__name__)
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    stage_of = assign_stages(listed, [_owner(n) for n in compute], len(stages), stages)
+    stage_of = assign_stages(listed, [module_of(n) for n in compute], len(stages), stages)
     return {node.name: stage for node, stage in zip(compute, stage_of)}
     # get_attr nodes have no stage: every stage that reads a tensor gets its own get_attr
 

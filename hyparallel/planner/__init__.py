@@ -1,11 +1,13 @@
 """Cost model and exact search (pure: never imports torch.distributed).
 
-``plan(model, cluster, global_batch, seq_len, dtype, **constraints) -> Plan`` is the entry point;
-``search`` returns the ranked candidates behind it; ``complete(plan, graph)`` fills what a hand-written
-plan leaves out.
+``plan(model, cluster, global_batch, seq_len, dtype, **constraints) -> Plan`` is the entry point (or
+``constraints=Constraints(...)``); ``search`` returns the ranked candidates behind it; ``complete(plan, graph)``
+fills what a hand-written plan leaves out.
 """
 
-from hyparallel.planner.api import Alternative, PlanError, SearchResult, plan, search, to_plan
+from hyparallel.errors import PlanError
+from hyparallel.planner.api import Alternative, SearchResult, plan, search, to_plan
 from hyparallel.planner.complete import complete
+from hyparallel.planner.constraints import Constraints
 
-__all__ = ["Alternative", "PlanError", "SearchResult", "complete", "plan", "search", "to_plan"]
+__all__ = ["Alternative", "Constraints", "PlanError", "SearchResult", "complete", "plan", "search", "to_plan"]

@@ -10,31 +10,15 @@ from torch import nn
 
 from hyparallel import limits
 from hyparallel.cluster import ClusterSpec
-from hyparallel.errors import ConfigError, HyparallelError
+from hyparallel.errors import ConfigError, PlanError
 from hyparallel.graph import ModelGraph
 from hyparallel.planner import costs
+from hyparallel.planner.constraints import Constraints, count_message
 from hyparallel.planner.inputs import make as make_inputs
 from hyparallel.planner.inputs import read as read_inputs
 from hyparallel.planner.profile import ModelProfile
 from hyparallel.planner.search import Evaluation, Progress, Search, axis_link, enumerate_configs, transfer_s
 from hyparallel.schema import Plan
-
-CONSTRAINTS = (
-    "tp",
-    "pp",
-    "dp",
-    "micro_batch",
-    "schedule",
-    "virtual_stages",
-    "recompute",
-    "zero",
-    "sequence_parallel",
-    "order",
-)
-
-
-class PlanError(HyparallelError, ValueError):
-    """No plan satisfies the request (impossible constraints, indivisible dimensions, nothing fits)."""
 
 
 @dataclass
@@ -88,18 +72,28 @@ def plan(
     *,
     example_inputs: Any = None,
     name: str | None = None,
-    **constraints,
+    constraints: Constraints | None = None,
+    **fixed: Any,
 ) -> Plan:
-    """The fastest plan that fits memory for ``model`` on ``cluster``; keyword constraints fix any decision.
+    """The fastest plan that fits memory for ``model`` on ``cluster``; constraints fix any decision.
 
     ``model`` may be a (meta-device) module or a ModelGraph traced at batch 1 x ``seq_len``. ``example_inputs``
     is one micro-batch for tracing, as ``parallelize`` takes it (a tensor, a tuple of args or a dict of kwargs;
     it fixes micro_batch to its rows and gives seq_len), or a function ``(batch_size, seq_len) -> inputs`` used
-    as a model's ``example_inputs`` method is (Note [example inputs]). Constraints: tp, pp, dp, micro_batch,
-    schedule, virtual_stages, recompute, zero, sequence_parallel, order (placement.order, outermost axis first).
+    as a model's ``example_inputs`` method is (Note [example inputs]). The constraints are
+    ``constraints=Constraints(...)`` or the same names as keyword arguments: tp, pp, dp, micro_batch, schedule,
+    virtual_stages, recompute, zero, sequence_parallel, order (placement.order, outermost axis first).
     """
     return search(
-        model, cluster, global_batch, seq_len, dtype, example_inputs=example_inputs, name=name, **constraints
+        model,
+        cluster,
+        global_batch,
+        seq_len,
+        dtype,
+        example_inputs=example_inputs,
+        name=name,
+        constraints=constraints,
+        **fixed,
     ).plan()
 
 
@@ -116,7 +110,8 @@ def search(
     alternatives: bool = False,
     progress: Progress | None = None,
     traced_rows: int | None = None,
-    **constraints,
+    constraints: Constraints | None = None,
+    **fixed: Any,
 ) -> SearchResult:
     """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost).
 
@@ -126,14 +121,15 @@ def search(
     traced with one micro-batch of that many rows (as ``parallelize`` traces it), not one sequence; it fixes
     micro_batch, as example_inputs of that many rows would (Note [example inputs]).
     """
-    _check_request(cluster, global_batch, seq_len, dtype, constraints)
-    graph, seq_len, rows = _graph(model, global_batch, seq_len, name, example_inputs, constraints, traced_rows)
+    given = _given(constraints, fixed)
+    _check_request(cluster, global_batch, seq_len, dtype, given)
+    graph, seq_len, rows = _graph(model, global_batch, seq_len, name, example_inputs, given, traced_rows)
     start = time.perf_counter()
     profile = ModelProfile(graph, cluster, dtype, seq_len, traced_rows=rows or 1)
     engine = Search(profile, cluster, global_batch, dtype, progress)
-    best, frugal = engine.best(constraints, top=top)
+    best, frugal = engine.best(given, top=top)
     if not best:
-        raise PlanError(_nothing_found(engine, profile, cluster, global_batch, constraints, frugal))
+        raise PlanError(_nothing_found(engine, profile, cluster, global_batch, given, frugal))
     result = SearchResult(
         graph=graph,
         cluster=cluster,
@@ -144,7 +140,7 @@ def search(
         profile=profile,
     )
     if alternatives:
-        result.alternatives = _alternatives(engine, profile, cluster, best[0], constraints)
+        result.alternatives = _alternatives(engine, profile, cluster, best[0], given)
     result.considered, result.evaluated = engine.considered, engine.evaluated
     result.search_s = time.perf_counter() - start
     return result
@@ -232,27 +228,34 @@ def _fix_micro_batch(constraints: dict, rows: int, global_batch: int) -> None:
     constraints["micro_batch"] = rows
 
 
+def _given(constraints: Constraints | None, fixed: dict[str, Any]) -> dict[str, Any]:
+    """The constraints the caller fixed, by name: ``constraints=`` or the keyword arguments, checked by Constraints."""
+    if constraints is None:
+        return Constraints(**fixed).given()
+    if not isinstance(constraints, Constraints):
+        raise PlanError(
+            f"constraints= takes a hyparallel.planner.Constraints, got {type(constraints).__name__}; "
+            "or pass the constraints as keyword arguments"
+        )
+    if fixed:
+        raise PlanError(
+            f"both constraints= and keyword constraints ({', '.join(fixed)}) are given; pass them one way, not both"
+        )
+    return constraints.given()
+
+
 def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int | None, dtype: str, constraints: dict) -> None:
-    unknown = sorted(set(constraints) - set(CONSTRAINTS))
-    if unknown:
-        raise PlanError(f"unknown constraint {', '.join(unknown)}; the planner takes {', '.join(CONSTRAINTS)}")
+    """dtype, global_batch and seq_len, then the (already valid) constraints against the cluster and the batch."""
     if dtype not in costs.DTYPE_BYTES:
         raise PlanError(f"dtype '{dtype}' is not one of {', '.join(costs.DTYPE_BYTES)}")
     for key, value in (("global_batch", global_batch), ("seq_len", seq_len)):
         if value is not None or key == "global_batch":  # seq_len may come from example_inputs
             _check_count(key, value)
-    for key in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
-        if constraints.get(key) is not None:
-            _check_count(key, constraints[key])
-    order = constraints.get("order")
-    if order is not None and (
-        isinstance(order, str)
-        or not all(isinstance(axis, str) for axis in order)
-        or sorted(order) != ["dp", "pp", "tp"]
-    ):
-        raise PlanError(
-            f"order must name pp, dp and tp once each, outermost first (e.g. ['pp', 'dp', 'tp']), got {order!r}"
-        )
+    _check_layout(cluster, global_batch, constraints)
+
+
+def _check_layout(cluster: ClusterSpec, global_batch: int, constraints: dict) -> None:
+    """The fixed degrees fit the cluster's GPUs, and a fixed dp divides the global batch."""
     degrees = {k: constraints[k] for k in ("tp", "pp", "dp") if k in constraints}
     n = cluster.num_gpus
     product = 1
@@ -270,25 +273,17 @@ def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int | None,
         raise PlanError(f"global batch {global_batch} is not divisible by dp {constraints['dp']}; change either")
 
 
-# The schema's bounds (hyparallel.limits), so the planner never accepts what a plan file would refuse.
-_BOUNDS = {
-    "global_batch": limits.MAX_GLOBAL_BATCH,
-    "micro_batch": limits.MAX_GLOBAL_BATCH,
-    "seq_len": limits.MAX_SEQ_LEN,
-    "tp": limits.MAX_DEVICES,
-    "pp": limits.MAX_DEVICES,
-    "dp": limits.MAX_DEVICES,
-    "virtual_stages": limits.MAX_VIRTUAL_STAGES,
-}
+# The schema's bounds (hyparallel.limits), so the planner never accepts what a plan file would refuse; the
+# constraints' own bounds are their fields' types (Constraints).
+_BOUNDS = {"global_batch": limits.MAX_GLOBAL_BATCH, "seq_len": limits.MAX_SEQ_LEN}
 
 
 def _check_count(key: str, value: object) -> None:
     high = _BOUNDS[key]
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise PlanError(f"{key} must be a positive integer, got {repr(value)[:40]}")
+        raise PlanError(count_message(key, value))
     if value > high:
-        shown = f"{value:,}" if value.bit_length() < 200 else "an integer of more than 60 digits"
-        raise PlanError(f"{key} must be a positive integer up to {high:,}, got {shown}")
+        raise PlanError(count_message(key, value, high))
 
 
 def _nothing_found(

@@ -6,14 +6,10 @@ formulas and the source of every constant are written up in docs/cost-model.md.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import numpy as np
 
 from hyparallel.cluster import LinkSpec
-
-Dtype = Literal["bf16", "fp16", "fp32"]
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+from hyparallel.schema import Dtype, Schedule
 
 Bytes = float | np.ndarray
 

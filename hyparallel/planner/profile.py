@@ -17,6 +17,7 @@ from hyparallel.cluster import ClusterSpec, LinkSpec
 from hyparallel.graph import ModelGraph, Op
 from hyparallel.graph.structure import TPAnalysis
 from hyparallel.planner import costs
+from hyparallel.schema import Dtype
 
 # View-kind ops that may copy (a reshape of a transposed tensor does): their outputs count as new tensors.
 _COPYING_VIEWS = {"clone", "contiguous", "reshape", "flatten"}
@@ -108,7 +109,7 @@ class _SegmentRaw:
 class ModelProfile:
     """Everything the search needs from a ModelGraph, for one dtype and one cluster."""
 
-    def __init__(self, graph: ModelGraph, cluster: ClusterSpec, dtype: costs.Dtype, seq_len: int, traced_rows: int = 1):
+    def __init__(self, graph: ModelGraph, cluster: ClusterSpec, dtype: Dtype, seq_len: int, traced_rows: int = 1):
         """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in api.py)."""
         self.graph, self.cluster, self.dtype, self.seq_len = graph, cluster, dtype, seq_len
         self.traced_rows = traced_rows

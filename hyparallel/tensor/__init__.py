@@ -1,24 +1,23 @@
-"""Tensor parallelism: collectives with autograd, split modules, applying a plan's styles, Triton kernels.
+"""Tensor parallelism: collectives with autograd, split modules, applying a plan's styles.
 
-Exports load lazily so that ``hyparallel.tensor.kernels`` (used by the model zoo) imports without
-torch.distributed.
+The fused Triton kernels these modules call live in the leaf package ``hyparallel.kernels``.
 """
 
-from importlib import import_module
+from hyparallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel
+from hyparallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    vocab_parallel_cross_entropy,
+)
 
-_EXPORTS = {
-    "TensorParallelInfo": "apply",
-    "apply_tensor_parallel": "apply",
-    "ColumnParallelLinear": "layers",
-    "RowParallelLinear": "layers",
-    "VocabParallelEmbedding": "layers",
-    "VocabParallelHead": "layers",
-    "vocab_parallel_cross_entropy": "layers",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(f"hyparallel.tensor.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'hyparallel.tensor' has no attribute '{name}'")
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TensorParallelInfo",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
+    "apply_tensor_parallel",
+    "vocab_parallel_cross_entropy",
+]

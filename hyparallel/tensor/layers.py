@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from hyparallel.kernels import linear_act
 from hyparallel.tensor.collectives import (
     all_gather_seq,
     all_reduce_,
@@ -21,7 +22,6 @@ from hyparallel.tensor.collectives import (
     reduce_scatter_seq,
 )
 from hyparallel.tensor.init import ShardLayout
-from hyparallel.tensor.kernels import linear_act
 
 SEQ_DIM = 1
 
@@ -57,7 +57,7 @@ class ColumnParallelLinear(nn.Module):
         self.every_rank_rows = every_rank_rows
         self.transposed_source = transposed_source  # split from a weight stored (in, out): see ShardLayout.transposed
         # An activation that followed this Linear in the model, applied in the matmul's epilogue (Triton on
-        # CUDA, torch otherwise): see hyparallel.tensor.kernels.linear_act.
+        # CUDA, torch otherwise): see hyparallel.kernels.linear_act.
         self.activation = activation
         self.in_features, self.out_features, self.rows = in_features, out_features, rows
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output

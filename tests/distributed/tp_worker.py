@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hyparallel as hp
+from hyparallel.kernels import kernels_enabled
 from hyparallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from hyparallel.tensor.init import materialize_
-from hyparallel.tensor.kernels import kernels_enabled
 from hyparallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -1,4 +1,4 @@
-"""Triton kernels against plain torch references, run on the CPU under Triton's interpreter (STYLE.md, layer 3).
+"""Triton kernels against plain torch references, run on the CPU under Triton's interpreter (no GPU needed).
 
 Every kernel is checked forward and backward (the gradient of every input) in fp32 and bf16, on shapes that
 are not multiples of the interpreter's block sizes (16 for the matmuls, 256 for elementwise kernels) and on
@@ -20,14 +20,16 @@ pytest.importorskip("triton", reason="triton is not installed: the kernel tests 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hyparallel.tensor import kernels  # noqa: E402
-from hyparallel.tensor.kernels import (  # noqa: E402
+from hyparallel.kernels import (  # noqa: E402
     bias_dropout_residual,
     kernels_enabled,
     linear_act,
     swiglu,
     swiglu_linear,
 )
+
+# The module itself, not the package: _kernels() rebinds its globals (tl, the device functions) on first use.
+from hyparallel.kernels import fused as kernels  # noqa: E402
 
 # The interpreter computes sigmoid(z) as 1 / (1 + exp(-z)) in numpy, which warns when exp overflows to inf
 # for very negative z; the result (0) is the right one.

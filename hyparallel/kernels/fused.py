@@ -7,7 +7,8 @@
 
 The kernels run when ``kernels_enabled`` says so (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``
 for the tests); otherwise every function computes the same thing with torch. Triton is imported on the first
-kernel launch, never at module import (STYLE.md, "Lazy accelerator imports").
+kernel launch, never at module import: importing hyparallel must work, and stay fast, on machines without
+triton or a GPU.
 
 # Note [what backward saves]
 - ``linear_act`` saves ``x`` (reshaped to (M, K), a view when its strides allow) and ``weight`` and, for an
@@ -43,7 +44,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-__all__ = ["Activation", "bias_dropout_residual", "kernels_enabled", "linear_act", "swiglu", "swiglu_linear"]
+__all__ = [
+    "Activation",
+    "bias_dropout_residual",
+    "interpreting",
+    "kernels_enabled",
+    "linear_act",
+    "swiglu",
+    "swiglu_linear",
+]
 
 Activation = Literal["none", "gelu", "gelu_tanh", "silu"]
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
@@ -56,8 +65,8 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    # The values Triton's own getenv_bool accepts for TRITON_INTERPRET.
+def interpreting() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter (the values Triton's own getenv_bool accepts)."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
 
 
@@ -86,7 +95,7 @@ def kernels_enabled(*tensors: Tensor | None) -> bool:
     first = present[0]
     if any(t.device != first.device or t.dtype != first.dtype for t in present[1:]):
         return False
-    devices = ("cuda", "cpu") if _interpreting() else ("cuda",)
+    devices = ("cuda", "cpu") if interpreting() else ("cuda",)
     if first.device.type not in devices or first.dtype not in _KERNEL_DTYPES:
         return False
     return _triton_importable()
@@ -128,7 +137,7 @@ def _cdiv(numerator: int, denominator: int) -> int:
 # and wraps the kernels with autotune. They are not built as closures inside a builder function because
 # Triton's interpreter (TRITON_INTERPRET=1) re-executes a kernel's source in the function's __globals__
 # and ignores closures: every name a kernel uses must be a module global. So Triton is imported on first
-# use only (STYLE.md, "Lazy accelerator imports"), and the kernels read as ordinary module-level Triton.
+# use only (never when hyparallel is imported), and the kernels read as ordinary module-level Triton.
 # ---------------------------------------------------------------------------------------------------------
 
 tl: Any = None  # triton.language, bound by _kernels()
@@ -440,7 +449,7 @@ def _kernels() -> SimpleNamespace:
     module["tl"] = triton.language
     for device_function in _DEVICE_FUNCTIONS:
         module[device_function.__name__] = triton.jit(device_function)
-    interpret = _interpreting()
+    interpret = interpreting()
     even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 
     def matmul(kernel, two_accumulators: bool):
