@@ -175,13 +175,11 @@ def _pipeline(
     mine = [s for s in range(split.num_stages) if s % par.pp == rank]
     materialize(model, device, seed, only=split.state_names(mine))
     hook = micro_batch_hook(plan)
-    return PipelineRuntime(
+    return PipelineRuntime.for_plan(
+        plan,
         split,
         {s: split.stage_module(s, device) for s in mine},
         group,
-        schedule_kind=par.schedule,
-        num_microbatches=plan.num_microbatches,
-        virtual_stages=par.virtual_stages,
         stage_call=autocast.stage_call,
         before_backward=(lambda stage, last: hook(stage.body, last)) if hook is not None else None,
     )

@@ -186,9 +186,17 @@ class PipelineRuntime:
         names = split.state_names(mine)
         if any(t.is_meta for name, t in _state(model) if name in names):
             materialize_(model, device, seed=seed, only=names)
+        return cls.for_plan(plan, split, {s: split.stage_module(s, device) for s in mine}, group, **options)
+
+    @classmethod
+    def for_plan(
+        cls, plan: Plan, split: PipelineSplit, stages: Mapping[int, Stage], group: ProcessGroup | None, **options: Any
+    ) -> PipelineRuntime:
+        """A runtime of this rank's ``stages`` (already split and materialised) under ``plan``'s schedule."""
+        par = plan.parallel
         return cls(
             split,
-            {s: split.stage_module(s, device) for s in mine},
+            stages,
             group,
             schedule_kind=par.schedule,
             num_microbatches=plan.num_microbatches,
