@@ -144,6 +144,7 @@ def apply_tensor_parallel(
     by_module = {graph.op(name).module: name for name in analysis.styles}
     blocks = tuple(block.path + "." for block in graph.blocks)
     entries = _region_entries(graph, analysis, styles, blocks, by_module)
+    fused = _fusable_activations(model, graph, styles, by_module) if fused_kernels else {}
     for path, style in styles.items():
         old = model.get_submodule(path)
         op = graph.op(by_module.get(path, path))
@@ -160,6 +161,7 @@ def apply_tensor_parallel(
             sequence_parallel and in_blocks,
             gather_logits,
             enter_region=path not in entries,
+            activation=fused[path][1] if path in fused else "none",
         )
         if style == "vocab":
             info.vocab_size = analysis.vocab_size
@@ -173,8 +175,8 @@ def apply_tensor_parallel(
             for leaf in ("weight", "bias"):
                 if getattr(module, leaf, None) is not None:
                     info.shared_rows[f"{path}.{leaf}"] = every_rank
-    if fused_kernels:
-        _fuse_activations(model, graph, styles, by_module)
+    for act_path, _ in fused.values():  # now applied in its Linear's epilogue
+        _set_submodule(model, act_path, nn.Identity())
     for owner in sorted(set(entries.values())):
         module = model.get_submodule(owner)
         module.register_forward_pre_hook(_entry_hook(module, group, sequence_parallel), with_kwargs=True)
@@ -202,8 +204,12 @@ def _fusable_activation(module: nn.Module) -> str | None:
     return _FUSABLE.get(type(module).__name__)
 
 
-def _fuse_activations(model: nn.Module, graph: ModelGraph, styles: dict[str, str], by_module: dict[str, str]) -> None:
-    """Move each activation module that alone consumes a column Linear's output into that Linear."""
+def _fusable_activations(
+    model: nn.Module, graph: ModelGraph, styles: dict[str, str], by_module: dict[str, str]
+) -> dict[str, tuple[str, str]]:
+    """Column Linear path -> (activation module path, its epilogue name) for each activation module that alone
+    consumes a column Linear's output and is called nowhere else: the Linear applies it instead."""
+    fused: dict[str, tuple[str, str]] = {}
     g = graph.graph
     calls: dict[str, int] = {}
     for op in graph.compute_ops():
@@ -218,8 +224,8 @@ def _fuse_activations(model: nn.Module, graph: ModelGraph, styles: dict[str, str
         activation = _fusable_activation(model.get_submodule(act_path)) if act_path else None
         if activation is None or calls.get(act_path) != 1:  # a module called elsewhere too stays
             continue
-        model.get_submodule(path).activation = activation
-        _set_submodule(model, act_path, nn.Identity())
+        fused[path] = (act_path, activation)
+    return fused
 
 
 def _region_entries(
@@ -282,6 +288,7 @@ def _parallel_module(
     sp: bool,
     gather_logits: bool,
     enter_region: bool = True,
+    activation: str = "none",
 ) -> nn.Module:
     weight = _linear_weight(old)  # (out, in), nn.Linear layout
     bias = getattr(old, "bias", None)
@@ -298,6 +305,7 @@ def _parallel_module(
             group,
             sequence_parallel=sp,
             enter_region=enter_region,
+            activation=activation,
             every_rank_rows=every_rank,
             **linear_kwargs,
         )
