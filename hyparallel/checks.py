@@ -1,6 +1,6 @@
 """Every check a plan must pass before the first collective, in one pure function: ``check_plan``.
 
-    checked = check_plan(plan, graph, LaunchEnv.from_environ())   # raises ConfigError, or:
+    checked = check_plan(plan, graph, world_size)   # raises ConfigError, or:
     checked.styles       # module path -> column | row | vocab, every glob of tensor_parallel expanded
     checked.stage_of     # module path -> stage, for the paths the plan's stages list
 
@@ -14,7 +14,6 @@ their own callers, so a rule is written once.
 from __future__ import annotations
 
 import fnmatch
-import os
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,25 +21,6 @@ from hyparallel.errors import ConfigError
 from hyparallel.graph.model_graph import ModelGraph
 from hyparallel.graph.structure import TPAnalysis
 from hyparallel.schema import Plan, TPStyle
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Where this process sits in a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK; one process without them)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-
-    @classmethod
-    def from_environ(cls) -> LaunchEnv:
-        """Read the launch from the environment (torchrun sets it), or from an initialised process group."""
-        import torch.distributed as dist  # is_initialized only: reads state, starts nothing
-
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size(), local_rank)
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), local_rank)
 
 
 @dataclass(frozen=True)
@@ -52,8 +32,9 @@ class CheckedPlan:
     stage_of: dict[str, int] | None = None  # listed module path -> stage; None without a stage map
 
 
-def check_plan(plan: Plan, graph: ModelGraph, launch: LaunchEnv | None = None) -> CheckedPlan:
-    """Refuse, in one line, a plan that cannot run ``graph``'s model in ``launch``; see the module docstring.
+def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> CheckedPlan:
+    """Refuse, in one line, a plan that cannot run ``graph``'s model on ``world_size`` processes; see the module
+    docstring.
 
     Checks what the plan states: the world size, the model (by fingerprint), a stage map (module paths, one
     stage each, in execution order, none empty), the tensor-parallel degree against the model's heads and
@@ -63,8 +44,8 @@ def check_plan(plan: Plan, graph: ModelGraph, launch: LaunchEnv | None = None) -
     completed plan again to get its styles.
     """
     par = plan.parallel
-    if launch is not None:
-        check_world_size(plan, launch.world_size)
+    if world_size is not None:
+        check_world_size(plan, world_size)
     if plan.model is not None and plan.model.fingerprint and plan.model.fingerprint != graph.fingerprint:
         raise ConfigError(
             f"the plan was made for model '{plan.model.name}' ({plan.model.num_params:,} parameters), not this "

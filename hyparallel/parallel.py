@@ -17,6 +17,7 @@ import os
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hyparallel.checks import LaunchEnv, check_plan, check_world_size
+from hyparallel.checks import check_plan, check_world_size
 from hyparallel.data_parallel import DataParallel, apply_data_parallel, micro_batch_hook
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph, trace
@@ -42,6 +43,24 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IGNORE_INDEX = -100  # targets with this value (padding) are not counted, as in F.cross_entropy
 
 __all__ = ["IGNORE_INDEX", "LaunchEnv", "ParallelModel", "parallelize", "token_cross_entropy"]
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK; one process without them)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environ(cls) -> LaunchEnv:
+        """Read the launch from the environment (torchrun sets it), or from an initialised process group."""
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), local_rank)
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), local_rank)
+
 
 # Note [what parallelize does]
 # 1. Trace once (Note [one trace]), then check the plan against the launch and the trace with no process group
@@ -92,9 +111,9 @@ def parallelize(
     check_world_size(plan, env.world_size)  # before the trace: a launch of the wrong size is refused at once
     example = example_inputs if example_inputs is not None else token_ids(plan)
     graph = trace(model, example)  # Note [one trace]
-    check_plan(plan, graph, env)  # what the plan states, before anything is planned
+    check_plan(plan, graph, env.world_size)  # what the plan states, before anything is planned
     plan = complete(plan, graph, example_inputs=example_inputs)
-    checked = check_plan(plan, graph, env)  # the completed plan: its split modules and stages
+    checked = check_plan(plan, graph, env.world_size)  # the completed plan: its split modules and stages
     par = plan.parallel
     if plan.training.dtype == "fp16":
         warnings.warn(

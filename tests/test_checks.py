@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import hyparallel as hp
-from hyparallel.checks import LaunchEnv, check_plan
+from hyparallel.checks import check_plan
 from hyparallel.errors import ConfigError
 
 GPT_STAGES = [["tok_embeddings", "pos_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
@@ -43,7 +43,7 @@ def plan(**parallel) -> hp.Plan:
 )  # fmt: skip
 def test_plan_errors_come_from_the_trace_alone(parallel, message):
     with pytest.raises(ConfigError, match=message):
-        check_plan(plan(**parallel), gpt_graph(), LaunchEnv(0, plan(**parallel).world_size, 0))
+        check_plan(plan(**parallel), gpt_graph(), plan(**parallel).world_size)
     assert not dist.is_initialized()
 
 
@@ -72,7 +72,7 @@ def test_a_checked_plan_has_its_styles_expanded_and_its_stages_mapped():
 
 def test_the_launch_size_and_the_model_are_checked():
     with pytest.raises(ConfigError, match=r"dp\(2\) \* tp\(1\) \* pp\(1\) = 2 != WORLD_SIZE\(1\)"):
-        check_plan(plan(dp=2), gpt_graph(), LaunchEnv(0, 1, 0))
+        check_plan(plan(dp=2), gpt_graph(), 1)
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1)
     made_for_llama = hp.plan(hp.models.build("llama-tiny"), cluster, 8, 16, "fp32")
     with pytest.raises(ConfigError, match="the plan was made for model 'Llama'"):

@@ -3,7 +3,7 @@
     leaf      hyparallel.errors, .limits, ._files, ._yaml, .kernels
     schema    hyparallel.schema, .cluster
     model     hyparallel.graph (tracer, ModelGraph, structure), hyparallel.models
-    checks    hyparallel.checks (check_plan: beside the planner, never imported by it)
+    checks    hyparallel.checks (check_plan: what the planner filters its candidates by and the runtime refuses)
     planner   hyparallel.planner
     runtime   hyparallel.tensor, hyparallel.pipeline
     top       hyparallel.parallel, .data_parallel, .recompute, .checkpoint, the CLI
@@ -69,6 +69,13 @@ RULES = [
         "the model graph and the zoo are what the checks, the planner and the runtime read; they are below all three",
     ),
     Rule(
+        "checks-never-run-anything",
+        ("hyparallel.checks",),
+        ("hyparallel.planner", *RUNTIME, DISTRIBUTED),
+        "the planner and the runtime read one set of constraints: check_plan reads a plan and a trace, "
+        "it touches no process group and knows neither who plans nor who runs",
+    ),
+    Rule(
         "planner-never-runs-anything",
         ("hyparallel.planner",),
         (*RUNTIME, DISTRIBUTED),
@@ -95,7 +102,7 @@ RULES = [
     ),
     Rule(
         "upstream-never-imports-torch-distributed",
-        ("hyparallel.graph", "hyparallel.models", "hyparallel.planner", *SCHEMA, *LEAF),
+        ("hyparallel.graph", "hyparallel.models", "hyparallel.checks", "hyparallel.planner", *SCHEMA, *LEAF),
         (DISTRIBUTED,),
         "nothing upstream of the runtime imports torch.distributed itself",
         direct=True,
