@@ -116,6 +116,9 @@ class ModelGraph:
     fingerprint: str
     program: Any = field(default=None, repr=False)  # the fx GraphModule or the torch.export ExportedProgram
     modules: tuple[str, ...] = field(default=(), repr=False)  # every module path of the model (root left out)
+    # Parameter names sharing one tensor (a tied embedding and head, BERT's head bias), each group in the model's
+    # named_parameters order; the ops' ``params`` name each group by its first name only.
+    ties: tuple[tuple[str, ...], ...] = field(default=(), repr=False)
     # The tracer's program (hyparallel.graph.tracer.Program): the pipeline splitter cuts a copy of it
     # instead of tracing the model again.
     traced: Any = field(default=None, repr=False, compare=False)

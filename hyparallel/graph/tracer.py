@@ -605,8 +605,17 @@ def _build(model: nn.Module, program: Program, name: str) -> ModelGraph:
         fingerprint=fingerprint(model),
         program=program.artifact,
         modules=tuple(path for path, _ in model.named_modules() if path),
+        ties=tied_names(model),
         traced=program,
     )
+
+
+def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Groups of parameter names that share one tensor (tied weights), in ``named_parameters`` order."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
 
 def _unique(base: str, used: set[str]) -> str:
