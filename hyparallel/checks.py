@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from hyparallel.errors import ConfigError
 from hyparallel.graph.model_graph import ModelGraph
-from hyparallel.graph.structure import TPAnalysis
+from hyparallel.graph.structure import TPAnalysis, holder, split_tie
 from hyparallel.schema import Plan, TPStyle
 
 
@@ -93,6 +93,8 @@ def check_blocks(graph: ModelGraph, what: str, purpose: str) -> None:
 
 def check_tensor_parallel_degree(graph: ModelGraph, tp: int) -> None:
     """``tp`` must divide the model's heads and split widths (the planner's own check, on the same structure)."""
+    if reason := graph.structure.nothing_split(tp, graph):
+        raise ConfigError(reason)
     if reason := graph.structure.check(tp, graph):
         raise ConfigError(f"tp = {tp} does not fit {graph.name}: {reason}; choose a tp that divides it")
 
@@ -123,6 +125,7 @@ def check_styles(graph: ModelGraph, tensor_parallel: dict[str, TPStyle]) -> dict
     """
     expanded = expand_styles(graph.modules, tensor_parallel, graph.name)
     styles = {p: s for p, s in expanded.items() if s != "replicate"}
+    check_ties(graph, styles)
     analysis = graph.structure
     allowed = {graph.op(name).module: style for name, style in analysis.styles.items() if style != "replicate"}
     wrong = [
@@ -143,6 +146,18 @@ def check_styles(graph: ModelGraph, tensor_parallel: dict[str, TPStyle]) -> dict
             "split both Linears of a pair or neither"
         )
     return styles
+
+
+def check_ties(graph: ModelGraph, styles: dict[str, TPStyle]) -> None:
+    """A tied parameter is one tensor: refuse a map splitting its holders differently (Note [tied parameters
+    split one way] in hyparallel.graph.structure)."""
+    if pair := split_tie(graph.ties, styles):
+        (a, b), (ma, mb) = pair, (holder(pair[0]), holder(pair[1]))
+        raise ConfigError(
+            f"tensor_parallel: {ma or '(root)'} ({styles.get(ma, 'replicate')}) and {mb or '(root)'} "
+            f"({styles.get(mb, 'replicate')}) hold one tied parameter ({a} is {b}), which cannot be split two ways; "
+            "give both the same style, or replicate both"
+        )
 
 
 def shares_heads(analysis: TPAnalysis, graph: ModelGraph, tp: int) -> bool:

@@ -38,10 +38,24 @@ class TPAnalysis:
     vocab_embedding: str | None = None
     parts: dict[str, list[int]] = field(default_factory=dict)  # fused column outputs: sizes of [q | k | v] etc.
 
+    def nothing_split(self, tp: int, graph: ModelGraph) -> str | None:
+        """Why ``tp`` > 1 is no plan for a model none of whose ops tensor parallelism splits (None: some split).
+
+        A tp with nothing split is not a plan: its ranks would each do the whole model's work.
+        """
+        if tp == 1 or any(style != "replicate" for style in self.styles.values()):
+            return None
+        return (
+            f"tp {tp} splits nothing of {graph.name}: it has no column/row Linear pair in repeated blocks and no "
+            f"vocab-parallel embedding or head, so each of the {tp} ranks would do the whole model's work; use tp 1"
+        )
+
     def check(self, tp: int, graph: ModelGraph) -> str | None:
         """Why ``tp`` cannot split this model, or None when it can."""
         if tp == 1:
             return None
+        if reason := self.nothing_split(tp, graph):
+            return reason
         for name, heads in self.attention_heads.items():
             if heads % tp:
                 return f"tp {tp} does not divide the {heads} attention heads of {graph.op(name).module or name}"
@@ -126,6 +140,9 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
     head = _vocab_head(graph, vocab)
     if head:
         styles[head] = "vocab"
+    untied = _untie(graph, styles)
+    head = None if head in untied else head
+    vocab_embedding = None if vocab_embedding in untied else vocab_embedding
     for op in graph.compute_ops():  # every other Linear keeps its whole weight on each rank
         if _is_linear(op):
             styles.setdefault(op.name, "replicate")
@@ -141,6 +158,51 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
         vocab_embedding=vocab_embedding,
         parts={name: fused_parts(graph, name) for name, style in styles.items() if style == "column"},
     )
+
+
+# Note [tied parameters split one way]
+# A parameter several modules hold (graph.ties: a tied embedding and head, BERT's `cls.predictions.bias`
+# that is also `cls.predictions.decoder.bias`, T5's `shared` embedding read by encoder and decoder) is one
+# tensor: tensor parallelism can split it only if every module holding it is swapped to the same style, or
+# the swapped holder's shard and an unswapped holder's whole tensor can no longer be one parameter (the
+# runtime's retie refuses it). So the analysis replicates every holder of a tie whose holders would get
+# different styles (a module with no op of its own, such as BERT's `cls.predictions`, is replicated), until
+# no tie is split two ways; check_styles refuses a hand-written map that splits one. A tied column/row Linear
+# is replicated alone, and check_styles then refuses its partner's split.
+
+
+def holder(name: str) -> str:
+    """The module path holding parameter ``name`` ('' for the root)."""
+    return name.rpartition(".")[0]
+
+
+def split_tie(ties, module_styles: dict[str, str]) -> tuple[str, str] | None:
+    """Two parameter names of one tie whose holding modules ``module_styles`` splits differently (None: none do).
+
+    ``module_styles`` maps module paths to styles; a module missing from it is replicated.
+    """
+    for names in ties:
+        first = names[0]
+        for name in names[1:]:
+            if module_styles.get(holder(name), "replicate") != module_styles.get(holder(first), "replicate"):
+                return first, name
+    return None
+
+
+def _untie(graph: ModelGraph, styles: dict[str, TPStyle]) -> set[str]:
+    """Drop the styles of every op holding a tie its holders would split differently (Note [tied parameters split
+    one way]); returns the ops dropped."""
+    dropped: set[str] = set()
+    while True:
+        by_module = {graph.op(name).module: style for name, style in styles.items()}
+        pair = split_tie(graph.ties, by_module)
+        if pair is None:
+            return dropped
+        group = next(names for names in graph.ties if pair[0] in names)
+        holders = {holder(name) for name in group}
+        for name in [n for n in styles if graph.op(n).module in holders]:
+            del styles[name]
+            dropped.add(name)
 
 
 def fused_parts(graph: ModelGraph, op_name: str) -> list[int]:
