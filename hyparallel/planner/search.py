@@ -83,6 +83,7 @@ class Evaluation:
     comm_s: dict[str, float] = field(default_factory=dict)
     bubble_fraction: float = 0.0
     reason: str = ""
+    refused: bool = False  # fits, but its plan is one the runtime refuses (``reason`` says why)
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -125,9 +126,9 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
             schedules = list(_schedules(pp, m, ctx.profile.num_blocks, fixed))
             options = itertools.product(
                 schedules,
-                _recomputes(ctx.profile, fixed),
+                _recomputes(ctx.profile, pp, fixed),
                 _zeros(pp, dp, fixed),
-                (False, True) if tp > 1 else (False,),
+                (False, True) if tp > 1 and ctx.profile.num_blocks else (False,),  # Note [what needs blocks]
                 _orders(pp, dp, fixed),
             )
             configs.extend(
@@ -162,9 +163,17 @@ def _orders(pp: int, dp: int, fixed: dict) -> tuple[tuple[str, ...], ...]:
     return ORDERS if pp > 1 and dp > 1 else ORDERS[:1]
 
 
-def _recomputes(profile: ModelProfile, fixed: dict) -> list[str]:
+# Note [what needs blocks]
+# Sequence parallelism shards the activations between a block's column/row pairs, and recomputation without a
+# pipeline wraps each repeated block: both need repeated blocks (hyparallel.checks.check_blocks refuses them
+# otherwise), so a model without any gets no candidate with them; fixed by the caller, they leave nothing.
+
+
+def _recomputes(profile: ModelProfile, pp: int, fixed: dict) -> list[str]:
     if "recompute" in fixed:
         return [fixed["recompute"]]
+    if pp == 1 and not profile.num_blocks:  # Note [what needs blocks]
+        return ["none"]
     # With nothing seq^2-sized kept (fused attention), selective recomputation is the same as none.
     return [r for r in RECOMPUTE if r != "selective" or profile.has_quadratic]
 
@@ -212,16 +221,37 @@ class Search:
         global_batch: int,
         dtype: str,
         progress: Progress | None = None,
+        admit: Callable[[Evaluation], str | None] | None = None,
     ):
         self.ctx = _Context(profile, cluster, global_batch, dtype)
         self.evaluated = 0
         self.considered = 0
         self.progress = progress
+        # Note [the runtime's checks]: the plan of a candidate is checked as the runtime would check it; a
+        # refusal (its one-line reason) makes the candidate infeasible, never a plan.
+        self.admit = admit
+        self.refused: list[Evaluation] = []
 
     def best(self, fixed: dict, top: int = 1) -> tuple[list[Evaluation], Evaluation | None]:
-        """The ``top`` fastest feasible evaluations (fastest first), and the most frugal infeasible one seen."""
+        """The ``top`` fastest feasible evaluations (fastest first), and the most frugal infeasible one seen.
+
+        Note [one micro-batch through a pipeline]: a pipeline fed one micro-batch idles every stage but one
+        (bubble (pp - 1) / 1 of the compute), so such configurations are ranked after every other that fits,
+        and are only costed when fewer than ``top`` others fit.
+        """
         configs = enumerate_configs(self.ctx, fixed)
         self.considered += len(configs)
+        preferred = [c for c in configs if not lone_microbatch(c)]
+        found, frugal = self._branch_and_bound(preferred, top)
+        if len(found) < top:
+            rest, rest_frugal = self._branch_and_bound([c for c in configs if lone_microbatch(c)], top - len(found))
+            found += rest
+            frugal = _more_frugal(frugal, rest_frugal)
+        return found, frugal
+
+    def _branch_and_bound(self, configs: list[Config], top: int) -> tuple[list[Evaluation], Evaluation | None]:
+        """The ``top`` fastest feasible evaluations of ``configs`` (see the module docstring), and the most frugal
+        infeasible one seen; a candidate ``admit`` refuses counts as infeasible, with its reason."""
         bounds = []
         for i, c in enumerate(configs):
             if (bound := self._lower_bound(c)) is not None:
@@ -249,7 +279,7 @@ class Search:
                     len(bounds) + 1,
                 )
                 break
-            evaluation = self.evaluate(configs[i])
+            evaluation = self._admitted(self.evaluate(configs[i]))
             log.debug(
                 "%s: bound %.4g s, %s",
                 configs[i],
@@ -259,11 +289,19 @@ class Search:
             if evaluation.feasible:
                 found.append(evaluation)
                 found.sort(key=lambda e: e.step_time_s)
-            elif frugal is None or evaluation.peak_memory_bytes < frugal.peak_memory_bytes:
-                frugal = evaluation
+            else:
+                frugal = _more_frugal(frugal, evaluation)
             if self.progress:
                 self.progress("costing", candidates - len(bounds), candidates)
         return found[:top], frugal
+
+    def _admitted(self, evaluation: Evaluation) -> Evaluation:
+        """``evaluation``, made infeasible (``refused``, with the reason) when ``admit`` refuses its plan."""
+        if evaluation.feasible and self.admit is not None and (reason := self.admit(evaluation)):
+            evaluation.feasible, evaluation.refused = False, True
+            evaluation.step_time_s, evaluation.reason = math.inf, reason
+            self.refused.append(evaluation)
+        return evaluation
 
     def least_memory_bytes(self, fixed: dict) -> float | None:
         """The smallest per-GPU memory lower bound over the configurations ``fixed`` allows (None: none exist)."""
@@ -444,6 +482,19 @@ class Search:
         evaluation.feasible, evaluation.step_time_s = False, math.inf
         evaluation.reason = _oom_reason(evaluation.stage_memory_bytes, self.ctx.cluster.device.usable_memory_bytes)
         return evaluation
+
+
+def lone_microbatch(c: Config) -> bool:
+    """A pipeline fed a single micro-batch (Note [one micro-batch through a pipeline])."""
+    return c.pp > 1 and c.num_microbatches == 1
+
+
+def _more_frugal(a: Evaluation | None, b: Evaluation | None) -> Evaluation | None:
+    """Of two infeasible evaluations, the one out of memory by less (a refused one only when neither is short of
+    memory: the message then says why the runtime refuses it)."""
+    if a is None or b is None:
+        return a or b
+    return min((a, b), key=lambda e: (e.refused, e.peak_memory_bytes))
 
 
 def _oom_reason(memories: list[float], limit: float) -> str:
