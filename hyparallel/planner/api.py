@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from hyparallel import limits
+from hyparallel.checks import check_plan
 from hyparallel.cluster import ClusterSpec
 from hyparallel.errors import ConfigError, PlanError
 from hyparallel.graph import ModelGraph
@@ -126,24 +127,51 @@ def search(
     graph, seq_len, rows = _graph(model, global_batch, seq_len, name, example_inputs, given, traced_rows)
     start = time.perf_counter()
     profile = ModelProfile(graph, cluster, dtype, seq_len, traced_rows=rows or 1)
-    engine = Search(profile, cluster, global_batch, dtype, progress)
+    result = SearchResult(
+        graph=graph, cluster=cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype, best=[], profile=profile
+    )
+    engine = Search(profile, cluster, global_batch, dtype, progress, admit=Admission(result))
     best, frugal = engine.best(given, top=top)
     if not best:
         raise PlanError(_nothing_found(engine, profile, cluster, global_batch, given, frugal))
-    result = SearchResult(
-        graph=graph,
-        cluster=cluster,
-        global_batch=global_batch,
-        seq_len=seq_len,
-        dtype=dtype,
-        best=best,
-        profile=profile,
-    )
+    result.best = best
     if alternatives:
         result.alternatives = _alternatives(engine, profile, cluster, best[0], given)
     result.considered, result.evaluated = engine.considered, engine.evaluated
     result.search_s = time.perf_counter() - start
     return result
+
+
+# Note [the runtime's checks]
+# A plan the planner writes always runs: every candidate that fits is written as its Plan (to_plan) and
+# checked by the runtime's own check_plan (hyparallel.checks) on the traced graph, before it may rank. A
+# refusal makes the candidate infeasible with the refusal as its reason (shown by --explain and by the
+# error when nothing is left), never a plan. Candidates differing only in what check_plan does not read
+# (micro-batch, schedule, order, timings) share one verdict.
+
+
+class Admission:
+    """``admit(evaluation)``: why the runtime would refuse the plan of ``evaluation`` (None: it runs)."""
+
+    def __init__(self, result: SearchResult):
+        self.result = result
+        self.verdicts: dict[tuple, str | None] = {}
+
+    def __call__(self, evaluation: Evaluation) -> str | None:
+        c = evaluation.config
+        key = (c.tp, c.pp, c.dp, c.virtual_stages, c.recompute, c.zero, c.sequence_parallel, tuple(evaluation.stages))
+        if key not in self.verdicts:
+            self.verdicts[key] = refusal(self.result, evaluation)
+        return self.verdicts[key]
+
+
+def refusal(result: SearchResult, evaluation: Evaluation) -> str | None:
+    """Why the runtime refuses ``evaluation`` written as a plan, in one line (None: check_plan accepts it)."""
+    try:
+        check_plan(_written(result, evaluation), result.graph)
+    except ConfigError as error:
+        return f"the runtime refuses it: {error}"
+    return None
 
 
 def _graph(
@@ -295,8 +323,12 @@ def _nothing_found(
     frugal: Evaluation | None,
 ) -> str:
     analysis, graph = profile.tp_analysis, profile.graph
+    if "tp" in constraints and (reason := analysis.nothing_split(constraints["tp"], graph)):
+        return reason
     if "tp" in constraints and (reason := analysis.check(constraints["tp"], graph)):
         return f"{reason}; choose a tensor-parallel degree that divides it"
+    if reason := _needs_blocks(graph, constraints):
+        return reason
     if not enumerate_configs(engine.ctx, constraints):
         if not enumerate_configs(engine.ctx, {}):
             return (
@@ -309,6 +341,8 @@ def _nothing_found(
             "relax a constraint"
         )
     limit = cluster.device.usable_memory_bytes / 2**30
+    if frugal is not None and frugal.refused:
+        return f"no plan that fits is one the runtime runs: {frugal.config}: {frugal.reason}"
     if frugal is None:
         need = engine.least_memory_bytes(constraints) or 0.0
         return (
@@ -322,6 +356,23 @@ def _nothing_found(
         f"(tp {c.tp}, pp {c.pp}, dp {c.dp}, micro_batch {c.micro_batch}, recompute {c.recompute}, ZeRO {c.zero}); "
         "use more GPUs, a smaller micro-batch or sequence length, or recomputation"
     )
+
+
+def _needs_blocks(graph: ModelGraph, constraints: dict) -> str | None:
+    """Why the fixed sequence_parallel / recompute cannot run on a model without repeated blocks (Note [what
+    needs blocks] in hyparallel.planner.search), as check_plan would say it."""
+    if graph.blocks:
+        return None
+    if constraints.get("sequence_parallel"):
+        return (
+            f"sequence_parallel needs repeated blocks (transformer layers) to shard between, and {graph.name} has none"
+        )
+    if constraints.get("recompute", "none") != "none" and constraints.get("pp", 1) == 1:
+        return (
+            f"recompute: {constraints['recompute']} without a pipeline needs repeated blocks (transformer layers) "
+            f"to recompute, and {graph.name} has none; use recompute: none"
+        )
+    return None
 
 
 def _alternatives(
@@ -412,7 +463,17 @@ def _why_none(engine: Search, profile: ModelProfile, cluster: ClusterSpec, shape
 
 
 def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
-    """Write one evaluation as the Plan the runtime reads."""
+    """Write one evaluation as the Plan the runtime reads; a plan check_plan refuses is a one-line PlanError."""
+    plan = _written(result, evaluation)
+    try:
+        check_plan(plan, result.graph)  # Note [the runtime's checks]
+    except ConfigError as error:
+        raise PlanError(f"the planner's plan ({evaluation.config}) is refused by the runtime: {error}") from None
+    return plan
+
+
+def _written(result: SearchResult, evaluation: Evaluation) -> Plan:
+    """One evaluation as a Plan, not yet checked against the graph (a schema refusal is a one-line ConfigError)."""
     from hyparallel.schema import ModelInfo
 
     graph, profile, c = result.graph, result.profile, evaluation.config
@@ -427,14 +488,13 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
     # A parent whose children are listed (Hugging Face's `transformer`, running position ids and masks) is
     # left out: its own glue ops run where execution order puts them (Note [which stage runs a node]).
     parents = {m for m in every if any(other.startswith(m + ".") for other in every)}
+    stage_modules = _stage_modules(segments, evaluation.stages, parents)
     for index, (start, end) in enumerate(evaluation.stages):
-        listed = list(dict.fromkeys(m for s in segments[start:end] for m in s.modules))
-        modules = [m for m in listed if m not in parents] or listed
         device = index % c.pp
         stages.append(
             {
                 "index": index,
-                "modules": modules or [segments[start].name],
+                "modules": stage_modules[index],
                 "num_params": sum(s.param_count for s in segments[start:end]),
                 "compute_s": float(
                     sum(
@@ -485,7 +545,28 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
             "comm_s": {k: float(v) for k, v in evaluation.comm_s.items()},
         },
     }
-    return Plan.model_validate(round_figures({k: v for k, v in data.items() if v is not None}))
+    return Plan.from_dict(round_figures({k: v for k, v in data.items() if v is not None}), source="the planner's plan")
+
+
+def _stage_modules(segments, ranges: list[tuple[int, int]], parents: set[str]) -> list[list[str]]:
+    """The module paths each (virtual) stage lists: those its segments run, parents of listed ones left out.
+
+    Note [a module called in several stages]: a module called in several places (T5's ``decoder.dropout``
+    before its first block and after its last) can run in two stages; listing it in either would claim all its
+    calls for that stage, so it is listed in none, and each call runs where execution order puts it, as glue
+    does (Note [which stage runs a node]). A stage left with nothing to list keeps its segments' own modules,
+    and check_plan then refuses the candidate (Note [the runtime's checks]).
+    """
+    ran = [list(dict.fromkeys(m for s in segments[start:end] for m in s.modules)) for start, end in ranges]
+    stages_of: dict[str, set[int]] = {}
+    for index, modules in enumerate(ran):
+        for module in modules:
+            stages_of.setdefault(module, set()).add(index)
+    result = []
+    for modules in ran:
+        own = [m for m in modules if len(stages_of[m]) == 1]
+        result.append([m for m in own if m not in parents] or own or modules)
+    return result
 
 
 def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
