@@ -191,7 +191,10 @@ def test_a_candidate_the_runtime_refuses_is_infeasible_never_a_plan(monkeypatch)
     monkeypatch.setattr(api, "check_plan", no_tp)
     model = hp.models.build("gpt-tiny")
     graph = hp.trace(model, model.example_inputs(1, 16))
-    assert all(e.config.tp == 1 for e in search(graph, cpus(4), 8, 16, "fp32", top=5).best)
+    result = search(graph, cpus(4), 8, 16, "fp32", top=5)
+    assert all(e.config.tp == 1 for e in result.best)
+    assert result.refused and all(e.config.tp > 1 and not e.feasible for e in result.refused)
+    assert result.refused[0].reason == "the runtime refuses it: tensor parallelism refused here"
     with pytest.raises(PlanError) as info:
         hp.plan(graph, cpus(4), 8, 16, "fp32", tp=2)
     assert "the runtime refuses it: tensor parallelism refused here" in one_line(info)

@@ -46,6 +46,7 @@ class SearchResult:
     evaluated: int = 0
     search_s: float = 0.0
     profile: ModelProfile | None = None
+    refused: list[Evaluation] = field(default_factory=list)  # fitted, but check_plan refused them (their reason)
 
     def plan(self, rank: int = 0) -> Plan:
         """The ``rank``-th best evaluation as a Plan."""
@@ -137,7 +138,7 @@ def search(
     result.best = best
     if alternatives:
         result.alternatives = _alternatives(engine, profile, cluster, best[0], given)
-    result.considered, result.evaluated = engine.considered, engine.evaluated
+    result.considered, result.evaluated, result.refused = engine.considered, engine.evaluated, engine.refused
     result.search_s = time.perf_counter() - start
     return result
 
