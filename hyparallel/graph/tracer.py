@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hyparallel.errors import TraceError
-from hyparallel.graph.kinds import VIEW_OPS, function_kind, module_kind, target_name
+from hyparallel.graph.kinds import VIEW_OPS, base_forward, function_kind, module_kind, target_name
 from hyparallel.graph.model_graph import Block, ModelGraph, Op, Value
 
 Method = Literal["auto", "fx", "export"]
@@ -589,6 +589,7 @@ class _OpBuilder:
             input_shapes=tuple(tuple(t.shape) for s in inputs for t in _tensors(outputs[s])),
             output_shapes=tuple(tuple(t.shape) for t in _tensors(exits)),
             output_bytes=_bytes(exits),
+            base_forward=base_forward(module) if module is not None else "",
         )
 
 
