@@ -111,3 +111,30 @@ def test_the_trace_records_which_layers_run_their_base_forward():
     gpt2 = traced("hf:GPT2LMHeadModel n_layer=1 n_embd=32 n_head=4 vocab_size=64 n_positions=32")
     assert gpt2.op("transformer.h.0.attn.c_attn").base_forward == "Conv1D"
     assert gpt2.op("transformer.wte").base_forward == "Embedding"
+
+
+PHI3 = (
+    "hf:phi3 num_hidden_layers=2 hidden_size=96 num_attention_heads=12 num_key_value_heads=4 "
+    "intermediate_size=144 vocab_size=128 pad_token_id=0 bos_token_id=0 eos_token_id=0"
+)
+
+
+@pytest.mark.parametrize(
+    ("spec", "module", "construct"),
+    [
+        # nanoGPT's qkv.split(self.n_embd, dim=2): three full-width pieces of a half-width rank output
+        ("tests.tiny_lms:config_split_lm", "layers.0.attn", "not enough values to unpack"),
+        # Phi-3 slices its fused qkv at config.num_attention_heads * head_dim: every column reaches the query
+        (PHI3, "model.layers.0.self_attn.o_proj", "same reduction dim"),
+    ],
+)
+def test_a_module_sized_by_its_config_is_refused_before_any_collective(world_of_one, spec, module, construct):
+    # Note [one rank's sizes, run on meta]: one line naming the module, from a pretend rank 0 of 2, no group made.
+    world_of_one.setenv("WORLD_SIZE", "2")
+    world_of_one.setenv("RANK", "0")
+    model = hp.models.load(spec).module
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1, micro_batch=4)
+    with pytest.raises(ConfigError, match=rf"tensor_parallel: {module} does not run at one rank's sizes") as error:
+        hp.parallelize(model, plan, device="cpu")
+    assert construct in str(error.value) and "\n" not in str(error.value)
+    assert not dist.is_initialized()

@@ -4,6 +4,7 @@ Factories for ``hp.models.load("tests.tiny_lms:NAME key=value ...")`` (the repos
 
 * ``scaled_embedding_lm``: the token embedding is an nn.Embedding subclass with its own forward (it multiplies by
   a scale, as Gemma's does), and the first block's MLP up projection an nn.Linear subclass with its own forward.
+* ``config_split_lm``: nanoGPT's attention, its fused [q | k | v] split with the configured width.
 * ``mqa_lm``: multi-query attention, one key/value head shared by every query head; ``fused=True`` computes
   [q | k | v] in one Linear split by sizes, otherwise q, k and v are separate Linears.
 """
@@ -39,9 +40,9 @@ class Attention(nn.Module):
     The fused split takes one key/value head of each (kv_heads = 1 when fused).
     """
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, fused: bool):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, fused: bool, by_config: bool = False):
         super().__init__()
-        self.head_dim, self.fused = hidden // heads, fused
+        self.head_dim, self.fused, self.by_config, self.hidden = hidden // heads, fused or by_config, by_config, hidden
         kv = kv_heads * self.head_dim
         if fused:
             self.qkv = nn.Linear(hidden, hidden + 2 * kv)
@@ -52,7 +53,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        if self.fused:  # sizes from the tensor, not the config: the query part is what the key/value heads leave
+        if self.by_config:  # nanoGPT's split(self.n_embd, dim=2): the full width, whatever tp leaves this rank
+            q, k, v = self.qkv(x).split(self.hidden, dim=-1)
+        elif self.fused:  # sizes from the tensor, not the config: the query part is what the key/value heads leave
             qkv = self.qkv(x)
             q, k, v = qkv.split((qkv.size(-1) - 2 * self.head_dim, self.head_dim, self.head_dim), dim=-1)
         else:
@@ -64,10 +67,12 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, fused: bool, up: type[nn.Linear] = nn.Linear):
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, fused: bool, up: type[nn.Linear] = nn.Linear, by_config=False
+    ):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.attn = Attention(hidden, heads, kv_heads, fused)
+        self.attn = Attention(hidden, heads, kv_heads, fused, by_config)
         self.up, self.down = up(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,4 +109,10 @@ def scaled_embedding_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab
 def mqa_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, fused: bool = False) -> TinyLM:
     """Multi-query attention: one key/value head for all ``heads`` query heads."""
     blocks = [Block(hidden, heads, 1, fused) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
+def config_split_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """nanoGPT's attention: the fused [q | k | v] split by the configured width (``split(self.n_embd, dim=2)``)."""
+    blocks = [Block(hidden, heads, heads, True, by_config=True) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
