@@ -128,8 +128,9 @@ def check_styles(graph: ModelGraph, tensor_parallel: dict[str, TPStyle]) -> dict
     check_ties(graph, styles)
     analysis = graph.structure
     allowed = {graph.op(name).module: style for name, style in analysis.styles.items() if style != "replicate"}
+    why = {graph.op(name).module: reason for name, reason in analysis.unsplittable.items()}
     wrong = [
-        f"{path} ({style}; the dataflow allows {allowed.get(path, 'replicate')})"
+        f"{path} ({style}; {why.get(path) or 'the dataflow allows ' + allowed.get(path, 'replicate')})"
         for path, style in styles.items()
         if allowed.get(path) != style
     ]

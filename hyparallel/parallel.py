@@ -36,7 +36,7 @@ from hyparallel.planner import complete
 from hyparallel.planner.inputs import token_ids
 from hyparallel.recompute import apply_recompute
 from hyparallel.schema import LossFn, Plan
-from hyparallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel
+from hyparallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel, check_local_shapes
 from hyparallel.tensor.init import materialize_
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,7 +69,9 @@ class LaunchEnv:
 #    dimensions divide the model's, a hand-written stage map or tensor_parallel map names this model's modules
 #    and splits only what its dataflow allows.
 # 2. A plan written by hand with only `training` and `parallel` gets its stages and tensor_parallel map
-#    from the planner (hyparallel.planner.complete) with every degree and strategy it states fixed.
+#    from the planner (hyparallel.planner.complete) with every degree and strategy it states fixed. With tp > 1
+#    a meta copy then runs once at one rank's sizes (Note [one rank's sizes, run on meta], hyparallel.tensor.apply):
+#    a module that sizes its tensors by the model's constants is refused here, not inside torch on every rank.
 # 3. init_device_mesh(device, shape, mesh_dim_names=placement.order): tp innermost by default. The
 #    sub-meshes (`pmodel.mesh["dp"]`, ...) work with any torch API that takes a DeviceMesh.
 # 4. Tensor parallelism swaps modules on the (meta) model; pipeline stages are cut from the swapped
@@ -115,6 +117,7 @@ def parallelize(
     plan = complete(plan, graph, example_inputs=example_inputs)
     checked = check_plan(plan, graph, env.world_size)  # the completed plan: its split modules and stages
     par = plan.parallel
+    check_local_shapes(model, graph, checked.styles, par.tp, example)  # Note [one rank's sizes, run on meta]
     if plan.training.dtype == "fp16":
         warnings.warn(
             "fp16 plans run under autocast without loss scaling, so small gradients can underflow; "

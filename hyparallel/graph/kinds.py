@@ -182,3 +182,21 @@ def module_kind(module: nn.Module, inner: list[str] | None = None) -> OpKind:
     if "Activation" in name or "GELU" in name or "SiLU" in name:
         return "activation"
     return "other" if not inner else "elementwise"
+
+
+# Note [a module replaced by type]
+#     Tensor parallelism swaps a Linear for a ColumnParallelLinear and an Embedding for a VocabParallelEmbedding:
+#     layers that reimplement nn.Linear.forward / nn.Embedding.forward on a shard. A subclass with its own forward
+#     (Gemma's scaled word embedding multiplies by embed_scale) would lose what it adds, so the tracer records,
+#     as a fact of the graph, whether a leaf module runs its standard base's forward unchanged; the structure
+#     (hyparallel.graph.structure) splits nothing else. Whether an overriding forward happens to compute the same
+#     thing is not decided here: such a layer stays replicated, which is always correct.
+def base_forward(module: nn.Module) -> str:
+    """The standard layer whose own forward ``module`` runs: "Linear", "Embedding", "Conv1D" (transformers'), or ""."""
+    forward = type(module).forward
+    if isinstance(module, nn.Linear):
+        return "Linear" if forward is nn.Linear.forward else ""
+    if isinstance(module, nn.Embedding):
+        return "Embedding" if forward is nn.Embedding.forward else ""
+    conv1d = next((cls for cls in type(module).__mro__ if cls.__name__ == "Conv1D"), None)
+    return "Conv1D" if conv1d is not None and forward is conv1d.forward else ""

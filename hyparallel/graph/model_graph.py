@@ -53,6 +53,10 @@ class Op:
     input_shapes: tuple[Shape, ...] = ()
     output_shapes: tuple[Shape, ...] = ()
     output_bytes: int = 0
+    # The standard layer ("Linear", "Embedding", "Conv1D") whose own forward this leaf module call runs; "" for
+    # anything else: a subclass overriding forward (a scaled embedding), a custom layer, a function.
+    # Note [a module replaced by type]: only such a call may be swapped for a layer that reimplements its base.
+    base_forward: str = ""
 
 
 @dataclass(frozen=True)

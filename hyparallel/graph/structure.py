@@ -11,6 +11,8 @@ same way (fused or separate QKV, grouped-query attention, SwiGLU, transformers' 
   dimension there would need the whole tensor, so such a pair is left replicated.
 * The token embedding (fed by a graph input) and an output Linear whose width is that vocabulary are
   vocab-parallel; the vocabulary is padded to a multiple of tp, as Megatron-LM does.
+* A layer whose class overrides its base's forward (Note [a module replaced by type] in kinds.py) is never
+  split, nor its column/row partners: the parallel layers reimplement the base's forward only.
 * Everything else is replicated.
 """
 
@@ -37,6 +39,7 @@ class TPAnalysis:
     vocab_head: str | None = None
     vocab_embedding: str | None = None
     parts: dict[str, list[int]] = field(default_factory=dict)  # fused column outputs: sizes of [q | k | v] etc.
+    unsplittable: dict[str, str] = field(default_factory=dict)  # op -> why it stays replicated whatever the plan
 
     def nothing_split(self, tp: int, graph: ModelGraph) -> str | None:
         """Why ``tp`` > 1 is no plan for a model none of whose ops tensor parallelism splits (None: some split).
@@ -102,16 +105,18 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
     heads: dict[str, int] = {}
     rows_all: list[str] = []
     column_inputs: list[tuple[str, ...]] = []
+    unsplittable = _own_forwards(graph)
     for block in graph.blocks:
         members = set(block.ops)
         linears = [n for n in block.ops if _is_linear(graph.op(n))]
         exits = {n for n in block.ops if any(s not in members for s in g.successors(n))}
         forward = {n: _first_linears(g, n, members, g.successors) for n in linears}
         backward = {n: _first_linears(g, n, members, g.predecessors) for n in linears}
-        rows = {n for n in linears if _reaches(g, n, members, exits)}
+        fixed = {n for n in linears if n in unsplittable}
+        rows = {n for n in linears if _reaches(g, n, members, exits)} - fixed
         columns: set[str] = set()
         while True:  # pairs hold only when every column feeds rows and every row is fed by columns
-            new_columns = {n for n in linears if n not in rows and forward[n] and forward[n] <= rows}
+            new_columns = {n for n in linears if n not in rows | fixed and forward[n] and forward[n] <= rows}
             new_rows = {n for n in rows if backward[n] and backward[n] <= new_columns}
             if new_columns == columns and new_rows == rows:
                 break
@@ -135,9 +140,13 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
             by_input[tuple(sorted(g.predecessors(column)))] = None
         column_inputs.extend(by_input)
     vocab_embedding, vocab = _token_embedding(graph)
+    if vocab_embedding in unsplittable:  # and the head with it: a tied head must stay whole with its embedding
+        vocab_embedding, vocab = None, None
     if vocab_embedding:
         styles[vocab_embedding] = "vocab"
     head = _vocab_head(graph, vocab)
+    if head in unsplittable:
+        head = None
     if head:
         styles[head] = "vocab"
     untied = _untie(graph, styles)
@@ -157,6 +166,7 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
         vocab_head=head,
         vocab_embedding=vocab_embedding,
         parts={name: fused_parts(graph, name) for name, style in styles.items() if style == "column"},
+        unsplittable=unsplittable,
     )
 
 
@@ -205,23 +215,57 @@ def _untie(graph: ModelGraph, styles: dict[str, TPStyle]) -> set[str]:
             dropped.add(name)
 
 
+def _own_forwards(graph: ModelGraph) -> dict[str, str]:
+    """Linear and embedding ops tensor parallelism cannot swap for its layers, and why (Note [a module replaced by
+    type] in hyparallel.graph.kinds): a subclass overriding its base's forward, a custom layer, a function."""
+    reasons = {}
+    for op in graph.compute_ops():
+        if op.kind in ("linear", "embedding") and op.params and not op.base_forward:
+            reasons[op.name] = (
+                f"{op.target} does not run the forward of nn.Linear, nn.Embedding or Conv1D, "
+                "which a parallel layer would replace"
+            )
+    return reasons
+
+
 def fused_parts(graph: ModelGraph, op_name: str) -> list[int]:
-    """Sizes of the pieces a fused projection's output is split into along its last dim (one piece if not fused)."""
+    """Sizes of the pieces a fused projection's output is split into along its last dim (one piece if not fused).
+
+    Note [fused parts behind a view]: the split may come after views that keep the last dim whole (GPTBigCode's
+    multi-query ``c_attn(x).unsqueeze(1).split((embed_dim, kv_dim, kv_dim), dim=3)``), or after a view into
+    (..., heads, head_dim) whose head dim is sliced (Falcon's multi-query ``view(..., heads + 2, head_dim)``
+    then ``[..., :-2, :]``, ``[..., [-2], :]``, ``[..., [-1], :]``). Missing the split would cut a single key/value
+    head in half; each piece is sized on its own instead (the pieces in the order they run).
+    """
     out = graph.op(op_name).output_shapes[0][-1]
-    successors = sorted((graph.op(n) for n in graph.graph.successors(op_name)), key=lambda op: op.index)
-    for op in successors:  # one split into pieces: x.split(...) / x.chunk(...)
+    name, head_dim = op_name, None
+    while True:
+        successors = sorted((graph.op(n) for n in graph.graph.successors(name)), key=lambda op: op.index)
+        pieces = _pieces(successors, -1 if head_dim is None else -2)
+        if len(pieces) > 1 and sum(pieces) * (head_dim or 1) == out:
+            return [piece * (head_dim or 1) for piece in pieces]
+        view = successors[0] if len(successors) == 1 and successors[0].kind == "view" else None
+        shape = view.output_shapes[0] if view is not None and len(view.output_shapes) == 1 else None
+        if head_dim is not None or shape is None:
+            return [out]
+        if len(shape) >= 2 and shape[-1] != out and shape[-2] * shape[-1] == out:
+            head_dim = shape[-1]  # viewed as (..., heads, head_dim): pieces are cut along the heads
+        elif shape[-1] != out:
+            return [out]
+        name = view.name
+
+
+def _pieces(successors: list[Op], dim: int) -> list[int]:
+    """The sizes along ``dim`` of one split (x.split / x.chunk) or of the slices (x[..., a:b], x[..., [i], :]) that
+    every successor takes; [] if the successors do something else."""
+    for op in successors:
         shapes = op.output_shapes
-        if (
-            op.target in ("split", "chunk", "split_with_sizes", "unbind")
-            and len(shapes) > 1
-            and sum(s[-1] for s in shapes) == out
-        ):
+        if op.target in ("split", "chunk", "split_with_sizes", "unbind") and len(shapes) > 1 and dim == -1:
             return [s[-1] for s in shapes]
-    # or several slices of the last dim (x[..., :q], x[..., q:q + kv], ...), taken in the order they run
-    slices = [op.output_shapes[0][-1] for op in successors if op.target == "slice" and op.output_shapes]
-    if len(slices) > 1 and len(slices) == len(successors) and sum(slices) == out:
-        return slices
-    return [out]
+    slicing = ("slice", "narrow", "index", "select") if dim == -2 else ("slice",)
+    if successors and all(op.target in slicing and len(op.output_shapes) == 1 for op in successors):
+        return [op.output_shapes[0][dim] for op in successors]
+    return []
 
 
 def _is_linear(op: Op) -> bool:

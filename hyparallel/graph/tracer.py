@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hyparallel.errors import TraceError
-from hyparallel.graph.kinds import VIEW_OPS, function_kind, module_kind, target_name
+from hyparallel.graph.kinds import VIEW_OPS, base_forward, function_kind, module_kind, target_name
 from hyparallel.graph.model_graph import Block, ModelGraph, Op, Value
 
 Method = Literal["auto", "fx", "export"]
@@ -83,7 +83,7 @@ def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, f
     failures: list[tuple[str, BaseException, str | None]] = []
     attempts = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
     for attempt in attempts:
-        with _ModuleStack(model) as calls:
+        with ModuleStack(model) as calls:
             try:
                 program = _fx_program(model, args, kwargs) if attempt == "fx" else _export_program(model, args, kwargs)
                 return finish(program) if finish is not None else program
@@ -94,7 +94,7 @@ def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, f
     raise TraceError(_explain(model, failures))
 
 
-class _ModuleStack:
+class ModuleStack:
     """Follows module calls with hooks so that a failure can name the module it happened in."""
 
     def __init__(self, model: nn.Module):
@@ -102,7 +102,7 @@ class _ModuleStack:
         self.stack: list[str] = []
         self.handles: list[Any] = []
 
-    def __enter__(self) -> _ModuleStack:
+    def __enter__(self) -> ModuleStack:
         for path, module in self.model.named_modules():
             self.handles.append(module.register_forward_pre_hook(lambda _m, _a, path=path: self.stack.append(path)))
             self.handles.append(module.register_forward_hook(lambda _m, _a, _o, path=path: self._leave(path)))
@@ -120,6 +120,28 @@ class _ModuleStack:
     def __exit__(self, *exc_info: Any) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def first_failure(model: nn.Module, example_inputs: Any, method: str) -> tuple[str, BaseException] | None:
+    """Where ``model`` fails first when run on meta at the shapes of ``example_inputs``: (the innermost module
+    running, the exception), or None when it runs.
+
+    ``method`` is how its graph was traced: after "export" it is exported again (torch.export takes the
+    data-dependent Python an eager run on meta cannot, such as Hugging Face's mask checks); after "fx" it runs
+    eagerly on meta.
+    """
+    args, kwargs = split_inputs(example_inputs)
+    args, kwargs = tree_map(to_meta, (args, kwargs))
+    with ModuleStack(model) as calls:
+        try:
+            if method == "export":
+                _export_program(model, args, kwargs)
+            else:
+                with torch.no_grad():
+                    model(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 -- any failure is the answer
+            return calls.innermost or "(root)", exc
+    return None
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
@@ -589,6 +611,7 @@ class _OpBuilder:
             input_shapes=tuple(tuple(t.shape) for s in inputs for t in _tensors(outputs[s])),
             output_shapes=tuple(tuple(t.shape) for t in _tensors(exits)),
             output_bytes=_bytes(exits),
+            base_forward=base_forward(module) if module is not None else "",
         )
 
 

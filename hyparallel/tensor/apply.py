@@ -9,9 +9,11 @@ per-rank counts.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from hyparallel.checks import check_blocks, check_styles, check_tensor_parallel_
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph
 from hyparallel.graph.structure import TPAnalysis, fused_parts
+from hyparallel.graph.tracer import first_failure
 from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
 from hyparallel.tensor.init import retie, tied_parameters
 from hyparallel.tensor.layers import (
@@ -484,6 +487,63 @@ def _enter_sequence_parallel(
                 if not split:
                     synced.append(f"{path}.{name}")  # summed over tp by TensorParallelInfo.reduce_grads
     return synced
+
+
+# Note [one rank's sizes, run on meta]
+#     The structure knows how each split weight is cut, not how a module's forward sizes what it reads from it:
+#     code that slices a split output with the model's constants (Phi-3's qkv[..., :config.num_attention_heads *
+#     head_dim], nanoGPT's qkv.split(self.n_embd, dim=2)) passes every check and then fails inside torch on each
+#     rank. So, before the first collective, a meta copy of the model runs one forward with the split Linears
+#     replaced by plain ones of one rank's sizes and the head-count attributes divided as apply_tensor_parallel
+#     divides them; an error there is refused in one line naming the module it happened in. Only shapes are
+#     checked (meta tensors hold no values); a model whose unsplit forward does not run on meta is not judged.
+def check_local_shapes(
+    model: nn.Module, graph: ModelGraph, styles: dict[str, str], tp: int, example_inputs: Any
+) -> None:
+    """Refuse, in one line, a split whose modules cannot run at one rank's sizes (Note [one rank's sizes, run on
+    meta]); ``styles`` are the checked ones (``check_styles``), ``example_inputs`` one micro-batch."""
+    if tp == 1 or not any(style in ("column", "row") for style in styles.values()):
+        return
+    if graph.method == "fx" and first_failure(_meta_copy(model), example_inputs, "fx") is not None:
+        return  # the unsplit model does not run eagerly on meta: nothing to compare against
+    failure = first_failure(_local_shapes_copy(model, graph, styles, tp), example_inputs, graph.method)
+    if failure is not None:
+        where, exc = failure
+        message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ConfigError(
+            f"tensor_parallel: {where} does not run at one rank's sizes under tp = {tp} "
+            f"({type(exc).__name__}: {message[:160]}); it sizes its tensors with the model's full widths or "
+            "head counts (constants or config values, not its inputs' shapes): replicate it"
+        )
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on the meta device (no memory), its parameters and buffers shared tensors tied alike."""
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in memo:
+            meta = tensor.detach().to("meta")
+            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _local_shapes_copy(model: nn.Module, graph: ModelGraph, styles: dict[str, str], tp: int) -> nn.Module:
+    """A meta copy whose column and row Linears have rank 0's sizes, head-count attributes divided."""
+    local, analysis = _meta_copy(model), graph.structure
+    by_module = {graph.op(name).module: name for name in analysis.styles}
+    for path, style in styles.items():
+        if style not in ("column", "row"):
+            continue
+        old = local.get_submodule(path)
+        weight, bias = _linear_weight(old), getattr(old, "bias", None) is not None
+        if style == "column":
+            out = sum(b - a for a, b in _column_rows(by_module[path], graph, analysis, tp, 0))
+            new = nn.Linear(weight.size(1), out, bias=bias, device="meta")
+        else:
+            new = nn.Linear(weight.size(1) // tp, weight.size(0), bias=bias, device="meta")
+        _set_submodule(local, path, new)
+    _patch_attention_attributes(local, graph, analysis, tp)
+    return local
 
 
 def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:

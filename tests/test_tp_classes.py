@@ -1,0 +1,140 @@
+"""Issue 16: classes of tensor parallelism that were silently wrong, now split correctly or left replicated.
+
+* A layer replaced by type that has its own forward (Note [a module replaced by type], hyparallel/graph/kinds.py):
+  a scaled embedding, a Linear subclass, Falcon's FalconLinear stay replicated, and a plan splitting one is refused.
+* Multi-query attention (one key/value head): the fused [q | k | v] split is found behind a view (Note [fused parts
+  behind a view], hyparallel/graph/structure.py), so the key/value head is replicated, not cut in half.
+
+The parity cases run tp = 2 under parallelize in 2 gloo processes (tests/distributed/tp_classes_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+import hyparallel as hp
+from hyparallel.checks import LaunchEnv, check_plan
+from hyparallel.errors import ConfigError
+from hyparallel.graph.structure import fused_parts
+
+from .conftest import assert_every_parameter_compared, torchrun
+
+SCALED = "tests.tiny_lms:scaled_embedding_lm"
+GPT_BIGCODE_MQA = (
+    "hf:GPTBigCodeForCausalLM n_layer=2 n_embd=32 n_head=4 multi_query=true vocab_size=64 n_positions=32 "
+    "bos_token_id=0 eos_token_id=0"
+)
+CASES = ("scaled-embedding", "mqa-separate", "mqa-fused", "hf-gpt-bigcode-mqa")
+
+
+def traced(spec: str):
+    model = hp.models.load(spec).module
+    return hp.trace(model, hp.models.example_inputs(model, 1, 16))
+
+
+def tp_plan(tensor_parallel: dict | None = None) -> hp.Plan:
+    data = {
+        "training": {"global_batch": 4, "micro_batch": 4, "seq_len": 16, "dtype": "fp32"},
+        "parallel": {"tp": 2},
+    }
+    if tensor_parallel is not None:
+        data["tensor_parallel"] = tensor_parallel
+    return hp.Plan.from_dict(data)
+
+
+def test_the_planner_replicates_layers_with_their_own_forward():
+    graph = traced(SCALED)
+    plan = hp.plan(graph, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1)
+    styles = plan.tensor_parallel
+    assert "embed" not in styles or styles["embed"] == "replicate"  # ScaledEmbedding multiplies by its scale
+    assert styles["head"] == "replicate"  # the vocabulary is split with its embedding or not at all
+    assert styles["layers.0.up"] == styles["layers.0.down"] == "replicate"  # ScaledLinear and its row partner
+    assert styles["layers.1.up"] == "column" and styles["layers.1.down"] == "row"  # plain Linears still split
+    assert "ScaledEmbedding does not run the forward of nn.Linear" in graph.structure.unsplittable["embed"]
+
+
+@pytest.mark.parametrize(
+    ("tensor_parallel", "module"),
+    [({"embed": "vocab"}, "ScaledEmbedding"), ({"layers.0.up": "column", "layers.0.down": "row"}, "ScaledLinear")],
+)
+def test_a_hand_written_split_of_a_layer_with_its_own_forward_is_refused(tensor_parallel, module):
+    path = next(iter(tensor_parallel))
+    with pytest.raises(ConfigError, match=rf"cannot split {path} \(\w+; {module} does not run the forward") as error:
+        check_plan(tp_plan(tensor_parallel), traced(SCALED), LaunchEnv(0, 2, 0))
+    assert "\n" not in str(error.value)
+    assert not dist.is_initialized()
+
+
+def test_falcon_linear_has_its_own_forward_so_falcon_blocks_stay_replicated():
+    # FalconLinear computes input @ weight.T + bias in its own forward: not provably nn.Linear's, so not swapped.
+    graph = traced("hf:falcon num_hidden_layers=2 hidden_size=64 num_attention_heads=4 vocab_size=128")
+    analysis = graph.structure
+    qkv = "transformer.h.0.self_attention.query_key_value"
+    assert analysis.styles[qkv] == "replicate" and "FalconLinear" in analysis.unsplittable[qkv]
+    # Its multi-query [q | k | v] is still read right: viewed as (..., 4 + 2 heads, 16), the head dim sliced.
+    assert fused_parts(graph, qkv) == [64, 16, 16]
+
+
+def test_a_multi_query_key_value_head_is_found_behind_a_view():
+    # GPTBigCode: c_attn(x).unsqueeze(1).split((embed_dim, kv_dim, kv_dim), dim=3): one key/value head of 8.
+    graph = traced(GPT_BIGCODE_MQA)
+    c_attn = "transformer.h.0.attn.c_attn"
+    assert graph.structure.parts[c_attn] == [32, 8, 8]
+    assert graph.structure.check(2, graph) is None and graph.structure.check(4, graph) is None
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, repo):
+    out = tmp_path_factory.mktemp("tp-classes") / "results.jsonl"
+    torchrun(repo, "tests/distributed/tp_classes_worker.py", out, 2, *CASES, timeout=600)
+    return {ranks[0]["case"]: ranks for ranks in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp2_matches_single_device(results, case):
+    ranks = results[case]  # each rank compared the loss and every gradient slice it holds, by name
+    assert_every_parameter_compared(ranks[0]["parameter_groups"], {r["rank"]: set(r["checked_params"]) for r in ranks})
+    types = ranks[0]["types"]
+    if case == "scaled-embedding":
+        assert types["embed"] == "ScaledEmbedding" and types["layers.0.up"] == "ScaledLinear"
+    else:  # the key/value heads are split (replicated on both ranks), not left whole by accident
+        assert "ColumnParallelLinear" in types.values() and "RowParallelLinear" in types.values()
+
+
+def test_the_trace_records_which_layers_run_their_base_forward():
+    graph = traced(SCALED)
+    assert graph.op("embed").base_forward == "" and graph.op("layers.0.up").base_forward == ""
+    assert graph.op("layers.1.up").base_forward == "Linear" and graph.op("norm").base_forward == ""
+    gpt2 = traced("hf:GPT2LMHeadModel n_layer=1 n_embd=32 n_head=4 vocab_size=64 n_positions=32")
+    assert gpt2.op("transformer.h.0.attn.c_attn").base_forward == "Conv1D"
+    assert gpt2.op("transformer.wte").base_forward == "Embedding"
+
+
+PHI3 = (
+    "hf:phi3 num_hidden_layers=2 hidden_size=96 num_attention_heads=12 num_key_value_heads=4 "
+    "intermediate_size=144 vocab_size=128 pad_token_id=0 bos_token_id=0 eos_token_id=0"
+)
+
+
+@pytest.mark.parametrize(
+    ("spec", "module", "construct"),
+    [
+        # nanoGPT's qkv.split(self.n_embd, dim=2): three full-width pieces of a half-width rank output
+        ("tests.tiny_lms:config_split_lm", "layers.0.attn", "not enough values to unpack"),
+        # Phi-3 slices its fused qkv at config.num_attention_heads * head_dim: every column reaches the query
+        (PHI3, "model.layers.0.self_attn.o_proj", "same reduction dim"),
+    ],
+)
+def test_a_module_sized_by_its_config_is_refused_before_any_collective(world_of_one, spec, module, construct):
+    # Note [one rank's sizes, run on meta]: one line naming the module, from a pretend rank 0 of 2, no group made.
+    world_of_one.setenv("WORLD_SIZE", "2")
+    world_of_one.setenv("RANK", "0")
+    model = hp.models.load(spec).module
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1, micro_batch=4)
+    with pytest.raises(ConfigError, match=rf"tensor_parallel: {module} does not run at one rank's sizes") as error:
+        hp.parallelize(model, plan, device="cpu")
+    assert construct in str(error.value) and "\n" not in str(error.value)
+    assert not dist.is_initialized()

@@ -1,0 +1,118 @@
+"""Hand-written tiny language models for the classes of tensor parallelism the zoo does not show (issue 16).
+
+Factories for ``hp.models.load("tests.tiny_lms:NAME key=value ...")`` (the repository root on the path):
+
+* ``scaled_embedding_lm``: the token embedding is an nn.Embedding subclass with its own forward (it multiplies by
+  a scale, as Gemma's does), and the first block's MLP up projection an nn.Linear subclass with its own forward.
+* ``config_split_lm``: nanoGPT's attention, its fused [q | k | v] split with the configured width.
+* ``mqa_lm``: multi-query attention, one key/value head shared by every query head; ``fused=True`` computes
+  [q | k | v] in one Linear split by sizes, otherwise q, k and v are separate Linears.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ScaledEmbedding(nn.Embedding):
+    """An embedding whose forward multiplies by a constant: swapped for a plain one, it would lose the scale."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float):
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = scale
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * self.scale
+
+
+class ScaledLinear(nn.Linear):
+    """A Linear whose forward doubles its output."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 2.0
+
+
+class Attention(nn.Module):
+    """Causal attention with ``kv_heads`` key/value heads (1: multi-query), fused [q | k | v] or separate.
+
+    The fused split takes one key/value head of each (kv_heads = 1 when fused).
+    """
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, fused: bool, by_config: bool = False):
+        super().__init__()
+        self.head_dim, self.fused, self.by_config, self.hidden = hidden // heads, fused or by_config, by_config, hidden
+        kv = kv_heads * self.head_dim
+        if fused:
+            self.qkv = nn.Linear(hidden, hidden + 2 * kv)
+        else:
+            self.q_proj = nn.Linear(hidden, hidden)
+            self.k_proj, self.v_proj = nn.Linear(hidden, kv), nn.Linear(hidden, kv)
+        self.o_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        if self.by_config:  # nanoGPT's split(self.n_embd, dim=2): the full width, whatever tp leaves this rank
+            q, k, v = self.qkv(x).split(self.hidden, dim=-1)
+        elif self.fused:  # sizes from the tensor, not the config: the query part is what the key/value heads leave
+            qkv = self.qkv(x)
+            q, k, v = qkv.split((qkv.size(-1) - 2 * self.head_dim, self.head_dim, self.head_dim), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        k, v = k.expand_as(q), v.expand_as(q)  # each key/value head serves every query head (one group)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Block(nn.Module):
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, fused: bool, up: type[nn.Linear] = nn.Linear, by_config=False
+    ):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads, kv_heads, fused, by_config)
+        self.up, self.down = up(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, blocks, norm and an untied vocabulary head."""
+
+    def __init__(self, embedding: nn.Embedding, blocks: list[Block], vocab_size: int):
+        super().__init__()
+        hidden = embedding.embedding_dim
+        self.embed, self.layers = embedding, nn.ModuleList(blocks)
+        self.norm, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab_size, bias=False)
+        self.config = type("Config", (), {"vocab_size": vocab_size})()
+
+    def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> torch.Tensor:
+        return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def scaled_embedding_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """A scaled token embedding (replicated under tp) and, in layer 0, an MLP up projection with its own forward."""
+    blocks = [Block(hidden, heads, heads, False, ScaledLinear if i == 0 else nn.Linear) for i in range(layers)]
+    return TinyLM(ScaledEmbedding(vocab_size, hidden, scale=hidden**0.5), blocks, vocab_size)
+
+
+def mqa_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, fused: bool = False) -> TinyLM:
+    """Multi-query attention: one key/value head for all ``heads`` query heads."""
+    blocks = [Block(hidden, heads, 1, fused) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
+def config_split_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """nanoGPT's attention: the fused [q | k | v] split by the configured width (``split(self.n_embd, dim=2)``)."""
+    blocks = [Block(hidden, heads, heads, True, by_config=True) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
