@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 import hyparallel as hp
-from hyparallel.checks import LaunchEnv, check_plan
+from hyparallel.checks import check_plan
 from hyparallel.errors import ConfigError
 from hyparallel.graph.structure import fused_parts
 
@@ -63,7 +63,7 @@ def test_the_planner_replicates_layers_with_their_own_forward():
 def test_a_hand_written_split_of_a_layer_with_its_own_forward_is_refused(tensor_parallel, module):
     path = next(iter(tensor_parallel))
     with pytest.raises(ConfigError, match=rf"cannot split {path} \(\w+; {module} does not run the forward") as error:
-        check_plan(tp_plan(tensor_parallel), traced(SCALED), LaunchEnv(0, 2, 0))
+        check_plan(tp_plan(tensor_parallel), traced(SCALED), 2)
     assert "\n" not in str(error.value)
     assert not dist.is_initialized()
 
