@@ -245,6 +245,73 @@ def test_untraceable_model_names_the_construct_the_module_and_the_line():
     )
     assert "torch.export: " in message and message.count("in module '1'") == 2
     assert "if x.sum() > 0:" in message and "torch.where or torch.cond" in message
+    assert "data-dependent" in message and "shape mismatch" not in message
+
+
+class WrongReshape(nn.Module):
+    """Splits 64 features into heads of the wrong size: a shape error, no control flow anywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y.view(2, 16, 4, 16)  # (2, 8, 64) holds 1024 elements, not 2048
+
+
+class TooNarrow(nn.Module):
+    """Feeds 16 features to a Linear that takes 32."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.proj(x)  # 16 features in, 32 expected
+
+
+class NeedsMask(nn.Module):
+    """A forward with a second required input."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        return self.proj(x) * mask
+
+
+def line_of(code: str) -> str:
+    """``test_trace.py:N:`` for the line of this file holding ``code``."""
+    lines = open(__file__).read().splitlines()
+    return f"test_trace.py:{next(i for i, line in enumerate(lines, 1) if code in line)}:"
+
+
+@pytest.mark.parametrize(
+    ("model", "example", "error", "line"),
+    [
+        (WrongReshape, torch.zeros(2, 8, 64), "shape '[2, 16, 4, 16]' is invalid for input of size 1024", "y.view(2,"),
+        (TooNarrow, torch.zeros(2, 16), "[2, 16] X [32, 8]", "# 16 features in"),
+    ],
+)
+def test_a_shape_error_is_called_a_shape_mismatch_at_the_users_line(model, example, error, line):
+    with pytest.raises(TraceError) as info:
+        hp.trace(model().to("meta"), example)
+    message = str(info.value)
+    assert "\n" not in message and error in message and "shape mismatch" in message
+    assert "control flow that depends" not in message and "torch.where" not in message
+    assert message.count(line_of(line)) == 2  # both tracers: fx from the graph node's recorded source line
+    assert "<string>" not in message and "<eval_with_key>" not in message
+
+
+def test_a_missing_required_input_is_named_with_how_to_pass_it():
+    with pytest.raises(TraceError) as info:
+        hp.trace(NeedsMask().to("meta"), torch.zeros(2, 8))
+    message = str(info.value)
+    assert "\n" not in message and "torch.where" not in message
+    assert "NeedsMask.forward needs mask, which the example inputs (giving x) leave out" in message
+    assert "example_inputs=" in message and "--example-inputs package.module:make_inputs" in message
 
 
 def test_forcing_fx_on_a_hugging_face_model_fails_clearly():
