@@ -10,7 +10,7 @@ from torch import nn
 import hyparallel as hp
 from hyparallel.errors import TraceError
 
-from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY
+from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY, HF_T5_TINY
 
 B, S = 2, 32
 
@@ -312,6 +312,25 @@ def test_a_missing_required_input_is_named_with_how_to_pass_it():
     assert "\n" not in message and "torch.where" not in message
     assert "NeedsMask.forward needs mask, which the example inputs (giving x) leave out" in message
     assert "example_inputs=" in message and "--example-inputs package.module:make_inputs" in message
+
+
+def test_an_encoder_decoder_traces_and_plans_and_without_decoder_inputs_is_told_so():
+    model = hp.models.load(HF_T5_TINY).module
+    inputs = hp.models.example_inputs(model, B, S)
+    assert set(inputs) == {"input_ids", "decoder_input_ids"}
+    graph = hp.trace(model, inputs)
+    check_counts(model, graph)
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1)
+    plan = hp.plan(model, cluster, global_batch=4, seq_len=S, dtype="fp32")
+    assert (plan.parallel.tp, plan.parallel.pp) == (1, 1)
+    with pytest.raises(TraceError) as info:
+        hp.trace(model, {"input_ids": inputs["input_ids"]})
+    message = str(info.value)
+    assert "\n" not in message and "<string>" not in message and "torch.where" not in message
+    assert "(in module 'decoder', modeling_t5.py:" in message
+    assert "forward needs decoder_input_ids or decoder_inputs_embeds, which the example inputs (giving input_ids)" in (
+        message
+    )
 
 
 def test_forcing_fx_on_a_hugging_face_model_fails_clearly():
