@@ -346,3 +346,38 @@ def test_keyword_and_optional_inputs():
     assert [op.name for op in graph.ops if op.kind == "input"] == ["x"]
     gpt = hp.models.build("gpt-tiny")
     assert hp.trace(gpt, {"tokens": torch.zeros(B, S, dtype=torch.long)}).flops == gpt_flops(gpt.config, B, S)
+
+
+@pytest.mark.parametrize(
+    ("exc", "cause"),
+    [
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x16 and 32x8)"), "shape"),
+        (
+            RuntimeError("The size of tensor a (8) must match the size of tensor b (4) at non-singleton dimension 1"),
+            "shape",
+        ),
+        (ValueError("You have to specify either decoder_input_ids or decoder_inputs_embeds"), "missing_input"),
+        (TypeError("forward() missing 1 required positional argument: 'mask'"), "missing_input"),
+        (NotImplementedError("aten::bincount: attempted to run this operator with Meta tensors"), "unsupported_op"),
+        (RuntimeError("Could not guard on data-dependent expression u0 > 3"), "data_dependent"),
+        (KeyError("weight"), "other"),
+    ],
+)
+def test_trace_failures_are_classified_by_type_and_message(exc, cause):
+    from hyparallel.graph.trace_errors import classify
+
+    assert classify(exc) == cause
+
+
+class Unsupported(nn.Module):
+    """Calls an op that has no meta kernel."""
+
+    def forward(self, x):
+        return torch.bincount(x.flatten())
+
+
+def test_an_op_without_a_meta_kernel_is_called_unsupported():
+    with pytest.raises(TraceError) as info:
+        hp.trace(Unsupported(), torch.zeros(2, 8, dtype=torch.long))
+    message = str(info.value)
+    assert "aten::bincount" in message and "torch.library.register_fake" in message and "torch.where" not in message
