@@ -73,6 +73,10 @@ HF_LLAMA_TINY = (
     "hf:LlamaForCausalLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
     "intermediate_size=128 vocab_size=128 max_position_embeddings=64 bos_token_id=0 eos_token_id=0"
 )
+HF_T5_TINY = (  # an encoder-decoder: its decoder needs decoder_input_ids
+    "hf:T5ForConditionalGeneration d_model=32 d_kv=8 d_ff=64 num_layers=2 num_decoder_layers=2 num_heads=4 "
+    "vocab_size=128"
+)
 
 
 def have_triton() -> bool:

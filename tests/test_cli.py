@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from hyparallel.cli import main
@@ -616,3 +617,52 @@ def test_show_model_refuses_a_hand_map_naming_modules_the_model_lacks(capsys, tm
     styles.write_text(head + "parallel: {tp: 2}\ntensor_parallel: {'layers.*.attn.qkvx': column}\n")
     line = one_line_error(capsys, "show", str(styles), "--model", "gpt-tiny")
     assert "tensor_parallel: 'layers.*.attn.qkvx' matches no module of GPT" in line
+
+
+# ---- a trace failure says its cause (issue 16) ------------------------------------------------------------
+
+
+class _NeedsMask(torch.nn.Linear):
+    """forward takes a mask its example_inputs leave out."""
+
+    def forward(self, x, mask):
+        return super().forward(x) * mask
+
+    def example_inputs(self, batch_size, seq_len, device):
+        return (torch.zeros(batch_size, seq_len, self.in_features, device=device),)
+
+
+class _WrongHeads(torch.nn.Linear):
+    """Splits its features into heads of a size that does not divide them."""
+
+    def forward(self, x):
+        return super().forward(x).view(x.shape[0], x.shape[1], 3, -1)  # 8 features are not 3 heads
+
+    def example_inputs(self, batch_size, seq_len, device):
+        return (torch.zeros(batch_size, seq_len, self.in_features, device=device),)
+
+
+def make_needs_mask():
+    return _NeedsMask(8, 8)
+
+
+def make_wrong_heads():
+    return _WrongHeads(8, 8)
+
+
+TRACED = {"trace": ["trace"], "plan": ["plan", "--gpus", "1", "--cluster", "cpu"]}
+
+
+@pytest.mark.parametrize("command", sorted(TRACED))
+def test_a_model_missing_an_input_is_one_line_naming_it(capsys, command):
+    line = one_line_error(capsys, *TRACED[command], "--model", "tests.test_cli:make_needs_mask", "--seq-len", "4")
+    assert line.startswith("hyparallel: error: cannot trace _NeedsMask: torch.fx: TypeError: missing a required")
+    assert "_NeedsMask.forward needs mask, which the example inputs (giving x) leave out" in line
+    assert "--example-inputs package.module:make_inputs" in line and "torch.where" not in line
+
+
+def test_a_shape_error_is_one_line_naming_the_users_line(capsys):
+    line = one_line_error(capsys, *TRACED["plan"], "--model", "tests.test_cli:make_wrong_heads", "--seq-len", "4")
+    number = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "# 8 features are" in text)
+    assert f"(in module '(root)', test_cli.py:{number}: return super().forward(x).view(" in line
+    assert "shape mismatch" in line and "torch.where" not in line and "<string>" not in line

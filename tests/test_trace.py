@@ -10,7 +10,7 @@ from torch import nn
 import hyparallel as hp
 from hyparallel.errors import TraceError
 
-from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY
+from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY, HF_T5_TINY
 
 B, S = 2, 32
 
@@ -245,6 +245,92 @@ def test_untraceable_model_names_the_construct_the_module_and_the_line():
     )
     assert "torch.export: " in message and message.count("in module '1'") == 2
     assert "if x.sum() > 0:" in message and "torch.where or torch.cond" in message
+    assert "data-dependent" in message and "shape mismatch" not in message
+
+
+class WrongReshape(nn.Module):
+    """Splits 64 features into heads of the wrong size: a shape error, no control flow anywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y.view(2, 16, 4, 16)  # (2, 8, 64) holds 1024 elements, not 2048
+
+
+class TooNarrow(nn.Module):
+    """Feeds 16 features to a Linear that takes 32."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.proj(x)  # 16 features in, 32 expected
+
+
+class NeedsMask(nn.Module):
+    """A forward with a second required input."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        return self.proj(x) * mask
+
+
+def line_of(code: str) -> str:
+    """``test_trace.py:N:`` for the line of this file holding ``code``."""
+    lines = open(__file__).read().splitlines()
+    return f"test_trace.py:{next(i for i, line in enumerate(lines, 1) if code in line)}:"
+
+
+@pytest.mark.parametrize(
+    ("model", "example", "error", "line"),
+    [
+        (WrongReshape, torch.zeros(2, 8, 64), "shape '[2, 16, 4, 16]' is invalid for input of size 1024", "y.view(2,"),
+        (TooNarrow, torch.zeros(2, 16), "[2, 16] X [32, 8]", "# 16 features in"),
+    ],
+)
+def test_a_shape_error_is_called_a_shape_mismatch_at_the_users_line(model, example, error, line):
+    with pytest.raises(TraceError) as info:
+        hp.trace(model().to("meta"), example)
+    message = str(info.value)
+    assert "\n" not in message and error in message and "shape mismatch" in message
+    assert "control flow that depends" not in message and "torch.where" not in message
+    assert message.count(line_of(line)) == 2  # both tracers: fx from the graph node's recorded source line
+    assert "<string>" not in message and "<eval_with_key>" not in message
+
+
+def test_a_missing_required_input_is_named_with_how_to_pass_it():
+    with pytest.raises(TraceError) as info:
+        hp.trace(NeedsMask().to("meta"), torch.zeros(2, 8))
+    message = str(info.value)
+    assert "\n" not in message and "torch.where" not in message
+    assert "NeedsMask.forward needs mask, which the example inputs (giving x) leave out" in message
+    assert "example_inputs=" in message and "--example-inputs package.module:make_inputs" in message
+
+
+def test_an_encoder_decoder_traces_and_plans_and_without_decoder_inputs_is_told_so():
+    model = hp.models.load(HF_T5_TINY).module
+    inputs = hp.models.example_inputs(model, B, S)
+    assert set(inputs) == {"input_ids", "decoder_input_ids"}
+    graph = hp.trace(model, inputs)
+    check_counts(model, graph)
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=1)
+    plan = hp.plan(model, cluster, global_batch=4, seq_len=S, dtype="fp32")
+    assert (plan.parallel.tp, plan.parallel.pp) == (1, 1)
+    with pytest.raises(TraceError) as info:
+        hp.trace(model, {"input_ids": inputs["input_ids"]})
+    message = str(info.value)
+    assert "\n" not in message and "<string>" not in message and "torch.where" not in message
+    assert "(in module 'decoder', modeling_t5.py:" in message
+    assert "forward needs decoder_input_ids or decoder_inputs_embeds, which the example inputs (giving input_ids)" in (
+        message
+    )
 
 
 def test_forcing_fx_on_a_hugging_face_model_fails_clearly():
@@ -260,3 +346,38 @@ def test_keyword_and_optional_inputs():
     assert [op.name for op in graph.ops if op.kind == "input"] == ["x"]
     gpt = hp.models.build("gpt-tiny")
     assert hp.trace(gpt, {"tokens": torch.zeros(B, S, dtype=torch.long)}).flops == gpt_flops(gpt.config, B, S)
+
+
+@pytest.mark.parametrize(
+    ("exc", "cause"),
+    [
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x16 and 32x8)"), "shape"),
+        (
+            RuntimeError("The size of tensor a (8) must match the size of tensor b (4) at non-singleton dimension 1"),
+            "shape",
+        ),
+        (ValueError("You have to specify either decoder_input_ids or decoder_inputs_embeds"), "missing_input"),
+        (TypeError("forward() missing 1 required positional argument: 'mask'"), "missing_input"),
+        (NotImplementedError("aten::bincount: attempted to run this operator with Meta tensors"), "unsupported_op"),
+        (RuntimeError("Could not guard on data-dependent expression u0 > 3"), "data_dependent"),
+        (KeyError("weight"), "other"),
+    ],
+)
+def test_trace_failures_are_classified_by_type_and_message(exc, cause):
+    from hyparallel.graph.trace_errors import classify
+
+    assert classify(exc) == cause
+
+
+class Unsupported(nn.Module):
+    """Calls an op that has no meta kernel."""
+
+    def forward(self, x):
+        return torch.bincount(x.flatten())
+
+
+def test_an_op_without_a_meta_kernel_is_called_unsupported():
+    with pytest.raises(TraceError) as info:
+        hp.trace(Unsupported(), torch.zeros(2, 8, dtype=torch.long))
+    message = str(info.value)
+    assert "aten::bincount" in message and "torch.library.register_fake" in message and "torch.where" not in message

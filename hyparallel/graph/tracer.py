@@ -17,7 +17,6 @@ import io
 import itertools
 import logging
 import operator
-import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hyparallel.errors import TraceError
 from hyparallel.graph.kinds import VIEW_OPS, base_forward, function_kind, module_kind, target_name
 from hyparallel.graph.model_graph import Block, ModelGraph, Op, Value
+from hyparallel.graph.trace_errors import Failure, explain, remember_source
 
 Method = Literal["auto", "fx", "export"]
 
@@ -80,7 +80,7 @@ def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, f
     TraceError names the construct, module and source line for each. ``finish`` defaults to
     returning the traced program (what the pipeline splitter cuts).
     """
-    failures: list[tuple[str, BaseException, str | None]] = []
+    failures: list[Failure] = []
     attempts = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
     for attempt in attempts:
         with ModuleStack(model) as calls:
@@ -90,8 +90,16 @@ def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, f
             except TraceError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- any tracer failure means: try the next tracer, then report all
-                failures.append((attempt, exc, calls.innermost))
-    raise TraceError(_explain(model, failures))
+                failures.append(Failure(attempt, exc, calls.innermost))
+    raise TraceError(explain(model, failures, _given(model, args, kwargs)))
+
+
+def _given(model: nn.Module, args: tuple, kwargs: dict) -> set[str]:
+    """Names of the forward arguments ``args`` and ``kwargs`` bind (what the example inputs give)."""
+    try:
+        return set(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return set(kwargs)
 
 
 class ModuleStack:
@@ -173,13 +181,14 @@ class _LeafTracer(fx.Tracer):
 
 def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
     signature = inspect.signature(model.forward)
-    bound = signature.bind_partial(*args, **kwargs).arguments
+    bound = signature.bind(*args, **kwargs).arguments  # a required argument left out: TypeError naming it
     concrete = {
         p.name: p.default
         for p in signature.parameters.values()
         if p.name not in bound and p.default is not inspect.Parameter.empty
     }
     tracer = _LeafTracer()
+    tracer.record_stack_traces = True  # a node that fails on meta names the user's line (remember_source)
     graph = tracer.trace(model, concrete_args=concrete or None)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -356,6 +365,13 @@ class _Profiler(fx.Interpreter):
         self.cache: dict[tuple, tuple[int, Any]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
+        try:
+            return self._run_node(n)
+        except Exception as exc:  # a shape error, say: its traceback is generated graph code; name the user's line
+            remember_source(exc, n.stack_trace)
+            raise
+
+    def _run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "get_attr", "output"):
             out = super().run_node(n)
         else:
@@ -692,34 +708,3 @@ def _find_blocks(model: nn.Module, ops: list[Op]) -> tuple[Block, ...]:
             )
     index = {op.name: op.index for op in ops}
     return tuple(sorted(blocks, key=lambda b: index[b.ops[0]]))
-
-
-# ---- errors --------------------------------------------------------------------------------------
-
-
-def _explain(model: nn.Module, failures: list[tuple[str, BaseException, str | None]]) -> str:
-    """One line naming, for each tracer, the construct that failed, the module and the source line."""
-    parts = []
-    for tracer_name, exc, module_path in failures:
-        message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        where = [f"module '{module_path or '(root)'}'"] if module_path is not None else []
-        where += [frame] if (frame := _user_frame(exc)) else []
-        parts.append(
-            f"torch.{tracer_name}: {type(exc).__name__}: {message[:200]}"
-            + (f" (in {', '.join(where)})" if where else "")
-        )
-    return (
-        f"cannot trace {type(model).__name__}: "
-        + "; ".join(parts)
-        + ". Replace Python control flow that depends on tensor values in forward with torch.where or torch.cond"
-    )
-
-
-def _user_frame(exc: BaseException) -> str | None:
-    """file:line and code of the innermost traceback frame outside torch, transformers and hyparallel."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
-        path = frame.filename.replace("\\", "/")
-        if not any(part in path for part in ("/torch/", "/transformers/", "/hyparallel/", "<frozen")):
-            return f"{path.rsplit('/', 1)[-1]}:{frame.lineno}: {(frame.line or '').strip()}"
-    return None

@@ -135,9 +135,10 @@ def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torc
     """Inputs of the given batch and sequence length for tracing ``model``.
 
     Uses ``model.example_inputs(batch_size, seq_len, device)`` when the model defines it (the zoo
-    does), token ids under ``model.main_input_name`` for Hugging Face models; for anything else the
-    caller passes its own (``hp.plan(..., example_inputs=)``) or the model defines that method. A zoo
-    model refuses a ``seq_len`` past its position table (``max_seq_len``).
+    does), token ids under ``model.main_input_name`` for Hugging Face models (and ``decoder_input_ids``
+    of the same shape for an encoder-decoder such as T5, whose decoder needs them); for anything else
+    the caller passes its own (``hp.plan(..., example_inputs=)``) or the model defines that method. A
+    zoo model refuses a ``seq_len`` past its position table (``max_seq_len``).
     """
     limit = getattr(getattr(model, "config", None), "max_seq_len", None)
     if isinstance(limit, int) and seq_len > limit:
@@ -149,7 +150,10 @@ def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torc
         return model.example_inputs(batch_size, seq_len, device)
     main_input = getattr(model, "main_input_name", None)
     if main_input == "input_ids":
-        return {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)}
+        tokens = {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)}
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # T5, BART: the decoder's tokens too
+            tokens["decoder_input_ids"] = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        return tokens
     raise ModelSpecError(
         f"cannot tell what inputs {type(model).__name__} takes; pass example_inputs= (one micro-batch: a tensor, "
         "a tuple of args or a dict of kwargs; `hyparallel plan --example-inputs package.module:make_inputs`), or "
