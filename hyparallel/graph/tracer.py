@@ -18,7 +18,7 @@ import itertools
 import logging
 import operator
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -183,8 +183,8 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
         args, kwargs = tree_map(
             lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t, (args, kwargs)
         )
-    with _quiet_torch_logs():  # a failed export logs whole graphs; the failure is reported as one line instead
-        exported = torch.export.export(model, args, kwargs, strict=False)
+    with _quiet_torch_logs(), _buffers_on_meta(model) if device.type == "meta" else contextlib.nullcontext():
+        exported = torch.export.export(model, args, kwargs, strict=False)  # a failure is reported as one line
     signature = exported.graph_signature
     placeholders = [n for n in exported.graph_module.graph.nodes if n.op == "placeholder"]
     flat_user, _ = tree_flatten((args, kwargs))
@@ -207,6 +207,22 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
         state_of=state_of,
         artifact=exported,
     )
+
+
+@contextlib.contextmanager
+def _buffers_on_meta(model: nn.Module) -> Iterator[None]:
+    """Meta copies of the model's real buffers while it is exported beside meta parameters and inputs: a meta
+    build keeps its buffers real (Note [parameters on meta, buffers real]), and fake tensors refuse to mix devices.
+    """
+    saved = [(m, leaf, t) for m in model.modules() for leaf, t in m._buffers.items() if t is not None and not t.is_meta]
+    copies: dict[int, torch.Tensor] = {}
+    for module, leaf, tensor in saved:
+        module._buffers[leaf] = copies.setdefault(id(tensor), tensor.to("meta"))
+    try:
+        yield
+    finally:
+        for module, leaf, tensor in saved:
+            module._buffers[leaf] = tensor
 
 
 @contextlib.contextmanager
