@@ -1,7 +1,9 @@
 """Models built on meta come out exactly as a CPU build makes them: buffers computed in ``__init__`` (Note
-[parameters on meta, buffers real]), or a one-line refusal."""
+[parameters on meta, buffers real]), parameters of any rank (Note [any rank]), or a one-line refusal."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from torch import nn
 
 import hyparallel as hp
 from hyparallel.errors import ConfigError
-from hyparallel.tensor.init import materialize_
+from hyparallel.tensor.init import CHUNK_ROWS, ShardLayout, _seed, fill_, materialize_
 
 VOCAB, HIDDEN, SEQ = 32, 16, 8
 HF_GEMMA_TINY = (
@@ -146,3 +148,79 @@ def test_a_recomputation_that_leaves_a_buffer_unwritten_is_refused():
     assert model.x.is_meta  # never written in __init__: it holds no value (Note [parameters on meta, buffers real])
     with pytest.raises(ConfigError, match=r"buffer 'x' of _Unwritten .* left it unwritten"):
         materialize_(model, "cpu")
+
+
+# ---- parameters of any rank (Note [any rank]) ------------------------------------------------------------------
+
+
+def documented(shape: tuple[int, ...], name: str, std: float, seed: int = 0) -> torch.Tensor:
+    """The documented init, written out: rows in chunks of CHUNK_ROWS, each chunk one randn(rows, rest) block."""
+    rows, rest = shape[0], math.prod(shape[1:])
+    blocks = [
+        torch.randn(min(CHUNK_ROWS, rows - first), rest, generator=torch.Generator().manual_seed(_seed(seed, name, c)))
+        for c, first in enumerate(range(0, rows, CHUNK_ROWS))
+    ]
+    return (torch.cat(blocks) * std).view(shape)
+
+
+@pytest.mark.parametrize("shape", [(5,), (300, 7), (3, 4, 5), (300, 2, 3), (2, 3, 3, 3)])
+def test_any_rank_draws_the_documented_values_and_slices_agree(shape):
+    whole = torch.empty(shape)
+    fill_(whole, ("normal", 0.5), "w", ShardLayout(full_shape=shape), seed=2)
+    assert torch.equal(whole, documented(shape, "w", 0.5, seed=2))
+    if len(shape) > 1:
+        rows, cols = ((0, 1), (shape[0] - 1, shape[0])), (1, shape[1])  # two row ranges, as a fused [q | k | v]
+        part = torch.empty(2, shape[1] - 1, *shape[2:])
+        fill_(part, ("normal", 0.5), "w", ShardLayout(full_shape=shape, rows=rows, cols=cols), seed=2)
+        assert torch.equal(part, torch.cat([whole[:1, 1:], whole[-1:, 1:]]))
+
+
+class Experts(nn.Module):
+    """Fused expert weights, (num_experts, hidden, ffn), as Mixtral-style MoE layers hold them."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8, ffn: int = 12):
+        super().__init__()
+        self.up = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.gate = nn.Parameter(torch.empty(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bh,ehf->bef", x, self.up) * self.gate
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 2, 3)
+        self.head = nn.Linear(2 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.conv2(F.relu(self.conv1(x)))).flatten(1))
+
+
+def test_conv_and_expert_weights_materialise_to_the_documented_init():
+    with torch.device("meta"):
+        cnn, experts = SmallCNN(), Experts()
+    materialize_(cnn, "cpu", seed=4)
+    materialize_(experts, "cpu", seed=4)
+    assert torch.equal(cnn.conv1.weight, documented((4, 3, 3, 3), "conv1.weight", 0.02, seed=4))
+    assert torch.equal(cnn.head.weight, documented((5, 32), "head.weight", 0.02, seed=4))
+    assert torch.count_nonzero(cnn.conv2.bias) == 0
+    assert torch.equal(experts.up, documented((4, 8, 12), "up", 0.02, seed=4))
+    assert experts.gate.item() == 1.0  # a scalar weight starts at one
+
+
+def test_a_world_of_one_trains_a_cnn_as_the_reference(world_of_one):
+    with torch.device("meta"):
+        model, reference = SmallCNN(), SmallCNN()
+    images = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(0))
+    targets = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    plan = hp.plan(model, CPU1, 4, None, "fp32", example_inputs=images, dp=1, tp=1, pp=1)
+    pmodel = hp.parallelize(model, plan, example_inputs=images, seed=7, device="cpu")
+    loss = pmodel.train_step(images, targets, F.mse_loss)
+    materialize_(reference, "cpu", seed=7)  # built the same way
+    for name, param in reference.named_parameters():
+        assert torch.equal(param, model.get_parameter(name)), name
+    ref_loss = F.mse_loss(reference(images), targets)
+    ref_loss.backward()
+    _assert_same_step(model, reference, loss, ref_loss)

@@ -8,12 +8,14 @@ generator seeded by (seed, parameter name, chunk): a slice regenerates only the 
 
 Rules follow the common initialisers (GPT-2, transformers' ``_init_weights``): biases zero, norm
 weights one, other weights N(0, std) with std from ``model.init_std(name)`` when the model defines it,
-else the config's ``initializer_range``, else 0.02.
+else the config's ``initializer_range``, else 0.02. A parameter of any rank is drawn row by row along dim 0
+(Note [any rank]); a scalar (0-D) weight, a learned scale, starts at one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -62,9 +64,12 @@ def fill_(tensor: torch.Tensor, rule: tuple[str, float], name: str, layout: Shar
     if kind != "normal" or tensor.dim() == 0:
         tensor.fill_(0.0 if kind == "zeros" else 1.0)
         return
-    full_rows = layout.full_shape[0]
-    width = layout.full_shape[1] if len(layout.full_shape) > 1 else 1
-    cols = layout.cols or (0, width)
+    # Note [any rank]: a parameter of any rank is drawn as (rows, everything else): a chunk of rows is one block
+    # of randn(rows, prod(shape[1:])), so a 2-D weight draws exactly what it always did; ``cols`` slices dim 1,
+    # whose entries each span prod(shape[2:]) values (one for a 2-D weight).
+    full_rows, rest = layout.full_shape[0], layout.full_shape[1:]
+    width, inner = math.prod(rest), math.prod(rest[1:])
+    cols = layout.cols or (0, rest[0] if rest else 1)
     local = tensor.view(tensor.size(0), -1)
     offset = 0
     for start, stop in layout.rows or ((0, full_rows),):
@@ -75,7 +80,7 @@ def fill_(tensor: torch.Tensor, rule: tuple[str, float], name: str, layout: Shar
             generator = torch.Generator().manual_seed(_seed(seed, name, chunk))
             block = torch.randn(rows_here, width, generator=generator) * std  # at most CHUNK_ROWS rows at a time
             lo, hi = max(start, first), min(stop, first + rows_here)
-            piece = block[lo - first : hi - first, cols[0] : cols[1]]
+            piece = block[lo - first : hi - first].view(hi - lo, -1, inner)[:, cols[0] : cols[1]].reshape(hi - lo, -1)
             local[offset : offset + hi - lo].copy_(piece.to(local.dtype))
             offset += hi - lo
         if stop > full_rows:  # vocabulary padding past the real rows
