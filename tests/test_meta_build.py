@@ -88,6 +88,15 @@ def test_buffers_computed_in_init_come_out_as_a_cpu_build_makes_them():
     assert model.emb.scale.item() == pytest.approx(HIDDEN**0.5 / 3)
 
 
+def test_empty_init_builds_a_users_model_the_same_way():
+    with hp.models.empty_init():
+        model = ScaledLM()
+    assert all(p.is_meta for p in model.parameters()) and isinstance(model.head.weight, nn.Parameter)
+    for name, buf in ScaledLM().named_buffers():
+        assert torch.equal(model.get_buffer(name), buf), name
+    assert torch.empty(2).device.type == "cpu"  # nothing of it outlives the block
+
+
 def test_a_world_of_one_with_scaled_embedding_equals_the_cpu_build(world_of_one):
     spec = "tests.test_meta_build:make_scaled"
     model = hp.models.load(spec).module

@@ -95,6 +95,9 @@ def _parameters_to_meta(model: nn.Module) -> None:
 def _on_meta(param: nn.Parameter) -> Any:
     """The same parameter (class, requires_grad and attributes) on the meta device."""
     cls = type(param) if isinstance(param, nn.Parameter) else nn.Parameter
-    moved = cls(param.detach().to("meta"), requires_grad=param.requires_grad)
+    try:
+        moved = cls(param.detach().to("meta"), requires_grad=param.requires_grad)
+    except TypeError:  # a Parameter subclass constructed differently: a plain Parameter keeps the tensor's role
+        moved = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
     moved.__dict__.update(param.__dict__)
     return moved
