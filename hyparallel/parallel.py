@@ -37,7 +37,7 @@ from hyparallel.planner.inputs import token_ids
 from hyparallel.recompute import apply_recompute
 from hyparallel.schema import LossFn, Plan
 from hyparallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel, check_local_shapes
-from hyparallel.tensor.init import materialize_
+from hyparallel.tensor.init import materialize_, refuse_unrecoverable_buffers
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IGNORE_INDEX = -100  # targets with this value (padding) are not counted, as in F.cross_entropy
@@ -125,6 +125,7 @@ def parallelize(
             stacklevel=2,
         )
     device = torch.device(device) if device is not None else default_device(env, plan)
+    refuse_unrecoverable_buffers(model)  # a meta buffer with no value: refused before any collective
     mesh = init_mesh(plan, env, device)  # the first collective
     vocab_parallel_loss = vocab_parallel_loss and par.tp > 1
     tp_info = None

@@ -381,3 +381,37 @@ def test_an_op_without_a_meta_kernel_is_called_unsupported():
         hp.trace(Unsupported(), torch.zeros(2, 8, dtype=torch.long))
     message = str(info.value)
     assert "aten::bincount" in message and "torch.library.register_fake" in message and "torch.where" not in message
+
+
+# ---- mixture-of-experts: grouped matrix products (Note [grouped matmul FLOPs]) --------------------------------
+
+
+class GroupedExperts(nn.Module):
+    """Expert weights (experts, hidden, ffn) applied to rows grouped by expert, as MoE layers run them."""
+
+    def __init__(self, experts: int = 4, hidden: int = 16, ffn: int = 32):
+        super().__init__()
+        self.up = nn.Parameter(torch.empty(experts, hidden, ffn, dtype=torch.bfloat16))
+        self.register_buffer("offs", torch.arange(2, 2 * experts + 1, 2, dtype=torch.int32))  # 2 rows an expert
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(x, self.up, offs=self.offs)
+
+
+def test_a_grouped_expert_matmul_counts_2mnk():
+    with torch.device("meta"):
+        model = GroupedExperts()
+    graph = hp.trace(model, torch.zeros(8, 16, dtype=torch.bfloat16, device="meta"))
+    assert graph.flops == 2 * 8 * 16 * 32  # each of the 8 rows times its expert's (16, 32) matrix
+
+
+def test_hf_mixture_of_experts_counts_its_expert_matmuls():
+    hidden, ffn, experts, top_k, tokens = 64, 128, 4, 2, 16
+    model = hp.models.load(
+        f"hf:MixtralForCausalLM num_hidden_layers=1 hidden_size={hidden} num_attention_heads=4 num_key_value_heads=2 "
+        f"intermediate_size={ffn} vocab_size=128 max_position_embeddings=64 num_local_experts={experts} "
+        f"num_experts_per_tok={top_k} bos_token_id=0 eos_token_id=0"
+    ).module
+    graph = hp.trace(model, {"input_ids": torch.zeros(1, tokens, dtype=torch.long, device="meta")})
+    routed = tokens * top_k  # every token runs through top_k experts: gate and up (hidden -> 2 ffn), down
+    assert graph.flops_by_kind()["matmul"] == routed * (2 * hidden * 2 * ffn + 2 * ffn * hidden)

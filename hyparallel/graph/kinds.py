@@ -46,6 +46,10 @@ _MATMUL = {
     "convolution",
     "__matmul__",
 }
+# Grouped matrix products (mixture-of-experts layers): torch's, and the fallback op transformers registers for
+# CPU and fp32. torch's FLOP counter knows none of them: the tracer counts them (Note [grouped matmul FLOPs]).
+GROUPED_MM = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
+_MATMUL |= GROUPED_MM
 _EMBEDDING = {"embedding", "embedding_bag"}
 _NORM = {
     "layer_norm",

@@ -7,7 +7,8 @@ them, which the planner's stage search works over.
 
 Note [what counts as a FLOP]
     ``flops`` are the forward floating-point operations of matrix products (mm, addmm, bmm,
-    convolutions, attention), counted exactly from shapes by ``torch.utils.flop_counter``: 2*M*N*K
+    convolutions, attention, and the grouped products of mixture-of-experts layers, which the tracer
+    counts itself: Note [grouped matmul FLOPs]), counted exactly from shapes by ``torch.utils.flop_counter``: 2*M*N*K
     for an (M, K) x (K, N) product, and 4*B*heads*Tq*Tk*head_dim for attention (causal masking
     is not discounted, as Megatron-LM's model-FLOPs formula does not). Elementwise ops, norms and
     softmax are memory-bound and are costed by their bytes, so they carry 0 FLOPs.

@@ -17,7 +17,7 @@ import io
 import itertools
 import logging
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hyparallel.errors import TraceError
-from hyparallel.graph.kinds import VIEW_OPS, base_forward, function_kind, module_kind, target_name
+from hyparallel.graph.kinds import GROUPED_MM, VIEW_OPS, base_forward, function_kind, module_kind, target_name
 from hyparallel.graph.model_graph import Block, ModelGraph, Op, Value
 from hyparallel.graph.trace_errors import Failure, explain, remember_source
 
@@ -214,8 +214,8 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
         args, kwargs = tree_map(
             lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t, (args, kwargs)
         )
-    with _quiet_torch_logs():  # a failed export logs whole graphs; the failure is reported as one line instead
-        exported = torch.export.export(model, args, kwargs, strict=False)
+    with _quiet_torch_logs(), _buffers_on_meta(model) if device.type == "meta" else contextlib.nullcontext():
+        exported = torch.export.export(model, args, kwargs, strict=False)  # a failure is reported as one line
     signature = exported.graph_signature
     placeholders = [n for n in exported.graph_module.graph.nodes if n.op == "placeholder"]
     flat_user, _ = tree_flatten((args, kwargs))
@@ -238,6 +238,22 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
         state_of=state_of,
         artifact=exported,
     )
+
+
+@contextlib.contextmanager
+def _buffers_on_meta(model: nn.Module) -> Iterator[None]:
+    """Meta copies of the model's real buffers while it is exported beside meta parameters and inputs: a meta
+    build keeps its buffers real (Note [parameters on meta, buffers real]), and fake tensors refuse to mix devices.
+    """
+    saved = [(m, leaf, t) for m in model.modules() for leaf, t in m._buffers.items() if t is not None and not t.is_meta]
+    copies: dict[int, torch.Tensor] = {}
+    for module, leaf, tensor in saved:
+        module._buffers[leaf] = copies.setdefault(id(tensor), tensor.to("meta"))
+    try:
+        yield
+    finally:
+        for module, leaf, tensor in saved:
+            module._buffers[leaf] = tensor
 
 
 @contextlib.contextmanager
@@ -400,7 +416,10 @@ class _Profiler(fx.Interpreter):
             return 0, super().run_node(n)
         with self.counter:  # entering clears the counter: it then holds this node's FLOPs only
             out = super().run_node(n)
-        return self.counter.get_total_flops(), out
+        flops = self.counter.get_total_flops()
+        if not flops and target_name(n.target) in GROUPED_MM:
+            flops = grouped_mm_flops(*self.fetch_args_kwargs_from_env(n)[0][:2], out)
+        return flops, out
 
     def _key(self, n: fx.Node) -> tuple | None:
         """What determines a node's output shapes and FLOPs; None when it cannot be told (then no caching)."""
@@ -423,6 +442,23 @@ class _Profiler(fx.Interpreter):
         except TypeError:
             return None
         return key
+
+
+# Note [grouped matmul FLOPs]
+#     A grouped matrix product (``torch._grouped_mm(a, b, offs)``, the op a mixture-of-experts layer runs its
+#     experts with) multiplies each group of rows of ``a`` by its group's matrix of ``b``: every output element
+#     is one dot product over the contracted dimension, ``a``'s last, so it costs 2 * numel(out) * K, as an
+#     (M, K) x (K, N) product costs 2*M*N*K. The one exception: two 2-D operands group the contracted dimension
+#     itself (out is (groups, M, N), the groups' K summing to ``a``'s): 2 * M * K * N in all.
+
+
+def grouped_mm_flops(a: Any, b: Any, out: Any) -> int:
+    """Forward FLOPs of a grouped matrix product of ``a`` and ``b`` giving ``out`` (Note [grouped matmul FLOPs])."""
+    if not all(isinstance(t, torch.Tensor) for t in (a, b, out)):
+        return 0
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out.numel() * a.shape[-1]
 
 
 class _Runner(nn.Module):

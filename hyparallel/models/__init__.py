@@ -24,6 +24,7 @@ from hyparallel.errors import ModelSpecError
 from hyparallel.models.gpt import GPT, GPTConfig
 from hyparallel.models.hf import build_hf
 from hyparallel.models.llama import Llama, LlamaConfig
+from hyparallel.models.meta import build_on, empty_init
 from hyparallel.models.zoo import ZooEntry, build, config, entries, names
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "LoadedModel",
     "build",
     "build_hf",
+    "build_on",
+    "empty_init",
     "config",
     "entries",
     "names",
@@ -94,8 +97,7 @@ def _parse_overrides(words: Sequence[str]) -> dict[str, Any]:
 def _from_factory(spec: str, device: torch.device | str, overrides: dict[str, Any]) -> nn.Module:
     factory = load_callable(spec, "model factory")
     _check_call(spec, factory, overrides)
-    with torch.device(device):
-        model = factory(**overrides)
+    model = build_on(device, lambda: factory(**overrides))
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"model factory '{spec}' returned {type(model).__name__}, expected a torch.nn.Module")
     return model

@@ -7,6 +7,7 @@ from torch import nn
 
 from hyparallel.errors import ModelSpecError
 from hyparallel.models.bounds import check_hf_config
+from hyparallel.models.meta import build_on
 
 
 def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.Module:
@@ -37,8 +38,9 @@ def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.
             check_hf_config(config)
         except ValueError as exc:
             raise ModelSpecError(f"hf:{arch}: {exc}") from None
-        with torch.device(device):
-            return model_cls(config) if from_class else transformers.AutoModelForCausalLM.from_config(config)
+        return build_on(
+            device, lambda: model_cls(config) if from_class else transformers.AutoModelForCausalLM.from_config(config)
+        )
     except ModelSpecError:
         raise
     except errors as exc:

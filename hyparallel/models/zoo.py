@@ -11,6 +11,7 @@ from torch import nn
 from hyparallel.errors import ModelSpecError
 from hyparallel.models.gpt import GPT, GPTConfig
 from hyparallel.models.llama import Llama, LlamaConfig
+from hyparallel.models.meta import build_on
 
 ModelConfig = GPTConfig | LlamaConfig
 
@@ -80,8 +81,7 @@ def build(name: str, device: torch.device | str = "meta", **overrides) -> nn.Mod
     """Build a zoo model; on ``device="meta"`` (the default) it allocates no memory, even at 175B."""
     cfg = config(name, **overrides)
     cls = GPT if isinstance(cfg, GPTConfig) else Llama
-    with torch.device(device):
-        return cls(cfg)
+    return build_on(device, lambda: cls(cfg))
 
 
 def entries() -> list[ZooEntry]:

@@ -8,12 +8,14 @@ generator seeded by (seed, parameter name, chunk): a slice regenerates only the 
 
 Rules follow the common initialisers (GPT-2, transformers' ``_init_weights``): biases zero, norm
 weights one, other weights N(0, std) with std from ``model.init_std(name)`` when the model defines it,
-else the config's ``initializer_range``, else 0.02.
+else the config's ``initializer_range``, else 0.02. A parameter of any rank is drawn row by row along dim 0
+(Note [any rank]); a scalar (0-D) weight, a learned scale, starts at one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -62,9 +64,12 @@ def fill_(tensor: torch.Tensor, rule: tuple[str, float], name: str, layout: Shar
     if kind != "normal" or tensor.dim() == 0:
         tensor.fill_(0.0 if kind == "zeros" else 1.0)
         return
-    full_rows = layout.full_shape[0]
-    width = layout.full_shape[1] if len(layout.full_shape) > 1 else 1
-    cols = layout.cols or (0, width)
+    # Note [any rank]: a parameter of any rank is drawn as (rows, everything else): a chunk of rows is one block
+    # of randn(rows, prod(shape[1:])), so a 2-D weight draws exactly what it always did; ``cols`` slices dim 1,
+    # whose entries each span prod(shape[2:]) values (one for a 2-D weight).
+    full_rows, rest = layout.full_shape[0], layout.full_shape[1:]
+    width, inner = math.prod(rest), math.prod(rest[1:])
+    cols = layout.cols or (0, rest[0] if rest else 1)
     local = tensor.view(tensor.size(0), -1)
     offset = 0
     for start, stop in layout.rows or ((0, full_rows),):
@@ -75,7 +80,7 @@ def fill_(tensor: torch.Tensor, rule: tuple[str, float], name: str, layout: Shar
             generator = torch.Generator().manual_seed(_seed(seed, name, chunk))
             block = torch.randn(rows_here, width, generator=generator) * std  # at most CHUNK_ROWS rows at a time
             lo, hi = max(start, first), min(stop, first + rows_here)
-            piece = block[lo - first : hi - first, cols[0] : cols[1]]
+            piece = block[lo - first : hi - first].view(hi - lo, -1, inner)[:, cols[0] : cols[1]].reshape(hi - lo, -1)
             local[offset : offset + hi - lo].copy_(piece.to(local.dtype))
             offset += hi - lo
         if stop > full_rows:  # vocabulary padding past the real rows
@@ -111,11 +116,20 @@ def materialize_(
 
     ``only`` (parameter or buffer names) materialises just the modules owning them, as a pipeline rank
     does with its stages; everything else stays on meta. A tied weight keeps its first name's values
-    wherever it is materialised, so every stage holding a copy starts equal.
+    wherever it is materialised, so every stage holding a copy starts equal. Real buffers (the meta build
+    keeps them: Note [parameters on meta, buffers real]) move to ``device`` as they are; meta ones are
+    recomputed where that is known to work, else refused (Note [buffers on meta]).
     """
+    lost = meta_buffers(model, only)
+    refuse_unrecoverable_buffers(model, only)
     if only is None:
         ties = tied_parameters(model)
+        real = [
+            (m, leaf, t) for m in model.modules() for leaf, t in m._buffers.items() if t is not None and not t.is_meta
+        ]
         model.to_empty(device=device)  # allocates each module's parameters anew, which unties them
+        for module, leaf, tensor in real:
+            module._buffers[leaf] = tensor.to(device)
         retie(model, ties)
         fresh = None
     else:
@@ -130,16 +144,76 @@ def materialize_(
         layout = owner.shard_layout(leaf) if callable(getattr(owner, "shard_layout", None)) else None
         layout = layout or ShardLayout(full_shape=tuple(param.shape))
         fill_(param.data, init_rule(model, name, owner, leaf), name, layout, seed)
-    for module in model.modules():  # buffers only (rotary tables): recompute them
-        buffers = list(module.buffers(recurse=False))
-        if next(module.parameters(recurse=False), None) is None and buffers:
-            if fresh is not None and not any(id(b) in fresh for b in buffers):
-                continue
-            if callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
-            elif callable(getattr(model, "_init_weights", None)):  # transformers' models recompute rotary buffers here
-                model._init_weights(module)
+    _recompute_buffers(model, lost)
     return model
+
+
+# Note [buffers on meta]
+#     A buffer on meta has no value, and only the code that computed it can give one. hyparallel's own meta
+#     build never leaves one (Note [parameters on meta, buffers real]); a model built by hand under
+#     ``torch.device("meta")`` does. Two recomputations are known to recompute a parameter-free module's
+#     buffers and touch nothing else: its ``reset_parameters`` (hyparallel's rotary tables) and, failing
+#     that, transformers' ``model._init_weights(module)`` (their rotary embeddings). A meta buffer of a module
+#     WITH parameters is refused: either would re-initialise the parameters too, and nothing else knows how
+#     the buffer was computed (Gemma's embedding scale). A recomputation that leaves a buffer unwritten (its
+#     version counter unchanged) is refused as well: its memory would be garbage.
+
+
+def meta_buffers(model: nn.Module, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """The buffers of ``model`` on the meta device, by name; with ``only``, those of the modules owning a name
+    in it (``materialize_`` allocates whole modules)."""
+    owners = None if only is None else {name.rpartition(".")[0] for name in only}
+    return {
+        name: buf
+        for name, buf in model.named_buffers(remove_duplicate=False)
+        if buf.is_meta and (owners is None or name.rpartition(".")[0] in owners)
+    }
+
+
+def refuse_unrecoverable_buffers(model: nn.Module, only: Collection[str] | None = None) -> None:
+    """ConfigError naming the first meta buffer nothing can recompute (Note [buffers on meta])."""
+    from hyparallel.errors import ConfigError
+
+    for name in meta_buffers(model, only):
+        owner_path, _, _ = name.rpartition(".")
+        owner = model.get_submodule(owner_path) if owner_path else model
+        if _recompute(model, owner) is None:
+            raise ConfigError(
+                f"materialize: buffer '{name}' of {type(owner).__name__} is on the meta device, so it has no value "
+                "and nothing can recompute it; build the model with its buffers real (hp.models.load/build, or "
+                "`with hp.models.empty_init(): model = ...`) instead of under torch.device('meta')"
+            )
+
+
+def _recompute(model: nn.Module, module: nn.Module):
+    """The call that recomputes ``module``'s buffers, or None (Note [buffers on meta])."""
+    if next(module.parameters(recurse=False), None) is not None:
+        return None
+    if callable(getattr(module, "reset_parameters", None)):
+        return module.reset_parameters
+    if callable(getattr(model, "_init_weights", None)):  # transformers' models recompute rotary buffers here
+        return lambda: model._init_weights(module)
+    return None
+
+
+def _recompute_buffers(model: nn.Module, lost: dict[str, torch.Tensor]) -> None:
+    """Recompute the buffers that were on meta (now allocated, empty), refusing any left unwritten."""
+    from hyparallel.errors import ConfigError
+
+    owners: dict[str, list[str]] = {}
+    for name in lost:
+        owners.setdefault(name.rpartition(".")[0], []).append(name)
+    for owner_path, names in owners.items():
+        owner = model.get_submodule(owner_path) if owner_path else model
+        versions = {name: model.get_buffer(name)._version for name in names}
+        _recompute(model, owner)()
+        for name in names:
+            if model.get_buffer(name)._version == versions[name]:
+                raise ConfigError(
+                    f"materialize: buffer '{name}' of {type(owner).__name__} is on the meta device and recomputing "
+                    "it left it unwritten; build the model with its buffers real (hp.models.load/build, or "
+                    "`with hp.models.empty_init(): model = ...`) instead of under torch.device('meta')"
+                )
 
 
 def _allocate(model: nn.Module, device: torch.device, names: set[str]) -> set[int]:
@@ -156,6 +230,7 @@ def _allocate(model: nn.Module, device: torch.device, names: set[str]) -> set[in
         for t in (*module._parameters.values(), *module._buffers.values())
         if t is not None and t.device != device
     }
+    # Note [buffers on meta]: a real buffer keeps its values on the way to ``device``; a meta one is recomputed.
     replaced: dict[int, torch.Tensor] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         for table in (module._parameters, module._buffers):
@@ -163,7 +238,8 @@ def _allocate(model: nn.Module, device: torch.device, names: set[str]) -> set[in
                 if tensor is None or id(tensor) not in wanted:
                     continue
                 if id(tensor) not in replaced:
-                    empty = torch.empty_like(tensor, device=device)
+                    real_buffer = not tensor.is_meta and not isinstance(tensor, nn.Parameter)
+                    empty = tensor.to(device) if real_buffer else torch.empty_like(tensor, device=device)
                     replaced[id(tensor)] = (
                         nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
                     )
