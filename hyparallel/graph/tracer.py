@@ -47,15 +47,14 @@ class Program:
 
     def copy(self) -> Program:
         """This program over a copy of its graph, to edit (the pipeline splitter's) without changing this one."""
-        # Graph.__deepcopy__ records old node -> new node in the memo it is given (when that is not empty).
-        memo: dict[Any, Any] = {id(self): self}
-        graph = copy.deepcopy(self.gm.graph, memo)
+        graph = copy.deepcopy(self.gm.graph)  # node for node, under the same names (a fresh graph has no clashes)
+        by_name = {node.name: node for node in graph.nodes}
         return dataclasses.replace(
             self,
             gm=fx.GraphModule(self.gm, graph, type(self.gm).__name__),
             run_args=list(self.run_args),
-            user_inputs=[memo[node] for node in self.user_inputs],
-            state_of={memo[node]: name for node, name in self.state_of.items()},
+            user_inputs=[by_name[node.name] for node in self.user_inputs],
+            state_of={by_name[node.name]: name for node, name in self.state_of.items()},
         )
 
 
