@@ -120,6 +120,13 @@ class ParallelConfig(_Section):
         "kernel on CUDA, outside autocast); the environment variable HYPARALLEL_TRITON=0 turns the "
         "kernels off as well.",
     )
+    sync_batchnorm: bool = Field(
+        False,
+        description="Convert the model's batch norms to torch.nn.SyncBatchNorm over the dp group, so that their "
+        "statistics cover every data-parallel rank's rows of a micro-batch; they still cover one micro-batch, so "
+        "they match a single device only with one micro-batch per step. Needs CUDA (SyncBatchNorm does not run on "
+        "the CPU), tp = 1 and pp = 1.",
+    )
 
     @property
     def world_size(self) -> int:

@@ -148,6 +148,7 @@ PLAN_FIELDS = [
     (("parallel", "zero"), (0, 1, 2, 3), None, None),
     (("parallel", "sequence_parallel"), "bool", None, None),
     (("parallel", "fused_kernels"), "bool", None, None),
+    (("parallel", "sync_batchnorm"), "bool", None, None),
     (("placement", "order", 0), ("pp", "dp", "tp"), None, None),
     (("model", "name"), "str", None, None),
     (("model", "num_params"), "int", 0, limits.MAX_PARAMS),
