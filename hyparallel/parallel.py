@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hyparallel.checks import check_plan, check_world_size
+from hyparallel.checks import batch_statistics, batch_statistics_warning, check_plan, check_world_size
 from hyparallel.data_parallel import DataParallel, apply_data_parallel, micro_batch_hook
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph, trace
@@ -124,7 +124,10 @@ def parallelize(
             "prefer bf16, or scale the loss inside loss_fn",
             stacklevel=2,
         )
+    if message := batch_statistics_warning(plan, training_batch_statistics(model, graph)):
+        warnings.warn(message, UserWarning, stacklevel=2)  # Note [batch statistics] (hyparallel.checks)
     device = torch.device(device) if device is not None else default_device(env, plan)
+    check_sync_batchnorm(plan, device)
     refuse_unrecoverable_buffers(model)  # a meta buffer with no value: refused before any collective
     mesh = init_mesh(plan, env, device)  # the first collective
     vocab_parallel_loss = vocab_parallel_loss and par.tp > 1
@@ -148,6 +151,8 @@ def parallelize(
         blocks = []
     else:
         materialize(model, device, seed)
+        if par.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=mesh["dp"].get_group())
         modules = [model]
         blocks = [model.get_submodule(block.path) for block in graph.blocks]
         apply_recompute(blocks, par.recompute, plan.training.seq_len)
@@ -158,6 +163,20 @@ def parallelize(
         model, plan, env, device, mesh, graph, example, modules, tp_info, pipeline, data_parallel, autocast,
         vocab_parallel_loss,
     )  # fmt: skip
+
+
+def training_batch_statistics(model: nn.Module, graph: ModelGraph) -> list[str]:
+    """The paths of ``graph``'s batch-statistics modules (hyparallel.checks.batch_statistics) in training mode."""
+    return [path for path in batch_statistics(graph) if model.get_submodule(path).training]
+
+
+def check_sync_batchnorm(plan: Plan, device: torch.device) -> None:
+    """``parallel.sync_batchnorm`` needs a device torch's SyncBatchNorm runs on: refused on the CPU, in one line."""
+    if plan.parallel.sync_batchnorm and device.type == "cpu":
+        raise ConfigError(
+            "parallel.sync_batchnorm: torch.nn.SyncBatchNorm runs only on CUDA (or XPU) tensors, not on the CPU; "
+            "run on GPUs, or set sync_batchnorm: false (per-rank batch statistics)"
+        )
 
 
 def init_mesh(plan: Plan, env: LaunchEnv, device: torch.device):
