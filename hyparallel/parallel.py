@@ -166,8 +166,12 @@ def parallelize(
 
 
 def training_batch_statistics(model: nn.Module, graph: ModelGraph) -> list[str]:
-    """The paths of ``graph``'s batch-statistics modules (hyparallel.checks.batch_statistics) in training mode."""
-    return [path for path in batch_statistics(graph) if model.get_submodule(path).training]
+    """The paths of ``graph``'s batch-statistics modules (hyparallel.checks.batch_statistics) in training mode.
+
+    A path the model does not resolve (a traced name) counts as the model's own mode.
+    """
+    modules = dict(model.named_modules())
+    return [path for path in batch_statistics(graph) if modules.get(path, model).training]
 
 
 def check_sync_batchnorm(plan: Plan, device: torch.device) -> None:
