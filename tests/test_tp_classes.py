@@ -213,3 +213,19 @@ def test_sequence_parallel_is_refused_around_a_replicated_attention():
     data["parallel"]["sequence_parallel"] = True
     with pytest.raises(ConfigError, match=r"sequence_parallel: transformer.h.0.attn mixes the whole sequence"):
         check_plan(hp.Plan.from_dict(data), graph, 2)
+
+
+def test_groups_sized_by_the_config_at_one_ranks_sizes_are_refused(world_of_one):
+    # CodeGen with as many heads as mp_num groups looks per head, but its view sizes each group from embed_dim,
+    # which tp divides: at one rank's sizes the groups are regrouped. Refused before any collective.
+    world_of_one.setenv("WORLD_SIZE", "2")
+    world_of_one.setenv("RANK", "0")
+    model = hp.models.load(CODEGEN.replace("n_head=8", "n_head=4")).module
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1, micro_batch=4)
+    assert plan.tensor_parallel["transformer.h.*.attn.qkv_proj"] == "column"  # a per-head layout, by its graph
+    with pytest.raises(
+        ConfigError, match=r"cannot split transformer.h.0.attn.qkv_proj \(column; fused layout not"
+    ) as e:
+        hp.parallelize(model, plan, device="cpu")
+    assert "viewed as 4 groups of (48,), but at one rank's sizes under tp = 2 as 4 groups of (24,)" in str(e.value)
+    assert "\n" not in str(e.value) and not dist.is_initialized()

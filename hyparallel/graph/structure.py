@@ -296,7 +296,10 @@ def fused_parts(graph: ModelGraph, op_name: str) -> list[int]:
 # A view into G groups cut inside each group where G is not the head count (CodeGen's mp_num groups, each holding
 # q | v | k for several heads, regrouped into heads after the cut) interleaves parts at a granularity the split
 # does not follow: such a column and its row partner stay replicated (TPAnalysis.unsplittable), and check_styles
-# refuses a hand-written map splitting them with that reason.
+# refuses a hand-written map splitting them with that reason. A per-head interleave is read at full sizes only; a
+# module that sizes its groups from its attributes (CodeGen with as many heads as mp_num groups: embed_dim // mp_num)
+# regroups at one rank's sizes, so parallelize traces a rank-sized meta copy and refuses a split column whose groups
+# there are not a 1/tp share of the full ones (_regrouped in hyparallel/tensor/apply.py).
 
 
 def unrecognised_layout(graph: ModelGraph, op_name: str, query_heads: int | None) -> str | None:
@@ -316,6 +319,16 @@ def unrecognised_layout(graph: ModelGraph, op_name: str, query_heads: int | None
         f"along a dim of {cut} inside each group, which is not per attention head ({query_heads or 'no'} heads), "
         "so a contiguous split of its rows would mix parts"
     )
+
+
+def interleave(graph: ModelGraph, op_name: str) -> tuple[int, list[int]] | None:
+    """(G, W dims) when ``op_name``'s output is viewed into (..., G, W...) and cut inside each group (a per-head
+    interleave when G is the head count, Note [fused layouts read from the graph]); None otherwise."""
+    view, groups, inner = _grouping_view(graph, op_name, graph.op(op_name).output_shapes[0][-1])
+    cut = _first_cut(graph, view) if view is not None else None
+    if cut is None or cut == groups and groups not in inner:
+        return None
+    return groups, inner
 
 
 def _grouping_view(graph: ModelGraph, op_name: str, out: int) -> tuple[Op | None, int, list[int]]:
