@@ -41,6 +41,7 @@ CASES = (
     "hf-gpt-bigcode-mqa",
     "interleaved-per-head",
     "interleaved-grouped",
+    "hf-gpt-neox",
     "hf-codegen",
 )
 
@@ -115,6 +116,8 @@ def test_tp2_matches_single_device(results, case):
     types = ranks[0]["types"]
     if case == "scaled-embedding":
         assert types["embed"] == "ScaledEmbedding" and types["layers.0.up"] == "ScaledLinear"
+    elif case == "hf-gpt-neox":
+        assert types["gpt_neox.layers.0.attention.query_key_value"] == "ColumnParallelLinear"
     elif case == "interleaved-per-head":  # split by heads, each rank's heads whole with their q, k and v
         assert (
             types["layers.0.attn.qkv"] == "ColumnParallelLinear"
