@@ -64,6 +64,8 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
             )
         if par.sequence_parallel:
             check_blocks(graph, "sequence_parallel", "to shard between")
+            if reason := graph.structure.whole_sequence(graph):
+                raise ConfigError(reason)
     if plan.tensor_parallel is not None:
         styles = check_styles(graph, plan.tensor_parallel)
     if par.recompute != "none" and par.pp == 1:

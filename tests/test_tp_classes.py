@@ -2,6 +2,9 @@
 
 * A layer replaced by type that has its own forward (Note [a module replaced by type], hyparallel/graph/kinds.py):
   a scaled embedding, a Linear subclass, Falcon's FalconLinear stay replicated, and a plan splitting one is refused.
+* A fused projection interleaving q, k, v by groups of heads (CodeGen's mp_num groups): its layout is read from the
+  graph (Note [fused layouts read from the graph], hyparallel/graph/structure.py); per head it splits by heads,
+  by groups of several heads it stays replicated with its row partner, and a plan splitting it is refused.
 * Multi-query attention (one key/value head): the fused [q | k | v] split is found behind a view (Note [fused parts
   behind a view], hyparallel/graph/structure.py), so the key/value head is replicated, not cut in half.
 
@@ -27,7 +30,20 @@ GPT_BIGCODE_MQA = (
     "hf:GPTBigCodeForCausalLM n_layer=2 n_embd=32 n_head=4 multi_query=true vocab_size=64 n_positions=32 "
     "bos_token_id=0 eos_token_id=0"
 )
-CASES = ("scaled-embedding", "mqa-separate", "mqa-fused", "hf-gpt-bigcode-mqa")
+CODEGEN = (  # 8 heads in CodeGen's 4 (mp_num) groups, each group q | v | k of 2 heads
+    "hf:CodeGenForCausalLM n_layer=2 n_embd=64 n_head=8 rotary_dim=4 vocab_size=64 n_positions=32 "
+    "bos_token_id=0 eos_token_id=0"
+)
+CASES = (
+    "scaled-embedding",
+    "mqa-separate",
+    "mqa-fused",
+    "hf-gpt-bigcode-mqa",
+    "interleaved-per-head",
+    "interleaved-grouped",
+    "hf-gpt-neox",
+    "hf-codegen",
+)
 
 
 def traced(spec: str):
@@ -100,6 +116,22 @@ def test_tp2_matches_single_device(results, case):
     types = ranks[0]["types"]
     if case == "scaled-embedding":
         assert types["embed"] == "ScaledEmbedding" and types["layers.0.up"] == "ScaledLinear"
+    elif case == "hf-gpt-neox":
+        assert types["gpt_neox.layers.0.attention.query_key_value"] == "ColumnParallelLinear"
+    elif case == "interleaved-per-head":  # split by heads, each rank's heads whole with their q, k and v
+        assert (
+            types["layers.0.attn.qkv"] == "ColumnParallelLinear"
+            and types["layers.0.attn.o_proj"] == "RowParallelLinear"
+        )
+    elif case in ("interleaved-grouped", "hf-codegen"):  # attention replicated, the MLP still split
+        pair = ("layers.0.attn.qkv", "layers.0.attn.o_proj")
+        pair = (
+            pair
+            if case == "interleaved-grouped"
+            else ("transformer.h.0.attn.qkv_proj", "transformer.h.0.attn.out_proj")
+        )
+        assert {types[path] for path in pair} == {"Linear"}
+        assert "ColumnParallelLinear" in types.values() and "RowParallelLinear" in types.values()
     else:  # the key/value heads are split (replicated on both ranks), not left whole by accident
         assert "ColumnParallelLinear" in types.values() and "RowParallelLinear" in types.values()
 
@@ -138,3 +170,65 @@ def test_a_module_sized_by_its_config_is_refused_before_any_collective(world_of_
         hp.parallelize(model, plan, device="cpu")
     assert construct in str(error.value) and "\n" not in str(error.value)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("spec", "attn", "column", "row"),
+    [
+        (CODEGEN, "transformer.h.0.attn", "qkv_proj", "out_proj"),
+        ("tests.tiny_lms:interleaved_lm groups=2", "layers.0.attn", "qkv", "o_proj"),
+    ],
+)
+def test_a_fused_projection_interleaved_by_groups_of_heads_is_replicated(spec, attn, column, row):
+    # Note [fused layouts read from the graph]: q | v | k of several heads per group, cut inside each group.
+    analysis = traced(spec).structure
+    qkv, out = f"{attn}.{column}", f"{attn}.{row}"
+    assert analysis.styles[qkv] == analysis.styles[out] == "replicate"
+    assert analysis.unsplittable[qkv].startswith("fused layout not recognised: its output is viewed as")
+    assert f"its column partner {qkv}: fused layout not recognised" in analysis.unsplittable[out]
+    assert any(style == "column" for style in analysis.styles.values())  # the MLP still splits
+
+
+def test_a_fused_projection_interleaved_per_head_splits_by_heads():
+    analysis = traced("tests.tiny_lms:interleaved_lm").structure  # (..., heads, 3, head_dim) unbound
+    assert analysis.styles["layers.0.attn.qkv"] == "column" and analysis.styles["layers.0.attn.o_proj"] == "row"
+    assert not analysis.unsplittable
+
+
+def test_a_hand_written_split_of_an_unrecognised_fused_layout_is_refused():
+    styles = {"transformer.h.*.attn.qkv_proj": "column", "transformer.h.*.attn.out_proj": "row"}
+    with pytest.raises(
+        ConfigError, match=r"cannot split transformer.h.0.attn.qkv_proj \(column; fused layout not"
+    ) as error:
+        check_plan(tp_plan(styles), traced(CODEGEN), 2)
+    message = str(error.value)
+    assert "transformer.h.0.attn.out_proj (row; its column partner transformer.h.0.attn.qkv_proj: fused" in message
+    assert "\n" not in message
+    assert not dist.is_initialized()
+
+
+def test_sequence_parallel_is_refused_around_a_replicated_attention():
+    # Under sequence parallelism a replicated attention would attend within its rank's part of the sequence.
+    graph = traced(CODEGEN)
+    plan = hp.plan(graph, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1)
+    assert not plan.parallel.sequence_parallel
+    data = plan.to_dict()
+    data["parallel"]["sequence_parallel"] = True
+    with pytest.raises(ConfigError, match=r"sequence_parallel: transformer.h.0.attn mixes the whole sequence"):
+        check_plan(hp.Plan.from_dict(data), graph, 2)
+
+
+def test_groups_sized_by_the_config_at_one_ranks_sizes_are_refused(world_of_one):
+    # CodeGen with as many heads as mp_num groups looks per head, but its view sizes each group from embed_dim,
+    # which tp divides: at one rank's sizes the groups are regrouped. Refused before any collective.
+    world_of_one.setenv("WORLD_SIZE", "2")
+    world_of_one.setenv("RANK", "0")
+    model = hp.models.load(CODEGEN.replace("n_head=8", "n_head=4")).module
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1, micro_batch=4)
+    assert plan.tensor_parallel["transformer.h.*.attn.qkv_proj"] == "column"  # a per-head layout, by its graph
+    with pytest.raises(
+        ConfigError, match=r"cannot split transformer.h.0.attn.qkv_proj \(column; fused layout not"
+    ) as e:
+        hp.parallelize(model, plan, device="cpu")
+    assert "viewed as 4 groups of (48,), but at one rank's sizes under tp = 2 as 4 groups of (24,)" in str(e.value)
+    assert "\n" not in str(e.value) and not dist.is_initialized()

@@ -7,6 +7,9 @@ Factories for ``hp.models.load("tests.tiny_lms:NAME key=value ...")`` (the repos
 * ``config_split_lm``: nanoGPT's attention, its fused [q | k | v] split with the configured width.
 * ``mqa_lm``: multi-query attention, one key/value head shared by every query head; ``fused=True`` computes
   [q | k | v] in one Linear split by sizes, otherwise q, k and v are separate Linears.
+* ``interleaved_lm``: a fused projection whose output interleaves q, k and v: per head (``groups=0``: viewed as
+  (..., heads, 3, head_dim) and unbound, as Bloom does) or per group of heads (CodeGen's ``mp_num`` groups, each
+  q | k | v for several heads, regrouped into heads after the cut).
 """
 
 from __future__ import annotations
@@ -66,13 +69,42 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+class InterleavedAttention(nn.Module):
+    """Causal attention whose fused qkv interleaves q, k, v per head (``groups=0``) or per group of heads."""
+
+    def __init__(self, hidden: int, heads: int, groups: int):
+        super().__init__()
+        self.head_dim, self.groups = hidden // heads, groups
+        self.qkv, self.o_proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x)
+        if self.groups:  # (..., groups, 3 * width): q | k | v of several heads in each group
+            width = qkv.size(-1) // (3 * self.groups)
+            q, k, v = qkv.view(batch, seq, self.groups, 3 * width).split(width, dim=-1)
+        else:  # (..., heads, 3, head_dim): q, k, v of each head side by side
+            q, k, v = qkv.view(batch, seq, -1, 3, self.head_dim).unbind(3)
+        q, k, v = (t.reshape(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
 class Block(nn.Module):
     def __init__(
-        self, hidden: int, heads: int, kv_heads: int, fused: bool, up: type[nn.Linear] = nn.Linear, by_config=False
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        fused: bool,
+        up: type[nn.Linear] = nn.Linear,
+        by_config: bool = False,
+        groups: int | None = None,
     ):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.attn = Attention(hidden, heads, kv_heads, fused, by_config)
+        self.attn = Attention(hidden, heads, kv_heads, fused, by_config) if groups is None else None
+        self.attn = self.attn or InterleavedAttention(hidden, heads, groups)
         self.up, self.down = up(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,4 +147,10 @@ def mqa_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 
 def config_split_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
     """nanoGPT's attention: the fused [q | k | v] split by the configured width (``split(self.n_embd, dim=2)``)."""
     blocks = [Block(hidden, heads, heads, True, by_config=True) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
+def interleaved_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, groups: int = 0) -> TinyLM:
+    """A fused qkv interleaved per head (``groups=0``, splittable by heads) or per ``groups`` groups of heads."""
+    blocks = [Block(hidden, heads, heads, True, groups=groups) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)

@@ -9,6 +9,8 @@ same way (fused or separate QKV, grouped-query attention, SwiGLU, transformers' 
   row Linear, one backward per distinct input of column Linears (Shoeybi et al. 2019, Sec. 3).
 * The ops between a column and its row Linears work on split tensors; a norm over the split
   dimension there would need the whole tensor, so such a pair is left replicated.
+* A fused column's layout is read from how the graph views and cuts its output (Note [fused layouts read from
+  the graph]); a layout not recognised leaves the column and its row partner replicated, never guessed.
 * The token embedding (fed by a graph input) and an output Linear whose width is that vocabulary are
   vocab-parallel; the vocabulary is padded to a multiple of tp, as Megatron-LM does.
 * A layer whose class overrides its base's forward (Note [a module replaced by type] in kinds.py) is never
@@ -52,6 +54,25 @@ class TPAnalysis:
             f"tp {tp} splits nothing of {graph.name}: it has no column/row Linear pair in repeated blocks and no "
             f"vocab-parallel embedding or head, so each of the {tp} ranks would do the whole model's work; use tp 1"
         )
+
+    def whole_sequence(self, graph: ModelGraph) -> str | None:
+        """Why sequence parallelism cannot run on this model (None: it can).
+
+        Under sequence parallelism each rank holds part of the sequence between the first and the last block, and
+        only the split regions gather it whole; attention left replicated inside a block (its projections not
+        split, Note [fused layouts read from the graph]) would attend within its rank's part only.
+        """
+        for block in graph.blocks:
+            for name in block.ops:
+                op = graph.op(name)
+                mixes = op.kind == "attention" or (op.kind == "matmul" and not op.params)
+                if mixes and name not in self.split_ops:
+                    return (
+                        f"sequence_parallel: {op.module or name} mixes the whole sequence but is replicated "
+                        "(its projections are not split), so it would see only its rank's part of the sequence; "
+                        "use sequence_parallel: false"
+                    )
+        return None
 
     def check(self, tp: int, graph: ModelGraph) -> str | None:
         """Why ``tp`` cannot split this model, or None when it can."""
@@ -126,15 +147,22 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
             attention = sorted(n for n in region if graph.op(n).kind == "attention")
             if any(_breaks_split(graph.op(n), attention, graph) for n in region):
                 continue
+            found = _attention_heads(graph, region, attention)
+            query_heads = next((count for count, _ in found.values()), None)
+            if reason := unrecognised_layout(graph, column, query_heads):
+                unsplittable[column] = reason
+                continue
             styles[column] = "column"
             split.update(region | {column})
-            for n, (count, head_dim) in _attention_heads(graph, region, attention).items():
+            for n, (count, head_dim) in found.items():
                 heads[n] = count
                 head_groups[column] = graph.op(column).output_shapes[0][-1] // head_dim
         for row in sorted(rows):
             if backward[row] <= {c for c, s in styles.items() if s == "column"}:
                 styles[row] = "row"
                 rows_all.append(row)
+            elif refused := sorted(c for c in backward[row] if c in unsplittable and c not in fixed):
+                unsplittable[row] = f"its column partner {graph.op(refused[0]).module}: {unsplittable[refused[0]]}"
         by_input: dict[tuple[str, ...], None] = {}
         for column in (c for c in block.ops if styles.get(c) == "column"):
             by_input[tuple(sorted(g.predecessors(column)))] = None
@@ -253,6 +281,95 @@ def fused_parts(graph: ModelGraph, op_name: str) -> list[int]:
         elif shape[-1] != out:
             return [out]
         name = view.name
+
+
+# Note [fused layouts read from the graph]
+# How a fused column's output rows are laid out is read from the ops that reshape and cut it, never guessed; the
+# split keeps contiguous ranges of rows per part (_column_rows in hyparallel/tensor/apply.py), which is right only
+# for these layouts:
+# * [q | k | v] parts cut along the last dim (GPT-2's c_attn(x).split, Phi-3's slices), behind views that keep the
+#   last dim whole (GPTBigCode's unsqueeze): fused_parts sizes each part.
+# * a view into (..., heads, head_dim) whose heads dim is cut (Falcon's multi-query slices): parts of whole heads.
+# * a view into (..., G, W...) cut inside each group (along a W dim), where G is the number of query heads: a
+#   per-head interleave (GPT-NeoX's (..., heads, 3 * head_dim) chunked, Bloom's (..., heads, 3, head_dim)
+#   indexed). A contiguous range of groups is a contiguous range of heads, so it splits as one part.
+# A view into G groups cut inside each group where G is not the head count (CodeGen's mp_num groups, each holding
+# q | v | k for several heads, regrouped into heads after the cut) interleaves parts at a granularity the split
+# does not follow: such a column and its row partner stay replicated (TPAnalysis.unsplittable), and check_styles
+# refuses a hand-written map splitting them with that reason. A per-head interleave is read at full sizes only; a
+# module that sizes its groups from its attributes (CodeGen with as many heads as mp_num groups: embed_dim // mp_num)
+# regroups at one rank's sizes, so parallelize traces a rank-sized meta copy and refuses a split column whose groups
+# there are not a 1/tp share of the full ones (_regrouped in hyparallel/tensor/apply.py).
+
+
+def unrecognised_layout(graph: ModelGraph, op_name: str, query_heads: int | None) -> str | None:
+    """Why the fused layout of column ``op_name``'s output is not one Note [fused layouts read from the graph]
+    recognises (None: recognised, or not fused); ``query_heads`` are its region's attention heads, if any."""
+    out = graph.op(op_name).output_shapes[0][-1]
+    view, groups, inner = _grouping_view(graph, op_name, out)
+    if view is None:
+        return None
+    cut = _first_cut(graph, view)
+    if cut is None or cut == groups and groups not in inner:  # never cut, or cut along the groups (heads-major)
+        return None
+    if cut in inner and groups == query_heads and cut != groups:  # cut inside each head: a per-head interleave
+        return None
+    return (
+        f"fused layout not recognised: its output is viewed as {groups} groups of {tuple(inner)} and cut "
+        f"along a dim of {cut} inside each group, which is not per attention head ({query_heads or 'no'} heads), "
+        "so a contiguous split of its rows would mix parts"
+    )
+
+
+def interleave(graph: ModelGraph, op_name: str) -> tuple[int, list[int]] | None:
+    """(G, W dims) when ``op_name``'s output is viewed into (..., G, W...) and cut inside each group (a per-head
+    interleave when G is the head count, Note [fused layouts read from the graph]); None otherwise."""
+    view, groups, inner = _grouping_view(graph, op_name, graph.op(op_name).output_shapes[0][-1])
+    cut = _first_cut(graph, view) if view is not None else None
+    if cut is None or cut == groups and groups not in inner:
+        return None
+    return groups, inner
+
+
+def _grouping_view(graph: ModelGraph, op_name: str, out: int) -> tuple[Op | None, int, list[int]]:
+    """The first view of ``op_name``'s output (through views that keep its last dim whole) into trailing dims
+    (G, W...) whose product is the output width, with G and the W dims; (None, 0, []) if there is none."""
+    name = op_name
+    while True:
+        successors = _uses(graph, name)
+        op = successors[0] if len(successors) == 1 else None
+        if op is None or op.kind != "view" or op.target in _CUTS or len(op.output_shapes) != 1:
+            return None, 0, []
+        shape = list(op.output_shapes[0])
+        if shape and shape[-1] != out:
+            for start in range(len(shape) - 1):
+                if math.prod(shape[start:]) == out and shape[start] != out:
+                    return op, shape[start], shape[start + 1 :]
+            return None, 0, []
+        name = op.name
+
+
+def _uses(graph: ModelGraph, name: str) -> list[Op]:
+    """The ops reading ``name``'s values, in the order they run (x.size() and x.dim() read only its shape)."""
+    ops = (graph.op(n) for n in graph.graph.successors(name))
+    return sorted((op for op in ops if op.target not in ("size", "dim")), key=lambda op: op.index)
+
+
+_CUTS = ("split", "chunk", "split_with_sizes", "unbind", "slice", "narrow", "index", "select", "getitem")
+
+
+def _first_cut(graph: ModelGraph, view: Op) -> int | None:
+    """The size of the dim the first cut after ``view`` (through single-use views) is taken along; None if none."""
+    name = view.name
+    while True:
+        successors = _uses(graph, name)
+        cuts = [op for op in successors if op.target in _CUTS and op.input_shapes and op.output_shapes]
+        if cuts and len(cuts) == len(successors):
+            before, after = cuts[0].input_shapes[0], cuts[0].output_shapes[0]
+            return next((a for a, b in zip(before, after) if a != b), before[-1])
+        if len(successors) != 1 or successors[0].kind != "view" or len(successors[0].output_shapes) != 1:
+            return None
+        name = successors[0].name
 
 
 def _pieces(successors: list[Op], dim: int) -> list[int]:

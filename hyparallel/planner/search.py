@@ -120,6 +120,7 @@ def axis_link(order: tuple[str, ...], sizes: dict[str, int], axis: str, cluster:
 def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
     """Every configuration the constraints allow and the model's dimensions admit."""
     configs = []
+    whole = ctx.profile.tp_analysis.whole_sequence(ctx.profile.graph)  # replicated attention: no sequence parallelism
     for tp, pp, dp in _layouts(ctx, fixed):
         for b in _divisors(ctx.global_batch // dp):
             m = ctx.global_batch // (dp * b)
@@ -128,7 +129,9 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
                 schedules,
                 _recomputes(ctx.profile, pp, fixed),
                 _zeros(pp, dp, fixed),
-                (False, True) if tp > 1 and ctx.profile.num_blocks else (False,),  # Note [what needs blocks]
+                (False, True)
+                if tp > 1 and ctx.profile.num_blocks and not whole
+                else (False,),  # Note [what needs blocks]
                 _orders(pp, dp, fixed),
             )
             configs.extend(

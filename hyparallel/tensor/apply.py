@@ -22,8 +22,8 @@ from torch.distributed import ProcessGroup
 from hyparallel.checks import check_blocks, check_styles, check_tensor_parallel_degree
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph
-from hyparallel.graph.structure import TPAnalysis, fused_parts
-from hyparallel.graph.tracer import first_failure
+from hyparallel.graph.structure import TPAnalysis, fused_parts, interleave
+from hyparallel.graph.tracer import first_failure, trace
 from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
 from hyparallel.tensor.init import retie, tied_parameters
 from hyparallel.tensor.layers import (
@@ -506,7 +506,10 @@ def check_local_shapes(
         return
     if graph.method == "fx" and first_failure(_meta_copy(model), example_inputs, "fx") is not None:
         return  # the unsplit model does not run eagerly on meta: nothing to compare against
-    failure = first_failure(_local_shapes_copy(model, graph, styles, tp), example_inputs, graph.method)
+    local = _local_shapes_copy(model, graph, styles, tp)
+    failure = first_failure(local, example_inputs, graph.method)
+    if failure is None and (reason := _regrouped(local, graph, styles, tp, example_inputs)):
+        raise ConfigError(reason)
     if failure is not None:
         where, exc = failure
         message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
@@ -515,6 +518,30 @@ def check_local_shapes(
             f"({type(exc).__name__}: {message[:160]}); it sizes its tensors with the model's full widths or "
             "head counts (constants or config values, not its inputs' shapes): replicate it"
         )
+
+
+def _regrouped(local: nn.Module, graph: ModelGraph, styles: dict[str, str], tp: int, example_inputs: Any) -> str | None:
+    """Why a split column cut inside groups (Note [fused layouts read from the graph]) is viewed, at one rank's
+    sizes, into other groups than a 1/tp share of the full model's (a module sizing its groups from its head-count
+    attributes, CodeGen's ``embed_dim // mp_num``); None when every such column keeps its groups."""
+    by_module = {graph.op(name).module: name for name in graph.structure.styles}
+    grouped = {path: interleave(graph, by_module[path]) for path, style in styles.items() if style == "column"}
+    grouped = {path: groups for path, groups in grouped.items() if groups is not None}
+    if not grouped:
+        return None
+    local_graph = trace(local, example_inputs, method=graph.method)
+    local_ops = {op.module: op.name for op in local_graph.compute_ops() if op.kind == "linear"}
+    for path, (groups, inner) in grouped.items():
+        found = interleave(local_graph, local_ops[path]) if path in local_ops else None
+        if found != (groups // tp, inner):
+            seen = f"{found[0]} groups of {tuple(found[1])}" if found else "no such groups"
+            return (
+                f"tensor_parallel: cannot split {path} (column; fused layout not recognised: its output is viewed as "
+                f"{groups} groups of {tuple(inner)}, but at one rank's sizes under tp = {tp} as {seen}, not "
+                f"{groups // tp}: its module sizes the groups from the model's widths); "
+                "replicate it and its row partner"
+            )
+    return None
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:

@@ -31,6 +31,16 @@ CASES = {
         "hf:GPTBigCodeForCausalLM n_layer=2 n_embd=32 n_head=4 multi_query=true vocab_size=64 n_positions=32 "
         "bos_token_id=0 eos_token_id=0 resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
     ),
+    "interleaved-per-head": "tests.tiny_lms:interleaved_lm",
+    "interleaved-grouped": "tests.tiny_lms:interleaved_lm groups=2",
+    "hf-gpt-neox": (  # (..., heads, 3 * head_dim) chunked: a per-head interleave, split by heads
+        "hf:gpt_neox num_hidden_layers=2 hidden_size=64 num_attention_heads=4 intermediate_size=128 vocab_size=64 "
+        "hidden_dropout=0 attention_dropout=0"
+    ),
+    "hf-codegen": (
+        "hf:CodeGenForCausalLM n_layer=2 n_embd=64 n_head=8 rotary_dim=4 vocab_size=64 n_positions=32 "
+        "bos_token_id=0 eos_token_id=0 resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
+    ),
 }
 
 
