@@ -92,7 +92,7 @@ def test_empty_init_builds_a_users_model_the_same_way():
     with hp.models.empty_init():
         model = ScaledLM()
     assert all(p.is_meta for p in model.parameters()) and isinstance(model.head.weight, nn.Parameter)
-    for name, buf in ScaledLM().named_buffers():
+    for name, buf in ScaledLM().named_buffers():  # the same __init__ code, CPU kernels, same values: bitwise
         assert torch.equal(model.get_buffer(name), buf), name
     assert torch.empty(2).device.type == "cpu"  # nothing of it outlives the block
 
@@ -114,6 +114,7 @@ def test_gemma_embed_scale_and_loss_equal_a_cpu_build(world_of_one):
     reference = hp.models.load(HF_GEMMA_TINY, device="cpu").module
     plan = hp.plan(model, CPU1, 2, SEQ, "fp32", dp=1, tp=1, pp=1, micro_batch=2)
     pmodel = hp.parallelize(model, plan, seed=1, device="cpu")
+    # Gemma's embed_scale is torch.tensor(hidden ** 0.5) made from a Python float: no kernel, so bitwise.
     assert torch.equal(model.model.embed_tokens.embed_scale, torch.tensor(64**0.5))
     assert torch.equal(model.model.embed_tokens.embed_scale, reference.model.embed_tokens.embed_scale)
     tokens = torch.randint(1, 128, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
@@ -176,6 +177,8 @@ def documented(shape: tuple[int, ...], name: str, std: float, seed: int = 0) -> 
 def test_any_rank_draws_the_documented_values_and_slices_agree(shape):
     whole = torch.empty(shape)
     fill_(whole, ("normal", 0.5), "w", ShardLayout(full_shape=shape), seed=2)
+    # Bitwise: `documented` draws the very blocks fill_ draws (same generator seeds, same randn shapes, so the
+    # same CPU kernel) and scales them by one exactly-rounded multiply; slices copy values, computing nothing.
     assert torch.equal(whole, documented(shape, "w", 0.5, seed=2))
     if len(shape) > 1:
         rows, cols = ((0, 1), (shape[0] - 1, shape[0])), (1, shape[1])  # two row ranges, as a fused [q | k | v]
@@ -212,6 +215,7 @@ def test_conv_and_expert_weights_materialise_to_the_documented_init():
         cnn, experts = SmallCNN(), Experts()
     materialize_(cnn, "cpu", seed=4)
     materialize_(experts, "cpu", seed=4)
+    # Bitwise for the reason test_any_rank_draws_the_documented_values_and_slices_agree gives.
     assert torch.equal(cnn.conv1.weight, documented((4, 3, 3, 3), "conv1.weight", 0.02, seed=4))
     assert torch.equal(cnn.head.weight, documented((5, 32), "head.weight", 0.02, seed=4))
     assert torch.count_nonzero(cnn.conv2.bias) == 0
@@ -227,7 +231,7 @@ def test_a_world_of_one_trains_a_cnn_as_the_reference(world_of_one):
     plan = hp.plan(model, CPU1, 4, None, "fp32", example_inputs=images, dp=1, tp=1, pp=1)
     pmodel = hp.parallelize(model, plan, example_inputs=images, seed=7, device="cpu")
     loss = pmodel.train_step(images, targets, F.mse_loss)
-    materialize_(reference, "cpu", seed=7)  # built the same way
+    materialize_(reference, "cpu", seed=7)  # built the same way: the same draws, so bitwise (no step was taken)
     for name, param in reference.named_parameters():
         assert torch.equal(param, model.get_parameter(name)), name
     ref_loss = F.mse_loss(reference(images), targets)

@@ -23,9 +23,9 @@ from hyparallel.checks import check_blocks, check_styles, check_tensor_parallel_
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph
 from hyparallel.graph.structure import TPAnalysis, fused_parts, interleave
-from hyparallel.graph.tracer import first_failure, trace
+from hyparallel.graph.tracer import first_failure, tied_names, trace
 from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
-from hyparallel.tensor.init import retie, tied_parameters
+from hyparallel.tensor.init import retie
 from hyparallel.tensor.layers import (
     SEQ_DIM,
     ColumnParallelLinear,
@@ -143,7 +143,7 @@ def apply_tensor_parallel(
     check_tensor_parallel_degree(graph, tp)
     styles = check_styles(graph, tensor_parallel)
     info = TensorParallelInfo(group=group, tp=tp, rank=rank, sequence_parallel=sequence_parallel, styles=styles)
-    ties = tied_parameters(model)
+    ties = tied_names(model)
     by_module = {graph.op(name).module: name for name in analysis.styles}
     blocks = tuple(block.path + "." for block in graph.blocks)
     entries = _region_entries(graph, analysis, styles, blocks, by_module)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from hyparallel.graph.tracer import tied_names
 
 CHUNK_ROWS = 256
 
@@ -123,7 +125,7 @@ def materialize_(
     lost = meta_buffers(model, only)
     refuse_unrecoverable_buffers(model, only)
     if only is None:
-        ties = tied_parameters(model)
+        ties = tied_names(model)
         real = [
             (m, leaf, t) for m in model.modules() for leaf, t in m._buffers.items() if t is not None and not t.is_meta
         ]
@@ -247,15 +249,7 @@ def _allocate(model: nn.Module, device: torch.device, names: set[str]) -> set[in
     return {id(t) for t in replaced.values()}
 
 
-def tied_parameters(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that share one tensor (tied embedding and head)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def retie(model: nn.Module, ties: list[list[str]]) -> None:
+def retie(model: nn.Module, ties: Sequence[Sequence[str]]) -> None:
     """Tied weights (embedding and head) stay one parameter; both must have been split the same way."""
     from hyparallel.errors import ConfigError
 
