@@ -106,14 +106,22 @@ def check_tensor_parallel_degree(graph: ModelGraph, tp: int) -> None:
         raise ConfigError(f"tp = {tp} does not fit {graph.name}: {reason}; choose a tp that divides it")
 
 
+def path_matches(path: str, pattern: str) -> bool:
+    """Whether module ``path`` matches ``pattern``, component by component (``*`` never spans a dot)."""
+    atoms, wanted = path.split("."), pattern.split(".")
+    return len(atoms) == len(wanted) and all(fnmatch.fnmatchcase(a, w) for a, w in zip(atoms, wanted))
+
+
 def expand_styles(paths: Collection[str], tensor_parallel: dict[str, TPStyle], model_name: str) -> dict[str, TPStyle]:
     """Module path -> style for every path a key (a path or a glob such as ``layers.*.attn.qkv``) names.
 
-    ``paths`` are the model's module paths (``ModelGraph.modules``); a key naming none is refused.
+    ``paths`` are the model's module paths (``ModelGraph.modules``); a key naming none is refused. A glob is
+    matched one dotted component at a time, as torch's ``parallelize_module`` does: ``layer.*.output.dense``
+    names each block's ``output.dense``, not also its ``attention.output.dense``.
     """
     styles: dict[str, TPStyle] = {}
     for pattern, style in tensor_parallel.items():
-        matched = [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
+        matched = [p for p in paths if path_matches(p, pattern)]
         if not matched:
             raise ConfigError(
                 f"tensor_parallel: '{pattern}' matches no module of {model_name}; "

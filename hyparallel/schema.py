@@ -277,8 +277,8 @@ class Plan(_Section):
     )
     tensor_parallel: dict[str, TPStyle] | None = Field(
         None,
-        description="Module path or glob (`layers.*.attn.qkv`) -> split style; planned by `parallelize` when "
-        "absent and tp > 1.",
+        description="Module path or glob (`layers.*.attn.qkv`; `*` matches one dotted component) -> split style; "
+        "planned by `parallelize` when absent and tp > 1.",
     )
     predicted: Predicted | None = Field(
         None, description="The planner's predictions; informational: training does not depend on them."

@@ -40,6 +40,8 @@ CASES = (
     "mqa-fused",
     "hf-gpt-bigcode-mqa",
     "interleaved-per-head",
+    "shared-arguments",
+    "shared-arguments-nosp",
     "interleaved-grouped",
     "hf-gpt-neox",
     "hf-codegen",
@@ -118,6 +120,9 @@ def test_tp2_matches_single_device(results, case):
         assert types["embed"] == "ScaledEmbedding" and types["layers.0.up"] == "ScaledLinear"
     elif case == "hf-gpt-neox":
         assert types["gpt_neox.layers.0.attention.query_key_value"] == "ColumnParallelLinear"
+    elif case.startswith("shared-arguments"):  # q, k and v split, each entering from its own argument
+        assert types["layers.0.attn.k_proj"] == "ColumnParallelLinear"
+        assert ranks[0]["sequence_parallel"] == (case == "shared-arguments")
     elif case == "interleaved-per-head":  # split by heads, each rank's heads whole with their q, k and v
         assert (
             types["layers.0.attn.qkv"] == "ColumnParallelLinear"
@@ -152,21 +157,29 @@ PHI3 = (
 
 
 @pytest.mark.parametrize(
-    ("spec", "module", "construct"),
+    ("spec", "module", "construct", "attention"),
     [
         # nanoGPT's qkv.split(self.n_embd, dim=2): three full-width pieces of a half-width rank output
-        ("tests.tiny_lms:config_split_lm", "layers.0.attn", "not enough values to unpack"),
+        ("tests.tiny_lms:config_split_lm", "layers.0.attn", "not enough values to unpack", "layers.*.attn"),
         # Phi-3 slices its fused qkv at config.num_attention_heads * head_dim: every column reaches the query
-        (PHI3, "model.layers.0.self_attn.o_proj", "same reduction dim"),
+        (PHI3, "model.layers.0.self_attn.o_proj", "same reduction dim", "model.layers.*.self_attn"),
     ],
 )
-def test_a_module_sized_by_its_config_is_refused_before_any_collective(world_of_one, spec, module, construct):
+def test_a_hand_split_of_a_module_sized_by_its_config_is_refused_before_any_collective(
+    world_of_one, spec, module, construct, attention
+):
     # Note [one rank's sizes, run on meta]: one line naming the module, from a pretend rank 0 of 2, no group made.
+    # The planner replicates such an attention (tests/test_local_shapes.py); a hand-written map splitting it is
+    # refused.
     world_of_one.setenv("WORLD_SIZE", "2")
     world_of_one.setenv("RANK", "0")
     model = hp.models.load(spec).module
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1, micro_batch=4)
-    with pytest.raises(ConfigError, match=rf"tensor_parallel: {module} does not run at one rank's sizes") as error:
+    planned = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1, micro_batch=4)
+    data = planned.to_dict()
+    column, row = ("qkv", "o_proj") if spec.startswith("tests.") else ("qkv_proj", "o_proj")
+    data["tensor_parallel"].update({f"{attention}.{column}": "column", f"{attention}.{row}": "row"})
+    plan = hp.Plan.from_dict(data)
+    with pytest.raises(ConfigError, match=rf"tensor_parallel: {module}\S* does not run at one rank's sizes") as error:
         hp.parallelize(model, plan, device="cpu")
     assert construct in str(error.value) and "\n" not in str(error.value)
     assert not dist.is_initialized()
@@ -225,7 +238,12 @@ def test_groups_sized_by_the_config_at_one_ranks_sizes_are_refused(world_of_one)
     world_of_one.setenv("RANK", "0")
     model = hp.models.load(CODEGEN.replace("n_head=8", "n_head=4")).module
     plan = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1, micro_batch=4)
-    assert plan.tensor_parallel["transformer.h.*.attn.qkv_proj"] == "column"  # a per-head layout, by its graph
+    # The planner runs the same dry run and keeps that attention replicated (Note [the planner replicates what
+    # fails at one rank's sizes]); a hand-written map splitting it, as its graph alone would allow, is refused.
+    assert plan.tensor_parallel["transformer.h.*.attn.qkv_proj"] == "replicate"
+    data = plan.to_dict()
+    data["tensor_parallel"].update({"transformer.h.*.attn.qkv_proj": "column", "transformer.h.*.attn.out_proj": "row"})
+    plan = hp.Plan.from_dict(data)
     with pytest.raises(
         ConfigError, match=r"cannot split transformer.h.0.attn.qkv_proj \(column; fused layout not"
     ) as e:

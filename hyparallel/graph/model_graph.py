@@ -127,6 +127,8 @@ class ModelGraph:
     # The tracer's program (hyparallel.graph.tracer.Program): the pipeline splitter cuts a copy of it
     # instead of tracing the model again.
     traced: Any = field(default=None, repr=False, compare=False)
+    # Ops kept replicated whatever the plan, op name -> why (``replicate``: what fails at one rank's sizes).
+    replicated: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     graph: nx.DiGraph = field(init=False, repr=False)
     cut_points: tuple[CutPoint, ...] = field(init=False, repr=False)
 
@@ -161,6 +163,20 @@ class ModelGraph:
         from hyparallel.graph.structure import analyze  # it reads this module's classes
 
         return analyze(self)
+
+    def replicate(self, reasons: dict[str, str]) -> None:
+        """Keep these ops (op name -> why) replicated whatever the plan; ``structure`` is analysed again."""
+        self.replicated.update(reasons)
+        self.__dict__.pop("structure", None)
+
+    @cached_property
+    def unused_params(self) -> tuple[str, ...]:
+        """Parameters (by first name) whose ops never reach the model's output: the forward may compute with them
+        (BigBird's pooler, which its causal-LM head drops) but no loss can give them a gradient."""
+        outputs = [op.name for op in self.ops if op.kind == "output"]
+        live = set(outputs).union(*(nx.ancestors(self.graph, name) for name in outputs))
+        used = {p for op in self.ops if op.name in live for p in op.params}
+        return tuple(p for op in self.ops for p in op.params if p not in used)
 
     def compute_ops(self) -> Iterator[Op]:
         """Ops in execution order, without graph inputs and the output."""

@@ -126,7 +126,7 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
     heads: dict[str, int] = {}
     rows_all: list[str] = []
     column_inputs: list[tuple[str, ...]] = []
-    unsplittable = _own_forwards(graph)
+    unsplittable = {**_own_forwards(graph), **graph.replicated}
     for block in graph.blocks:
         members = set(block.ops)
         linears = [n for n in block.ops if _is_linear(graph.op(n))]
@@ -152,11 +152,17 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
             if reason := unrecognised_layout(graph, column, query_heads):
                 unsplittable[column] = reason
                 continue
+            width = graph.op(column).output_shapes[0][-1]
+            if odd := next((d for _, d in found.values() if width < d or width % d), None):
+                unsplittable[column] = (  # heads the analysis does not see whole: a split would cut inside one
+                    f"its {width} output features are not a whole number of the {odd}-wide heads it feeds"
+                )
+                continue
             styles[column] = "column"
             split.update(region | {column})
             for n, (count, head_dim) in found.items():
                 heads[n] = count
-                head_groups[column] = graph.op(column).output_shapes[0][-1] // head_dim
+                head_groups[column] = width // head_dim
         for row in sorted(rows):
             if backward[row] <= {c for c, s in styles.items() if s == "column"}:
                 styles[row] = "row"

@@ -13,6 +13,7 @@ from hyparallel.checks import check_plan
 from hyparallel.cluster import ClusterSpec
 from hyparallel.errors import ConfigError, PlanError
 from hyparallel.graph import ModelGraph
+from hyparallel.graph.local_shapes import replicate_what_fails
 from hyparallel.planner import costs
 from hyparallel.planner.constraints import Constraints, count_message
 from hyparallel.planner.inputs import make as make_inputs
@@ -112,6 +113,8 @@ def search(
     alternatives: bool = False,
     progress: Progress | None = None,
     traced_rows: int | None = None,
+    module: nn.Module | None = None,
+    module_inputs: Any = None,
     constraints: Constraints | None = None,
     **fixed: Any,
 ) -> SearchResult:
@@ -121,11 +124,18 @@ def search(
     total)`` is called as the search goes (a progress bar); the search logs to the ``hyparallel.planner``
     logger (INFO: its phases, DEBUG: every configuration costed). ``traced_rows``: ``model`` is a ModelGraph
     traced with one micro-batch of that many rows (as ``parallelize`` traces it), not one sequence; it fixes
-    micro_batch, as example_inputs of that many rows would (Note [example inputs]).
+    micro_batch, as example_inputs of that many rows would (Note [example inputs]). ``module``: the module
+    a ModelGraph ``model`` was traced from with ``module_inputs`` (parallelize's), so that splits its forward
+    cannot run at one rank's sizes stay replicated (Note [the planner replicates what fails at one rank's sizes]);
+    a module ``model`` is its own.
     """
     given = _given(constraints, fixed)
     _check_request(cluster, global_batch, seq_len, dtype, given)
-    graph, seq_len, rows = _graph(model, global_batch, seq_len, name, example_inputs, given, traced_rows)
+    graph, seq_len, rows, inputs = _graph(model, global_batch, seq_len, name, example_inputs, given, traced_rows)
+    module = model if isinstance(model, nn.Module) else module
+    inputs = inputs if module_inputs is None else module_inputs
+    if module is not None and inputs is not None:
+        replicate_what_fails(module, graph, _tp_degrees(cluster, given), inputs)
     start = time.perf_counter()
     profile = ModelProfile(graph, cluster, dtype, seq_len, traced_rows=rows or 1)
     result = SearchResult(
@@ -183,8 +193,9 @@ def _graph(
     example_inputs: Any,
     constraints: dict,
     traced_rows: int | None = None,
-) -> tuple[ModelGraph, int, int | None]:
-    """The graph to plan, its seq_len, and the micro-batch example_inputs fix (None: searched); sets that constraint."""
+) -> tuple[ModelGraph, int, int | None, Any]:
+    """The graph to plan, its seq_len, the micro-batch example_inputs fix (None: searched; sets that constraint),
+    and the inputs it was traced with (None: a graph given traced)."""
     from hyparallel import models
     from hyparallel.graph import trace
 
@@ -197,9 +208,9 @@ def _graph(
             )
         if traced_rows is not None:  # one micro-batch, as parallelize traced it
             _fix_micro_batch(constraints, traced_rows, global_batch)
-            return model, _needed(seq_len), traced_rows
+            return model, _needed(seq_len), traced_rows, None
         _batch_one(model)
-        return model, _needed(seq_len), None
+        return model, _needed(seq_len), None, None
     if example_inputs is None or callable(example_inputs):
         seq_len = _needed(seq_len)
         batch = (
@@ -207,7 +218,7 @@ def _graph(
             if example_inputs is not None
             else models.example_inputs(model, 1, seq_len)
         )
-        return trace(model, batch, name=name), seq_len, None
+        return trace(model, batch, name=name), seq_len, None, batch
     batch = read_inputs(example_inputs)
     if seq_len is not None and batch.seq_len is not None and seq_len != batch.seq_len:
         raise ConfigError(
@@ -216,7 +227,15 @@ def _graph(
         )
     seq_len = _needed(seq_len or batch.seq_len)
     _fix_micro_batch(constraints, batch.rows, global_batch)
-    return trace(model, batch.inputs, name=name), seq_len, batch.rows
+    return trace(model, batch.inputs, name=name), seq_len, batch.rows, batch.inputs
+
+
+def _tp_degrees(cluster: ClusterSpec, constraints: dict) -> list[int]:
+    """The tensor-parallel degrees the search may pick: the fixed one, or every divisor of the GPUs in a node."""
+    if "tp" in constraints:
+        return [constraints["tp"]]
+    per_node = min(cluster.gpus_per_node, cluster.num_gpus)
+    return [d for d in range(2, per_node + 1) if per_node % d == 0 and cluster.num_gpus % d == 0]
 
 
 def _needed(seq_len: int | None) -> int:

@@ -10,21 +10,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from hyparallel.errors import ConfigError, HyparallelError
 from hyparallel.graph.model_graph import ModelGraph
 from hyparallel.planner.api import search
 from hyparallel.planner.inputs import read as read_inputs
+from hyparallel.planner.inputs import token_ids
 from hyparallel.schema import Plan
 
 
-def complete(plan: Plan, graph: ModelGraph, *, example_inputs: Any = None) -> Plan:
+def complete(plan: Plan, graph: ModelGraph, *, example_inputs: Any = None, module: nn.Module | None = None) -> Plan:
     """``plan`` with its missing ``stages`` / ``tensor_parallel`` planned for ``graph``, every stated choice fixed.
 
     ``graph`` is the model traced with ``example_inputs`` (one micro-batch, as ``parallelize`` takes them; None:
     token ids of the plan's ``micro_batch x seq_len``), whose rows and length must be the plan's. A plan
     without predictions gets the planner's for its configuration when its stages are the planner's (what
     ``pmodel.metrics`` compares with); one the planner would refuse (e.g. over its memory estimate) runs
-    without them.
+    without them. ``module``, the model ``graph`` was traced from, lets the planner keep replicated what cannot
+    run at one rank's sizes (Note [the planner replicates what fails at one rank's sizes]).
     """
     par, tr = plan.parallel, plan.training
     needs_stages = par.pp > 1 and plan.stages is None
@@ -58,6 +62,8 @@ def complete(plan: Plan, graph: ModelGraph, *, example_inputs: Any = None) -> Pl
             tr.seq_len,
             tr.dtype,
             traced_rows=rows,
+            module=module,
+            module_inputs=example_inputs if example_inputs is not None else token_ids(plan),
             micro_batch=tr.micro_batch,
             tp=par.tp,
             pp=par.pp,

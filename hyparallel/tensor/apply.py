@@ -9,7 +9,6 @@ per-rank counts.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -22,8 +21,15 @@ from torch.distributed import ProcessGroup
 from hyparallel.checks import check_blocks, check_styles, check_tensor_parallel_degree
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph
-from hyparallel.graph.structure import TPAnalysis, fused_parts, interleave
-from hyparallel.graph.tracer import first_failure, tied_names, trace
+from hyparallel.graph.local_shapes import (
+    column_rows,
+    linear_weight,
+    local_shape_failure,
+    patch_attention_attributes,
+    set_submodule,
+)
+from hyparallel.graph.structure import TPAnalysis
+from hyparallel.graph.tracer import tied_names
 from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
 from hyparallel.tensor.init import retie
 from hyparallel.tensor.layers import (
@@ -33,21 +39,6 @@ from hyparallel.tensor.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
     enter_tp_region,
-)
-
-# Integer attributes attention modules use for their head bookkeeping (transformers' conventions).
-_HEAD_ATTRIBUTES = (
-    "num_heads",
-    "n_head",
-    "num_attention_heads",
-    "split_size",
-    "embed_dim",
-    "hidden_size",
-    "all_head_size",
-    "num_key_value_heads",
-    "num_kv_heads",
-    "n_kv_heads",
-    "num_key_value_groups",
 )
 
 
@@ -169,7 +160,7 @@ def apply_tensor_parallel(
         if style == "vocab":
             info.vocab_size = analysis.vocab_size
             info.vocab_start = rank * math.ceil(analysis.vocab_size / tp)
-        _set_submodule(model, path, new)
+        set_submodule(model, path, new)
     retie(model, ties)
     for path in styles:
         module = model.get_submodule(path)
@@ -179,11 +170,11 @@ def apply_tensor_parallel(
                 if getattr(module, leaf, None) is not None:
                     info.shared_rows[f"{path}.{leaf}"] = every_rank
     for act_path, _ in fused.values():  # now applied in its Linear's epilogue
-        _set_submodule(model, act_path, nn.Identity())
+        set_submodule(model, act_path, nn.Identity())
     for owner in sorted(set(entries.values())):
         module = model.get_submodule(owner)
         module.register_forward_pre_hook(_entry_hook(module, group, sequence_parallel), with_kwargs=True)
-    _patch_attention_attributes(model, graph, analysis, tp)
+    patch_attention_attributes(model, graph, analysis, tp, styles)
     if sequence_parallel and tp > 1:
         info.synced_params = _enter_sequence_parallel(model, graph, styles, group)
     return info
@@ -268,13 +259,19 @@ def _owner_input(graph: ModelGraph, owner: str) -> str | None:
 
 
 def _entry_hook(module: nn.Module, group: ProcessGroup, sequence_parallel: bool):
-    """Pre-hook entering the tensor-parallel region on a module's first input (positional or keyword)."""
+    """Pre-hook entering the tensor-parallel region on a module's first input (positional or keyword).
+
+    Every argument that is that same tensor enters with it: CTRL calls its attention as ``attn(x, x, x)`` (value,
+    key, query), and entering only the first would leave the key and query paths' gradients unsummed over the
+    ranks (the norm before it then trains on one rank's share) and, under sequence parallelism, ungathered.
+    """
     first = next(iter(inspect.signature(module.forward).parameters))
 
     def hook(module, args, kwargs):
-        if args:
-            return (enter_tp_region(args[0], group, sequence_parallel), *args[1:]), kwargs
-        return args, {**kwargs, first: enter_tp_region(kwargs[first], group, sequence_parallel)}
+        given = args[0] if args else kwargs[first]
+        entered = enter_tp_region(given, group, sequence_parallel)
+        args = tuple(entered if value is given else value for value in args)
+        return args, {key: entered if value is given else value for key, value in kwargs.items()}
 
     return hook
 
@@ -293,12 +290,12 @@ def _parallel_module(
     enter_region: bool = True,
     activation: str = "none",
 ) -> nn.Module:
-    weight = _linear_weight(old)  # (out, in), nn.Linear layout
+    weight = linear_weight(old)  # (out, in), nn.Linear layout
     bias = getattr(old, "bias", None)
     kwargs = {"device": weight.device, "dtype": weight.dtype}
     linear_kwargs = {**kwargs, "transposed_source": type(old).__name__ == "Conv1D"}
     if style == "column":
-        every_rank = [_column_rows(op_name, graph, analysis, tp, r) for r in range(tp)]
+        every_rank = [column_rows(op_name, graph, analysis, tp, r) for r in range(tp)]
         rows = every_rank[rank]
         new = ColumnParallelLinear(
             weight.size(1),
@@ -379,75 +376,10 @@ def _sum_replicated_rows(
     return total
 
 
-def _linear_weight(module: nn.Module) -> torch.Tensor:
-    weight = module.weight
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        return weight.detach()
-    if type(module).__name__ == "Conv1D":  # transformers' Conv1D stores (in, out)
-        return weight.detach().t()
-    raise ConfigError(
-        f"tensor_parallel: cannot split a {type(module).__name__}; only Linear-like layers and embeddings split"
-    )
-
-
 def _copy(target: nn.Parameter, source: torch.Tensor) -> None:
     if not target.is_meta and not source.is_meta:
         with torch.no_grad():
             target.copy_(source)
-
-
-def _column_rows(op_name: str, graph: ModelGraph, analysis: TPAnalysis, tp: int, rank: int) -> list[tuple[int, int]]:
-    """The output rows of a column weight this rank holds, part by part (fused [q | k | v] splits each part)."""
-    op = graph.op(op_name)
-    out = op.output_shapes[0][-1]
-    groups = analysis.head_groups.get(op_name)
-    head_dim = out // groups if groups else None
-    query_heads = next(iter(analysis.attention_heads.values()), None)
-    rows, offset = [], 0
-    for size in analysis.parts.get(op_name) or fused_parts(graph, op_name):
-        heads = size // head_dim if head_dim else None
-        if heads is not None and heads % tp and query_heads:
-            # Fewer key/value heads than ranks: hold the one this rank's query heads attend with.
-            queries_per_rank, queries_per_head = query_heads // tp, query_heads // heads
-            head = (rank * queries_per_rank) // queries_per_head
-            rows.append((offset + head * head_dim, offset + (head + 1) * head_dim))
-        else:
-            share = size // tp
-            rows.append((offset + rank * share, offset + (rank + 1) * share))
-        offset += size
-    return rows
-
-
-def _patch_attention_attributes(model: nn.Module, graph: ModelGraph, analysis: TPAnalysis, tp: int) -> None:
-    """Divide head-count attributes of the modules that own split attention (Hugging Face keeps them)."""
-    if tp == 1:
-        return
-    query_heads = next(iter(analysis.attention_heads.values()), None)
-    if not query_heads:
-        return
-    patched: set[str] = set()  # an attention with separate q, k, v Linears is one owner: divide its counts once
-    for column, groups in analysis.head_groups.items():
-        op = graph.op(column)
-        head_dim = op.output_shapes[0][-1] // groups
-        kv_heads = min(size // head_dim for size in analysis.parts.get(column) or fused_parts(graph, column))
-        local_q, local_kv = query_heads // tp, max(kv_heads // tp, 1)
-        owner_path = op.module.rsplit(".", 1)[0] if "." in op.module else ""
-        if owner_path in patched:
-            continue
-        patched.add(owner_path)
-        owner = model.get_submodule(owner_path)
-        for attribute in _HEAD_ATTRIBUTES:
-            value = getattr(owner, attribute, None)
-            if not isinstance(value, int) or isinstance(value, bool):
-                continue
-            if attribute == "num_key_value_groups" and value == query_heads // kv_heads:
-                setattr(owner, attribute, local_q // local_kv)
-            elif value == query_heads:
-                setattr(owner, attribute, local_q)
-            elif value == query_heads * head_dim:
-                setattr(owner, attribute, local_q * head_dim)
-            elif value == kv_heads and kv_heads != query_heads:
-                setattr(owner, attribute, local_kv)
 
 
 def _enter_sequence_parallel(
@@ -489,91 +421,10 @@ def _enter_sequence_parallel(
     return synced
 
 
-# Note [one rank's sizes, run on meta]
-#     The structure knows how each split weight is cut, not how a module's forward sizes what it reads from it:
-#     code that slices a split output with the model's constants (Phi-3's qkv[..., :config.num_attention_heads *
-#     head_dim], nanoGPT's qkv.split(self.n_embd, dim=2)) passes every check and then fails inside torch on each
-#     rank. So, before the first collective, a meta copy of the model runs one forward with the split Linears
-#     replaced by plain ones of one rank's sizes and the head-count attributes divided as apply_tensor_parallel
-#     divides them; an error there is refused in one line naming the module it happened in. Only shapes are
-#     checked (meta tensors hold no values); a model whose unsplit forward does not run on meta is not judged.
 def check_local_shapes(
     model: nn.Module, graph: ModelGraph, styles: dict[str, str], tp: int, example_inputs: Any
 ) -> None:
     """Refuse, in one line, a split whose modules cannot run at one rank's sizes (Note [one rank's sizes, run on
-    meta]); ``styles`` are the checked ones (``check_styles``), ``example_inputs`` one micro-batch."""
-    if tp == 1 or not any(style in ("column", "row") for style in styles.values()):
-        return
-    if graph.method == "fx" and first_failure(_meta_copy(model), example_inputs, "fx") is not None:
-        return  # the unsplit model does not run eagerly on meta: nothing to compare against
-    local = _local_shapes_copy(model, graph, styles, tp)
-    failure = first_failure(local, example_inputs, graph.method)
-    if failure is None and (reason := _regrouped(local, graph, styles, tp, example_inputs)):
-        raise ConfigError(reason)
-    if failure is not None:
-        where, exc = failure
-        message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise ConfigError(
-            f"tensor_parallel: {where} does not run at one rank's sizes under tp = {tp} "
-            f"({type(exc).__name__}: {message[:160]}); it sizes its tensors with the model's full widths or "
-            "head counts (constants or config values, not its inputs' shapes): replicate it"
-        )
-
-
-def _regrouped(local: nn.Module, graph: ModelGraph, styles: dict[str, str], tp: int, example_inputs: Any) -> str | None:
-    """Why a split column cut inside groups (Note [fused layouts read from the graph]) is viewed, at one rank's
-    sizes, into other groups than a 1/tp share of the full model's (a module sizing its groups from its head-count
-    attributes, CodeGen's ``embed_dim // mp_num``); None when every such column keeps its groups."""
-    by_module = {graph.op(name).module: name for name in graph.structure.styles}
-    grouped = {path: interleave(graph, by_module[path]) for path, style in styles.items() if style == "column"}
-    grouped = {path: groups for path, groups in grouped.items() if groups is not None}
-    if not grouped:
-        return None
-    local_graph = trace(local, example_inputs, method=graph.method)
-    local_ops = {op.module: op.name for op in local_graph.compute_ops() if op.kind == "linear"}
-    for path, (groups, inner) in grouped.items():
-        found = interleave(local_graph, local_ops[path]) if path in local_ops else None
-        if found != (groups // tp, inner):
-            seen = f"{found[0]} groups of {tuple(found[1])}" if found else "no such groups"
-            return (
-                f"tensor_parallel: cannot split {path} (column; fused layout not recognised: its output is viewed as "
-                f"{groups} groups of {tuple(inner)}, but at one rank's sizes under tp = {tp} as {seen}, not "
-                f"{groups // tp}: its module sizes the groups from the model's widths); "
-                "replicate it and its row partner"
-            )
-    return None
-
-
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` on the meta device (no memory), its parameters and buffers shared tensors tied alike."""
-    memo: dict[int, Any] = {}
-    for tensor in (*model.parameters(), *model.buffers()):
-        if id(tensor) not in memo:
-            meta = tensor.detach().to("meta")
-            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
-
-
-def _local_shapes_copy(model: nn.Module, graph: ModelGraph, styles: dict[str, str], tp: int) -> nn.Module:
-    """A meta copy whose column and row Linears have rank 0's sizes, head-count attributes divided."""
-    local, analysis = _meta_copy(model), graph.structure
-    by_module = {graph.op(name).module: name for name in analysis.styles}
-    for path, style in styles.items():
-        if style not in ("column", "row"):
-            continue
-        old = local.get_submodule(path)
-        weight, bias = _linear_weight(old), getattr(old, "bias", None) is not None
-        if style == "column":
-            out = sum(b - a for a, b in _column_rows(by_module[path], graph, analysis, tp, 0))
-            new = nn.Linear(weight.size(1), out, bias=bias, device="meta")
-        else:
-            new = nn.Linear(weight.size(1) // tp, weight.size(0), bias=bias, device="meta")
-        _set_submodule(local, path, new)
-    _patch_attention_attributes(local, graph, analysis, tp)
-    return local
-
-
-def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, attr = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, attr, module)
+    meta], hyparallel.graph.local_shapes); ``styles`` are the checked ones, ``example_inputs`` one micro-batch."""
+    if failure := local_shape_failure(model, graph, styles, tp, example_inputs):
+        raise ConfigError(failure[1])

@@ -32,6 +32,9 @@ CASES = {
         "bos_token_id=0 eos_token_id=0 resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
     ),
     "interleaved-per-head": "tests.tiny_lms:interleaved_lm",
+    # attn(x, x, x): each argument enters the tensor-parallel region (sequence parallelism on, then off)
+    "shared-arguments": "tests.tiny_lms:shared_argument_lm",
+    "shared-arguments-nosp": "tests.tiny_lms:shared_argument_lm",
     "interleaved-grouped": "tests.tiny_lms:interleaved_lm groups=2",
     "hf-gpt-neox": (  # (..., heads, 3 * head_dim) chunked: a per-head interleave, split by heads
         "hf:gpt_neox num_hidden_layers=2 hidden_size=64 num_attention_heads=4 intermediate_size=128 vocab_size=64 "
@@ -55,7 +58,8 @@ def run_case(name: str) -> dict:
     grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
     model = hp.models.load(spec).module
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=dist.get_world_size())
-    plan = hp.plan(model, cluster, BATCH, SEQ, "fp32", dp=1, tp=2, pp=1, micro_batch=BATCH, zero=0)
+    sequence_parallel = {"sequence_parallel": False} if name.endswith("-nosp") else {}
+    plan = hp.plan(model, cluster, BATCH, SEQ, "fp32", dp=1, tp=2, pp=1, micro_batch=BATCH, zero=0, **sequence_parallel)
     groups = harness.parameter_groups(model)  # before parallelize swaps modules in
     pmodel = hp.parallelize(model, plan, seed=SEED, device="cpu")
     loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
@@ -66,6 +70,7 @@ def run_case(name: str) -> dict:
         "checked_params": checked,
         "worst_rel": worst,
         "tensor_parallel": plan.tensor_parallel,
+        "sequence_parallel": plan.parallel.sequence_parallel,
         "types": {path: type(m).__name__ for path, m in model.named_modules() if path},
     }
 

@@ -1,0 +1,80 @@
+"""The planner keeps replicated what cannot run at one rank's sizes, and a replicated attention keeps its heads.
+
+Note [the planner replicates what fails at one rank's sizes] (hyparallel/graph/local_shapes.py): a module that
+slices a split output with the model's constants (nanoGPT's ``split(self.n_embd)``, Phi-3's qkv slices) made the
+planner write a plan its own runtime then refused; now the planner replicates that attention (every block's) and
+still splits the MLPs. A hand-written map that replicates an attention must leave its head counts whole: dividing
+them (as for a split attention) broke the replicated projections' views.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import hyparallel as hp
+from hyparallel.checks import check_plan
+from hyparallel.graph.local_shapes import local_shape_failure, local_shapes_copy
+from hyparallel.parity import small_spec
+from hyparallel.tensor.apply import check_local_shapes
+
+LLAMA = small_spec("hf:LlamaForCausalLM")
+
+
+def planned(spec: str, tp: int = 2) -> tuple:
+    model = hp.models.load(spec).module
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=tp), 4, 16, "fp32", tp=tp, pp=1, micro_batch=2)
+    return model, plan
+
+
+@pytest.mark.parametrize(
+    ("spec", "attention", "mlp"),
+    [
+        ("tests.tiny_lms:config_split_lm", ("layers.*.attn.qkv", "layers.*.attn.o_proj"), ("layers.*.up",)),
+        (
+            small_spec("hf:Phi3ForCausalLM"),
+            ("model.layers.*.self_attn.qkv_proj", "model.layers.*.self_attn.o_proj"),
+            ("model.layers.*.mlp.gate_up_proj",),
+        ),
+    ],
+)
+def test_the_planner_replicates_an_attention_sliced_with_the_models_constants(spec, attention, mlp):
+    model, plan = planned(spec)
+    styles = plan.tensor_parallel
+    assert all(styles[path] == "replicate" for path in attention), styles
+    assert all(styles[path] == "column" for path in mlp), styles  # the MLPs still split
+    example = hp.models.example_inputs(model, 2, 16)
+    graph = hp.trace(model, example)
+    check_local_shapes(model, graph, check_plan(plan, graph).styles, 2, example)  # what parallelize runs: passes
+
+
+def test_a_module_that_runs_at_one_ranks_sizes_stays_split():
+    _, plan = planned(LLAMA)
+    assert plan.tensor_parallel["model.layers.*.self_attn.q_proj"] == "column"
+    assert plan.tensor_parallel["model.layers.*.self_attn.o_proj"] == "row"
+
+
+def test_a_replicated_attention_keeps_its_head_counts():
+    spec = small_spec("hf:Phi3ForCausalLM")  # its attention slices qkv with self.num_key_value_heads * head_dim
+    model = hp.models.load(spec).module
+    example = hp.models.example_inputs(model, 2, 16)
+    graph = hp.trace(model, example)
+    styles = {
+        path: "replicate" if ".self_attn." in path else style
+        for path, style in check_plan(hand_plan(graph), graph).styles.items()
+    }
+    assert any(style == "column" for style in styles.values())
+    local = local_shapes_copy(model, graph, styles, 2)
+    counts = {k: v for k, v in vars(model.model.layers[0].self_attn).items() if isinstance(v, int)}
+    assert counts and {k: getattr(local.model.layers[0].self_attn, k) for k in counts} == counts
+    assert local_shape_failure(model, graph, styles, 2, example) is None
+
+
+def hand_plan(graph) -> hp.Plan:
+    """tp 2 with Phi-3's MLPs split and its attention replicated, written by hand."""
+    return hp.Plan.from_dict(
+        {
+            "training": {"global_batch": 4, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"},
+            "parallel": {"tp": 2, "sequence_parallel": False},
+            "tensor_parallel": {"model.layers.*.mlp.gate_up_proj": "column", "model.layers.*.mlp.down_proj": "row"},
+        }
+    )
