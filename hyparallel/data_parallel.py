@@ -107,11 +107,14 @@ def apply_data_parallel(
     *,
     blocks: Sequence[nn.Module] = (),
     pipelined: bool = False,
+    unused: Sequence[str] = (),
 ) -> DataParallel:
     """Wrap ``modules`` (the model, or this rank's pipeline stage graphs) for the plan's data parallelism.
 
     ``blocks`` (pp = 1) are the repeated blocks, each its own FSDP unit so that gathers overlap compute.
     Returns what training steps through: ``.ddp`` to call (pp = 1, ZeRO 0), ``micro_batch``/``finish_step``.
+    ``unused``: parameters the traced forward never reads (a decoder's cross-attention without encoder states);
+    DDP ignores them (their gradients stay None, as on one device) instead of waiting for them forever.
     """
     par = plan.parallel
     result = DataParallel(dp=par.dp, zero=par.zero, mesh=mesh if par.dp > 1 else None)
@@ -121,7 +124,7 @@ def apply_data_parallel(
         if pipelined:
             return replace(result, after_step_all_reduce=True)
         (model,) = modules
-        return replace(result, ddp=_ddp(model, mesh, device))
+        return replace(result, ddp=_ddp(model, mesh, device, unused))
     from torch.distributed.fsdp import fully_shard
 
     reshard = par.zero == 3
@@ -132,8 +135,11 @@ def apply_data_parallel(
     return result
 
 
-def _ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+def _ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device, unused: Sequence[str] = ()) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
+
+    if unused:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(unused))
 
     ids = [device.index] if device.type == "cuda" else None
     # Buffers (rotary tables) are computed alike on every rank: no broadcast before each forward.

@@ -30,6 +30,7 @@ from hyparallel.checks import batch_statistics, batch_statistics_warning, check_
 from hyparallel.data_parallel import DataParallel, apply_data_parallel, micro_batch_hook
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph, trace
+from hyparallel.graph.tracer import tracing_device
 from hyparallel.pipeline.runtime import PipelineRuntime, chunk_tree
 from hyparallel.pipeline.split import split_model
 from hyparallel.planner import complete
@@ -111,10 +112,24 @@ def parallelize(
     """
     env = LaunchEnv.from_environ()
     check_world_size(plan, env.world_size)  # before the trace: a launch of the wrong size is refused at once
+    device = torch.device(device) if device is not None else default_device(env, plan)
+    with tracing_device(device):  # Note [exported for the device it runs on] (hyparallel.graph.tracer)
+        return _parallelize(model, plan, env, device, example_inputs, seed, vocab_parallel_loss)
+
+
+def _parallelize(
+    model: nn.Module,
+    plan: Plan,
+    env: LaunchEnv,
+    device: torch.device,
+    example_inputs: Any,
+    seed: int,
+    vocab_parallel_loss: bool,
+) -> ParallelModel:
     example = example_inputs if example_inputs is not None else token_ids(plan)
     graph = trace(model, example)  # Note [one trace]
     check_plan(plan, graph, env.world_size)  # what the plan states, before anything is planned
-    plan = complete(plan, graph, example_inputs=example_inputs)
+    plan = complete(plan, graph, example_inputs=example_inputs, module=model)
     checked = check_plan(plan, graph, env.world_size)  # the completed plan: its split modules and stages
     par = plan.parallel
     check_local_shapes(model, graph, checked.styles, par.tp, example)  # Note [one rank's sizes, run on meta]
@@ -126,7 +141,6 @@ def parallelize(
         )
     if message := batch_statistics_warning(plan, training_batch_statistics(model, graph)):
         warnings.warn(message, UserWarning, stacklevel=2)  # Note [batch statistics] (hyparallel.checks)
-    device = torch.device(device) if device is not None else default_device(env, plan)
     check_sync_batchnorm(plan, device)
     refuse_unrecoverable_buffers(model)  # a meta buffer with no value: refused before any collective
     mesh = init_mesh(plan, env, device)  # the first collective
@@ -156,8 +170,10 @@ def parallelize(
         modules = [model]
         blocks = [model.get_submodule(block.path) for block in graph.blocks]
         apply_recompute(blocks, par.recompute, plan.training.seq_len)
+    read = {name for op in graph.ops for name in op.params}  # what the traced forward uses, and reaches the output
+    unused = [name for name, _ in model.named_parameters() if name not in read or name in graph.unused_params]
     data_parallel = apply_data_parallel(
-        modules, plan, mesh["dp"], device, blocks=blocks, pipelined=pipeline is not None
+        modules, plan, mesh["dp"], device, blocks=blocks, pipelined=pipeline is not None, unused=unused
     )
     return ParallelModel(
         model, plan, env, device, mesh, graph, example, modules, tp_info, pipeline, data_parallel, autocast,

@@ -286,3 +286,47 @@ def test_a_split_cuts_the_callers_trace_without_tracing_again(monkeypatch):
             received = split.stage_module(k)(split.flatten_inputs(inputs), received)
         outputs.append(loss_fn(received, targets))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)  # the same graph: same ops
+
+
+class NoGradScaled(nn.Module):
+    """A block that computes a scale under torch.no_grad(): torch.export keeps that region as a subgraph
+    (``wrap_with_set_grad_enabled(False, submod_1, ...)``), an attribute of the exported module, not the model."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = x.detach().abs().mean() + 1.0
+        return torch.relu(self.linear(x)) / scale
+
+
+class NoGradNet(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(32, width)
+        self.layers = nn.ModuleList(NoGradScaled(width) for _ in range(depth))
+        self.head = nn.Linear(width, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_stage_reads_the_subgraphs_torch_export_keeps_beside_the_graph():
+    # Before, the stage module resolved get_attr submod_1 in the model: AttributeError (AXK2 at pp 2).
+    model = NoGradNet().to("meta")
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    split = split_model(model, [["embed", "layers.0"], ["layers.1", "head"]], ids.to("meta"), method="export")
+    assert split.subgraphs  # the no_grad region, kept by the export as a submodule
+    materialize_(model, "cpu", seed=SEED)
+    flat, received = split.flatten_inputs(ids), ()
+    for k in range(2):
+        received = split.stage_module(k)(flat, received)
+    reference = NoGradNet().to("meta")
+    materialize_(reference, "cpu", seed=SEED)
+    # The same ops on the same values through the exported graph: fp32 rounding at most.
+    torch.testing.assert_close(logits_of(received), reference(ids), rtol=1e-5, atol=1e-6)

@@ -415,3 +415,37 @@ def test_hf_mixture_of_experts_counts_its_expert_matmuls():
     graph = hp.trace(model, {"input_ids": torch.zeros(1, tokens, dtype=torch.long, device="meta")})
     routed = tokens * top_k  # every token runs through top_k experts: gate and up (hidden -> 2 ffn), down
     assert graph.flops_by_kind()["matmul"] == routed * (2 * hidden * 2 * ffn + 2 * ffn * hidden)
+
+
+def test_a_failed_trace_leaves_the_grad_mode_as_it_was():
+    # A trace that fails midway with autograd switched off (torch.export failing inside its no-grad regions did,
+    # for CpmAnt) left it off for the process: every later backward failed ("element 0 of tensors does not
+    # require grad"). Here the model's own forward switches it off and then fails, under both tracers.
+    class OffThenFails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            torch._C._set_grad_enabled(False)
+            raise RuntimeError("no")
+
+    with pytest.raises(hp.TraceError):
+        hp.trace(OffThenFails().to("meta"), torch.zeros(2, 4, device="meta"))
+    assert torch.is_grad_enabled()
+
+
+def test_parameters_whose_ops_never_reach_the_output_are_unused():
+    # BigBird's causal-LM head drops its pooler's output: DDP must ignore those parameters (no gradient ever).
+    class Dropped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.pooler = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            pooled = self.pooler(x[:, 0])  # computed, never returned
+            del pooled
+            return self.used(x)
+
+    graph = hp.trace(Dropped().to("meta"), torch.zeros(2, 4, 8, device="meta"))
+    assert set(graph.unused_params) == {"pooler.weight", "pooler.bias"}

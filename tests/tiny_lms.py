@@ -69,6 +69,32 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+class SharedArgumentAttention(Attention):
+    """CTRL's call convention: ``attn(value, key, query)``, the block passing one normed tensor three times."""
+
+    def forward(self, v: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        batch, seq, _ = q.shape
+        q, k, v = (
+            t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for t in (self.q_proj(q), self.k_proj(k), self.v_proj(v))
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SharedArgumentBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = SharedArgumentAttention(hidden, heads, heads, False)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = self.norm1(x)
+        x = x + self.attn(normed, normed, normed)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
 class InterleavedAttention(nn.Module):
     """Causal attention whose fused qkv interleaves q, k, v per head (``groups=0``) or per group of heads."""
 
@@ -154,3 +180,47 @@ def interleaved_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size
     """A fused qkv interleaved per head (``groups=0``, splittable by heads) or per ``groups`` groups of heads."""
     blocks = [Block(hidden, heads, heads, True, groups=groups) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
+def shared_argument_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """An attention called as ``attn(x, x, x)`` (``SharedArgumentAttention``)."""
+    blocks = [SharedArgumentBlock(hidden, heads) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
+
+
+class DeviceBranchLM(TinyLM):
+    """Counts its tokens per bucket with ``histc``, on floats on the CPU and on ints elsewhere, as transformers'
+    MoE does (``histc`` has no integer kernel on the CPU), and scales the logits by a constant it creates in forward
+    (``torch.tensor``, which torch.export lifts): traced on plain meta tensors, the int branch is baked in."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens.reshape(-1)
+        counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(), bins=4, min=0, max=63)
+        x = self.embed(tokens) * (1 + counts.sum() / (counts.sum() + 1e6))
+        for layer in self.layers:
+            x = layer(x) * torch.tensor(1.0)
+        return self.head(self.norm(x))
+
+
+def device_branch_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """A device-dependent branch and a tensor constant made in forward (``DeviceBranchLM``)."""
+    return DeviceBranchLM(
+        nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+    )
+
+
+class RankSkewedLM(TinyLM):
+    """Wrong on purpose: rank 1 scales its logits by 1.01, so its gradients are not the single device's."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        skew = 1.01 if dist.is_initialized() and dist.get_rank() == 1 else 1.0
+        return super().forward(tokens) * skew
+
+
+def rank_skewed_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """A model whose rank 1 computes something else (``RankSkewedLM``): what a parity check must catch."""
+    return RankSkewedLM(
+        nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+    )

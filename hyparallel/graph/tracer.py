@@ -10,6 +10,7 @@ ops stay one op each, annotated with the module they ran in.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import inspect
@@ -82,10 +83,13 @@ def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, f
     failures: list[Failure] = []
     attempts = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
     for attempt in attempts:
-        with ModuleStack(model) as calls:
+        with ModuleStack(model) as calls, torch.set_grad_enabled(torch.is_grad_enabled()):
+            # the grad mode is restored after each attempt: a torch.export that fails midway leaves it off
             try:
-                program = _fx_program(model, args, kwargs) if attempt == "fx" else _export_program(model, args, kwargs)
-                return finish(program) if finish is not None else program
+                if attempt == "fx":
+                    program = _fx_program(model, args, kwargs)
+                    return finish(program) if finish is not None else program
+                return _exported(model, args, kwargs, finish)
             except TraceError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- any tracer failure means: try the next tracer, then report all
@@ -139,10 +143,10 @@ def first_failure(model: nn.Module, example_inputs: Any, method: str) -> tuple[s
     """
     args, kwargs = split_inputs(example_inputs)
     args, kwargs = tree_map(to_meta, (args, kwargs))
-    with ModuleStack(model) as calls:
+    with ModuleStack(model) as calls, torch.set_grad_enabled(torch.is_grad_enabled()):
         try:
             if method == "export":
-                _export_program(model, args, kwargs)
+                _exported(model, args, kwargs, None)
             else:
                 with torch.no_grad():
                     model(*args, **kwargs)
@@ -163,6 +167,10 @@ def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
 
 def to_meta(value: Any) -> Any:
     """A tensor moved to the meta device (shape and dtype kept, no memory); any other value unchanged."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, FakeTensor):  # an exported program's state (Note [exported for the device it runs on])
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
     return value.to("meta") if isinstance(value, torch.Tensor) else value
 
 
@@ -205,7 +213,47 @@ def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
 # ---- torch.export --------------------------------------------------------------------------------
 
 
-def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
+# Note [exported for the device it runs on]
+#     A meta-device model exported as it is sees ``device.type == "meta"`` wherever its code asks, and code that
+#     branches on the device bakes the wrong branch into the graph the pipeline then runs: transformers' MoE
+#     counts tokens per expert with ``histc`` on floats on the CPU and on ints elsewhere, and the int branch,
+#     traced on meta, fails on the CPU ("histogram_cpu" not implemented for 'Int'). So a meta model is exported
+#     on fake tensors of the device it will run on (``tracing_device``, the CPU unless parallelize says cuda):
+#     the same meta storage, nothing allocated, but the device its code sees is the real one. Device arguments
+#     baked into the graph are then moved back to meta (the tracer runs the graph on meta; the pipeline splitter
+#     makes device constants follow its inputs). Tensor constants the forward creates from Python values
+#     (``torch.tensor(0)``) come out real, so the splitter can give them to the stage that uses them. Kernels lay
+#     out their outputs per device: a program exported for the CPU may drop a ``.contiguous()`` the meta kernel's
+#     strides need (nanoGPT's attention output), and a device branch may view what meta lays out otherwise
+#     (Afmoe). A model whose device export fails, or whose program then does not run on meta, is exported on
+#     plain meta tensors as before (``_exported``).
+_TRACE_DEVICE: contextvars.ContextVar[str] = contextvars.ContextVar("trace_device", default="cpu")
+
+
+@contextlib.contextmanager
+def tracing_device(device: torch.device | str) -> Iterator[None]:
+    """Export meta models as if on ``device`` inside this block (Note [exported for the device it runs on])."""
+    token = _TRACE_DEVICE.set(str(torch.device(device)))
+    try:
+        yield
+    finally:
+        _TRACE_DEVICE.reset(token)
+
+
+def _exported(model: nn.Module, args: tuple, kwargs: dict, finish: Any) -> Any:
+    """``finish`` of the export for the run device, or of the plain meta export when that one fails or does not
+    run on meta (Note [exported for the device it runs on])."""
+    try:
+        program = _export_program(model, args, kwargs)
+        return finish(program) if finish is not None else program
+    except Exception:  # noqa: BLE001 -- the plain meta export below is the answer, its failure the one reported
+        if next((p.device for p in model.parameters()), torch.device("meta")).type != "meta":
+            raise
+    program = _export_program(model, args, kwargs, on_device=False)
+    return finish(program) if finish is not None else program
+
+
+def _export_program(model: nn.Module, args: tuple, kwargs: dict, on_device: bool = True) -> Program:
     if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs:
         kwargs = {**kwargs, "use_cache": False}  # Hugging Face: no KV cache while tracing for training
     device = next((p.device for p in model.parameters()), torch.device("meta"))
@@ -213,8 +261,18 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
         args, kwargs = tree_map(
             lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t, (args, kwargs)
         )
-    with _quiet_torch_logs(), _buffers_on_meta(model) if device.type == "meta" else contextlib.nullcontext():
-        exported = torch.export.export(model, args, kwargs, strict=False)  # a failure is reported as one line
+        with _quiet_torch_logs():
+            exported = torch.export.export(model, args, kwargs, strict=False)  # a failure is reported as one line
+    elif on_device:
+        on = torch.device(_TRACE_DEVICE.get())
+        if on.type == "cuda" and not torch.cuda.is_available():  # fake CUDA tensors without CUDA abort in C++
+            on = torch.device("cpu")
+        with _quiet_torch_logs(), _on_fake_device(model, on, (args, kwargs)) as (fargs, fkwargs):
+            exported = torch.export.export(model, fargs, fkwargs, strict=False)
+        _device_arguments_to_meta(exported.graph_module)
+    else:
+        with _quiet_torch_logs(), _buffers_on_meta(model):
+            exported = torch.export.export(model, args, kwargs, strict=False)
     signature = exported.graph_signature
     placeholders = [n for n in exported.graph_module.graph.nodes if n.op == "placeholder"]
     flat_user, _ = tree_flatten((args, kwargs))
@@ -253,6 +311,36 @@ def _buffers_on_meta(model: nn.Module) -> Iterator[None]:
     finally:
         for module, leaf, tensor in saved:
             module._buffers[leaf] = tensor
+
+
+@contextlib.contextmanager
+def _on_fake_device(model: nn.Module, device: torch.device, inputs: Any) -> Iterator[Any]:
+    """The model's parameters, buffers and ``inputs`` as fake tensors on ``device`` (meta storage) inside the
+    block: what torch.export traces a meta model with (Note [exported for the device it runs on])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    mode = FakeTensorMode()
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        meta = tensor if tensor.is_meta else tensor.detach().to("meta")
+        return mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
+
+    state: dict[str, torch.Tensor] = {
+        name: nn.Parameter(fake(p), p.requires_grad) for name, p in model.named_parameters()
+    }
+    state.update({name: fake(b) for name, b in model.named_buffers()})
+    with _reparametrize_module(model, state, tie_weights=True):
+        yield tree_map(lambda t: fake(t) if isinstance(t, torch.Tensor) else t, inputs)
+
+
+def _device_arguments_to_meta(gm: fx.GraphModule) -> None:
+    """Device arguments the export baked in (``arange(..., device=cpu)``) moved to meta, where the graph is run."""
+    meta = torch.device("meta")
+    for node in gm.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type != "meta":
+            node.update_kwarg("device", meta)
+    gm.recompile()
 
 
 @contextlib.contextmanager

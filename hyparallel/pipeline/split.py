@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,6 +68,9 @@ class PipelineSplit:
     signature: inspect.Signature
     example_shapes: tuple[tuple[int, ...] | None, ...]  # flat example inputs: export bakes these shapes in
     fixed_kwargs: dict[str, Any]  # non-tensor keyword arguments the trace added (use_cache=False), added again
+    # Subgraphs torch.export keeps beside the graph (submod_1 of a wrap_with_set_grad_enabled region): not the
+    # model's attributes, so a stage reads them from here.
+    subgraphs: dict[str, nn.Module] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -151,7 +154,7 @@ class PipelineSplit:
         by default the device of the stage's first parameter.
         """
         graph = _stage_graph(self, index)
-        module = fx.GraphModule(self.model, graph, f"Stage{index}")
+        module = fx.GraphModule(_Root(self.model, self.subgraphs), graph, f"Stage{index}")
         if device is None:
             device = next((t.device for t in module.parameters()), torch.device("cpu"))
         device = torch.device(device)
@@ -216,7 +219,7 @@ def split_model(
     else:
         program = first_program(model, args, kwargs, method)
     graph = program.gm.graph
-    _lift_state(program)
+    _lift_state(program, model)
     _drop_concrete_placeholders(program)
     stage_of = _assign(model, graph, [list(s) for s in stages])
     names = tuple(n.name for n in program.user_inputs)
@@ -236,16 +239,39 @@ def split_model(
         signature=inspect.signature(model.forward),
         example_shapes=tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in flat_example),
         fixed_kwargs=fixed,
+        subgraphs=_subgraphs(program, model),
     )
     split.io = _stage_io(split, [tuple(s) for s in stages])
     return split
+
+
+class _Root(nn.Module):
+    """What a stage's get_attr and call_module targets resolve in: the model, then the export's subgraphs."""
+
+    def __init__(self, model: nn.Module, subgraphs: dict[str, nn.Module]):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_subgraphs", subgraphs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._subgraphs:
+            return self._subgraphs[name]
+        return getattr(self._model, name)
+
+
+def _subgraphs(program, model: nn.Module) -> dict[str, nn.Module]:
+    """The exported graph module's submodules that are not the model's (higher-order ops' bodies)."""
+    if program.method != "export":
+        return {}
+    own = {name for name, _ in model.named_children()}
+    return {name: sub for name, sub in program.gm.named_children() if name not in own}
 
 
 def _children(spec: TreeSpec) -> list[TreeSpec]:
     return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.10
 
 
-def _lift_state(program) -> None:
+def _lift_state(program, model: nn.Module) -> None:
     """Export passes parameters and buffers as graph inputs; read them with get_attr under the model's names.
 
     The graph then runs over the model's own (later materialised) tensors, as an fx trace does. Device
@@ -266,15 +292,29 @@ def _lift_state(program) -> None:
         first = next(n for n in graph.nodes if n.op != "placeholder")
         for node, target in list(program.state_of.items()):
             if target in constants:
-                raise ConfigError(
-                    f"the model creates tensor constant '{target}' in forward; torch.export lifted it and "
-                    "a meta-device trace cannot give its value; register it as a buffer in __init__"
-                )
+                _adopt_constant(model, target, program.artifact.constants[target])
             with graph.inserting_before(first):  # create_node: the export module has no such attribute, the model has
                 attr = graph.create_node("get_attr", target)
             attr.meta = dict(node.meta)
             node.replace_all_uses_with(attr)
             graph.erase_node(node)
+
+
+def _adopt_constant(model: nn.Module, target: str, value: Any) -> None:
+    """A tensor constant the forward creates (``torch.tensor(...)``, lifted by torch.export) registered as a
+    non-persistent buffer where the graph reads it, so the stage that uses it has it (checkpoints do not change);
+    refused when the trace gave no value (Note [exported for the device it runs on], hyparallel.graph.tracer)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(value, torch.Tensor) or value.is_meta or isinstance(value, FakeTensor):
+        raise ConfigError(
+            f"the model creates tensor constant '{target}' in forward; torch.export lifted it and "
+            "a meta-device trace cannot give its value; register it as a buffer in __init__"
+        )
+    owner, _, leaf = target.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if leaf not in module._buffers:
+        module.register_buffer(leaf, value.detach().clone(), persistent=False)
 
 
 def _drop_concrete_placeholders(program) -> None:
