@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench sweep setup clean
 
 setup: $(VENV)/.ready
 
@@ -30,6 +30,12 @@ test: $(VENV)/.ready
 # $(BIN)/python benchmarks/run_all.py --quick).
 bench: $(VENV)/.ready
 	$(BIN)/python benchmarks/run_all.py
+
+# Every causal-LM class of transformers (and hand-written models) under tp 2, pp 2, tp 2 x pp 2 and dp 2 against one
+# process; writes benchmarks/results/sweep.jsonl and docs/supported-models.md (an hour or more on 2 cores;
+# `$(BIN)/python benchmarks/sweep.py --only LlamaForCausalLM,Phi3ForCausalLM` reruns some).
+sweep: $(VENV)/.ready
+	$(BIN)/python benchmarks/sweep.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

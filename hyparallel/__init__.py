@@ -15,7 +15,12 @@ from hyparallel.schema import Plan
 __version__ = "0.1.0"
 
 # The runtime loads on first use: `hyparallel plan` and friends start without torch.distributed.checkpoint.
-_LAZY = {"parallelize": "hyparallel.parallel", "ParallelModel": "hyparallel.parallel", "checkpoint": None}
+_LAZY = {
+    "parallelize": "hyparallel.parallel",
+    "ParallelModel": "hyparallel.parallel",
+    "check": "hyparallel.parity",
+    "checkpoint": None,
+}
 
 
 def __getattr__(name: str):
@@ -43,5 +48,6 @@ __all__ = [
     "plan",
     "search",
     "trace",
+    "check",
     "__version__",
 ]

@@ -35,6 +35,12 @@ EXAMPLES = {
         "  hyparallel trace --model mypkg.models:make_model --json"
     ),
     "demo": "example:\n  hyparallel demo",
+    "check": (
+        "examples:\n  hyparallel check hf:Qwen2ForCausalLM --tp 2 --pp 2      # a small copy of its config class\n"
+        "  hyparallel check mypkg.models:make_model hidden=64 layers=2 --tp 2 --dp 2   # your factory, small\n"
+        "  hyparallel check hf:LlamaForCausalLM num_key_value_heads=1 --tp 2 --json\n"
+        "exit status: 0 equal, 1 differs or failed (a bug: please report it), 2 refused or bad input"
+    ),
     "simulate": (
         "examples:\n"
         "  hyparallel simulate plan.yaml --out timeline.png   # a plan from `hyparallel plan -o plan.yaml`\n"
@@ -466,6 +472,29 @@ def _max_seq_len(model) -> int | None:
     return None
 
 
+def cmd_check(args: argparse.Namespace, out: Console) -> None:
+    """Train a small copy under the layout in local gloo processes and compare with one process."""
+    from hyparallel.parity import check
+
+    report = check(
+        " ".join(args.model),
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        steps=args.steps,
+        shrink=not args.as_given,
+        timeout=args.timeout,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    elif report.verdict != "refused":
+        out.print(report.table(), markup=False, highlight=False)
+    if report.verdict == "refused":
+        raise HyparallelError(f"{' x '.join(f'{k} {v}' for k, v in report.layout.items())}: refused: {report.reason}")
+    if report.verdict != "equal":
+        raise SystemExit(1)
+
+
 def cmd_demo(args: argparse.Namespace, out: Console) -> None:
     """Run the embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU."""
     from hyparallel import demo
@@ -691,6 +720,25 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--verbose", action="store_true", help="log the search on stderr: its phases and every configuration costed"
     )
+    check = add(
+        "check",
+        cmd_check,
+        "Check that a layout gives the single-device numbers for a model: a small copy, trained a few steps in "
+        "local gloo processes and in one, every gradient and loss compared.",
+    )
+    check.add_argument(
+        "model",
+        nargs="+",
+        metavar="MODEL",
+        help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides "
+        "(hf: the config class shrunk, your overrides on top; others: pass small sizes)",
+    )
+    for axis, default in (("tp", 2), ("pp", 2), ("dp", 1)):
+        check.add_argument(f"--{axis}", type=PER_NODE, default=default, help=f"the {axis} degree (default {default})")
+    check.add_argument("--steps", type=_int_in(100), default=3, help="SGD steps compared (default 3)")
+    check.add_argument("--as-given", action="store_true", help="build hf: models as given, not shrunk")
+    check.add_argument("--timeout", type=_int_in(3600), default=600, help="seconds for the launch (default 600)")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
     add("demo", cmd_demo, "The embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU.")
     ckpt = add("checkpoint", cmd_checkpoint, "Consolidate a sharded checkpoint into one single-device state dict.")
     ckpt.add_argument("action", choices=("export",), help="what to do (export)")

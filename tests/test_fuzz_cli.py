@@ -381,8 +381,10 @@ NUMERIC_FLAGS = [  # (command, flag, bound): hyparallel.limits'
     ("trace", "--batch-size", limits.MAX_GLOBAL_BATCH),
     ("trace", "--seq-len", limits.MAX_SEQ_LEN),
     ("calibrate", "--nproc", limits.MAX_GPUS_PER_NODE),
+    ("check", "--steps", 100),
+    ("check", "--timeout", 3600),
 ]
-COMMANDS = ("models", "clusters", "show", "trace", "plan", "demo", "checkpoint", "calibrate", "simulate")
+COMMANDS = ("models", "clusters", "show", "trace", "plan", "demo", "checkpoint", "calibrate", "simulate", "check")
 
 
 def _int_in_range(text: str, bound: int) -> bool:
@@ -448,6 +450,7 @@ def defective_argv(draw, folder: Path) -> tuple[list[str], Path | None]:
             "plan": plan_argv(folder),
             "trace": trace_argv(folder),
             "calibrate": ["calibrate", "--quick", "--device", "cpu", "--out", str(folder / "out" / "c.yaml")],
+            "check": ["check", "gpt-tiny", "--tp", "2", "--pp", "1"],
         }[command]
         value = draw(bad_number(bound))
         if flag in base:

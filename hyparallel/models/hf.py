@@ -13,15 +13,14 @@ from hyparallel.models.meta import build_on
 def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.Module:
     """Build ``arch`` (a class name such as ``LlamaForCausalLM``, or a model type such as ``llama``).
 
-    ``overrides`` are config fields (``num_hidden_layers=4``). The KV cache is turned off
-    (``use_cache=False``), as training and tracing want. The config's shape (layers, widths, heads,
+    ``overrides`` are config fields (``num_hidden_layers=4``). The KV cache is turned off (``use_cache=False``,
+    for configs that have one), as training and tracing want. The config's shape (layers, widths, heads,
     vocabulary, positions) is checked against hyparallel.limits before the model is built.
     """
     try:
         import transformers
     except ImportError:
         raise ModelSpecError("hf: models need the 'transformers' package; pip install transformers") from None
-    overrides = {"use_cache": False, **overrides}
     model_cls = getattr(transformers, arch, None)
     from_class = isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel)
     if not from_class and arch not in transformers.CONFIG_MAPPING:
@@ -31,6 +30,8 @@ def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.
         )
     errors = _config_errors()
     config_cls = model_cls.config_class if from_class else transformers.CONFIG_MAPPING[arch]
+    if "use_cache" in getattr(config_cls, "__dataclass_fields__", {}) or _has_setting(config_cls, "use_cache", errors):
+        overrides = {"use_cache": False, **overrides}
     _check_known(arch, config_cls, overrides, errors)
     try:
         config = config_cls(**overrides)
@@ -64,6 +65,13 @@ def _check_known(arch: str, config_cls: type, overrides: dict, errors: tuple[typ
             f"hf:{arch}: {config_cls.__name__} has no setting {', '.join(map(repr, unknown))}; "
             "check the spelling against its documentation (transformers would ignore it)"
         )
+
+
+def _has_setting(config_cls: type, key: str, errors: tuple[type[BaseException], ...]) -> bool:
+    try:
+        return hasattr(config_cls(), key)
+    except errors:
+        return True  # a config that needs arguments: the setting is passed and transformers judges it
 
 
 def _config_errors() -> tuple[type[BaseException], ...]:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import hyparallel as hp
 from hyparallel.parallel import token_cross_entropy
+from hyparallel.parity import expected_slice  # the slice of a full tensor a tensor-parallel module holds
 from hyparallel.tensor.init import materialize_
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -125,26 +126,6 @@ def reference(spec: str) -> dict:
         "params": {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
         "losses": losses,
     }
-
-
-def expected_slice(module: torch.nn.Module, leaf: str, full: torch.Tensor) -> torch.Tensor:
-    """The part of the single-device tensor ``full`` a tensor-parallel module holds (padding rows zero)."""
-    layout = module.shard_layout(leaf) if callable(getattr(module, "shard_layout", None)) else None
-    if layout is None:
-        return full
-    source = full.t() if layout.transposed else full
-    rows = layout.rows or ((0, layout.full_shape[0]),)
-    pieces = [
-        torch.cat(
-            [
-                source[a : min(b, source.size(0))],
-                source.new_zeros(max(0, b - max(a, source.size(0))), *source.shape[1:]),
-            ]
-        )
-        for a, b in rows
-    ]
-    out = torch.cat(pieces)
-    return out[:, layout.cols[0] : layout.cols[1]] if layout.cols else out
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

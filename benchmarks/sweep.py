@@ -1,0 +1,221 @@
+"""The architecture sweep: every causal-LM class of the installed transformers, under tp 2, pp 2, tp 2 x pp 2, dp 2.
+
+`python benchmarks/sweep.py` (or `make sweep`; an hour or more on 2 cores) builds each class of transformers'
+causal-LM auto mapping from its own config class shrunk (hyparallel.models.tiny), plus masked-LM and
+encoder-decoder heads (``--families``) and the hand-written models of benchmarks/sweep_models.py, and runs
+``hp.parity.check_layouts`` for each: the layout in local gloo processes against one process, 3 SGD steps, every
+gradient and loss compared (Note [a parity check], hyparallel/parity.py). Results go to
+benchmarks/results/sweep.jsonl (one line per architecture; ``--resume`` keeps the lines already there) and
+the table to docs/supported-models.md (``--render`` only rewrites the table from the results).
+
+An architecture that cannot be built from a config (or whose small copy does not run one forward and backward
+on one process) is listed with why; its layouts are not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+LAYOUTS = {  # column -> plan constraints (the degrees fixed; the rest the planner's pick)
+    "tp 2": {"dp": 1, "tp": 2, "pp": 1},
+    "pp 2": {"dp": 1, "tp": 1, "pp": 2},
+    "tp 2 x pp 2": {"dp": 1, "tp": 2, "pp": 2},
+    "dp 2": {"dp": 2, "tp": 1, "pp": 1},
+    "planner's pick, 4 processes": {"world": 4},  # every plan the planner writes must run
+}
+SPLIT_LAYOUTS = ("tp 2", "pp 2", "tp 2 x pp 2")  # what the 80% count is of
+HAND = {
+    "nanoGPT (hand-written)": "benchmarks.sweep_models:nano_gpt",
+    "CNN (hand-written)": "benchmarks.sweep_models:cnn",
+    "embedding-heavy MLP (hand-written)": "benchmarks.sweep_models:embedding_mlp",
+    "MoE decoder (hand-written)": "benchmarks.sweep_models:moe_lm",
+}
+RESULTS = ROOT / "benchmarks" / "results" / "sweep.jsonl"
+DOC = ROOT / "docs" / "supported-models.md"
+
+
+def architectures(families: list[str]) -> list[tuple[str, str, str]]:
+    """(name, family, spec) for every class of the chosen auto mappings (each class once) and the hand-written."""
+    from transformers.models.auto import modeling_auto
+
+    mappings = {
+        "causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "masked-lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        "seq2seq": modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    }
+    out, seen = [], set()
+    for family in families:
+        if family == "hand":
+            out += [(name, "hand-written", spec) for name, spec in HAND.items()]
+            continue
+        for cls in sorted(set(mappings[family].values())):
+            if cls not in seen:
+                seen.add(cls)
+                out.append((cls, family, f"hf:{cls}"))
+    return out
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(*_):
+    raise _Timeout("building and one step took over 120 s")
+
+
+def builds(spec: str) -> str | None:
+    """None when the small copy builds and runs one forward and backward on one process, else why not."""
+    import torch
+
+    import hyparallel as hp
+    from hyparallel.parallel import token_cross_entropy
+    from hyparallel.parity import _batches, _call, small_spec
+    from hyparallel.tensor.init import materialize_
+
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(120)
+    try:
+        small = small_spec(spec)
+        model = materialize_(hp.models.load(small).module, "cpu", seed=0)
+        [(inputs, targets)] = _batches(hp.models.load(small).module, 2, 16, 1, 0)
+        token_cross_entropy(_call(model, inputs), targets).backward()
+        return None
+    except BaseException as exc:  # noqa: BLE001 -- the reason is the row
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        return f"{type(exc).__name__}: {text[:240]}"
+    finally:
+        signal.alarm(0)
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+def sweep(names: list[tuple[str, str, str]], out: Path, resume: bool, timeout: float, redo: set[str]) -> None:
+    import torch
+
+    from hyparallel.parity import check_layouts
+
+    done = {}
+    if resume and out.exists():
+        done = {row["arch"]: row for row in map(json.loads, out.read_text().splitlines())}
+    for name in redo:
+        done.pop(name, None)
+    rows = list(done.values())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for index, (name, family, spec) in enumerate(names):
+        if name in done:
+            continue
+        started = time.perf_counter()
+        torch.set_grad_enabled(True)  # whatever the last architecture's failure left
+        row = {"arch": name, "family": family, "spec": spec}
+        why = builds(spec)
+        if why is not None:
+            row["cannot_build"] = why
+        else:
+            try:
+                reports = check_layouts(spec, list(LAYOUTS.values()), timeout=timeout)
+                row["layouts"] = {
+                    column: {"verdict": r.verdict, "reason": r.reason, "plan": r.plan}
+                    for column, r in zip(LAYOUTS, reports)
+                }
+            except Exception as exc:  # noqa: BLE001 -- a bug of the check itself: every layout failed, with why
+                why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                row["layouts"] = {column: {"verdict": "failed", "reason": f"the check: {why}"} for column in LAYOUTS}
+        row["seconds"] = round(time.perf_counter() - started, 1)
+        with out.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        cells = row.get("layouts", {})
+        shown = ", ".join(f"{c}: {v['verdict']}" for c, v in cells.items()) or f"cannot build ({why[:80]})"
+        print(f"[{index + 1}/{len(names)}] {name}: {shown} ({row['seconds']} s)", flush=True)
+
+
+def _cell(result: dict, notes: dict[str, int]) -> str:
+    verdict = result["verdict"]
+    picked = (result.get("plan") or {}).get("picked")
+    if verdict == "equal":
+        return f"equal ({picked})" if picked else "equal"
+    reason = (result.get("reason") or "").replace("|", "/")
+    number = notes.setdefault(reason, len(notes) + 1)
+    return f"{verdict} [{number}]"
+
+
+def render(rows: list[dict], doc: Path) -> None:
+    """Write docs/supported-models.md from the sweep's rows."""
+    import torch
+    import transformers
+
+    built = [r for r in rows if "layouts" in r]
+    causal = [r for r in built if r["family"] == "causal-lm"]
+    passing = [r for r in causal if all(r["layouts"][c]["verdict"] == "equal" for c in SPLIT_LAYOUTS)]
+    differs = [(r["arch"], c) for r in built for c, v in r["layouts"].items() if v["verdict"] == "differs"]
+    failed = [(r["arch"], c) for r in built for c, v in r["layouts"].items() if v["verdict"] == "failed"]
+    share = 100 * len(passing) / max(1, len(causal))
+    lines = [
+        "# Supported models",
+        "",
+        "<!-- generated by benchmarks/sweep.py (`make sweep`); do not edit by hand -->",
+        "",
+        f"Every architecture below was built small from its own config class (transformers {transformers.__version__},"
+        f" torch {torch.__version__}): 2 layers, width 64, 4 query heads (multi-query and grouped-query kept),"
+        " 128 tokens, 4 experts where it has experts (hyparallel/models/tiny.py). Each layout ran in local gloo"
+        " processes against one process on the same weights and batches, 3 SGD steps, fp32: every parameter's"
+        " gradient and every loss within rtol 1e-5 / atol 1e-6 is **equal**. **refused** is hyparallel saying no"
+        " before the first collective (the line it printed is in the notes); **failed** is a crash, a bug;"
+        " **differs** would be a wrong result, and is a failing test wherever it shows.",
+        "",
+        "Run the same check on your own model: `hyparallel check MODEL --tp 2 --pp 2` (README).",
+        "",
+        f"**Causal LMs: {len(passing)} of {len(causal)} that build from a config ({share:.0f}%) give the"
+        f" single-device numbers under tp 2, pp 2 and tp 2 x pp 2.** Layouts that differ: {len(differs)};"
+        f" that crashed: {len(failed)}. Architectures that could not be built: {len(rows) - len(built)}.",
+        "",
+        "| architecture | family | " + " | ".join(LAYOUTS) + " |",
+        "|---|---|" + "---|" * len(LAYOUTS),
+    ]
+    notes: dict[str, int] = {}
+    for row in built:
+        cells = [_cell(row["layouts"][c], notes) for c in LAYOUTS]
+        lines.append(f"| {row['arch']} | {row['family']} | " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", "## Notes", ""]
+        lines += [f"{number}. {reason}" for reason, number in notes.items()]
+    unbuilt = [r for r in rows if "cannot_build" in r]
+    if unbuilt:
+        lines += ["", "## Not built from a config", "", "| architecture | family | why |", "|---|---|---|"]
+        lines += [f"| {r['arch']} | {r['family']} | {r['cannot_build'].replace('|', '/')} |" for r in unbuilt]
+    doc.write_text("\n".join(lines) + "\n")
+    print(f"{doc}: {len(passing)}/{len(causal)} causal LMs equal under every split ({share:.0f}%)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", default="causal-lm,masked-lm,seq2seq,hand")
+    parser.add_argument("--only", default="", help="comma-separated architecture names")
+    parser.add_argument("--resume", action="store_true", help="keep the results already in --out")
+    parser.add_argument("--render", action="store_true", help="only rewrite the table from --out")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per layout launch")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--doc", type=Path, default=DOC)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if not args.render:
+        names = architectures(args.families.split(","))
+        wanted = set(filter(None, args.only.split(",")))
+        if wanted:
+            names = [n for n in names if n[0] in wanted]
+        sweep(names, args.out, args.resume or bool(wanted), args.timeout, wanted)
+    render([json.loads(line) for line in args.out.read_text().splitlines()], args.doc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Hand-written models of the sweep (benchmarks/sweep.py), the kinds users bring that transformers does not name.
+
+Factories for ``hp.models.load("benchmarks.sweep_models:NAME")`` (the repository root on the path):
+
+* ``nano_gpt``: karpathy/nanoGPT's model: a fused ``c_attn`` split with ``self.n_embd``, weight-tied head.
+* ``cnn``: a small convolutional classifier (Conv2d weights have four dims), GroupNorm (no batch statistics).
+* ``embedding_mlp``: an embedding-heavy model: a 4096-row table, mean-pooled, then an MLP classifier.
+* ``moe_lm``: a decoder whose MLPs are top-2 routed mixtures of 4 experts (a loop over experts, index_add).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class NanoAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.n_embd, self.n_head = n_embd, n_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(n_embd), NanoAttention(n_embd, n_head), nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, n_layer: int, n_embd: int, n_head: int, vocab_size: int, block_size: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(NanoBlock(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
+
+    def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> torch.Tensor:
+        return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def nano_gpt(n_layer: int = 2, n_embd: int = 64, n_head: int = 4, vocab_size: int = 128) -> NanoGPT:
+    """nanoGPT at a small size."""
+    return NanoGPT(n_layer, n_embd, n_head, vocab_size, block_size=64)
+
+
+class CNN(nn.Module):
+    """Convolutions with GroupNorm, pooled, a linear classifier; inputs (B, 3, 16, 16) images."""
+
+    def __init__(self, width: int = 16, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.GroupNorm(4, width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1, stride=2), nn.GroupNorm(4, 2 * width), nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.ReLU(),
+        )  # fmt: skip
+        self.head = nn.Sequential(nn.Linear(2 * width, 4 * width), nn.ReLU(), nn.Linear(4 * width, classes))
+
+    def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> torch.Tensor:
+        return torch.zeros(batch_size, 3, 16, 16, device=device)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images).mean(dim=(2, 3)))
+
+
+def cnn(width: int = 16, classes: int = 10) -> CNN:
+    """A small convolutional classifier."""
+    return CNN(width, classes)
+
+
+class EmbeddingMLP(nn.Module):
+    """A large embedding table, mean-pooled over the sequence, then an MLP: most parameters sit in the table."""
+
+    def __init__(self, rows: int, dim: int, hidden: int, classes: int):
+        super().__init__()
+        self.table = nn.Embedding(rows, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
+        self.out = nn.Linear(hidden, classes)
+        self.config = type("Config", (), {"vocab_size": rows})()
+
+    def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> torch.Tensor:
+        return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mlp(self.table(ids).mean(dim=1)))
+
+
+def embedding_mlp(rows: int = 4096, dim: int = 32, hidden: int = 64, classes: int = 8) -> EmbeddingMLP:
+    """An embedding-heavy classifier."""
+    return EmbeddingMLP(rows, dim, hidden, classes)
+
+
+class MoE(nn.Module):
+    """Top-2 routing over ``experts`` MLPs, each token's outputs weighted by its renormalised router scores."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int = 2):
+        super().__init__()
+        self.router, self.top_k = nn.Linear(hidden, experts, bias=False), top_k
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden)) for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.size(-1))
+        weights, chosen = self.router(tokens).softmax(-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == index)
+            out = out.index_add(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+        return out.view_as(x)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int, experts: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.moe = MoE(hidden, ffn, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        mask = torch.full((x.size(1), x.size(1)), float("-inf"), device=x.device).triu(1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.moe(self.norm2(x))
+
+
+class MoELM(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, experts: int, vocab_size: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden)
+        self.layers = nn.ModuleList(MoEBlock(hidden, heads, ffn, experts) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab_size, bias=False)
+
+    def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> torch.Tensor:
+        return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def moe_lm(layers: int = 2, hidden: int = 64, heads: int = 4, ffn: int = 64, experts: int = 4) -> MoELM:
+    """A small mixture-of-experts decoder."""
+    return MoELM(layers, hidden, heads, ffn, experts, vocab_size=128)

@@ -1,0 +1,611 @@
+"""``hp.check``: does a layout give the single-device numbers for this architecture? Answered on the CPU.
+
+Note [a parity check]
+    ``check(model, tp=2, pp=2, dp=1)`` builds a small copy of the model (``hf:`` architectures: their own config
+    class shrunk by hyparallel.models.tiny, the user's overrides on top; zoo names and factories: the spec as
+    given, so pass small sizes), trains it ``steps`` SGD steps on one process, then plans the layout (its
+    degrees fixed, the rest the planner's pick, as ``hyparallel plan`` would), runs ``parallelize`` in
+    ``dp * tp * pp`` local gloo processes on the same weights (the same seed) and batches, and compares:
+    every parameter's first-step gradient, each rank's slice against the same slice of the single device's,
+    and the loss of every step. Tolerance: fp32, rtol 1e-5 / atol 1e-6 elementwise (the layouts sum partial
+    products, micro-batches and ranks in another order: rounding only; as the suite's parity tests).
+
+    A verdict per parameter group (the names with layer indices folded: ``model.layers.*.mlp.up_proj.weight``):
+    equal, differs (with the worst relative error and where), or not compared (no rank held it: itself a
+    failure). The layout as a whole is ``equal``, ``differs``, ``refused`` (hyparallel said no before the first
+    collective, with its one line) or ``failed`` (anything else: a crash inside torch is a bug to report).
+
+    The processes come from a forkserver that has imported torch and hyparallel once (a sweep starts hundreds
+    of launches); each joins a gloo group through a file store in a temporary folder, so whatever torchrun
+    variables the caller's environment holds, nothing is read from them. The first rank to fail ends the
+    launch (the others are terminated, none waits in a collective); a launch past ``timeout`` seconds is killed
+    and reported as failed. With HYPARALLEL_CHECK_DIR set, each check's folder (every rank's log, result and
+    error) is kept there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from hyparallel.errors import HyparallelError
+
+__all__ = ["CheckReport", "GroupVerdict", "check", "expected_slice", "small_spec"]
+
+RTOL, ATOL = 1e-5, 1e-6
+LR = 0.1
+Verdict = Literal["equal", "differs", "refused", "failed"]
+
+
+@dataclass
+class GroupVerdict:
+    """One parameter group: its names, how many were compared, the worst relative error and where."""
+
+    group: str
+    names: list[str]
+    compared: int
+    worst_rel: float
+    worst_name: str | None
+    equal: bool
+    unused: int = 0  # names the single-device forward never reads (no gradient) that no rank held
+
+    @property
+    def verdict(self) -> str:
+        """equal, differs, not compared (a parameter no rank held), or unused (no forward reads it)."""
+        if self.compared + self.unused < len(self.names):
+            return "not compared"
+        if self.compared == 0:
+            return "unused"
+        return "equal" if self.equal else "differs"
+
+
+@dataclass
+class CheckReport:
+    """What ``check`` found for one layout of one model."""
+
+    model: str
+    layout: dict[str, int]
+    verdict: Verdict
+    reason: str | None = None
+    losses: list[float] = field(default_factory=list)
+    ref_losses: list[float] = field(default_factory=list)
+    groups: list[GroupVerdict] = field(default_factory=list)
+    plan: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def layout_name(self) -> str:
+        return " x ".join(f"{k} {v}" for k, v in self.layout.items() if v > 1) or "one process"
+
+    def summary(self) -> str:
+        """One line: the layout and its verdict (with the reason or the worst difference)."""
+        if self.verdict in ("refused", "failed"):
+            return f"{self.layout_name}: {self.verdict}: {self.reason}"
+        if self.verdict == "differs":
+            worst = max(self.groups, key=lambda g: (g.verdict != "equal", g.worst_rel), default=None)
+            where = f"; worst {worst.group} ({worst.verdict}, {worst.worst_rel:.1e})" if worst else ""
+            return f"{self.layout_name}: differs: {self.reason or ''}{where}".replace(": ;", ":")
+        worst = max((g.worst_rel for g in self.groups), default=0.0)
+        steps, groups = len(self.losses), len(self.groups)
+        return f"{self.layout_name}: equal (losses of {steps} steps, {groups} parameter groups; worst {worst:.1e})"
+
+    def table(self) -> str:
+        """The verdict per parameter group, then the losses, as ``hyparallel check`` prints them."""
+        lines = [f"{self.model}: {self.summary()}"]
+        if self.plan:
+            lines.append("  plan: " + ", ".join(f"{k}={v}" for k, v in self.plan.items()))
+        width = max((len(g.group) for g in self.groups), default=0)
+        for g in self.groups:
+            lines.append(f"  {g.group:<{width}}  {g.verdict:<12}  worst rel {g.worst_rel:.1e}")
+        if self.losses:
+            pairs = ", ".join(f"{a:.6f}/{b:.6f}" for a, b in zip(self.losses, self.ref_losses))
+            lines.append(f"  losses (layout/single device): {pairs}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "model": self.model,
+            "layout": self.layout,
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "losses": self.losses,
+            "ref_losses": self.ref_losses,
+            "groups": [g.__dict__ for g in self.groups],
+            "plan": self.plan,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def small_spec(spec: str) -> str:
+    """``spec`` with a small config for ``hf:`` architectures (the user's overrides on top); others as given."""
+    head, *words = spec.split()
+    if not head.startswith("hf:"):
+        return spec
+    import transformers
+
+    from hyparallel.models.tiny import tiny_overrides
+
+    arch = head[3:]
+    model_cls = getattr(transformers, arch, None)
+    if isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel):
+        config_cls = model_cls.config_class
+    elif arch in transformers.CONFIG_MAPPING:
+        config_cls = transformers.CONFIG_MAPPING[arch]
+    else:
+        return spec  # build_hf names what is wrong
+    given = {w.split("=", 1)[0] for w in words if "=" in w}
+    shrunk = {k: v for k, v in tiny_overrides(config_cls).items() if k not in given}
+    return " ".join([head, *(f"{k}={_word(v)}" for k, v in shrunk.items()), *words])
+
+
+def _word(value: Any) -> str:
+    """An override value as models.load parses it back (JSON for lists and dicts, no spaces)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def check(
+    model: str,
+    *,
+    tp: int = 2,
+    pp: int = 2,
+    dp: int = 1,
+    steps: int = 3,
+    seq_len: int = 16,
+    micro_batch: int = 2,
+    seed: int = 0,
+    shrink: bool = True,
+    timeout: float = 600.0,
+    **constraints: Any,
+) -> CheckReport:
+    """Train a small copy of ``model`` (a MODEL spec) under dp x tp x pp in local gloo processes and compare its
+    losses and gradients with one process's (Note [a parity check]). ``constraints`` fix more of the plan
+    (schedule, zero, sequence_parallel, recompute...). Returns the report; nothing is raised for a verdict.
+    """
+    layout = {"dp": dp, "tp": tp, "pp": pp, **constraints}
+    return check_layouts(
+        model, [layout], steps=steps, seq_len=seq_len, micro_batch=micro_batch, seed=seed, shrink=shrink,
+        timeout=timeout,
+    )[0]  # fmt: skip
+
+
+def check_layouts(
+    model: str,
+    layouts: list[dict[str, Any]],
+    *,
+    steps: int = 3,
+    seq_len: int = 16,
+    micro_batch: int = 2,
+    seed: int = 0,
+    shrink: bool = True,
+    timeout: float = 600.0,
+) -> list[CheckReport]:
+    """``check`` for several layouts of one model (each a dict of dp, tp, pp and other plan constraints, or
+    ``{"world": N}``: the planner's own pick for N processes): one single-device reference per batch size, one
+    launcher process (torch imported once), a launch of processes per layout."""
+    started = time.perf_counter()
+    spec = small_spec(model) if shrink else model
+    reports = [
+        CheckReport(model=model, layout={k: layout.get(k, 1) for k in ("dp", "tp", "pp")}, verdict="failed")
+        for layout in layouts
+    ]
+    keep = os.environ.get("HYPARALLEL_CHECK_DIR")  # the ranks' logs and results stay there, for a bug report
+    with tempfile.TemporaryDirectory(prefix="hyparallel-check-", dir=keep) as tmp:
+        folder = Path(tempfile.mkdtemp(prefix="check-", dir=keep) if keep else tmp)
+        try:
+            (names, unused), jobs = _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed)
+        except HyparallelError as exc:  # the model itself: every layout refused with the same line
+            for report in reports:
+                report.verdict, report.reason = "refused", _one_line(exc)
+            return reports
+        if jobs:
+            _run_launcher(folder, jobs, timeout)
+        for index, report in jobs.items():
+            _judge(report, names, unused, folder / f"job{index}")
+    spent = time.perf_counter() - started
+    for report in reports:
+        report.seconds = spent / len(reports)
+    return reports
+
+
+def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed):
+    """The reference and one job folder per plannable layout; layouts the planner refuses are reported so."""
+    import hyparallel as hp
+
+    model = hp.models.load(spec).module
+    worlds = [
+        layout.get("world") or r.layout["dp"] * r.layout["tp"] * r.layout["pp"] for layout, r in zip(layouts, reports)
+    ]
+    global_batches = [  # two micro-batches or more for a pipeline; the planner's pick: room for any dp
+        world * micro_batch * 2 if "world" in layout else r.layout["dp"] * micro_batch * max(2, r.layout["pp"])
+        for world, layout, r in zip(worlds, layouts, reports)
+    ]
+    rows = max(global_batches)
+    batches = _batches(model, rows, seq_len, steps, seed)
+    references: dict[int, dict[str, Any]] = {}  # by global batch rows
+    jobs: dict[int, CheckReport] = {}
+    example = _micro_batch(batches[0][0], micro_batch)
+    tokens = [v for v in torch.utils._pytree.tree_leaves(example) if isinstance(v, torch.Tensor)]
+    graph = None  # token models: traced once at one micro-batch, planned for every layout (as parallelize traces)
+    if tokens and not tokens[0].is_floating_point() and tokens[0].dim() == 2:
+        graph = hp.trace(model, example)
+    order = sorted(range(len(layouts)), key=lambda i: "world" in layouts[i])  # the planner's picks last: they
+    # may replicate what fails only at a larger tp, on the shared graph
+    for index in order:
+        layout, report = layouts[index], reports[index]
+        constraints = {k: v for k, v in layout.items() if k not in ("dp", "tp", "pp", "world")}
+        degrees = {} if "world" in layout else report.layout  # {"world": N}: the planner picks the degrees
+        cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=worlds[index])
+        take = global_batches[index]
+        mine = [(_rows(inputs, take), targets[:take]) for inputs, targets in batches]
+        tokens = [v for v in torch.utils._pytree.tree_leaves(mine[0][0]) if isinstance(v, torch.Tensor)]
+        length = seq_len if tokens and not tokens[0].is_floating_point() else None  # images have no sequence
+        try:
+            if graph is not None:
+                plan = hp.search(
+                    graph, cluster, take, length, "fp32", traced_rows=micro_batch, module=model,
+                    module_inputs=example, micro_batch=micro_batch, **degrees, **constraints,
+                ).plan()  # fmt: skip
+            else:
+                plan = hp.plan(
+                    model, cluster, take, length, "fp32", example_inputs=example, micro_batch=micro_batch,
+                    **degrees, **constraints,
+                )  # fmt: skip
+        except HyparallelError as exc:
+            report.verdict, report.reason = "refused", _one_line(exc)
+            continue
+        report.plan = _plan_summary(plan)
+        if "world" in layout:
+            report.layout = {"dp": plan.parallel.dp, "tp": plan.parallel.tp, "pp": plan.parallel.pp}
+            report.plan = {
+                "picked": f"dp {plan.parallel.dp} x tp {plan.parallel.tp} x pp {plan.parallel.pp}",
+                **report.plan,
+            }
+        if take not in references:
+            references[take] = _reference(spec, mine, seed)
+        report.ref_losses = references[take]["losses"]
+        job = folder / f"job{index}"
+        job.mkdir()
+        torch.save({"grads": references[take]["grads"], "batches": mine}, job / "reference.pt")
+        job.joinpath("job.json").write_text(
+            json.dumps({"spec": spec, "plan": plan.to_dict(), "world": worlds[index], "seed": seed})
+        )
+        jobs[index] = report
+    first = next(iter(references.values()), {"names": [], "unused": set()})
+    return (first["names"], first["unused"]), jobs
+
+
+def _rows(inputs: Any, rows: int) -> Any:
+    return torch.utils._pytree.tree_map(lambda v: v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v, inputs)
+
+
+def _plan_summary(plan) -> dict[str, Any]:
+    par = plan.parallel
+    summary = {
+        "schedule": par.schedule if par.pp > 1 else None,
+        "micro_batch": plan.training.micro_batch,
+        "zero": par.zero,
+        "sequence_parallel": par.sequence_parallel if par.tp > 1 else None,
+        "recompute": par.recompute,
+        "split": sum(style != "replicate" for style in (plan.tensor_parallel or {}).values()) if par.tp > 1 else None,
+    }
+    return {k: v for k, v in summary.items() if v is not None}
+
+
+def _judge(report: CheckReport, names: list[list[str]], unused: set[str], job: Path) -> None:
+    """Read a job's results into ``report``: its failure, or the verdict per parameter group and on the losses."""
+    errors = [json.loads(p.read_text()) for p in sorted(job.glob("error.rank*.json"))]
+    launcher = job / "launcher.json"
+    if errors:
+        first = min(errors, key=lambda e: e["time"])  # the rank that failed first; the others may follow from it
+        report.verdict = "refused" if first["refused"] else "failed"
+        report.reason = first["error"] if first["refused"] else f"rank {first['rank']}: {first['error']}"
+        return
+    if launcher.exists():
+        report.verdict, report.reason = "failed", json.loads(launcher.read_text())["error"]
+        return
+    results = [json.loads(p.read_text()) for p in sorted(job.glob("result.rank*.json"))]
+    if not results:
+        report.verdict, report.reason = "failed", "no rank reported (the launcher did not run this layout)"
+        return
+    report.losses = results[0]["losses"]
+    compared: dict[str, tuple[float, bool]] = {}
+    for result in results:
+        for name, (rel, ok) in result["grads"].items():
+            old = compared.get(name, (0.0, True))
+            compared[name] = (max(old[0], rel), old[1] and ok)
+    report.groups = [_verdict(group, tied, compared, unused) for group, tied in _groups(names).items()]
+    pairs = list(zip(report.losses, report.ref_losses))
+    loss_ok = len(report.losses) == len(report.ref_losses) and all(abs(a - b) <= RTOL * abs(b) + ATOL for a, b in pairs)
+    good = all(g.verdict in ("equal", "unused") for g in report.groups)
+    report.verdict = "equal" if loss_ok and good else "differs"
+    if not loss_ok:
+        worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in pairs), default=float("inf"))
+        report.reason = f"losses differ by up to {worst:.1e} relative"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:400] or type(exc).__name__
+
+
+def _batches(model: nn.Module, rows: int, seq_len: int, steps: int, seed: int) -> list[tuple[Any, torch.Tensor]]:
+    """``steps`` (inputs, targets) pairs: random token ids (or normal floats) shaped like the model's inputs."""
+    import hyparallel as hp
+
+    vocab = _vocab(model)
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def fill(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.is_floating_point():
+            return torch.randn(value.shape, generator=generator, dtype=value.dtype)
+        if value.dtype == torch.bool:
+            return value  # masks stay as the model's example_inputs make them
+        return torch.randint(0, vocab, value.shape, generator=generator, dtype=value.dtype)
+
+    example = hp.models.example_inputs(model, rows, seq_len, device="cpu")
+    try:  # the targets: one class per row of the output's last dimension (token ids for a language model)
+        with torch.no_grad():
+            shape = _logits(_call(model, _to_meta(example))).shape
+        target_shape, classes = tuple(shape[:-1]), int(shape[-1])
+    except Exception:  # noqa: BLE001 -- a model meta tensors cannot run: token targets, as a language model's
+        target_shape, classes = (rows, seq_len), vocab
+    out = []
+    for _ in range(steps):
+        inputs = torch.utils._pytree.tree_map(fill, example)
+        if isinstance(inputs, dict) and list(inputs) == ["input_ids"]:
+            inputs = inputs["input_ids"]  # as parallelize traces a token model by default: positional token ids
+        out.append((inputs, torch.randint(0, classes, target_shape, generator=generator)))
+    return out
+
+
+def _to_meta(inputs: Any) -> Any:
+    return torch.utils._pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, inputs)
+
+
+def _logits(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def _vocab(model: nn.Module) -> int:
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 0:
+        return vocab
+    embeddings = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return min(embeddings) if embeddings else 2
+
+
+def _micro_batch(inputs: Any, rows: int) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda v: v[:rows].to("meta") if isinstance(v, torch.Tensor) and v.dim() else v, inputs
+    )
+
+
+def _reference(spec: str, batches, seed: int) -> dict[str, Any]:
+    """One process: the first step's gradients by name and the loss of each of ``steps`` SGD steps."""
+    import hyparallel as hp
+    from hyparallel.parallel import token_cross_entropy
+    from hyparallel.tensor.init import materialize_
+
+    model = materialize_(hp.models.load(spec).module, "cpu", seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads, unused = [], None, set()
+    for inputs, targets in batches:
+        loss = token_cross_entropy(_call(model, inputs), targets)
+        loss.backward()
+        if grads is None:
+            unused = {n for n, p in model.named_parameters(remove_duplicate=False) if p.grad is None}
+            grads = {  # a parameter the loss does not reach has no gradient: zero, as every layout must give
+                n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                for n, p in model.named_parameters(remove_duplicate=False)
+            }
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    ties: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(p), []).append(n)
+    return {"grads": grads, "losses": losses, "names": list(ties.values()), "all": names, "unused": unused}
+
+
+def _call(module: Any, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    if isinstance(inputs, tuple):
+        return module(*inputs)
+    return module(inputs)
+
+
+def _groups(tied: list[list[str]]) -> dict[str, list[list[str]]]:
+    """Parameter groups: names with their layer indices folded (``layers.*.mlp``), each a list of tied names."""
+    groups: dict[str, list[list[str]]] = {}
+    for names in tied:
+        groups.setdefault(re.sub(r"\.\d+\.", ".*.", names[0]), []).append(names)
+    return groups
+
+
+def _verdict(
+    group: str, tied: list[list[str]], compared: dict[str, tuple[float, bool]], unused: set[str]
+) -> GroupVerdict:
+    worst, where, ok, seen, idle = 0.0, None, True, 0, 0
+    for names in tied:
+        found = [compared[n] for n in names if n in compared]
+        if not found:
+            idle += names[0] in unused
+            continue
+        seen += 1
+        rel = max(r for r, _ in found)
+        ok = ok and all(good for _, good in found)
+        if rel >= worst:
+            worst, where = rel, names[0]
+    return GroupVerdict(group, [names[0] for names in tied], seen, worst, where, ok, idle)
+
+
+def _run_launcher(folder: Path, jobs: dict[int, CheckReport], timeout: float) -> None:
+    """Run the jobs in a launcher process of their own (``python -m hyparallel.parity``): it imports torch and
+    hyparallel once and forks each job's ranks, so nothing depends on how the caller's ``__main__`` imports."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_", "GROUP_"))}
+    environ.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), *sys.path]))})
+    command = [sys.executable, "-m", "hyparallel.parity", str(folder), str(timeout), *map(str, jobs)]
+    with open(folder / "launcher.log", "w") as log:
+        try:
+            subprocess.run(command, env=environ, stdout=log, stderr=subprocess.STDOUT, timeout=timeout * len(jobs) + 60)
+        except subprocess.TimeoutExpired:
+            pass  # the jobs it did not finish have no results: reported as failed
+
+
+def _launcher(folder: Path, timeout: float, indices: list[str]) -> None:
+    """Each job in turn: fork its ranks, wait; the first rank to fail ends the job (the others are killed)."""
+    import hyparallel.parallel  # noqa: F401 -- imported once, before the forks
+
+    for index in indices:
+        job = folder / f"job{index}"
+        spec = json.loads((job / "job.json").read_text())
+        pids: dict[int, int] = {}
+        for rank in range(spec["world"]):
+            pid = os.fork()
+            if pid == 0:  # the rank: its output to a log of its own, its exit code the verdict
+                fd = os.open(job / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                _worker(rank, spec["spec"], spec["plan"], str(job), spec["world"], spec["seed"])
+                os._exit(0)
+            pids[pid] = rank
+        _wait(job, pids, timeout)
+
+
+def _wait(job: Path, pids: dict[int, int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    failed = None
+    while pids:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if time.monotonic() > deadline:
+                failed = f"the launch ran past {timeout:.0f} s (a rank waiting in a collective?)"
+                break
+            time.sleep(0.05)
+            continue
+        rank = pids.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        if rank is not None and code != 0:
+            if not (job / f"error.rank{rank}.json").exists():
+                log = job / f"rank{rank}.log"
+                tail = log.read_text()[-300:].strip().splitlines()[-1:] if log.exists() else []
+                failed = f"rank {rank} died ({'signal ' + str(-code) if code < 0 else 'exit code ' + str(code)})"
+                failed += f": {tail[0]}" if tail else ""
+            break
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    if failed is not None:
+        (job / "launcher.json").write_text(json.dumps({"error": failed}))
+
+
+def _worker(rank: int, spec: str, plan_data: dict, folder: str, world: int, seed: int) -> None:
+    """One rank: parallelize the layout, train the batches, compare this rank's gradient slices by name."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import hyparallel as hp
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
+    os.environ.update({"LOCAL_WORLD_SIZE": str(world)})
+    torch.set_num_threads(1)
+    out = Path(folder)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{out / 'store'}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=300),
+        )
+        saved = torch.load(out / "reference.pt", weights_only=False)
+        batches, ref_grads = saved["batches"], saved["grads"]
+        plan = hp.Plan.from_dict(plan_data)
+        model = hp.models.load(spec).module
+        first = batches[0][0]
+        example = None if isinstance(first, torch.Tensor) else _micro_batch(first, plan.training.micro_batch)
+        pmodel = hp.parallelize(model, plan, example_inputs=example, seed=seed, device="cpu")
+        optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
+        modules = dict(model.named_modules())
+        losses, grads = [], {}
+        for step, (inputs, targets) in enumerate(batches):
+            loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
+            losses.append(loss.item())
+            if step == 0:
+                for name, param in pmodel.named_parameters():
+                    owner, _, leaf = name.rpartition(".")
+                    want = expected_slice(modules[owner], leaf, ref_grads[name])
+                    got = _full(param.grad) if param.grad is not None else torch.zeros_like(want)
+                    # relative to the gradient's norm, floored at the absolute tolerance's (a gradient that is all
+                    # rounding, such as a key bias's, is judged by atol as the elementwise check is)
+                    floor = ATOL * max(1, want.numel()) ** 0.5
+                    rel = ((got - want).norm() / want.norm().clamp_min(floor)).item()
+                    ok = got.shape == want.shape and torch.allclose(got, want, rtol=RTOL, atol=ATOL)
+                    grads[name] = (rel, ok)
+            optimizer.step()
+            optimizer.zero_grad()
+        (out / f"result.rank{rank}.json").write_text(json.dumps({"losses": losses, "grads": grads}))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which ends the launch
+        traceback.print_exc()  # into this rank's log (kept with HYPARALLEL_CHECK_DIR)
+        refused = isinstance(exc, HyparallelError)
+        text = _one_line(exc) if refused else f"{type(exc).__name__}: {_one_line(exc)}"
+        if not refused:
+            frames = traceback.extract_tb(exc.__traceback__)
+            ours = [f for f in frames if "hyparallel" in f.filename] or frames
+            text += f" (at {Path(ours[-1].filename).name}:{ours[-1].lineno})" if ours else ""
+        report = {"rank": rank, "refused": refused, "error": text, "time": time.time()}
+        (out / f"error.rank{rank}.json").write_text(json.dumps(report))
+        os._exit(1)
+
+
+def expected_slice(module: nn.Module, leaf: str, full: torch.Tensor) -> torch.Tensor:
+    """The part of the single-device tensor ``full`` a tensor-parallel module holds (padding rows zero)."""
+    layout = module.shard_layout(leaf) if callable(getattr(module, "shard_layout", None)) else None
+    if layout is None:
+        return full
+    source = full.t() if layout.transposed else full
+    rows = layout.rows or ((0, layout.full_shape[0]),)
+    pieces = [
+        torch.cat(
+            [
+                source[a : min(b, source.size(0))],
+                source.new_zeros(max(0, b - max(a, source.size(0))), *source.shape[1:]),
+            ]
+        )
+        for a, b in rows
+    ]
+    out = torch.cat(pieces)
+    return out[:, layout.cols[0] : layout.cols[1]] if layout.cols else out
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()  # FSDP: gathered over dp
+
+
+if __name__ == "__main__":
+    _launcher(Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:])
