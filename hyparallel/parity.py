@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -156,8 +157,8 @@ def _word(value: Any) -> str:
     """An override value as models.load parses it back (JSON for lists and dicts, no spaces)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (list, dict)):
-        return json.dumps(value, separators=(",", ":"))
+    if isinstance(value, (list, dict)):  # JSON, quoted for the spec's shell-like split (models.load)
+        return shlex.quote(json.dumps(value, separators=(",", ":")))
     return str(value)
 
 

@@ -79,6 +79,10 @@ def test_tiny_configs_keep_the_structure():
     assert gpt2.resid_pdrop == gpt2.attn_pdrop == gpt2.embd_pdrop == 0.0  # no dropout: two runs draw alike
     assert gpt2.bos_token_id < gpt2.vocab_size and gpt2.tie_word_embeddings  # GPT-2 ties, and still does
     assert hp.models.load("hf:OpenAIGPTLMHeadModel n_layer=2 n_embd=32 n_head=2").module is not None  # no use_cache
+    # Sub-configs are shrunk too, and reach the builder through the spec (JSON values, quoted for its split).
+    gemma3 = hp.models.load(small_spec("hf:Gemma3ForConditionalGeneration")).module
+    assert gemma3.config.text_config.hidden_size == 64 and gemma3.config.vision_config.hidden_size == 64
+    assert sum(p.numel() for p in gemma3.parameters()) < 2_000_000  # the default is 4B
 
 
 SLICE = {  # one architecture per class of issue 16

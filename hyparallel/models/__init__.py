@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import json
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -87,6 +88,12 @@ def _parse_overrides(words: Sequence[str]) -> dict[str, Any]:
         key, sep, value = word.partition("=")
         if not sep or not key.isidentifier():
             raise ModelSpecError(f"model override '{word}' is not key=value (e.g. num_layers=4)")
+        if value[:1] in "{[":  # JSON first: YAML 1.1 reads {"a":1} (no space after the colon) as a key "a:1"
+            try:
+                overrides[key] = json.loads(value)
+                continue
+            except ValueError:
+                pass
         try:
             overrides[key] = load_yaml_text(value)
         except yaml.YAMLError:  # not YAML (or nested too deep, a huge number...): the text itself

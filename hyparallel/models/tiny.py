@@ -64,8 +64,8 @@ def tiny_overrides(config_cls: type, **keep: Any) -> dict[str, Any]:
             continue
         if isinstance(value, dict) and isinstance(getattr(default, key, None), PretrainedConfig):
             sub = tiny_overrides(type(getattr(default, key)))  # text_config, vision_config: shrunk the same way
-            if sub:
-                out[key] = {**value, **sub}
+            if sub:  # only what changes: the sub-config class fills in its own defaults
+                out[key] = sub
             continue
         shrunk = _shrink(key, value, heads, fields)
         if shrunk is not None and shrunk != value:
@@ -86,7 +86,7 @@ def _shrink(key: str, value: Any, heads: int | None, fields: dict[str, Any]) -> 
             return [v if v < VOCAB else VOCAB - 1 for v in value]
         return None
     if isinstance(value, list) and value and all(_is_int(v) for v in value) and key in _FFN | _EXPERT_FFN:
-        return [_shrink(key, v, heads, fields) for v in value]  # per-layer widths
+        return [_shrink(key, v, heads, fields) for v in value[:LAYERS]]  # per-layer widths, one per layer kept
     if not _is_int(value):
         return None
     if key in _LAYERS:
@@ -113,7 +113,7 @@ def _shrink(key: str, value: Any, heads: int | None, fields: dict[str, Any]) -> 
         return min(value, EXPERTS_PER_TOKEN)
     if key in _POSITIONS:
         return POSITIONS
-    if key == "vocab_size":
+    if key == "vocab_size" or key.startswith("vocab_size_"):  # per-layer input vocabularies too (Gemma 3n, 4)
         return VOCAB
     if key in _LORA:
         return _LORA[key]
