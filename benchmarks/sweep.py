@@ -148,6 +148,21 @@ def _cell(result: dict, notes: dict[str, int]) -> str:
     return f"{verdict} [{number}]"
 
 
+def _family_lines(built: list[dict]) -> list[str]:
+    """Per family: how many architectures are equal under every layout, and the planner's picks that ran."""
+    lines = []
+    for family in dict.fromkeys(r["family"] for r in built):
+        mine = [r for r in built if r["family"] == family]
+        every = sum(all(v["verdict"] == "equal" for v in r["layouts"].values()) for r in mine)
+        picks = [r["layouts"].get("planner's pick, 4 processes") for r in mine]
+        ran = sum(1 for p in picks if p and p["verdict"] == "equal")
+        lines.append(
+            f"- {family}: {len(mine)} built; {every} equal under every layout; the planner's own pick for 4"
+            f" processes ran equal for {ran} of {len(mine)}"
+        )
+    return lines
+
+
 def render(rows: list[dict], doc: Path) -> None:
     """Write docs/supported-models.md from the sweep's rows."""
     import torch
@@ -177,6 +192,8 @@ def render(rows: list[dict], doc: Path) -> None:
         f"**Causal LMs: {len(passing)} of {len(causal)} that build from a config ({share:.0f}%) give the"
         f" single-device numbers under tp 2, pp 2 and tp 2 x pp 2.** Layouts that differ: {len(differs)};"
         f" that crashed: {len(failed)}. Architectures that could not be built: {len(rows) - len(built)}.",
+        "",
+        *_family_lines(built),
         "",
         "| architecture | family | " + " | ".join(LAYOUTS) + " |",
         "|---|---|" + "---|" * len(LAYOUTS),

@@ -94,6 +94,7 @@ SLICE = {  # one architecture per class of issue 16
     "hf:BartForCausalLM": "parameters the forward never reads (cross-attention without an encoder)",
     "hf:BigBirdForCausalLM": "a pooler computed and dropped (DDP ignores it), attention sized by its config",
     "hf:CTRLLMHeadModel": "an attention called as attn(x, x, x)",
+    "hf:DeepseekV3ForCausalLM": "latent attention: a learned key part enters the split heads without a column",
 }
 
 

@@ -250,3 +250,19 @@ def test_groups_sized_by_the_config_at_one_ranks_sizes_are_refused(world_of_one)
         hp.parallelize(model, plan, device="cpu")
     assert "viewed as 4 groups of (48,), but at one rank's sizes under tp = 2 as 4 groups of (24,)" in str(e.value)
     assert "\n" not in str(e.value) and not dist.is_initialized()
+
+
+def test_a_learned_value_entering_the_split_heads_without_a_column_keeps_the_attention_whole():
+    # Note [a learned value entering a split region] (hyparallel/graph/structure.py): DeepSeek's rotary key part
+    # k_rot comes from the replicated kv_a_proj_with_mqa into every head; split, its gradient was one rank's share
+    # (kv_a_proj_with_mqa's gradient 6e-3 off at tp 2, no error). The attention stays whole, the MLP splits.
+    from hyparallel.parity import small_spec
+
+    analysis = traced(small_spec("hf:DeepseekV3ForCausalLM")).structure
+    attn = "model.layers.0.self_attn"
+    for name in ("q_b_proj", "kv_b_proj", "o_proj"):
+        assert analysis.styles[f"{attn}.{name}"] == "replicate", name
+    assert "feeds its split region without a column Linear" in analysis.unsplittable[f"{attn}.kv_b_proj"]
+    assert f"its row partner {attn}.o_proj stays whole" in analysis.unsplittable[f"{attn}.q_b_proj"]
+    assert analysis.styles["model.layers.0.mlp.gate_proj"] == "column"
+    assert analysis.styles["model.layers.0.mlp.down_proj"] == "row"
