@@ -42,6 +42,8 @@ CASES = (
     "interleaved-per-head",
     "shared-arguments",
     "shared-arguments-nosp",
+    "qk-norm",
+    "qk-norm-nosp",
     "interleaved-grouped",
     "hf-gpt-neox",
     "hf-codegen",
@@ -120,6 +122,9 @@ def test_tp2_matches_single_device(results, case):
         assert types["embed"] == "ScaledEmbedding" and types["layers.0.up"] == "ScaledLinear"
     elif case == "hf-gpt-neox":
         assert types["gpt_neox.layers.0.attention.query_key_value"] == "ColumnParallelLinear"
+    elif case.startswith("qk-norm"):  # the attention split, its norms replicated
+        assert types["layers.0.attn.q_proj"] == "ColumnParallelLinear" and types["layers.0.attn.q_norm"] == "LayerNorm"
+        assert ranks[0]["sequence_parallel"] == (case == "qk-norm")
     elif case.startswith("shared-arguments"):  # q, k and v split, each entering from its own argument
         assert types["layers.0.attn.k_proj"] == "ColumnParallelLinear"
         assert ranks[0]["sequence_parallel"] == (case == "shared-arguments")

@@ -69,6 +69,23 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+class QKNormAttention(Attention):
+    """Qwen3's / Kolibri's QK-norm: one norm over head_dim whose weight every head shares, inside the split heads."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__(hidden, heads, heads, False)
+        self.q_norm, self.k_norm = nn.LayerNorm(self.head_dim), nn.LayerNorm(self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (
+            t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        )
+        out = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
 class SharedArgumentAttention(Attention):
     """CTRL's call convention: ``attn(value, key, query)``, the block passing one normed tensor three times."""
 
@@ -179,6 +196,14 @@ def config_split_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_siz
 def interleaved_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, groups: int = 0) -> TinyLM:
     """A fused qkv interleaved per head (``groups=0``, splittable by heads) or per ``groups`` groups of heads."""
     blocks = [Block(hidden, heads, heads, True, groups=groups) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
+def qk_norm_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Per-head query and key norms inside the attention (``QKNormAttention``)."""
+    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
+    for block in blocks:
+        block.attn = QKNormAttention(hidden, heads)
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
 
 

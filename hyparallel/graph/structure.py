@@ -476,6 +476,12 @@ def _downstream(g, sources: set[str], members: set[str]) -> set[str]:
     return seen
 
 
+def split_region(graph: ModelGraph, column: str) -> set[str]:
+    """The ops between column Linear ``column`` and its row Linears, inside its block (they see split tensors)."""
+    block = next((b for b in graph.blocks if column in b.ops), None)
+    return _region(graph.graph, column, set(block.ops)) if block is not None else set()
+
+
 def _region(g, column: str, members: set[str]) -> set[str]:
     """Ops downstream of a column Linear up to its row Linears: they see split tensors."""
     return _walk(g, column, members, g.successors)[0]

@@ -28,7 +28,7 @@ from hyparallel.graph.local_shapes import (
     patch_attention_attributes,
     set_submodule,
 )
-from hyparallel.graph.structure import TPAnalysis
+from hyparallel.graph.structure import TPAnalysis, split_region
 from hyparallel.graph.tracer import tied_names
 from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
 from hyparallel.tensor.init import retie
@@ -177,7 +177,29 @@ def apply_tensor_parallel(
     patch_attention_attributes(model, graph, analysis, tp, styles)
     if sequence_parallel and tp > 1:
         info.synced_params = _enter_sequence_parallel(model, graph, styles, group)
+    # Note [replicated parameters inside a split region]
+    info.synced_params = sorted(set(info.synced_params) | _region_parameters(graph, analysis, styles))
     return info
+
+
+# Note [replicated parameters inside a split region]
+#     A parameter read between a split column and its row (a per-head norm's weight, shared by every head:
+#     Qwen3's and Kolibri's q_norm / k_norm) gets from each rank the gradient of that rank's heads only. Summed over
+#     the tensor-parallel group once per step (TensorParallelInfo.reduce_grads), as the sequence-parallel norms
+#     are; before, only sequence parallelism summed them, and without it they trained on one rank's share (0.74
+#     relative, measured on Kolibri at tp 2). Only regions of columns this plan splits count: a replicated column's
+#     region computes every head on every rank, its gradients already whole.
+def _region_parameters(graph: ModelGraph, analysis: TPAnalysis, styles: dict[str, str]) -> set[str]:
+    """Parameter names read by ops inside the split regions of the columns ``styles`` splits (not the Linears')."""
+    linears = {name for name in analysis.styles}
+    names: set[str] = set()
+    for column, style in analysis.styles.items():
+        if style != "column" or styles.get(graph.op(column).module) != "column":
+            continue
+        for name in split_region(graph, column):
+            if name not in linears:
+                names.update(graph.op(name).params)
+    return names
 
 
 # Activation modules a column Linear can apply in its epilogue (torch's and transformers' names).

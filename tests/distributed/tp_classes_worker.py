@@ -34,6 +34,9 @@ CASES = {
     "interleaved-per-head": "tests.tiny_lms:interleaved_lm",
     # attn(x, x, x): each argument enters the tensor-parallel region (sequence parallelism on, then off)
     "shared-arguments": "tests.tiny_lms:shared_argument_lm",
+    # per-head norms inside the split heads: their weights' gradients summed over tp, with sequence parallelism or not
+    "qk-norm": "tests.tiny_lms:qk_norm_lm",
+    "qk-norm-nosp": "tests.tiny_lms:qk_norm_lm",
     "shared-arguments-nosp": "tests.tiny_lms:shared_argument_lm",
     "interleaved-grouped": "tests.tiny_lms:interleaved_lm groups=2",
     "hf-gpt-neox": (  # (..., heads, 3 * head_dim) chunked: a per-head interleave, split by heads
