@@ -271,3 +271,14 @@ def test_a_learned_value_entering_the_split_heads_without_a_column_keeps_the_att
     assert f"its row partner {attn}.o_proj stays whole" in analysis.unsplittable[f"{attn}.q_b_proj"]
     assert analysis.styles["model.layers.0.mlp.gate_proj"] == "column"
     assert analysis.styles["model.layers.0.mlp.down_proj"] == "row"
+
+
+def test_a_single_head_mixer_stays_whole_and_the_rest_splits():
+    # Lfm3's and BailingHybrid's convolution / linear-attention mixers look like one-head attention: tp 2 was refused
+    # for the whole model ("tp 2 does not divide the 1 attention heads"); now that mixer stays replicated.
+    model = hp.models.load("tests.tiny_lms:mqa_lm heads=1").module
+    analysis = hp.trace(model, hp.models.example_inputs(model, 1, 16)).structure
+    assert "single head" in analysis.unsplittable["layers.0.attn.q_proj"]
+    assert analysis.styles["layers.0.up"] == "column" and analysis.styles["layers.0.down"] == "row"
+    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1)
+    assert plan.tensor_parallel["layers.*.attn.q_proj"] == "replicate"

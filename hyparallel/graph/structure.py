@@ -159,6 +159,9 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
                 continue
             found = _attention_heads(graph, region, attention)
             query_heads = next((count for count, _ in found.values()), None)
+            if query_heads == 1:  # a convolution or linear-attention mixer seen as one-head attention
+                unsplittable[column] = "it feeds a single head, which no tensor-parallel degree divides"
+                continue
             if reason := unrecognised_layout(graph, column, query_heads):
                 unsplittable[column] = reason
                 continue
