@@ -282,3 +282,34 @@ def test_a_single_head_mixer_stays_whole_and_the_rest_splits():
     assert analysis.styles["layers.0.up"] == "column" and analysis.styles["layers.0.down"] == "row"
     plan = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1)
     assert plan.tensor_parallel["layers.*.attn.q_proj"] == "replicate"
+
+
+def test_sequence_parallelism_is_refused_for_columns_reading_flattened_tokens():
+    # Llama 4's shared expert reads (tokens, hidden): gathering "the sequence" along dim 1 doubled its width
+    # (mat1 and mat2 shapes cannot be multiplied, inside torch, at tp 2 with sequence parallelism).
+    import torch
+    from torch import nn
+
+    class FlatMLP(nn.Module):
+        def __init__(self, hidden: int = 32):
+            super().__init__()
+            self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x):
+            return self.down(self.up(x.reshape(-1, x.size(-1))).relu()).view_as(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.layers = nn.Embedding(64, 32), nn.ModuleList(FlatMLP() for _ in range(2))
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    graph = hp.trace(Net().to("meta"), torch.zeros(1, 16, dtype=torch.long, device="meta"))
+    assert "reads a 2-d input" in graph.structure.whole_sequence(graph)
+    plan = hp.plan(graph, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1)
+    assert not plan.parallel.sequence_parallel

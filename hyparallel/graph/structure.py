@@ -62,6 +62,14 @@ class TPAnalysis:
         only the split regions gather it whole; attention left replicated inside a block (its projections not
         split, Note [fused layouts read from the graph]) would attend within its rank's part only.
         """
+        for name, style in self.styles.items():  # the sequence is gathered along dim 1 of (batch, seq, hidden)
+            shapes = graph.op(name).input_shapes
+            if style == "column" and shapes and len(shapes[0]) != 3:
+                return (
+                    f"sequence_parallel: {graph.op(name).module or name} reads a {len(shapes[0])}-d input "
+                    f"{tuple(shapes[0])}, not (batch, seq, hidden) (tokens flattened, as MoE layers do), so its "
+                    "sequence cannot be gathered; use sequence_parallel: false"
+                )
         for block in graph.blocks:
             for name in block.ops:
                 op = graph.op(name)
