@@ -297,6 +297,21 @@ def _rows(inputs: Any, rows: int) -> Any:
     return torch.utils._pytree.tree_map(lambda v: v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v, inputs)
 
 
+def _write(path: Path, data: dict[str, Any]) -> None:
+    """Written whole or not at all: a peer may kill this rank at any moment once one has failed."""
+    partial = path.with_suffix(".part")
+    partial.write_text(json.dumps(data))
+    os.replace(partial, path)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    """A rank's JSON report, or None when the rank was killed while writing it (the first failure is reported)."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
+
+
 def _plan_summary(plan) -> dict[str, Any]:
     par = plan.parallel
     summary = {
@@ -312,7 +327,7 @@ def _plan_summary(plan) -> dict[str, Any]:
 
 def _judge(report: CheckReport, names: list[list[str]], unused: set[str], job: Path) -> None:
     """Read a job's results into ``report``: its failure, or the verdict per parameter group and on the losses."""
-    errors = [json.loads(p.read_text()) for p in sorted(job.glob("error.rank*.json"))]
+    errors = [e for e in map(_read, sorted(job.glob("error.rank*.json"))) if e is not None]
     launcher = job / "launcher.json"
     if errors:
         first = min(errors, key=lambda e: e["time"])  # the rank that failed first; the others may follow from it
@@ -322,7 +337,7 @@ def _judge(report: CheckReport, names: list[list[str]], unused: set[str], job: P
     if launcher.exists():
         report.verdict, report.reason = "failed", json.loads(launcher.read_text())["error"]
         return
-    results = [json.loads(p.read_text()) for p in sorted(job.glob("result.rank*.json"))]
+    results = [r for r in map(_read, sorted(job.glob("result.rank*.json"))) if r is not None]
     if not results:
         report.verdict, report.reason = "failed", "no rank reported (the launcher did not run this layout)"
         return
@@ -568,7 +583,7 @@ def _worker(rank: int, spec: str, plan_data: dict, folder: str, world: int, seed
                     grads[name] = (rel, ok)
             optimizer.step()
             optimizer.zero_grad()
-        (out / f"result.rank{rank}.json").write_text(json.dumps({"losses": losses, "grads": grads}))
+        _write(out / f"result.rank{rank}.json", {"losses": losses, "grads": grads})
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which ends the launch
@@ -580,7 +595,7 @@ def _worker(rank: int, spec: str, plan_data: dict, folder: str, world: int, seed
             ours = [f for f in frames if "hyparallel" in f.filename] or frames
             text += f" (at {Path(ours[-1].filename).name}:{ours[-1].lineno})" if ours else ""
         report = {"rank": rank, "refused": refused, "error": text, "time": time.time()}
-        (out / f"error.rank{rank}.json").write_text(json.dumps(report))
+        _write(out / f"error.rank{rank}.json", report)
         os._exit(1)
 
 
