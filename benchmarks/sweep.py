@@ -163,7 +163,7 @@ def _family_lines(built: list[dict]) -> list[str]:
     return lines
 
 
-def render(rows: list[dict], doc: Path) -> None:
+def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = ()) -> None:
     """Write docs/supported-models.md from the sweep's rows."""
     import torch
     import transformers
@@ -194,6 +194,7 @@ def render(rows: list[dict], doc: Path) -> None:
         f" that crashed: {len(failed)}. Architectures that could not be built: {len(rows) - len(built)}.",
         "",
         *_family_lines(built),
+        *(["", remark] if remark else []),
         "",
         "| architecture | family | " + " | ".join(LAYOUTS) + " |",
         "|---|---|" + "---|" * len(LAYOUTS),
@@ -209,6 +210,9 @@ def render(rows: list[dict], doc: Path) -> None:
     if unbuilt:
         lines += ["", "## Not built from a config", "", "| architecture | family | why |", "|---|---|---|"]
         lines += [f"| {r['arch']} | {r['family']} | {r['cannot_build'].replace('|', '/')} |" for r in unbuilt]
+    missing = [name for name in expected if name not in {r["arch"] for r in rows}]
+    if missing:
+        lines += ["", "## Not run in this sweep", "", ", ".join(missing)]
     doc.write_text("\n".join(lines) + "\n")
     print(f"{doc}: {len(passing)}/{len(causal)} causal LMs equal under every split ({share:.0f}%)")
 
@@ -222,6 +226,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per layout launch")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--remark", default="", help="a paragraph for the table's header (how this run was made)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -231,7 +236,8 @@ def main() -> None:
         if wanted:
             names = [n for n in names if n[0] in wanted]
         sweep(names, args.out, args.resume or bool(wanted), args.timeout, wanted)
-    render([json.loads(line) for line in args.out.read_text().splitlines()], args.doc)
+    expected = [name for name, _, _ in architectures(args.families.split(","))]
+    render([json.loads(line) for line in args.out.read_text().splitlines()], args.doc, args.remark, expected)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Factories for ``hp.models.load("benchmarks.sweep_models:NAME")`` (the repository
 * ``nano_gpt``: karpathy/nanoGPT's model: a fused ``c_attn`` split with ``self.n_embd``, weight-tied head.
 * ``cnn``: a small convolutional classifier (Conv2d weights have four dims), GroupNorm (no batch statistics).
 * ``embedding_mlp``: an embedding-heavy model: a 4096-row table, mean-pooled, then an MLP classifier.
-* ``moe_lm``: a decoder whose MLPs are top-2 routed mixtures of 4 experts (a loop over experts, index_add).
+* ``moe_lm``: a decoder whose MLPs are top-2 routed mixtures of 4 experts (dense dispatch).
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ def embedding_mlp(rows: int = 4096, dim: int = 32, hidden: int = 64, classes: in
 
 
 class MoE(nn.Module):
-    """Top-2 routing over ``experts`` MLPs, each token's outputs weighted by its renormalised router scores."""
+    """Top-2 routing over ``experts`` MLPs, dense dispatch: every expert runs on every token and each token's
+    outputs are weighted by its renormalised router scores (zero for the experts it did not choose). No
+    data-dependent indexing, so it traces on the meta device (a ``torch.where`` dispatch does not: refused)."""
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int = 2):
         super().__init__()
@@ -121,14 +123,11 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, x.size(-1))
-        weights, chosen = self.router(tokens).softmax(-1).topk(self.top_k, dim=-1)
+        scores = self.router(x).softmax(-1)
+        weights, chosen = scores.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        out = torch.zeros_like(tokens)
-        for index, expert in enumerate(self.experts):
-            rows, slot = torch.where(chosen == index)
-            out = out.index_add(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
-        return out.view_as(x)
+        combine = torch.zeros_like(scores).scatter(-1, chosen, weights)  # (..., experts)
+        return sum(expert(x) * combine[..., i : i + 1] for i, expert in enumerate(self.experts))
 
 
 class MoEBlock(nn.Module):
