@@ -45,6 +45,8 @@ CASES = (
     "qk-norm",
     "qk-norm-nosp",
     "interleaved-grouped",
+    "fourier-mixer",
+    "cumsum-mixer",
     "hf-gpt-neox",
     "hf-codegen",
 )
@@ -133,6 +135,8 @@ def test_tp2_matches_single_device(results, case):
             types["layers.0.attn.qkv"] == "ColumnParallelLinear"
             and types["layers.0.attn.o_proj"] == "RowParallelLinear"
         )
+    elif case.endswith("-mixer"):  # Note [what acts on each token on its own]: the MLP split, no sequence parallelism
+        assert types["layers.0.up"] == "ColumnParallelLinear" and not ranks[0]["sequence_parallel"]
     elif case in ("interleaved-grouped", "hf-codegen"):  # attention replicated, the MLP still split
         pair = ("layers.0.attn.qkv", "layers.0.attn.o_proj")
         pair = (
@@ -144,6 +148,24 @@ def test_tp2_matches_single_device(results, case):
         assert "ColumnParallelLinear" in types.values() and "RowParallelLinear" in types.values()
     else:  # the key/value heads are split (replicated on both ranks), not left whole by accident
         assert "ColumnParallelLinear" in types.values() and "RowParallelLinear" in types.values()
+
+
+@pytest.mark.parametrize(("mixer", "op"), [("fft", "fft_fft"), ("cumsum", "cumsum")])
+def test_sequence_parallelism_is_refused_around_a_token_mixer_that_is_no_attention(mixer, op):
+    # FNet mixes tokens with an FFT over the sequence; seen as an elementwise op, sequence parallelism ran it on
+    # each rank's part of the sequence: losses 5e-3 off under tp 2, no error. Only ops proved to act per token
+    # may run outside the split regions (Note [what acts on each token on its own]).
+    graph = traced(f"tests.tiny_lms:mixer_lm mixer={mixer}")
+    assert f"layers.0 ({op}) computes {op}, not proved to act per token" in graph.structure.whole_sequence(graph)
+    plan = hp.plan(graph, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1)
+    assert plan.parallel.tp == 2 and not plan.parallel.sequence_parallel
+    data = plan.to_dict()
+    data["parallel"]["sequence_parallel"] = True
+    with pytest.raises(ConfigError, match=rf"sequence_parallel: layers.0 \({op}\) computes"):
+        check_plan(hp.Plan.from_dict(data), graph, 2)
+    # A transformer block's ops outside its split regions (norms, residual adds, dropout) all act per token.
+    gpt2 = traced("hf:GPT2LMHeadModel n_layer=1 n_embd=32 n_head=4 vocab_size=64 n_positions=32")
+    assert gpt2.structure.whole_sequence(gpt2) is None
 
 
 def test_the_trace_records_which_layers_run_their_base_forward():

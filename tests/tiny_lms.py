@@ -249,3 +249,28 @@ def rank_skewed_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size
     return RankSkewedLM(
         nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
     )
+
+
+class MixerBlock(Block):
+    """A block whose token mixer is no attention: FNet's Fourier transform over (sequence, hidden), or a running
+    mean over the sequence (``cumsum``); each mixes the whole sequence outside the split MLP."""
+
+    def __init__(self, hidden: int, heads: int, mixer: str):
+        super().__init__(hidden, heads, heads, False)
+        self.mixer, self.attn = mixer, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        if self.mixer == "fft":
+            mixed = torch.fft.fft(torch.fft.fft(h, dim=-1), dim=-2).real
+        else:
+            steps = torch.arange(1, h.shape[1] + 1, dtype=h.dtype, device=h.device)
+            mixed = h.cumsum(1) / steps[:, None]
+        x = x + mixed
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+def mixer_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, mixer: str = "fft") -> TinyLM:
+    """Blocks mixing tokens without attention (``MixerBlock``): sequence parallelism must not split them."""
+    blocks = [MixerBlock(hidden, heads, mixer) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]

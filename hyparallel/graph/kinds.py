@@ -123,6 +123,32 @@ VIEW_OPS = {
     "clone",
 }
 
+# Note [what acts on each token on its own]
+#     Sequence parallelism hands each tensor-parallel rank a slice of the sequence between the split regions, so
+#     every op there must compute each token from that token alone. That is proved by name, never assumed: the
+#     ops below act per element (with broadcasting; type casts and fills included), and REDUCTIONS reduce over the
+#     dims they are given, which the structure accepts only where the output keeps the (batch, seq) prefix of the
+#     input. Anything else met on the token stream between the split regions (an FFT over the sequence, a cumsum,
+#     a sort of the tokens for expert dispatch, a convolution, a softmax over an unknown dim, a custom op) refuses
+#     sequence parallelism for the model; tensor parallelism itself is untouched.
+POINTWISE = frozenset(
+    {
+        *("add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "neg", "pow"),
+        *("exp", "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "reciprocal", "square", "abs", "sign"),
+        *("sin", "cos", "tanh", "sigmoid", "erf", "erfc", "relu", "gelu", "silu", "softplus", "hardtanh", "mish"),
+        *("clamp", "clamp_min", "clamp_max", "clip", "where", "masked_fill", "maximum", "minimum", "lerp"),
+        *("addcmul", "addcdiv", "round", "floor", "ceil", "trunc", "nan_to_num", "eq", "ne", "lt", "le", "gt"),
+        *("ge", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not"),
+        *("to", "_to_copy", "type_as", "float", "half", "bfloat16", "double", "type", "copy", "copy_", "clone"),
+        *("zeros_like", "ones_like", "empty_like", "full_like", "fill", "detach", "alias", "lift_fresh_copy"),
+        *("contiguous", "dropout", "native_dropout", "bias_dropout_residual", "__add__", "__mul__", "__sub__"),
+        *("__truediv__", "__radd__", "__rmul__", "__neg__", "iadd", "imul", "add_", "mul_"),
+    }
+)
+REDUCTIONS = frozenset(
+    {"mean", "sum", "var", "std", "var_mean", "amax", "amin", "max", "min", "norm", "linalg_vector_norm", "prod"}
+)
+
 
 def target_name(target: Any) -> str:
     """A short name for an fx node target: 'addmm', 'scaled_dot_product_attention', 'view', 'add'."""

@@ -58,6 +58,9 @@ class Op:
     # anything else: a subclass overriding forward (a scaled embedding), a custom layer, a function.
     # Note [a module replaced by type]: only such a call may be swapped for a layer that reimplements its base.
     base_forward: str = ""
+    # The short names of the ATen ops a leaf module call ran, where the trace shows them (torch.export); () for a
+    # functional op or an fx call_module. Lets a rule judge a custom module by what it computes.
+    inner: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hyparallel.graph.kinds import POINTWISE, REDUCTIONS, VIEW_OPS
 from hyparallel.graph.model_graph import ModelGraph, Op
 from hyparallel.schema import TPStyle
 
@@ -59,8 +60,9 @@ class TPAnalysis:
         """Why sequence parallelism cannot run on this model (None: it can).
 
         Under sequence parallelism each rank holds part of the sequence between the first and the last block, and
-        only the split regions gather it whole; attention left replicated inside a block (its projections not
-        split, Note [fused layouts read from the graph]) would attend within its rank's part only.
+        only the split regions gather it whole: every other op of a block on the token stream must compute each
+        token from that token alone (Note [what acts on each token on its own]). Attention left replicated (its
+        projections not split, Note [fused layouts read from the graph]) would attend within its rank's part only.
         """
         for name, style in self.styles.items():  # the sequence is gathered along dim 1 of (batch, seq, hidden)
             shapes = graph.op(name).input_shapes
@@ -73,11 +75,22 @@ class TPAnalysis:
         for block in graph.blocks:
             for name in block.ops:
                 op = graph.op(name)
-                mixes = op.kind == "attention" or (op.kind == "matmul" and not op.params)
-                if mixes and name not in self.split_ops:
+                if (op.kind == "attention" or (op.kind == "matmul" and not op.params)) and name not in self.split_ops:
                     return (
                         f"sequence_parallel: {op.module or name} mixes the whole sequence but is replicated "
                         "(its projections are not split), so it would see only its rank's part of the sequence; "
+                        "use sequence_parallel: false"
+                    )
+        stream, tokens = _token_stream(graph)
+        for block in graph.blocks:
+            for name in block.ops:
+                if name in self.split_ops or name not in stream:
+                    continue
+                op = graph.op(name)
+                if why := _mixes_tokens(op, tokens):
+                    return (
+                        f"sequence_parallel: {op.module or name} ({op.target}) {why}, outside the split "
+                        "regions, so under sequence parallelism it would see only its rank's part of the sequence; "
                         "use sequence_parallel: false"
                     )
         return None
@@ -528,6 +541,68 @@ def _breaks_split(op: Op, attention: list[str], graph: ModelGraph) -> bool:
         return op.kind in ("other", "loss", "embedding")
     head_dim = graph.op(attention[0]).input_shapes[0][-1] if attention else 0
     return op.input_shapes[0][-1] > head_dim
+
+
+_TRANSPOSES = frozenset({"transpose", "permute", "t", "movedim", "swapaxes", "swapdims"})
+_BATCH_NORMS = ("batch_norm", "native_batch_norm", "group_norm", "instance_norm")
+
+
+def _token_stream(graph: ModelGraph) -> tuple[set[str], tuple[int, int]]:
+    """The ops computed from the token embedding's output (every op when there is none), and its (batch, seq)."""
+    g = graph.graph
+    embedding, _ = _token_embedding(graph)
+    roots = [embedding] if embedding else [op.name for op in graph.ops if op.kind == "input"]
+    shape = graph.op(embedding).output_shapes[0] if embedding else ()
+    if len(shape) < 3 and graph.blocks:
+        first = graph.op(graph.blocks[0].ops[0])
+        shape = first.input_shapes[0] if first.input_shapes else ()
+    seen, stack = set(), list(roots)
+    while stack:
+        name = stack.pop()
+        for nxt in g.successors(name):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen, (tuple(shape[:2]) if len(shape) >= 3 else (0, 0))
+
+
+def _prefix(shape: tuple[int, ...], tokens: tuple[int, int]) -> int:
+    """How many leading dims of ``shape`` index tokens: 2 for (batch, seq, ...), 1 for (batch * seq, ...), else 0."""
+    if len(shape) >= 2 and tuple(shape[:2]) == tokens:
+        return 2
+    return 1 if shape and shape[0] == tokens[0] * tokens[1] else 0
+
+
+def _mixes_tokens(op: Op, tokens: tuple[int, int]) -> str | None:
+    """Why ``op`` (on the token stream) may combine several tokens, or None when it provably acts per token.
+
+    Note [what acts on each token on its own] (hyparallel.graph.kinds): proved by kind, name and shapes.
+    """
+    if tokens == (0, 0):
+        return "is on a stream whose (batch, seq) layout the trace does not show"
+    inputs = [s for s in op.input_shapes if _prefix(s, tokens)]
+    outputs = op.output_shapes
+    if not inputs:  # sizes, or a value whose producer was judged (one not kept per token is refused there)
+        return None
+    if outputs and not all(_prefix(s, tokens) for s in outputs):
+        return f"turns {tuple(inputs[0])} into {tuple(outputs[0])}, which is not one row per token"
+    names = set(op.inner) or {op.target}  # a module's own views: allowed, but a transpose among them is not
+    if names & _TRANSPOSES:
+        return f"runs {', '.join(sorted(names & _TRANSPOSES))}, which may move the token dimension"
+    names -= VIEW_OPS
+    if op.kind in ("linear", "embedding", "activation", "dropout"):
+        return None
+    if op.kind == "norm":
+        if names & set(_BATCH_NORMS) or any(w in op.target for w in ("Batch", "Group", "Instance")):
+            return "normalises over several tokens"
+        return None
+    if op.kind == "view":
+        return "moves the token dimension" if op.target in _TRANSPOSES else None
+    if names <= POINTWISE:
+        return None
+    if names <= POINTWISE | REDUCTIONS and outputs and len(inputs[0]) > 2:
+        return None  # reduced over trailing dims only: the output keeps one row per token (checked above)
+    return f"computes {', '.join(sorted(names - POINTWISE - REDUCTIONS))[:80]}, not proved to act per token"
 
 
 def _token_embedding(graph: ModelGraph) -> tuple[str | None, int | None]:

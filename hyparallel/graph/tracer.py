@@ -726,14 +726,16 @@ class _OpBuilder:
         new = [p for p in params if p not in self.owned]
         self.owned.update(new)
         head = members[0]
+        inner: tuple[str, ...] = ()
         if module is not None:
             target = type(module).__name__
-            kind = module_kind(module, None if head.op == "call_module" else [target_name(n.target) for n in members])
+            inner = () if head.op == "call_module" else tuple(target_name(n.target) for n in members)
+            kind = module_kind(module, list(inner) or None)
         else:
             target = target_name(head.target)
             kind = function_kind(target)
-            if kind == "matmul" and params:
-                kind = "linear"  # F.linear / matmul against a parameter
+            if kind == "matmul" and params and not target.startswith("conv"):
+                kind = "linear"  # F.linear / matmul against a parameter (a convolution mixes positions: not one)
         inputs = dict.fromkeys(s for n in members for s in n.all_input_nodes if self.group_of.get(s, key) != key)
         exits = [outputs[n] for n in members if n in self.consumers] or [outputs[members[-1]]]  # what leaves the op
         return Op(
@@ -751,6 +753,7 @@ class _OpBuilder:
             output_shapes=tuple(tuple(t.shape) for t in _tensors(exits)),
             output_bytes=_bytes(exits),
             base_forward=base_forward(module) if module is not None else "",
+            inner=inner,
         )
 
 

@@ -39,6 +39,9 @@ CASES = {
     "qk-norm-nosp": "tests.tiny_lms:qk_norm_lm",
     "shared-arguments-nosp": "tests.tiny_lms:shared_argument_lm",
     "interleaved-grouped": "tests.tiny_lms:interleaved_lm groups=2",
+    # token mixers that are no attention (an FFT, a running mean): the MLP split, sequence parallelism not planned
+    "fourier-mixer": "tests.tiny_lms:mixer_lm mixer=fft",
+    "cumsum-mixer": "tests.tiny_lms:mixer_lm mixer=cumsum",
     "hf-gpt-neox": (  # (..., heads, 3 * head_dim) chunked: a per-head interleave, split by heads
         "hf:gpt_neox num_hidden_layers=2 hidden_size=64 num_attention_heads=4 intermediate_size=128 vocab_size=64 "
         "hidden_dropout=0 attention_dropout=0"
