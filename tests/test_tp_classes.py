@@ -47,6 +47,8 @@ CASES = (
     "interleaved-grouped",
     "fourier-mixer",
     "cumsum-mixer",
+    "residual-mlp",
+    "residual-mlp-nosp",
     "hf-gpt-neox",
     "hf-codegen",
 )
@@ -135,6 +137,10 @@ def test_tp2_matches_single_device(results, case):
             types["layers.0.attn.qkv"] == "ColumnParallelLinear"
             and types["layers.0.attn.o_proj"] == "RowParallelLinear"
         )
+    elif case.startswith("residual-mlp"):  # the MLP split; without sequence parallelism its residual's gradient
+        # was summed over the ranks (x2), with it the residual read the gathered sequence (a shape error)
+        assert types["layers.0.mlp.up"] == "ColumnParallelLinear" and types["layers.0.mlp.down"] == "RowParallelLinear"
+        assert ranks[0]["sequence_parallel"] == (case == "residual-mlp")
     elif case.endswith("-mixer"):  # Note [what acts on each token on its own]: the MLP split, no sequence parallelism
         assert types["layers.0.up"] == "ColumnParallelLinear" and not ranks[0]["sequence_parallel"]
     elif case in ("interleaved-grouped", "hf-codegen"):  # attention replicated, the MLP still split

@@ -274,3 +274,34 @@ def mixer_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int 
     """Blocks mixing tokens without attention (``MixerBlock``): sequence parallelism must not split them."""
     blocks = [MixerBlock(hidden, heads, mixer) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
+
+
+class ResidualMLP(nn.Module):
+    """Funnel's and XLNet's feed-forward: the residual and its norm inside the module, ``norm(x + down(up(x)))``."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.up, self.down, self.norm = (
+            nn.Linear(hidden, 4 * hidden),
+            nn.Linear(4 * hidden, hidden),
+            nn.LayerNorm(hidden),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(F.gelu(self.up(x))))
+
+
+class ResidualMLPBlock(Block):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__(hidden, heads, heads, False)
+        self.mlp = ResidualMLP(hidden)
+        del self.up, self.down, self.norm2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x + self.attn(self.norm1(x)))
+
+
+def residual_mlp_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Feed-forward modules that add their own input back (``ResidualMLP``)."""
+    blocks = [ResidualMLPBlock(hidden, heads) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]

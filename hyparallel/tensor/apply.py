@@ -252,7 +252,10 @@ def _region_entries(
     Inside a block, the column Linears of one module (q/k/v of an attention, up/gate of an MLP) read
     the same input: that module's first input. Entering there once costs one collective for all of
     them (the planner's assumption), and lets modules that reshape by their input's shape (Hugging
-    Face attention) see the gathered sequence under sequence parallelism.
+    Face attention) see the gathered sequence under sequence parallelism. Only where nothing else in the
+    module reads that input: Funnel's FFN adds its input back (``layer_norm(x + down(up(x)))``), and the residual
+    read through the entered tensor had its gradient summed over the ranks too (tp times the single device's,
+    no error); such columns enter on their own.
     """
     owners: dict[str, list[str]] = {}
     for path, style in styles.items():
@@ -263,13 +266,20 @@ def _region_entries(
         sources = {tuple(sorted(g.predecessors(by_module[c]))) for c in columns}
         first_input = _owner_input(graph, owner)
         if len(sources) == 1 and first_input is not None and set(next(iter(sources))) == {first_input}:
-            entries.update({c: owner for c in columns})
+            readers = {by_module[c] for c in columns}
+            inside = [n for n in g.successors(first_input) if _inside(graph.op(n).module, owner)]
+            if all(n in readers or not graph.op(n).output_shapes for n in inside):  # sizes read are no use
+                entries.update({c: owner for c in columns})
     return entries
+
+
+def _inside(module: str, owner: str) -> bool:
+    return module == owner or module.startswith(owner + ".")
 
 
 def _owner_input(graph: ModelGraph, owner: str) -> str | None:
     """The op producing the first tensor a module receives (the input its first op reads from outside it)."""
-    inside = [op for op in graph.compute_ops() if op.module == owner or op.module.startswith(owner + ".")]
+    inside = [op for op in graph.compute_ops() if _inside(op.module, owner)]
     if not inside:
         return None
     names = {op.name for op in inside}

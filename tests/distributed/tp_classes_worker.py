@@ -42,6 +42,9 @@ CASES = {
     # token mixers that are no attention (an FFT, a running mean): the MLP split, sequence parallelism not planned
     "fourier-mixer": "tests.tiny_lms:mixer_lm mixer=fft",
     "cumsum-mixer": "tests.tiny_lms:mixer_lm mixer=cumsum",
+    # an MLP module adding its input back: that input must not enter the split region for the residual too
+    "residual-mlp": "tests.tiny_lms:residual_mlp_lm",
+    "residual-mlp-nosp": "tests.tiny_lms:residual_mlp_lm",
     "hf-gpt-neox": (  # (..., heads, 3 * head_dim) chunked: a per-head interleave, split by heads
         "hf:gpt_neox num_hidden_layers=2 hidden_size=64 num_attention_heads=4 intermediate_size=128 vocab_size=64 "
         "hidden_dropout=0 attention_dropout=0"
