@@ -30,6 +30,7 @@ from hyparallel.checks import batch_statistics, batch_statistics_warning, check_
 from hyparallel.data_parallel import DataParallel, apply_data_parallel, micro_batch_hook
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph, trace
+from hyparallel.graph.local_shapes import block_modules
 from hyparallel.graph.tracer import tracing_device
 from hyparallel.pipeline.runtime import PipelineRuntime, chunk_tree
 from hyparallel.pipeline.split import split_model
@@ -168,7 +169,7 @@ def _parallelize(
         if par.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=mesh["dp"].get_group())
         modules = [model]
-        blocks = [model.get_submodule(block.path) for block in graph.blocks]
+        blocks = [module for block in graph.blocks for module in block_modules(model, block.path)]
         apply_recompute(blocks, par.recompute, plan.training.seq_len)
     read = {name for op in graph.ops for name in op.params}  # what the traced forward uses, and reaches the output
     unused = [name for name, _ in model.named_parameters() if name not in read or name in graph.unused_params]

@@ -449,3 +449,17 @@ def test_parameters_whose_ops_never_reach_the_output_are_unused():
 
     graph = hp.trace(Dropped().to("meta"), torch.zeros(2, 4, 8, device="meta"))
     assert set(graph.unused_params) == {"pooler.weight", "pooler.bias"}
+
+
+def test_blocks_of_nested_module_lists_are_the_layers_and_do_not_overlap():
+    # Funnel keeps its layers in a ModuleList of ModuleLists: both levels repeat, and counting both as blocks
+    # counted each layer's work twice and made FSDP wrap a ModuleList, which has no forward.
+    model = hp.models.load("tests.tiny_lms:nested_lm").module
+    graph = hp.trace(model, hp.models.example_inputs(model, 1, 16))
+    assert [b.path for b in graph.blocks] == ["layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1"]
+    ops = [name for block in graph.blocks for name in block.ops]
+    assert len(ops) == len(set(ops))
+    # one layer per group: the groups (ModuleLists, no forward of their own) are the repeated blocks
+    model = hp.models.load("tests.tiny_lms:nested_lm per_group=1").module
+    graph = hp.trace(model, hp.models.example_inputs(model, 1, 16))
+    assert [b.path for b in graph.blocks] == ["layers.0", "layers.1"]

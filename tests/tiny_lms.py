@@ -305,3 +305,24 @@ def residual_mlp_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_siz
     """Feed-forward modules that add their own input back (``ResidualMLP``)."""
     blocks = [ResidualMLPBlock(hidden, heads) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
+
+
+class NestedLM(TinyLM):
+    """Layers in groups (a ModuleList of ModuleLists, as Funnel's blocks of layers)."""
+
+    def __init__(self, embedding: nn.Embedding, groups: list[list[Block]], vocab_size: int):
+        super().__init__(embedding, [], vocab_size)
+        self.layers = nn.ModuleList(nn.ModuleList(group) for group in groups)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for group in self.layers:
+            for layer in group:
+                x = layer(x)
+        return self.head(self.norm(x))
+
+
+def nested_lm(hidden: int = 32, heads: int = 4, groups: int = 2, per_group: int = 2, vocab_size: int = 64) -> TinyLM:
+    """``groups`` ModuleLists of ``per_group`` blocks each (``NestedLM``)."""
+    layers = [[Block(hidden, heads, heads, False) for _ in range(per_group)] for _ in range(groups)]
+    return NestedLM(nn.Embedding(vocab_size, hidden), layers, vocab_size)

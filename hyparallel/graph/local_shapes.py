@@ -242,3 +242,14 @@ def set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, attr, module)
+
+
+def block_modules(model: nn.Module, path: str) -> list[nn.Module]:
+    """The modules that run block ``path``: the block itself, or for a container without a forward of its own (a
+    ModuleList of layers, as Funnel's blocks are) its children, in order. Hooks and wrappers go on these: a hook
+    on a ModuleList never fires (sequence parallelism's scatter and gather did not run, silently wrong) and FSDP
+    refuses to wrap one."""
+    module = model.get_submodule(path)
+    if type(module).forward is not nn.Module.forward:
+        return [module]
+    return [m for name, _ in module.named_children() for m in block_modules(module, name)]

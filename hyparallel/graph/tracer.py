@@ -819,7 +819,11 @@ def _find_blocks(model: nn.Module, ops: list[Op]) -> tuple[Block, ...]:
             if len(paths) >= 2:
                 candidates.extend(paths)
     blocks = []
-    for path in candidates:
+    modules = dict(model.named_modules())
+    for path in candidates:  # a ModuleList of repeated layers that is itself repeated (Funnel's blocks of layers):
+        # its layers are the blocks; counting both would count their work twice
+        if type(modules[path]).forward is nn.Module.forward and any(c.startswith(path + ".") for c in candidates):
+            continue
         members = [op for op in ops if op.module == path or op.module.startswith(path + ".") or op.name == path]
         if members:
             blocks.append(

@@ -22,6 +22,7 @@ from hyparallel.checks import check_blocks, check_styles, check_tensor_parallel_
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph
 from hyparallel.graph.local_shapes import (
+    block_modules,
     column_rows,
     linear_weight,
     local_shape_failure,
@@ -423,7 +424,7 @@ def _enter_sequence_parallel(
     their gradients are all-reduced over the tensor-parallel group as they are produced.
     """
     check_blocks(graph, "sequence_parallel", "to shard between")
-    first, last = model.get_submodule(graph.blocks[0].path), model.get_submodule(graph.blocks[-1].path)
+    first, last = block_modules(model, graph.blocks[0].path)[0], block_modules(model, graph.blocks[-1].path)[-1]
     size = torch.distributed.get_world_size(group)
 
     def scatter(module, args, kwargs):
