@@ -49,6 +49,8 @@ CASES = (
     "cumsum-mixer",
     "residual-mlp",
     "residual-mlp-nosp",
+    "moshi-like",
+    "moshi-like-nosp",
     "hf-gpt-neox",
     "hf-codegen",
 )
@@ -141,6 +143,13 @@ def test_tp2_matches_single_device(results, case):
         # was summed over the ranks (x2), with it the residual read the gathered sequence (a shape error)
         assert types["layers.0.mlp.up"] == "ColumnParallelLinear" and types["layers.0.mlp.down"] == "RowParallelLinear"
         assert ranks[0]["sequence_parallel"] == (case == "residual-mlp")
+    elif case.startswith("moshi-like"):  # Moshi: the gated MLP's [gate | up] halves each split, not one per rank
+        # (silently wrong: rank 0 held the whole gate); sequence parallelism enters at the wrapped projections'
+        # attention, which views by its input's (batch, seq) (was a shape error)
+        assert types["layers.0.mlp.fc1"] == "ColumnParallelLinear" and types["layers.0.attn.q_proj.linear"] == (
+            "ColumnParallelLinear"
+        )
+        assert ranks[0]["sequence_parallel"] == (case == "moshi-like")
     elif case.endswith("-mixer"):  # Note [what acts on each token on its own]: the MLP split, no sequence parallelism
         assert types["layers.0.up"] == "ColumnParallelLinear" and not ranks[0]["sequence_parallel"]
     elif case in ("interleaved-grouped", "hf-codegen"):  # attention replicated, the MLP still split

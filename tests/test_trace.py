@@ -463,3 +463,13 @@ def test_blocks_of_nested_module_lists_are_the_layers_and_do_not_overlap():
     model = hp.models.load("tests.tiny_lms:nested_lm per_group=1").module
     graph = hp.trace(model, hp.models.example_inputs(model, 1, 16))
     assert [b.path for b in graph.blocks] == ["layers.0", "layers.1"]
+
+
+def test_a_no_grad_region_is_left_to_torch_export_which_records_it():
+    # torch.fx records the ops inside `with torch.no_grad():` as ordinary ones; torch.export keeps the region.
+    model = hp.models.load("tests.tiny_lms:no_grad_lm").module
+    graph = hp.trace(model, hp.models.example_inputs(model, 1, 16))
+    assert graph.method == "export"
+    regions = [n for n in graph.program.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)]
+    assert len(regions) == 1 and regions[0].args[0] is False
+    assert torch.is_grad_enabled()

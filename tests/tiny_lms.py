@@ -326,3 +326,74 @@ def nested_lm(hidden: int = 32, heads: int = 4, groups: int = 2, per_group: int 
     """``groups`` ModuleLists of ``per_group`` blocks each (``NestedLM``)."""
     layers = [[Block(hidden, heads, heads, False) for _ in range(per_group)] for _ in range(groups)]
     return NestedLM(nn.Embedding(vocab_size, hidden), layers, vocab_size)
+
+
+class NoGradLM(TinyLM):
+    """HRM's recurrence: layer 0 runs once without gradients (``torch.no_grad()``), moved with ``.to(device)`` as
+    HRM moves its state, then again with them on the sum."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        with torch.no_grad():
+            warm = self.layers[0](x).to(x.device)
+        x = self.layers[0](x + warm)
+        for layer in self.layers[1:]:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def no_grad_lm(hidden: int = 32, heads: int = 4, layers: int = 3, vocab_size: int = 64) -> TinyLM:
+    """A no-grad region inside forward (``NoGradLM``)."""
+    return NoGradLM(
+        nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+    )
+
+
+class Wrapped(nn.Module):
+    """A projection behind a wrapper module (Moshi's MoshiLinear holds its nn.Linear as ``.linear``)."""
+
+    def __init__(self, fan_in: int, fan_out: int):
+        super().__init__()
+        self.linear = nn.Linear(fan_in, fan_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class WrappedAttention(Attention):
+    """``Attention`` with q, k, v and o behind wrappers; it views by its input's (batch, seq), as HF attention does."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__(hidden, heads, heads, False)
+        self.q_proj, self.k_proj, self.v_proj = (Wrapped(hidden, hidden) for _ in range(3))
+        self.o_proj = Wrapped(hidden, hidden)
+
+
+class GatedViewMLP(nn.Module):
+    """Moshi's gated MLP: one fused [gate | up] projection viewed as (batch, seq, 2, inner) and indexed."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden, bias=False), nn.Linear(2 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        h = self.fc1(x).view(batch, seq, 2, -1)
+        return self.fc2(F.silu(h[..., 0, :]) * h[..., 1, :])
+
+
+class MoshiLikeBlock(Block):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__(hidden, heads, heads, False)
+        self.attn, self.mlp = WrappedAttention(hidden, heads), GatedViewMLP(hidden)
+        del self.up, self.down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def moshi_like_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Wrapped projections and a fused [gate | up] indexed after a view (``MoshiLikeBlock``)."""
+    blocks = [MoshiLikeBlock(hidden, heads) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]

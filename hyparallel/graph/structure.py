@@ -21,9 +21,10 @@ same way (fused or separate QKV, grouped-query attention, SwiGLU, transformers' 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
-from hyparallel.graph.kinds import POINTWISE, REDUCTIONS, VIEW_OPS
+from hyparallel.graph.kinds import GROUPED_MM, POINTWISE, REDUCTIONS, VIEW_OPS
 from hyparallel.graph.model_graph import ModelGraph, Op
 from hyparallel.schema import TPStyle
 
@@ -75,21 +76,33 @@ class TPAnalysis:
         for block in graph.blocks:
             for name in block.ops:
                 op = graph.op(name)
-                if (op.kind == "attention" or (op.kind == "matmul" and not op.params)) and name not in self.split_ops:
+                products = op.kind == "matmul" and not op.params and op.target not in GROUPED_MM  # experts: below
+                if (op.kind == "attention" or products) and name not in self.split_ops:
                     return (
                         f"sequence_parallel: {op.module or name} mixes the whole sequence but is replicated "
                         "(its projections are not split), so it would see only its rank's part of the sequence; "
                         "use sequence_parallel: false"
                     )
+        readers = Counter(p for op in graph.compute_ops() for p in set(op.params))
+        for block in graph.blocks:  # a block run several times in one forward (HRM's recurrence, a no-grad warm-up
+            # pass, layers sharing weights) would have its input split along the sequence again at every call
+            again = next((p for n in block.ops for p in graph.op(n).params if readers[p] > 1), None)
+            if again is not None:
+                return (
+                    f"sequence_parallel: block {block.path} runs more than once in one forward ({again} is read "
+                    f"{readers[again]} times), and sequence parallelism splits a block's input once; "
+                    "use sequence_parallel: false"
+                )
         stream, tokens = _token_stream(graph)
-        for block in graph.blocks:
-            for name in block.ops:
-                if name in self.split_ops or name not in stream:
-                    continue
-                op = graph.op(name)
+        if not graph.blocks:
+            return None
+        indices = [graph.op(n).index for block in graph.blocks for n in block.ops]
+        first, last = min(indices), max(indices)
+        for op in graph.compute_ops():  # the blocks' ops, and any run between the first and the last block
+            if first <= op.index <= last and op.name not in self.split_ops and op.name in stream:
                 if why := _mixes_tokens(op, tokens):
                     return (
-                        f"sequence_parallel: {op.module or name} ({op.target}) {why}, outside the split "
+                        f"sequence_parallel: {op.module or op.name} ({op.target}) {why}, outside the split "
                         "regions, so under sequence parallelism it would see only its rank's part of the sequence; "
                         "use sequence_parallel: false"
                     )
@@ -407,7 +420,11 @@ def _grouping_view(graph: ModelGraph, op_name: str, out: int) -> tuple[Op | None
 def _uses(graph: ModelGraph, name: str) -> list[Op]:
     """The ops reading ``name``'s values, in the order they run (x.size() and x.dim() read only its shape)."""
     ops = (graph.op(n) for n in graph.graph.successors(name))
-    return sorted((op for op in ops if op.target not in ("size", "dim")), key=lambda op: op.index)
+    shapes = ("size", "dim")
+    return sorted(
+        (op for op in ops if op.target not in shapes and not _shape_only(op.kind, op.output_shapes)),
+        key=lambda op: op.index,
+    )
 
 
 _CUTS = ("split", "chunk", "split_with_sizes", "unbind", "slice", "narrow", "index", "select", "getitem")
@@ -434,9 +451,20 @@ def _pieces(successors: list[Op], dim: int) -> list[int]:
         shapes = op.output_shapes
         if op.target in ("split", "chunk", "split_with_sizes", "unbind") and len(shapes) > 1 and dim == -1:
             return [s[-1] for s in shapes]
-    slicing = ("slice", "narrow", "index", "select") if dim == -2 else ("slice",)
+    slicing = ("slice", "narrow", "index", "select", "getitem") if dim == -2 else ("slice",)
     if successors and all(op.target in slicing and len(op.output_shapes) == 1 for op in successors):
-        return [op.output_shapes[0][dim] for op in successors]
+        pieces = []
+        for op in successors:  # an index drops the dim it takes one group of (Moshi's gated MLP:
+            # view(..., 2, -1)[..., 0, :], a select under torch.export, a getitem under torch.fx)
+            before, after = list(op.input_shapes[0]), list(op.output_shapes[0])
+            at = dim % len(before) if before else 0
+            if len(after) == len(before):
+                pieces.append(after[dim])
+            elif after == before[:at] + before[at + 1 :]:
+                pieces.append(1)
+            else:
+                return []
+        return pieces
     return []
 
 
@@ -458,14 +486,24 @@ def _walk(g, start: str, members: set[str], step) -> tuple[set[str], set[str]]:
     passed, linears, stack = set(), set(), list(step(start))
     while stack:
         node = stack.pop()
-        if node in passed or node in linears or node not in members:
-            continue
+        if (
+            node in passed
+            or node in linears
+            or node not in members
+            or _shape_only(g.nodes[node]["kind"], g.nodes[node]["output_shapes"])
+        ):
+            continue  # x.shape under torch.fx carries no values: the view sized by it is not fed through it
         if g.nodes[node]["kind"] == "linear" and g.nodes[node]["params"]:
             linears.add(node)
         else:
             passed.add(node)
             stack.extend(step(node))
     return passed, linears
+
+
+def _shape_only(kind: str, output_shapes: tuple) -> bool:
+    """A view op that gives no tensor (``x.shape``, ``x.size()`` under torch.fx): it reads only a shape."""
+    return kind == "view" and not output_shapes
 
 
 def _first_linears(g, start: str, members: set[str], step) -> set[str]:

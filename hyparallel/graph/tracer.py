@@ -185,6 +185,18 @@ class _LeafTracer(fx.Tracer):
             return False
         return super().is_leaf_module(m, module_qualified_name) or next(m.children(), None) is None
 
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        self.grad_mode = torch.is_grad_enabled()
+        return super().trace(root, concrete_args)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        # torch.fx runs forward's Python, so a `with torch.no_grad():` is in force while its ops are recorded, but
+        # the graph keeps no trace of it: run again, those ops would build gradients (HRM's no-grad cycles). Such
+        # a forward is left to torch.export, which records the region (wrap_with_set_grad_enabled).
+        if torch.is_grad_enabled() != self.grad_mode:
+            raise RuntimeError("torch.fx cannot record a grad-mode change (torch.no_grad() or enable_grad in forward)")
+        return super().create_node(*args, **kwargs)
+
 
 def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
     signature = inspect.signature(model.forward)
@@ -243,9 +255,11 @@ def tracing_device(device: torch.device | str) -> Iterator[None]:
 def _exported(model: nn.Module, args: tuple, kwargs: dict, finish: Any) -> Any:
     """``finish`` of the export for the run device, or of the plain meta export when that one fails or does not
     run on meta (Note [exported for the device it runs on])."""
-    try:
-        program = _export_program(model, args, kwargs)
-        return finish(program) if finish is not None else program
+    try:  # the grad mode restored after it: a failure inside a no_grad region (a higher-order op's body run on
+        # meta) leaves it off, and the next export would then not see that region (HRM's no-grad cycles, 1.1e-4)
+        with torch.set_grad_enabled(torch.is_grad_enabled()):
+            program = _export_program(model, args, kwargs)
+            return finish(program) if finish is not None else program
     except Exception:  # noqa: BLE001 -- the plain meta export below is the answer, its failure the one reported
         if next((p.device for p in model.parameters()), torch.device("meta")).type != "meta":
             raise
@@ -337,10 +351,13 @@ def _on_fake_device(model: nn.Module, device: torch.device, inputs: Any) -> Iter
 def _device_arguments_to_meta(gm: fx.GraphModule) -> None:
     """Device arguments the export baked in (``arange(..., device=cpu)``) moved to meta, where the graph is run."""
     meta = torch.device("meta")
-    for node in gm.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type != "meta":
-            node.update_kwarg("device", meta)
-    gm.recompile()
+    for module in gm.modules():  # the graph and the bodies of its higher-order ops (a no_grad region)
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type != "meta":
+                node.update_kwarg("device", meta)
+        module.recompile()
 
 
 @contextlib.contextmanager

@@ -158,11 +158,14 @@ class PipelineSplit:
         if device is None:
             device = next((t.device for t in module.parameters()), torch.device("cpu"))
         device = torch.device(device)
-        for node in module.graph.nodes:
-            node.args, node.kwargs = fx.node.map_aggregate(
-                (node.args, node.kwargs), lambda v: device if isinstance(v, torch.device) and v.type == "meta" else v
-            )
-        module.recompile()
+        for gm in (module, *(m for sub in self.subgraphs.values() for m in sub.modules())):  # and the bodies of
+            if isinstance(gm, fx.GraphModule):  # higher-order ops (a no_grad region), which a stage calls
+                for node in gm.graph.nodes:
+                    node.args, node.kwargs = fx.node.map_aggregate(
+                        (node.args, node.kwargs),
+                        lambda v: device if isinstance(v, torch.device) and v.type == "meta" else v,
+                    )
+                gm.recompile()
         return Stage(self, index, module)
 
 

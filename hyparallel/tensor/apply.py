@@ -258,19 +258,26 @@ def _region_entries(
     read through the entered tensor had its gradient summed over the ranks too (tp times the single device's,
     no error); such columns enter on their own.
     """
-    owners: dict[str, list[str]] = {}
-    for path, style in styles.items():
-        if style == "column" and path.startswith(blocks) and "." in path:
-            owners.setdefault(path.rsplit(".", 1)[0], []).append(path)
     g, entries = graph.graph, {}
-    for owner, columns in owners.items():
-        sources = {tuple(sorted(g.predecessors(by_module[c]))) for c in columns}
-        first_input = _owner_input(graph, owner)
-        if len(sources) == 1 and first_input is not None and set(next(iter(sources))) == {first_input}:
-            readers = {by_module[c] for c in columns}
-            inside = [n for n in g.successors(first_input) if _inside(graph.op(n).module, owner)]
-            if all(n in readers or not graph.op(n).output_shapes for n in inside):  # sizes read are no use
-                entries.update({c: owner for c in columns})
+    columns = [p for p, style in styles.items() if style == "column" and p.startswith(blocks) and "." in p]
+    source = {c: next(iter(g.predecessors(by_module[c])), None) for c in columns if g.in_degree(by_module[c]) == 1}
+    for column, read in source.items():
+        block = next(b for b in blocks if column.startswith(b))
+        owner, scope = None, column.rsplit(".", 1)[0]
+        while (scope + ".").startswith(block):  # from the column's parent up to its block:
+            # the widest module whose first input is the column's, read inside it by columns of that input only
+            # (a wrapped projection, Moshi's q_proj.linear, enters at the attention that reshapes by its input)
+            if _owner_input(graph, scope) != read:
+                break
+            inside = [n for n in g.successors(read) if _inside(graph.op(n).module, scope)]
+            if not all(
+                graph.op(n).module in source and source[graph.op(n).module] == read or not graph.op(n).output_shapes
+                for n in inside
+            ):
+                break
+            owner, scope = scope, scope.rsplit(".", 1)[0]
+        if owner is not None:
+            entries[column] = owner
     return entries
 
 

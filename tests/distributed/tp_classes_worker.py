@@ -45,6 +45,10 @@ CASES = {
     # an MLP module adding its input back: that input must not enter the split region for the residual too
     "residual-mlp": "tests.tiny_lms:residual_mlp_lm",
     "residual-mlp-nosp": "tests.tiny_lms:residual_mlp_lm",
+    # projections behind wrappers (entered at the attention, which views by its input) and a fused [gate | up]
+    # indexed after a view: split part by part
+    "moshi-like": "tests.tiny_lms:moshi_like_lm",
+    "moshi-like-nosp": "tests.tiny_lms:moshi_like_lm",
     "hf-gpt-neox": (  # (..., heads, 3 * head_dim) chunked: a per-head interleave, split by heads
         "hf:gpt_neox num_hidden_layers=2 hidden_size=64 num_attention_heads=4 intermediate_size=128 vocab_size=64 "
         "hidden_dropout=0 attention_dropout=0"
