@@ -124,7 +124,7 @@ def sweep(names: list[tuple[str, str, str]], out: Path, resume: bool, timeout: f
             try:
                 reports = check_layouts(spec, list(LAYOUTS.values()), timeout=timeout)
                 row["layouts"] = {
-                    column: {"verdict": r.verdict, "reason": r.reason, "plan": r.plan}
+                    column: {"verdict": r.verdict, "reason": r.reason, "plan": r.plan, "mode": r.mode}
                     for column, r in zip(LAYOUTS, reports)
                 }
             except Exception as exc:  # noqa: BLE001 -- a bug of the check itself: every layout failed, with why
@@ -142,7 +142,10 @@ def _cell(result: dict, notes: dict[str, int]) -> str:
     verdict = result["verdict"]
     picked = (result.get("plan") or {}).get("picked")
     if verdict == "equal":
-        return f"equal ({picked})" if picked else "equal"
+        said = [picked] if picked else []
+        if result.get("mode") == "eval":  # Note [a parity check]: a model that samples in training
+            said.append("compared in eval mode: it samples in training")
+        return f"equal ({'; '.join(said)})" if said else "equal"
     reason = (result.get("reason") or "").replace("|", "/")
     number = notes.setdefault(reason, len(notes) + 1)
     return f"{verdict} [{number}]"

@@ -10,6 +10,11 @@ Note [a parity check]
     and the loss of every step. Tolerance: fp32, rtol 1e-5 / atol 1e-6 elementwise (the layouts sum partial
     products, micro-batches and ranks in another order: rounding only; as the suite's parity tests).
 
+    A model whose training forward draws random numbers of its own (Phi-MoE's Gumbel-sampled routing, a dropout
+    the config cannot switch off) gives other numbers on every run, on one process too: no layout can match it.
+    Found by running the small copy's forward twice under two seeds; such a model is compared in eval mode
+    (traced, planned, trained and checked with ``model.eval()``), and the report says so (``mode``).
+
     A verdict per parameter group (the names with layer indices folded: ``model.layers.*.mlp.up_proj.weight``):
     equal, differs (with the worst relative error and where), or not compared (no rank held it: itself a
     failure). The layout as a whole is ``equal``, ``differs``, ``refused`` (hyparallel said no before the first
@@ -86,6 +91,8 @@ class CheckReport:
     groups: list[GroupVerdict] = field(default_factory=list)
     plan: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    mode: str = "train"  # "eval" when the model samples in training (Note [a parity check])
+    mode_reason: str | None = None
 
     @property
     def layout_name(self) -> str:
@@ -108,6 +115,8 @@ class CheckReport:
         lines = [f"{self.model}: {self.summary()}"]
         if self.plan:
             lines.append("  plan: " + ", ".join(f"{k}={v}" for k, v in self.plan.items()))
+        if self.mode != "train":
+            lines.append(f"  compared in {self.mode} mode: {self.mode_reason}")
         width = max((len(g.group) for g in self.groups), default=0)
         for g in self.groups:
             lines.append(f"  {g.group:<{width}}  {g.verdict:<12}  worst rel {g.worst_rel:.1e}")
@@ -128,6 +137,8 @@ class CheckReport:
             "groups": [g.__dict__ for g in self.groups],
             "plan": self.plan,
             "seconds": round(self.seconds, 2),
+            "mode": self.mode,
+            "mode_reason": self.mode_reason,
         }
 
 
@@ -243,6 +254,11 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed):
     references: dict[int, dict[str, Any]] = {}  # by global batch rows
     jobs: dict[int, CheckReport] = {}
     example = _micro_batch(batches[0][0], micro_batch)
+    sampling = _samples(spec, example, seed)
+    if sampling is not None:  # Note [a parity check]: compared in eval mode
+        model.eval()
+        for report in reports:
+            report.mode, report.mode_reason = "eval", sampling
     tokens = [v for v in torch.utils._pytree.tree_leaves(example) if isinstance(v, torch.Tensor)]
     graph = None  # token models: traced once at one micro-batch, planned for every layout (as parallelize traces)
     if tokens and not tokens[0].is_floating_point() and tokens[0].dim() == 2:
@@ -280,13 +296,15 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed):
                 **report.plan,
             }
         if take not in references:
-            references[take] = _reference(spec, mine, seed)
+            references[take] = _reference(spec, mine, seed, sampling is not None)
         report.ref_losses = references[take]["losses"]
         job = folder / f"job{index}"
         job.mkdir()
         torch.save({"grads": references[take]["grads"], "batches": mine}, job / "reference.pt")
         job.joinpath("job.json").write_text(
-            json.dumps({"spec": spec, "plan": plan.to_dict(), "world": worlds[index], "seed": seed})
+            json.dumps(
+                {"spec": spec, "plan": plan.to_dict(), "world": worlds[index], "seed": seed, "eval": bool(sampling)}
+            )
         )
         jobs[index] = report
     first = next(iter(references.values()), {"names": [], "unused": set()})
@@ -415,13 +433,59 @@ def _micro_batch(inputs: Any, rows: int) -> Any:
     )
 
 
-def _reference(spec: str, batches, seed: int) -> dict[str, Any]:
+def _samples(spec: str, inputs: Any, seed: int) -> str | None:
+    """Why the model's training forward is random (the ATen ops it draws with), or None when it draws nothing.
+
+    Read from one forward of the small copy on the CPU: ops torch tags ``nondeterministic_seeded`` (a dropout of
+    p = 0 draws nothing: ATen returns its input).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import hyparallel as hp
+    from hyparallel.tensor.init import materialize_
+
+    class Draws(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: dict[str, None] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch.Tag.nondeterministic_seeded in func.tags and not _no_dropout(func, args, kwargs or {}):
+                self.names[func.__name__.split(".")[0]] = None
+            return func(*args, **(kwargs or {}))
+
+    model = materialize_(hp.models.load(spec).module, "cpu", seed=seed)
+    try:
+        with torch.no_grad(), Draws() as draws:
+            _call(model, inputs)
+    except Exception:  # noqa: BLE001 -- a forward the dispatch mode cannot follow: compared as it trains; a
+        return None  # model that draws then shows as differs, never as equal
+    if not draws.names:
+        return None
+    return (
+        f"its training forward draws random numbers ({', '.join(draws.names)}), so it was traced, trained and "
+        "compared with model.eval()"
+    )
+
+
+def _no_dropout(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a seeded op draws nothing: its dropout probability (attention's ``dropout_p``) is 0."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name in ("dropout_p", "p"):
+            value = args[index] if index < len(args) else kwargs.get(argument.name, argument.default_value)
+            return value == 0
+    return False
+
+
+def _reference(spec: str, batches, seed: int, eval_mode: bool = False) -> dict[str, Any]:
     """One process: the first step's gradients by name and the loss of each of ``steps`` SGD steps."""
     import hyparallel as hp
     from hyparallel.parallel import token_cross_entropy
     from hyparallel.tensor.init import materialize_
 
     model = materialize_(hp.models.load(spec).module, "cpu", seed=seed)
+    if eval_mode:
+        model.eval()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads, unused = [], None, set()
     for inputs, targets in batches:
@@ -503,7 +567,7 @@ def _launcher(folder: Path, timeout: float, indices: list[str]) -> None:
                 fd = os.open(job / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
-                _worker(rank, spec["spec"], spec["plan"], str(job), spec["world"], spec["seed"])
+                _worker(rank, spec["spec"], spec["plan"], str(job), spec["world"], spec["seed"], spec["eval"])
                 os._exit(0)
             pids[pid] = rank
         _wait(job, pids, timeout)
@@ -537,7 +601,7 @@ def _wait(job: Path, pids: dict[int, int], timeout: float) -> None:
         (job / "launcher.json").write_text(json.dumps({"error": failed}))
 
 
-def _worker(rank: int, spec: str, plan_data: dict, folder: str, world: int, seed: int) -> None:
+def _worker(rank: int, spec: str, plan_data: dict, folder: str, world: int, seed: int, eval_mode: bool) -> None:
     """One rank: parallelize the layout, train the batches, compare this rank's gradient slices by name."""
     import datetime
 
@@ -561,8 +625,11 @@ def _worker(rank: int, spec: str, plan_data: dict, folder: str, world: int, seed
         batches, ref_grads = saved["batches"], saved["grads"]
         plan = hp.Plan.from_dict(plan_data)
         model = hp.models.load(spec).module
+        if eval_mode:  # Note [a parity check]: a model that samples in training, compared in eval mode
+            model.eval()
         first = batches[0][0]
-        example = None if isinstance(first, torch.Tensor) else _micro_batch(first, plan.training.micro_batch)
+        tokens = isinstance(first, torch.Tensor) and not first.is_floating_point()  # parallelize traces token ids
+        example = None if tokens else _micro_batch(first, plan.training.micro_batch)  # images and the like: these
         pmodel = hp.parallelize(model, plan, example_inputs=example, seed=seed, device="cpu")
         optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
         modules = dict(model.named_modules())

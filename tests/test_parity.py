@@ -123,3 +123,19 @@ def test_a_no_grad_region_in_forward_trains_as_on_one_device():
     # The region's body (a higher-order op's subgraph) also needs its baked-in devices moved as the graph's.
     reports = check_layouts("tests.tiny_lms:no_grad_lm", [{"tp": 1, "pp": 2}, {"tp": 2, "pp": 1}], timeout=300)
     assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]
+
+
+def test_a_model_that_samples_in_training_is_compared_in_eval_mode():
+    # Phi-MoE samples its routing in training: every run differs, on one process too, and the sweep called that
+    # "differs" under every layout, dp 2 included. Its draws are found and the check runs in eval mode, saying so.
+    report = hp.check("tests.tiny_lms:sampling_lm", tp=2, pp=2)
+    assert report.verdict == "equal" and report.mode == "eval", report.summary()
+    assert "uniform_" in report.mode_reason and "compared in eval mode" in report.table()
+    assert hp.check("tests.tiny_lms:qk_norm_lm", tp=2, pp=1).mode == "train"  # no draws: as it trains
+
+
+def test_a_model_of_images_trains_on_its_own_inputs():
+    # The ranks traced the CNN with token ids (parallelize's default) instead of its images, so every layout was
+    # refused with "Input type (long int) and bias type (float)": the micro-batch is passed as example_inputs.
+    reports = check_layouts("benchmarks.sweep_models:cnn", [{"dp": 2, "tp": 1, "pp": 1}, {"tp": 1, "pp": 2}])
+    assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]

@@ -397,3 +397,22 @@ def moshi_like_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size:
     """Wrapped projections and a fused [gate | up] indexed after a view (``MoshiLikeBlock``)."""
     blocks = [MoshiLikeBlock(hidden, heads) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
+
+
+class SamplingLM(TinyLM):
+    """Perturbs its hidden states with noise in training (as Phi-MoE's jitter and Gumbel-sampled routing do)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        if self.training:
+            x = x * torch.empty_like(x).uniform_(0.99, 1.01)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def sampling_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """A model whose training forward draws random numbers (``SamplingLM``)."""
+    return SamplingLM(
+        nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+    )
