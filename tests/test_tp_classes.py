@@ -51,6 +51,7 @@ CASES = (
     "residual-mlp-nosp",
     "moshi-like",
     "moshi-like-nosp",
+    "list-output",
     "hf-gpt-neox",
     "hf-codegen",
 )
@@ -143,6 +144,8 @@ def test_tp2_matches_single_device(results, case):
         # was summed over the ranks (x2), with it the residual read the gathered sequence (a shape error)
         assert types["layers.0.mlp.up"] == "ColumnParallelLinear" and types["layers.0.mlp.down"] == "RowParallelLinear"
         assert ranks[0]["sequence_parallel"] == (case == "residual-mlp")
+    elif case == "list-output":
+        assert ranks[0]["sequence_parallel"] and types["layers.0.up"] == "ColumnParallelLinear"
     elif case.startswith("moshi-like"):  # Moshi: the gated MLP's [gate | up] halves each split, not one per rank
         # (silently wrong: rank 0 held the whole gate); sequence parallelism enters at the wrapped projections'
         # attention, which views by its input's (batch, seq) (was a shape error)

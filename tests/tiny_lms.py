@@ -416,3 +416,25 @@ def sampling_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: i
     return SamplingLM(
         nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
     )
+
+
+class ListBlock(Block):
+    """A block returning ``[hidden]`` (OpenAI GPT's blocks return a list)."""
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[override]
+        return [super().forward(x)]
+
+
+class ListLM(TinyLM):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)[0]
+        return self.head(self.norm(x))
+
+
+def list_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Blocks whose output is a list (``ListBlock``)."""
+    return ListLM(
+        nn.Embedding(vocab_size, hidden), [ListBlock(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+    )

@@ -443,8 +443,9 @@ def _enter_sequence_parallel(
         return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
 
     def gather(module, args, output):
-        if isinstance(output, tuple):
-            return (gather_from_tp(output[0], SEQ_DIM, group), *output[1:])
+        if isinstance(output, (tuple, list)):  # (hidden, attention weights...): OpenAI GPT's block returns a list
+            items = [gather_from_tp(output[0], SEQ_DIM, group), *output[1:]]
+            return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)  # a namedtuple too
         return gather_from_tp(output, SEQ_DIM, group)
 
     first.register_forward_pre_hook(scatter, with_kwargs=True)

@@ -49,6 +49,8 @@ CASES = {
     # indexed after a view: split part by part
     "moshi-like": "tests.tiny_lms:moshi_like_lm",
     "moshi-like-nosp": "tests.tiny_lms:moshi_like_lm",
+    # blocks returning a list: sequence parallelism gathers its first item (was a TypeError in the gather)
+    "list-output": "tests.tiny_lms:list_lm",
     "hf-gpt-neox": (  # (..., heads, 3 * head_dim) chunked: a per-head interleave, split by heads
         "hf:gpt_neox num_hidden_layers=2 hidden_size=64 num_attention_heads=4 intermediate_size=128 vocab_size=64 "
         "hidden_dropout=0 attention_dropout=0"
