@@ -22,6 +22,7 @@ import hyparallel as hp
 from hyparallel.checks import check_plan
 from hyparallel.errors import ConfigError
 from hyparallel.graph.structure import fused_parts
+from hyparallel.parity import small_spec
 
 from .conftest import assert_every_parameter_compared, torchrun
 
@@ -353,3 +354,17 @@ def test_sequence_parallelism_is_refused_for_columns_reading_flattened_tokens():
     assert "reads a 2-d input" in graph.structure.whole_sequence(graph)
     plan = hp.plan(graph, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1)
     assert not plan.parallel.sequence_parallel
+
+
+def test_sequence_parallelism_is_refused_for_a_second_stack_of_blocks():
+    # An encoder-decoder's decoder reads a token stream computed afresh from its own inputs: sequence parallelism
+    # split the sequence at the encoder's first block only, so the decoder's split regions gathered a whole
+    # sequence again (BART tp 2: a shape error in the cross-attention).
+    graph = traced(small_spec("hf:BartForConditionalGeneration"))
+    reason = graph.structure.whole_sequence(graph)
+    assert reason.startswith("sequence_parallel: model.decoder.layers.0 reads") and "\n" not in reason
+    assert "does not come through the blocks before it" in reason
+    plan = hp.plan(graph, hp.ClusterSpec.preset("cpu", gpus_per_node=2), 4, 16, "fp32", tp=2, pp=1)
+    assert plan.parallel.tp == 2 and not plan.parallel.sequence_parallel
+    decoder_only = traced(small_spec("hf:BartForCausalLM"))  # one stack: sequence parallelism as before
+    assert decoder_only.structure.whole_sequence(decoder_only) is None

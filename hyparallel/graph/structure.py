@@ -96,6 +96,8 @@ class TPAnalysis:
         stream, tokens = _token_stream(graph)
         if not graph.blocks:
             return None
+        if reason := _second_stream(graph, stream, tokens):
+            return reason
         indices = [graph.op(n).index for block in graph.blocks for n in block.ops]
         first, last = min(indices), max(indices)
         for op in graph.compute_ops():  # the blocks' ops, and any run between the first and the last block
@@ -586,11 +588,11 @@ _BATCH_NORMS = ("batch_norm", "native_batch_norm", "group_norm", "instance_norm"
 
 
 def _token_stream(graph: ModelGraph) -> tuple[set[str], tuple[int, int]]:
-    """The ops computed from the token embedding's output (every op when there is none), and its (batch, seq)."""
+    """The ops computed from the token embeddings' outputs (every op when there is none), and their (batch, seq)."""
     g = graph.graph
-    embedding, _ = _token_embedding(graph)
-    roots = [embedding] if embedding else [op.name for op in graph.ops if op.kind == "input"]
-    shape = graph.op(embedding).output_shapes[0] if embedding else ()
+    embeddings = _input_embeddings(graph)
+    roots = embeddings or [op.name for op in graph.ops if op.kind == "input"]
+    shape = graph.op(embeddings[0]).output_shapes[0] if embeddings else ()
     if len(shape) < 3 and graph.blocks:
         first = graph.op(graph.blocks[0].ops[0])
         shape = first.input_shapes[0] if first.input_shapes else ()
@@ -598,10 +600,42 @@ def _token_stream(graph: ModelGraph) -> tuple[set[str], tuple[int, int]]:
     while stack:
         name = stack.pop()
         for nxt in g.successors(name):
-            if nxt not in seen:
+            node = g.nodes[nxt]
+            if nxt not in seen and not _shape_only(node["kind"], node["output_shapes"]):  # sizes carry no tokens
                 seen.add(nxt)
                 stack.append(nxt)
     return seen, (tuple(shape[:2]) if len(shape) >= 3 else (0, 0))
+
+
+def _second_stream(graph: ModelGraph, stream: set[str], tokens: tuple[int, int]) -> str | None:
+    """Why the blocks are not one chain, the token stream entering at the first only (None: they are).
+
+    Sequence parallelism splits the sequence at the first block's input and gathers it at the last block's
+    output; a later block fed a token stream computed afresh from the inputs (an encoder-decoder's decoder, after
+    its encoder's blocks) would get it whole, and its split regions would gather it again.
+    """
+    g = graph.graph
+    in_blocks = {n for block in graph.blocks for n in block.ops}
+    for block in graph.blocks[1:]:
+        members = set(block.ops)
+        entering = {p for n in block.ops for p in g.predecessors(n) if p not in members and p not in in_blocks}
+        hidden = {p for p in entering & stream if any(_prefix(s, tokens) == 2 for s in graph.op(p).output_shapes)}
+        for value in sorted(hidden):  # (batch, seq, ...) values: tables read off the input's shape are not tokens
+            seen, stack, from_block = set(), [value], False
+            while stack and not from_block:
+                node = stack.pop()
+                for source in g.predecessors(node):
+                    from_block |= source in in_blocks
+                    if source not in seen and source not in in_blocks:
+                        seen.add(source)
+                        stack.append(source)
+            if not from_block:
+                return (
+                    f"sequence_parallel: {block.path} reads {graph.op(value).module or value}, a token stream that "
+                    "does not come through the blocks before it (an encoder-decoder's second stack), so it would "
+                    "enter the sequence-parallel region whole; use sequence_parallel: false"
+                )
+    return None
 
 
 def _prefix(shape: tuple[int, ...], tokens: tuple[int, int]) -> int:
@@ -645,9 +679,19 @@ def _mixes_tokens(op: Op, tokens: tuple[int, int]) -> str | None:
 
 def _token_embedding(graph: ModelGraph) -> tuple[str | None, int | None]:
     """The embedding indexed by a graph input (through views only) and its vocabulary size."""
-    g = graph.graph
+    for name in _input_embeddings(graph):
+        op = graph.op(name)
+        if op.param_count:
+            return op.name, op.param_count // op.output_shapes[0][-1]
+    return None, None
+
+
+def _input_embeddings(graph: ModelGraph) -> list[str]:
+    """Every embedding call indexed by a graph input through views only (an encoder-decoder's shared embedding
+    is called once per stack), in the order they run."""
+    g, found = graph.graph, []
     for op in graph.compute_ops():
-        if op.kind != "embedding" or not op.param_count:
+        if op.kind != "embedding" or not op.params:
             continue
         stack, seen = list(g.predecessors(op.name)), set()
         while stack:
@@ -657,10 +701,11 @@ def _token_embedding(graph: ModelGraph) -> tuple[str | None, int | None]:
             seen.add(node)
             kind = g.nodes[node]["kind"]
             if kind == "input":
-                return op.name, op.param_count // op.output_shapes[0][-1]
+                found.append(op.name)
+                break
             if kind == "view":
                 stack.extend(g.predecessors(node))
-    return None, None
+    return found
 
 
 def _vocab_head(graph: ModelGraph, vocab: int | None) -> str | None:
