@@ -438,3 +438,20 @@ def list_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int =
     return ListLM(
         nn.Embedding(vocab_size, hidden), [ListBlock(hidden, heads, heads, False) for _ in range(layers)], vocab_size
     )
+
+
+class InPlaceBlock(Block):
+    """Starts by writing its input in place (``x.add_(offset)``), as RoCBert's embeddings do after a Linear."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__(hidden, heads, heads, False)
+        self.offset = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.add_(self.offset))
+
+
+def in_place_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Blocks writing their input in place (``InPlaceBlock``): a pipeline stage receives that input."""
+    blocks = [InPlaceBlock(hidden, heads) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]

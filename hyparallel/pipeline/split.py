@@ -17,6 +17,7 @@ ranks in sync.
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,6 +185,8 @@ class Stage(nn.Module):
         self.body = body
         self._num_inputs = len(split.input_names)
         self._output_spec = split.output_spec if self.is_last else None
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"][self._num_inputs :]
+        self._written = {i for i, node in enumerate(placeholders) if _written_in_place(node)}
 
     def forward(self, flat_inputs: Sequence[Any], received: Sequence[Any] = ()) -> Any:
         if len(flat_inputs) != self._num_inputs or len(received) != len(self.io.inputs):
@@ -191,10 +194,47 @@ class Stage(nn.Module):
                 f"stage {self.index} takes {self._num_inputs} inputs and {len(self.io.inputs)} received "
                 f"values, got {len(flat_inputs)} and {len(received)}"
             )
+        # A received value is a leaf that needs its gradient (sent back to the previous stage); one the stage
+        # writes in place (RoCBert's `embedding_in += token_type_embeddings` right after a stage boundary) is
+        # written on a copy, as the single device writes on a non-leaf. Other received values are used as they are.
+        received = [r.clone() if i in self._written else r for i, r in enumerate(received)]
         result = self.body(*flat_inputs, *received)
         if self.is_last and self._output_spec is not None:
             return tree_unflatten(list(result), self._output_spec)
         return result
+
+
+_ALIASES = frozenset(
+    {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "slice", "select",
+     "t", "alias", "as_strided", "unflatten", "flatten", "narrow", "view_as", "movedim", "split", "chunk", "getitem"}
+)  # fmt: skip
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow, operator.iand, operator.ior}
+)
+
+
+def _written_in_place(node: fx.Node) -> bool:
+    """Whether an in-place op writes ``node``'s value or a view of it (read from the ops' schemas and names)."""
+    stack, seen = [node], set()
+    while stack:
+        value = stack.pop()
+        for user in value.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            schema = getattr(user.target, "_schema", None)
+            name = schema.name.split("::")[-1] if schema is not None else getattr(user.target, "__name__", "")
+            writes = schema is not None and schema.is_mutable
+            if user.op == "call_method":  # torch.fx: x.add_(y)
+                name, writes = str(user.target), str(user.target).endswith("_") and not str(user.target).startswith("_")
+            writes = writes or user.target in _IN_PLACE_OPERATORS  # torch.fx: x += y
+            if writes and user.args and user.args[0] is value:
+                return True
+            if name in _ALIASES or name.removesuffix("_copy") in _ALIASES:
+                stack.append(user)
+    return False
 
 
 def split_model(
