@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import hyparallel as hp
 from hyparallel.models.tiny import tiny_overrides
@@ -147,3 +148,17 @@ def test_a_stage_that_writes_its_received_value_in_place_trains():
     # is being used in an in-place operation". The stage writes on a copy.
     reports = check_layouts("tests.tiny_lms:in_place_lm", [{"tp": 1, "pp": 2}, {"tp": 2, "pp": 2}], timeout=300)
     assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]
+
+
+def test_rounding_is_judged_against_float64_and_a_wrong_gradient_still_differs():
+    from hyparallel.parity import _close
+
+    exact = torch.tensor([0.045985955744981766, 0.6, -0.3], dtype=torch.float64)
+    want = torch.tensor([0.045985929667949677, 0.6 + 8.3e-6, -0.3], dtype=torch.float32)  # the single device
+    got = torch.tensor([0.04598767310380936, 0.6, -0.3], dtype=torch.float32)  # Gemma 4, pp 2: 1.7e-6 off
+    assert not torch.allclose(got, want, rtol=1e-5, atol=1e-6)  # past the plain tolerance...
+    assert _close(got, want, exact)  # ...but closer to exact than the single device's own worst element
+    assert not _close(got, want, None)  # without float64, the plain tolerance alone
+    wrong = got.clone()
+    wrong[2] *= 1.001  # a split off by 1e-3 relative (every bug of issue 16 was larger)
+    assert not _close(wrong, want, exact)
