@@ -162,3 +162,13 @@ def test_rounding_is_judged_against_float64_and_a_wrong_gradient_still_differs()
     wrong = got.clone()
     wrong[2] *= 1.001  # a split off by 1e-3 relative (every bug of issue 16 was larger)
     assert not _close(wrong, want, exact)
+
+
+def test_a_view_the_cpu_kernels_strides_allow_traces_and_trains_in_stages():
+    # Afmoe views its attention output as the CPU flash kernel lays it out; meta kernels use other strides, so the
+    # program exported for the CPU failed when profiled on meta (the pipeline then took the plain meta export,
+    # which baked in a branch the CPU cannot run), and a tp x pp stage failed the view at its rank's sizes.
+    # Note [a view the run device's strides allow].
+    layouts = [{"tp": 1, "pp": 2}, {"tp": 2, "pp": 2}]
+    reports = check_layouts("tests.tiny_lms:strided_view_lm", layouts, timeout=300)
+    assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]

@@ -455,3 +455,26 @@ def in_place_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: i
     """Blocks writing their input in place (``InPlaceBlock``): a pipeline stage receives that input."""
     blocks = [InPlaceBlock(hidden, heads) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
+
+
+class StridedViewAttention(Attention):
+    """Views the attention output without ``contiguous()`` (Afmoe, Dory): the CPU's flash attention lays its output
+    out (batch, seq, heads, head_dim), so the view runs there; on meta tensors (other strides) it is refused."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        if seq < 1:  # Python control flow on a size: torch.fx cannot trace it, torch.export can
+            raise ValueError("empty sequence")
+        q, k, v = (
+            p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).view(batch, seq, -1))
+
+
+def strided_view_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Attention outputs viewed as the CPU kernel's strides allow (``StridedViewAttention``)."""
+    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
+    for block in blocks:
+        block.attn = StridedViewAttention(hidden, heads, heads, False)
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)

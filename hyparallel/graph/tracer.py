@@ -474,6 +474,20 @@ def _from_meta(value: Any) -> Any:
     return value
 
 
+# Note [a view the run device's strides allow]
+#     A program exported for the device it runs on (Note [exported for the device it runs on]) is profiled on
+#     meta tensors, whose kernels may lay out an output with other strides than that device's: the CPU flash
+#     attention returns (batch, seq, heads, head_dim)-strided output, its meta kernel a contiguous
+#     (batch, heads, seq, head_dim) one, so Afmoe's `output.transpose(1, 2).view(batch, seq, -1)` runs on the CPU
+#     and is refused on meta. Only the shapes are profiled: such a view is profiled as the reshape it equals in
+#     shape. A pipeline stage runs its graph's views as reshapes too (PipelineSplit.stage_module): the strides the
+#     export saw are one kernel's, and another may run (at a rank's head count under tp x pp, Afmoe's view failed
+#     on the CPU). A reshape is the view wherever the view is possible, the same values and the same aliasing;
+#     where it is not, a copy instead of an error.
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_STRIDES = "view size is not compatible with input tensor's size and stride"
+
+
 class _Profiler(fx.Interpreter):
     """Runs the graph, recording each node's output and the FLOPs it performed."""
 
@@ -510,10 +524,22 @@ class _Profiler(fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         # An exported graph can hold the device it was traced on (x.to(device=cpu)): stay on meta.
-        return super().call_function(target, *tree_map(_meta_device, (args, kwargs)))
+        args, kwargs = tree_map(_meta_device, (args, kwargs))
+        try:
+            return super().call_function(target, args, kwargs)
+        except RuntimeError as exc:
+            if target in _VIEWS and _STRIDES in str(exc):  # Note [a view the run device's strides allow]
+                return torch.ops.aten.reshape.default(*args, **kwargs)
+            raise
 
     def call_method(self, target, args, kwargs):
-        return super().call_method(target, *tree_map(_meta_device, (args, kwargs)))
+        args, kwargs = tree_map(_meta_device, (args, kwargs))
+        try:
+            return super().call_method(target, args, kwargs)
+        except RuntimeError as exc:
+            if target == "view" and _STRIDES in str(exc):  # Note [a view the run device's strides allow]
+                return super().call_method("reshape", args, kwargs)
+            raise
 
     def _execute(self, n: fx.Node) -> tuple[int, Any]:
         if target_name(n.target) in _NO_FLOPS:
