@@ -84,6 +84,8 @@ def test_tiny_configs_keep_the_structure():
     gemma3 = hp.models.load(small_spec("hf:Gemma3ForConditionalGeneration")).module
     assert gemma3.config.text_config.hidden_size == 64 and gemma3.config.vision_config.hidden_size == 64
     assert sum(p.numel() for p in gemma3.parameters()) < 2_000_000  # the default is 4B
+    luke = tiny(transformers.LukeConfig)  # side vocabularies shrink (500k entities took 3 GB), small ones stay
+    assert (luke.entity_vocab_size, luke.type_vocab_size) == (128, 2)
 
 
 SLICE = {  # one architecture per class of issue 16

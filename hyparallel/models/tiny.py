@@ -115,6 +115,8 @@ def _shrink(key: str, value: Any, heads: int | None, fields: dict[str, Any]) -> 
         return POSITIONS
     if key == "vocab_size" or key.startswith("vocab_size_"):  # per-layer input vocabularies too (Gemma 3n, 4)
         return VOCAB
+    if key.endswith("_vocab_size"):  # side tables: Luke's 500k entities shrunk, BERT's 2 token types kept
+        return min(value, VOCAB)
     if key in _LORA:
         return _LORA[key]
     if key == "rotary_dim" and heads:  # partial rotary: the same share of a smaller head
