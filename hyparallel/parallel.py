@@ -172,7 +172,13 @@ def _parallelize(
         blocks = [module for block in graph.blocks for module in block_modules(model, block.path)]
         apply_recompute(blocks, par.recompute, plan.training.seq_len)
     read = {name for op in graph.ops for name in op.params}  # what the traced forward uses, and reaches the output
-    unused = [name for name, _ in model.named_parameters() if name not in read or name in graph.unused_params]
+    first = {id(p): name for name, p in model.named_parameters()}  # the trace names a tied tensor by its first name
+    unused = [  # every name of it: DDP collects a module's own parameters by name (Luke's entity decoder, tied to
+        # its unused entity embeddings, was waited for forever)
+        name
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if first[id(p)] not in read or first[id(p)] in graph.unused_params
+    ]
     data_parallel = apply_data_parallel(
         modules, plan, mesh["dp"], device, blocks=blocks, pipelined=pipeline is not None, unused=unused
     )

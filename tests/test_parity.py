@@ -174,3 +174,12 @@ def test_a_view_the_cpu_kernels_strides_allow_traces_and_trains_in_stages():
     layouts = [{"tp": 1, "pp": 2}, {"tp": 2, "pp": 2}]
     reports = check_layouts("tests.tiny_lms:strided_view_lm", layouts, timeout=300)
     assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]
+
+
+def test_an_unused_tied_parameter_is_ignored_by_every_name():
+    # DDP collects each module's own parameters by name: a tied pair the forward never reads (Luke's entity
+    # embedding and decoder) was ignored under its first name only, and DDP waited for the other's gradient
+    # ("Expected to have finished reduction in the prior iteration" at the second step).
+    report = hp.check("tests.tiny_lms:unused_tied_lm", tp=1, pp=1, dp=2, zero=0)
+    assert report.verdict == "equal", report.summary()
+    assert {g.group for g in report.groups if g.group.startswith("entity_")} == {"entity_embed.weight"}  # tied: once

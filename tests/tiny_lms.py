@@ -478,3 +478,13 @@ def strided_view_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_siz
     for block in blocks:
         block.attn = StridedViewAttention(hidden, heads, heads, False)
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
+def unused_tied_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Luke's entity tables: an embedding and a head tied to it that the forward never reads (without entity ids)."""
+    model = TinyLM(
+        nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+    )
+    model.entity_embed, model.entity_head = nn.Embedding(16, hidden), nn.Linear(hidden, 16, bias=False)
+    model.entity_head.weight = model.entity_embed.weight
+    return model
