@@ -16,6 +16,7 @@ ranks in sync.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import operator
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from hyparallel.checks import assign_stages, listed_stages
 from hyparallel.errors import ConfigError
 from hyparallel.graph.model_graph import ModelGraph
 from hyparallel.graph.tracer import Method, first_program, module_of, split_inputs, to_meta
+from hyparallel.kernels import bias_dropout_residual
 
 # Note [which stage runs a node]
 # A node whose module (the innermost module it ran in) is listed in a stage, or has a listed ancestor
@@ -168,6 +170,7 @@ class PipelineSplit:
                     )
                     if node.target == torch.ops.aten.view.default:  # Note [a view the run device's strides allow]
                         node.target = torch.ops.aten.reshape.default
+                    node.target = _AS_MODE.get(node.target, node.target)  # Note [a stage follows the model's mode]
                 gm.recompile()
         return Stage(self, index, module)
 
@@ -187,6 +190,7 @@ class Stage(nn.Module):
         self.body = body
         self._num_inputs = len(split.input_names)
         self._output_spec = split.output_spec if self.is_last else None
+        object.__setattr__(self, "_model", split.model)  # not a child: its parameters are the body's already
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"][self._num_inputs :]
         self._written = {i for i, node in enumerate(placeholders) if _written_in_place(node)}
 
@@ -200,10 +204,65 @@ class Stage(nn.Module):
         # writes in place (RoCBert's `embedding_in += token_type_embeddings` right after a stage boundary) is
         # written on a copy, as the single device writes on a non-leaf. Other received values are used as they are.
         received = [r.clone() if i in self._written else r for i, r in enumerate(received)]
-        result = self.body(*flat_inputs, *received)
+        mode = _STAGE_TRAINING.set(self._model.training)  # Note [a stage follows the model's mode]
+        try:
+            result = self.body(*flat_inputs, *received)
+        finally:
+            _STAGE_TRAINING.reset(mode)
         if self.is_last and self._output_spec is not None:
             return tree_unflatten(list(result), self._output_spec)
         return result
+
+
+# Note [a stage follows the model's mode]
+#     A traced program keeps the mode it was traced in: torch.export writes `aten.dropout(x, p, train=True)` and
+#     `aten.batch_norm(..., training=True, ...)` into the graph, and torch.fx evaluates `self.training` in
+#     `F.dropout(x, p, self.training)` once. A pipeline stage runs such a graph, so `model.eval()` did not turn its
+#     dropout off: eval_step of GPT-2 at pp 2 drew new dropout masks on every call (4.1738, then 4.1756, against
+#     4.1787 on one device in eval mode; no error). The stage graphs call these ops through wrappers that ask the
+#     model's mode at each call (the model's `training` flag, as a single device's modules do). Other branches on
+#     `self.training` that a trace bakes in (sampling, a cache) keep the traced mode: the parity check compares a
+#     model that draws in training in eval mode, traced so (Note [a parity check]).
+_STAGE_TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("hyparallel_stage_training", default=True)
+
+
+def _dropout_in_mode(x: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
+    return torch.ops.aten.dropout.default(x, p, bool(train) and _STAGE_TRAINING.get())
+
+
+def _feature_dropout_in_mode(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    return torch.ops.aten.feature_dropout.default(x, p, bool(train) and _STAGE_TRAINING.get())
+
+
+def _batch_norm_in_mode(x, weight, bias, mean, var, training, momentum, eps, cudnn):  # aten.batch_norm's arguments
+    training = bool(training) and _STAGE_TRAINING.get()
+    return torch.ops.aten.batch_norm.default(x, weight, bias, mean, var, training, momentum, eps, cudnn)
+
+
+def _attention_in_mode(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    dropout_p = dropout_p if _STAGE_TRAINING.get() else 0.0  # HF passes its attention dropout only in training
+    return torch.ops.aten.scaled_dot_product_attention.default(
+        q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def _fused_dropout_in_mode(x, bias, residual, p: float, training: bool, seed: int | None = None):
+    return bias_dropout_residual(x, bias, residual, p, bool(training) and _STAGE_TRAINING.get(), seed)
+
+
+def _functional_dropout_in_mode(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
+    return torch.nn.functional.dropout(x, p, training and _STAGE_TRAINING.get(), inplace)
+
+
+_AS_MODE = {
+    torch.ops.aten.dropout.default: _dropout_in_mode,
+    torch.ops.aten.feature_dropout.default: _feature_dropout_in_mode,
+    torch.ops.aten.batch_norm.default: _batch_norm_in_mode,
+    torch.nn.functional.dropout: _functional_dropout_in_mode,
+    torch.ops.aten.scaled_dot_product_attention.default: _attention_in_mode,
+    torch.nn.functional.scaled_dot_product_attention: _attention_in_mode,  # torch.fx: the zoo GPT's
+    bias_dropout_residual: _fused_dropout_in_mode,  # the zoo GPT's residual (torch.fx.wrap'ed: one node)
+}
 
 
 _ALIASES = frozenset(
