@@ -662,7 +662,7 @@ def _mixes_tokens(op: Op, tokens: tuple[int, int]) -> str | None:
     if names & _TRANSPOSES:
         return f"runs {', '.join(sorted(names & _TRANSPOSES))}, which may move the token dimension"
     names -= VIEW_OPS
-    if op.kind in ("linear", "embedding", "activation", "dropout"):
+    if op.kind in ("linear", "embedding", "activation", "dropout") or op.target == "Identity":
         return None
     if op.kind == "norm":
         if names & set(_BATCH_NORMS) or any(w in op.target for w in ("Batch", "Group", "Instance")):
