@@ -13,8 +13,9 @@ Note [a parity check]
 
     A model whose training forward draws random numbers of its own (Phi-MoE's Gumbel-sampled routing, a dropout
     the config cannot switch off) gives other numbers on every run, on one process too: no layout can match it.
-    Found by running the small copy's forward twice under two seeds; such a model is compared in eval mode
-    (traced, planned, trained and checked with ``model.eval()``), and the report says so (``mode``).
+    Found from the ATen ops one forward of the small copy runs (those torch tags as seeded draws, a dropout of
+    p = 0 aside); such a model is compared in eval mode (traced, planned, trained and checked with
+    ``model.eval()``), and the report says so (``mode``).
 
     A verdict per parameter group (the names with layer indices folded: ``model.layers.*.mlp.up_proj.weight``):
     equal, differs (with the worst relative error and where), or not compared (no rank held it: itself a
