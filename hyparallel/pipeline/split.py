@@ -16,7 +16,6 @@ ranks in sync.
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import operator
 from collections.abc import Sequence
@@ -204,11 +203,8 @@ class Stage(nn.Module):
         # writes in place (RoCBert's `embedding_in += token_type_embeddings` right after a stage boundary) is
         # written on a copy, as the single device writes on a non-leaf. Other received values are used as they are.
         received = [r.clone() if i in self._written else r for i, r in enumerate(received)]
-        mode = _STAGE_TRAINING.set(self._model.training)  # Note [a stage follows the model's mode]
-        try:
-            result = self.body(*flat_inputs, *received)
-        finally:
-            _STAGE_TRAINING.reset(mode)
+        _STAGE_MODE["training"] = self._model.training  # Note [a stage follows the model's mode]
+        result = self.body(*flat_inputs, *received)
         if self.is_last and self._output_spec is not None:
             return tree_unflatten(list(result), self._output_spec)
         return result
@@ -223,35 +219,37 @@ class Stage(nn.Module):
 #     model's mode at each call (the model's `training` flag, as a single device's modules do). Other branches on
 #     `self.training` that a trace bakes in (sampling, a cache) keep the traced mode: the parity check compares a
 #     model that draws in training in eval mode, traced so (Note [a parity check]).
-_STAGE_TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("hyparallel_stage_training", default=True)
+# The mode of the last stage forward on this process: kept after it (not a context), so that a recomputation
+# in backward (Note [what selective recomputation saves]) draws as that forward did.
+_STAGE_MODE = {"training": True}
 
 
 def _dropout_in_mode(x: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
-    return torch.ops.aten.dropout.default(x, p, bool(train) and _STAGE_TRAINING.get())
+    return torch.ops.aten.dropout.default(x, p, bool(train) and _STAGE_MODE["training"])
 
 
 def _feature_dropout_in_mode(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
-    return torch.ops.aten.feature_dropout.default(x, p, bool(train) and _STAGE_TRAINING.get())
+    return torch.ops.aten.feature_dropout.default(x, p, bool(train) and _STAGE_MODE["training"])
 
 
 def _batch_norm_in_mode(x, weight, bias, mean, var, training, momentum, eps, cudnn):  # aten.batch_norm's arguments
-    training = bool(training) and _STAGE_TRAINING.get()
+    training = bool(training) and _STAGE_MODE["training"]
     return torch.ops.aten.batch_norm.default(x, weight, bias, mean, var, training, momentum, eps, cudnn)
 
 
 def _attention_in_mode(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    dropout_p = dropout_p if _STAGE_TRAINING.get() else 0.0  # HF passes its attention dropout only in training
+    dropout_p = dropout_p if _STAGE_MODE["training"] else 0.0  # HF passes its attention dropout only in training
     return torch.ops.aten.scaled_dot_product_attention.default(
         q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
     )
 
 
 def _fused_dropout_in_mode(x, bias, residual, p: float, training: bool, seed: int | None = None):
-    return bias_dropout_residual(x, bias, residual, p, bool(training) and _STAGE_TRAINING.get(), seed)
+    return bias_dropout_residual(x, bias, residual, p, bool(training) and _STAGE_MODE["training"], seed)
 
 
 def _functional_dropout_in_mode(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
-    return torch.nn.functional.dropout(x, p, training and _STAGE_TRAINING.get(), inplace)
+    return torch.nn.functional.dropout(x, p, training and _STAGE_MODE["training"], inplace)
 
 
 _AS_MODE = {
