@@ -108,6 +108,7 @@ def apply_data_parallel(
     blocks: Sequence[nn.Module] = (),
     pipelined: bool = False,
     unused: Sequence[str] = (),
+    find_unused: bool = False,
 ) -> DataParallel:
     """Wrap ``modules`` (the model, or this rank's pipeline stage graphs) for the plan's data parallelism.
 
@@ -115,6 +116,8 @@ def apply_data_parallel(
     Returns what training steps through: ``.ddp`` to call (pp = 1, ZeRO 0), ``micro_batch``/``finish_step``.
     ``unused``: parameters the traced forward never reads (a decoder's cross-attention without encoder states);
     DDP ignores them (their gradients stay None, as on one device) instead of waiting for them forever.
+    ``find_unused``: some parameters get a gradient from one loss and not another (outputs the default loss does not
+    read, ModelGraph.params_outside_logits): DDP finds each step's unused ones (``find_unused_parameters``).
     """
     par = plan.parallel
     result = DataParallel(dp=par.dp, zero=par.zero, mesh=mesh if par.dp > 1 else None)
@@ -124,7 +127,7 @@ def apply_data_parallel(
         if pipelined:
             return replace(result, after_step_all_reduce=True)
         (model,) = modules
-        return replace(result, ddp=_ddp(model, mesh, device, unused))
+        return replace(result, ddp=_ddp(model, mesh, device, unused, find_unused))
     from torch.distributed.fsdp import fully_shard
 
     reshard = par.zero == 3
@@ -135,7 +138,9 @@ def apply_data_parallel(
     return result
 
 
-def _ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device, unused: Sequence[str] = ()) -> nn.Module:
+def _ddp(
+    model: nn.Module, mesh: DeviceMesh, device: torch.device, unused: Sequence[str] = (), find_unused: bool = False
+) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     if unused:
@@ -148,7 +153,9 @@ def _ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device, unused: Seque
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         else "broadcast_buffers"
     )  # renamed in newer torch
-    return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group(), **{quiet: False})
+    return DistributedDataParallel(
+        model, device_ids=ids, process_group=mesh.get_group(), find_unused_parameters=find_unused, **{quiet: False}
+    )
 
 
 def all_reduce_mean(grads: list[torch.Tensor], group: Any, size: int, bucket_bytes: int = BUCKET_BYTES) -> None:

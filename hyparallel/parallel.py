@@ -180,7 +180,14 @@ def _parallelize(
         if first[id(p)] not in read or first[id(p)] in graph.unused_params
     ]
     data_parallel = apply_data_parallel(
-        modules, plan, mesh["dp"], device, blocks=blocks, pipelined=pipeline is not None, unused=unused
+        modules,
+        plan,
+        mesh["dp"],
+        device,
+        blocks=blocks,
+        pipelined=pipeline is not None,
+        unused=unused,
+        find_unused=bool(graph.params_outside_logits),
     )
     return ParallelModel(
         model, plan, env, device, mesh, graph, example, modules, tp_info, pipeline, data_parallel, autocast,
@@ -546,7 +553,10 @@ def token_cross_entropy(output: Any, targets: torch.Tensor, reduction: str = "me
 
 
 def _logits(output: Any) -> torch.Tensor:
-    return output.logits if hasattr(output, "logits") else output
+    """What the default loss reads: ``output.logits`` (a Hugging Face output), ``output["logits"]``, or the output."""
+    if hasattr(output, "logits"):
+        return output.logits
+    return output["logits"] if isinstance(output, dict) and "logits" in output else output
 
 
 def _init_process_group(backend: str, env: LaunchEnv) -> None:

@@ -400,6 +400,8 @@ def _batches(model: nn.Module, rows: int, seq_len: int, steps: int, seed: int) -
 
     example = hp.models.example_inputs(model, rows, seq_len, device="cpu")
     try:  # the targets: one class per row of the output's last dimension (token ids for a language model)
+        from hyparallel.parallel import _logits
+
         with torch.no_grad():
             shape = _logits(_call(model, _to_meta(example))).shape
         target_shape, classes = tuple(shape[:-1]), int(shape[-1])
@@ -416,10 +418,6 @@ def _batches(model: nn.Module, rows: int, seq_len: int, steps: int, seed: int) -
 
 def _to_meta(inputs: Any) -> Any:
     return torch.utils._pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, inputs)
-
-
-def _logits(output: Any) -> torch.Tensor:
-    return output.logits if hasattr(output, "logits") else output
 
 
 def _vocab(model: nn.Module) -> int:

@@ -30,6 +30,11 @@ def planned(spec: str, tp: int = 2) -> tuple:
     ("spec", "attention", "mlp"),
     [
         ("tests.tiny_lms:config_split_lm", ("layers.*.attn.qkv", "layers.*.attn.o_proj"), ("layers.*.up",)),
+        (  # Nystromformer: a depthwise convolution over the value heads (no split op of its own) fails
+            "tests.tiny_lms:grouped_conv_lm",
+            tuple(f"layers.*.attn.{p}_proj" for p in "qkvo"),
+            ("layers.*.up",),
+        ),
         (
             small_spec("hf:Phi3ForCausalLM"),
             ("model.layers.*.self_attn.qkv_proj", "model.layers.*.self_attn.o_proj"),

@@ -183,3 +183,14 @@ def test_an_unused_tied_parameter_is_ignored_by_every_name():
     report = hp.check("tests.tiny_lms:unused_tied_lm", tp=1, pp=1, dp=2, zero=0)
     assert report.verdict == "equal", report.summary()
     assert {g.group for g in report.groups if g.group.startswith("entity_")} == {"entity_embed.weight"}  # tied: once
+
+
+def test_parameters_without_a_gradient_path_train_under_data_parallel():
+    # Mra without its kernels (projections read for their shapes) and EncoderDecoderModel without cross-attention
+    # (an encoder only returned): DDP waited for gradients no loss gives ("Expected to have finished reduction").
+    report = hp.check("tests.tiny_lms:detached_lm", tp=1, pp=1, dp=2, zero=0)
+    assert report.verdict == "equal", report.summary()
+    assert {g.group for g in report.groups} >= {"layers.*.attn.k_proj.weight", "layers.*.attn.q_proj.weight"}
+    report = hp.check("tests.tiny_lms:side_output_lm", tp=1, pp=1, dp=2, zero=0)
+    assert report.verdict == "equal", report.summary()
+    assert "side.weight" in {g.group for g in report.groups}

@@ -451,6 +451,41 @@ def test_parameters_whose_ops_never_reach_the_output_are_unused():
     assert set(graph.unused_params) == {"pooler.weight", "pooler.bias"}
 
 
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_parameters_read_without_a_gradient_path_are_unused(method):
+    # Mra's attention without its kernels returns zeros_like(query).requires_grad_(): its projections run, but no
+    # loss reaches them; DDP waited for their gradients ("Expected to have finished reduction" at the second step).
+    # Exactly the parameters one eager backward leaves without a gradient, by name.
+    from tests.tiny_lms import detached_lm
+
+    model = detached_lm()
+    tokens = torch.randint(0, 64, (2, 8))
+    model(tokens).sum().backward()
+    no_grad = {name for name, p in model.named_parameters() if p.grad is None}
+    assert no_grad == {f"layers.{i}.attn.{p}_proj.{w}" for i in (0, 1) for p in "kv" for w in ("weight", "bias")}
+    graph = hp.trace(detached_lm().to("meta"), torch.zeros(2, 8, dtype=torch.long, device="meta"), method=method)
+    assert set(graph.unused_params) == no_grad
+    assert graph.params_outside_logits == ()
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_parameters_only_other_outputs_reach_are_outside_the_logits(method):
+    # EncoderDecoderModel without cross-attention: the encoder's states are returned, the logits never read them.
+    # No gradient under the default loss, one under a loss of the encoder's output: not ignorable, found per step.
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.decoder, self.dead = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            torch.zeros_like(self.dead(x))
+            return {"logits": self.decoder(x), "encoder_last_hidden_state": self.encoder(x)}
+
+    graph = hp.trace(TwoHeads().to("meta"), torch.zeros(2, 4, 8, device="meta"), method=method)
+    assert set(graph.unused_params) == {"dead.weight", "dead.bias"}
+    assert set(graph.params_outside_logits) == {"encoder.weight", "encoder.bias"}
+
+
 def test_blocks_of_nested_module_lists_are_the_layers_and_do_not_overlap():
     # Funnel keeps its layers in a ModuleList of ModuleLists: both levels repeat, and counting both as blocks
     # counted each layer's work twice and made FSDP wrap a ModuleList, which has no forward.

@@ -488,3 +488,94 @@ def unused_tied_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size
     model.entity_embed, model.entity_head = nn.Embedding(16, hidden), nn.Linear(hidden, 16, bias=False)
     model.entity_head.weight = model.entity_embed.weight
     return model
+
+
+class GroupedConvAttention(Attention):
+    """Nystromformer's attention: a depthwise convolution over the value heads, its channels the model's head
+    count (``Conv2d(heads, heads, groups=heads)``): at one rank's heads under tp it cannot run."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__(hidden, heads, heads, False)
+        self.conv = nn.Conv2d(heads, heads, (3, 1), padding=(1, 0), groups=heads, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (
+            p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True) + self.conv(v)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def grouped_conv_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Attentions with a per-head depthwise convolution sized by the head count (``GroupedConvAttention``)."""
+    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
+    for block in blocks:
+        block.attn = GroupedConvAttention(hidden, heads)
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
+class DetachedAttention(Attention):
+    """Reads its key and value projections without a gradient path: the key only for its shape (Mra's attention
+    without its kernels returns ``zeros_like(query).requires_grad_()``), the value detached."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = torch.zeros_like(self.k_proj(x)).requires_grad_().view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).detach().view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def detached_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Key and value projections the forward runs but no loss can give a gradient (``DetachedAttention``)."""
+    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
+    for block in blocks:
+        block.attn = DetachedAttention(hidden, heads, heads, False)
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
+class RootMatmulLM(TinyLM):
+    """NeoMME's factorised head: the last hidden states multiplied by a parameter in the root module's own forward
+    (``hidden @ self.unembedding.weight``), then the vocabulary head."""
+
+    def __init__(self, hidden: int, heads: int, layers: int, vocab_size: int, rank: int):
+        blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
+        super().__init__(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+        self.unembedding = nn.Linear(rank, hidden, bias=False)  # weight (hidden, rank)
+        self.head = nn.Linear(rank, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x) @ self.unembedding.weight)
+
+
+def root_matmul_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, rank: int = 16) -> TinyLM:
+    """A parameter multiplied in the root's forward before the head (``RootMatmulLM``)."""
+    return RootMatmulLM(hidden, heads, layers, vocab_size, rank)
+
+
+class SideOutputLM(TinyLM):
+    """Returns its logits and a side branch's states no loss of the logits reads (EncoderDecoderModel's encoder,
+    when the decoder has no cross-attention): a gradient under another loss, none under the default one."""
+
+    def __init__(self, hidden: int, heads: int, layers: int, vocab_size: int):
+        super().__init__(
+            nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+        )
+        self.side = nn.Linear(hidden, hidden)
+
+    def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        x = self.embed(tokens)
+        side = self.side(x)
+        for layer in self.layers:
+            x = layer(x)
+        return {"logits": self.head(self.norm(x)), "side_states": side}
+
+
+def side_output_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Logits and a side output the logits do not depend on (``SideOutputLM``)."""
+    return SideOutputLM(hidden, heads, layers, vocab_size)

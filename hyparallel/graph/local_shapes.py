@@ -75,15 +75,21 @@ def replicate_what_fails(
 
 def _split_within(graph: ModelGraph, where: str) -> list[str]:
     """The split ops inside the module owning ``where`` (``where`` itself when it is not a split Linear), and inside
-    the module at the same place in every repeated block."""
+    the module at the same place in every repeated block. A module holding no split op itself (Nystromformer's
+    depthwise convolution over the value heads, ``groups`` = the model's head count) is fed by a split one: the
+    nearest enclosing module holding split ops (its attention) is replicated instead."""
     split = {n: graph.op(n).module for n, s in graph.structure.styles.items() if s in ("column", "row")}
     owner = where.rpartition(".")[0] if where in split.values() else where
-    places = {owner}
-    for block in graph.blocks:
-        if owner == block.path or owner.startswith(block.path + "."):
-            places = {other.path + owner[len(block.path) :] for other in graph.blocks}
-            break
-    return [n for n, m in split.items() if any(not p or m == p or m.startswith(p + ".") for p in places)]
+    while True:
+        places = {owner}
+        for block in graph.blocks:
+            if owner == block.path or owner.startswith(block.path + "."):
+                places = {other.path + owner[len(block.path) :] for other in graph.blocks}
+                break
+        found = [n for n, m in split.items() if any(not p or m == p or m.startswith(p + ".") for p in places)]
+        if found or not owner:
+            return found
+        owner = owner.rpartition(".")[0]
 
 
 def local_shape_failure(

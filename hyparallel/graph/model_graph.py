@@ -18,6 +18,17 @@ Note [bytes]
     planner rescales them to the plan's dtype. ``param_count`` of an op counts the parameters it
     owns: a parameter read by several ops (tied embeddings) is owned by the first in execution
     order and listed in ``params`` of the others.
+
+Note [a gradient path]
+    DDP waits for a gradient of every parameter it holds, so it must be told which ones no backward gives one
+    (they stay None, as on one device). A parameter gets a gradient only along ops whose outputs require grad: the
+    profiled run (grad mode on, parameters requiring grad) records for each op whether its output did (Op.grad,
+    read as the node runs, before a later in-place requires_grad_()). ``unused_params`` are those no such path
+    leads from to the output: dropped outputs, shapes (``zeros_like(q).requires_grad_()``, Mra without its
+    kernels), ``detach``, no-grad regions, integer results; ignoring them is right under any loss.
+    ``params_outside_logits`` reach the output but not its ``logits``: the default loss gives them nothing, a
+    user's loss over the other outputs may (EncoderDecoderModel without cross-attention returns its encoder's
+    states); DDP then finds each step's unused parameters itself (``find_unused_parameters``).
 """
 
 from __future__ import annotations
@@ -61,6 +72,9 @@ class Op:
     # The short names of the ATen ops a leaf module call ran, where the trace shows them (torch.export); () for a
     # functional op or an fx call_module. Lets a rule judge a custom module by what it computes.
     inner: tuple[str, ...] = ()
+    # Whether the op's output requires grad in the traced run (Note [a gradient path]): False for what no loss can
+    # differentiate through (a shape, zeros_like, detach, a no-grad region, an integer result).
+    grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,9 @@ class ModelGraph:
     traced: Any = field(default=None, repr=False, compare=False)
     # Ops kept replicated whatever the plan, op name -> why (``replicate``: what fails at one rank's sizes).
     replicated: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # The ops giving the output's ``logits``, what the default loss reads; () when the output has none (then the
+    # default loss reads the whole output).
+    loss_inputs: tuple[str, ...] = field(default=(), repr=False)
     graph: nx.DiGraph = field(init=False, repr=False)
     cut_points: tuple[CutPoint, ...] = field(init=False, repr=False)
 
@@ -174,12 +191,28 @@ class ModelGraph:
 
     @cached_property
     def unused_params(self) -> tuple[str, ...]:
-        """Parameters (by first name) whose ops never reach the model's output: the forward may compute with them
-        (BigBird's pooler, which its causal-LM head drops) but no loss can give them a gradient."""
-        outputs = [op.name for op in self.ops if op.kind == "output"]
-        live = set(outputs).union(*(nx.ancestors(self.graph, name) for name in outputs))
+        """Parameters (by first name) no loss can give a gradient (Note [a gradient path]): the forward may compute
+        with them (BigBird's pooler, which its causal-LM head drops; Mra's attention without its kernels, which
+        reads its projections for their shapes) but no path that carries a gradient leads to the output."""
+        return self._without_gradient([op.name for op in self.ops if op.kind == "output"])
+
+    @cached_property
+    def params_outside_logits(self) -> tuple[str, ...]:
+        """Parameters a gradient path leads from to the output but not to its ``logits``: the default loss gives them
+        none, a loss over the other outputs may (an encoder-decoder whose decoder never reads the encoder)."""
+        if not self.loss_inputs:
+            return ()
+        unused = set(self.unused_params)
+        return tuple(p for p in self._without_gradient(list(self.loss_inputs)) if p not in unused)
+
+    def _without_gradient(self, ends: list[str]) -> tuple[str, ...]:
+        carrying = {op.name for op in self.ops if op.grad}
+        if not any(self.op(name).params for name in carrying):  # nothing required grad when traced: no evidence
+            carrying = set(self._by_name)
+        paths = self.graph.subgraph(carrying | set(ends))
+        live = set(ends).union(*(nx.ancestors(paths, name) for name in ends))
         used = {p for op in self.ops if op.name in live for p in op.params}
-        return tuple(p for op in self.ops for p in op.params if p not in used)
+        return tuple(dict.fromkeys(p for op in self.ops for p in op.params if p not in used))
 
     def compute_ops(self) -> Iterator[Op]:
         """Ops in execution order, without graph inputs and the output."""

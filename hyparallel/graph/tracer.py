@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hyparallel.errors import TraceError
 from hyparallel.graph.kinds import GROUPED_MM, VIEW_OPS, base_forward, function_kind, module_kind, target_name
@@ -170,7 +170,8 @@ def to_meta(value: Any) -> Any:
     from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(value, FakeTensor):  # an exported program's state (Note [exported for the device it runs on])
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return meta.requires_grad_(value.requires_grad)  # a parameter stays one (Note [a gradient path])
     return value.to("meta") if isinstance(value, torch.Tensor) else value
 
 
@@ -495,6 +496,7 @@ class _Profiler(fx.Interpreter):
         super().__init__(gm)
         self.counter = counter
         self.outputs: dict[fx.Node, Any] = {}
+        self.grad: dict[fx.Node, bool] = {}  # whether the node's output required grad when it ran
         self.flops: dict[fx.Node, int] = {}
         self.cache: dict[tuple, tuple[int, Any]] = {}
 
@@ -520,6 +522,8 @@ class _Profiler(fx.Interpreter):
             if flops:
                 self.flops[n] = flops
         self.outputs[n] = out
+        # Read now: a later in-place requires_grad_() would change the answer (Note [a gradient path]).
+        self.grad[n] = any(t.requires_grad for t in _tensors(out))
         return out
 
     def call_function(self, target, args, kwargs):
@@ -603,7 +607,8 @@ class _Runner(nn.Module):
         from torch.utils.flop_counter import FlopCounterMode
 
         profiler = _Profiler(self.gm, FlopCounterMode(display=False))
-        profiler.run(*args)
+        with torch.enable_grad():  # which outputs require grad is what Note [a gradient path] reads
+            profiler.run(*args)
         return profiler
 
 
@@ -701,6 +706,7 @@ class _OpBuilder:
         ]
         ops += [self._make_op(key, len(ops) + i) for i, key in enumerate(self.groups)]
         ops.append(Op(name=_OUTPUT, index=len(ops), kind="output", module="", target="output"))
+        self.loss_inputs = self._loss_inputs()
         values = []
         for source, readers in self.consumers.items():
             tensors = _tensors(outputs[source])
@@ -714,6 +720,23 @@ class _OpBuilder:
                 )
             )
         return ops, values
+
+    def _loss_inputs(self) -> tuple[str, ...]:
+        """The ops giving the output's ``logits`` (what the default loss reads); () when it has none."""
+        node = next(n for n in self.program.gm.graph.nodes if n.op == "output")
+        value = self.profiler.outputs.get(node)
+        if self.program.method == "export" and isinstance(value, (tuple, list)):
+            try:
+                value = tree_unflatten(list(value), self.program.artifact.call_spec.out_spec)
+            except Exception:  # noqa: BLE001 -- an output the spec does not rebuild: every output counts
+                return ()
+        logits = getattr(value, "logits", None)
+        if logits is None and isinstance(value, dict):
+            logits = value.get("logits")
+        if not isinstance(logits, torch.Tensor):
+            return ()
+        found = [n for n in node.all_input_nodes if self.profiler.outputs.get(n) is logits]
+        return tuple(dict.fromkeys(self.group_of[n] for n in found if n in self.group_of))
 
     def _group_nodes(self) -> None:
         """Assign every live compute node to an op: its own, its leaf module call's, or its tuple source's."""
@@ -780,7 +803,8 @@ class _OpBuilder:
             if kind == "matmul" and params and not target.startswith("conv"):
                 kind = "linear"  # F.linear / matmul against a parameter (a convolution mixes positions: not one)
         inputs = dict.fromkeys(s for n in members for s in n.all_input_nodes if self.group_of.get(s, key) != key)
-        exits = [outputs[n] for n in members if n in self.consumers] or [outputs[members[-1]]]  # what leaves the op
+        leaving = [n for n in members if n in self.consumers] or [members[-1]]
+        exits = [outputs[n] for n in leaving]  # what leaves the op
         return Op(
             name=key,
             index=index,
@@ -797,13 +821,15 @@ class _OpBuilder:
             output_bytes=_bytes(exits),
             base_forward=base_forward(module) if module is not None else "",
             inner=inner,
+            grad=any(self.profiler.grad.get(n, True) for n in leaving),
         )
 
 
 def _build(model: nn.Module, program: Program, name: str) -> ModelGraph:
     from hyparallel.models import fingerprint  # models import this package's users; keep the import one-way at load
 
-    ops, values = _OpBuilder(model, program).build()
+    builder = _OpBuilder(model, program)
+    ops, values = builder.build()
     return ModelGraph(
         name=name,
         method=program.method,
@@ -815,6 +841,7 @@ def _build(model: nn.Module, program: Program, name: str) -> ModelGraph:
         modules=tuple(path for path, _ in model.named_modules() if path),
         ties=tied_names(model),
         traced=program,
+        loss_inputs=builder.loss_inputs,
     )
 
 
