@@ -158,6 +158,18 @@ def test_a_shared_embedding_read_twice_is_not_split_one_way(t5):
     assert "splits nothing" in one_line(info)
 
 
+def test_a_function_of_the_roots_own_forward_is_not_written_as_a_module():
+    # NeoMME's factorised head multiplies by a parameter in the root's forward: the plan named it '' (the root),
+    # which its own runtime refused ("'' matches no module"): every tp plan of the model was refused.
+    from tests.tiny_lms import root_matmul_lm
+
+    model = root_matmul_lm()
+    plan = hp.plan(model, cpus(2), 4, 16, "fp32", tp=2, pp=1, micro_batch=2)
+    assert "" not in plan.tensor_parallel
+    assert plan.tensor_parallel["layers.*.up"] == "column"
+    check_plan(plan, hp.trace(model, model.example_inputs(2, 16)))
+
+
 # ---- (c) a module in one stage ------------------------------------------------------------------------------
 
 

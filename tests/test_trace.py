@@ -508,3 +508,41 @@ def test_a_no_grad_region_is_left_to_torch_export_which_records_it():
     regions = [n for n in graph.program.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)]
     assert len(regions) == 1 and regions[0].args[0] is False
     assert torch.is_grad_enabled()
+
+
+class VmapMasked(nn.Module):
+    """Each block builds its sliding-window mask with torch.vmap, as Hugging Face's mask functions do (a window of
+    its own width and index type: the same vmap entry, other ops inside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            seq = torch.arange(x.shape[1], device=x.device, dtype=(torch.int64, torch.int32)[i % 2])
+            window = torch.vmap(lambda q, seq=seq, i=i: ((seq <= q) & (seq > q - 2 - i)).float())(seq)
+            x = window @ layer(x)
+        return x
+
+
+def test_a_vmap_in_every_block_is_profiled_as_it_runs():
+    # The profiler replayed the second block's vmap entry from the first's (same op, same shapes): it never
+    # entered the vmap, and what ran inside failed (T5Gemma2: "batched == nullptr INTERNAL ASSERT FAILED").
+    graph = hp.trace(VmapMasked().to("meta"), torch.zeros(2, 4, 8, device="meta"))
+    assert graph.method == "export"
+    assert [op.output_shapes for op in graph.compute_ops() if op.kind == "linear"] == [((2, 4, 8),)] * 2
+    assert torch._C._functorch.get_dynamic_layer_stack_depth() == 0
+
+
+def test_a_trace_failing_inside_a_vmap_leaves_torch_as_it_was():
+    # T5Gemma2's failed export left a vmap level pushed: every later random op of the process raised "vmap:
+    # called random operation while in randomness error mode", the next model could not even be initialised.
+    from hyparallel.graph.tracer import kept_torch_state
+
+    with pytest.raises(RuntimeError, match="midway"), kept_torch_state():
+        torch._C._functorch._vmap_increment_nesting(4, "error")
+        torch.set_grad_enabled(False)
+        raise RuntimeError("failed midway")
+    assert torch._C._functorch.get_dynamic_layer_stack_depth() == 0 and torch.is_grad_enabled()
+    assert torch.randn(3).shape == (3,)

@@ -83,8 +83,7 @@ def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, f
     failures: list[Failure] = []
     attempts = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
     for attempt in attempts:
-        with ModuleStack(model) as calls, torch.set_grad_enabled(torch.is_grad_enabled()):
-            # the grad mode is restored after each attempt: a torch.export that fails midway leaves it off
+        with ModuleStack(model) as calls, kept_torch_state():  # Note [a failed trace leaves torch as it found it]
             try:
                 if attempt == "fx":
                     program = _fx_program(model, args, kwargs)
@@ -95,6 +94,27 @@ def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, f
             except Exception as exc:  # noqa: BLE001 -- any tracer failure means: try the next tracer, then report all
                 failures.append(Failure(attempt, exc, calls.innermost))
     raise TraceError(explain(model, failures, _given(model, args, kwargs)))
+
+
+# Note [a failed trace leaves torch as it found it]
+#     A tracer or meta run that fails midway skips the cleanup of what it entered: torch.export failing inside a
+#     no-grad region leaves the grad mode off (HRM), and failing inside a torch.vmap (Hugging Face's mask functions;
+#     T5Gemma2's export) leaves functorch's vmap level pushed, after which every random op of the process raises
+#     "vmap: called random operation while in randomness error mode": the user's next model cannot even be
+#     initialised. Each attempt restores the grad mode and functorch's layer stack depth as torch.compile does.
+
+
+@contextlib.contextmanager
+def kept_torch_state() -> Iterator[None]:
+    """Restore the grad mode and functorch's transform stack on leaving, however the block ended (Note [a failed
+    trace leaves torch as it found it])."""
+    depth = torch._C._functorch.get_dynamic_layer_stack_depth()
+    try:
+        with torch.set_grad_enabled(torch.is_grad_enabled()):
+            yield
+    finally:
+        if torch._C._functorch.get_dynamic_layer_stack_depth() != depth:
+            torch._C._functorch.pop_dynamic_layer_stack_and_undo_to_depth(depth)
 
 
 def _given(model: nn.Module, args: tuple, kwargs: dict) -> set[str]:
@@ -143,7 +163,7 @@ def first_failure(model: nn.Module, example_inputs: Any, method: str) -> tuple[s
     """
     args, kwargs = split_inputs(example_inputs)
     args, kwargs = tree_map(to_meta, (args, kwargs))
-    with ModuleStack(model) as calls, torch.set_grad_enabled(torch.is_grad_enabled()):
+    with ModuleStack(model) as calls, kept_torch_state():
         try:
             if method == "export":
                 _exported(model, args, kwargs, None)
@@ -256,9 +276,9 @@ def tracing_device(device: torch.device | str) -> Iterator[None]:
 def _exported(model: nn.Module, args: tuple, kwargs: dict, finish: Any) -> Any:
     """``finish`` of the export for the run device, or of the plain meta export when that one fails or does not
     run on meta (Note [exported for the device it runs on])."""
-    try:  # the grad mode restored after it: a failure inside a no_grad region (a higher-order op's body run on
-        # meta) leaves it off, and the next export would then not see that region (HRM's no-grad cycles, 1.1e-4)
-        with torch.set_grad_enabled(torch.is_grad_enabled()):
+    try:  # torch restored after it: a failure inside a no_grad region (a higher-order op's body run on meta)
+        # leaves the grad mode off, and the next export would then not see that region (HRM's no-grad cycles, 1.1e-4)
+        with kept_torch_state():
             program = _export_program(model, args, kwargs)
             return finish(program) if finish is not None else program
     except Exception:  # noqa: BLE001 -- the plain meta export below is the answer, its failure the one reported
@@ -557,6 +577,10 @@ class _Profiler(fx.Interpreter):
 
     def _key(self, n: fx.Node) -> tuple | None:
         """What determines a node's output shapes and FLOPs; None when it cannot be told (then no caching)."""
+        if torch._C._functorch.get_dynamic_layer_stack_depth() or "_functorch" in getattr(n.target, "__module__", ""):
+            # A torch.vmap the exported graph runs (Hugging Face's masks): entering and leaving it changes
+            # functorch's state, and the outputs inside are batched wrappers; each runs, none is replayed.
+            return None
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if n.op == "call_module":
             module = self.fetch_attr(n.target)

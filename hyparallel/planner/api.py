@@ -643,6 +643,8 @@ def _tp_map(graph: ModelGraph, profile: ModelProfile) -> dict[str, str]:
     grouped: dict[str, dict[str, str]] = {}
     for name, style in profile.tp_analysis.styles.items():
         path = graph.op(name).module
+        if not path and style == "replicate":
+            continue  # a function of the root's own forward (NeoMME's `hidden @ self.proj.weight`): no module to name
         block = block_of.get(name)
         if block and "." in block and path.startswith(block + "."):
             key = f"{block.rsplit('.', 1)[0]}.*.{path[len(block) + 1 :]}"
