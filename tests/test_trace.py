@@ -468,6 +468,30 @@ def test_parameters_read_without_a_gradient_path_are_unused(method):
     assert graph.params_outside_logits == ()
 
 
+class WritesInPlace(nn.Module):
+    """Projections written into a zero tensor in place (``out[:, :4] = proj(x)``, ``out.add_(proj2(x))``): the head
+    reads the tensor by its producer, the zeros, which carry no gradient."""
+
+    def __init__(self, setitem: bool):
+        super().__init__()
+        self.setitem = setitem
+        self.proj, self.proj2, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        if self.setitem:  # torch.fx cannot record an item assignment
+            out[:, :4] = self.proj(x[:, :4])
+        out.add_(self.proj2(x))
+        return self.head(out)
+
+
+@pytest.mark.parametrize(("method", "setitem"), [("fx", False), ("export", False), ("export", True)])
+def test_parameters_written_in_place_into_what_reaches_the_output_are_used(method, setitem):
+    # Listed unused, DDP would ignore them: their gradients never averaged, each rank training its own, no error.
+    graph = hp.trace(WritesInPlace(setitem).to("meta"), torch.zeros(2, 6, 8, device="meta"), method=method)
+    assert graph.unused_params == ()
+
+
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_parameters_only_other_outputs_reach_are_outside_the_logits(method):
     # EncoderDecoderModel without cross-attention: the encoder's states are returned, the logits never read them.

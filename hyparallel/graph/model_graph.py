@@ -77,6 +77,15 @@ class Op:
     grad: bool = True
 
 
+def _writes_in_place(target: str) -> bool:
+    """Whether an op of this target writes into a tensor it is given (``x.add_(y)``, ``out[i] = y``, ``x += y``)."""
+    return (
+        target == "setitem"
+        or target in ("iadd", "isub", "imul", "itruediv", "ior", "iand")
+        or (target.endswith("_") and not target.endswith("__"))
+    )
+
+
 @dataclass(frozen=True)
 class Value:
     """A tensor produced by one op and read by later ones."""
@@ -206,6 +215,9 @@ class ModelGraph:
         return tuple(p for p in self._without_gradient(list(self.loss_inputs)) if p not in unused)
 
     def _without_gradient(self, ends: list[str]) -> tuple[str, ...]:
+        # A write in place reaches whoever reads the written tensor later, an edge the graph does not hold (its
+        # readers name the tensor's producer): every such write counts as reaching the output.
+        ends = list(dict.fromkeys([*ends, *(op.name for op in self.compute_ops() if _writes_in_place(op.target))]))
         carrying = {op.name for op in self.ops if op.grad}
         if not any(self.op(name).params for name in carrying):  # nothing required grad when traced: no evidence
             carrying = set(self._by_name)
