@@ -570,3 +570,27 @@ def test_a_trace_failing_inside_a_vmap_leaves_torch_as_it_was():
         raise RuntimeError("failed midway")
     assert torch._C._functorch.get_dynamic_layer_stack_depth() == 0 and torch.is_grad_enabled()
     assert torch.randn(3).shape == (3,)
+
+
+def test_a_kv_cache_a_nested_config_asks_for_is_off_while_tracing():
+    # VibeVoiceAsr and MossTranscribe take use_cache only through **kwargs, their text_config on: the output held
+    # a DynamicCache, which torch.export refuses ("not a known type"); every layout was refused as untraceable.
+    from transformers import DynamicCache, PretrainedConfig
+
+    class WithCache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config, text = PretrainedConfig(), PretrainedConfig()
+            self.config.use_cache, text.use_cache, self.config.text_config = False, True, text
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x, **kwargs):
+            out = {"logits": self.proj(x)}
+            if self.config.text_config.use_cache:
+                out["past_key_values"] = DynamicCache()
+            return out
+
+    model = WithCache().to("meta")
+    graph = hp.trace(model, torch.zeros(2, 4, 8, device="meta"), method="export")
+    assert [op.module for op in graph.compute_ops()] == ["proj"]
+    assert model.config.text_config.use_cache  # the user's config as it was

@@ -296,17 +296,17 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict, on_device: bool
         args, kwargs = tree_map(
             lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t, (args, kwargs)
         )
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), _no_kv_cache(model):
             exported = torch.export.export(model, args, kwargs, strict=False)  # a failure is reported as one line
     elif on_device:
         on = torch.device(_TRACE_DEVICE.get())
         if on.type == "cuda" and not torch.cuda.is_available():  # fake CUDA tensors without CUDA abort in C++
             on = torch.device("cpu")
-        with _quiet_torch_logs(), _on_fake_device(model, on, (args, kwargs)) as (fargs, fkwargs):
+        with _quiet_torch_logs(), _no_kv_cache(model), _on_fake_device(model, on, (args, kwargs)) as (fargs, fkwargs):
             exported = torch.export.export(model, fargs, fkwargs, strict=False)
         _device_arguments_to_meta(exported.graph_module)
     else:
-        with _quiet_torch_logs(), _buffers_on_meta(model):
+        with _quiet_torch_logs(), _no_kv_cache(model), _buffers_on_meta(model):
             exported = torch.export.export(model, args, kwargs, strict=False)
     signature = exported.graph_signature
     placeholders = [n for n in exported.graph_module.graph.nodes if n.op == "placeholder"]
@@ -330,6 +330,33 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict, on_device: bool
         state_of=state_of,
         artifact=exported,
     )
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module) -> Iterator[None]:
+    """Every Hugging Face config of the model (nested ones too: a multimodal model's text_config) with ``use_cache``
+    off while tracing: a forward taking ``use_cache`` only through ``**kwargs`` (VibeVoiceAsr, MossTranscribe)
+    returned a DynamicCache, which torch.export cannot take as an output."""
+    changed: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(config: Any) -> None:
+        if id(config) in seen or not hasattr(config, "to_dict"):
+            return
+        seen.add(id(config))
+        if getattr(config, "use_cache", None):
+            config.use_cache = False
+            changed.append(config)
+        for value in list(vars(config).values()):
+            visit(value)
+
+    for module in model.modules():
+        visit(getattr(module, "config", None))
+    try:
+        yield
+    finally:
+        for config in changed:
+            config.use_cache = True
 
 
 @contextlib.contextmanager
