@@ -594,3 +594,29 @@ def test_a_kv_cache_a_nested_config_asks_for_is_off_while_tracing():
     graph = hp.trace(model, torch.zeros(2, 4, 8, device="meta"), method="export")
     assert [op.module for op in graph.compute_ops()] == ["proj"]
     assert model.config.text_config.use_cache  # the user's config as it was
+
+
+class WritesIntoItsScores(nn.Module):
+    """Each block writes into a tensor it computed (a gated delta rule's chunk loop: ``attn[..., i, :i] = ...``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            h = layer(x)
+            scores = h @ h.transpose(-1, -2)
+            for i in range(1, 3):
+                scores[..., i, :i] = scores[..., i, :i] * 0.5
+            x = scores @ h
+        return x
+
+
+def test_a_write_into_a_repeated_blocks_output_is_profiled():
+    # The profiler replays a repeated block's outputs as fresh tensors: requiring grad, they were leaves, and the
+    # block's in-place write into them raised "a leaf Variable that requires grad is being used in an in-place
+    # operation" (KimiLinear, OlmoHybrid, RecurrentGemma: untraceable).
+    graph = hp.trace(WritesIntoItsScores().to("meta"), torch.zeros(2, 4, 8, device="meta"), method="export")
+    assert [op.module for op in graph.compute_ops() if op.kind == "linear"] == ["layers.0", "layers.1"]
+    assert graph.unused_params == ()

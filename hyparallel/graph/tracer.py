@@ -516,9 +516,10 @@ def _meta_device(value: Any) -> Any:
 
 def _from_meta(value: Any) -> Any:
     if isinstance(value, _MetaSpec):
-        return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta").requires_grad_(
-            value.requires_grad
-        )
+        meta = torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta")
+        # An op's output, not a leaf: a later op may write into it in place (a gated delta rule's chunk loop),
+        # which autograd refuses on a leaf that requires grad.
+        return meta.requires_grad_().clone() if value.requires_grad else meta
     return value
 
 
