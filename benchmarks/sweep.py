@@ -98,14 +98,28 @@ def builds(spec: str) -> str | None:
         torch.set_num_threads(max(1, torch.get_num_threads()))
 
 
-def sweep(names: list[tuple[str, str, str]], out: Path, resume: bool, timeout: float, redo: set[str]) -> None:
+def sweep(
+    names: list[tuple[str, str, str]],
+    out: Path,
+    resume: bool,
+    timeout: float,
+    redo: set[str],
+    columns: list[str] | None = None,
+) -> None:
+    """Run the layouts of each architecture of ``names`` not in ``out`` yet (``resume``) and append its row.
+
+    ``columns``: only these layouts, for the architectures already in ``out``, whose cells they replace (a pass
+    over the layouts a change touches); each replaced cell records it in ``rerun``."""
     import torch
 
     from hyparallel.parity import check_layouts
 
     done = {}
-    if resume and out.exists():
+    if (resume or columns) and out.exists():
         done = {row["arch"]: row for row in map(json.loads, out.read_text().splitlines())}
+    if columns:
+        _rerun_columns(names, done, out, columns, timeout)
+        return
     for name in redo:
         done.pop(name, None)
     rows = list(done.values())
@@ -136,6 +150,35 @@ def sweep(names: list[tuple[str, str, str]], out: Path, resume: bool, timeout: f
         cells = row.get("layouts", {})
         shown = ", ".join(f"{c}: {v['verdict']}" for c, v in cells.items()) or f"cannot build ({why[:80]})"
         print(f"[{index + 1}/{len(names)}] {name}: {shown} ({row['seconds']} s)", flush=True)
+
+
+def _rerun_columns(
+    names: list[tuple[str, str, str]], done: dict[str, dict], out: Path, columns: list[str], timeout: float
+) -> None:
+    """The ``columns`` layouts again for every architecture of ``names`` that built; ``out`` rewritten after each."""
+    import torch
+
+    from hyparallel.parity import check_layouts
+
+    for index, (name, _, spec) in enumerate(names):
+        row = done.get(name)
+        if row is None or "layouts" not in row:
+            continue
+        started = time.perf_counter()
+        torch.set_grad_enabled(True)
+        try:
+            reports = check_layouts(spec, [LAYOUTS[c] for c in columns], timeout=timeout)
+            cells = {
+                c: {"verdict": r.verdict, "reason": r.reason, "plan": r.plan, "mode": r.mode, "rerun": True}
+                for c, r in zip(columns, reports)
+            }
+        except Exception as exc:  # noqa: BLE001 -- a bug of the check itself
+            why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            cells = {c: {"verdict": "failed", "reason": f"the check: {why}", "rerun": True} for c in columns}
+        row["layouts"].update(cells)
+        out.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
+        shown = ", ".join(f"{c}: {v['verdict']}" for c, v in cells.items())
+        print(f"[{index + 1}/{len(names)}] {name}: {shown} ({time.perf_counter() - started:.1f} s)", flush=True)
 
 
 def _cell(result: dict, notes: dict[str, int]) -> str:
@@ -171,6 +214,8 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
     import torch
     import transformers
 
+    order = {"causal-lm": 0, "masked-lm": 1, "seq2seq": 2, "hand-written": 3}  # passes append: the table sorts
+    rows = sorted(rows, key=lambda r: (order.get(r["family"], 9), r["arch"].lower()))
     built = [r for r in rows if "layouts" in r]
     causal = [r for r in built if r["family"] == "causal-lm"]
     passing = [r for r in causal if all(r["layouts"][c]["verdict"] == "equal" for c in SPLIT_LAYOUTS)]
@@ -230,6 +275,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--doc", type=Path, default=DOC)
     parser.add_argument("--remark", default="", help="a paragraph for the table's header (how this run was made)")
+    parser.add_argument(
+        "--columns",
+        default="",
+        help="';'-separated layout columns (or their first words: 'dp 2;planner') to run again for the rows in --out",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -238,7 +288,13 @@ def main() -> None:
         wanted = set(filter(None, args.only.split(",")))
         if wanted:
             names = [n for n in names if n[0] in wanted]
-        sweep(names, args.out, args.resume or bool(wanted), args.timeout, wanted)
+        columns = []
+        for given in filter(None, (c.strip() for c in args.columns.split(";"))):
+            found = [c for c in LAYOUTS if c == given] or [c for c in LAYOUTS if c.startswith(given)]
+            if len(found) != 1:
+                parser.error(f"--columns: {given!r} names no one layout; the layouts are: {'; '.join(LAYOUTS)}")
+            columns.append(found[0])
+        sweep(names, args.out, args.resume or bool(wanted), args.timeout, wanted, columns or None)
     expected = [name for name, _, _ in architectures(args.families.split(","))]
     render([json.loads(line) for line in args.out.read_text().splitlines()], args.doc, args.remark, expected)
 
