@@ -194,3 +194,7 @@ def test_parameters_without_a_gradient_path_train_under_data_parallel():
     report = hp.check("tests.tiny_lms:side_output_lm", tp=1, pp=1, dp=2, zero=0)
     assert report.verdict == "equal", report.summary()
     assert "side.weight" in {g.group for g in report.groups}
+    # RecurrentGemma: a recurrence written into zeros inside a leaf module looked like no gradient path (1.3 off)
+    report = hp.check("tests.tiny_lms:scan_lm", tp=1, pp=1, dp=2, zero=0)
+    assert report.verdict == "equal", report.summary()
+    assert {"layers.*.scan.gate", "layers.*.proj.weight"} <= {g.group for g in report.groups}

@@ -620,3 +620,40 @@ def test_a_write_into_a_repeated_blocks_output_is_profiled():
     graph = hp.trace(WritesIntoItsScores().to("meta"), torch.zeros(2, 4, 8, device="meta"), method="export")
     assert [op.module for op in graph.compute_ops() if op.kind == "linear"] == ["layers.0", "layers.1"]
     assert graph.unused_params == ()
+
+
+class ScanLayer(nn.Module):
+    """RecurrentGemma's RG-LRU: a leaf module that writes each step's state into a zero tensor it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Parameter(torch.full((8,), 0.5))
+
+    def forward(self, x):
+        out, state = torch.zeros_like(x), torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            state = self.gate * state + x[:, t]
+            out[:, t] = state
+        return out
+
+
+class ScanLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"proj": nn.Linear(8, 8), "scan": ScanLayer()}) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer["scan"](layer["proj"](x))
+        return x
+
+
+def test_a_leaf_module_returning_what_it_wrote_into_carries_a_gradient():
+    # Exported, the leaf module's ops are one op whose output is the zeros it wrote into: recorded as requiring no
+    # grad when created, the op cut every gradient path through it, and DDP ignored the projections and gates
+    # (RecurrentGemma dp 2: their gradients each rank's own, 1.3 relative off, no error).
+    model = ScanLM()
+    model(torch.randn(2, 4, 8)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    graph = hp.trace(ScanLM().to("meta"), torch.zeros(2, 4, 8, device="meta"), method="export")
+    assert graph.unused_params == ()

@@ -579,3 +579,34 @@ class SideOutputLM(TinyLM):
 def side_output_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
     """Logits and a side output the logits do not depend on (``SideOutputLM``)."""
     return SideOutputLM(hidden, heads, layers, vocab_size)
+
+
+class ScanGate(nn.Module):
+    """RecurrentGemma's RG-LRU: a leaf module writing each step's state into a zero tensor it returns."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.full((hidden,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, state = torch.zeros_like(x), torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            state = self.gate * state + x[:, t]
+            out[:, t] = state
+        return out
+
+
+class ScanBlock(Block):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__(hidden, heads, heads, False)
+        self.proj, self.scan = nn.Linear(hidden, hidden), ScanGate(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] < 1:  # Python control flow on a size: torch.export traces it (one op per leaf module), fx not
+            raise ValueError("empty sequence")
+        return super().forward(x + self.scan(self.proj(x)))
+
+
+def scan_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """Blocks with a recurrence written step by step into a zero tensor (``ScanGate``)."""
+    return TinyLM(nn.Embedding(vocab_size, hidden), [ScanBlock(hidden, heads) for _ in range(layers)], vocab_size)

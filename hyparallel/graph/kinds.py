@@ -230,3 +230,12 @@ def base_forward(module: nn.Module) -> str:
         return "Embedding" if forward is nn.Embedding.forward else ""
     conv1d = next((cls for cls in type(module).__mro__ if cls.__name__ == "Conv1D"), None)
     return "Conv1D" if conv1d is not None and forward is conv1d.forward else ""
+
+
+def writes_in_place(target: str) -> bool:
+    """Whether an op of this target writes into a tensor it is given (``x.add_(y)``, ``out[i] = y``, ``x += y``)."""
+    return (
+        target == "setitem"
+        or target in ("iadd", "isub", "imul", "itruediv", "ior", "iand")
+        or (target.endswith("_") and not target.endswith("__"))
+    )

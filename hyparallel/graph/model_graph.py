@@ -23,9 +23,12 @@ Note [a gradient path]
     DDP waits for a gradient of every parameter it holds, so it must be told which ones no backward gives one
     (they stay None, as on one device). A parameter gets a gradient only along ops whose outputs require grad: the
     profiled run (grad mode on, parameters requiring grad) records for each op whether its output did (Op.grad,
-    read as the node runs, before a later in-place requires_grad_()). ``unused_params`` are those no such path
-    leads from to the output: dropped outputs, shapes (``zeros_like(q).requires_grad_()``, Mra without its
-    kernels), ``detach``, no-grad regions, integer results; ignoring them is right under any loss.
+    read as the node runs, before a later in-place requires_grad_(); a later write into the tensor or a view of
+    it, ``out[:, t] = state``, marks it as carrying one, as RecurrentGemma's recurrence returns the zeros it
+    wrote into). ``unused_params`` are those no such path leads from to the output: dropped outputs, shapes
+    (``zeros_like(q).requires_grad_()``, Mra without its kernels), ``detach``, no-grad regions, integer results;
+    ignoring them is right under any loss. A write in place counts as reaching the output (its later readers
+    name the written tensor's producer, not the write).
     ``params_outside_logits`` reach the output but not its ``logits``: the default loss gives them nothing, a
     user's loss over the other outputs may (EncoderDecoderModel without cross-attention returns its encoder's
     states); DDP then finds each step's unused parameters itself (``find_unused_parameters``).
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import networkx as nx
 
-from hyparallel.graph.kinds import OpKind
+from hyparallel.graph.kinds import OpKind, writes_in_place
 
 if TYPE_CHECKING:
     from hyparallel.graph.structure import TPAnalysis
@@ -75,15 +78,6 @@ class Op:
     # Whether the op's output requires grad in the traced run (Note [a gradient path]): False for what no loss can
     # differentiate through (a shape, zeros_like, detach, a no-grad region, an integer result).
     grad: bool = True
-
-
-def _writes_in_place(target: str) -> bool:
-    """Whether an op of this target writes into a tensor it is given (``x.add_(y)``, ``out[i] = y``, ``x += y``)."""
-    return (
-        target == "setitem"
-        or target in ("iadd", "isub", "imul", "itruediv", "ior", "iand")
-        or (target.endswith("_") and not target.endswith("__"))
-    )
 
 
 @dataclass(frozen=True)
@@ -217,7 +211,7 @@ class ModelGraph:
     def _without_gradient(self, ends: list[str]) -> tuple[str, ...]:
         # A write in place reaches whoever reads the written tensor later, an edge the graph does not hold (its
         # readers name the tensor's producer): every such write counts as reaching the output.
-        ends = list(dict.fromkeys([*ends, *(op.name for op in self.compute_ops() if _writes_in_place(op.target))]))
+        ends = list(dict.fromkeys([*ends, *(op.name for op in self.compute_ops() if writes_in_place(op.target))]))
         carrying = {op.name for op in self.ops if op.grad}
         if not any(self.op(name).params for name in carrying):  # nothing required grad when traced: no evidence
             carrying = set(self._by_name)

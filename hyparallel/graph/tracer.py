@@ -28,7 +28,15 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from hyparallel.errors import TraceError
-from hyparallel.graph.kinds import GROUPED_MM, VIEW_OPS, base_forward, function_kind, module_kind, target_name
+from hyparallel.graph.kinds import (
+    GROUPED_MM,
+    VIEW_OPS,
+    base_forward,
+    function_kind,
+    module_kind,
+    target_name,
+    writes_in_place,
+)
 from hyparallel.graph.model_graph import Block, ModelGraph, Op, Value
 from hyparallel.graph.trace_errors import Failure, explain, remember_source
 
@@ -537,6 +545,10 @@ _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _STRIDES = "view size is not compatible with input tensor's size and stride"
 
 
+# In-place ops that give a tensor no gradient path from their inputs: requires_grad_() makes a new leaf of it.
+_NO_GRADIENT_WRITES = {"requires_grad_", "detach_", "zero_"}
+
+
 class _Profiler(fx.Interpreter):
     """Runs the graph, recording each node's output and the FLOPs it performed."""
 
@@ -544,7 +556,8 @@ class _Profiler(fx.Interpreter):
         super().__init__(gm)
         self.counter = counter
         self.outputs: dict[fx.Node, Any] = {}
-        self.grad: dict[fx.Node, bool] = {}  # whether the node's output required grad when it ran
+        self.grad: dict[fx.Node, bool] = {}  # whether the node's output required grad when it ran (or written)
+        self.producer: dict[int, fx.Node] = {}  # id of each output tensor -> the node that gave it
         self.flops: dict[fx.Node, int] = {}
         self.cache: dict[tuple, tuple[int, Any]] = {}
 
@@ -572,7 +585,24 @@ class _Profiler(fx.Interpreter):
         self.outputs[n] = out
         # Read now: a later in-place requires_grad_() would change the answer (Note [a gradient path]).
         self.grad[n] = any(t.requires_grad for t in _tensors(out))
+        for t in _tensors(out):
+            self.producer.setdefault(id(t), n)
+        if n.op != "output" and writes_in_place(target_name(n.target)):
+            self._written(n)
         return out
+
+    def _written(self, n: fx.Node) -> None:
+        """A write in place into a tensor that now requires grad (``out[:, t] = state``, ``out.add_(y)``): the
+        nodes giving that tensor and its base carry a gradient from here on (Note [a gradient path])."""
+        if target_name(n.target) in _NO_GRADIENT_WRITES or not n.args:
+            return
+        written = self.env.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+        if not isinstance(written, torch.Tensor) or not written.requires_grad:
+            return
+        for tensor in (written, written._base):
+            source = self.producer.get(id(tensor)) if tensor is not None else None
+            if source is not None:
+                self.grad[source] = True
 
     def call_function(self, target, args, kwargs):
         # An exported graph can hold the device it was traced on (x.to(device=cpu)): stay on meta.
@@ -605,6 +635,8 @@ class _Profiler(fx.Interpreter):
 
     def _key(self, n: fx.Node) -> tuple | None:
         """What determines a node's output shapes and FLOPs; None when it cannot be told (then no caching)."""
+        if writes_in_place(target_name(n.target)):
+            return None  # a write changes its input: it runs each time (Note [a gradient path] reads its effect)
         if torch._C._functorch.get_dynamic_layer_stack_depth() or "_functorch" in getattr(n.target, "__module__", ""):
             # A torch.vmap the exported graph runs (Hugging Face's masks): entering and leaving it changes
             # functorch's state, and the outputs inside are batched wrappers; each runs, none is replayed.
