@@ -66,6 +66,13 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
             check_blocks(graph, "sequence_parallel", "to shard between")
             if reason := graph.structure.whole_sequence(graph):
                 raise ConfigError(reason)
+    if par.pp > 1 and graph.custom_backwards:  # Note [a custom backward a traced stage cannot keep]
+        where, function = graph.custom_backwards[0]
+        raise ConfigError(
+            f"pp {par.pp}: {where or graph.name} applies the custom autograd function {function}, whose own "
+            "backward a traced pipeline stage cannot keep (autograd would differentiate its forward instead); "
+            "use pp: 1 (tp and dp keep it)"
+        )
     if plan.tensor_parallel is not None:
         styles = check_styles(graph, plan.tensor_parallel)
     if par.recompute != "none" and par.pp == 1:

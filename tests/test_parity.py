@@ -198,3 +198,12 @@ def test_parameters_without_a_gradient_path_train_under_data_parallel():
     report = hp.check("tests.tiny_lms:scan_lm", tp=1, pp=1, dp=2, zero=0)
     assert report.verdict == "equal", report.summary()
     assert {"layers.*.scan.gate", "layers.*.proj.weight"} <= {g.group for g in report.groups}
+
+
+def test_experts_in_a_module_list_reading_one_input_enter_the_split_region():
+    # Dense-dispatch MoE: every expert's column reads the block's normed input, so the region was entered at the
+    # experts' ModuleList, which is never called: its hook never fired, and the experts' input gradients were not
+    # summed over the ranks (tp 2: norm2.bias 0.77 relative off from step 2, no error).
+    report = hp.check("benchmarks.sweep_models:moe_lm", tp=2, pp=1)
+    assert report.verdict == "equal", report.summary()
+    assert "layers.*.norm2.bias" in {g.group for g in report.groups}

@@ -170,6 +170,45 @@ def test_a_function_of_the_roots_own_forward_is_not_written_as_a_module():
     check_plan(plan, hp.trace(model, model.example_inputs(2, 16)))
 
 
+class StraightThrough(torch.autograd.Function):
+    """Rounds forward, passes the gradient through unchanged: its backward is not its forward's derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Quantised(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + StraightThrough.apply(layer(x))
+        return self.head(x)
+
+
+def test_a_custom_autograd_function_keeps_the_model_out_of_a_pipeline():
+    # A traced stage records the Function's forward ops and autograd differentiates those, not its own backward
+    # (Yoso's LSH cumulation, pp 2: query and key gradients 25% off, no error).
+    model = Quantised()
+    graph = hp.trace(model, torch.zeros(1, 8, dtype=torch.long))
+    assert {f for _, f in graph.custom_backwards} == {f"{StraightThrough.__module__}.StraightThrough"}
+    with pytest.raises(PlanError) as info:
+        hp.plan(graph, cpus(2), 4, 8, "fp32", pp=2, micro_batch=1)
+    assert "custom autograd function" in one_line(info) and "StraightThrough" in one_line(info)
+    with pytest.raises(ConfigError, match="use pp: 1"):
+        check_plan(hand_plan(pp=2, stages=[["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]]), graph)
+    assert hp.plan(graph, cpus(2), 4, 8, "fp32", micro_batch=1).parallel.pp == 1
+
+
 # ---- (c) a module in one stage ------------------------------------------------------------------------------
 
 

@@ -457,6 +457,14 @@ def in_place_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: i
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
 
 
+def with_attention(make, hidden: int, heads: int, layers: int, vocab_size: int) -> TinyLM:
+    """A TinyLM whose every block's attention is ``make()``."""
+    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
+    for block in blocks:
+        block.attn = make()
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
 class StridedViewAttention(Attention):
     """Views the attention output without ``contiguous()`` (Afmoe, Dory): the CPU's flash attention lays its output
     out (batch, seq, heads, head_dim), so the view runs there; on meta tensors (other strides) it is refused."""
@@ -474,10 +482,7 @@ class StridedViewAttention(Attention):
 
 def strided_view_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
     """Attention outputs viewed as the CPU kernel's strides allow (``StridedViewAttention``)."""
-    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
-    for block in blocks:
-        block.attn = StridedViewAttention(hidden, heads, heads, False)
-    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+    return with_attention(lambda: StridedViewAttention(hidden, heads, heads, False), hidden, heads, layers, vocab_size)
 
 
 def unused_tied_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
@@ -509,10 +514,7 @@ class GroupedConvAttention(Attention):
 
 def grouped_conv_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
     """Attentions with a per-head depthwise convolution sized by the head count (``GroupedConvAttention``)."""
-    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
-    for block in blocks:
-        block.attn = GroupedConvAttention(hidden, heads)
-    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+    return with_attention(lambda: GroupedConvAttention(hidden, heads), hidden, heads, layers, vocab_size)
 
 
 class DetachedAttention(Attention):
@@ -530,10 +532,7 @@ class DetachedAttention(Attention):
 
 def detached_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
     """Key and value projections the forward runs but no loss can give a gradient (``DetachedAttention``)."""
-    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
-    for block in blocks:
-        block.attn = DetachedAttention(hidden, heads, heads, False)
-    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+    return with_attention(lambda: DetachedAttention(hidden, heads, heads, False), hidden, heads, layers, vocab_size)
 
 
 class RootMatmulLM(TinyLM):

@@ -152,6 +152,9 @@ class ModelGraph:
     # The ops giving the output's ``logits``, what the default loss reads; () when the output has none (then the
     # default loss reads the whole output).
     loss_inputs: tuple[str, ...] = field(default=(), repr=False)
+    # (module path, class) of the custom torch.autograd.Functions the forward applies: a traced pipeline stage
+    # cannot keep their backward (Note [a custom backward a traced stage cannot keep], graph/tracer.py).
+    custom_backwards: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     graph: nx.DiGraph = field(init=False, repr=False)
     cut_points: tuple[CutPoint, ...] = field(init=False, repr=False)
 

@@ -53,6 +53,9 @@ class Program:
     user_inputs: list[fx.Node]
     state_of: dict[fx.Node, str] = field(default_factory=dict)  # get_attr / lifted placeholder -> state name
     artifact: Any = None
+    # (module path, class) of each custom torch.autograd.Function the traced forward applied (Note [a custom
+    # backward a traced stage cannot keep])
+    custom_backwards: tuple[tuple[str, str], ...] = ()
 
     def copy(self) -> Program:
         """This program over a copy of its graph, to edit (the pipeline splitter's) without changing this one."""
@@ -91,17 +94,49 @@ def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, f
     failures: list[Failure] = []
     attempts = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
     for attempt in attempts:
-        with ModuleStack(model) as calls, kept_torch_state():  # Note [a failed trace leaves torch as it found it]
+        found: list[tuple[str, str]] = []
+
+        def finished(program: Program, found: list = found) -> Any:
+            program.custom_backwards = tuple(dict.fromkeys(found))
+            return finish(program) if finish is not None else program
+
+        with ModuleStack(model) as calls, kept_torch_state(), _custom_functions(calls, found):
+            # Note [a failed trace leaves torch as it found it]
             try:
                 if attempt == "fx":
-                    program = _fx_program(model, args, kwargs)
-                    return finish(program) if finish is not None else program
-                return _exported(model, args, kwargs, finish)
+                    return finished(_fx_program(model, args, kwargs))
+                return _exported(model, args, kwargs, finished)
             except TraceError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- any tracer failure means: try the next tracer, then report all
                 failures.append(Failure(attempt, exc, calls.innermost))
     raise TraceError(explain(model, failures, _given(model, args, kwargs)))
+
+
+# Note [a custom backward a traced stage cannot keep]
+#     A torch.autograd.Function with its own backward (Yoso's LSH cumulation: an approximate gradient) runs as
+#     written in eager, tensor and data parallel layouts; a pipeline stage runs the traced graph, in which the
+#     tracers record the Function's forward ops and autograd then differentiates those instead (Yoso pp 2: query
+#     and key gradients 25% off, no error). The tracer records each such Function applied outside torch itself;
+#     check_plan refuses pp > 1 for the model in one line, so the planner keeps it to pp 1.
+
+
+@contextlib.contextmanager
+def _custom_functions(calls: ModuleStack, found: list[tuple[str, str]]) -> Iterator[None]:
+    """Record (innermost module, class) of each torch.autograd.Function applied in this block, torch's own
+    left out (Note [a custom backward a traced stage cannot keep])."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch."):
+            found.append((calls.innermost or "", f"{cls.__module__}.{cls.__qualname__}"))
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
 
 
 # Note [a failed trace leaves torch as it found it]
@@ -926,6 +961,7 @@ def _build(model: nn.Module, program: Program, name: str) -> ModelGraph:
         ties=tied_names(model),
         traced=program,
         loss_inputs=builder.loss_inputs,
+        custom_backwards=program.custom_backwards,
     )
 
 

@@ -138,7 +138,8 @@ def apply_tensor_parallel(
     ties = tied_names(model)
     by_module = {graph.op(name).module: name for name in analysis.styles}
     blocks = tuple(block.path + "." for block in graph.blocks)
-    entries = _region_entries(graph, analysis, styles, blocks, by_module)
+    called = {path for path, module in model.named_modules() if type(module).forward is not nn.Module.forward}
+    entries = _region_entries(graph, analysis, styles, blocks, by_module, called)
     fused = _fusable_activations(model, graph, styles, by_module) if fused_kernels else {}
     for path, style in styles.items():
         old = model.get_submodule(path)
@@ -246,7 +247,12 @@ def _fusable_activations(
 
 
 def _region_entries(
-    graph: ModelGraph, analysis: TPAnalysis, styles: dict[str, str], blocks: tuple[str, ...], by_module: dict[str, str]
+    graph: ModelGraph,
+    analysis: TPAnalysis,
+    styles: dict[str, str],
+    blocks: tuple[str, ...],
+    by_module: dict[str, str],
+    called: set[str] | None = None,
 ) -> dict[str, str]:
     """Column Linear path -> the module that enters the tensor-parallel region for it.
 
@@ -256,7 +262,9 @@ def _region_entries(
     Face attention) see the gathered sequence under sequence parallelism. Only where nothing else in the
     module reads that input: Funnel's FFN adds its input back (``layer_norm(x + down(up(x)))``), and the residual
     read through the entered tensor had its gradient summed over the ranks too (tp times the single device's,
-    no error); such columns enter on their own.
+    no error); such columns enter on their own. The module entered is one whose forward runs (``called``): a
+    ModuleList of experts all reading one input qualifies but is never called, and its hook never fired (an MoE
+    layer's experts then summed no gradient over the ranks, no error).
     """
     g, entries = graph.graph, {}
     columns = [p for p, style in styles.items() if style == "column" and p.startswith(blocks) and "." in p]
@@ -275,7 +283,9 @@ def _region_entries(
                 for n in inside
             ):
                 break
-            owner, scope = scope, scope.rsplit(".", 1)[0]
+            if called is None or scope in called:
+                owner = scope
+            scope = scope.rsplit(".", 1)[0]
         if owner is not None:
             entries[column] = owner
     return entries
