@@ -31,9 +31,9 @@ test: $(VENV)/.ready
 bench: $(VENV)/.ready
 	$(BIN)/python benchmarks/run_all.py
 
-# Every causal-LM class of transformers (and hand-written models) under tp 2, pp 2, tp 2 x pp 2 and dp 2 against one
-# process; writes benchmarks/results/sweep.jsonl and docs/supported-models.md (an hour or more on 2 cores;
-# `$(BIN)/python benchmarks/sweep.py --only LlamaForCausalLM,Phi3ForCausalLM` reruns some).
+# Every causal-LM, masked-LM and encoder-decoder class of transformers (and hand-written models) under tp 2, pp 2,
+# tp 2 x pp 2 and dp 2 against one process; writes benchmarks/results/sweep.jsonl and docs/supported-models.md (two
+# hours or more on 2 cores; `$(BIN)/python benchmarks/sweep.py --only LlamaForCausalLM,Phi3ForCausalLM` reruns some).
 sweep: $(VENV)/.ready
 	$(BIN)/python benchmarks/sweep.py
 

@@ -1,6 +1,6 @@
 """The architecture sweep: every causal-LM class of the installed transformers, under tp 2, pp 2, tp 2 x pp 2, dp 2.
 
-`python benchmarks/sweep.py` (or `make sweep`; an hour or more on 2 cores) builds each class of transformers'
+`python benchmarks/sweep.py` (or `make sweep`; two hours or more on 2 cores) builds each class of transformers'
 causal-LM auto mapping from its own config class shrunk (hyparallel.models.tiny), plus masked-LM and
 encoder-decoder heads (``--families``) and the hand-written models of benchmarks/sweep_models.py, and runs
 ``hp.parity.check_layouts`` for each: the layout in local gloo processes against one process, 3 SGD steps, every
