@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -101,8 +102,9 @@ def gpt_tiny_graph():
 
 def torchrun(
     repo: Path, script: str, out: Path, processes: int, *args: str, env: dict | None = None, timeout: int = 900
-) -> None:
+) -> dict[str, list[dict]]:
     """Launch ``script`` under torchrun with gloo; it writes its results to ``out`` (rank 0, after the last case).
+    Returns them by case: case name -> every rank's result (tests/distributed/harness.run_cases).
 
     A launch whose results are complete but that aborted while the processes tore their gloo groups down
     ("terminate called ..." after ``destroy_process_group``, a known gloo shutdown race under load) is
@@ -131,6 +133,7 @@ def torchrun(
         p.read_text() for p in sorted(out.parent.glob(f"{out.name}.rank*"))
     )  # tests/distributed/harness.py
     assert proc.returncode == 0 or teardown_only, (failures or proc.stderr)[-4000:]
+    return {ranks[0]["case"]: ranks for ranks in map(json.loads, out.read_text().splitlines())}
 
 
 def assert_every_parameter_compared(groups: list[list[str]], compared: dict[object, set[str]]) -> None:

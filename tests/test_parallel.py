@@ -9,7 +9,6 @@ single-process bf16 checks run in this process: the bad inputs must fail before 
 from __future__ import annotations
 
 import collections
-import json
 import os
 import subprocess
 import sys
@@ -44,8 +43,7 @@ RECOMPUTE = ["hf-gpt2-dp2-pp2-bf16-recompute"]  # bf16 recompute full and select
 
 
 def launch(repo, out, processes: int, cases: list[str]) -> dict:
-    torchrun(repo, "tests/distributed/parallel_worker.py", out, processes, *cases)
-    return {ranks[0]["case"]: ranks for ranks in map(json.loads, out.read_text().splitlines())}
+    return torchrun(repo, "tests/distributed/parallel_worker.py", out, processes, *cases)
 
 
 def by_replica(ranks: list[dict], key: str) -> dict[int, set[str]]:

@@ -7,8 +7,6 @@ atol 1e-6 (the reason is in its docstring); this module reports each case and wh
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from hyparallel.pipeline.schedule import parse_action
@@ -35,12 +33,7 @@ HAND_CHECKED = [case for case in CASES + AWKWARD if schedule_of(case) in HAND_WR
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, repo):
     out = tmp_path_factory.mktemp("pp") / "results.jsonl"
-    torchrun(repo, "tests/distributed/pp_worker.py", out, 4, timeout=600)
-    by_case = {}
-    for line in out.read_text().splitlines():
-        ranks = json.loads(line)  # one entry per global rank
-        by_case[ranks[0]["case"]] = ranks
-    return by_case
+    return torchrun(repo, "tests/distributed/pp_worker.py", out, 4, timeout=600)  # case -> one entry per rank
 
 
 def pipeline_ranks(results, case):

@@ -7,9 +7,7 @@ Note [a stage follows the model's mode] (hyparallel/pipeline/split.py). Rank 0 w
 
 from __future__ import annotations
 
-import functools
 import logging
-import sys
 
 import harness  # tests/distributed/harness.py, beside this script
 import torch
@@ -49,11 +47,5 @@ def run_case(name: str) -> dict:
     return {"want": want, "eval": evals, "train": trains}
 
 
-def main() -> None:
-    out_path, names = sys.argv[1], sys.argv[2:]
-    harness.init()
-    harness.run_cases(out_path, [(name, functools.partial(run_case, name)) for name in names])
-
-
 if __name__ == "__main__":
-    main()
+    harness.main(run_case)

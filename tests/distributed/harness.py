@@ -12,6 +12,7 @@ Note [a failing rank ends the launch]
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import sys
@@ -73,3 +74,10 @@ def run_cases(out_path: str, cases: Iterable[tuple[str, Callable[[], dict]]]) ->
         Path(out_path).write_text("".join(json.dumps(row) + "\n" for row in rows))
     dist.barrier()  # every rank done with every collective before the groups go
     dist.destroy_process_group()
+
+
+def main(run_case: Callable[[str], dict]) -> None:
+    """A worker's entry point: ``script OUT CASE...`` runs ``run_case(name)`` for each case on every rank."""
+    out_path, names = sys.argv[1], sys.argv[2:]
+    init()
+    run_cases(out_path, [(name, functools.partial(run_case, name)) for name in names])

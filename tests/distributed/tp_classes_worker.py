@@ -8,9 +8,7 @@ all-reduces sum partial products in another order, rounding only). Rank 0 writes
 
 from __future__ import annotations
 
-import functools
 import logging
-import sys
 
 import harness  # tests/distributed/harness.py, beside this script
 import torch
@@ -90,11 +88,5 @@ def run_case(name: str) -> dict:
     }
 
 
-def main() -> None:
-    out_path, names = sys.argv[1], sys.argv[2:]
-    harness.init()
-    harness.run_cases(out_path, [(name, functools.partial(run_case, name)) for name in names])
-
-
 if __name__ == "__main__":
-    main()
+    harness.main(run_case)
