@@ -30,6 +30,7 @@ from hyparallel.checks import batch_statistics, batch_statistics_warning, check_
 from hyparallel.data_parallel import DataParallel, apply_data_parallel, micro_batch_hook
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph, trace
+from hyparallel.graph.kinds import logits_of
 from hyparallel.graph.local_shapes import block_modules
 from hyparallel.graph.tracer import tracing_device
 from hyparallel.pipeline.runtime import PipelineRuntime, chunk_tree
@@ -553,10 +554,9 @@ def token_cross_entropy(output: Any, targets: torch.Tensor, reduction: str = "me
 
 
 def _logits(output: Any) -> torch.Tensor:
-    """What the default loss reads: ``output.logits`` (a Hugging Face output), ``output["logits"]``, or the output."""
-    if hasattr(output, "logits"):
-        return output.logits
-    return output["logits"] if isinstance(output, dict) and "logits" in output else output
+    """What the default loss reads (``logits_of``), or the whole output."""
+    logits = logits_of(output)
+    return output if logits is None else logits
 
 
 def _init_process_group(backend: str, env: LaunchEnv) -> None:

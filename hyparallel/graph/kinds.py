@@ -239,3 +239,11 @@ def writes_in_place(target: str) -> bool:
         or target in ("iadd", "isub", "imul", "itruediv", "ior", "iand")
         or (target.endswith("_") and not target.endswith("__"))
     )
+
+
+def logits_of(output: Any) -> Any:
+    """What the default loss reads of a model's output: ``output.logits`` (a Hugging Face output) or
+    ``output["logits"]``; None when it has neither (then the loss reads the whole output)."""
+    if hasattr(output, "logits"):
+        return output.logits
+    return output.get("logits") if isinstance(output, dict) else None

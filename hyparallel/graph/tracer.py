@@ -33,6 +33,7 @@ from hyparallel.graph.kinds import (
     VIEW_OPS,
     base_forward,
     function_kind,
+    logits_of,
     module_kind,
     target_name,
     writes_in_place,
@@ -849,9 +850,7 @@ class _OpBuilder:
                 value = tree_unflatten(list(value), self.program.artifact.call_spec.out_spec)
             except Exception:  # noqa: BLE001 -- an output the spec does not rebuild: every output counts
                 return ()
-        logits = getattr(value, "logits", None)
-        if logits is None and isinstance(value, dict):
-            logits = value.get("logits")
+        logits = logits_of(value)
         if not isinstance(logits, torch.Tensor):
             return ()
         found = [n for n in node.all_input_nodes if self.profiler.outputs.get(n) is logits]
