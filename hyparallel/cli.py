@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -59,6 +60,9 @@ EXAMPLES = {
         "  hyparallel plan --model llama-70b --gpus 64 --cluster h100-sxm --tp 8 --top 5\n"
         "  hyparallel plan --model hf:LlamaForCausalLM num_hidden_layers=8 --gpus 8 --json\n"
         "  hyparallel plan --model mypkg.gpt:make_model --example-inputs mypkg.gpt:make_inputs --gpus 8 --seq-len 1024"
+        "\n"
+        "  hyparallel plan --model gpt-13b --gpus 64 --cluster h100-sxm --mtbf 24 --checkpoint memory   "
+        "# + checkpoint interval, goodput"
     ),
     "calibrate": (
         "examples:\n"
@@ -205,6 +209,8 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
             "no predictions in this plan (stages, tensor-parallel styles and predictions come from the planner: "
             "`hyparallel plan`)"
         )
+    for line in views.checkpoint_lines(plan) if plan.checkpoint else ():
+        out.print(line, markup=False, highlight=False)
 
 
 def _first_group(plan, axis: str) -> range:
@@ -303,7 +309,8 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     from hyparallel import models
     from hyparallel._files import check_writable
     from hyparallel.cluster import ClusterSpec
-    from hyparallel.planner import PlanError, search, to_plan
+    from hyparallel.planner import PlanError, search, to_plan, with_goodput
+    from hyparallel.planner.goodput import DEFAULT_RESTART_S, check_goodput_request
 
     if args.output:
         check_writable(args.output)  # before the search, not after it
@@ -313,6 +320,11 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     if args.gpus % per_node:
         raise PlanError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {per_node}; use whole nodes")
     cluster = base.resized(num_nodes=args.gpus // per_node, gpus_per_node=per_node)
+    if args.mtbf is None and (args.restart_s is not None or args.checkpoint is not None):
+        raise PlanError("--restart-s and --checkpoint describe the checkpoint cost; add --mtbf HOURS to have it")
+    restart_s, storage = DEFAULT_RESTART_S if args.restart_s is None else args.restart_s, args.checkpoint or "disk"
+    if args.mtbf is not None:  # before the search, as the output path
+        check_goodput_request(args.mtbf, restart_s, storage, cluster)
     with _logged(args.verbose), _progress(sys.stderr.isatty() and not args.json and not args.verbose) as progress:
         loaded = models.load(args.model)
         make_inputs = models.load_callable(args.example_inputs, "example inputs") if args.example_inputs else None
@@ -333,6 +345,8 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
             **constraints,
         )
     plan = result.plan()
+    if args.mtbf is not None:
+        plan = with_goodput(plan, args.mtbf, restart_s=restart_s, storage=storage)
     if args.output:
         plan.save(args.output)
     if args.json:
@@ -410,6 +424,8 @@ def _print_plan(plan, out: Console) -> None:
     )
     out.print(views.stage_table(plan))
     out.print(views.time_breakdown(plan))
+    for line in views.checkpoint_lines(plan) if plan.checkpoint else ():
+        out.print(line, markup=False, highlight=False)
 
 
 def _print_top(result, to_plan, out: Console) -> None:
@@ -623,6 +639,24 @@ def _int_in(high: int, low: int = 1) -> Callable[[str], int]:
     return parse
 
 
+def _float_in(high: float, unit: str, positive: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` for a number of ``unit`` from 0 (excluded when ``positive``) to ``high``."""
+    what = f"a number of {unit} " + ("above 0" if positive else "from 0") + f" up to {high:g}"
+
+    # Named apart from _int_in's `parse`: tests/test_fuzz_cli.py finds integer flags by that name.
+    def parse_float(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan  # refused below, as inf is
+        if not (0 < value <= high if positive else 0 <= value <= high):
+            shown = text if len(text) <= 40 else text[:37] + "..."
+            raise argparse.ArgumentTypeError(f"expected {what}, got '{shown}'")
+        return value
+
+    return parse_float
+
+
 DEVICES, PER_NODE = _int_in(limits.MAX_DEVICES), _int_in(limits.MAX_GPUS_PER_NODE)
 SEQUENCES, SEQ_LEN = _int_in(limits.MAX_GLOBAL_BATCH), _int_in(limits.MAX_SEQ_LEN)
 
@@ -719,6 +753,28 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")
     plan.add_argument(
         "--verbose", action="store_true", help="log the search on stderr: its phases and every configuration costed"
+    )
+    plan.add_argument(
+        "--mtbf",
+        type=_float_in(limits.MAX_MTBF_HOURS, "hours", positive=True),
+        default=None,
+        metavar="HOURS",
+        help="the job's mean time between failures: add the checkpoint cost, the checkpoint interval that "
+        "maximises goodput and the expected goodput to the plan (docs/cost-model.md)",
+    )
+    plan.add_argument(
+        "--restart-s",
+        type=_float_in(limits.MAX_RESTART_S, "seconds"),
+        default=None,
+        metavar="S",
+        help="with --mtbf: seconds from a failure to training again, the checkpoint's load included (default 60)",
+    )
+    plan.add_argument(
+        "--checkpoint",
+        choices=("memory", "disk"),
+        default=None,
+        help="with --mtbf: how hp.checkpoint.save stores checkpoints: memory (blocks for the host copy; written to "
+        "disk in the background) or disk (blocks for the write; the default)",
     )
     check = add(
         "check",

@@ -40,6 +40,11 @@ def float_in(low: float, high: float | None = None) -> Any:
     return Annotated[float, Field(ge=low, le=high, allow_inf_nan=False), BeforeValidator(_not_a_boolean)]
 
 
+def float_above(low: float, high: float) -> Any:
+    """As :func:`float_in`, with ``low`` itself refused (a duration that must be more than nothing)."""
+    return Annotated[float, Field(gt=low, le=high, allow_inf_nan=False), BeforeValidator(_not_a_boolean)]
+
+
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 NonNegativeFloat = float_in(0.0)  # finite; planner figures (seconds, GiB) with no upper bound of their own
 Flops = float_in(limits.MIN_RATE, limits.MAX_FLOPS)
@@ -137,6 +142,19 @@ class ClusterSpec(_Frozen):
     device: DeviceSpec = Field(description="One device's compute and memory.")
     intra_node: LinkSpec = Field(description="The link between devices of one node.")
     inter_node: LinkSpec = Field(description="A device's share of the network between nodes.")
+    # Checkpoint figures (docs/cost-model.md, "Checkpoints and goodput"); optional: only `hyparallel plan --mtbf`
+    # reads them, and a cluster file written before they existed still loads.
+    host_memory_bandwidth_bytes_per_s: BytesPerS | None = Field(
+        None,
+        description="Bytes per second of one device's memory checkpoint, every device of its node saving at once: "
+        "the copy off the device and its write into the node's shared memory, as "
+        '`hp.checkpoint.save(..., storage="memory")` makes them.',
+    )
+    disk_bandwidth_bytes_per_s: BytesPerS | None = Field(
+        None,
+        description="Bytes per second one node writes to the checkpoint directory, shared by its devices "
+        "(local NVMe, or the node's share of a shared file system).",
+    )
 
     @model_validator(mode="after")
     def _check_size(self) -> ClusterSpec:
@@ -194,8 +212,8 @@ class ClusterSpec(_Frozen):
         return cls.preset(name_or_path, num_nodes, gpus_per_node)
 
     def to_yaml(self) -> str:
-        """This spec as YAML text."""
-        return dump_yaml(self.model_dump(mode="json"))
+        """This spec as YAML text (an optional figure left out is not written)."""
+        return dump_yaml(self.model_dump(mode="json", exclude_none=True))
 
     def save(self, path: str | Path) -> None:
         """Write this spec as YAML; the file is replaced only once the new text is complete."""

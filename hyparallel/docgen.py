@@ -44,6 +44,7 @@ PLAN_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("stages[]", schema.StageSpec),
     ("predicted", schema.Predicted),
     ("predicted.comm_s", schema.CommTime),
+    ("checkpoint", schema.CheckpointCost),
 )
 CLUSTER_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("cluster", ClusterSpec),
@@ -399,6 +400,7 @@ every choice the file states fixed; the planner writes everything.
 | `stages` | list of [StageSpec](#stagespec) | planner (or you) |
 | `tensor_parallel` | map of module path or glob to `column`, `row`, `vocab` or `replicate` | planner (or you) |
 | `predicted` | [Predicted](#predicted) | planner |
+| `checkpoint` | [CheckpointCost](#checkpointcost) | planner, with `--mtbf` (optional) |
 
 ## A complete plan
 
@@ -641,6 +643,11 @@ What each figure should be, and how to measure it:
 - `intra_node` / `inter_node`: the **bus bandwidth** nccl-tests' `all_reduce_perf` reports for a large
   message (inside one node; across nodes with one GPU per node), not the datasheet's line rate; the
   latency is a small message's time over the ring's 2(n-1) steps.
+- `host_memory_bandwidth_bytes_per_s`, `disk_bandwidth_bytes_per_s` (optional; only `hyparallel plan --mtbf`
+  reads them, [cost-model.md](cost-model.md#checkpoints-and-goodput)): the rate of one device's memory checkpoint
+  with every device of the node saving at once (time `hp.checkpoint.save(..., storage="memory")` and divide the
+  bytes each rank holds by it; a device-to-host copy's rate, CUDA samples' `bandwidthTest --dtoh`, bounds it
+  from above), and what one node writes to the checkpoint directory (`fio --rw=write --bs=16M --direct=1` there).
 
 Or let hyparallel measure them: `hyparallel calibrate [--base PRESET] [--nproc N] --out FILE` runs the
 measurements on the machine it is started on (the links with N processes) and writes a cluster file

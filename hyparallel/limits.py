@@ -67,6 +67,12 @@ MAX_LATENCY_S = 3600.0
 # `hyparallel plan --top K`: a table of more than 100 plans is not read.
 MAX_TOP = 100
 
+# `hyparallel plan --mtbf HOURS` (the job's mean time between failures) and `--restart-s`: 10^7 hours is over a
+# thousand years, far above one device's MTBF (GPUs are rated at tens of thousands of hours); a restart of a
+# day is no restart.
+MAX_MTBF_HOURS = 1e7
+MAX_RESTART_S = 86400.0
+
 # `hyparallel simulate` times every forward and backward of every micro-batch on every (virtual) stage, one
 # by one in Python: 2 x pp x virtual_stages x num_microbatches of them, at most 2^17 = 131,072 (gpt-175b's
 # plan for 1,024 A100s has 18,432), and draws one row per pipeline rank, at most 256 (twice the deepest

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from hyparallel import limits
 from hyparallel._files import atomic_output
 from hyparallel._yaml import dump_yaml, read_yaml, validate
-from hyparallel.cluster import ClusterSpec, NonNegativeFloat, int_in
+from hyparallel.cluster import ClusterSpec, NonNegativeFloat, PositiveInt, float_above, float_in, int_in
 from hyparallel.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ Recompute = Literal["none", "selective", "full"]
 ZeroStage = Literal[0, 1, 2, 3]
 TPStyle = Literal["column", "row", "vocab", "replicate"]
 Axis = Literal["pp", "dp", "tp"]
+CheckpointStorage = Literal["memory", "disk"]  # hp.checkpoint.save's storage=: host memory first, or straight to disk
 # (model output, targets) -> scalar loss, as train_step and eval_step take it. A string "torch.Tensor": this
 # module, which the planner and the CLI load, does not import torch.
 LossFn = Callable[[Any, Any], "torch.Tensor"]
@@ -258,6 +259,54 @@ class Predicted(_Section):
     comm_s: CommTime = Field(description="Communication seconds per step by mesh axis.")
 
 
+class CheckpointCost(_Section):
+    """Checkpoint cost, the checkpoint interval that maximises goodput, and the goodput expected under failures.
+
+    Written by ``hyparallel plan --mtbf`` (``hp.plan(..., mtbf_hours=)``); the formulas are in docs/cost-model.md,
+    "Checkpoints and goodput". Informational: training does not read it.
+    """
+
+    mtbf_hours: float_above(0.0, limits.MAX_MTBF_HOURS) = Field(
+        description="Mean time between failures of the whole job (any of its devices or nodes), in hours."
+    )
+    restart_s: float_in(0.0, limits.MAX_RESTART_S) = Field(
+        description="Seconds from a failure to training again: detection, relaunch, initialisation and the "
+        "checkpoint's load."
+    )
+    storage: CheckpointStorage = Field(
+        description="`memory`: a save blocks for the copy into host memory and writes to disk in the background; "
+        "`disk`: it blocks for the disk write."
+    )
+    checkpoint_gib: NonNegativeFloat = Field(
+        description="GiB the busiest rank writes to disk per checkpoint: its share of the fp32 weights and AdamW "
+        "state of its pipeline stage, each replicated piece written once (spread over the tp x dp ranks)."
+    )
+    host_copy_gib: NonNegativeFloat = Field(
+        description="GiB the busiest rank copies into host memory per memory checkpoint: every piece it holds "
+        "(replicated over dp unless ZeRO >= 1)."
+    )
+    host_copy_s: NonNegativeFloat = Field(
+        description="Seconds of a memory checkpoint: host_copy_gib at cluster.host_memory_bandwidth_bytes_per_s "
+        "(given for `disk` too, for comparison)."
+    )
+    disk_write_s: NonNegativeFloat = Field(
+        description="Seconds for a node to write its ranks' checkpoint_gib at cluster.disk_bandwidth_bytes_per_s "
+        "(in the background for `memory`)."
+    )
+    save_time_s: NonNegativeFloat = Field(
+        description="Seconds training stops per checkpoint: host_copy_s (`memory`) or disk_write_s (`disk`)."
+    )
+    interval_steps: PositiveInt = Field(
+        description="Optimizer steps between checkpoints: Young/Daly's sqrt(2 x save_time_s x MTBF) in whole "
+        "steps, at least one (and, for `memory`, at least disk_write_s, so that every checkpoint reaches the disk)."
+    )
+    interval_s: NonNegativeFloat = Field(description="interval_steps x predicted.step_time_s.")
+    goodput: float_in(0.0, 1.0) = Field(
+        description="Expected fraction of wall time spent on steps that are kept: 1 - save_time_s / interval_s - "
+        "(interval_s / 2 + restart_s) / MTBF, at least 0."
+    )
+
+
 class Plan(_Section):
     """A hybrid-parallel plan, written by the planner for the runtime; load with ``Plan.load``, write with ``save``."""
 
@@ -282,6 +331,11 @@ class Plan(_Section):
     )
     predicted: Predicted | None = Field(
         None, description="The planner's predictions; informational: training does not depend on them."
+    )
+    checkpoint: CheckpointCost | None = Field(
+        None,
+        description="Checkpoint cost, best interval and expected goodput; written by `hyparallel plan --mtbf`, "
+        "informational.",
     )
 
     @model_validator(mode="before")

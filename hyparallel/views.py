@@ -1,5 +1,5 @@
 """Rich tables of a Plan, for ``hyparallel show`` and ``hyparallel plan``: the device map, the stages with
-their memory against the device's, and the predicted step time taken apart.
+their memory against the device's, the predicted step time taken apart, and the checkpoint cost and goodput.
 
 Note [what the time breakdown adds up]
     The planner's step time is max over devices of (m - 1/v) x t_s + tail_s, plus sum(t_s) / v, with t_s a
@@ -162,3 +162,40 @@ def time_breakdown(plan: Plan) -> Table:
     for part, seconds in parts.items():
         table.add_row(part, f"{seconds:.4f}", f"{seconds / pred.step_time_s:.1%}" if pred.step_time_s else "-")
     return table
+
+
+def duration(seconds: float) -> str:
+    """95.2 s, 20.4 min, 3.1 h: a duration in the unit it is read in."""
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
+def checkpoint_lines(plan: Plan) -> list[str]:
+    """The plan's checkpoint cost and expected goodput in two lines (docs/cost-model.md, "Checkpoints and goodput")."""
+    ck = plan.checkpoint
+    mtbf_s = ck.mtbf_hours * 3600
+    if ck.storage == "memory":
+        cost = (
+            f"checkpoint {ck.host_copy_gib:,.3g} GiB per rank into host memory: training stops "
+            f"{duration(ck.save_time_s)} per save; {ck.checkpoint_gib:,.3g} GiB per rank to disk in the background "
+            f"({duration(ck.disk_write_s)} per node)"
+        )
+    else:
+        cost = (
+            f"checkpoint {ck.checkpoint_gib:,.3g} GiB per rank to disk: training stops {duration(ck.save_time_s)} "
+            f"per save (the node's write); a memory checkpoint would stop it {duration(ck.host_copy_s)}"
+        )
+    lost = {
+        "saves": ck.save_time_s / ck.interval_s if ck.interval_s else 0.0,
+        "redone": ck.interval_s / 2 / mtbf_s,
+        "restarts": ck.restart_s / mtbf_s,
+    }
+    return [
+        cost,
+        f"goodput    {ck.goodput:.1%} expected with a checkpoint every {ck.interval_steps:,} steps "
+        f"({duration(ck.interval_s)}; Young/Daly, MTBF {ck.mtbf_hours:g} h, restart {duration(ck.restart_s)}); "
+        "lost: " + ", ".join(f"{part} {fraction:.2%}" for part, fraction in lost.items()),
+    ]

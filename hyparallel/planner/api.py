@@ -16,11 +16,12 @@ from hyparallel.graph import ModelGraph
 from hyparallel.graph.local_shapes import replicate_what_fails
 from hyparallel.planner import costs
 from hyparallel.planner.constraints import Constraints, count_message
+from hyparallel.planner.goodput import DEFAULT_RESTART_S, check_goodput_request, with_goodput
 from hyparallel.planner.inputs import make as make_inputs
 from hyparallel.planner.inputs import read as read_inputs
 from hyparallel.planner.profile import ModelProfile
 from hyparallel.planner.search import Evaluation, Progress, Search, axis_link, enumerate_configs, transfer_s
-from hyparallel.schema import Plan
+from hyparallel.schema import CheckpointStorage, Plan
 
 
 @dataclass
@@ -76,6 +77,9 @@ def plan(
     example_inputs: Any = None,
     name: str | None = None,
     constraints: Constraints | None = None,
+    mtbf_hours: float | None = None,
+    restart_s: float = DEFAULT_RESTART_S,
+    checkpoint_storage: CheckpointStorage = "disk",
     **fixed: Any,
 ) -> Plan:
     """The fastest plan that fits memory for ``model`` on ``cluster``; constraints fix any decision.
@@ -86,8 +90,15 @@ def plan(
     as a model's ``example_inputs`` method is (Note [example inputs]). The constraints are
     ``constraints=Constraints(...)`` or the same names as keyword arguments: tp, pp, dp, micro_batch, schedule,
     virtual_stages, recompute, zero, sequence_parallel, order (placement.order, outermost axis first).
+
+    ``mtbf_hours`` (the whole job's mean time between failures) adds the plan's ``checkpoint`` section: the save
+    time per checkpoint, the interval that maximises goodput and the goodput expected, with ``restart_s``
+    seconds per restart and checkpoints saved as ``hp.checkpoint.save(storage=checkpoint_storage)``
+    (``hyparallel.planner.with_goodput``, which adds it to any plan; docs/cost-model.md).
     """
-    return search(
+    if mtbf_hours is not None:  # refused before the search, not after it
+        check_goodput_request(mtbf_hours, restart_s, checkpoint_storage, cluster)
+    best = search(
         model,
         cluster,
         global_batch,
@@ -98,6 +109,9 @@ def plan(
         constraints=constraints,
         **fixed,
     ).plan()
+    if mtbf_hours is None:
+        return best
+    return with_goodput(best, mtbf_hours, restart_s=restart_s, storage=checkpoint_storage, cluster=cluster)
 
 
 def search(
