@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hyparallel import launch
 from hyparallel.checks import batch_statistics, batch_statistics_warning, check_plan, check_world_size
 from hyparallel.data_parallel import DataParallel, apply_data_parallel, micro_batch_hook
 from hyparallel.errors import ConfigError
@@ -221,9 +222,12 @@ def init_mesh(plan: Plan, env: LaunchEnv, device: torch.device):
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        _init_process_group("nccl" if device.type == "cuda" else "gloo", env)
+        launch.init_process_group("nccl" if device.type == "cuda" else "gloo")
     shape = plan.mesh_shape()
-    return init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    if launch.current_timeout() is not None:  # the mesh's groups too (Note [how long a collective may wait])
+        launch.set_timeouts(launch.current_timeout())
+    return mesh
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, only: set[str] | None = None) -> None:
@@ -308,6 +312,7 @@ class ParallelModel:
         self._vocab_parallel_loss = vocab_parallel_loss
         self._ddp = data_parallel.ddp
         self._io = None
+        self._started = False
         self.metrics = RunMetrics(
             plan, graph.flops / max(_token_count(example), 1), device, pp_rank=mesh["pp"].get_local_rank()
         )
@@ -342,7 +347,7 @@ class ParallelModel:
         Every rank must call it at the same point, as for any new group.
         """
         if self._io is None:
-            self._io = dist.new_group(backend="gloo")
+            self._io = launch.background_group()
         return self._io
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -395,7 +400,11 @@ class ParallelModel:
         self.data_parallel.finish_step(self.parameters())
         for module, since in zip(self._modules, before):
             self.tp_info.reduce_grads(module, since)
-        return self.data_parallel.mean(loss)
+        loss = self.data_parallel.mean(loss)
+        if not self._started:  # Note [how long a collective may wait]: started, from now on bounded tightly
+            self._started = True
+            launch.set_timeouts(launch.collective_timeout("nccl" if self.device.type == "cuda" else "gloo"))
+        return loss
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -557,19 +566,6 @@ def _logits(output: Any) -> torch.Tensor:
     """What the default loss reads (``logits_of``), or the whole output."""
     logits = logits_of(output)
     return output if logits is None else logits
-
-
-def _init_process_group(backend: str, env: LaunchEnv) -> None:
-    """The default process group for this launch: env:// under torchrun, an in-memory store for one process.
-
-    Restarts under torchrun need each rendezvous round to get its own store, or the new gloo/NCCL groups
-    can read the dead workers' addresses (pytorch/pytorch#167288): launch torchrun with
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when it may restart workers (README, examples/train_gpt.py).
-    """
-    if env.world_size == 1:  # a world of one needs no rendezvous, whatever MASTER_ADDR a shell exported
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        dist.init_process_group(backend)
 
 
 def default_device(env: LaunchEnv, plan: Plan) -> torch.device:
