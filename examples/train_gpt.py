@@ -3,11 +3,12 @@
 
 Byte-level language modelling on examples/data/corpus.txt (hyparallel's own docs: 256 token ids, gpt-tiny's vocabulary).
 Without --plan the planner plans for the launch it finds (WORLD_SIZE, the `cpu` preset, the same global batch): under
-`torchrun --nnodes MIN:MAX --max-restarts N` (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: see README) a restart with
-fewer workers re-plans, loads the newest checkpoint of --checkpoint-dir resharded, and goes on. Every rank draws the
-same global batches from a seeded generator (so a resumed run skips exactly the batches already seen); `shard` gives
-each data-parallel rank its rows. Rank 0 logs loss, step time, tokens/s, TFLOP/s and MFU (with peak memory on a GPU)
-against the plan's predictions, and their medians at the end; --log-json FILE adds every step's loss, unrounded.
+`torchrun --nnodes MIN:MAX --max-restarts N` or `dlrover-run` a restarted group (with fewer workers: re-planned) loads
+the newest checkpoint of --checkpoint-dir, resharded (--checkpoint-storage memory: from shared memory), and goes on.
+Every rank draws the same global batches from a seeded generator (so a resumed run skips exactly the batches already
+seen); `shard` gives each data-parallel rank its rows. Rank 0 logs loss, step time, tokens/s, TFLOP/s and MFU (with
+peak memory on a GPU) against the plan's predictions, and their medians at the end; --log-json FILE adds every step's
+loss, unrounded.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", help="save here, and resume from its newest complete checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: never)")
+    parser.add_argument(
+        "--checkpoint-storage",
+        choices=("disk", "memory"),
+        default="disk",
+        help="memory: save to shared memory, persisted to --checkpoint-dir in the background (default disk)",
+    )
     parser.add_argument("--metrics-out", help="rank 0 writes the measured step figures here as JSON")
     parser.add_argument("--log-json", help="rank 0 appends {step, loss, world_size, restart} here, a JSON line a step")
     return parser.parse_args()
@@ -68,15 +75,18 @@ def main() -> None:
     plan = load_plan(args, model)
     pmodel = hp.parallelize(model, plan, seed=args.seed)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr, weight_decay=0.0)
-    rank0, done = pmodel.env.rank == 0, 0
-    if args.checkpoint_dir and hp.checkpoint.latest(args.checkpoint_dir):
-        done = hp.checkpoint.load(pmodel, optimizer, args.checkpoint_dir)["step"]
+    rank0, done, source = pmodel.env.rank == 0, 0, ""
+    resumed = None
+    if args.checkpoint_dir:
+        resumed = hp.checkpoint.load(pmodel, optimizer, args.checkpoint_dir, missing_ok=True)
+    if resumed:  # the newest checkpoint on disk or, from a restart on the same node, in memory
+        done, source = resumed["step"], resumed["storage"]
     if rank0:
         par = plan.parallel
         print(
             f"{args.model}: dp {par.dp} x tp {par.tp} x pp {par.pp} ({par.schedule}, {plan.num_microbatches} "
             f"micro-batches of {plan.training.micro_batch}), zero {par.zero}, recompute {par.recompute}"
-            + (f"; resumed after step {done}" if done else ""),
+            + (f"; resumed after step {done} from {source}" if done else ""),
             flush=True,
         )
     data = batches(plan, args.seed, skip=done)
@@ -112,7 +122,10 @@ def main() -> None:
                 args.checkpoint_dir,
                 step,
                 extra={"sequences_seen": step * plan.training.global_batch},
+                storage=args.checkpoint_storage,
             )
+    if args.checkpoint_dir and args.checkpoint_storage == "memory":
+        hp.checkpoint.finish(pmodel, args.checkpoint_dir)  # the newest memory checkpoint on disk, memory freed
     summary = pmodel.metrics.summary()  # median over the steps after the first
     if rank0 and summary is not None:
         print(

@@ -11,16 +11,26 @@ AdamW-style optimizer state (tensors shaped like their parameter) is saved the s
 A checkpoint is a folder ``step-00000010`` under the given directory, written as ``.step-00000010.tmp`` and
 renamed only when every rank has finished and ``hyparallel.json`` (step, extra, plan) is in it; ``latest``
 names the newest complete one. A crash mid-save leaves the previous checkpoint current.
+
+``storage="memory"`` (Note [memory checkpoints]) saves to the node's shared memory in a fraction of the disk
+save's time, and a background writer persists the same checkpoint to the directory; a group restarted on the
+same nodes resumes from memory, and from disk otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import pickle
+import queue
 import random
 import shutil
-from dataclasses import dataclass
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from hyparallel import _files
+from hyparallel import _files, launch
 from hyparallel.errors import ConfigError
 
 MARKER = "hyparallel.json"
@@ -78,6 +88,7 @@ def save(
     step: int,
     extra: dict[str, Any] | None = None,
     asynchronous: bool = False,
+    storage: str = "disk",
 ) -> Path | PendingSave:
     """Write a checkpoint of ``pmodel`` (and the optimizer's state) for ``step``; every rank calls it.
 
@@ -85,9 +96,19 @@ def save(
     Returns the checkpoint folder. With ``asynchronous`` the tensors are copied (staged) and written by a
     background thread over a process group of its own while training goes on; the returned
     :class:`PendingSave`'s ``wait()``, on every rank, makes the checkpoint current (call it before the
-    next save and before exiting).
+    next save and before exiting). ``storage="memory"`` (Note [memory checkpoints]) returns once every rank's
+    pieces are in the node's shared memory; the same checkpoint reaches ``directory`` in the background (call
+    :func:`finish` after the last save).
     """
-    root = Path(directory)
+    if storage not in ("disk", "memory"):
+        raise ConfigError(f"checkpoint storage {storage!r}: use 'disk' or 'memory'")
+    with launch.long_timeouts():
+        if storage == "memory":
+            return _save_to_memory(pmodel, optimizer, Path(directory), step, extra)
+        return _save_to_disk(pmodel, optimizer, Path(directory), step, extra, asynchronous)
+
+
+def _save_to_disk(pmodel, optimizer, root: Path, step: int, extra, asynchronous: bool) -> Path | PendingSave:
     final, temporary = root / f"step-{step:08d}", root / f".step-{step:08d}.tmp"
     if _rank() == 0:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -95,7 +116,22 @@ def save(
     _barrier()
     entries = state_entries(pmodel, optimizer)
     torch.save(_rng_state(), temporary / f"rng-{_rank()}.pt")
-    meta = {
+    pending = PendingSave(root, temporary, final, _meta(pmodel, optimizer, step, extra))
+    if not asynchronous:
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(entries))
+        return pending.wait()
+    pending.group = pmodel.io_group()
+    pending.future = dcp.async_save(
+        {},
+        storage_writer=dcp.FileSystemWriter(temporary),
+        planner=_SavePieces(_staged(entries)),
+        process_group=pending.group,
+    )
+    return pending
+
+
+def _meta(pmodel, optimizer, step: int, extra) -> dict[str, Any]:
+    return {
         "format": FORMAT,
         "step": step,
         "extra": extra or {},
@@ -105,19 +141,14 @@ def save(
         "optimizer": _hyperparameters(optimizer),
         "tied": {alias: first for alias, first in _canonical_names(pmodel).items() if alias != first},
     }
-    pending = PendingSave(root, temporary, final, meta)
-    if not asynchronous:
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(entries))
-        return pending.wait()
-    staged = {
+
+
+def _staged(entries: dict[str, Entry]) -> dict[str, Entry]:
+    """A host copy of every piece: training may change the tensors while a background writer runs."""
+    return {
         fqn: Entry(e.shape, [Piece(p.offsets, p.view.detach().to("cpu", copy=True)) for p in e.pieces])
         for fqn, e in entries.items()
-    }  # a copy: training may change the tensors while the writer runs
-    pending.group = pmodel.io_group()
-    pending.future = dcp.async_save(
-        {}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(staged), process_group=pending.group
-    )
-    return pending
+    }
 
 
 @dataclass
@@ -150,6 +181,191 @@ class PendingSave:
         return self.final
 
 
+# Note [memory checkpoints]
+#     A disk checkpoint blocks training for as long as every rank takes to write its pieces; checkpointing
+#     rarely then costs the work since the last one at every failure. save(..., storage="memory") instead:
+#     1. copies this rank's pieces to host memory (the staging copy an asynchronous save makes anyway) and writes
+#        them with torch.distributed.checkpoint, as a checkpoint of this rank alone (no_dist: no collective, no
+#        deduplication, every piece the rank holds), to the node's shared memory: a tmpfs folder (/dev/shm, or
+#        HYPARALLEL_MEMORY_DIR) named after the checkpoint directory, one folder per rank, renamed into place
+#        once complete as on disk. Files in tmpfs outlive the process: a worker killed by SIGKILL leaves its
+#        snapshot behind for the group the agent restarts on that node (torch's own shared-memory staging for
+#        async_save lives in the process and dies with it; DLRover's flash checkpoint keeps it in its agent and
+#        writes its own file layout, not these resharding pieces);
+#     2. all ranks agree (one small all-reduce) whether every background writer is idle; if so, the staged
+#        pieces go to a writer thread that saves them to the checkpoint directory in the usual resharding format,
+#        over the gloo group of its own (pmodel.io_group()), and makes it current there as a disk save does. A
+#        save that finds a writer busy keeps memory only: the disk copy lags by as much as the disk needs;
+#     3. a rank deletes its previous snapshot only once the all-reduce of step 2 shows every rank wrote the new
+#        one: a rank killed mid-save leaves every rank holding the step before. load() resumes from memory when
+#        every rank has a snapshot of the same step (the newest they all have), written by this run
+#        (TORCHELASTIC_RUN_ID) under this plan and world, at least as new as the newest on disk; each rank then
+#        reads only its own folder. Otherwise (a node replaced, another world size: a re-plan) it loads from disk,
+#        resharded. Memory needs the staged copy plus the snapshot, about twice the rank's checkpoint bytes, on
+#        top of training; finish() persists the newest snapshot if the disk lags and frees the memory.
+MEMORY_ENV = "HYPARALLEL_MEMORY_DIR"
+
+
+def memory_dir(directory: str | Path) -> Path:
+    """The node-local shared-memory folder that holds memory checkpoints of ``directory`` (one folder per rank)."""
+    base = os.environ.get(MEMORY_ENV) or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
+    key = hashlib.sha1(str(Path(directory).resolve()).encode()).hexdigest()[:12]
+    return Path(base) / f"hyparallel-{os.getuid()}-{key}"
+
+
+def _run_id() -> str:
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+@dataclass
+class _DiskWriter:
+    """The background thread that persists memory checkpoints, one job at a time, over its own group."""
+
+    group: Any
+    jobs: queue.Queue = field(default_factory=lambda: queue.Queue(maxsize=1))
+    busy: bool = False
+    error: BaseException | None = None
+    newest: tuple[Path, int, dict, dict, Any] | None = None  # the newest memory save, (root, step, staged, meta, rng)
+    persisted: int = -1
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._run, name="hyparallel-checkpoint-writer", daemon=True).start()
+
+    def submit(self, job) -> None:
+        self.busy = True
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            root, step, staged, meta, rng = self.jobs.get()
+            try:
+                _persist(root, step, staged, meta, rng, self.group)
+                self.persisted = step
+            except BaseException as exc:  # reported by the next save or finish(), on the main thread
+                self.error = exc
+            finally:
+                self.busy = False
+
+    def wait_idle(self) -> None:
+        while self.busy:
+            threading.Event().wait(0.01)
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"the background checkpoint writer failed: {error}") from error
+
+
+def _persist(root: Path, step: int, staged: dict[str, Entry], meta: dict, rng: Any, group) -> None:
+    final, temporary = root / f"step-{step:08d}", root / f".step-{step:08d}.tmp"
+    if _rank() == 0:
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+    _barrier(group)
+    torch.save(rng, temporary / f"rng-{_rank()}.pt")
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(staged), process_group=group)
+    PendingSave(root, temporary, final, meta, group=group).wait()
+
+
+def _writer(pmodel) -> _DiskWriter:
+    writer = getattr(pmodel, "_checkpoint_writer", None)
+    if writer is None:
+        writer = pmodel._checkpoint_writer = _DiskWriter(pmodel.io_group())
+    return writer
+
+
+def _save_to_memory(pmodel, optimizer, root: Path, step: int, extra) -> Path:
+    rank = _rank()
+    staged = _staged(state_entries(pmodel, optimizer))
+    meta = {**_meta(pmodel, optimizer, step, extra), "rank": rank, "run": _run_id()}
+    rng = _rng_state()
+    folder = memory_dir(root) / f"rank-{rank}"
+    final, temporary = folder / f"step-{step:08d}", folder / f".step-{step:08d}.tmp"
+    failed = ""
+    try:
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+        writer = dcp.FileSystemWriter(temporary, sync_files=False)  # tmpfs: nothing to sync
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.save({}, storage_writer=writer, planner=_SavePieces(staged), no_dist=True)
+        torch.save(rng, temporary / "rng.pt")
+        (temporary / MARKER).write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+    except OSError as exc:
+        shutil.rmtree(temporary, ignore_errors=True)
+        failed = f"{folder}: {exc.strerror or exc}"
+    disk = _writer(pmodel)
+    failed_anywhere, busy_anywhere, broken_anywhere = _all_max(
+        [float(bool(failed)), float(disk.busy), float(disk.error is not None)], pmodel
+    )
+    if failed_anywhere:
+        raise ConfigError(
+            f"a memory checkpoint of step {step} failed ({failed or 'on another rank'}); make room in "
+            f"{memory_dir(root).parent} (a container's /dev/shm: docker --shm-size) or set {MEMORY_ENV} to a "
+            "larger tmpfs"
+        )
+    if broken_anywhere:
+        disk.wait_idle()  # raises this rank's error
+        raise RuntimeError("the background checkpoint writer failed on another rank: see its log")
+    for older in folder.glob("step-*"):  # every rank has this step now: the one before can go (Note [memory ...])
+        if older != final:
+            shutil.rmtree(older, ignore_errors=True)
+    disk.newest = (root, step, staged, meta, rng)
+    if not busy_anywhere:
+        disk.submit(disk.newest)
+    return final
+
+
+def finish(pmodel, directory: str | Path) -> Path | None:
+    """After the last memory save (every rank): wait for the background writer, persist the newest memory
+    checkpoint if the directory lags behind it, and free the shared memory. Returns the newest on disk."""
+    disk = getattr(pmodel, "_checkpoint_writer", None)
+    if disk is not None:
+        with launch.long_timeouts():
+            disk.wait_idle()
+            if disk.newest is not None and disk.persisted < disk.newest[1]:
+                disk.submit(disk.newest)
+                disk.wait_idle()
+        disk.newest = None
+        _barrier()
+    shutil.rmtree(memory_dir(directory) / f"rank-{_rank()}", ignore_errors=True)
+    with contextlib.suppress(OSError):  # the last rank of the node out removes the folder
+        memory_dir(directory).rmdir()
+    return latest(directory)
+
+
+def _memory_snapshots(pmodel, directory: Path) -> dict[int, Path]:
+    """This rank's complete memory checkpoints of ``directory`` that this run and plan can load, by step."""
+    found = {}
+    planned = pmodel.plan.model
+    for path in (memory_dir(directory) / f"rank-{_rank()}").glob("step-*"):
+        try:
+            meta = json.loads((path / MARKER).read_text())
+        except (OSError, ValueError):
+            continue
+        if (
+            meta.get("format") == FORMAT
+            and meta.get("run") == _run_id()
+            and meta.get("world_size") == _world()
+            and meta.get("rank") == _rank()
+            and meta.get("plan") == pmodel.plan.parallel.model_dump()
+            and (planned is None or (meta.get("model") or {}).get("fingerprint") == planned.fingerprint)
+        ):
+            found[int(meta["step"])] = path
+    return found
+
+
+def _all_max(values: list[float], pmodel) -> list[float]:
+    """Each value's maximum over all ranks (one all-reduce on the default group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    device = pmodel.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def latest(directory: str | Path) -> Path | None:
     """The newest complete checkpoint under ``directory`` (None if there is none).
 
@@ -161,17 +377,43 @@ def latest(directory: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def load(pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path) -> dict[str, Any]:
+def load(
+    pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path, missing_ok: bool = False
+) -> dict[str, Any] | None:
     """Load the newest complete checkpoint under ``directory`` into ``pmodel`` (any plan) and the optimizer.
 
-    Returns ``{"step": ..., "extra": {...}, "path": ...}``. Refuses a folder with no complete checkpoint, or
-    one made for another model, with one line each.
+    Returns ``{"step": ..., "extra": {...}, "path": ..., "storage": "disk" | "memory"}``: a memory checkpoint
+    of this run is read when every rank has one at least as new as the directory's (Note [memory checkpoints]).
+    Every rank calls it. Refuses a folder with no complete checkpoint (returns None with ``missing_ok``), or one
+    made for another model, with one line each.
     """
-    path = latest(directory)
-    if path is None:
-        raise ConfigError(
-            f"{directory}: no complete checkpoint (a step-* folder with {MARKER}); check the path, or start without one"
+    directory = Path(directory)
+    with launch.long_timeouts():
+        memory, disk = _memory_snapshots(pmodel, directory), latest(directory)
+        # The newest step every rank holds in memory: a rank killed mid-save has the one before, which every
+        # rank keeps until all hold the new one (Note [memory checkpoints]).
+        least_newest, disk_newest, disk_oldest = _all_max(
+            [-max(memory, default=-1), _step_of(disk), -_step_of(disk)], pmodel
         )
+        common = -least_newest
+        (anyone_lacks,) = _all_max([float(common not in memory)], pmodel)
+        if common >= 0 and not anyone_lacks and common >= disk_newest == -disk_oldest:
+            return _load_from(pmodel, optimizer, memory[int(common)], no_dist=True)
+        if disk is None and missing_ok:
+            return None
+        if disk is None:
+            raise ConfigError(
+                f"{directory}: no complete checkpoint (a step-* folder with {MARKER}); check the path, or start "
+                "without one"
+            )
+        return _load_from(pmodel, optimizer, disk, no_dist=False)
+
+
+def _step_of(path: Path | None) -> int:
+    return int(path.name.split("-", 1)[1]) if path is not None else -1
+
+
+def _load_from(pmodel, optimizer, path: Path, no_dist: bool) -> dict[str, Any]:
     meta = _read_marker(path)
     planned = pmodel.plan.model
     if (
@@ -188,11 +430,13 @@ def load(pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path)
     if optimizer is not None and saved_optimizer:  # none saved (before the first step): the optimizer starts fresh
         _initialise_state(optimizer)
     entries = state_entries(pmodel, optimizer if saved_optimizer else None)
-    dcp.load({}, storage_reader=reader, planner=_LoadPieces(entries))
-    rng = path / f"rng-{_rank()}.pt"
+    with warnings.catch_warnings():  # a memory checkpoint is one rank's own: no_dist, as intended
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({}, storage_reader=reader, planner=_LoadPieces(entries), no_dist=no_dist)
+    rng = path / ("rng.pt" if no_dist else f"rng-{_rank()}.pt")
     if rng.exists() and meta["world_size"] == _world():  # same layout: each rank resumes its own streams
         _set_rng_state(torch.load(rng, weights_only=False))
-    return {"step": meta["step"], "extra": meta["extra"], "path": path}
+    return {"step": meta["step"], "extra": meta["extra"], "path": path, "storage": "memory" if no_dist else "disk"}
 
 
 def export(directory: str | Path, out: str | Path) -> Path:
