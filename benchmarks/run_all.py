@@ -188,6 +188,49 @@ def render_peer(outcome: Outcome) -> tuple[str, list[str]]:
     return ", ".join(summary) + " (hyparallel / peer)", lines
 
 
+def render_recovery(outcome: Outcome) -> tuple[str, list[str]]:
+    """Memory vs disk save blocking time, and kill-to-first-resumed-step under torchrun and dlrover-run."""
+    saves, runs = outcome.figures["saves"], outcome.figures["recovery"]
+    summary = f"memory / disk save {saves['ratio']:.2f}; " + ", ".join(
+        f"{r['launcher']} {r['storage']} {r['kill_to_first_step_s']:.1f} s" for r in runs
+    )
+    lines = [
+        f"Saves: {saves['model']}, dp 2 (each rank {saves['bytes_per_rank'] / 2**20:,.0f} MiB of weights and AdamW "
+        "state), the slowest rank's blocking time, median of "
+        f"{len(saves['times']['disk'])} alternating saves of each kind.",
+        "",
+        *_table(
+            ["save", "blocking s", "memory / disk"],
+            "lrr",
+            [
+                ["disk", f"{saves['disk_s']:.3f}", ""],
+                ["memory", f"{saves['memory_s']:.3f}", f"**{saves['ratio']:.2f}**"],
+            ],
+        ),
+        "",
+        "Recovery: examples/train_gpt.py, gpt-tiny on 4 processes, one worker SIGKILLed after the second checkpoint.",
+        "",
+        *_table(
+            ["launcher", "checkpoints", "kill to first resumed step s", "loaded from", "steps redone"],
+            "llrlr",
+            [
+                [
+                    r["launcher"],
+                    f"{r['storage']}, every {r['every']}",
+                    f"{r['kill_to_first_step_s']:.1f}",
+                    r["loaded_from"],
+                    r["steps_lost"],
+                ]
+                for r in runs
+            ],
+        ),
+        "",
+        "Steps redone: the last step rank 0 had logged at the kill minus the step the group resumed after; with "
+        "memory checkpoints at most the step in flight (logged, its save not yet complete on every rank).",
+    ]
+    return summary, lines
+
+
 def _demoted(markdown: str, levels: int) -> list[str]:
     """The lines of ``markdown`` with its headings ``levels`` deeper, to sit inside a section."""
     return [("#" * levels + line) if line.startswith("#") else line for line in markdown.splitlines()]
@@ -303,6 +346,18 @@ BENCHMARKS = [
         timeout_s=3600,
     ),
 ]
+BENCHMARKS.append(
+    Benchmark(
+        "elastic_recovery",
+        "What a failure costs: memory vs disk checkpoints, restarts",
+        'The blocking time of `hp.checkpoint.save(..., storage="memory")` against a disk save of the same model '
+        "in the same run, and the time from SIGKILL of a worker to the first step its restarted group completes, "
+        "under torchrun and dlrover-run.",
+        render_recovery,
+        quick_args=("--quick",),
+        timeout_s=1500,
+    )
+)
 NAMES = [b.name for b in BENCHMARKS] + ["gpu"]
 
 

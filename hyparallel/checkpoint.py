@@ -184,25 +184,26 @@ class PendingSave:
 # Note [memory checkpoints]
 #     A disk checkpoint blocks training for as long as every rank takes to write its pieces; checkpointing
 #     rarely then costs the work since the last one at every failure. save(..., storage="memory") instead:
-#     1. copies this rank's pieces to host memory (the staging copy an asynchronous save makes anyway) and writes
-#        them with torch.distributed.checkpoint, as a checkpoint of this rank alone (no_dist: no collective, no
-#        deduplication, every piece the rank holds), to the node's shared memory: a tmpfs folder (/dev/shm, or
-#        HYPARALLEL_MEMORY_DIR) named after the checkpoint directory, one folder per rank, renamed into place
-#        once complete as on disk. Files in tmpfs outlive the process: a worker killed by SIGKILL leaves its
-#        snapshot behind for the group the agent restarts on that node (torch's own shared-memory staging for
-#        async_save lives in the process and dies with it; DLRover's flash checkpoint keeps it in its agent and
-#        writes its own file layout, not these resharding pieces);
-#     2. all ranks agree (one small all-reduce) whether every background writer is idle; if so, the staged
-#        pieces go to a writer thread that saves them to the checkpoint directory in the usual resharding format,
-#        over the gloo group of its own (pmodel.io_group()), and makes it current there as a disk save does. A
+#     1. writes this rank's pieces with torch.distributed.checkpoint, as a checkpoint of this rank alone
+#        (no_dist: no collective, no deduplication, every piece the rank holds), to the node's shared memory: a
+#        tmpfs folder (/dev/shm, or HYPARALLEL_MEMORY_DIR) named after the checkpoint directory, one folder per
+#        rank, renamed into place once complete as on disk. Files in tmpfs outlive the process: a worker killed
+#        by SIGKILL leaves its snapshot behind for the group the agent restarts on that node (torch's own
+#        shared-memory staging for async_save lives in the process and dies with it; DLRover's flash checkpoint
+#        keeps it in its agent and writes its own file layout, not these resharding pieces);
+#     2. all ranks agree (one small all-reduce) whether every background writer is idle; if so, a writer thread
+#        reads the snapshot back into host tensors and saves them to the checkpoint directory in the usual
+#        resharding format, over the gloo group of its own (pmodel.io_group()), and makes it current there as a
+#        disk save does. Training goes on meanwhile: the one copy that blocks it is the write to shared memory. A
 #        save that finds a writer busy keeps memory only: the disk copy lags by as much as the disk needs;
 #     3. a rank deletes its previous snapshot only once the all-reduce of step 2 shows every rank wrote the new
 #        one: a rank killed mid-save leaves every rank holding the step before. load() resumes from memory when
 #        every rank has a snapshot of the same step (the newest they all have), written by this run
 #        (TORCHELASTIC_RUN_ID) under this plan and world, at least as new as the newest on disk; each rank then
 #        reads only its own folder. Otherwise (a node replaced, another world size: a re-plan) it loads from disk,
-#        resharded. Memory needs the staged copy plus the snapshot, about twice the rank's checkpoint bytes, on
-#        top of training; finish() persists the newest snapshot if the disk lags and frees the memory.
+#        resharded. Shared memory holds the rank's checkpoint bytes (twice while a save replaces the previous
+#        snapshot), the writer as much again while it persists; finish() persists the newest snapshot if the
+#        disk lags and frees the memory.
 MEMORY_ENV = "HYPARALLEL_MEMORY_DIR"
 
 
@@ -218,6 +219,18 @@ def _run_id() -> str:
 
 
 @dataclass
+class _Job:
+    """A memory checkpoint to persist: where it lies in shared memory, and the layout of its pieces."""
+
+    root: Path
+    step: int
+    snapshot: Path
+    meta: dict
+    rng: Any
+    layout: dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Size, torch.dtype]]]]
+
+
+@dataclass
 class _DiskWriter:
     """The background thread that persists memory checkpoints, one job at a time, over its own group."""
 
@@ -225,25 +238,29 @@ class _DiskWriter:
     jobs: queue.Queue = field(default_factory=lambda: queue.Queue(maxsize=1))
     busy: bool = False
     error: BaseException | None = None
-    newest: tuple[Path, int, dict, dict, Any] | None = None  # the newest memory save, (root, step, staged, meta, rng)
+    newest: _Job | None = None  # the newest memory checkpoint
+    reading: int | None = None  # the step whose snapshot the writer reads: not deleted under it
     persisted: int = -1
 
     def __post_init__(self) -> None:
         threading.Thread(target=self._run, name="hyparallel-checkpoint-writer", daemon=True).start()
 
-    def submit(self, job) -> None:
-        self.busy = True
+    def submit(self, job: _Job) -> None:
+        self.busy, self.reading = True, job.step
         self.jobs.put(job)
 
     def _run(self) -> None:
         while True:
-            root, step, staged, meta, rng = self.jobs.get()
+            job = self.jobs.get()
             try:
-                _persist(root, step, staged, meta, rng, self.group)
-                self.persisted = step
+                _persist(job, self.group)
+                self.persisted = job.step
             except BaseException as exc:  # reported by the next save or finish(), on the main thread
                 self.error = exc
             finally:
+                self.reading = None
+                if self.newest is None or self.newest.step != job.step:  # superseded while being read
+                    shutil.rmtree(job.snapshot, ignore_errors=True)
                 self.busy = False
 
     def wait_idle(self) -> None:
@@ -254,15 +271,23 @@ class _DiskWriter:
             raise RuntimeError(f"the background checkpoint writer failed: {error}") from error
 
 
-def _persist(root: Path, step: int, staged: dict[str, Entry], meta: dict, rng: Any, group) -> None:
-    final, temporary = root / f"step-{step:08d}", root / f".step-{step:08d}.tmp"
+def _persist(job: _Job, group) -> None:
+    """Read a rank's memory snapshot back into host tensors and save them to disk in the resharding format."""
+    staged = {
+        fqn: Entry(shape, [Piece(offsets, torch.empty(size, dtype=dtype)) for offsets, size, dtype in pieces])
+        for fqn, (shape, pieces) in job.layout.items()
+    }
+    with warnings.catch_warnings():  # a memory checkpoint is one rank's own: no_dist, as intended
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({}, storage_reader=dcp.FileSystemReader(job.snapshot), planner=_LoadPieces(staged), no_dist=True)
+    final, temporary = job.root / f"step-{job.step:08d}", job.root / f".step-{job.step:08d}.tmp"
     if _rank() == 0:
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir(parents=True)
     _barrier(group)
-    torch.save(rng, temporary / f"rng-{_rank()}.pt")
+    torch.save(job.rng, temporary / f"rng-{_rank()}.pt")
     dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(staged), process_group=group)
-    PendingSave(root, temporary, final, meta, group=group).wait()
+    PendingSave(job.root, temporary, final, job.meta, group=group).wait()
 
 
 def _writer(pmodel) -> _DiskWriter:
@@ -274,7 +299,7 @@ def _writer(pmodel) -> _DiskWriter:
 
 def _save_to_memory(pmodel, optimizer, root: Path, step: int, extra) -> Path:
     rank = _rank()
-    staged = _staged(state_entries(pmodel, optimizer))
+    entries = state_entries(pmodel, optimizer)
     meta = {**_meta(pmodel, optimizer, step, extra), "rank": rank, "run": _run_id()}
     rng = _rng_state()
     folder = memory_dir(root) / f"rank-{rank}"
@@ -286,7 +311,7 @@ def _save_to_memory(pmodel, optimizer, root: Path, step: int, extra) -> Path:
         writer = dcp.FileSystemWriter(temporary, sync_files=False)  # tmpfs: nothing to sync
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.save({}, storage_writer=writer, planner=_SavePieces(staged), no_dist=True)
+            dcp.save({}, storage_writer=writer, planner=_SavePieces(entries), no_dist=True)
         torch.save(rng, temporary / "rng.pt")
         (temporary / MARKER).write_text(json.dumps(meta, indent=1))
         if final.exists():
@@ -308,10 +333,15 @@ def _save_to_memory(pmodel, optimizer, root: Path, step: int, extra) -> Path:
     if broken_anywhere:
         disk.wait_idle()  # raises this rank's error
         raise RuntimeError("the background checkpoint writer failed on another rank: see its log")
+    layout = {
+        fqn: (e.shape, [(piece.offsets, piece.view.shape, piece.view.dtype) for piece in e.pieces])
+        for fqn, e in entries.items()
+    }
+    disk.newest = _Job(root, step, final, meta, rng, layout)
+    reading = disk.reading
     for older in folder.glob("step-*"):  # every rank has this step now: the one before can go (Note [memory ...])
-        if older != final:
+        if older != final and (reading is None or older.name != f"step-{reading:08d}"):
             shutil.rmtree(older, ignore_errors=True)
-    disk.newest = (root, step, staged, meta, rng)
     if not busy_anywhere:
         disk.submit(disk.newest)
     return final
@@ -324,7 +354,7 @@ def finish(pmodel, directory: str | Path) -> Path | None:
     if disk is not None:
         with launch.long_timeouts():
             disk.wait_idle()
-            if disk.newest is not None and disk.persisted < disk.newest[1]:
+            if disk.newest is not None and disk.persisted < disk.newest.step:
                 disk.submit(disk.newest)
                 disk.wait_idle()
         disk.newest = None
@@ -337,9 +367,12 @@ def finish(pmodel, directory: str | Path) -> Path | None:
 
 def _memory_snapshots(pmodel, directory: Path) -> dict[int, Path]:
     """This rank's complete memory checkpoints of ``directory`` that this run and plan can load, by step."""
-    found = {}
+    found: dict[int, Path] = {}
+    folder = memory_dir(directory) / f"rank-{_rank()}"
+    if not folder.is_dir():
+        return found
     planned = pmodel.plan.model
-    for path in (memory_dir(directory) / f"rank-{_rank()}").glob("step-*"):
+    for path in folder.glob("step-*"):
         try:
             meta = json.loads((path / MARKER).read_text())
         except (OSError, ValueError):
