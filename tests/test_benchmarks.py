@@ -211,3 +211,22 @@ def test_quick_planner_run_writes_results(tmp_path):
     assert "- CPU: " in text and "- Python " in text and "hyparallel at git commit " in text
     assert "## Planner search time (`planner_speed`)" in text and "| target | gpt-175b | 96 | 1,024 | 1,536 |" in text
     assert "Run with `--only planner_speed`: the other benchmarks were not run." in text
+
+
+def test_the_recovery_section_shows_both_saves_and_every_restart():
+    figures = {
+        "saves": {"model": "gpt-125m", "bytes_per_rank": 800 * 2**20, "times": {"disk": [4.0], "memory": [1.0]},
+                  "disk_s": 4.0, "memory_s": 1.0, "ratio": 0.25},
+        "recovery": [
+            {"launcher": "torchrun", "storage": "disk", "every": 4, "kill_to_first_step_s": 8.5,
+             "resumed_after": 8, "loaded_from": "disk", "steps_lost": 3},
+            {"launcher": "dlrover-run", "storage": "memory", "every": 1, "kill_to_first_step_s": 7.0,
+             "resumed_after": 11, "loaded_from": "memory", "steps_lost": 0},
+        ],
+    }  # fmt: skip
+    outcome = run_all.Outcome("elastic_recovery", "python benchmarks/elastic_recovery.py --json FILE", "ok", 1, figures)
+    summary, lines = run_all.render_recovery(outcome)
+    assert summary == "memory / disk save 0.25; torchrun disk 8.5 s, dlrover-run memory 7.0 s"
+    text = "\n".join(lines)
+    assert "| memory | 1.000 | **0.25** |" in text and "800 MiB" in text
+    assert "| dlrover-run | memory, every 1 | 7.0 | memory | 0 |" in text
