@@ -293,7 +293,8 @@ def _persist(job: _Job, group) -> None:
 def _writer(pmodel) -> _DiskWriter:
     writer = getattr(pmodel, "_checkpoint_writer", None)
     if writer is None:
-        writer = pmodel._checkpoint_writer = _DiskWriter(pmodel.io_group())
+        # A group of its own: an asynchronous disk save may be using pmodel.io_group() from another thread.
+        writer = pmodel._checkpoint_writer = _DiskWriter(launch.background_group())
     return writer
 
 
@@ -369,7 +370,7 @@ def _memory_snapshots(pmodel, directory: Path) -> dict[int, Path]:
     """This rank's complete memory checkpoints of ``directory`` that this run and plan can load, by step."""
     found: dict[int, Path] = {}
     folder = memory_dir(directory) / f"rank-{_rank()}"
-    if not folder.is_dir():
+    if not folder.is_dir() or not Path(directory).is_dir():  # the directory removed: a fresh start, not a resume
         return found
     planned = pmodel.plan.model
     for path in folder.glob("step-*"):
