@@ -44,6 +44,9 @@ def parse_args() -> argparse.Namespace:
         default="disk",
         help="memory: save to shared memory, persisted to --checkpoint-dir in the background (default disk)",
     )
+    parser.add_argument(
+        "--checkpoint-keep", type=int, default=0, help="keep only the newest N checkpoints on disk (default 0: all)"
+    )
     parser.add_argument("--metrics-out", help="rank 0 writes the measured step figures here as JSON")
     parser.add_argument("--log-json", help="rank 0 appends {step, loss, world_size, restart} here, a JSON line a step")
     return parser.parse_args()
@@ -123,6 +126,7 @@ def main() -> None:
                 step,
                 extra={"sequences_seen": step * plan.training.global_batch},
                 storage=args.checkpoint_storage,
+                keep=args.checkpoint_keep or None,
             )
     if args.checkpoint_dir and args.checkpoint_storage == "memory":
         hp.checkpoint.finish(pmodel, args.checkpoint_dir)  # the newest memory checkpoint on disk, memory freed

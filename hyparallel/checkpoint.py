@@ -89,6 +89,7 @@ def save(
     extra: dict[str, Any] | None = None,
     asynchronous: bool = False,
     storage: str = "disk",
+    keep: int | None = None,
 ) -> Path | PendingSave:
     """Write a checkpoint of ``pmodel`` (and the optimizer's state) for ``step``; every rank calls it.
 
@@ -98,17 +99,22 @@ def save(
     :class:`PendingSave`'s ``wait()``, on every rank, makes the checkpoint current (call it before the
     next save and before exiting). ``storage="memory"`` (Note [memory checkpoints]) returns once every rank's
     pieces are in the node's shared memory; the same checkpoint reaches ``directory`` in the background (call
-    :func:`finish` after the last save).
+    :func:`finish` after the last save). ``keep``: once a checkpoint is complete in ``directory``, only the newest
+    ``keep`` complete ones stay there (default: all).
     """
     if storage not in ("disk", "memory"):
         raise ConfigError(f"checkpoint storage {storage!r}: use 'disk' or 'memory'")
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ConfigError(f"keep={keep!r}: the number of checkpoints to keep is a whole number, 1 or more")
     with launch.long_timeouts():
         if storage == "memory":
-            return _save_to_memory(pmodel, optimizer, Path(directory), step, extra)
-        return _save_to_disk(pmodel, optimizer, Path(directory), step, extra, asynchronous)
+            return _save_to_memory(pmodel, optimizer, Path(directory), step, extra, keep)
+        return _save_to_disk(pmodel, optimizer, Path(directory), step, extra, asynchronous, keep)
 
 
-def _save_to_disk(pmodel, optimizer, root: Path, step: int, extra, asynchronous: bool) -> Path | PendingSave:
+def _save_to_disk(
+    pmodel, optimizer, root: Path, step: int, extra, asynchronous: bool, keep: int | None
+) -> Path | PendingSave:
     final, temporary = root / f"step-{step:08d}", root / f".step-{step:08d}.tmp"
     if _rank() == 0:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -116,7 +122,7 @@ def _save_to_disk(pmodel, optimizer, root: Path, step: int, extra, asynchronous:
     _barrier()
     entries = state_entries(pmodel, optimizer)
     torch.save(_rng_state(), temporary / f"rng-{_rank()}.pt")
-    pending = PendingSave(root, temporary, final, _meta(pmodel, optimizer, step, extra))
+    pending = PendingSave(root, temporary, final, _meta(pmodel, optimizer, step, extra), keep=keep)
     if not asynchronous:
         dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(entries))
         return pending.wait()
@@ -161,6 +167,7 @@ class PendingSave:
     meta: dict[str, Any]
     future: Any = None
     group: Any = None
+    keep: int | None = None
 
     def wait(self) -> Path:
         """Block until written, then mark it complete and current; returns its folder."""
@@ -177,8 +184,21 @@ class PendingSave:
             os.replace(self.temporary, self.final)  # complete: now it is current
             shutil.rmtree(previous, ignore_errors=True)
             _write_atomically(self.root / "latest", self.final.name)  # for people; latest() scans
+            if self.keep is not None:
+                _prune(self.root, self.keep)
         _barrier(self.group)
         return self.final
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root``: each renamed out of sight first, so a
+    crash mid-delete never leaves a folder that looks complete but is not."""
+    complete = sorted(p for p in root.glob("step-*") if (p / MARKER).is_file())
+    for old in complete[:-keep]:
+        hidden = old.with_name(f".{old.name}.old")
+        shutil.rmtree(hidden, ignore_errors=True)
+        os.replace(old, hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
 
 
 # Note [memory checkpoints]
@@ -228,6 +248,7 @@ class _Job:
     meta: dict
     rng: Any
     layout: dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Size, torch.dtype]]]]
+    keep: int | None = None
 
 
 @dataclass
@@ -287,7 +308,7 @@ def _persist(job: _Job, group) -> None:
     _barrier(group)
     torch.save(job.rng, temporary / f"rng-{_rank()}.pt")
     dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(staged), process_group=group)
-    PendingSave(job.root, temporary, final, job.meta, group=group).wait()
+    PendingSave(job.root, temporary, final, job.meta, group=group, keep=job.keep).wait()
 
 
 def _writer(pmodel) -> _DiskWriter:
@@ -298,7 +319,7 @@ def _writer(pmodel) -> _DiskWriter:
     return writer
 
 
-def _save_to_memory(pmodel, optimizer, root: Path, step: int, extra) -> Path:
+def _save_to_memory(pmodel, optimizer, root: Path, step: int, extra, keep: int | None) -> Path:
     rank = _rank()
     entries = state_entries(pmodel, optimizer)
     meta = {**_meta(pmodel, optimizer, step, extra), "rank": rank, "run": _run_id()}
@@ -338,7 +359,7 @@ def _save_to_memory(pmodel, optimizer, root: Path, step: int, extra) -> Path:
         fqn: (e.shape, [(piece.offsets, piece.view.shape, piece.view.dtype) for piece in e.pieces])
         for fqn, e in entries.items()
     }
-    disk.newest = _Job(root, step, final, meta, rng, layout)
+    disk.newest = _Job(root, step, final, meta, rng, layout, keep)
     reading = disk.reading
     for older in folder.glob("step-*"):  # every rank has this step now: the one before can go (Note [memory ...])
         if older != final and (reading is None or older.name != f"step-{reading:08d}"):

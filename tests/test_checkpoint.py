@@ -133,3 +133,19 @@ def test_factored_optimizer_state_is_refused_not_saved_wrong(tmp_path, one_proce
     optimizer.step()
     with pytest.raises(ConfigError, match="factored state .* cannot be resharded"):
         checkpoint.save(pmodel, optimizer, tmp_path / "ck", step=1)
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path, one_process):
+    pmodel = one_process("gpt-tiny", 2)
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (2, SEQ + 1))
+    directory = tmp_path / "ck"
+    for step in range(1, 5):
+        pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
+        optimizer.step()
+        checkpoint.save(pmodel, optimizer, directory, step=step, keep=2)
+    assert sorted(p.name for p in directory.iterdir()) == ["latest", "step-00000003", "step-00000004"]
+    assert checkpoint.load(pmodel, optimizer, directory)["step"] == 4
+    with pytest.raises(ConfigError, match="keep=0: the number of checkpoints to keep"):
+        checkpoint.save(pmodel, optimizer, directory, step=5, keep=0)
+    assert checkpoint.latest(directory).name == "step-00000004"  # refused before anything was written

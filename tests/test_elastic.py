@@ -59,7 +59,13 @@ def assert_same_training(ours: dict[int, float], reference: dict[int, float], st
 
 
 def command(
-    repo: Path, processes: int, directory: Path, restarts: int = 0, every: int = EVERY, storage: str = "disk"
+    repo: Path,
+    processes: int,
+    directory: Path,
+    restarts: int = 0,
+    every: int = EVERY,
+    storage: str = "disk",
+    keep: int = 0,
 ) -> list[str]:
     """The example under torchrun, checkpointing into ``directory``, logging each step to ``log_of(directory)``."""
     return [
@@ -72,6 +78,7 @@ def command(
         "--max-restarts",
         str(restarts),
         *example(repo, directory, every, storage),
+        *(["--checkpoint-keep", str(keep)] if keep else []),
     ]
 
 
@@ -245,7 +252,7 @@ def test_memory_checkpoints_lose_no_step(reference, tmp_path, repo):
     memory = checkpoint.memory_dir(directory)
     env = environ(repo)
     proc = subprocess.Popen(
-        command(repo, 4, directory, restarts=1, every=1, storage="memory"),
+        command(repo, 4, directory, restarts=1, every=1, storage="memory", keep=2),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -275,6 +282,7 @@ def test_memory_checkpoints_lose_no_step(reference, tmp_path, repo):
     assert_same_training(losses(directory, stdout, restart=1), ref_losses, start)
     final_weights_match(directory, ref_dir, tmp_path)  # finish() persisted the last step
     assert not memory.exists(), "finish() left the memory checkpoints behind"
+    assert len(list(directory.glob("step-*"))) <= 2, "--checkpoint-keep 2 kept more"
 
 
 def test_fewer_workers_continue_from_the_checkpoint(reference, tmp_path, repo):
