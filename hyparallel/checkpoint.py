@@ -339,18 +339,18 @@ def _save_to_memory(pmodel, optimizer, root: Path, step: int, extra, keep: int |
         if final.exists():
             shutil.rmtree(final)
         os.replace(temporary, final)
-    except OSError as exc:
+    except Exception as exc:  # every rank learns of it below: none is left waiting in the all-reduce
         shutil.rmtree(temporary, ignore_errors=True)
-        failed = f"{folder}: {exc.strerror or exc}"
+        failed = f"{folder}: {exc.strerror or exc}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
     disk = _writer(pmodel)
     failed_anywhere, busy_anywhere, broken_anywhere = _all_max(
         [float(bool(failed)), float(disk.busy), float(disk.error is not None)], pmodel
     )
     if failed_anywhere:
         raise ConfigError(
-            f"a memory checkpoint of step {step} failed ({failed or 'on another rank'}); make room in "
-            f"{memory_dir(root).parent} (a container's /dev/shm: docker --shm-size) or set {MEMORY_ENV} to a "
-            "larger tmpfs"
+            f"a memory checkpoint of step {step} failed ({failed or 'on another rank: see its log'}); if shared "
+            f"memory is full, make room in {memory_dir(root).parent} (a container's /dev/shm: docker --shm-size) "
+            f"or set {MEMORY_ENV} to a larger tmpfs"
         )
     if broken_anywhere:
         disk.wait_idle()  # raises this rank's error

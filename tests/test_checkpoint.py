@@ -149,3 +149,42 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path, one_process):
     with pytest.raises(ConfigError, match="keep=0: the number of checkpoints to keep"):
         checkpoint.save(pmodel, optimizer, directory, step=5, keep=0)
     assert checkpoint.latest(directory).name == "step-00000004"  # refused before anything was written
+
+
+def test_a_memory_checkpoint_that_cannot_be_written_is_one_line(tmp_path, one_process, monkeypatch):
+    pmodel = one_process("gpt-tiny", 2)
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")  # the memory folder's parent is a file: nothing can be written under it
+    monkeypatch.setenv(checkpoint.MEMORY_ENV, str(blocked))
+    with pytest.raises(ConfigError, match="a memory checkpoint of step 1 failed .*HYPARALLEL_MEMORY_DIR") as info:
+        checkpoint.save(pmodel, optimizer, tmp_path / "ck", step=1, storage="memory")
+    assert "\n" not in str(info.value)
+    assert checkpoint.latest(tmp_path / "ck") is None
+
+
+def test_memory_checkpoints_resume_only_their_own_run(tmp_path, one_process, monkeypatch):
+    """Note [memory checkpoints]: memory wins when it is this run's and as new as disk; else disk, else nothing."""
+    monkeypatch.setenv(checkpoint.MEMORY_ENV, str(tmp_path / "shm"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    pmodel = one_process("gpt-tiny", 2)
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (2, SEQ + 1))
+    directory = tmp_path / "ck"
+    for step in (1, 2):
+        pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
+        optimizer.step()
+        checkpoint.save(pmodel, optimizer, directory, step=step, storage="memory", extra={"seen": step})
+    pmodel._checkpoint_writer.wait_idle()
+    snapshots = sorted(p.name for p in (checkpoint.memory_dir(directory) / "rank-0").glob("step-*"))
+    assert snapshots == ["step-00000002"]  # the previous one went once the new one was complete
+    assert checkpoint.load(pmodel, optimizer, directory) | {"path": None} == {
+        "step": 2, "extra": {"seen": 2}, "path": None, "storage": "memory"
+    }  # fmt: skip
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-b")  # another launch: its memory is not this run's
+    assert checkpoint.load(pmodel, optimizer, directory)["storage"] == "disk"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    shutil.rmtree(directory)  # the directory removed: a fresh start, whatever memory holds
+    assert checkpoint.load(pmodel, optimizer, directory, missing_ok=True) is None
+    checkpoint.finish(pmodel, directory)
+    assert not checkpoint.memory_dir(directory).exists()

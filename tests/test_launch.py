@@ -80,3 +80,18 @@ def test_the_timeouts_read_the_environment(monkeypatch):
     monkeypatch.setenv("HYPARALLEL_INIT_TIMEOUT", "90")
     assert launch.collective_timeout("nccl").total_seconds() == 7.5
     assert launch.init_timeout().total_seconds() == 90
+
+
+def test_the_dlrover_launcher_without_dlrover_says_what_to_install(monkeypatch, capsys):
+    import sys
+
+    from hyparallel import dlrover_run
+
+    monkeypatch.setitem(sys.modules, "dlrover", None)  # import dlrover... raises ImportError
+    monkeypatch.setitem(sys.modules, "dlrover.trainer", None)
+    monkeypatch.setitem(sys.modules, "dlrover.trainer.torch", None)
+    with pytest.raises(SystemExit) as exit_:
+        dlrover_run.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "dlrover is not installed" in err and "hyparallel[elastic]" in err
