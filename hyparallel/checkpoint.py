@@ -115,13 +115,8 @@ def save(
 def _save_to_disk(
     pmodel, optimizer, root: Path, step: int, extra, asynchronous: bool, keep: int | None
 ) -> Path | PendingSave:
-    final, temporary = root / f"step-{step:08d}", root / f".step-{step:08d}.tmp"
-    if _rank() == 0:
-        shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir(parents=True)
-    _barrier()
+    final, temporary = _prepare(root, step, _rng_state())
     entries = state_entries(pmodel, optimizer)
-    torch.save(_rng_state(), temporary / f"rng-{_rank()}.pt")
     pending = PendingSave(root, temporary, final, _meta(pmodel, optimizer, step, extra), keep=keep)
     if not asynchronous:
         dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(entries))
@@ -134,6 +129,18 @@ def _save_to_disk(
         process_group=pending.group,
     )
     return pending
+
+
+def _prepare(root: Path, step: int, rng: Any, group=None) -> tuple[Path, Path]:
+    """The folders of a disk checkpoint of ``step``: ``(final, temporary)``, the temporary one made afresh by rank 0
+    and holding this rank's random streams once every rank (of ``group``) is past the barrier."""
+    final, temporary = root / f"step-{step:08d}", root / f".step-{step:08d}.tmp"
+    if _rank() == 0:
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+    _barrier(group)
+    torch.save(rng, temporary / f"rng-{_rank()}.pt")
+    return final, temporary
 
 
 def _meta(pmodel, optimizer, step: int, extra) -> dict[str, Any]:
@@ -213,8 +220,8 @@ def _prune(root: Path, keep: int) -> None:
 #        keeps it in its agent and writes its own file layout, not these resharding pieces);
 #     2. all ranks agree (one small all-reduce) whether every background writer is idle; if so, a writer thread
 #        reads the snapshot back into host tensors and saves them to the checkpoint directory in the usual
-#        resharding format, over the gloo group of its own (pmodel.io_group()), and makes it current there as a
-#        disk save does. Training goes on meanwhile: the one copy that blocks it is the write to shared memory. A
+#        resharding format, over a gloo group of its own (launch.background_group()), and makes it current there
+#        as a disk save does. Training goes on meanwhile: the one copy that blocks it is the write to shared memory. A
 #        save that finds a writer busy keeps memory only: the disk copy lags by as much as the disk needs;
 #     3. a rank deletes its previous snapshot only once the all-reduce of step 2 shows every rank wrote the new
 #        one: a rank killed mid-save leaves every rank holding the step before. load() resumes from memory when
@@ -283,10 +290,10 @@ class _DiskWriter:
                 if self.newest is None or self.newest.step != job.step:  # superseded while being read
                     shutil.rmtree(job.snapshot, ignore_errors=True)
                 self.busy = False
+                self.jobs.task_done()
 
     def wait_idle(self) -> None:
-        while self.busy:
-            threading.Event().wait(0.01)
+        self.jobs.join()
         if self.error is not None:
             error, self.error = self.error, None
             raise RuntimeError(f"the background checkpoint writer failed: {error}") from error
@@ -301,12 +308,7 @@ def _persist(job: _Job, group) -> None:
     with warnings.catch_warnings():  # a memory checkpoint is one rank's own: no_dist, as intended
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load({}, storage_reader=dcp.FileSystemReader(job.snapshot), planner=_LoadPieces(staged), no_dist=True)
-    final, temporary = job.root / f"step-{job.step:08d}", job.root / f".step-{job.step:08d}.tmp"
-    if _rank() == 0:
-        shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir(parents=True)
-    _barrier(group)
-    torch.save(job.rng, temporary / f"rng-{_rank()}.pt")
+    final, temporary = _prepare(job.root, job.step, job.rng, group)
     dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(staged), process_group=group)
     PendingSave(job.root, temporary, final, job.meta, group=group, keep=job.keep).wait()
 
@@ -452,7 +454,8 @@ def load(
         )
         common = -least_newest
         (anyone_lacks,) = _all_max([float(common not in memory)], pmodel)
-        if common >= 0 and not anyone_lacks and common >= disk_newest == -disk_oldest:
+        one_disk_step = disk_newest == -disk_oldest  # every rank sees the same newest checkpoint on disk
+        if common >= 0 and not anyone_lacks and one_disk_step and common >= disk_newest:
             return _load_from(pmodel, optimizer, memory[int(common)], no_dist=True)
         if disk is None and missing_ok:
             return None

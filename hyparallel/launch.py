@@ -25,10 +25,10 @@ import torch.distributed as dist
 from hyparallel.errors import ConfigError
 
 __all__ = [
+    "background_group",
     "collective_timeout",
     "current_timeout",
     "init_process_group",
-    "background_group",
     "init_timeout",
     "long_timeouts",
     "round_store",
@@ -44,8 +44,8 @@ __all__ = [
 #     - HYPARALLEL_TIMEOUT once the first step is done (default 30 s on gloo, 120 s with NCCL): every later
 #       collective, so a stopped rank (SIGSTOP), a dead peer or a stuck collective makes every other rank raise
 #       within that bound; the process exits non-zero and the agent (torchrun, dlrover-run) restarts the group.
-#     A step whose slowest collective waits longer than HYPARALLEL_TIMEOUT (a very slow rank, huge buckets on a
-#     slow network) needs the variable raised: the error says so.
+#     A step whose slowest collective legitimately waits longer than HYPARALLEL_TIMEOUT (a very slow rank, huge
+#     buckets on a slow network) needs the variable raised (docs/elastic.md).
 DEFAULT_INIT_TIMEOUT_S = 600.0
 DEFAULT_TIMEOUT_S = {"gloo": 30.0, "nccl": 120.0}
 

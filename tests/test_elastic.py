@@ -109,7 +109,8 @@ def environ(repo: Path) -> dict:
     # torchrun's defaults, as a user has them: the rendezvous store shared with the workers (no
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: hyparallel.launch keeps each round's keys apart).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "PYTHONWARNINGS": "ignore"}
-    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "HYPARALLEL_TIMEOUT", "HYPARALLEL_INIT_TIMEOUT"):
+        env.pop(name, None)  # the defaults, whatever the shell running the tests exported
     return env
 
 
@@ -235,8 +236,8 @@ def test_a_stopped_worker_is_detected_within_the_timeout(reference, tmp_path, re
     detected = time.time() - stopped
     print(f"the stopped rank's peers exited {detected:.1f} s after SIGSTOP")
     # The bound: the collective timeout, plus the step in flight and the process's exit (measured 6.5 s in all with
-    # TIMEOUT_S = 5 on 2 busy cores); with torch's default gloo timeout it would be 30 minutes.
-    assert detected < TIMEOUT_S + 10, f"the peers of a stopped rank ran on for {detected:.1f} s"
+    # TIMEOUT_S = 5 on 2 busy cores; 25 s of slack for a slower machine); torch's default gloo timeout: 30 minutes.
+    assert detected < TIMEOUT_S + 25, f"the peers of a stopped rank ran on for {detected:.1f} s"
     stdout, stderr = proc.communicate(timeout=600)  # torchrun kills the stopped worker (SIGKILL after its grace)
     assert proc.returncode == 0, stderr[-3000:]
     resumed = re.search(r"resumed after step (\d+) from disk", stdout)
