@@ -115,7 +115,7 @@ def save(
 def _save_to_disk(
     pmodel, optimizer, root: Path, step: int, extra, asynchronous: bool, keep: int | None
 ) -> Path | PendingSave:
-    final, temporary = _prepare(root, step, _rng_state())
+    final, temporary = _prepare(root, step, _rank_state(pmodel))
     entries = state_entries(pmodel, optimizer)
     pending = PendingSave(root, temporary, final, _meta(pmodel, optimizer, step, extra), keep=keep)
     if not asynchronous:
@@ -153,6 +153,7 @@ def _meta(pmodel, optimizer, step: int, extra) -> dict[str, Any]:
         "model": pmodel.plan.model.model_dump() if pmodel.plan.model else None,
         "optimizer": _hyperparameters(optimizer),
         "tied": {alias: first for alias, first in _canonical_names(pmodel).items() if alias != first},
+        "compression_step": getattr(getattr(pmodel, "data_parallel", None), "compression_step", None),
     }
 
 
@@ -325,7 +326,7 @@ def _save_to_memory(pmodel, optimizer, root: Path, step: int, extra, keep: int |
     rank = _rank()
     entries = state_entries(pmodel, optimizer)
     meta = {**_meta(pmodel, optimizer, step, extra), "rank": rank, "run": _run_id()}
-    rng = _rng_state()
+    rng = _rank_state(pmodel)
     folder = memory_dir(root) / f"rank-{rank}"
     final, temporary = folder / f"step-{step:08d}", folder / f".step-{step:08d}.tmp"
     failed = ""
@@ -492,8 +493,19 @@ def _load_from(pmodel, optimizer, path: Path, no_dist: bool) -> dict[str, Any]:
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load({}, storage_reader=reader, planner=_LoadPieces(entries), no_dist=no_dist)
     rng = path / ("rng.pt" if no_dist else f"rng-{_rank()}.pt")
+    data_parallel = getattr(pmodel, "data_parallel", None)
     if rng.exists() and meta["world_size"] == _world():  # same layout: each rank resumes its own streams
-        _set_rng_state(torch.load(rng, weights_only=False))
+        state = torch.load(rng, weights_only=False)
+        _set_rng_state(state)
+        if data_parallel is not None:  # PowerSGD's residuals: this rank's own (Note [error feedback that outlives ...])
+            data_parallel.load_compression_state(state.get("grad_compression"), meta.get("compression_step"))
+    elif data_parallel is not None and data_parallel.compression_step is not None and meta["world_size"] != _world():
+        data_parallel.load_compression_state(None, meta.get("compression_step"))
+        warnings.warn(
+            f"{path} was saved by {meta['world_size']} processes, this run has {_world()}: PowerSGD's error feedback "
+            "starts afresh (each rank's residuals are its own)",
+            stacklevel=3,
+        )
     return {"step": meta["step"], "extra": meta["extra"], "path": path, "storage": "memory" if no_dist else "disk"}
 
 
@@ -773,11 +785,17 @@ def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, 
     ]
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def _rank_state(pmodel) -> dict[str, Any]:
+    """What only this rank holds and resumes when the world size is the same: random streams, PowerSGD's state."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "grad_compression": _compression(pmodel)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def _compression(pmodel) -> dict[str, Any] | None:
+    data_parallel = getattr(pmodel, "data_parallel", None)
+    return data_parallel.compression_state() if data_parallel is not None else None
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:

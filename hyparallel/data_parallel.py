@@ -24,9 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hyparallel.grad_compression import BUCKET_BYTES, Compressor, compressor_for, fsdp_policy
 from hyparallel.schema import Plan
-
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size, used by the all-reduce after a pipeline schedule too
 
 # Note [ZeRO stages on FSDP2]
 #     ZeRO 1-3 run on FSDP2 (fully_shard: each block a unit when pp = 1, each stage when pp > 1), configured per
@@ -36,7 +35,20 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size, used by the all-reduce a
 #       ZeRO 2: as ZeRO 1, but gradients reduce-scattered after every micro-batch (only shards accumulate).
 #       ZeRO 3: weights gathered for every forward and backward and resharded after each; gradients
 #               reduce-scattered after every micro-batch.
-#     The gathered weights are the fp32 master copies (no FSDP mixed-precision policy: autocast casts them).
+#     The gathered weights are the fp32 master copies (no FSDP mixed-precision policy: autocast casts them), unless
+#     the plan compresses gradients to bf16/fp16: then FSDP2's MixedPrecisionPolicy reduce-scatters in that dtype
+#     and, for a 16-bit training.dtype, gathers the weights in it (hyparallel.grad_compression.fsdp_policy).
+
+
+# Note [a weight several stages hold]
+#     A tied embedding and head on two pipeline ranks is two copies, whose gradients the pipeline sums (so they are
+#     equal) before each copy's rank reduces it over its own dp group. The copies stay equal only if both reductions
+#     compute the same thing: in a bucket of its own (an all-reduce sums each element in an order that depends on
+#     its offset in the buffer, which differs between the two ranks' buckets), and uncompressed: PowerSGD draws
+#     each bucket's random Q from a stream the two ranks' bucket layouts consume differently, so it would
+#     approximate the two copies' gradients differently and the copies would drift apart (measured: gpt-tiny,
+#     dp 2 x pp 2, after 6 PowerSGD steps the last stage's head copy differed from the first stage's embedding). So
+#     shared weights go first, each rank's in a bucket of their own, uncompressed.
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class DataParallel:
     mesh: DeviceMesh | None  # the dp sub-mesh (None: dp = 1)
     ddp: nn.Module | None = None  # DistributedDataParallel around the model (pp = 1, ZeRO 0)
     after_step_all_reduce: bool = False  # pp > 1, ZeRO 0: gradients all-reduced after the schedule
+    compressor: Compressor | None = None  # ZeRO 0 under grad_compression bf16/fp16/powersgd (DDP's hook, or the above)
 
     @property
     def sharded(self) -> bool:
@@ -67,10 +80,36 @@ class DataParallel:
         if self.sharded:
             fsdp_micro_batch(module, last, self.zero)
 
-    def finish_step(self, parameters: Iterable[nn.Parameter]) -> None:
-        """After the step's last backward: the bucketed all-reduce a pipeline's ZeRO 0 needs (nothing otherwise)."""
-        if self.after_step_all_reduce:
-            all_reduce_mean([p.grad for p in parameters if p.grad is not None], self.mesh.get_group(), self.dp)
+    def finish_step(self, named_parameters: Iterable[tuple[str, nn.Parameter]], shared: Iterable[nn.Parameter] = ()):
+        """After the step's last backward: the bucketed all-reduce a pipeline's ZeRO 0 needs (nothing otherwise).
+
+        ``shared``: this rank's copies of weights other pipeline ranks hold too (Note [a weight several stages hold]).
+        """
+        if not self.after_step_all_reduce:
+            return
+        exact = {id(p) for p in shared}
+        named = [(name, p.grad) for name, p in named_parameters if p.grad is not None and id(p) not in exact]
+        group = self.mesh.get_group()
+        all_reduce_mean([p.grad for p in shared if p.grad is not None], group, self.dp)
+        if self.compressor is not None:
+            self.compressor.reduce(named)
+        else:
+            all_reduce_mean([grad for _, grad in named], group, self.dp)
+
+    @property
+    def compression_step(self) -> int | None:
+        """Gradient reductions PowerSGD has counted (its warm-up ends at powersgd_start_step); None without it."""
+        state = self.compressor.state if self.compressor is not None else None
+        return state.iter if state is not None else None
+
+    def compression_state(self) -> dict[str, Any] | None:
+        """This rank's gradient-compression state for a checkpoint (PowerSGD's; None for every other mode)."""
+        return self.compressor.state_dict() if self.compressor is not None else None
+
+    def load_compression_state(self, saved: dict[str, Any] | None, iteration: int | None = None) -> None:
+        """Restore ``compression_state()``'s ``saved``; with only ``iteration``, PowerSGD counts on from it afresh."""
+        if self.compressor is not None:
+            self.compressor.load_state_dict(saved, iteration)
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` (a loss) averaged over the data-parallel ranks, as a float32 scalar."""
@@ -124,17 +163,22 @@ def apply_data_parallel(
     if par.dp == 1:
         return result
     if par.zero == 0:
+        compressor = compressor_for(plan, mesh.get_group(), modules)
         if pipelined:
-            return replace(result, after_step_all_reduce=True)
+            return replace(result, after_step_all_reduce=True, compressor=compressor)
         (model,) = modules
-        return replace(result, ddp=_ddp(model, mesh, device, unused, find_unused))
+        ddp = _ddp(model, mesh, device, unused, find_unused)
+        if compressor is not None:
+            ddp.register_comm_hook(None, compressor.hook)
+        return replace(result, ddp=ddp, compressor=compressor)
     from torch.distributed.fsdp import fully_shard
 
     reshard = par.zero == 3
+    policy = {"mp_policy": policy} if (policy := fsdp_policy(plan)) is not None else {}
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policy)
     for module in modules:
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **policy)
     return result
 
 

@@ -34,6 +34,12 @@ MAX_LAYERS = 512
 # the deepest model allowed (MAX_LAYERS); Megatron-LM's recipes use up to about a dozen.
 MAX_VIRTUAL_STAGES = MAX_LAYERS
 
+# PowerSGD's factor rank: 1-4 in Vogels et al. 2019 and torch's examples, up to 32 in their ablations; 1,024
+# keeps a typo from asking for factors as large as the matrices they approximate.
+MAX_POWERSGD_RANK = 1024
+# Steps before PowerSGD compresses (torch's start_powerSGD_iter, default 1,000): up to a billion steps.
+MAX_POWERSGD_START_STEP = 10**9
+
 # Width of a layer (hidden size, MLP width): 2^17 = 131,072 hidden, five times gpt-1t's 25,600; the MLP
 # up to 2^19 (four times the largest hidden, as GPT's 4 x h).
 MAX_HIDDEN = 2**17

@@ -397,7 +397,9 @@ class ParallelModel:
                 loss = self.pipeline.train_step(inputs, targets, loss_fn)
             else:
                 loss = self._accumulate(inputs, targets, loss_fn)
-        self.data_parallel.finish_step(self.parameters())
+        self.data_parallel.finish_step(
+            self.named_parameters(), self.pipeline.shared_parameters() if self.pipeline is not None else ()
+        )
         for module, since in zip(self._modules, before):
             self.tp_info.reduce_grads(module, since)
         loss = self.data_parallel.mean(loss)

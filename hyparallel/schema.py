@@ -40,6 +40,7 @@ Recompute = Literal["none", "selective", "full"]
 ZeroStage = Literal[0, 1, 2, 3]
 TPStyle = Literal["column", "row", "vocab", "replicate"]
 Axis = Literal["pp", "dp", "tp"]
+GradCompression = Literal["none", "bf16", "fp16", "powersgd"]  # how gradients cross dp (docs/data-parallel.md)
 CheckpointStorage = Literal["memory", "disk"]  # hp.checkpoint.save's storage=: host memory first, or straight to disk
 # (model output, targets) -> scalar loss, as train_step and eval_step take it. A string "torch.Tensor": this
 # module, which the planner and the CLI load, does not import torch.
@@ -129,6 +130,22 @@ class ParallelConfig(_Section):
         "the CPU), tp = 1 and pp = 1.",
     )
 
+    grad_compression: GradCompression = Field(
+        "none",
+        description="How gradients cross the data-parallel axis (ignored when dp = 1): `none` in fp32; `bf16` or "
+        "`fp16` cast to 16 bits for the reduction (DDP's compression hooks; under ZeRO, FSDP2's reduce dtype, with "
+        "the weights gathered in training.dtype when it is 16-bit); `powersgd` as rank-`powersgd_rank` factors with "
+        "error feedback (PowerSGD, Vogels et al. 2019; ZeRO 0 only). Every mode but `none` changes the numerics.",
+    )
+    powersgd_rank: int_in(1, limits.MAX_POWERSGD_RANK) = Field(
+        4, description="Rank of PowerSGD's low-rank factors of each gradient matrix (`grad_compression: powersgd`)."
+    )
+    powersgd_start_step: int_in(2, limits.MAX_POWERSGD_START_STEP) = Field(
+        1000,
+        description="Steps reduced uncompressed before PowerSGD starts (its warm-up; at least 2: DDP settles its "
+        "gradient buckets after the first step).",
+    )
+
     @property
     def world_size(self) -> int:
         """dp * tp * pp: the number of processes the plan needs."""
@@ -153,6 +170,11 @@ class ParallelConfig(_Section):
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs tp > 1: it shards along tp; set it to false or raise tp")
+        if self.grad_compression == "powersgd" and self.zero > 0 and self.dp > 1:
+            raise ValueError(
+                f"parallel.grad_compression powersgd needs zero 0: ZeRO {self.zero} runs on FSDP2, whose "
+                "reduce-scatters take no communication hook to compress; use bf16 or fp16 there, or zero: 0"
+            )
         return self
 
 

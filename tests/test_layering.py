@@ -6,7 +6,7 @@
     checks    hyparallel.checks (check_plan: what the planner filters its candidates by and the runtime refuses)
     planner   hyparallel.planner
     runtime   hyparallel.tensor, hyparallel.pipeline
-    top       hyparallel.parallel, .data_parallel, .recompute, .checkpoint, the CLI
+    top       hyparallel.parallel, .data_parallel, .grad_compression, .recompute, .checkpoint, the CLI
 
 A plan is made (and shown, and simulated) on a laptop without the runtime, and the runtime applies a plan it
 is given without planning. These tests read hyparallel's own source with ``ast`` and build its import graph:
@@ -38,6 +38,7 @@ RUNTIME = (
     "hyparallel.pipeline",
     "hyparallel.parallel",
     "hyparallel.data_parallel",
+    "hyparallel.grad_compression",
     "hyparallel.recompute",
     "hyparallel.checkpoint",
 )
@@ -118,6 +119,7 @@ RUNTIME_MODULES = [
     "hyparallel.tensor.layers",
     "hyparallel.tensor.collectives",
     "hyparallel.data_parallel",
+    "hyparallel.grad_compression",
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
     "torch.distributed.pipelining",

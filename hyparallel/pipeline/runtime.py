@@ -233,6 +233,10 @@ class PipelineRuntime:
         holders = self._tied.get(self.canonical.get(name, name))
         return not holders or self.rank == min(holders)
 
+    def shared_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's copies of the weights several pipeline ranks hold (a tied embedding and head)."""
+        return [self._tied_parameter(name) for name in self._tied]
+
     def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         """Forward and backward of one batch over the pipeline; gradients accumulate into the parameters.
 
