@@ -135,6 +135,10 @@ def test_graph_is_a_dag_in_execution_order(gpt_tiny_graph):
     qkv = g.nodes["layers.0.attn.qkv"]
     assert qkv["kind"] == "linear" and qkv["module"] == "layers.0.attn.qkv"
     assert qkv["param_count"] == 64 * 192 + 192 and qkv["flops"] == 2 * B * 16 * 64 * 192
+    assert qkv["param_shapes"] == ((192, 64), (192,))  # the owned parameters' shapes, in params order
+    # The tied head reads the embedding's weight and owns nothing: the embedding holds its shape.
+    assert graph.op("output").params == ("tok_embeddings.weight",) and graph.op("output").param_shapes == ()
+    assert graph.op("tok_embeddings").param_shapes == ((256, 64),)
     assert qkv["output_shapes"] == ((B, 16, 192),) and qkv["output_bytes"] == B * 16 * 192 * 4
     assert g.edges["layers.0.attn.qkv", "chunk"]["bytes"] == B * 16 * 192 * 4
     assert g.nodes["scaled_dot_product_attention"]["kind"] == "attention"

@@ -62,6 +62,9 @@ class Op:
     target: str
     params: tuple[str, ...] = ()
     param_count: int = 0
+    # The shapes of the parameters this op owns (those param_count counts), in ``params`` order: what a gradient
+    # compressor sees of each (PowerSGD views a gradient as (shape[0], -1); Note [PowerSGD's wire] in planner/costs.py).
+    param_shapes: tuple[Shape, ...] = ()
     param_bytes: int = 0
     buffer_bytes: int = 0
     flops: int = 0

@@ -931,6 +931,7 @@ class _OpBuilder:
             target=target,
             params=tuple(params),
             param_count=sum(state.params[p].numel() for p in new),
+            param_shapes=tuple(tuple(state.params[p].shape) for p in new),
             param_bytes=sum(_nbytes(state.params[p]) for p in new),
             buffer_bytes=sum(_nbytes(state.buffers[b]) for b in read if b in state.buffers),
             flops=sum(self.profiler.flops.get(n, 0) for n in members),
