@@ -44,6 +44,7 @@ PLAN_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("stages[]", schema.StageSpec),
     ("predicted", schema.Predicted),
     ("predicted.comm_s", schema.CommTime),
+    ("predicted.uncompressed", schema.UncompressedTime),
     ("checkpoint", schema.CheckpointCost),
 )
 CLUSTER_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (

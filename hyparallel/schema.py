@@ -252,12 +252,21 @@ class CommTime(_Section):
     )
     dp: NonNegativeFloat = Field(
         description="The step's tail after the last backward on the slowest stage: gradient reduction not hidden "
-        "behind the backward, ZeRO 1/2's weight all-gather, and the optimizer step (ZeRO 2/3's "
-        "per-micro-batch traffic is in the stages' time instead)."
+        "behind the backward (with a compressing hook's kernels), ZeRO 1/2's weight all-gather, and the optimizer "
+        "step (ZeRO 2/3's per-micro-batch traffic is in the stages' time instead)."
     )
     pp: NonNegativeFloat = Field(
         description="Point-to-point activation and gradient transfers: per micro-batch x (m + pp - 1)."
     )
+
+
+class UncompressedTime(_Section):
+    """A compressing plan's predictions with grad_compression none: what compression saves."""
+
+    step_time_s: NonNegativeFloat = Field(
+        description="Seconds per optimizer step with the gradients reduced in fp32: the same configuration and stages."
+    )
+    dp_comm_s: NonNegativeFloat = Field(description="`comm_s.dp` with the gradients reduced in fp32.")
 
 
 class Predicted(_Section):
@@ -279,6 +288,12 @@ class Predicted(_Section):
         description="Peak GiB per pipeline rank (one entry per rank, reserved memory included)."
     )
     comm_s: CommTime = Field(description="Communication seconds per step by mesh axis.")
+    uncompressed: UncompressedTime | None = Field(
+        None,
+        description="Written when the plan compresses gradients (`parallel.grad_compression` other than `none`, "
+        "dp > 1): the same plan predicted uncompressed, so `step_time_s` against it is what compression saves "
+        "(docs/cost-model.md, 'Gradient compression').",
+    )
 
 
 class CheckpointCost(_Section):

@@ -204,3 +204,148 @@ def test_the_loss_keeps_fp32_log_probabilities_and_briefly_the_logits_twice():
         last = ModelProfile(graph, cluster, dtype, 16).segment_costs(1, False, 2, "none", cluster.intra_node)[-1]
         assert last.working_bytes == pytest.approx(2 * logits * transient)
         assert last.activation_bytes >= 2 * logits * 4
+
+
+# ---- gradient compression (Note [gradient compression], Note [PowerSGD's wire] in costs.py) -----------------------
+
+DEVICE = hp.ClusterSpec.preset("a100-80g").device.model_copy(
+    update={
+        "memory_bandwidth_bytes_per_s": 1e12,
+        "memory_efficiency": 0.8,
+        "matmul_efficiency": 0.5,
+        "op_overhead_s": 1e-5,
+        "peak_flops": hp.ClusterSpec.preset("a100-80g").device.peak_flops.model_copy(update={"fp32": 20e12}),
+    }
+)
+
+
+def test_the_planner_mirrors_the_runtimes_compression_rule():
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    from hyparallel import grad_compression
+
+    assert costs.MIN_COMPRESSION_RATE == grad_compression.MIN_COMPRESSION_RATE
+    for rows, cols in [(1024, 1024), (64, 1), (10, 3), (16, 16), (17, 16), (8, 8), (4096, 64), (3, 1000)]:
+        for rank in (1, 2, 4, 32):
+            r = min(rows, cols, rank)
+            expected = _should_compress(rows, cols, r, grad_compression.MIN_COMPRESSION_RATE)[0]
+            assert (costs.powersgd_factor_rank(rows, cols, rank) > 0) == expected, (rows, cols, rank)
+
+
+def test_powersgd_wire_elements():
+    assert costs.powersgd_wire_elements((1024, 1024), 4) == 4 * (1024 + 1024)  # P and Q
+    assert costs.powersgd_wire_elements((64,), 4) == 64  # a vector, (64, 1): sent whole
+    assert costs.powersgd_wire_elements((10, 3), 4) == 30  # r = 3: (10 + 3) 3 x 2 = 78 >= 30, sent whole
+    assert costs.powersgd_wire_elements((16, 16), 4) == 16 * 16  # (16 + 16) 4 x 2 = 256, not < 256
+    assert costs.powersgd_wire_elements((17, 16), 4) == 4 * (17 + 16)  # 264 < 272
+    # A convolution (out, in, k, k) is viewed as (out, in k k) = (256, 576).
+    assert costs.powersgd_wire_elements((256, 64, 3, 3), 4) == 4 * (256 + 576)
+    assert costs.powersgd_wire_elements((), 4) == 1  # a scalar
+
+
+def test_gradient_bytes_on_the_wire():
+    assert costs.grad_wire_bytes("none", 1e6, 0) == 4e6
+    assert costs.grad_wire_bytes("bf16", 1e6, 0) == costs.grad_wire_bytes("fp16", 1e6, 0) == 2e6
+    assert costs.grad_wire_bytes("powersgd", 1e6, 3e4) == 1.2e5  # fp32 factors and vectors
+    assert [costs.collectives_per_bucket(m) for m in costs.GRAD_COMPRESSIONS] == [1, 1, 1, 3]
+
+
+def test_the_gradient_all_reduce_by_mode():
+    mib = 2**20
+    grad = 100 * mib  # 4 buckets of 25 MiB
+    # none: as before, one ring all-reduce of everything, and the last bucket's.
+    whole, last = costs.dp_allreduce_s("none", grad, grad, 4, LINK)
+    assert whole == pytest.approx(costs.ring_allreduce_s(grad, 4, LINK))
+    assert last == pytest.approx(costs.ring_allreduce_s(25 * mib, 4, LINK))
+    whole, last = costs.dp_allreduce_s("bf16", grad, grad / 2, 4, LINK)
+    assert whole == pytest.approx(costs.ring_allreduce_s(grad / 2, 4, LINK))
+    assert last == pytest.approx(costs.ring_allreduce_s(12.5 * mib, 4, LINK))
+    # PowerSGD sending 10 MiB: two more collectives per bucket, each 2 (n - 1) ring steps of 10 us.
+    whole, last = costs.dp_allreduce_s("powersgd", grad, 10 * mib, 4, LINK)
+    assert whole == pytest.approx(costs.ring_allreduce_s(10 * mib, 4, LINK) + 2 * 4 * 6 * 10e-6)
+    assert last == pytest.approx(costs.ring_allreduce_s(2.5 * mib, 4, LINK) + 2 * 6 * 10e-6)
+    assert costs.dp_allreduce_s("powersgd", 0.0, 0.0, 4, LINK) == (0.0, 0.0)
+
+
+def test_compression_kernels_and_their_dispatch():
+    # bf16 over 1M gradients (one bucket): 16 bytes per element at 1 TB/s x 0.8 = 20 us; 3 ops x 10 us.
+    assert costs.compression_compute_s("bf16", 1e6, 0, 0, DEVICE, serial=True) == pytest.approx(2e-5 + 3e-5)
+    assert costs.compression_compute_s("bf16", 1e6, 0, 0, DEVICE, serial=False) == pytest.approx(3e-5)
+    # PowerSGD: the per-matrix work given, plus 6 ops per bucket; 40M gradients are 7 buckets.
+    assert costs.compression_compute_s("powersgd", 40e6, 1e-3, 100, DEVICE, serial=True) == pytest.approx(
+        1e-3 + (100 + 7 * 6) * 1e-5
+    )
+    assert costs.compression_compute_s("none", 40e6, 1.0, 100, DEVICE, serial=True) == 0
+
+
+def test_powersgd_kernels_of_one_matrix():
+    n = m = 1024
+    # Three products of 2 n m r = 8.4 MFLOP (0.84 us at 10 TFLOP/s) over 4 (n m + (n + m) r) bytes (5.3 us): memory.
+    product = 4 * (n * m + (n + m) * 4) / 0.8e12
+    # Two QRs of a 1024 x 4 factor: 2 k r^2 = 32,768 FLOPs (3.3 ns), 8 k r bytes = 32 KiB (41 ns): memory.
+    orthogonalise = 2 * 8 * 1024 * 4 / 0.8e12
+    assert costs.powersgd_matrix_s(n, m, 4, DEVICE) == pytest.approx(3 * product + orthogonalise)
+    assert costs.powersgd_matrix_ops(4) == 3 + 2 * 2  # QR and its R, twice
+    assert costs.powersgd_matrix_ops(2) == 3 + 2 * (6 * 2 - 4)  # Gram-Schmidt for r <= 2
+    # Error feedback over 1M elements, 1,000 of them sent whole: 32 B each, and 24 more for those.
+    assert costs.powersgd_elementwise_s(1e6, 1e3, DEVICE) == pytest.approx((32e6 + 24e3) / 0.8e12)
+
+
+def test_zero_state_bytes_under_compression():
+    # ZeRO 1, bf16 gathers in bf16 training: sharded master and AdamW, 2-byte weights and 2-byte gradients whole.
+    assert costs.state_bytes_per_param("bf16", 1, 8, "bf16") == 4 / 8 + 2 + 2 + 8 / 8
+    assert costs.state_bytes_per_param("bf16", 2, 8, "fp16") == 4 / 8 + 2 + (4 + 8) / 8
+    assert costs.state_bytes_per_param("bf16", 3, 8, "bf16") == 16 / 8
+    # fp32 training gathers fp32 whatever the reduction's dtype.
+    assert costs.state_bytes_per_param("fp32", 1, 8, "bf16") == costs.state_bytes_per_param("fp32", 1, 8)
+    assert costs.unsharded_bytes_per_param("bf16", "bf16") == (2, 2)
+    assert costs.unsharded_bytes_per_param("bf16") == (4 + 2, 4)  # fp32 weight, autocast's copy, fp32 gradient
+    # ZeRO 0: a 16-bit reduction holds nothing more; PowerSGD an fp32 residual per element (none with dp = 1).
+    assert costs.state_bytes_per_param("bf16", 0, 8, "bf16") == 18
+    assert costs.state_bytes_per_param("bf16", 0, 8, "powersgd") == 18 + 4
+    assert costs.state_bytes_per_param("bf16", 0, 1, "powersgd") == 18
+    assert costs.gathered_bytes_per_param("bf16", "bf16") == 2 and costs.gathered_bytes_per_param("bf16") == 4
+    assert costs.reduced_bytes_per_param("fp16") == 2 and costs.reduced_bytes_per_param("none") == 4
+    # PowerSGD's buffers: P, Q and the uncompressed copy (4 B per element sent), and one bucket's clone.
+    assert costs.powersgd_buffer_bytes(100 * 2**20, 1e6) == 4e6 + 25 * 2**20
+
+
+def test_powersgd_elements_of_gpt_tiny(gpt_profile):
+    # gpt-tiny: vocab 256, 128 positions, hidden 64, MLP 256, 2 layers, biases, tied head; rank 4.
+    # Each matrix sends 4 (n + m) (all pass (n + m) 4 x 2 < n m), each vector all of itself:
+    #   embeddings (256, 64) and (128, 64): 1,280 + 768
+    #   a layer: 4 norm vectors 256; qkv (192, 64) 1,024 + 192; proj (64, 64) 512 + 64; fc (256, 64) 1,280 + 256;
+    #   mlp proj (64, 256) 1,280 + 64: 4,928
+    #   the final norm: 128
+    work = gpt_profile.powersgd_work(1, 4)
+    assert sum(w.elements for w in work) == 1280 + 768 + 2 * 4928 + 128
+    block = next(i for i, seg in enumerate(gpt_profile.segments) if seg.is_block)
+    assert work[block].elements == 4928
+    # tp 2 shards as the runtime does: the vocab embedding (128, 64) 768, qkv (96, 64) 640 + 96, proj (64, 32)
+    # 384 + 64 (bias whole), fc (128, 64) 768 + 128, mlp proj (64, 128) 768 + 64, norms whole.
+    assert sum(w.elements for w in gpt_profile.powersgd_work(2, 4)) == 768 + 768 + 2 * 3168 + 128
+    # The tied head: a stage holding the head without the embedding reduces the embedding's factors too.
+    [(owner, readers, tied)] = gpt_profile.tied_powersgd_work(1, 4)
+    assert owner == 0 and readers == (len(gpt_profile.segments) - 1,) and tied.elements == 1280
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "hf-gpt2"])
+def test_local_shapes_hold_what_params_per_rank_counts(name):
+    import math
+
+    from .conftest import HF_GPT2_TINY
+
+    model = hp.models.load(HF_GPT2_TINY).module if name == "hf-gpt2" else hp.models.build(name)
+    graph = hp.trace(model, hp.models.example_inputs(model, 1, 16))
+    profile = ModelProfile(graph, hp.ClusterSpec.preset("cpu"), "fp32", 16)
+    for op in graph.compute_ops():
+        assert sum(math.prod(s) for s in op.param_shapes) == op.param_count
+        for tp in (1, 2, 4):
+            if graph.structure.check(tp, graph):
+                continue
+            shapes = profile.local_param_shapes(op, tp)
+            assert sum(math.prod(s) for s in shapes) == pytest.approx(graph.structure.params_per_rank(op, tp))
+    if name == "hf-gpt2":  # transformers' Conv1D stores (in, out); split, the runtime holds (out, in)
+        c_attn = graph.op("transformer.h.0.attn.c_attn")
+        assert c_attn.param_shapes == ((64, 192), (192,))
+        assert profile.local_param_shapes(c_attn, 2) == ((96, 64), (96,))

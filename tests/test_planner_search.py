@@ -15,13 +15,14 @@ from hyparallel.planner.search import Search, enumerate_configs, lone_microbatch
 from .conftest import HF_GPT2_TINY
 
 
-def brute_force(engine: Search) -> tuple[float, int, int]:
-    """Best step time over every configuration and every contiguous stage split; and the counts of (in)feasible.
+def brute_force(engine: Search, fixed: dict | None = None) -> tuple[float, int, int]:
+    """Best step time over every configuration (that ``fixed`` allows) and every contiguous stage split; and the
+    counts of (in)feasible.
 
     A pipeline fed one micro-batch is the best only when no other configuration fits (Note [one micro-batch
     through a pipeline] in hyparallel.planner.search).
     """
-    configs = enumerate_configs(engine.ctx, {})
+    configs = enumerate_configs(engine.ctx, fixed or {})
     preferred, feasible, infeasible = _brute_force(engine, [c for c in configs if not lone_microbatch(c)])
     if preferred < math.inf:
         return preferred, feasible, infeasible
@@ -59,15 +60,20 @@ def small_cluster(preset: str, nodes: int, per_node: int, memory_bytes: int | No
 
 
 @pytest.mark.parametrize(
-    ("model_name", "preset", "nodes", "per_node", "global_batch", "memory_fraction"),
+    ("model_name", "preset", "nodes", "per_node", "global_batch", "memory_fraction", "fixed"),
     [
-        ("gpt-mini", "cpu", 1, 8, 16, None),
-        ("gpt-mini", "a100-80g", 2, 8, 32, 0.25),  # tight memory: many plans do not fit
-        ("llama-tiny", "h100-sxm", 2, 4, 16, 0.3),
-        ("gpt-tiny", "cpu", 1, 4, 8, 0.3),
+        ("gpt-mini", "cpu", 1, 8, 16, None, {}),
+        ("gpt-mini", "a100-80g", 2, 8, 32, 0.25, {}),  # tight memory: many plans do not fit
+        ("llama-tiny", "h100-sxm", 2, 4, 16, 0.3, {}),
+        ("gpt-tiny", "cpu", 1, 4, 8, 0.3, {}),
+        # every gradient compression, PowerSGD at rank 1 (Gram-Schmidt) and 8
+        ("gpt-mini", "cpu", 1, 8, 16, None, {"grad_compression": "any"}),
+        ("gpt-mini", "a100-80g", 2, 8, 32, 0.25, {"grad_compression": "any", "powersgd_rank": 1}),
+        ("llama-tiny", "h100-sxm", 2, 4, 16, 0.3, {"grad_compression": "any", "powersgd_rank": 8}),
+        ("gpt-tiny", "cpu", 1, 4, 8, 0.3, {"grad_compression": "powersgd"}),
     ],
 )
-def test_search_matches_brute_force(model_name, preset, nodes, per_node, global_batch, memory_fraction):
+def test_search_matches_brute_force(model_name, preset, nodes, per_node, global_batch, memory_fraction, fixed):
     model = hp.models.build(model_name, num_layers=4) if model_name != "gpt-mini" else hp.models.build(model_name)
     seq = 32
     graph = hp.trace(model, model.example_inputs(1, seq))
@@ -77,13 +83,16 @@ def test_search_matches_brute_force(model_name, preset, nodes, per_node, global_
     cluster = small_cluster(preset, nodes, per_node, memory)
     profile = ModelProfile(graph, cluster, "bf16", seq)
     engine = Search(profile, cluster, global_batch, "bf16")
-    found, _ = engine.best({}, top=1)
-    expected, feasible, infeasible = brute_force(Search(profile, cluster, global_batch, "bf16"))
+    found, _ = engine.best(fixed, top=1)
+    expected, feasible, infeasible = brute_force(Search(profile, cluster, global_batch, "bf16"), fixed)
     assert feasible > 0
     if memory_fraction is not None:
         assert infeasible > 0  # the memory limit really binds
     assert found[0].step_time_s == pytest.approx(expected, rel=1e-12)
-    assert engine.evaluated < len(enumerate_configs(engine.ctx, {}))  # the bound pruned something
+    assert engine.evaluated < len(enumerate_configs(engine.ctx, fixed))  # the bound pruned something
+    modes = {c.grad_compression for c in enumerate_configs(engine.ctx, fixed)}
+    expected_modes = {"any": {"none", "bf16", "fp16", "powersgd"}, "powersgd": {"none", "powersgd"}}  # none: dp = 1
+    assert modes == expected_modes.get(fixed.get("grad_compression"), {"none"})
 
 
 def test_top_k_is_sorted_and_distinct():
@@ -217,3 +226,108 @@ def test_nothing_fits_names_the_smallest_need():
         hp.plan(model, hp.ClusterSpec.preset("a100-80g"), global_batch=64, seq_len=2048)
     message = str(info.value)
     assert message.startswith("nothing fits in 77.0 GiB per GPU") and "GiB" in message and "more GPUs" in message
+
+
+# ---- gradient compression (Note [gradient compression is asked for] in hyparallel.planner.constraints) -----------
+
+
+@pytest.fixture(scope="module")
+def mini_graph():
+    model = hp.models.build("gpt-mini")
+    return hp.trace(model, model.example_inputs(1, 32))
+
+
+def test_compression_is_used_only_when_asked(mini_graph):
+    cluster = small_cluster("cpu", 1, 8)
+    plain = search(mini_graph, cluster, 16, 32, "fp32", top=20)
+    assert all(e.config.grad_compression == "none" for e in plain.best)  # the default: never compressed
+    for mode in ("bf16", "fp16", "powersgd"):
+        result = search(mini_graph, cluster, 16, 32, "fp32", grad_compression=mode, top=20)
+        for e in result.best:
+            assert e.config.grad_compression == (mode if e.config.dp > 1 else "none")
+            assert not (e.config.grad_compression == "powersgd" and e.config.zero > 0)
+    engine = Search(ModelProfile(mini_graph, cluster, "fp32", 32), cluster, 16, "fp32")
+    configs = enumerate_configs(engine.ctx, {"grad_compression": "any"})
+    assert {c.grad_compression for c in configs} == {"none", "bf16", "fp16", "powersgd"}
+    assert not any(c.grad_compression == "powersgd" and c.zero > 0 for c in configs)  # ZeRO 1-3: FSDP2, no hook
+    assert all(c.grad_compression == "none" for c in configs if c.dp == 1)  # nothing to reduce
+
+
+def test_bf16_wins_where_the_gradient_reduction_matters(mini_graph):
+    # dp 16 across two A100 nodes: the fp32 all-reduce crosses InfiniBand; 16 bits halve it.
+    cluster = small_cluster("a100-80g", 2, 8)
+    fixed = {"tp": 1, "pp": 1, "zero": 0}
+    none = search(mini_graph, cluster, 64, 32, "bf16", **fixed).best[0]
+    bf16 = search(mini_graph, cluster, 64, 32, "bf16", grad_compression="bf16", **fixed).best[0]
+    assert bf16.step_time_s < none.step_time_s and bf16.comm_s["dp"] < none.comm_s["dp"]
+    chosen = search(mini_graph, cluster, 64, 32, "bf16", grad_compression="any", **fixed)
+    assert chosen.best[0].config.grad_compression in ("bf16", "powersgd")  # never fp16 when bf16 ties it
+    plan = chosen.plan()
+    assert plan.parallel.grad_compression == chosen.best[0].config.grad_compression
+    assert plan.predicted.uncompressed.step_time_s == pytest.approx(none.step_time_s, rel=1e-5)
+    assert plan.predicted.uncompressed.dp_comm_s == pytest.approx(none.comm_s["dp"], rel=1e-5)
+    assert plan.predicted.step_time_s < plan.predicted.uncompressed.step_time_s
+
+
+def test_16_bit_zero_gathers_save_memory_and_time(mini_graph):
+    cluster = small_cluster("a100-80g", 2, 8)
+    fixed = {"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1}
+    none = search(mini_graph, cluster, 64, 32, "bf16", **fixed).best[0]
+    bf16 = search(mini_graph, cluster, 64, 32, "bf16", grad_compression="bf16", **fixed).best[0]
+    assert bf16.peak_memory_bytes < none.peak_memory_bytes  # 16-bit gathered weights and gradients, no copy
+    assert bf16.step_time_s < none.step_time_s  # ZeRO 3 gathers and scatters every micro-batch, in half the bytes
+
+
+def test_a_compressed_plan_round_trips_with_its_settings(tmp_path, mini_graph):
+    cluster = small_cluster("cpu", 1, 8)
+    plan = hp.plan(
+        mini_graph, cluster, 16, 32, "fp32", dp=8, grad_compression="powersgd", powersgd_rank=2, powersgd_start_step=50
+    )
+    par = plan.parallel
+    assert (par.grad_compression, par.powersgd_rank, par.powersgd_start_step, par.zero) == ("powersgd", 2, 50, 0)
+    assert plan.predicted.uncompressed is not None
+    plan.save(tmp_path / "plan.yaml")
+    assert hp.Plan.load(tmp_path / "plan.yaml") == plan
+    default = hp.plan(mini_graph, cluster, 16, 32, "fp32", dp=8)
+    assert default.parallel.grad_compression == "none" and default.predicted.uncompressed is None
+
+
+def test_a_hand_plan_keeps_its_compression_when_completed(mini_graph):
+    from hyparallel.planner import complete
+
+    cluster = small_cluster("cpu", 1, 8)
+    hand = hp.Plan.from_dict(
+        {
+            "cluster": cluster.model_dump(),
+            "training": {"global_batch": 16, "micro_batch": 2, "seq_len": 32, "dtype": "fp32"},
+            "parallel": {"dp": 4, "pp": 2, "grad_compression": "bf16"},
+        }
+    )
+    done = complete(hand, mini_graph)
+    assert done.parallel.grad_compression == "bf16" and done.predicted.uncompressed is not None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"grad_compression": "zip"}, "grad_compression must be one of 'none', 'bf16', 'fp16', 'powersgd' or 'any'"),
+        ({"grad_compression": "powersgd", "zero": 1}, "grad_compression powersgd needs zero 0: ZeRO 1 runs on FSDP2"),
+        ({"powersgd_rank": 8}, "powersgd_rank shapes PowerSGD, and grad_compression is none; pass"),
+        ({"grad_compression": "bf16", "powersgd_start_step": 9}, "powersgd_start_step shapes PowerSGD, and"),
+        ({"grad_compression": "any", "powersgd_rank": 0}, "powersgd_rank must be a positive integer, got 0"),
+        ({"grad_compression": "any", "powersgd_start_step": 1}, "powersgd_start_step must be an integer from 2 to"),
+    ],
+)
+def test_compression_constraints_refuse_bad_values_in_one_line(kwargs, message):
+    with pytest.raises(PlanError) as info:
+        Constraints(**kwargs)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_compression_defaults_are_not_listed_as_given():
+    assert Constraints(grad_compression="none", tp=2).given() == {"tp": 2}
+    assert Constraints(grad_compression="any", powersgd_rank=4).given() == {"grad_compression": "any"}
+    assert Constraints(grad_compression="powersgd", powersgd_rank=8).given() == {
+        "grad_compression": "powersgd",
+        "powersgd_rank": 8,
+    }

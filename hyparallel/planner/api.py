@@ -15,7 +15,7 @@ from hyparallel.errors import ConfigError, PlanError
 from hyparallel.graph import ModelGraph
 from hyparallel.graph.local_shapes import replicate_what_fails
 from hyparallel.planner import costs
-from hyparallel.planner.constraints import Constraints, count_message
+from hyparallel.planner.constraints import Constraints, count_message, default
 from hyparallel.planner.goodput import DEFAULT_RESTART_S, check_goodput_request, with_goodput
 from hyparallel.planner.inputs import make as make_inputs
 from hyparallel.planner.inputs import read as read_inputs
@@ -49,6 +49,7 @@ class SearchResult:
     search_s: float = 0.0
     profile: ModelProfile | None = None
     refused: list[Evaluation] = field(default_factory=list)  # fitted, but check_plan refused them (their reason)
+    powersgd_start_step: int = field(default_factory=lambda: default("powersgd_start_step"))  # written into plans
 
     def plan(self, rank: int = 0) -> Plan:
         """The ``rank``-th best evaluation as a Plan."""
@@ -89,7 +90,9 @@ def plan(
     it fixes micro_batch to its rows and gives seq_len), or a function ``(batch_size, seq_len) -> inputs`` used
     as a model's ``example_inputs`` method is (Note [example inputs]). The constraints are
     ``constraints=Constraints(...)`` or the same names as keyword arguments: tp, pp, dp, micro_batch, schedule,
-    virtual_stages, recompute, zero, sequence_parallel, order (placement.order, outermost axis first).
+    virtual_stages, recompute, zero, sequence_parallel, order (placement.order, outermost axis first), and
+    grad_compression (none, bf16, fp16, powersgd, or any: searched), powersgd_rank, powersgd_start_step:
+    gradients are compressed only when asked (Note [gradient compression is asked for] in constraints.py).
 
     ``mtbf_hours`` (the whole job's mean time between failures) adds the plan's ``checkpoint`` section: the save
     time per checkpoint, the interval that maximises goodput and the goodput expected, with ``restart_s``
@@ -153,7 +156,14 @@ def search(
     start = time.perf_counter()
     profile = ModelProfile(graph, cluster, dtype, seq_len, traced_rows=rows or 1)
     result = SearchResult(
-        graph=graph, cluster=cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype, best=[], profile=profile
+        graph=graph,
+        cluster=cluster,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        dtype=dtype,
+        best=[],
+        profile=profile,
+        powersgd_start_step=given.get("powersgd_start_step", default("powersgd_start_step")),
     )
     engine = Search(profile, cluster, global_batch, dtype, progress, admit=Admission(result))
     best, frugal = engine.best(given, top=top)
@@ -184,7 +194,18 @@ class Admission:
 
     def __call__(self, evaluation: Evaluation) -> str | None:
         c = evaluation.config
-        key = (c.tp, c.pp, c.dp, c.virtual_stages, c.recompute, c.zero, c.sequence_parallel, tuple(evaluation.stages))
+        key = (
+            c.tp,
+            c.pp,
+            c.dp,
+            c.virtual_stages,
+            c.recompute,
+            c.zero,
+            c.sequence_parallel,
+            c.grad_compression,
+            c.powersgd_rank,
+            tuple(evaluation.stages),
+        )
         if key not in self.verdicts:
             self.verdicts[key] = refusal(self.result, evaluation)
         return self.verdicts[key]
@@ -473,6 +494,8 @@ def why_slower(loser: Evaluation, winner: Evaluation) -> str:
             if x != y
         ]
         detail = f" ({', '.join(differences) or 'uneven stages: the slowest holds more than its share'})"
+    if part == "dp sync + optimizer" and loser.config.grad_compression != winner.config.grad_compression:
+        detail = f" (gradients {loser.config.compression} vs {winner.config.compression})"
     return (
         f"{slower:.1%} slower ({loser.step_time_s - winner.step_time_s:.3g} s), mostly {part} "
         f"+{ours[part] - theirs[part]:.3g} s{detail}"
@@ -565,6 +588,9 @@ def _written(result: SearchResult, evaluation: Evaluation) -> Plan:
             "recompute": c.recompute,
             "zero": c.zero,
             "sequence_parallel": c.sequence_parallel,
+            "grad_compression": c.grad_compression,
+            "powersgd_rank": c.powersgd_rank,
+            "powersgd_start_step": result.powersgd_start_step,
         },
         "placement": {"order": list(c.order)},
         "stages": stages,
@@ -577,9 +603,19 @@ def _written(result: SearchResult, evaluation: Evaluation) -> Plan:
             "bubble_fraction": evaluation.bubble_fraction,
             "memory_gib": [(m + reserved) / 2**30 for m in evaluation.stage_memory_bytes],
             "comm_s": {k: float(v) for k, v in evaluation.comm_s.items()},
+            "uncompressed": _uncompressed(result, evaluation),
         },
     }
     return Plan.from_dict(round_figures({k: v for k, v in data.items() if v is not None}), source="the planner's plan")
+
+
+def _uncompressed(result: SearchResult, evaluation: Evaluation) -> dict[str, float] | None:
+    """The same plan's step time and dp tail with grad_compression none (None: it compresses nothing)."""
+    if not evaluation.config.compressed:
+        return None
+    engine = Search(result.profile, result.cluster, result.global_batch, result.dtype)
+    plain = engine.uncompressed(evaluation)
+    return {"step_time_s": plain.step_time_s, "dp_comm_s": float(plain.comm_s["dp"])}
 
 
 def _stage_modules(segments, ranges: list[tuple[int, int]], parents: set[str]) -> list[list[str]]:

@@ -74,12 +74,25 @@ def complete(plan: Plan, graph: ModelGraph, *, example_inputs: Any = None, modul
             zero=par.zero,
             sequence_parallel=par.sequence_parallel,
             order=plan.placement.order,
+            **_compression(plan),
         ).plan()
     except HyparallelError:
         if needs_stages or needs_tp:
             raise
         return plan  # it runs; only the predictions are missing
     return _merged(plan, fixed, needs_tp)
+
+
+def _compression(plan: Plan) -> dict[str, Any]:
+    """The plan's gradient compression as the search's constraints (PowerSGD's settings only under PowerSGD)."""
+    par = plan.parallel
+    if par.grad_compression != "powersgd":
+        return {"grad_compression": par.grad_compression}
+    return {
+        "grad_compression": "powersgd",
+        "powersgd_rank": par.powersgd_rank,
+        "powersgd_start_step": par.powersgd_start_step,
+    }
 
 
 def _merged(plan: Plan, planned_plan: Plan, needs_tp: bool) -> Plan:

@@ -5,19 +5,44 @@ arguments): each field has the plan file's type and bounds (hyparallel.schema, h
 planner never accepts what a plan file would refuse, and a field left None is searched. A bad value is a
 one-line PlanError naming it. What needs the cluster or the batch (the degrees against the GPUs, dp against
 the global batch) is checked by the planner, after this.
+
+Note [gradient compression is asked for]
+    Compression changes the numerics, so, unlike every other decision, ``grad_compression`` is not searched when
+    left out: its default is ``none``. A mode fixes it, as a value fixes any constraint (where it applies: with
+    dp > 1, and ``powersgd`` only at ZeRO 0, the one stage whose reduction takes a communication hook; a layout
+    with dp = 1 reduces nothing and is planned with ``none``); ``any`` searches none, bf16, fp16 and powersgd,
+    preferring the earlier on a tie (bf16 and fp16 cost the same: fp16 is chosen only when asked for).
+    ``powersgd_rank`` and ``powersgd_start_step`` shape PowerSGD (the plan's defaults: 4, 1000) and are refused
+    unless PowerSGD may be chosen. ``given()`` leaves out these three at their defaults, so what a caller did not
+    ask for is not listed in the planner's messages.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hyparallel import limits
 from hyparallel.cluster import int_in
 from hyparallel.errors import PlanError
-from hyparallel.schema import DEFAULT_ORDER, Axis, Degree, Recompute, Schedule, Sequences, ZeroStage
+from hyparallel.schema import (
+    DEFAULT_ORDER,
+    Axis,
+    Degree,
+    GradCompression,
+    ParallelConfig,
+    Recompute,
+    Schedule,
+    Sequences,
+    ZeroStage,
+)
+
+# What a caller may ask of the data-parallel axis: one mode, or ``any`` of them searched.
+CompressionChoice = Literal[GradCompression, "any"]
+# Note [gradient compression is asked for]: not searched when left out; their defaults are the plan's.
+_PLAN_DEFAULTS = ("grad_compression", "powersgd_rank", "powersgd_start_step")
 
 
 class Constraints(BaseModel):
@@ -37,6 +62,18 @@ class Constraints(BaseModel):
     zero: ZeroStage | None = Field(None, description="ZeRO stage of the data-parallel axis.")
     sequence_parallel: bool | None = Field(None, description="Sequence parallelism along the tp ranks.")
     order: tuple[Axis, Axis, Axis] | None = Field(None, description="The mesh axes outermost first (placement.order).")
+    grad_compression: CompressionChoice = Field(
+        ParallelConfig.model_fields["grad_compression"].default,
+        description="How gradients cross the data-parallel axis (parallel.grad_compression), or `any`: searched; "
+        "not searched when left out (Note [gradient compression is asked for]).",
+    )
+    powersgd_rank: int_in(1, limits.MAX_POWERSGD_RANK) = Field(
+        ParallelConfig.model_fields["powersgd_rank"].default, description="PowerSGD's factor rank."
+    )
+    powersgd_start_step: int_in(2, limits.MAX_POWERSGD_START_STEP) = Field(
+        ParallelConfig.model_fields["powersgd_start_step"].default,
+        description="Steps reduced uncompressed before PowerSGD starts.",
+    )
 
     def __init__(self, **values: Any) -> None:
         """Validate ``values``; an unknown name or a bad value is a one-line PlanError."""
@@ -52,9 +89,35 @@ class Constraints(BaseModel):
             raise ValueError(f"must name pp, dp and tp once each, got {list(order)}")
         return order
 
+    @model_validator(mode="after")
+    def _powersgd_asked(self) -> Constraints:
+        shaped = [name for name in ("powersgd_rank", "powersgd_start_step") if name in self.model_fields_set]
+        if shaped and self.grad_compression not in ("powersgd", "any"):
+            raise ValueError(
+                f"{' and '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} PowerSGD, and grad_compression is "
+                f"{self.grad_compression}; pass grad_compression='powersgd' (or 'any'), or leave "
+                f"{'it' if len(shaped) == 1 else 'them'} out"
+            )
+        if self.grad_compression == "powersgd" and self.zero:
+            raise ValueError(
+                f"grad_compression powersgd needs zero 0: ZeRO {self.zero} runs on FSDP2, whose reduce-scatters take "
+                "no communication hook to compress; use bf16 or fp16 there, or zero 0"
+            )
+        return self
+
     def given(self) -> dict[str, Any]:
-        """The constraints set (not None) by name, in field order: what the search fixes."""
-        return {name: value for name, value in self if value is not None}
+        """The constraints set (not None) by name, in field order: what the search fixes; grad_compression and
+        PowerSGD's settings only where they differ from their defaults (Note [gradient compression is asked for])."""
+        return {
+            name: value
+            for name, value in self
+            if value is not None and not (name in _PLAN_DEFAULTS and value == default(name))
+        }
+
+
+def default(name: str) -> Any:
+    """The value the search takes for constraint ``name`` when the caller leaves it out (None: it is searched)."""
+    return Constraints.model_fields[name].default
 
 
 def constraint_error(error: pydantic.ValidationError, values: dict[str, Any]) -> str:
@@ -64,6 +127,8 @@ def constraint_error(error: pydantic.ValidationError, values: dict[str, Any]) ->
     if unknown:
         return f"unknown constraint {', '.join(unknown)}; the planner takes {', '.join(Constraints.model_fields)}"
     first = problems[0]
+    if not first["loc"]:  # a rule across fields (model validator): its message is the line
+        return str(first["ctx"]["error"])
     key = str(first["loc"][0])
     return _bad_value(key, values[key], first)
 
@@ -76,6 +141,8 @@ def _bad_value(key: str, value: Any, problem: dict) -> str:
         return f"{key} must be one of {problem['ctx']['expected']}, got {repr(value)[:40]}"
     if problem["type"].startswith("bool_"):
         return f"{key} must be True or False, got {repr(value)[:40]}"
+    if key == "powersgd_start_step" and problem["type"] in ("greater_than_equal", "less_than_equal"):
+        return f"{key} must be an integer from 2 to {limits.MAX_POWERSGD_START_STEP:,}, got {_shown(value)}"
     return count_message(key, value, problem["ctx"]["le"] if problem["type"] == "less_than_equal" else None)
 
 
@@ -83,5 +150,8 @@ def count_message(key: str, value: Any, high: int | None = None) -> str:
     """The error for a count that is not a positive integer or, with ``high``, is one above ``high``."""
     if high is None:
         return f"{key} must be a positive integer, got {repr(value)[:40]}"
-    shown = f"{value:,}" if value.bit_length() < 200 else "an integer of more than 60 digits"
-    return f"{key} must be a positive integer up to {high:,}, got {shown}"
+    return f"{key} must be a positive integer up to {high:,}, got {_shown(value)}"
+
+
+def _shown(value: int) -> str:
+    return f"{value:,}" if value.bit_length() < 200 else "an integer of more than 60 digits"

@@ -6,10 +6,12 @@ formulas and the source of every constant are written up in docs/cost-model.md.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from hyparallel.cluster import LinkSpec
-from hyparallel.schema import Dtype, Schedule
+from hyparallel.cluster import DeviceSpec, LinkSpec
+from hyparallel.schema import Dtype, GradCompression, Schedule
 
 Bytes = float | np.ndarray
 
@@ -20,9 +22,8 @@ DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRAD_BYTES_PER_PARAM = 4
 OPTIMIZER_BYTES_PER_PARAM: dict[str, int] = {"bf16": 12, "fp16": 12, "fp32": 8}  # fp32 training needs no master copy
 
-# ZeRO's all-gathers move the weights as parallelize holds them: fp32 master copies, cast by autocast after the
-# gather (FSDP2 without a mixed-precision policy; Note [ZeRO stages on FSDP2] in data_parallel.py).
-GATHERED_BYTES_PER_PARAM = 4
+# The weights parallelize holds (autocast casts them to the training dtype as each op runs): fp32 master copies.
+MASTER_BYTES_PER_PARAM = 4
 
 # Communication overlapped with computation is not free: NCCL kernels take SMs and memory bandwidth from
 # the GEMMs they run beside, which slow by roughly 10-30% while both run (e.g. Wang et al. 2023,
@@ -100,6 +101,191 @@ def dispatched_s(work_s: float, op_overhead_s: float, serial: bool) -> float:
     return work_s + op_overhead_s if serial else max(work_s, op_overhead_s)
 
 
+# Note [gradient compression]
+#     How each parallel.grad_compression reduces the data-parallel gradients, as hyparallel.grad_compression runs
+#     them (torch's DDP communication hooks; the pipeline's all-reduce after the schedule runs the same hooks), and
+#     what the planner charges each. ``none`` keeps its price (a ring all-reduce of the fp32 gradients, its latency
+#     charged once for all buckets, plus the last bucket's); the others are priced relative to it:
+#       bf16/fp16: torch.distributed.algorithms.ddp_comm_hooks.default_hooks._compress_hook casts each bucket to 16
+#         bits, divides it by the group size, all-reduces it and casts it back: half the bytes on the wire, the same
+#         one collective per bucket, and three kernels per bucket that fp32 does not run (DDP without a hook divides
+#         while it copies each gradient into its bucket): read 4 write 2, read 2 write 2, read 2 write 4 bytes per
+#         element. Under ZeRO 1-3 (FSDP2) the reduce-scatter runs in 16 bits and, in 16-bit training, the weights
+#         are gathered in 16 bits (2 bytes each, ``gathered_bytes_per_param``); FSDP2 casts in the copies into its
+#         collective buffers that it makes anyway, so nothing else is charged.
+#       powersgd: torch's powerSGD_hook (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient Compression for
+#         Distributed Optimization", Algorithm 1 with error feedback and warm start; Note [PowerSGD's wire]) runs
+#         three all-reduces per bucket, one after the other: the uncompressed tensors, then the P factors, then the
+#         Q factors: two collectives per bucket more than ``none``, each a ring latency of its own. Its kernels
+#         (``powersgd_matrix_s``, ``powersgd_elementwise_s``) and their dispatch are charged too. It compresses
+#         from powersgd_start_step on; the planner prices the steady state after it.
+#     Compression's kernels are never hidden: on a GPU they run on the device beside the backward's; on a CPU
+#     (gloo) compute and communication share the cores, and hyparallel waits for each PowerSGD bucket's chain of
+#     collectives before the next (Note [compression hooks on gloo] in grad_compression.py). Each hook op pays the
+#     host's dispatch (Note [op overhead]): added to the work on a CPU; on a GPU the host dispatches while the
+#     device works, so the hook costs the larger of the two.
+#
+# Note [PowerSGD's wire]
+#     powerSGD_hook views each gradient as a matrix (shape[0], -1) of n rows and m columns and compresses it at
+#     rank r = min(n, m, powersgd_rank) when (n + m) r x MIN_COMPRESSION_RATE < n m (torch's _should_compress):
+#     it then sends P (n x r) and Q (m x r), r (n + m) elements; every other tensor (vectors, small matrices) is
+#     sent whole, in fp32. Per compressed matrix M it runs: Q orthogonalised (warm start), P = M Q, P all-reduced
+#     and orthogonalised, Q = M^T P, Q all-reduced, M = P Q^T: three batched products of 2 n m r FLOPs each and
+#     two orthogonalisations (QR for r > 2, Gram-Schmidt otherwise, about 2 k r^2 FLOPs for a k x r factor;
+#     Golub & Van Loan, "Matrix Computations", Sec. 5.2). Per bucket it adds the residual of the last step to the
+#     gradients, clones them, and stores the new residual (the gradients minus their approximation): error
+#     feedback, read 4 + 4 write 4, read 4 write 4, read 4 + 4 write 4 bytes per element, an fp32 residual per
+#     element kept between steps; it copies the uncompressed tensors into one buffer, divides and copies them back.
+#     The planner reads the shapes of the gradients each rank holds from the trace (Op.param_shapes, split by
+#     tensor parallelism as the runtime splits them: ModelProfile.powersgd_work).
+
+GRAD_COMPRESSIONS: tuple[GradCompression, ...] = ("none", "bf16", "fp16", "powersgd")
+SIXTEEN_BIT: tuple[GradCompression, ...] = ("bf16", "fp16")
+# torch's default min_compression_rate, which hyparallel.grad_compression.MIN_COMPRESSION_RATE passes to PowerSGDState
+# (the planner does not import the runtime: tests/test_planner_costs.py checks the two agree).
+MIN_COMPRESSION_RATE = 2
+# PowerSGD's error feedback keeps one fp32 residual per gradient element between steps (PowerSGDState.error_dict).
+ERROR_FEEDBACK_BYTES_PER_PARAM = 4
+# bf16/fp16 hook kernels per element (Note [gradient compression]): cast down, divide in 16 bits, cast back.
+SIXTEEN_BIT_HOOK_BYTES_PER_ELEMENT = (4 + 2) + (2 + 2) + (2 + 4)
+SIXTEEN_BIT_HOOK_OPS_PER_BUCKET = 3
+# PowerSGD per gradient element: the residual added (read 8 write 4), the clone (read 4 write 4), the new residual
+# (read 8 write 4); per uncompressed element: the copy into one buffer, its division, the copy back (read 4 write 4
+# each). Per bucket: add_, clone, cat, the two divisions (uncompressed tensors, Q) and the residual's subtraction.
+POWERSGD_BYTES_PER_ELEMENT = 12 + 8 + 12
+POWERSGD_BYTES_PER_UNCOMPRESSED_ELEMENT = 3 * 8
+POWERSGD_OPS_PER_BUCKET = 6
+
+
+def powersgd_factor_rank(rows: float, cols: float, rank: int) -> int:
+    """The rank PowerSGD compresses a ``rows`` x ``cols`` gradient at, 0 when it sends it whole (torch's
+    _should_compress with MIN_COMPRESSION_RATE; Note [PowerSGD's wire])."""
+    r = int(min(rows, cols, rank))
+    return r if (rows + cols) * r * MIN_COMPRESSION_RATE < rows * cols else 0
+
+
+def powersgd_matrix(shape: tuple[float, ...]) -> tuple[float, float]:
+    """(rows, cols) of the matrix PowerSGD views a gradient of ``shape`` as: (shape[0], -1); a scalar is 1 x 1."""
+    rows = shape[0] if shape else 1
+    return rows, math.prod(shape) / rows if rows else 0.0
+
+
+def powersgd_wire_elements(shape: tuple[float, ...], rank: int) -> float:
+    """Elements PowerSGD all-reduces for one gradient of ``shape``: r (n + m) when compressed, else all of them."""
+    rows, cols = powersgd_matrix(shape)
+    r = powersgd_factor_rank(rows, cols, rank)
+    return r * (rows + cols) if r else rows * cols
+
+
+def powersgd_matrix_s(rows: float, cols: float, r: int, device: DeviceSpec) -> float:
+    """Kernel seconds PowerSGD spends on one compressed ``rows`` x ``cols`` fp32 gradient at rank ``r``: three products
+    of 2 n m r FLOPs (reading or writing the matrix and both factors) and the two factors' orthogonalisations,
+    ~2 k r^2 FLOPs over a k x r factor read and written (Note [PowerSGD's wire]); dispatch not included."""
+    peak, bandwidth = device.peak_flops.fp32, device.memory_bandwidth_bytes_per_s
+    product = roofline_s(
+        2 * rows * cols * r,
+        4 * (rows * cols + (rows + cols) * r),
+        peak,
+        device.matmul_efficiency,
+        bandwidth,
+        device.memory_efficiency,
+    )
+    orthogonalise = sum(
+        roofline_s(2 * k * r * r, 8 * k * r, peak, device.matmul_efficiency, bandwidth, device.memory_efficiency)
+        for k in (rows, cols)
+    )
+    return 3 * product + orthogonalise
+
+
+def powersgd_matrix_ops(r: int) -> int:
+    """Ops PowerSGD dispatches per compressed matrix: three products and two orthogonalisations, each a QR and the
+    empty R it writes (r > 2), or Gram-Schmidt's 6 per column but the last's 2 (torch's _orthogonalize)."""
+    orthogonalise = 2 if r > 2 else 6 * r - 4
+    return 3 + 2 * orthogonalise
+
+
+def powersgd_elementwise_s(elements: float, uncompressed: float, device: DeviceSpec) -> float:
+    """Seconds of PowerSGD's memory-bound work on ``elements`` gradient elements, ``uncompressed`` of them sent whole:
+    error feedback on all, the copies and division of the uncompressed ones (Note [PowerSGD's wire])."""
+    traffic = POWERSGD_BYTES_PER_ELEMENT * elements + POWERSGD_BYTES_PER_UNCOMPRESSED_ELEMENT * uncompressed
+    return traffic / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+
+
+def dp_buckets(grad_bytes: Bytes) -> Bytes:
+    """Gradient buckets of ``grad_bytes`` of fp32 gradients (DP_BUCKET_BYTES each, the last one partial)."""
+    return np.ceil(np.asarray(grad_bytes, dtype=float) / DP_BUCKET_BYTES)
+
+
+def collectives_per_bucket(grad_compression: GradCompression) -> int:
+    """All-reduces a data-parallel hook runs per bucket: PowerSGD's three (uncompressed tensors, P, Q), else one."""
+    return 3 if grad_compression == "powersgd" else 1
+
+
+def grad_wire_bytes(grad_compression: GradCompression, params: Bytes, powersgd_elements: Bytes) -> Bytes:
+    """Bytes per rank a ZeRO-0 gradient all-reduce sends for ``params`` gradients: fp32 (``none``), 16-bit, or
+    PowerSGD's fp32 factors and uncompressed tensors (``powersgd_elements`` of them: Note [PowerSGD's wire])."""
+    if grad_compression == "powersgd":
+        return np.asarray(powersgd_elements, dtype=float) * GRAD_BYTES_PER_PARAM
+    per_element = 2 if grad_compression in SIXTEEN_BIT else GRAD_BYTES_PER_PARAM
+    return np.asarray(params, dtype=float) * per_element
+
+
+def dp_allreduce_s(
+    grad_compression: GradCompression, grad_bytes: Bytes, wire_bytes: Bytes, group_size: int, link: LinkSpec
+) -> tuple[Bytes, Bytes]:
+    """(all buckets, the last bucket) seconds of the ZeRO-0 gradient all-reduce: ``grad_bytes`` of fp32 gradients
+    in DP_BUCKET_BYTES buckets, ``wire_bytes`` of them on the wire.
+
+    Ring all-reduces of the wire bytes; PowerSGD's extra collectives add a ring latency each, per bucket (Note
+    [gradient compression]). The last bucket carries its share of the wire bytes.
+    """
+    grad = np.asarray(grad_bytes, dtype=float)
+    wire = np.asarray(wire_bytes, dtype=float)
+    share = np.divide(wire, grad, out=np.zeros_like(wire * grad), where=grad > 0)
+    last_wire = np.minimum(grad, DP_BUCKET_BYTES) * share
+    latency = 2 * (group_size - 1) * link.latency_s  # one ring all-reduce's steps
+    extra = (collectives_per_bucket(grad_compression) - 1) * latency
+    buckets = dp_buckets(grad)
+    whole = ring_allreduce_s(wire, group_size, link) + extra * buckets
+    last = ring_allreduce_s(last_wire, group_size, link) + extra * np.minimum(buckets, 1)
+    return whole, last
+
+
+def compression_compute_s(
+    grad_compression: GradCompression,
+    params: Bytes,
+    powersgd_work_s: Bytes,
+    powersgd_ops: Bytes,
+    device: DeviceSpec,
+    serial: bool,
+) -> Bytes:
+    """Seconds a ZeRO-0 compression hook adds to the step for ``params`` gradients, with dispatch (Note [gradient
+    compression]); PowerSGD's per-matrix kernel seconds and ops come from ``ModelProfile.powersgd_work``."""
+    params = np.asarray(params, dtype=float)
+    buckets = dp_buckets(params * GRAD_BYTES_PER_PARAM)
+    if grad_compression in SIXTEEN_BIT:
+        work = (
+            params
+            * SIXTEEN_BIT_HOOK_BYTES_PER_ELEMENT
+            / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+        )
+        ops = buckets * SIXTEEN_BIT_HOOK_OPS_PER_BUCKET
+    elif grad_compression == "powersgd":
+        work = np.asarray(powersgd_work_s, dtype=float)
+        ops = np.asarray(powersgd_ops, dtype=float) + buckets * POWERSGD_OPS_PER_BUCKET
+    else:
+        return 0.0 * params
+    dispatch = ops * device.op_overhead_s
+    return work + dispatch if serial else np.maximum(work, dispatch)
+
+
+def powersgd_buffer_bytes(grad_bytes: Bytes, powersgd_elements: Bytes) -> Bytes:
+    """Bytes PowerSGD holds beyond its residuals (in ``state_bytes_per_param``): the P and Q factors, kept between steps
+    for the warm start, and the flat copy of the uncompressed tensors (4 bytes per element sent), and the clone of
+    one bucket while it is reduced."""
+    return np.asarray(powersgd_elements, dtype=float) * 4 + np.minimum(grad_bytes, DP_BUCKET_BYTES)
+
+
 def bubble_fraction(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
     """Idle time over ideal compute time.
 
@@ -128,22 +314,53 @@ def inflight_microbatches(
     return chunks / virtual_stages
 
 
-def state_bytes_per_param(dtype: Dtype, zero: int, dp: int) -> float:
+def gathered_bytes_per_param(dtype: Dtype, grad_compression: GradCompression = "none") -> int:
+    """Bytes per parameter ZeRO 1-3 all-gather: the fp32 master copies, or the training dtype's 16 bits when the plan
+    compresses gradients to bf16/fp16 and trains in 16 bits (FSDP2's MixedPrecisionPolicy param_dtype, as
+    hyparallel.grad_compression.fsdp_policy sets it; Note [ZeRO stages on FSDP2] in data_parallel.py)."""
+    if grad_compression in SIXTEEN_BIT and dtype != "fp32":
+        return DTYPE_BYTES[dtype]
+    return MASTER_BYTES_PER_PARAM
+
+
+def reduced_bytes_per_param(grad_compression: GradCompression) -> int:
+    """Bytes per gradient element ZeRO 1-3 reduce-scatter: 2 under bf16/fp16 (FSDP2's reduce_dtype), else fp32."""
+    return 2 if grad_compression in SIXTEEN_BIT else GRAD_BYTES_PER_PARAM
+
+
+def unsharded_bytes_per_param(dtype: Dtype, grad_compression: GradCompression = "none") -> tuple[int, int]:
+    """(weight, gradient) bytes of one gathered (unsharded) parameter under ZeRO 1-3.
+
+    The weight as gathered plus autocast's 16-bit copy of it when it is gathered in fp32; gathered in 16 bits
+    (FSDP2's param_dtype) it already is what autocast computes with. Its gradient has the weight's dtype (FSDP2
+    accumulates it in param_dtype between micro-batches, and casts the reduced shard back to fp32).
+    """
+    gathered = gathered_bytes_per_param(dtype, grad_compression)
+    copy = DTYPE_BYTES[dtype] if gathered == MASTER_BYTES_PER_PARAM and dtype != "fp32" else 0
+    return gathered + copy, gathered
+
+
+def state_bytes_per_param(dtype: Dtype, zero: int, dp: int, grad_compression: GradCompression = "none") -> float:
     """Bytes per parameter one rank holds through a step for weights, gradients and AdamW state under ZeRO ``zero``.
 
     As parallelize runs it (Note [ZeRO stages on FSDP2] in data_parallel.py): fp32 master weights, plus a 16-bit copy
     under bf16/fp16 autocast, fp32 gradients and AdamW's m and v. ZeRO 1 shards the master weights and m, v but
-    keeps the weights gathered (fp32) and the gradients whole through the step; ZeRO 2 shards the gradients too;
-    ZeRO 3 holds only shards (the units gathered at a time are added by the search). With dp = 1 nothing shards.
+    keeps the weights gathered and the gradients whole through the step; ZeRO 2 shards the gradients too; ZeRO 3
+    holds only shards (the units gathered at a time are added by the search). With dp = 1 nothing shards.
+    ``grad_compression`` bf16/fp16 under ZeRO 1/2 with 16-bit training: the gathered weights and their gradients in
+    16 bits (``unsharded_bytes_per_param``); ``powersgd``: an fp32 residual per gradient element (its error
+    feedback; its factors are the search's, Note [PowerSGD's wire]).
     """
-    master, grad, adam = GATHERED_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM["fp32"]
-    copy = 0 if dtype == "fp32" else DTYPE_BYTES[dtype]
+    master, grad, adam = MASTER_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM["fp32"]
     if zero == 0 or dp == 1:
-        return master + copy + grad + adam
+        copy = 0 if dtype == "fp32" else DTYPE_BYTES[dtype]
+        residual = ERROR_FEEDBACK_BYTES_PER_PARAM if grad_compression == "powersgd" and dp > 1 else 0
+        return master + copy + grad + adam + residual
+    weight, unsharded_grad = unsharded_bytes_per_param(dtype, grad_compression)
     if zero == 1:
-        return master / dp + master + copy + grad + adam / dp
-    if zero == 2:
-        return master / dp + master + copy + (grad + adam) / dp
+        return master / dp + weight + unsharded_grad + adam / dp
+    if zero == 2:  # gradients reduce-scattered after every micro-batch: only their fp32 shards stay
+        return master / dp + weight + (grad + adam) / dp
     return (master + grad + adam) / dp
 
 

@@ -48,7 +48,7 @@ from hyparallel.planner import costs
 from hyparallel.schema import CheckpointCost, CheckpointStorage, Plan
 
 # Note [checkpoint bytes per rank]: fp32 weights (4) + AdamW m and v (8).
-CHECKPOINT_BYTES_PER_PARAM = costs.GATHERED_BYTES_PER_PARAM + costs.OPTIMIZER_BYTES_PER_PARAM["fp32"]
+CHECKPOINT_BYTES_PER_PARAM = costs.MASTER_BYTES_PER_PARAM + costs.OPTIMIZER_BYTES_PER_PARAM["fp32"]
 
 # Seconds from a failure to training again, when the caller does not say: an estimate for a restart on healthy
 # nodes (torchrun or dlrover-run detect the failure and relaunch the workers, which import torch, initialise

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 from hyparallel.cluster import ClusterSpec, LinkSpec
 from hyparallel.graph import ModelGraph, Op
@@ -92,6 +92,18 @@ class SegmentCost:
 
 
 @dataclass(frozen=True)
+class GradientWork:
+    """What PowerSGD does with some gradients on one rank per step (Note [PowerSGD's wire] in costs.py)."""
+
+    elements: float = 0.0  # elements all-reduced: r (n + m) per compressed matrix, all of every other tensor
+    work_s: float = 0.0  # kernel seconds: products, orthogonalisations, error feedback, copies of what is sent whole
+    ops: float = 0.0  # ops dispatched, besides those of each bucket (costs.POWERSGD_OPS_PER_BUCKET)
+
+    def __add__(self, other: GradientWork) -> GradientWork:
+        return GradientWork(self.elements + other.elements, self.work_s + other.work_s, self.ops + other.ops)
+
+
+@dataclass(frozen=True)
 class _SegmentRaw:
     ops: tuple[_OpCost, ...]
     signature: tuple
@@ -129,6 +141,7 @@ class ModelProfile:
         self._cache: dict[tuple, tuple[SegmentCost, ...]] = {}
         self._totals: dict[tuple, tuple[float, float, float]] = {}
         self._tied: dict[int, list[tuple[int, tuple[int, ...], float]]] = {}
+        self._powersgd: dict[tuple[int, int], tuple[GradientWork, ...]] = {}
 
     # ---- per configuration ------------------------------------------------------------------
 
@@ -152,23 +165,93 @@ class ModelProfile:
     def tied_segments(self, tp: int) -> list[tuple[int, tuple[int, ...], float]]:
         """Weights read in several segments (tied embedding and head): (owner, readers, parameters per tp rank)."""
         if tp not in self._tied:
-            segment_of = {name: i for i, segment in enumerate(self.segments) for name in segment.ops}
-            owners = {p: op for op in self.graph.compute_ops() if op.param_count for p in op.params}
-            readers: dict[str, set[int]] = {}
-            for op in self.graph.compute_ops():
-                for p in op.params:
-                    if op.name in segment_of and owners.get(p) is not op:
-                        readers.setdefault(p, set()).add(segment_of[op.name])
             self._tied[tp] = [
-                (
-                    segment_of[owners[p].name],
-                    tuple(sorted(r - {segment_of[owners[p].name]})),
-                    self.tp_analysis.params_per_rank(owners[p], tp),
-                )
-                for p, r in readers.items()
-                if p in owners and r - {segment_of[owners[p].name]}
+                (owner, readers, self.tp_analysis.params_per_rank(op, tp)) for owner, readers, op in self._tied_weights
             ]
         return self._tied[tp]
+
+    def tied_powersgd_work(self, tp: int, rank: int) -> list[tuple[int, tuple[int, ...], GradientWork]]:
+        """``tied_segments``' weights, each with what PowerSGD does with its owner's gradients on one tp rank."""
+        return [(owner, readers, self._op_powersgd(op, tp, rank)) for owner, readers, op in self._tied_weights]
+
+    @cached_property
+    def _tied_weights(self) -> list[tuple[int, tuple[int, ...], Op]]:
+        """(owner segment, the other segments reading its weight, the owning op) of each weight read in several."""
+        segment_of = {name: i for i, segment in enumerate(self.segments) for name in segment.ops}
+        owners = {p: op for op in self.graph.compute_ops() if op.param_count for p in op.params}
+        readers: dict[str, set[int]] = {}
+        for op in self.graph.compute_ops():
+            for p in op.params:
+                if op.name in segment_of and owners.get(p) is not op:
+                    readers.setdefault(p, set()).add(segment_of[op.name])
+        return [
+            (segment_of[owners[p].name], tuple(sorted(r - {segment_of[owners[p].name]})), owners[p])
+            for p, r in readers.items()
+            if p in owners and r - {segment_of[owners[p].name]}
+        ]
+
+    def powersgd_work(self, tp: int, rank: int) -> tuple[GradientWork, ...]:
+        """What PowerSGD at ``rank`` does per step with each segment's gradients on one tp rank (cached)."""
+        if (tp, rank) not in self._powersgd:
+            self._powersgd[tp, rank] = tuple(
+                sum((self._op_powersgd(self.graph.op(name), tp, rank) for name in segment.ops), GradientWork())
+                for segment in self.segments
+            )
+        return self._powersgd[tp, rank]
+
+    def _op_powersgd(self, op: Op, tp: int, rank: int) -> GradientWork:
+        """PowerSGD's work on the gradients of the parameters ``op`` owns, as one tp rank holds them."""
+        device = self.cluster.device
+        elements = work_s = ops = total = whole = 0.0
+        for shape in self.local_param_shapes(op, tp):
+            rows, cols = costs.powersgd_matrix(shape)
+            r = costs.powersgd_factor_rank(rows, cols, rank)
+            elements += costs.powersgd_wire_elements(shape, rank)
+            total += rows * cols
+            if r:
+                work_s += costs.powersgd_matrix_s(rows, cols, r, device)
+                ops += costs.powersgd_matrix_ops(r)
+            else:
+                whole += rows * cols
+                ops += 1  # its copy back from the flat buffer of uncompressed tensors
+        if not total:
+            return GradientWork()
+        return GradientWork(elements, work_s + costs.powersgd_elementwise_s(total, whole, device), ops)
+
+    def local_param_shapes(self, op: Op, tp: int) -> tuple[tuple[float, ...], ...]:
+        """The shapes of the parameters ``op`` owns as one tensor-parallel rank holds them.
+
+        As the runtime splits them (and ``TPAnalysis.params_per_rank`` counts them): a column or vocab split divides
+        dim 0 of every parameter (a column Linear's weight and bias by tp, or by the key/value head groups when they
+        are fewer; the vocabulary padded to a multiple of tp); a row split divides the weight's input dim, its bias
+        stays whole. A split Linear holds its weight as (out, in) even where the model stores (in, out)
+        (transformers' Conv1D; hyparallel.tensor.layers). Replicated parameters stay whole.
+        """
+        shapes = op.param_shapes
+        style = self.tp_analysis.styles.get(op.name, "replicate") if tp > 1 else "replicate"
+        if style == "replicate" or not shapes:
+            return shapes
+        analysis = self.tp_analysis
+        if style == "column":
+            groups = analysis.head_groups.get(op.name)
+            share = max(1 / tp, 1 / groups) if groups else 1 / tp
+        else:
+            rows = analysis.vocab_size or 1
+            share = math.ceil(rows / tp) / rows
+        features = (
+            (op.input_shapes[0][-1], op.output_shapes[0][-1])
+            if op.kind == "linear" and op.input_shapes and op.output_shapes
+            else None
+        )
+        result = []
+        for shape in shapes:
+            if features is not None and len(shape) == 2 and tuple(shape) == features and features[0] != features[1]:
+                shape = (shape[1], shape[0])  # stored (in, out): split as (out, in)
+            if style == "row":
+                result.append((*shape[:-1], shape[-1] / tp) if len(shape) >= 2 else tuple(shape))
+            else:
+                result.append((shape[0] * share, *shape[1:]) if shape else tuple(shape))
+        return tuple(result)
 
     def totals(
         self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str, tp_link: LinkSpec

@@ -7,8 +7,9 @@ every candidate, which ``tests/test_planner_search.py`` checks against brute for
 Note [step time]
     Each pipeline stage s spends t_s per micro-batch (forward, backward with recomputation, its
     tensor-parallel all-reduces and its point-to-point sends) and ends the step with a tail x_s
-    (the data-parallel gradient reduction not hidden behind its last backward, ZeRO's parameter
-    all-gather, the optimizer step). With m micro-batches and v virtual stages per device:
+    (the data-parallel gradient reduction not hidden behind its last backward, with a compressing
+    hook's kernels, ZeRO's parameter all-gather, the optimizer step). With m micro-batches and v
+    virtual stages per device:
 
         T = max_s [ (m - 1/v) * t_s + x_s ] + sum_s t_s / v
 
@@ -26,13 +27,14 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from hyparallel.cluster import ClusterSpec, LinkSpec
 from hyparallel.planner import costs
-from hyparallel.planner.profile import ModelProfile, SegmentCost
+from hyparallel.planner.constraints import default
+from hyparallel.planner.profile import GradientWork, ModelProfile, SegmentCost
 
 log = logging.getLogger("hyparallel.planner")
 # Called as progress(phase, done, total) while a search runs: phase "bounding" (every configuration gets a
@@ -58,6 +60,8 @@ class Config:
     zero: int
     sequence_parallel: bool
     order: tuple[str, str, str]
+    grad_compression: str = "none"  # Note [gradient compression] in costs.py
+    powersgd_rank: int = 4  # the search's (a constraint, not searched); costed under grad_compression powersgd
 
     def __str__(self) -> str:
         schedule = self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
@@ -65,8 +69,19 @@ class Config:
             f"tp {self.tp} pp {self.pp} dp {self.dp}, micro-batch {self.micro_batch} x {self.num_microbatches}, "
             f"{schedule}, recompute {self.recompute}, ZeRO {self.zero}, "
             f"SP {'on' if self.sequence_parallel else 'off'}, "
-            f"order {','.join(self.order)}"
+            f"order {','.join(self.order)}" + (f", gradients {self.compression}" if self.compressed else "")
         )
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the data-parallel gradients are compressed (a mode other than none, with dp > 1)."""
+        return self.grad_compression != "none" and self.dp > 1
+
+    @property
+    def compression(self) -> str:
+        """The gradient compression in a few words: ``bf16``, ``powersgd rank 4``."""
+        rank = f" rank {self.powersgd_rank}" if self.grad_compression == "powersgd" else ""
+        return self.grad_compression + rank
 
 
 @dataclass
@@ -120,6 +135,7 @@ def axis_link(order: tuple[str, ...], sizes: dict[str, int], axis: str, cluster:
 def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
     """Every configuration the constraints allow and the model's dimensions admit."""
     configs = []
+    rank = fixed.get("powersgd_rank", default("powersgd_rank"))
     whole = ctx.profile.tp_analysis.whole_sequence(ctx.profile.graph)  # replicated attention: no sequence parallelism
     for tp, pp, dp in _layouts(ctx, fixed):
         for b in _divisors(ctx.global_batch // dp):
@@ -135,11 +151,23 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
                 _orders(pp, dp, fixed),
             )
             configs.extend(
-                Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order)
+                Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order, mode, rank)
                 for (schedule, v), recompute, zero, sp, order in options
                 if fixed.get("micro_batch", b) == b and fixed.get("sequence_parallel", sp) == sp
+                for mode in _compressions(dp, zero, fixed)
             )
     return configs
+
+
+def _compressions(dp: int, zero: int, fixed: dict) -> tuple[str, ...]:
+    """The gradient compressions of a layout (Note [gradient compression is asked for] in constraints.py): the one
+    asked for, or every one under ``any`` (in costs.GRAD_COMPRESSIONS order: the earlier wins a tie); only none with
+    dp = 1, and powersgd only at ZeRO 0."""
+    if dp == 1:
+        return ("none",)
+    asked = fixed.get("grad_compression", default("grad_compression"))
+    modes = costs.GRAD_COMPRESSIONS if asked == "any" else (asked,)
+    return tuple(mode for mode in modes if not (mode == "powersgd" and zero > 0))
 
 
 def _layouts(ctx: _Context, fixed: dict):
@@ -321,7 +349,12 @@ class Search:
         return self.ctx.profile.segment_costs(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
 
     def _tables(self, c: Config, links) -> _Tables:
-        return _Tables(self._segment_costs(c, links), self.ctx.profile.tied_segments(c.tp))
+        profile = self.ctx.profile
+        gradients, tied_gradients = None, ()
+        if c.grad_compression == "powersgd" and c.dp > 1:
+            gradients = profile.powersgd_work(c.tp, c.powersgd_rank)
+            tied_gradients = profile.tied_powersgd_work(c.tp, c.powersgd_rank)
+        return _Tables(self._segment_costs(c, links), profile.tied_segments(c.tp), gradients, tied_gradients)
 
     def _p2p_s(self, c: Config, links) -> float:
         """Point-to-point seconds per micro-batch on one device: activations forward, gradients back, per chunk."""
@@ -331,7 +364,9 @@ class Search:
         """A step time no plan of this configuration beats (None when it cannot fit in memory at all).
 
         max_s [a_s + b_s] >= mean_s a_s + mean_s b_s, so the bound averages the stages: pipeline time
-        and optimizer step (both sums over segments), with no communication tail.
+        and optimizer step (both sums over segments), with no communication tail. Gradient compression
+        only adds to what it leaves out (the tail, ZeRO 2/3's per-micro-batch traffic), so one bound holds
+        for every mode; the memory bound counts PowerSGD's residuals, not its buffers.
         """
         if self._memory_bound(c) > self.ctx.cluster.device.usable_memory_bytes:
             return None
@@ -352,7 +387,7 @@ class Search:
         """Per-GPU memory no stage boundaries go below: the stages' mean, with the fewest micro-batches in flight."""
         links = self._links(c)
         _, params, act = self.ctx.profile.totals(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
-        state = costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp)
+        state = costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp, c.grad_compression)
         least_inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, c.pp - 1, c.virtual_stages)
         return (params * state + least_inflight * act) / c.pp
 
@@ -364,8 +399,7 @@ class Search:
         segments = tables.segments
         if c.schedule == "interleaved-1f1b":
             chunks = _interleaved_chunks(len(segments), self.ctx.profile, c.pp * c.virtual_stages)
-            devices = [[chunks[d + k * c.pp] for k in range(c.virtual_stages)] for d in range(c.pp)]
-            return self._finish(c, links, tables, chunks, devices)
+            return self._finish(c, links, tables, chunks, _devices(c, chunks))
         best = self._partition(c, links, tables)
         if best is None:
             return self._infeasible(c, links, tables)
@@ -379,26 +413,34 @@ class Search:
         bwd: np.ndarray,
         params: np.ndarray,
         act: np.ndarray,
+        wire: np.ndarray,
+        hook_s: np.ndarray,
+        hook_ops: np.ndarray,
         work: np.ndarray,
         largest: np.ndarray,
         stage: int,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per-micro-batch time, tail and memory of candidate stages (arrays of any shape)."""
-        dtype, cluster = self.ctx.dtype, self.ctx.cluster
+        """Per-micro-batch time, tail and memory of candidate stages (arrays of any shape).
+
+        ``wire``, ``hook_s``, ``hook_ops``: PowerSGD's elements sent, kernel seconds and ops (``GradientWork``) of the
+        stages' gradients, under grad_compression powersgd (else ``wire`` is ``params``).
+        """
+        dtype, cluster, mode = self.ctx.dtype, self.ctx.cluster, c.grad_compression
         t = t + self._p2p_s(c, links)
         grad_bytes = params * costs.GRAD_BYTES_PER_PARAM
-        weight_bytes = params * costs.GATHERED_BYTES_PER_PARAM
         serial = cluster.backend == "gloo"  # CPU processes: collectives and compute share the cores
         tail = np.zeros_like(t)
+        extra_memory = 0.0
         if c.dp > 1 and c.zero == 0:
             # DDP reduces gradients in buckets while the last micro-batch's backward runs; the last bucket
-            # waits for the end of the backward.
-            bucket = np.minimum(grad_bytes, costs.DP_BUCKET_BYTES)
-            reduce, last = (
-                costs.ring_allreduce_s(grad_bytes, c.dp, links["dp"]),
-                costs.ring_allreduce_s(bucket, c.dp, links["dp"]),
-            )
-            tail = np.maximum(costs.overlapped_s(reduce - last, bwd, serial), 0) + last
+            # waits for the end of the backward. A compressing hook's kernels are never hidden (Note [gradient
+            # compression] in costs.py). With a pipeline, the same all-reduce runs after the schedule, priced alike.
+            wire_bytes = costs.grad_wire_bytes(mode, params, wire)
+            reduce, last = costs.dp_allreduce_s(mode, grad_bytes, wire_bytes, c.dp, links["dp"])
+            hook = costs.compression_compute_s(mode, params, hook_s, hook_ops, cluster.device, serial)
+            tail = np.maximum(costs.overlapped_s(reduce - last, bwd, serial), 0) + last + hook
+            if mode == "powersgd":
+                extra_memory = costs.powersgd_buffer_bytes(grad_bytes, wire)
         elif c.dp > 1:  # Note [ZeRO stages on FSDP2] in data_parallel.py: one collective per FSDP unit
             units = self.ctx.profile.num_blocks + 1 if c.pp == 1 else c.virtual_stages
             link = links["dp"]
@@ -406,10 +448,12 @@ class Search:
             def per_unit(collective, num_bytes):
                 return units * collective(num_bytes / units, c.dp, link)
 
+            weight_bytes = params * costs.gathered_bytes_per_param(dtype, mode)
+            scatter_bytes = params * costs.reduced_bytes_per_param(mode)
             gather = per_unit(costs.ring_allgather_s, weight_bytes)
-            scatter = per_unit(costs.ring_reduce_scatter_s, grad_bytes)
+            scatter = per_unit(costs.ring_reduce_scatter_s, scatter_bytes)
             if c.zero == 1:  # gradients reduce-scattered unit by unit in the last backward; weights gathered once
-                last = costs.ring_reduce_scatter_s(grad_bytes / units, c.dp, link)
+                last = costs.ring_reduce_scatter_s(scatter_bytes / units, c.dp, link)
                 tail = np.maximum(costs.overlapped_s(scatter - last, bwd, serial), 0) + last + gather
             elif c.zero == 2:  # gradients reduce-scattered after every micro-batch's backward
                 t = t + costs.overlapped_s(scatter, bwd, serial)
@@ -422,10 +466,10 @@ class Search:
             device.memory_bandwidth_bytes_per_s * device.memory_efficiency
         )
         inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages)
-        memory = params * costs.state_bytes_per_param(dtype, c.zero, c.dp) + inflight * act + work
+        state = costs.state_bytes_per_param(dtype, c.zero, c.dp, mode)
+        memory = params * state + inflight * act + work + extra_memory
         if c.zero == 3:  # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
-            copy = 0 if dtype == "fp32" else costs.DTYPE_BYTES[dtype]  # autocast's 16-bit copy of the gathered weights
-            memory = memory + 2 * largest * (costs.GATHERED_BYTES_PER_PARAM + copy + costs.GRAD_BYTES_PER_PARAM)
+            memory = memory + 2 * largest * sum(costs.unsharded_bytes_per_param(dtype, mode))
         return t, tail, memory
 
     def _partition(self, c: Config, links, tables: _Tables) -> list[tuple[int, int]] | None:
@@ -434,23 +478,24 @@ class Search:
         if p > n:
             return None
         limit = self.ctx.cluster.device.usable_memory_bytes
-        t, bwd, params, act, work, largest = tables.ranges()
+        quantities = tables.ranges()
         weight = c.num_microbatches - 1 / c.virtual_stages
 
         def stage_cost(stage: int) -> np.ndarray:
-            step, tail, memory = self._stage_terms(c, links, t, bwd, params, act, work, largest, stage)
+            step, tail, memory = self._stage_terms(c, links, *quantities, stage)
             return np.where((memory <= limit) & tables.valid, weight * step + tail, np.inf)
 
         return _minmax_partition(stage_cost, n, p)
 
-    def _finish(self, c: Config, links, tables: _Tables, chunks, devices) -> Evaluation:
-        """Evaluate a fixed assignment of segment ranges to devices."""
-        limit = self.ctx.cluster.device.usable_memory_bytes
+    def _finish(self, c: Config, links, tables: _Tables, chunks, devices, limit: float | None = None) -> Evaluation:
+        """Evaluate a fixed assignment of segment ranges to devices (``limit``: the memory a device may use; the
+        device's when None)."""
+        limit = self.ctx.cluster.device.usable_memory_bytes if limit is None else limit
         step_times, tails, memories, params_list = [], [], [], []
         for stage, ranges in enumerate(devices):
             parts = [tables.range(*r) for r in ranges]
-            totals = [np.float64(sum(part[k] for part in parts)) for k in range(4)]
-            peaks = [np.float64(max(part[k] for part in parts)) for k in (4, 5)]
+            totals = [np.float64(sum(part[k] for part in parts)) for k in range(_Tables.ADDITIVE)]
+            peaks = [np.float64(max(part[k] for part in parts)) for k in range(_Tables.ADDITIVE, len(parts[0]))]
             step, tail, memory = (float(x) for x in self._stage_terms(c, links, *totals, *peaks, stage))
             params = float(totals[2])
             step_times.append(step)
@@ -480,11 +525,29 @@ class Search:
 
     def _infeasible(self, c: Config, links, tables: _Tables) -> Evaluation:
         """No boundaries fit: report the memory of the partition that needs the least."""
-        chunks = _memory_frugal_partition(tables, c.pp, costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp))
+        state = costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp, c.grad_compression)
+        chunks = _memory_frugal_partition(tables, c.pp, state)
         evaluation = self._finish(c, links, tables, chunks, [[r] for r in chunks])
         evaluation.feasible, evaluation.step_time_s = False, math.inf
         evaluation.reason = _oom_reason(evaluation.stage_memory_bytes, self.ctx.cluster.device.usable_memory_bytes)
         return evaluation
+
+    def uncompressed(self, evaluation: Evaluation) -> Evaluation:
+        """``evaluation``'s configuration and stages with grad_compression none: what compression saved.
+
+        Timed whatever its memory (it may need more than the device has: 16-bit ZeRO gathers save some), so its
+        ``step_time_s`` is the step the same plan would take uncompressed.
+        """
+        c = replace(evaluation.config, grad_compression="none")
+        links = self._links(c)
+        return self._finish(
+            c, links, self._tables(c, links), evaluation.stages, _devices(c, evaluation.stages), limit=math.inf
+        )
+
+
+def _devices(c: Config, chunks: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Each pipeline device's segment ranges: virtual stage d + k p for k < v on device d (interleaved), else one."""
+    return [[chunks[d + k * c.pp] for k in range(c.virtual_stages)] for d in range(c.pp)]
 
 
 def lone_microbatch(c: Config) -> bool:
@@ -508,12 +571,26 @@ def _oom_reason(memories: list[float], limit: float) -> str:
 class _Tables:
     """Prefix sums over segments, so any contiguous range's totals are two lookups."""
 
-    def __init__(self, segments: tuple[SegmentCost, ...], tied: list[tuple[int, tuple[int, ...], float]] = ()):
+    # Quantities summed over a range (t, backward, params, activations, and PowerSGD's elements sent, kernel seconds
+    # and ops); then two taken as the range's largest (working bytes, a segment's params).
+    ADDITIVE = 7
+
+    def __init__(
+        self,
+        segments: tuple[SegmentCost, ...],
+        tied: list[tuple[int, tuple[int, ...], float]] = (),
+        gradients: tuple[GradientWork, ...] | None = None,
+        tied_gradients: list[tuple[int, tuple[int, ...], GradientWork]] = (),
+    ):
+        """``gradients``: PowerSGD's work on each segment's gradients (None: not compressed by PowerSGD; then the
+        elements a range sends are its params), ``tied_gradients`` the same for ``tied``'s weights."""
         self.segments = segments
         self.n = len(segments)
         # A weight read by several segments (tied embedding and head) is held by every stage that reads it:
         # (owner segment, reader segments, parameters per rank) -> extra parameters of a range without its owner.
         self.tied = tied
+        self.powersgd = gradients is not None
+        self.tied_gradients = tied_gradients
 
         def prefix(values):
             return np.concatenate(([0.0], np.cumsum(values)))
@@ -522,30 +599,37 @@ class _Tables:
         self.bwd = prefix([s.backward_s for s in segments])
         self.params = prefix([s.params for s in segments])
         self.act = prefix([s.activation_bytes for s in segments])
+        gradients = gradients or [GradientWork()] * self.n
+        self.wire = prefix([g.elements for g in gradients])
+        self.hook_s = prefix([g.work_s for g in gradients])
+        self.hook_ops = prefix([g.ops for g in gradients])
         self.work = np.array([s.working_bytes for s in segments])
         self.largest = np.array([s.params for s in segments])
         index = np.arange(self.n + 1)
         self.valid = index[:, None] < index[None, :]
 
     def range(self, start: int, end: int) -> tuple[float, ...]:
-        """(t, backward, params, activations, working, largest segment's params) of segments [start, end)."""
+        """(t, backward, params, activations, PowerSGD's elements, seconds and ops, working, largest segment's params)
+        of segments [start, end)."""
         peak = lambda values: float(values[start:end].max()) if end > start else 0.0  # noqa: E731
-        tied = sum(
-            size
-            for owner, readers, size in self.tied
-            if not start <= owner < end and any(start <= r < end for r in readers)
-        )
+        missing = lambda owner, readers: not start <= owner < end and any(start <= r < end for r in readers)  # noqa: E731
+        tied = sum(size for owner, readers, size in self.tied if missing(owner, readers))
+        held = sum((g for owner, readers, g in self.tied_gradients if missing(owner, readers)), GradientWork())
+        params = self.params[end] - self.params[start] + tied
         return (
             self.t[end] - self.t[start],
             self.bwd[end] - self.bwd[start],
-            self.params[end] - self.params[start] + tied,
+            params,
             self.act[end] - self.act[start],
+            self.wire[end] - self.wire[start] + held.elements if self.powersgd else params,
+            self.hook_s[end] - self.hook_s[start] + held.work_s,
+            self.hook_ops[end] - self.hook_ops[start] + held.ops,
             peak(self.work),
             peak(self.largest),
         )
 
     def ranges(self) -> tuple[np.ndarray, ...]:
-        """The same six quantities for every [start, end) as (n+1) x (n+1) arrays."""
+        """The same nine quantities for every [start, end) as (n+1) x (n+1) arrays."""
 
         def diff(prefix):
             return prefix[None, :] - prefix[:, None]
@@ -557,14 +641,32 @@ class _Tables:
             return table
 
         index = np.arange(self.n + 1)
-        params = diff(self.params)
-        for owner, readers, size in self.tied:
+
+        def missing(owner: int, readers: tuple[int, ...]) -> np.ndarray:  # a reader in the range but not the owner
             reads = np.zeros(self.n + 1)
             reads[1:] = np.cumsum(np.isin(np.arange(self.n), readers))  # readers before each position
             has_reader = (reads[None, :] - reads[:, None]) > 0
             has_owner = (index[:, None] <= owner) & (owner < index[None, :])
-            params = params + size * (has_reader & ~has_owner)
-        return diff(self.t), diff(self.bwd), params, diff(self.act), running_max(self.work), running_max(self.largest)
+            return has_reader & ~has_owner
+
+        params = diff(self.params)
+        for owner, readers, size in self.tied:
+            params = params + size * missing(owner, readers)
+        wire, hook_s, hook_ops = diff(self.wire), diff(self.hook_s), diff(self.hook_ops)
+        for owner, readers, g in self.tied_gradients:
+            mask = missing(owner, readers)
+            wire, hook_s, hook_ops = wire + g.elements * mask, hook_s + g.work_s * mask, hook_ops + g.ops * mask
+        return (
+            diff(self.t),
+            diff(self.bwd),
+            params,
+            diff(self.act),
+            wire if self.powersgd else params,
+            hook_s,
+            hook_ops,
+            running_max(self.work),
+            running_max(self.largest),
+        )
 
 
 def _interleaved_chunks(n: int, profile: ModelProfile, chunks: int) -> list[tuple[int, int]]:
@@ -583,7 +685,8 @@ def _memory_frugal_partition(tables: _Tables, p: int, state_bytes: float) -> lis
     n = tables.n
     if p >= n:
         return [(i, i + 1) for i in range(n)] if p == n else [(0, n)]
-    _, _, params, act, _, _ = tables.ranges()
+    quantities = tables.ranges()
+    params, act = quantities[2], quantities[3]
     size = np.where(tables.valid, params * state_bytes + act, np.inf)
     return _minmax_partition(lambda stage: size, n, p)
 
