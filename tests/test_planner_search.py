@@ -331,3 +331,24 @@ def test_compression_defaults_are_not_listed_as_given():
         "grad_compression": "powersgd",
         "powersgd_rank": 8,
     }
+
+
+def test_a_tied_weight_on_two_stages_is_reduced_apart_uncompressed():
+    # Note [a weight several stages hold] in hyparallel/data_parallel.py: under compression, each stage's copy of
+    # gpt-tiny's tied embedding and head is all-reduced on its own, in fp32; PowerSGD compresses the rest.
+    model = hp.models.build("gpt-tiny")
+    graph = hp.trace(model, model.example_inputs(1, 16))
+    cluster = small_cluster("cpu", 1, 4)
+    engine = Search(ModelProfile(graph, cluster, "fp32", 16), cluster, 8, "fp32")
+    fixed = {"pp": 2, "dp": 2, "zero": 0, "grad_compression": "powersgd"}
+    c = next(c for c in enumerate_configs(engine.ctx, fixed) if c.schedule == "1f1b")
+    tables = engine._tables(c, engine._links(c))
+    n, embedding = tables.n, 256 * 64
+    whole, first, last = tables.range(0, n), tables.range(0, 2), tables.range(2, n)
+    assert whole[7] == 0 and first[7] == last[7] == embedding  # (index 7: the shared weights' params)
+    assert whole[4] == first[4] + last[4] + 1280  # the embedding's P and Q (1,280 elements) only when not shared
+    assert last[2] - (tables.params[n] - tables.params[2]) == embedding  # the last stage holds a copy
+    arrays = tables.ranges()  # the vectorised tables say the same for every range
+    for start in range(n):
+        for end in range(start + 1, n + 1):
+            assert [a[start, end] for a in arrays] == pytest.approx(list(tables.range(start, end)))

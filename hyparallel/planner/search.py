@@ -416,6 +416,7 @@ class Search:
         wire: np.ndarray,
         hook_s: np.ndarray,
         hook_ops: np.ndarray,
+        shared: np.ndarray,
         work: np.ndarray,
         largest: np.ndarray,
         stage: int,
@@ -423,24 +424,16 @@ class Search:
         """Per-micro-batch time, tail and memory of candidate stages (arrays of any shape).
 
         ``wire``, ``hook_s``, ``hook_ops``: PowerSGD's elements sent, kernel seconds and ops (``GradientWork``) of the
-        stages' gradients, under grad_compression powersgd (else ``wire`` is ``params``).
+        stages' gradients but the shared ones, under grad_compression powersgd (else ``wire`` is ``params``);
+        ``shared``: the params of weights other stages hold too, which a compressing plan reduces apart in fp32.
         """
         dtype, cluster, mode = self.ctx.dtype, self.ctx.cluster, c.grad_compression
         t = t + self._p2p_s(c, links)
-        grad_bytes = params * costs.GRAD_BYTES_PER_PARAM
         serial = cluster.backend == "gloo"  # CPU processes: collectives and compute share the cores
         tail = np.zeros_like(t)
         extra_memory = 0.0
         if c.dp > 1 and c.zero == 0:
-            # DDP reduces gradients in buckets while the last micro-batch's backward runs; the last bucket
-            # waits for the end of the backward. A compressing hook's kernels are never hidden (Note [gradient
-            # compression] in costs.py). With a pipeline, the same all-reduce runs after the schedule, priced alike.
-            wire_bytes = costs.grad_wire_bytes(mode, params, wire)
-            reduce, last = costs.dp_allreduce_s(mode, grad_bytes, wire_bytes, c.dp, links["dp"])
-            hook = costs.compression_compute_s(mode, params, hook_s, hook_ops, cluster.device, serial)
-            tail = np.maximum(costs.overlapped_s(reduce - last, bwd, serial), 0) + last + hook
-            if mode == "powersgd":
-                extra_memory = costs.powersgd_buffer_bytes(grad_bytes, wire)
+            tail, extra_memory = self._all_reduce_tail(c, links, params, bwd, wire, hook_s, hook_ops, shared, serial)
         elif c.dp > 1:  # Note [ZeRO stages on FSDP2] in data_parallel.py: one collective per FSDP unit
             units = self.ctx.profile.num_blocks + 1 if c.pp == 1 else c.virtual_stages
             link = links["dp"]
@@ -471,6 +464,27 @@ class Search:
         if c.zero == 3:  # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
             memory = memory + 2 * largest * sum(costs.unsharded_bytes_per_param(dtype, mode))
         return t, tail, memory
+
+    def _all_reduce_tail(
+        self, c: Config, links, params, bwd, wire, hook_s, hook_ops, shared, serial: bool
+    ) -> tuple[np.ndarray, np.ndarray | float]:
+        """ZeRO 0's gradient all-reduce: the tail it adds, and the memory its compression holds (arrays of stages).
+
+        DDP reduces gradients in buckets while the last micro-batch's backward runs; the last bucket waits for
+        the end of the backward. With a pipeline the same bucketed all-reduce runs after the schedule, priced
+        alike. A compressing hook's kernels are never hidden (Note [gradient compression] in costs.py). A weight
+        several stages hold (a tied embedding and head) is all-reduced apart, in fp32, when the rest is compressed
+        (Note [a weight several stages hold] in data_parallel.py); ``none`` reduces it with the rest.
+        """
+        mode, link = c.grad_compression, links["dp"]
+        exact = shared if mode != "none" else 0.0 * shared
+        compressed = params - exact
+        grad_bytes = compressed * costs.GRAD_BYTES_PER_PARAM
+        reduce, last = costs.dp_allreduce_s(mode, grad_bytes, costs.grad_wire_bytes(mode, compressed, wire), c.dp, link)
+        reduce = reduce + costs.ring_allreduce_s(exact * costs.GRAD_BYTES_PER_PARAM, c.dp, link)
+        hook = costs.compression_compute_s(mode, compressed, hook_s, hook_ops, self.ctx.cluster.device, serial)
+        tail = np.maximum(costs.overlapped_s(reduce - last, bwd, serial), 0) + last + hook
+        return tail, costs.powersgd_buffer_bytes(grad_bytes, wire) if mode == "powersgd" else 0.0
 
     def _partition(self, c: Config, links, tables: _Tables) -> list[tuple[int, int]] | None:
         """Min-max dynamic program over contiguous stages under each stage's memory limit."""
@@ -571,9 +585,9 @@ def _oom_reason(memories: list[float], limit: float) -> str:
 class _Tables:
     """Prefix sums over segments, so any contiguous range's totals are two lookups."""
 
-    # Quantities summed over a range (t, backward, params, activations, and PowerSGD's elements sent, kernel seconds
-    # and ops); then two taken as the range's largest (working bytes, a segment's params).
-    ADDITIVE = 7
+    # Quantities summed over a range (t, backward, params, activations, PowerSGD's elements sent, kernel seconds and
+    # ops, the shared weights' params); then two taken as the range's largest (working bytes, a segment's params).
+    ADDITIVE = 8
 
     def __init__(
         self,
@@ -583,14 +597,16 @@ class _Tables:
         tied_gradients: list[tuple[int, tuple[int, ...], GradientWork]] = (),
     ):
         """``gradients``: PowerSGD's work on each segment's gradients (None: not compressed by PowerSGD; then the
-        elements a range sends are its params), ``tied_gradients`` the same for ``tied``'s weights."""
+        elements a range sends are its params); ``tied_gradients``: the same for ``tied``'s weights, in its order."""
         self.segments = segments
         self.n = len(segments)
         # A weight read by several segments (tied embedding and head) is held by every stage that reads it:
         # (owner segment, reader segments, parameters per rank) -> extra parameters of a range without its owner.
+        # Held by several stages, it is shared, and reduced apart, uncompressed (Note [a weight several stages
+        # hold] in data_parallel.py): a range's shared params, and PowerSGD's work on its owner taken out.
         self.tied = tied
         self.powersgd = gradients is not None
-        self.tied_gradients = tied_gradients
+        self.tied_gradients = [g for _, _, g in tied_gradients] or [GradientWork()] * len(tied)
 
         def prefix(values):
             return np.concatenate(([0.0], np.cumsum(values)))
@@ -609,27 +625,31 @@ class _Tables:
         self.valid = index[:, None] < index[None, :]
 
     def range(self, start: int, end: int) -> tuple[float, ...]:
-        """(t, backward, params, activations, PowerSGD's elements, seconds and ops, working, largest segment's params)
-        of segments [start, end)."""
+        """(t, backward, params, activations, PowerSGD's elements, seconds and ops, shared params, working, largest
+        segment's params) of segments [start, end)."""
         peak = lambda values: float(values[start:end].max()) if end > start else 0.0  # noqa: E731
-        missing = lambda owner, readers: not start <= owner < end and any(start <= r < end for r in readers)  # noqa: E731
-        tied = sum(size for owner, readers, size in self.tied if missing(owner, readers))
-        held = sum((g for owner, readers, g in self.tied_gradients if missing(owner, readers)), GradientWork())
-        params = self.params[end] - self.params[start] + tied
+        params, shared, taken = self.params[end] - self.params[start], 0.0, GradientWork()
+        for (owner, readers, size), g in zip(self.tied, self.tied_gradients):
+            owned, read = start <= owner < end, [start <= r < end for r in readers]
+            if any(read) and not owned:  # a copy
+                params, shared = params + size, shared + size
+            elif owned and not all(read):  # the owner's, with a copy elsewhere
+                shared, taken = shared + size, taken + g
         return (
             self.t[end] - self.t[start],
             self.bwd[end] - self.bwd[start],
             params,
             self.act[end] - self.act[start],
-            self.wire[end] - self.wire[start] + held.elements if self.powersgd else params,
-            self.hook_s[end] - self.hook_s[start] + held.work_s,
-            self.hook_ops[end] - self.hook_ops[start] + held.ops,
+            self.wire[end] - self.wire[start] - taken.elements if self.powersgd else params,
+            self.hook_s[end] - self.hook_s[start] - taken.work_s,
+            self.hook_ops[end] - self.hook_ops[start] - taken.ops,
+            shared,
             peak(self.work),
             peak(self.largest),
         )
 
     def ranges(self) -> tuple[np.ndarray, ...]:
-        """The same nine quantities for every [start, end) as (n+1) x (n+1) arrays."""
+        """The same ten quantities for every [start, end) as (n+1) x (n+1) arrays."""
 
         def diff(prefix):
             return prefix[None, :] - prefix[:, None]
@@ -642,20 +662,24 @@ class _Tables:
 
         index = np.arange(self.n + 1)
 
-        def missing(owner: int, readers: tuple[int, ...]) -> np.ndarray:  # a reader in the range but not the owner
-            reads = np.zeros(self.n + 1)
-            reads[1:] = np.cumsum(np.isin(np.arange(self.n), readers))  # readers before each position
-            has_reader = (reads[None, :] - reads[:, None]) > 0
-            has_owner = (index[:, None] <= owner) & (owner < index[None, :])
-            return has_reader & ~has_owner
+        def count(members: tuple[int, ...]) -> np.ndarray:  # how many of ``members`` each range holds
+            before = np.zeros(self.n + 1)
+            before[1:] = np.cumsum(np.isin(np.arange(self.n), members))  # members before each position
+            return before[None, :] - before[:, None]
 
-        params = diff(self.params)
-        for owner, readers, size in self.tied:
-            params = params + size * missing(owner, readers)
+        params, shared = diff(self.params), np.zeros((self.n + 1, self.n + 1))
         wire, hook_s, hook_ops = diff(self.wire), diff(self.hook_s), diff(self.hook_ops)
-        for owner, readers, g in self.tied_gradients:
-            mask = missing(owner, readers)
-            wire, hook_s, hook_ops = wire + g.elements * mask, hook_s + g.work_s * mask, hook_ops + g.ops * mask
+        for (owner, readers, size), g in zip(self.tied, self.tied_gradients):
+            read = count(readers)
+            owned = (index[:, None] <= owner) & (owner < index[None, :])
+            copy = (read > 0) & ~owned
+            elsewhere = owned & (read < len(readers))
+            params, shared = params + size * copy, shared + size * (copy | elsewhere)
+            wire, hook_s, hook_ops = (
+                wire - g.elements * elsewhere,
+                hook_s - g.work_s * elsewhere,
+                hook_ops - g.ops * elsewhere,
+            )
         return (
             diff(self.t),
             diff(self.bwd),
@@ -664,6 +688,7 @@ class _Tables:
             wire if self.powersgd else params,
             hook_s,
             hook_ops,
+            shared,
             running_max(self.work),
             running_max(self.largest),
         )
