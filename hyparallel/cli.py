@@ -62,7 +62,9 @@ EXAMPLES = {
         "  hyparallel plan --model mypkg.gpt:make_model --example-inputs mypkg.gpt:make_inputs --gpus 8 --seq-len 1024"
         "\n"
         "  hyparallel plan --model gpt-13b --gpus 64 --cluster h100-sxm --mtbf 24 --checkpoint memory   "
-        "# + checkpoint interval, goodput"
+        "# + checkpoint interval, goodput\n"
+        "  hyparallel plan --model gpt-13b --gpus 64 --cluster a100-80g --grad-compression any --top 5   "
+        "# may compress dp gradients"
     ),
     "calibrate": (
         "examples:\n"
@@ -192,6 +194,8 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
         f"parallel {mesh} = {plan.world_size} processes; schedule {par.schedule}"
         + (f" ({par.virtual_stages} virtual stages)" if par.virtual_stages > 1 else "")
         + f", recompute {par.recompute}, ZeRO {par.zero}, sequence parallel {'on' if par.sequence_parallel else 'off'}"
+        + (f", gradient compression {views.compression(plan)}" if par.dp > 1 else ""),
+        markup=False,
     )
     groups = Table(title="process groups (ranks of the first group of each kind)")
     for column in ("axis", "groups", "first group", "link"):
@@ -204,6 +208,8 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
     out.print(views.stage_table(plan))
     if plan.predicted:
         out.print(views.time_breakdown(plan))
+        if line := views.compression_line(plan):
+            out.print(line, markup=False, highlight=False)
     else:
         out.print(
             "no predictions in this plan (stages, tensor-parallel styles and predictions come from the planner: "
@@ -325,12 +331,14 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     restart_s, storage = DEFAULT_RESTART_S if args.restart_s is None else args.restart_s, args.checkpoint or "disk"
     if args.mtbf is not None:  # before the search, as the output path
         check_goodput_request(args.mtbf, restart_s, storage, cluster)
+    compression = _compression_constraints(args)
     with _logged(args.verbose), _progress(sys.stderr.isatty() and not args.json and not args.verbose) as progress:
         loaded = models.load(args.model)
         make_inputs = models.load_callable(args.example_inputs, "example inputs") if args.example_inputs else None
         seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
         progress("tracing", 0, 0)
         constraints = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
+        constraints.update(compression)
         result = search(
             loaded.module,
             cluster,
@@ -360,6 +368,32 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
         + (f"; wrote {args.output}" if args.output else "; pass -o plan.yaml to save it"),
         markup=False,
     )
+
+
+def _compression_constraints(args: argparse.Namespace) -> dict:
+    """--grad-compression and PowerSGD's flags as the planner's constraints; PowerSGD's flags need it allowed."""
+    from hyparallel.planner import PlanError
+
+    shaped = [
+        flag
+        for flag, value in (
+            ("--powersgd-rank", args.powersgd_rank),
+            ("--powersgd-start-step", args.powersgd_start_step),
+        )
+        if value is not None
+    ]
+    if shaped and args.grad_compression not in ("powersgd", "any"):
+        raise PlanError(
+            f"{' and '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} PowerSGD, which --grad-compression "
+            f"{args.grad_compression or 'none'} "
+            "does not allow; add --grad-compression powersgd (or any)"
+        )
+    given = {
+        "grad_compression": args.grad_compression,
+        "powersgd_rank": args.powersgd_rank,
+        "powersgd_start_step": args.powersgd_start_step,
+    }
+    return {k: v for k, v in given.items() if v is not None}
 
 
 @contextlib.contextmanager
@@ -419,11 +453,14 @@ def _print_plan(plan, out: Console) -> None:
     out.print(
         f"mesh {mesh}; micro-batch {plan.training.micro_batch} x {plan.num_microbatches}; schedule {par.schedule}"
         + (f" (v={par.virtual_stages})" if par.virtual_stages > 1 else "")
-        + f"; recompute {par.recompute}; ZeRO {par.zero}; sequence parallel {'on' if par.sequence_parallel else 'off'}",
+        + f"; recompute {par.recompute}; ZeRO {par.zero}; sequence parallel {'on' if par.sequence_parallel else 'off'}"
+        + (f"; gradient compression {views.compression(plan)}" if par.dp > 1 else ""),
         markup=False,
     )
     out.print(views.stage_table(plan))
     out.print(views.time_breakdown(plan))
+    if line := views.compression_line(plan):
+        out.print(line, markup=False, highlight=False)
     for line in views.checkpoint_lines(plan) if plan.checkpoint else ():
         out.print(line, markup=False, highlight=False)
 
@@ -443,7 +480,9 @@ def _print_top(result, to_plan, out: Console) -> None:
         "recompute",
         "ZeRO",
         "SP",
+        "gradients",
         "step s",
+        "saved s",
         "MFU",
         "peak GiB",
         "why not",
@@ -453,6 +492,7 @@ def _print_top(result, to_plan, out: Console) -> None:
     for rank, evaluation in enumerate(result.best):
         c, pred = evaluation.config, to_plan(result, evaluation).predicted
         schedule = c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "")
+        saved = f"{pred.uncompressed.step_time_s - evaluation.step_time_s:.3f}" if pred.uncompressed else "-"
         table.add_row(
             str(rank + 1),
             str(c.tp),
@@ -464,7 +504,9 @@ def _print_top(result, to_plan, out: Console) -> None:
             c.recompute,
             str(c.zero),
             "on" if c.sequence_parallel else "off",
+            c.compression if c.compressed else "-",
             f"{evaluation.step_time_s:.3f}",
+            saved,
             f"{pred.mfu:.1%}",
             f"{max(pred.memory_gib):.1f}",
             "the pick" if rank == 0 else why_slower(evaluation, winner),
@@ -748,6 +790,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_in(limits.MAX_TOP),
         default=1,
         help=f"list the K best plans (at most {limits.MAX_TOP}) and why the usual alternatives lost",
+    )
+    plan.add_argument(
+        "--grad-compression",
+        choices=("none", "bf16", "fp16", "powersgd", "any"),
+        default=None,
+        help="how the data-parallel gradients are reduced: none (fp32, the default: compression changes the "
+        "numerics), bf16 or fp16 (16-bit reductions, and 16-bit ZeRO gathers in 16-bit training), powersgd (low-rank, "
+        "ZeRO 0 only), or any: the planner picks the fastest (docs/cost-model.md, 'Gradient compression')",
+    )
+    plan.add_argument(
+        "--powersgd-rank",
+        type=_int_in(limits.MAX_POWERSGD_RANK),
+        default=None,
+        metavar="N",
+        help="with --grad-compression powersgd or any: the rank of PowerSGD's factors (default 4)",
+    )
+    plan.add_argument(
+        "--powersgd-start-step",
+        type=_int_in(limits.MAX_POWERSGD_START_STEP, low=2),
+        default=None,
+        metavar="N",
+        help="with --grad-compression powersgd or any: steps reduced uncompressed before PowerSGD starts "
+        "(default 1000)",
     )
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")

@@ -164,6 +164,31 @@ def time_breakdown(plan: Plan) -> Table:
     return table
 
 
+def compression(plan: Plan) -> str:
+    """The plan's gradient compression in a few words: ``none``, ``bf16``, ``powersgd (rank 4, from step 1,000)``."""
+    par = plan.parallel
+    if par.grad_compression != "powersgd":
+        return par.grad_compression
+    return f"powersgd (rank {par.powersgd_rank}, from step {par.powersgd_start_step:,})"
+
+
+def compression_line(plan: Plan) -> str | None:
+    """What the plan's gradient compression saves per step against the same plan uncompressed (None: it compresses
+    nothing, or has no such prediction)."""
+    pred = plan.predicted
+    if pred is None or pred.uncompressed is None:
+        return None
+    plain = pred.uncompressed
+    saved = plain.step_time_s - pred.step_time_s
+    share = f" ({abs(saved) / plain.step_time_s:.1%})" if plain.step_time_s else ""
+    return (
+        f"gradient compression {compression(plan)}: {pred.step_time_s:.3g} s per step against "
+        f"{plain.step_time_s:.3g} s uncompressed, {abs(saved):.3g} s{share} {'saved' if saved >= 0 else 'lost'}; "
+        "dp sync + optimizer "
+        f"{pred.comm_s.dp:.3g} s against {plain.dp_comm_s:.3g} s"
+    )
+
+
 def duration(seconds: float) -> str:
     """95.2 s, 20.4 min, 3.1 h: a duration in the unit it is read in."""
     if seconds < 120:

@@ -237,6 +237,45 @@ def test_plan_top_lists_candidates_and_alternatives(capsys):
     assert "the pick" in out and out.count("slower (") >= 2  # a why-not for each loser: how much slower, from what
 
 
+CPU_PLAN = ["plan", "--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--global-batch", "16", "--seq-len", "32"]
+
+
+def test_plan_compresses_gradients_only_when_asked_and_says_what_it_saved(capsys, tmp_path):
+    plan_file = tmp_path / "plan.yaml"
+    code, out, err = run(capsys, *CPU_PLAN, "--dp", "8", "--grad-compression", "bf16", "-o", str(plan_file))
+    assert code == 0, err
+    data = yaml.safe_load(plan_file.read_text())
+    assert data["parallel"]["grad_compression"] == "bf16"
+    saved = data["predicted"]["uncompressed"]["step_time_s"] - data["predicted"]["step_time_s"]
+    assert "gradient compression bf16: " in out and " s uncompressed, " in out and "dp sync + optimizer" in out
+    code, shown, _ = run(capsys, "show", str(plan_file))
+    assert code == 0 and "gradient compression bf16" in shown and f"{abs(saved):.3g} s" in shown
+    code, out, err = run(capsys, *CPU_PLAN, "--dp", "8", "--json")  # the default: fp32 gradients
+    assert code == 0 and json.loads(out)["parallel"]["grad_compression"] == "none"
+    assert "uncompressed" not in json.loads(out)["predicted"]
+
+
+def test_plan_top_says_each_candidates_compression_and_saving(capsys):
+    code, out, err = run(capsys, *CPU_PLAN, "--grad-compression", "any", "--powersgd-rank", "2", "--top", "4")
+    assert code == 0, err
+    assert "gradients" in out and "saved s" in out and "bf16" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--powersgd-rank", "8"], "--powersgd-rank shapes PowerSGD, which --grad-compression none does not allow"),
+        (
+            ["--grad-compression", "bf16", "--powersgd-rank", "8", "--powersgd-start-step", "10"],
+            "--powersgd-rank and --powersgd-start-step shape PowerSGD, which --grad-compression bf16 does not allow",
+        ),
+    ],
+)
+def test_powersgd_flags_need_powersgd_allowed(capsys, flags, expected):
+    line = one_line_error(capsys, *CPU_PLAN, *flags)
+    assert line.startswith("hyparallel: error: " + expected) and "add --grad-compression powersgd" in line
+
+
 def test_why_slower_names_the_part_that_grew():
     import hyparallel as hp
     from hyparallel.planner import search
@@ -382,6 +421,14 @@ def one_line_error(capsys, *argv) -> str:
             ["plan", "--model", "gpt-tiny", "--gpus", "8", "--dtype", "fp8"],
             "hyparallel plan: error: argument --dtype: invalid choice",
         ),
+        (
+            ["plan", "--model", "gpt-tiny", "--gpus", "8", "--grad-compression", "int8"],
+            "hyparallel plan: error: argument --grad-compression: invalid choice: 'int8'",
+        ),
+        (
+            ["plan", "--model", "gpt-tiny", "--gpus", "8", "--powersgd-start-step", "1"],
+            "hyparallel plan: error: argument --powersgd-start-step: expected an integer from 2 to 1,000,000,000, got",
+        ),
     ],
 )
 def test_argparse_errors_are_one_line(capsys, argv, expected):
@@ -398,6 +445,7 @@ NUMERIC_FLAGS = [  # (argv before the flag, flag, the bound from hyparallel.limi
     (PLAN, "--pp", 2**20),
     (PLAN, "--dp", 2**20),
     (PLAN, "--top", 100),
+    (PLAN, "--powersgd-rank", 1024),
     (["trace", "--model", "gpt-tiny"], "--batch-size", 2**24),
     (["trace", "--model", "gpt-tiny"], "--seq-len", 2**24),
     (["calibrate"], "--nproc", 1024),
@@ -421,6 +469,9 @@ def test_bounds_of_flags_are_the_schemas():
     assert cli.DEVICES(str(limits.MAX_DEVICES)) == limits.MAX_DEVICES
     assert cli.SEQ_LEN(str(limits.MAX_SEQ_LEN)) == limits.MAX_SEQ_LEN
     assert cli.PER_NODE(str(limits.MAX_GPUS_PER_NODE)) == limits.MAX_GPUS_PER_NODE
+    from hyparallel.schema import ParallelConfig
+
+    assert ParallelConfig(powersgd_rank=limits.MAX_POWERSGD_RANK, powersgd_start_step=limits.MAX_POWERSGD_START_STEP)
 
 
 BAD_FILES = {  # name -> (bytes, what the line says)

@@ -378,6 +378,8 @@ NUMERIC_FLAGS = [  # (command, flag, bound): hyparallel.limits'
     ("plan", "--pp", limits.MAX_DEVICES),
     ("plan", "--dp", limits.MAX_DEVICES),
     ("plan", "--top", limits.MAX_TOP),
+    ("plan", "--powersgd-rank", limits.MAX_POWERSGD_RANK),
+    ("plan", "--powersgd-start-step", limits.MAX_POWERSGD_START_STEP),  # from 2: "1" is never drawn as bad
     ("trace", "--batch-size", limits.MAX_GLOBAL_BATCH),
     ("trace", "--seq-len", limits.MAX_SEQ_LEN),
     ("calibrate", "--nproc", limits.MAX_GPUS_PER_NODE),

@@ -71,6 +71,7 @@ def test_round_trip_is_exact(tmp_path):
                 "bubble_fraction": 0.03125,
                 "memory_gib": [61.2, 58.9],
                 "comm_s": {"tp": 0.1, "dp": 1e-5, "pp": 0.0},
+                "uncompressed": {"step_time_s": 1.75, "dp_comm_s": 0.25},  # what gradient compression saved
             },
         }
     )
@@ -106,6 +107,18 @@ def test_round_trip_is_exact(tmp_path):
             "parallel.pipeline: unknown key 'pipeline'; expected one of: dp, tp, pp",
         ),
         ({**HAND, "extra": 1}, "extra: unknown key 'extra'; expected one of: version, model, cluster"),
+        (
+            {
+                **HAND,
+                "predicted": {
+                    **{k: 1 for k in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "bubble_fraction")},
+                    "memory_gib": [1, 1],
+                    "comm_s": {"tp": 0, "dp": 0, "pp": 0},
+                    "uncompressed": {"step_time_s": 1, "dp_s": 0},
+                },
+            },
+            "predicted.uncompressed.dp_comm_s: missing required key (and 1 more error)",  # a typo: dp_s
+        ),
         ({"parallel": {"dp": 1}}, "training: missing required key"),
         ({**HAND, "version": 2}, "version: expected 1, got 2"),
         (
