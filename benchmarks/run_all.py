@@ -231,6 +231,55 @@ def render_recovery(outcome: Outcome) -> tuple[str, list[str]]:
     return summary, lines
 
 
+def render_compression(outcome: Outcome) -> tuple[str, list[str]]:
+    """Each grad_compression mode against DDP: step time, bytes to all-reduce, dp seconds measured and predicted."""
+    figures = outcome.figures
+    rows = []
+    for c in figures["cases"]:
+        predicted = c.get("predicted_dp_s")
+        rows.append(
+            [
+                c["case"],
+                f"{c['ms']:.1f}",
+                f"**{c['ratio_to_ddp']:.2f}**",
+                f"{c['all_reduce_bytes'] / 1e6:.2f}",
+                f"{c['bytes_ratio_to_ddp']:.3f}",
+                f"{c['measured_dp_s'] * 1e3:.1f}",
+                f"{predicted * 1e3:.1f}" if predicted is not None else "",
+            ]
+        )
+    choices = [
+        f"dp={w['config']['dp']}: planner chose {w['planner_choice']}, fastest measured {w['fastest']} "
+        f"({'agrees' if w['agrees'] else 'DISAGREES'})"
+        for w in figures["worlds"]
+    ]
+    config = figures["worlds"][0]["config"] if figures["worlds"] else {}
+    lines = [
+        f"Config: {', '.join(f'{k} {v}' for k, v in config.items() if k not in ('json', 'dp', 'worlds'))}.",
+        "",
+        f"Peer: {figures['peer']}, measured in the same run.",
+        "",
+        *_table(
+            [
+                "case",
+                "ms / step",
+                "/ DDP",
+                "MB to all-reduce per rank",
+                "bytes / DDP",
+                "dp ms measured",
+                "dp ms predicted",
+            ],
+            "lrrrrrr",
+            rows,
+        ),  # fmt: skip
+        "",
+        "dp ms measured: the step's time minus that of the same DDP step under `no_sync` (no gradient reduction); "
+        "predicted: the plan's `predicted.comm_s.dp` on the cpu preset (the optimizer step included). "
+        f"Median step times, the slowest rank's, every side alternating step by step. {'; '.join(choices)}.",
+    ]
+    return "; ".join(choices), lines
+
+
 def _demoted(markdown: str, levels: int) -> list[str]:
     """The lines of ``markdown`` with its headings ``levels`` deeper, to sit inside a section."""
     return [("#" * levels + line) if line.startswith("#") else line for line in markdown.splitlines()]
@@ -356,6 +405,30 @@ BENCHMARKS.append(
         render_recovery,
         quick_args=("--quick",),
         timeout_s=1500,
+    )
+)
+BENCHMARKS.append(
+    Benchmark(
+        "dp_compression",
+        "Gradient compression on the dp axis: each mode vs uncompressed DDP",
+        "One AdamW step of the same GPT over dp = 2 and 4 gloo processes under each `parallel.grad_compression` "
+        "(none, bf16, fp16, powersgd) against torch DDP without a hook: step time, the bytes each rank hands to "
+        "all-reduce, the dp seconds measured against the planner's `comm_s.dp`, and the mode the planner picks "
+        "when any is allowed.",
+        render_compression,
+        quick_args=(
+            "--worlds",
+            "2",
+            "--model",
+            "gpt-tiny num_layers=2 hidden_size=128 num_heads=4 vocab_size=512 max_seq_len=64",
+            "--seq",
+            "64",
+            "--batch",
+            "8",
+            "--steps",
+            "3",
+        ),
+        timeout_s=1200,
     )
 )
 NAMES = [b.name for b in BENCHMARKS] + ["gpu"]

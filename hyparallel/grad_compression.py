@@ -43,6 +43,7 @@ Note [error feedback that outlives a bucket layout]
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -113,7 +114,6 @@ class Compressor:
         if mode not in _DTYPES and mode != "powersgd":
             raise ValueError(f"no compression hook for grad_compression {mode!r}")
         self.mode, self.group, self.names = mode, group, dict(names)
-        self.size = dist.get_world_size(group)
         self.wait = mode == "powersgd" and dist.get_backend(group) != "nccl"  # Note [compression hooks on gloo]
         self.state = None
         if mode == "powersgd":
@@ -149,12 +149,14 @@ class Compressor:
 
     def reduce(self, named_grads: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES) -> None:
         """Average gradients over the group in place, in flat buckets of about ``bucket_bytes``, through ``hook``."""
-        buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+        buckets: list[list[tuple[str, torch.Tensor]]] = []
+        filled = bucket_bytes  # a new bucket first
         for name, grad in named_grads:
-            if sum(g.numel() * g.element_size() for _, g in buckets[-1]) >= bucket_bytes:
+            if filled >= bucket_bytes:
                 buckets.append([])
+                filled = 0
             buckets[-1].append((name, grad))
-        buckets = [b for b in buckets if b]
+            filled += grad.numel() * grad.element_size()
         for position, members in enumerate(buckets):
             flat = torch.cat([g.reshape(-1) for _, g in members])
             views, offset = [], 0
@@ -238,6 +240,17 @@ class Compressor:
             self.state.q_memory_dict[index] = torch.cat([have[p]["q"].to(buffer.device) for p, _, _ in compressed])
             rows = sum(count for _, count, _ in compressed)
             self.state.p_memory_dict[index] = torch.empty(rows, dtype=buffer.dtype, device=buffer.device)
+        unfit = [
+            name
+            for name, piece, size in zip(layout.names, have, sizes)
+            if piece and ("error" in piece and piece["error"].numel() != size)
+        ]
+        if unfit:
+            warnings.warn(
+                f"PowerSGD's saved residual for {unfit[0]} has another size than its gradient (the checkpoint's plan "
+                "split it differently): error feedback starts afresh for its bucket",
+                stacklevel=2,
+            )
         for name in layout.names:
             self.pieces.pop(name, None)
 
