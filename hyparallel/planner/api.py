@@ -214,7 +214,7 @@ class Admission:
 def refusal(result: SearchResult, evaluation: Evaluation) -> str | None:
     """Why the runtime refuses ``evaluation`` written as a plan, in one line (None: check_plan accepts it)."""
     try:
-        check_plan(_written(result, evaluation), result.graph)
+        check_plan(_written(result, evaluation, uncompressed=False), result.graph)
     except ConfigError as error:
         return f"the runtime refuses it: {error}"
     return None
@@ -529,8 +529,9 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
     return plan
 
 
-def _written(result: SearchResult, evaluation: Evaluation) -> Plan:
-    """One evaluation as a Plan, not yet checked against the graph (a schema refusal is a one-line ConfigError)."""
+def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = True) -> Plan:
+    """One evaluation as a Plan, not yet checked against the graph (a schema refusal is a one-line ConfigError);
+    ``uncompressed``: with the prediction of the same plan uncompressed (check_plan does not read it)."""
     from hyparallel.schema import ModelInfo
 
     graph, profile, c = result.graph, result.profile, evaluation.config
@@ -603,7 +604,7 @@ def _written(result: SearchResult, evaluation: Evaluation) -> Plan:
             "bubble_fraction": evaluation.bubble_fraction,
             "memory_gib": [(m + reserved) / 2**30 for m in evaluation.stage_memory_bytes],
             "comm_s": {k: float(v) for k, v in evaluation.comm_s.items()},
-            "uncompressed": _uncompressed(result, evaluation),
+            "uncompressed": _uncompressed(result, evaluation) if uncompressed else None,
         },
     }
     return Plan.from_dict(round_figures({k: v for k, v in data.items() if v is not None}), source="the planner's plan")
