@@ -14,9 +14,10 @@ step after warm-up (PowerSGD past its uncompressed warm-up steps); rank 0 prints
 rank's) of each, its ratio to DDP, the bytes each rank handed to all-reduce in one step (counted by wrapping
 torch.distributed.all_reduce, which the compression hooks call; DDP's own reducer, which mode none is too, is
 counted through torch's allreduce_hook, which sends what the reducer sends), and the planner's predicted
-comm_s.dp for the same plan on the cpu preset next to the measured dp seconds. Finally the planner chooses among
-every mode (grad_compression="any"): its choice should be the mode measured fastest, or one within the
-measurement's noise of it.
+comm_s.dp for the same plan (less its AdamW step) next to the measured dp seconds. Plans are made for a cluster
+calibrated here for each world size (`hyparallel calibrate --quick --nproc N`: a CPU "device" is one process, and
+its share of the cores depends on how many run), or for --cluster. Finally the planner chooses among every mode
+(grad_compression="any"): its choice should be the mode measured fastest, or one within the measurement's noise.
 ``--json FILE``: the figures of every world (under torchrun: rank 0's of its world).
 """
 
@@ -41,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hyparallel as hp
 from hyparallel.parallel import token_cross_entropy
+from hyparallel.planner import costs
 from hyparallel.schema import Plan
 from hyparallel.tensor.init import materialize_
 
@@ -56,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     for name, default in (("seq", 128), ("batch", 16), ("steps", 10), ("rank", 4)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--worlds", default="2,4", help="dp sizes to launch (without torchrun)")
+    parser.add_argument("--cluster", help="cluster YAML to plan with (default: `hyparallel calibrate --quick` here)")
     parser.add_argument("--json", help="rank 0 writes the figures here")
     return parser.parse_args()
 
@@ -63,13 +66,19 @@ def parse_args() -> argparse.Namespace:
 def launch_each_world(args: argparse.Namespace) -> None:
     """Run this script under torchrun once per world size; print each, merge their figures into --json."""
     worlds, merged = [int(w) for w in args.worlds.split(",")], {"cases": [], "worlds": []}
-    forwarded = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("json", "worlds")]
+    forwarded = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("json", "worlds", "cluster") and v]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for world in worlds:
         with tempfile.TemporaryDirectory() as folder:
-            out = Path(folder) / "figures.json"
+            out, cluster = Path(folder) / "figures.json", args.cluster or str(Path(folder) / "cluster.yaml")
+            if not args.cluster:  # this machine's figures for `world` processes (a CPU "device" is a process)
+                calibrate = [sys.executable, "-m", "hyparallel", "calibrate", "--quick", "--nproc", str(world)]
+                done = subprocess.run([*calibrate, "--out", cluster], env=env, text=True, capture_output=True)
+                if done.returncode != 0:
+                    sys.exit(f"calibrate --nproc {world} failed:\n{done.stderr[-3000:]}")
+            forwarded_here = [*forwarded, f"--cluster={cluster}"]
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
-            proc = subprocess.run([*command, __file__, *forwarded, "--json", str(out)], env=env, text=True,
+            proc = subprocess.run([*command, __file__, *forwarded_here, "--json", str(out)], env=env, text=True,
                                   capture_output=True)  # fmt: skip
             print(proc.stdout, end="", flush=True)
             if proc.returncode != 0 and not out.exists():
@@ -99,12 +108,27 @@ def counted() -> Iterator[list[int]]:
 
 
 def plan_for(model, args, world: int, mode: str) -> Plan:
-    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world)
+    if args.cluster:
+        cluster = hp.ClusterSpec.load(args.cluster).resized(num_nodes=1, gpus_per_node=world)
+    else:
+        cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world)
     extra = dict(powersgd_rank=args.rank, powersgd_start_step=START) if mode == "powersgd" else {}
     return hp.plan(
         model, cluster, args.batch, args.seq, "fp32", dp=world, tp=1, pp=1, zero=0,
         micro_batch=args.batch // world, grad_compression=mode, **extra,
     )  # fmt: skip
+
+
+def predicted_dp_s(plan: Plan) -> float:
+    """The plan's predicted dp seconds without the optimizer step: ``comm_s.dp`` ends the step with AdamW's update,
+    which the measured side (step time minus the no_sync step's, which updates too) leaves out."""
+    device = plan.cluster.device
+    adam_s = (
+        plan.model.num_params
+        * costs.adam_step_bytes_per_param(plan.training.dtype)
+        / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+    )
+    return plan.predicted.comm_s.dp - adam_s
 
 
 def main() -> None:
@@ -184,7 +208,7 @@ def main() -> None:
         for name in (*MODES, "DDP"):
             ms = medians[name]
             measured_dp_s = max(ms - bare_ms, 0.0) / 1e3
-            predicted = plans[name].predicted.comm_s.dp if name in plans else None
+            predicted = predicted_dp_s(plans[name]) if name in plans else None
             case = {
                 "case": f"dp={world} {name}",
                 "ms": ms,

@@ -274,7 +274,8 @@ def render_compression(outcome: Outcome) -> tuple[str, list[str]]:
         ),  # fmt: skip
         "",
         "dp ms measured: the step's time minus that of the same DDP step under `no_sync` (no gradient reduction); "
-        "predicted: the plan's `predicted.comm_s.dp` on the cpu preset (the optimizer step included). "
+        "predicted: the plan's `predicted.comm_s.dp` less its AdamW step (which both sides run), planned for this "
+        "machine calibrated per world size (`hyparallel calibrate --quick --nproc N`). "
         f"Median step times, the slowest rank's, every side alternating step by step. {'; '.join(choices)}.",
     ]
     return "; ".join(choices), lines
