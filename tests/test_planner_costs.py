@@ -349,3 +349,13 @@ def test_local_shapes_hold_what_params_per_rank_counts(name):
         c_attn = graph.op("transformer.h.0.attn.c_attn")
         assert c_attn.param_shapes == ((64, 192), (192,))
         assert profile.local_param_shapes(c_attn, 2) == ((96, 64), (96,))
+
+
+def test_sixteen_bit_sums_on_gloo_cost_their_measured_share_of_fp32():
+    # Note [16-bit sums on gloo]: NCCL halves the bytes; gloo's CPU sum costs a measured fraction of fp32's.
+    assert costs.grad_wire_bytes("bf16", 1e6, 0, serial=True) == 4e6 * costs.GLOO_SIXTEEN_BIT_SUM["bf16"]
+    assert costs.grad_wire_bytes("fp16", 1e6, 0, serial=True) == 4e6 * costs.GLOO_SIXTEEN_BIT_SUM["fp16"]
+    assert costs.grad_wire_bytes("none", 1e6, 0, serial=True) == 4e6
+    assert costs.grad_wire_bytes("powersgd", 1e6, 3e4, serial=True) == 1.2e5  # fp32 factors either way
+    assert costs.reduced_bytes_per_param("bf16", serial=True) == 4 * costs.GLOO_SIXTEEN_BIT_SUM["bf16"]
+    assert all(0.5 < share < 1 for share in costs.GLOO_SIXTEEN_BIT_SUM.values())

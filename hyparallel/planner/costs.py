@@ -221,13 +221,15 @@ def collectives_per_bucket(grad_compression: GradCompression) -> int:
     return 3 if grad_compression == "powersgd" else 1
 
 
-def grad_wire_bytes(grad_compression: GradCompression, params: Bytes, powersgd_elements: Bytes) -> Bytes:
+def grad_wire_bytes(
+    grad_compression: GradCompression, params: Bytes, powersgd_elements: Bytes, serial: bool = False
+) -> Bytes:
     """Bytes per rank a ZeRO-0 gradient all-reduce sends for ``params`` gradients: fp32 (``none``), 16-bit, or
-    PowerSGD's fp32 factors and uncompressed tensors (``powersgd_elements`` of them: Note [PowerSGD's wire])."""
+    PowerSGD's fp32 factors and uncompressed tensors (``powersgd_elements`` of them: Note [PowerSGD's wire]); on
+    gloo (``serial``) a 16-bit sum's fp32-equivalent bytes (Note [16-bit sums on gloo])."""
     if grad_compression == "powersgd":
         return np.asarray(powersgd_elements, dtype=float) * GRAD_BYTES_PER_PARAM
-    per_element = 2 if grad_compression in SIXTEEN_BIT else GRAD_BYTES_PER_PARAM
-    return np.asarray(params, dtype=float) * per_element
+    return np.asarray(params, dtype=float) * reduction_bytes_per_element(grad_compression, serial)
 
 
 def dp_allreduce_s(
@@ -323,9 +325,28 @@ def gathered_bytes_per_param(dtype: Dtype, grad_compression: GradCompression = "
     return MASTER_BYTES_PER_PARAM
 
 
-def reduced_bytes_per_param(grad_compression: GradCompression) -> int:
-    """Bytes per gradient element ZeRO 1-3 reduce-scatter: 2 under bf16/fp16 (FSDP2's reduce_dtype), else fp32."""
-    return 2 if grad_compression in SIXTEEN_BIT else GRAD_BYTES_PER_PARAM
+def reduced_bytes_per_param(grad_compression: GradCompression, serial: bool = False) -> float:
+    """Bytes per gradient element ZeRO 1-3 reduce-scatter: 2 under bf16/fp16 (FSDP2's reduce_dtype), else fp32;
+    on gloo (``serial``) a 16-bit reduction costs what its fp32-equivalent bytes say (Note [16-bit sums on gloo])."""
+    return reduction_bytes_per_element(grad_compression, serial)
+
+
+# Note [16-bit sums on gloo]
+#     NCCL sums bf16 and fp16 natively, so a 16-bit all-reduce or reduce-scatter takes half the fp32 time. Gloo sums
+#     them on the CPU element by element through float (gloo/math.h), and on loopback a reduction's time is the
+#     cores' more than the wire's, so halving the bytes saves much less. Measured on this project's 2-core machine,
+#     an all-reduce of 3.45M elements against the same in fp32: bf16 0.71 (2 processes) and 0.82 (4), fp16 0.90
+#     and 0.92 (benchmarks/dp_compression.py's model). The planner charges gloo's 16-bit reductions as that
+#     fraction of the fp32 bytes (GLOO_SIXTEEN_BIT_SUM); all-gathers only copy, and move their 2 bytes.
+GLOO_SIXTEEN_BIT_SUM: dict[str, float] = {"bf16": 0.75, "fp16": 0.9}
+
+
+def reduction_bytes_per_element(grad_compression: GradCompression, serial: bool = False) -> float:
+    """What one gradient element costs a reduction (all-reduce, reduce-scatter) in wire bytes under a 16-bit mode or
+    fp32 (Note [16-bit sums on gloo] for ``serial``, gloo, clusters); PowerSGD's factors are fp32."""
+    if grad_compression not in SIXTEEN_BIT:
+        return GRAD_BYTES_PER_PARAM
+    return GRAD_BYTES_PER_PARAM * GLOO_SIXTEEN_BIT_SUM[grad_compression] if serial else 2
 
 
 def unsharded_bytes_per_param(dtype: Dtype, grad_compression: GradCompression = "none") -> tuple[int, int]:

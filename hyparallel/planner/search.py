@@ -442,7 +442,7 @@ class Search:
                 return units * collective(num_bytes / units, c.dp, link)
 
             weight_bytes = params * costs.gathered_bytes_per_param(dtype, mode)
-            scatter_bytes = params * costs.reduced_bytes_per_param(mode)
+            scatter_bytes = params * costs.reduced_bytes_per_param(mode, serial)
             gather = per_unit(costs.ring_allgather_s, weight_bytes)
             scatter = per_unit(costs.ring_reduce_scatter_s, scatter_bytes)
             if c.zero == 1:  # gradients reduce-scattered unit by unit in the last backward; weights gathered once
@@ -480,7 +480,8 @@ class Search:
         exact = shared if mode != "none" else 0.0 * shared
         compressed = params - exact
         grad_bytes = compressed * costs.GRAD_BYTES_PER_PARAM
-        reduce, last = costs.dp_allreduce_s(mode, grad_bytes, costs.grad_wire_bytes(mode, compressed, wire), c.dp, link)
+        wire_bytes = costs.grad_wire_bytes(mode, compressed, wire, serial)
+        reduce, last = costs.dp_allreduce_s(mode, grad_bytes, wire_bytes, c.dp, link)
         reduce = reduce + costs.ring_allreduce_s(exact * costs.GRAD_BYTES_PER_PARAM, c.dp, link)
         hook = costs.compression_compute_s(mode, compressed, hook_s, hook_ops, self.ctx.cluster.device, serial)
         tail = np.maximum(costs.overlapped_s(reduce - last, bwd, serial), 0) + last + hook
