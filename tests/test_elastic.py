@@ -238,7 +238,14 @@ def test_a_stopped_worker_is_detected_within_the_timeout(reference, tmp_path, re
     # The bound: the collective timeout, plus the step in flight and the process's exit (measured 6.5 s in all with
     # TIMEOUT_S = 5 on 2 busy cores; 25 s of slack for a slower machine); torch's default gloo timeout: 30 minutes.
     assert detected < TIMEOUT_S + 25, f"the peers of a stopped rank ran on for {detected:.1f} s"
-    stdout, stderr = proc.communicate(timeout=600)  # torchrun kills the stopped worker (SIGKILL after its grace)
+    # What this test checks ends here: the peers noticed the stopped rank and exited. Left alone, torchrun stops the
+    # group with SIGTERM, which a stopped process never handles, and SIGKILLs it only after its 30 s grace (measured:
+    # 55 s for this test, 27 s when killed here). A hung rank's fate is no part of hyparallel: kill it now.
+    try:
+        os.kill(workers[-1], signal.SIGKILL)
+    except ProcessLookupError:  # torchrun got there first
+        pass
+    stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     resumed = re.search(r"resumed after step (\d+) from disk", stdout)
     assert resumed, "the group was not restarted from a checkpoint:\n" + stdout[-2000:]
