@@ -106,23 +106,17 @@ def torchrun(
     """Launch ``script`` under torchrun with gloo; it writes its results to ``out`` (rank 0, after the last case).
     Returns them by case: case name -> every rank's result (tests/distributed/harness.run_cases).
 
+    torchrun's agent with forked workers (tests/distributed/forked_torchrun.py, Note [forked workers]): torch and
+    hyparallel imported once, not once a process.
+
     A launch whose results are complete but that aborted while the processes tore their gloo groups down
     ("terminate called ..." after ``destroy_process_group``, a known gloo shutdown race under load) is
     accepted: everything it checked was already gathered and written. Any other failure fails the test.
     """
     environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), **(env or {})}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(processes),
-            str(repo / script),
-            str(out),
-            *args,
-        ],
+        [sys.executable, str(repo / "tests" / "distributed" / "forked_torchrun.py"), str(processes), str(repo / script)]
+        + [str(out), *args],
         capture_output=True,
         text=True,
         env=environ,

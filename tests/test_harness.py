@@ -18,21 +18,17 @@ from .conftest import LAUNCH_PREFIXES, LAUNCH_VARIABLES, assert_every_parameter_
 from .distributed.harness import GROUP_TIMEOUT_S, parameter_groups
 
 
-def test_a_rank_that_fails_stops_its_peers_waiting_in_a_collective(tmp_path, repo):
+@pytest.mark.parametrize("launcher", ["torchrun", "forked"])  # conftest.torchrun's: Note [forked workers]
+def test_a_rank_that_fails_stops_its_peers_waiting_in_a_collective(tmp_path, repo, launcher):
     out = tmp_path / "results.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    run = {
+        "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+        "forked": [str(repo / "tests" / "distributed" / "forked_torchrun.py"), "2"],
+    }[launcher]
     # A hang detector, not a speed check: without the harness rank 0 waits GROUP_TIMEOUT_S in its all-reduce.
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(repo / "tests" / "distributed" / "abort_worker.py"),
-            str(out),
-        ],
+        [sys.executable, *run, str(repo / "tests" / "distributed" / "abort_worker.py"), str(out)],
         capture_output=True,
         text=True,
         env=env,
