@@ -303,6 +303,17 @@ def render_prediction(outcome: Outcome) -> tuple[str, list[str]]:
     return spearman, lines
 
 
+# --quick's data-parallel step: a 2-layer GPT, a few steps (dp_vs_ddp, dp_compression).
+SMALL_DP_STEP = (
+    "--model",
+    "gpt-tiny num_layers=2 hidden_size=128 num_heads=4 vocab_size=512 max_seq_len=64",
+    "--seq",
+    "64",
+    "--batch",
+    "8",
+    "--steps",
+    "3",
+)
 BENCHMARKS = [
     Benchmark(
         "planner_speed",
@@ -372,16 +383,7 @@ BENCHMARKS = [
         "One AdamW training step of the same GPT over dp = 2 gloo processes, through `hp.parallelize` and "
         "through `DistributedDataParallel`.",
         render_peer,
-        quick_args=(
-            "--model",
-            "gpt-tiny num_layers=2 hidden_size=128 num_heads=4 vocab_size=512 max_seq_len=64",
-            "--seq",
-            "64",
-            "--batch",
-            "8",
-            "--steps",
-            "3",
-        ),
+        quick_args=SMALL_DP_STEP,
         distributed=True,
         timeout_s=600,
     ),
@@ -417,18 +419,7 @@ BENCHMARKS.append(
         "all-reduce, the dp seconds measured against the planner's `comm_s.dp`, and the mode the planner picks "
         "when any is allowed.",
         render_compression,
-        quick_args=(
-            "--worlds",
-            "2",
-            "--model",
-            "gpt-tiny num_layers=2 hidden_size=128 num_heads=4 vocab_size=512 max_seq_len=64",
-            "--seq",
-            "64",
-            "--batch",
-            "8",
-            "--steps",
-            "3",
-        ),
+        quick_args=("--worlds", "2", *SMALL_DP_STEP),
         timeout_s=1200,
     )
 )
