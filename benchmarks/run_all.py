@@ -255,7 +255,7 @@ def render_compression(outcome: Outcome) -> tuple[str, list[str]]:
     ]
     config = figures["worlds"][0]["config"] if figures["worlds"] else {}
     lines = [
-        f"Config: {', '.join(f'{k} {v}' for k, v in config.items() if k not in ('json', 'dp', 'worlds'))}.",
+        f"Config: {', '.join(f'{k} {v}' for k, v in config.items() if k not in ('json', 'dp', 'worlds', 'cluster'))}.",
         "",
         f"Peer: {figures['peer']}, measured in the same run.",
         "",
