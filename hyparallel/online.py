@@ -85,6 +85,7 @@ class RunRecord(BaseModel):
     peak_memory_gib: NonNegativeFloat | None = Field(None, description="Rank 0's measured peak (without reserve).")
     plan: Plan = Field(description="The plan the run ran, as the run held it (completed: cluster and predictions).")
     model: str | None = Field(None, description="The model spec, as `hyparallel plan --model` takes it.")
+    step_times_s: list[float] = Field([], description="Every step's seconds, in order, warm-up included.")
 
 
 @dataclass(frozen=True)
@@ -342,11 +343,13 @@ def calibrate(
     measured_memory_bytes: float | None = None,
     out: str | Path | None = None,
     planner: Planner | None = None,
+    base: ClusterSpec | None = None,
 ) -> Calibration:
     """Fit ``plan``'s cluster to a measured step (and rank 0's peak), write it to ``out``, and re-plan.
 
     ``model`` is the spec ``hyparallel plan --model`` takes (default: the plan's model name, which is the spec
-    when `hyparallel plan` made the plan). Note [what the fit changes], Note [memory in the fit].
+    when `hyparallel plan` made the plan). ``base``: the cluster to correct, of the plan's size (default the
+    plan's own). Note [what the fit changes], Note [memory in the fit].
     """
     if plan.cluster is None or plan.predicted is None:
         missing = "cluster" if plan.cluster is None else "predictions"
@@ -357,12 +360,13 @@ def calibrate(
     if not spec:
         raise ConfigError("the plan names no model; pass the model spec (as `hyparallel plan --model` takes it)")
     planner = planner or Planner(spec, plan)
-    cluster = plan.cluster
+    cluster = base or plan.cluster
     factor, links = fit_factor(planner.evaluate, cluster, measured_step_s)
     corrected = scaled(cluster, factor, links)
     refit = planner.evaluate(corrected)
     device = cluster.device
-    predicted_memory = plan.predicted.memory_gib[0] * 2**30 - device.reserved_bytes
+    # rank 0's stage, as predicted with the cluster the plan was made for (Note [memory in the fit])
+    predicted_memory = plan.predicted.memory_gib[0] * 2**30 - plan.cluster.device.reserved_bytes
     added = 0
     if measured_memory_bytes is not None and measured_memory_bytes > predicted_memory:
         added = int(math.ceil(measured_memory_bytes - predicted_memory))
@@ -494,7 +498,7 @@ def from_run(
     devices and backend as the plan's.
     """
     record = read_run(path)
-    plan = record.plan
+    plan, base = record.plan, None
     if cluster is not None:
         given = ClusterSpec.resolve(cluster)
         ran = plan.cluster
@@ -503,9 +507,18 @@ def from_run(
                 f"cluster '{cluster}' ({given.device.name}, {given.backend}) is not the one the run was planned for "
                 f"('{ran.name}': {ran.device.name}, {ran.backend}); pass that cluster's file, or leave --cluster out"
             )
-        plan = plan.model_copy(update={"cluster": given.resized(ran.num_nodes, ran.gpus_per_node)})
+        base = given.resized(ran.num_nodes, ran.gpus_per_node)
     memory = None if record.peak_memory_gib is None else record.peak_memory_gib * 2**30
-    return calibrate(plan, record.step_time_s, model=model or record.model, measured_memory_bytes=memory, out=out)
+    return calibrate(
+        plan, run_step_s(record), model=model or record.model, measured_memory_bytes=memory, out=out, base=base
+    )
+
+
+def run_step_s(record: RunRecord) -> float:
+    """A recorded run's measured step: the median of its steps after DEFAULT_WARMUP_STEPS when it recorded each
+    step and has more than that, else its summary's median (after its first step)."""
+    times = record.step_times_s
+    return statistics.median(times[DEFAULT_WARMUP_STEPS:]) if len(times) > DEFAULT_WARMUP_STEPS else record.step_time_s
 
 
 def measured_step(step_times_s: list[float], warmup: int, count: int) -> float | None:

@@ -132,6 +132,24 @@ def test_calibrate_from_run_fits_what_the_run_measured(tiny, tmp_path, capsys):
     assert fixed.device.matmul_efficiency == pytest.approx(0.5, rel=1e-3)
 
 
+def test_calibrate_from_run_takes_the_steps_after_the_warm_up_and_another_file_of_the_same_cluster(
+    tiny, tmp_path, capsys
+):
+    plan, planner = tiny
+    measured = planner.evaluate(online.scaled(plan.cluster, 0.25))
+    path = record_file(tmp_path, plan, 99.0)  # the summary's median: not what is fitted when every step is there
+    data = json.loads(path.read_text())
+    data["step_times_s"] = [5.0] * online.DEFAULT_WARMUP_STEPS + [measured * 0.99, measured, measured * 1.01]
+    path.write_text(json.dumps(data))
+    base = tmp_path / "my-cpu.yaml"  # the same devices, described by another file: the one corrected
+    plan.cluster.model_copy(update={"name": "my-cpu"}).save(base)
+    out = tmp_path / "fixed.yaml"
+    assert main(["calibrate", "--from-run", str(path), "--cluster", str(base), "--out", str(out)]) == 0
+    assert "compute x0.25" in capsys.readouterr().out
+    fixed = hp.ClusterSpec.load(out)
+    assert fixed.name == "my-cpu-corrected" and fixed.device.matmul_efficiency == pytest.approx(0.25, rel=1e-3)
+
+
 @pytest.mark.parametrize(
     "content, args, message",
     [
