@@ -270,6 +270,12 @@ class RunMetrics:
         except HyparallelError as error:
             settings.log(f"online calibration: step {measured * 1e3:,.4g} ms measured; no fit: {error}")
             return
+        except Exception as error:  # a bug in the fit must not end a training run that does not need it
+            settings.log(
+                f"online calibration failed (a bug: please report it with this line): {type(error).__name__}: "
+                f"{error}; training goes on with its plan"
+            )
+            return
         settings.log(self.calibration.line(settings.switch_gain))
 
     def record(self, model: str | None = None) -> dict | None:

@@ -230,3 +230,22 @@ def test_calibrate_online_refuses_bad_settings(tiny, bad):
     meter = RunMetrics(tiny[0], flops_per_token=1e6, device=torch.device("cpu"), pp_rank=0)
     with pytest.raises(HyparallelError, match=next(iter(bad))):
         meter.calibrate_online(**bad)
+
+
+@pytest.mark.parametrize(
+    "error, said",
+    [(hp.planner.PlanError("nothing fits"), "no fit: nothing fits"), (RuntimeError("boom"), "a bug: please report")],
+)
+def test_a_failing_fit_is_one_line_and_training_goes_on(tiny, monkeypatch, error, said):
+    plan, _ = tiny
+    lines = []
+    meter = RunMetrics(plan, flops_per_token=1e6, device=torch.device("cpu"), pp_rank=0, rank=0)
+    meter.calibrate_online(warmup=0, steps=1, threshold=0.0, log=lines.append)
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(online, "calibrate", fail)
+    for _ in range(3):
+        meter.step_started(tokens=1024)
+    assert len(lines) == 1 and said in lines[0] and meter.calibration is None and len(meter.steps()) == 2
