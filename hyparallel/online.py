@@ -226,11 +226,8 @@ class Planner:
 
         loaded = models.load(spec)
         self.name, self.plan = loaded.name, plan
-        if (
-            plan.model is not None
-            and plan.model.fingerprint
-            and models.fingerprint(loaded.module) != (plan.model.fingerprint)
-        ):
+        expected = plan.model.fingerprint if plan.model is not None else ""
+        if expected and models.fingerprint(loaded.module) != expected:
             raise ConfigError(
                 f"model '{spec}' is not the model the plan was made for (its parameter names or shapes differ from "
                 f"the plan's fingerprint); pass the spec of the model the run trained"
