@@ -7,14 +7,14 @@ Without --plan the planner plans for the launch it finds (WORLD_SIZE, the `cpu` 
 the newest checkpoint of --checkpoint-dir, resharded (--checkpoint-storage memory: from shared memory), and goes on.
 Every rank draws the same global batches from a seeded generator (so a resumed run skips exactly the batches already
 seen); `shard` gives each data-parallel rank its rows. Rank 0 logs loss, step time, tokens/s, TFLOP/s and MFU (with
-peak memory on a GPU) against the plan's predictions, and their medians at the end; --log-json FILE adds every step's
-loss, unrounded.
+peak memory) against the plan's predictions, and their medians at the end; --log-json FILE adds every step's loss,
+unrounded. --metrics-out FILE is what `hyparallel calibrate --from-run` reads; --calibrate-online FILE fits the cluster
+to the measured steps during the run and says whether another plan would be faster (docs/cost-model.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -47,7 +47,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint-keep", type=int, default=0, help="keep only the newest N checkpoints on disk (default 0: all)"
     )
-    parser.add_argument("--metrics-out", help="rank 0 writes the measured step figures here as JSON")
+    parser.add_argument("--metrics-out", help="rank 0 writes the measured step figures and the plan here as JSON")
+    parser.add_argument("--calibrate-online", metavar="FILE", help="rank 0 writes the corrected cluster here")
+    parser.add_argument("--calibrate-threshold", type=float, default=None, help="fit when off by more (default 0.1)")
     parser.add_argument("--log-json", help="rank 0 appends {step, loss, world_size, restart} here, a JSON line a step")
     return parser.parse_args()
 
@@ -57,7 +59,7 @@ def load_plan(args: argparse.Namespace, model: torch.nn.Module) -> hp.Plan:
         return hp.Plan.load(args.plan)
     world = int(os.environ.get("WORLD_SIZE", 1))  # deterministic: every rank derives the same plan
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world)
-    return hp.plan(model, cluster, global_batch=args.global_batch, seq_len=64, dtype="fp32")
+    return hp.plan(model, cluster, global_batch=args.global_batch, seq_len=64, dtype="fp32", name=args.model)
 
 
 def batches(plan: hp.Plan, seed: int, skip: int):
@@ -78,6 +80,8 @@ def main() -> None:
     plan = load_plan(args, model)
     pmodel = hp.parallelize(model, plan, seed=args.seed)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.calibrate_online:  # Note [online calibration] in hyparallel/metrics.py
+        pmodel.metrics.calibrate_online(args.calibrate_online, model=args.model, threshold=args.calibrate_threshold)
     rank0, done, source = pmodel.env.rank == 0, 0, ""
     resumed = None
     if args.checkpoint_dir:
@@ -138,7 +142,7 @@ def main() -> None:
             flush=True,
         )
         if args.metrics_out:
-            Path(args.metrics_out).write_text(json.dumps(dataclasses.asdict(summary), indent=1))
+            Path(args.metrics_out).write_text(json.dumps(pmodel.metrics.record(args.model), indent=1))
     torch.distributed.destroy_process_group()
 
 

@@ -73,7 +73,9 @@ EXAMPLES = {
         "  hyparallel calibrate --base h200 --out my-h200.yaml      "
         "# datasheet peaks kept; efficiencies and links measured\n"
         "  torchrun --nproc_per_node 4 -m hyparallel calibrate --quick --out my-cluster.yaml   "
-        "# inside a launch: its world"
+        "# inside a launch: its world\n"
+        "  hyparallel calibrate --from-run metrics.json --out corrected.yaml   "
+        "# fit to a run's measured steps, then re-plan"
     ),
 }
 
@@ -574,6 +576,11 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
     """Measure this machine's matmul, memory and collective speeds; print them and write a ClusterSpec."""
     from hyparallel import calibrate
 
+    if args.from_run is not None:
+        _calibrate_from_run(args, out)
+        return
+    if args.model or args.cluster or args.switch_gain is not None:
+        raise UsageError("hyparallel calibrate", "--model, --cluster and --switch-gain go with --from-run FILE")
     if args.out:
         calibrate.check_writable(args.out)
     spec, measured = calibrate.calibrate(
@@ -596,6 +603,26 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
         )
     else:
         print(calibrate.cluster_yaml(spec, measured), end="")
+
+
+def _calibrate_from_run(args: argparse.Namespace, out: Console) -> None:
+    """`calibrate --from-run`: fit the run's cluster to its measured steps, write it with --out, and re-plan."""
+    from hyparallel import online
+    from hyparallel._files import check_writable
+
+    given = [flag for flag in ("nproc", "base", "name", "device") if getattr(args, flag) is not None]
+    if given or args.quick:
+        flags = ", ".join(f"--{flag}" for flag in given + (["quick"] if args.quick else []))
+        raise UsageError("hyparallel calibrate", f"{flags}: for measuring this machine, not with --from-run")
+    if args.out:
+        check_writable(args.out)
+    result = online.from_run(
+        args.from_run, out=args.out, model=" ".join(args.model) if args.model else None, cluster=args.cluster
+    )
+    gain = online.DEFAULT_SWITCH_GAIN if args.switch_gain is None else args.switch_gain
+    out.print(result.line(gain), markup=False, highlight=False, soft_wrap=True)
+    if not args.out:
+        print(result.cluster.to_yaml(), end="")
 
 
 def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
@@ -894,6 +921,33 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("cpu", "cuda"),
         default=None,
         help="what to measure: the GPUs (nccl) or the CPU (gloo processes); default cuda when torch sees a GPU",
+    )
+    calibrate.add_argument(
+        "--from-run",
+        default=None,
+        metavar="METRICS.json",
+        help="measure nothing: fit the cluster of a run's plan to its measured steps (the file examples/train_gpt.py "
+        "--metrics-out writes), write it with --out, and re-plan under it (docs/cost-model.md, 'Online calibration')",
+    )
+    calibrate.add_argument(
+        "--model",
+        nargs="+",
+        default=None,
+        metavar="MODEL",
+        help="with --from-run: the model spec to re-plan (default: the one the run recorded)",
+    )
+    calibrate.add_argument(
+        "--cluster",
+        default=None,
+        metavar="PRESET|FILE",
+        help="with --from-run: the cluster to correct (default: the run's plan's; the same devices and backend)",
+    )
+    calibrate.add_argument(
+        "--switch-gain",
+        type=_float_in(1.0, "fraction"),
+        default=None,
+        metavar="FRACTION",
+        help="with --from-run: suggest another plan when it is predicted faster by more than this (default 0.05)",
     )
     simulate = add("simulate", cmd_simulate, "Simulate one training step of a plan's pipeline schedule and draw it.")
     simulate.add_argument(

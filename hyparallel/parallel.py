@@ -314,7 +314,11 @@ class ParallelModel:
         self._io = None
         self._started = False
         self.metrics = RunMetrics(
-            plan, graph.flops / max(_token_count(example), 1), device, pp_rank=mesh["pp"].get_local_rank()
+            plan,
+            graph.flops / max(_token_count(example), 1),
+            device,
+            pp_rank=mesh["pp"].get_local_rank(),
+            rank=env.rank,
         )
 
     # ---- training --------------------------------------------------------------------------------
