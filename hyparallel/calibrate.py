@@ -4,8 +4,10 @@ Every figure is per process, i.e. per device the planner sees (one GPU, or one p
 
 * **Matmul throughput** by dtype and shape: ``torch.mm`` of (M, K) @ (K, N) into a preallocated output,
   2*M*K*N FLOPs a call. fp32 runs with ``torch.set_float32_matmul_precision("highest")``, tf32 with
-  ``"high"`` (CUDA only: a CPU has no TF32, so its tf32 figure is the fp32 one). A dtype's achievable rate
-  is that of its fastest shape; every (dtype, shape) rate is reported.
+  ``"high"`` (CUDA only: a CPU has no TF32, so its tf32 figure is the fp32 one). The shapes run from small
+  to the device's plateau, skinny ones among them (a short K, few rows); the efficiency curve is fitted to
+  them and each dtype's plateau is its rate under that curve (Note [fitting the curve]); every (dtype,
+  shape) rate is reported.
 * **Attention**: causal ``F.scaled_dot_product_attention`` forward (bf16 on CUDA, fp32 on a CPU), counted
   as the planner counts it (Note [attention FLOPs]).
 * **Memory bandwidth**: ``dst.copy_(src)`` of a large fp32 buffer, bytes read plus bytes written per second.
@@ -27,10 +29,12 @@ measures at the same time as the others and the figures are their means. One pro
 and has no links to measure: they come from the base preset (or the preset with the same device name).
 
 Output: with a base preset (``base="h200"``) the spec keeps the preset's datasheet peak FLOP/s, memory
-and bandwidth and sets the efficiencies to measured / datasheet (matmul: bf16; clipped to (0, 1]); the
-intra-node link is measured, the inter-node link kept (one machine cannot measure it). Without a base
-the peaks are the measured rates with efficiencies 1, memory is the device's (a CPU: RAM / N), and the
-inter-node link repeats the intra-node one.
+and bandwidth and sets the efficiencies to measured / datasheet (matmul: bf16's plateau; attention: the
+rate over the preset's attention curve at the measured shape; clipped to (0, 1]), keeps the preset's
+attention curve and kernel floor; the intra-node link is measured, the inter-node link kept (one machine
+cannot measure it). Without a base the peaks are the measured plateaus with efficiencies 1, memory is the
+device's (a CPU: RAM / N), and the inter-node link repeats the intra-node one. Either way the fitted matmul
+curve is written (none when too few shapes are compute-bound).
 
 Note [sharing a CPU]: N processes share the cores as they do in training (``torchrun
 --nproc_per_node N``): each gets max(1, cores // N) threads, all measure at once after a barrier, and
