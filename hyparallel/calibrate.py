@@ -4,8 +4,10 @@ Every figure is per process, i.e. per device the planner sees (one GPU, or one p
 
 * **Matmul throughput** by dtype and shape: ``torch.mm`` of (M, K) @ (K, N) into a preallocated output,
   2*M*K*N FLOPs a call. fp32 runs with ``torch.set_float32_matmul_precision("highest")``, tf32 with
-  ``"high"`` (CUDA only: a CPU has no TF32, so its tf32 figure is the fp32 one). A dtype's achievable rate
-  is that of its fastest shape; every (dtype, shape) rate is reported.
+  ``"high"`` (CUDA only: a CPU has no TF32, so its tf32 figure is the fp32 one). The shapes run from small
+  to the device's plateau, skinny ones among them (a short K, few rows); the efficiency curve is fitted to
+  them and each dtype's plateau is its rate under that curve (Note [fitting the curve]); every (dtype,
+  shape) rate is reported.
 * **Attention**: causal ``F.scaled_dot_product_attention`` forward (bf16 on CUDA, fp32 on a CPU), counted
   as the planner counts it (Note [attention FLOPs]).
 * **Memory bandwidth**: ``dst.copy_(src)`` of a large fp32 buffer, bytes read plus bytes written per second.
@@ -27,10 +29,12 @@ measures at the same time as the others and the figures are their means. One pro
 and has no links to measure: they come from the base preset (or the preset with the same device name).
 
 Output: with a base preset (``base="h200"``) the spec keeps the preset's datasheet peak FLOP/s, memory
-and bandwidth and sets the efficiencies to measured / datasheet (matmul: bf16; clipped to (0, 1]); the
-intra-node link is measured, the inter-node link kept (one machine cannot measure it). Without a base
-the peaks are the measured rates with efficiencies 1, memory is the device's (a CPU: RAM / N), and the
-inter-node link repeats the intra-node one.
+and bandwidth and sets the efficiencies to measured / datasheet (matmul: bf16's plateau; attention: the
+rate over the preset's attention curve at the measured shape; clipped to (0, 1]), keeps the preset's
+attention curve and kernel floor; the intra-node link is measured, the inter-node link kept (one machine
+cannot measure it). Without a base the peaks are the measured plateaus with efficiencies 1, memory is the
+device's (a CPU: RAM / N), and the inter-node link repeats the intra-node one. Either way the fitted matmul
+curve is written (none when too few shapes are compute-bound).
 
 Note [sharing a CPU]: N processes share the cores as they do in training (``torchrun
 --nproc_per_node N``): each gets max(1, cores // N) threads, all measure at once after a barrier, and
@@ -70,7 +74,7 @@ from pathlib import Path
 from typing import Literal
 
 from hyparallel import _files
-from hyparallel.cluster import ClusterSpec, DeviceSpec, LinkSpec, PeakFlops
+from hyparallel.cluster import ClusterSpec, DeviceSpec, LinkSpec, MatmulCurve, PeakFlops
 from hyparallel.errors import ConfigError, HyparallelError
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
@@ -99,13 +103,16 @@ class Settings:
 
 
 def settings_for(kind: DeviceKind, quick: bool, threads: int) -> Settings:
-    """Sizes big enough to reach the device's plateau; ``quick`` trades accuracy for a few seconds."""
+    """Shapes from small to the device's plateau, skinny ones among them, for the efficiency curve (Note [fitting
+    the curve]); ``quick`` trades accuracy for a few seconds."""
     if kind == "cuda":
-        squares = (4096, 8192) if quick else (1024, 2048, 4096, 8192)
+        squares = (512, 2048, 8192) if quick else (256, 512, 1024, 2048, 4096, 8192)
+        # Skinny: a short reduction (K = 128) and few rows (M = 256) under a large output or reduction.
+        skinny = ((8192, 128, 8192), (256, 8192, 8192))
         # Transformer MLP projections: llama-70b (8192 -> 28672) and llama-8b (4096 -> 14336), 8192/16384 tokens.
         mlp = () if quick else ((8192, 8192, 28672), (16384, 4096, 14336))
         return Settings(
-            matmul_shapes=tuple((s, s, s) for s in squares) + mlp,
+            matmul_shapes=tuple((s, s, s) for s in squares) + skinny + mlp,
             window_s=0.05 if quick else 0.25,
             attention_shape=(4, 32, 4096, 128),
             copy_bytes=2**28 if quick else 2**30,
@@ -114,10 +121,11 @@ def settings_for(kind: DeviceKind, quick: bool, threads: int) -> Settings:
             pingpong_iters=30 if quick else 100,
             threads=0,
         )
-    squares = (256, 512) if quick else (256, 512, 1024)
+    squares = (64, 256, 512) if quick else (32, 64, 128, 256, 512, 1024)
+    skinny = ((512, 16, 512), (16, 512, 512)) if quick else ((1024, 16, 1024), (16, 1024, 1024))
     mlp = () if quick else ((1024, 1024, 4096),)
     return Settings(
-        matmul_shapes=tuple((s, s, s) for s in squares) + mlp,
+        matmul_shapes=tuple((s, s, s) for s in squares) + skinny + mlp,
         window_s=0.1 if quick else 0.5,
         attention_shape=(1, 4, 256, 64) if quick else (1, 8, 512, 64),
         copy_bytes=2**25 if quick else 2**27,
@@ -247,9 +255,82 @@ def measure(nproc: int | None = None, quick: bool = False, device: DeviceKind | 
     )
 
 
+# Note [fitting the curve]
+#     The matmul rates by shape give the device's efficiency curve (Note [matmul curve] in cluster.py): the
+#     reference dtype's (bf16 on CUDA, the one GPUs train in; fp32 on a CPU) rates are fitted, in log space, to
+#     plateau x output / (output + half_output) x K / (K + half_k) over a grid of the two halves (0, and 1 to 1e10
+#     output elements, 0.1 to 1e6 for K, log-spaced), the plateau in closed form for each (the mean log residual).
+#     Shapes whose operands and result take at least half their measured time to move at the measured copy
+#     bandwidth are memory-bound: the roofline prices them already, so they are left out. The fit may not put the
+#     plateau beyond what the shapes show: the largest measured shape must reach at least MIN_LARGEST_FACTOR of it.
+#     Every other dtype gets its own plateau under the same curve (peaks per dtype differ, the shape effect is the
+#     kernels' tiling). Fewer than three compute-bound shapes fit nothing: no curve, the fastest rate the plateau.
+MIN_LARGEST_FACTOR = 0.8
+_REFERENCE_DTYPE: dict[DeviceKind, str] = {"cuda": "bf16", "cpu": "fp32"}
+_ELEMENT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+
+
+def _shapes(rates: dict[str, float]) -> list[tuple[int, int, int]]:
+    return [tuple(int(size) for size in shape.split("x")) for shape in rates]  # type: ignore[misc]
+
+
+def _compute_bound(rates: dict[str, float], dtype: str, bandwidth_bytes_per_s: float) -> dict[str, float]:
+    """The shapes of ``rates`` (MxKxN -> FLOP/s) that memory traffic does not explain (Note [fitting the curve])."""
+    kept = {}
+    for (m, k, n), (shape, rate) in zip(_shapes(rates), rates.items()):
+        seconds = 2 * m * k * n / rate
+        moved = (m * k + k * n + m * n) * _ELEMENT_BYTES[dtype]
+        if moved / bandwidth_bytes_per_s < 0.5 * seconds:
+            kept[shape] = rate
+    return kept
+
+
+def fit_matmul_curve(rates: dict[str, float], dtype: str, bandwidth_bytes_per_s: float) -> MatmulCurve | None:
+    """The efficiency curve that fits ``rates`` (torch.mm FLOP/s by "MxKxN") best (Note [fitting the curve])."""
+    import numpy as np
+
+    kept = _compute_bound(rates, dtype, bandwidth_bytes_per_s)
+    if len(kept) < 3:
+        return None
+    shapes = np.array(_shapes(kept), dtype=float)
+    output, k = shapes[:, 0] * shapes[:, 2], shapes[:, 1]
+    log_rate = np.log(np.array(list(kept.values())))
+    largest = int(np.argmax(output * k))
+    halves_output = np.concatenate([[0.0], np.geomspace(1.0, 1e10, 201)])[:, None, None]
+    halves_k = np.concatenate([[0.0], np.geomspace(0.1, 1e6, 141)])[None, :, None]
+    log_factor = np.log(output / (output + halves_output)) + np.log(k / (k + halves_k))  # (output, k, shape)
+    log_plateau = (log_rate - log_factor).mean(axis=2, keepdims=True)
+    error = ((log_rate - log_factor - log_plateau) ** 2).sum(axis=2)
+    error[log_factor[:, :, largest] < math.log(MIN_LARGEST_FACTOR)] = np.inf
+    i, j = np.unravel_index(np.argmin(error), error.shape)
+    return MatmulCurve(
+        half_output_elements=_significant(float(halves_output[i, 0, 0])),
+        half_k=_significant(float(halves_k[0, j, 0])),
+    )
+
+
+def matmul_plateau(rates: dict[str, float], dtype: str, bandwidth: float, curve: MatmulCurve | None) -> float:
+    """The plateau FLOP/s of ``rates`` under ``curve``: the geometric mean of each compute-bound shape's rate over
+    its factor (the fastest rate without a curve, or with no compute-bound shape)."""
+    kept = _compute_bound(rates, dtype, bandwidth) if curve is not None else {}
+    if not kept:
+        return max(rates.values())
+    logs = [math.log(rate / curve.factor(m * n, k)) for (m, k, n), rate in zip(_shapes(kept), kept.values())]
+    return max(math.exp(statistics.fmean(logs)), max(kept.values()))
+
+
 def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, name: str | None = None) -> ClusterSpec:
-    """The ClusterSpec for ``measured``: datasheet figures from ``base`` when given (module docstring)."""
-    rates = {dtype: _significant(measured.achievable_flops(dtype)) for dtype in DTYPES}
+    """The ClusterSpec for ``measured``: datasheet figures from ``base`` when given (module docstring), the matmul
+    efficiency curve fitted (Note [fitting the curve])."""
+    bandwidth = measured.memory_bandwidth_bytes_per_s
+    reference = _REFERENCE_DTYPE[measured.device_kind]
+    curve = fit_matmul_curve(measured.matmul_flops[reference], reference, bandwidth)
+    rates = {
+        dtype: _significant(
+            matmul_plateau(measured.matmul_flops.get(dtype) or measured.matmul_flops["fp32"], dtype, bandwidth, curve)
+        )
+        for dtype in DTYPES
+    }
     reserved = -(-measured.reserved_bytes // RESERVED_ROUNDING_BYTES) * RESERVED_ROUNDING_BYTES
     device_name = measured.device_name
     if measured.device_kind == "cpu":
@@ -262,7 +343,13 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
             memory_bytes=base.device.memory_bytes,
             memory_bandwidth_bytes_per_s=base.device.memory_bandwidth_bytes_per_s,
             matmul_efficiency=_fraction(rates["bf16"], peaks.bf16),
-            attention_efficiency=_fraction(measured.attention_flops, getattr(peaks, measured.attention_dtype)),
+            matmul_curve=curve,
+            attention_efficiency=_fraction(
+                measured.attention_flops / _attention_factor(measured, base.device.attention_curve),
+                getattr(peaks, measured.attention_dtype),
+            ),
+            attention_curve=base.device.attention_curve,
+            kernel_floor_s=base.device.kernel_floor_s,
             memory_efficiency=_fraction(
                 measured.memory_bandwidth_bytes_per_s, base.device.memory_bandwidth_bytes_per_s
             ),
@@ -276,6 +363,7 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
             memory_bytes=measured.memory_bytes,
             memory_bandwidth_bytes_per_s=_significant(measured.memory_bandwidth_bytes_per_s),
             matmul_efficiency=1.0,
+            matmul_curve=curve,
             attention_efficiency=_fraction(measured.attention_flops, rates[measured.attention_dtype]),
             memory_efficiency=1.0,
             reserved_bytes=reserved,
@@ -298,6 +386,12 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
         intra_node=intra_node,
         inter_node=inter_node,
     )
+
+
+def _attention_factor(measured: Measurements, curve: MatmulCurve | None) -> float:
+    """The base's attention curve at the measured attention shape: the measured rate over it is the plateau."""
+    batch, heads, seq, head_dim = measured.attention_shape
+    return 1.0 if curve is None else curve.factor(batch * heads * seq * head_dim, seq)
 
 
 def _links(measured: Measurements, base: ClusterSpec | None) -> tuple[LinkSpec, LinkSpec, str]:
@@ -349,13 +443,21 @@ def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
         f"Device: {measured.device_name}; {measured.nproc} {measured.backend} process(es)"
         + (f", {measured.threads:g} thread(s) each on {measured.cores} cores" if measured.device_kind == "cpu" else "")
         + ("; all measured at once, figures per process (mean over processes)." if measured.nproc > 1 else "."),
-        "Matmul FLOP/s, torch.mm (M, K) @ (K, N) by MxKxN; the fastest shape is the achievable rate:",
+        "Matmul FLOP/s, torch.mm (M, K) @ (K, N) by MxKxN; the plateau under the fitted curve is the rate:",
     ]
     for dtype, rates in measured.matmul_flops.items():
         lines.append(f"  {dtype}: " + ", ".join(f"{shape} {rate:.3g}" for shape, rate in rates.items()))
     if "tf32" not in measured.matmul_flops:
         lines.append("  tf32: none on a CPU; the fp32 figure is used")
-    fractions = {dtype: measured.achievable_flops(dtype) / getattr(spec.device.peak_flops, dtype) for dtype in DTYPES}
+    lines.append(_curve_line(spec.device.matmul_curve, measured))
+    bandwidth, curve = measured.memory_bandwidth_bytes_per_s, spec.device.matmul_curve
+    fractions = {
+        dtype: matmul_plateau(
+            measured.matmul_flops.get(dtype) or measured.matmul_flops["fp32"], dtype, bandwidth, curve
+        )
+        / getattr(spec.device.peak_flops, dtype)
+        for dtype in DTYPES
+    }
     if any(
         abs(fraction - 1) > 1e-3 for fraction in fractions.values()
     ):  # datasheet peaks (a base), not the measured rates
@@ -401,6 +503,16 @@ def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
     return "".join(f"# {line}\n" for line in lines) + spec.to_yaml()
 
 
+def _curve_line(curve: MatmulCurve | None, measured: Measurements) -> str:
+    reference = _REFERENCE_DTYPE[measured.device_kind]
+    if curve is None:
+        return f"  curve: not fitted (fewer than 3 compute-bound {reference} shapes); every matmul at the plateau"
+    return (
+        f"  curve fitted on {reference} (Note [fitting the curve] in hyparallel/calibrate.py): efficiency x "
+        f"output / (output + {curve.half_output_elements:.4g}) x K / (K + {curve.half_k:.4g})"
+    )
+
+
 def check_writable(path: str | Path) -> None:
     """Fail early, in one line, when ``path`` cannot be written (before minutes of measuring)."""
     _files.check_writable(path)
@@ -426,6 +538,20 @@ def measurements_table(measured: Measurements):
         best = max(rates.values())
         for shape, rate in rates.items():
             table.add_row(f"matmul {dtype}", shape, _si(rate, "FLOP/s") + (" (best)" if rate == best else ""))
+    reference = _REFERENCE_DTYPE[measured.device_kind]
+    curve = fit_matmul_curve(measured.matmul_flops[reference], reference, measured.memory_bandwidth_bytes_per_s)
+    table.add_row(
+        f"matmul curve ({reference} fit)",
+        "output, K halves",
+        "none (too few shapes)"
+        if curve is None
+        else f"{curve.half_output_elements:.4g}, {curve.half_k:.4g} (plateau "
+        + _si(
+            matmul_plateau(measured.matmul_flops[reference], reference, measured.memory_bandwidth_bytes_per_s, curve),
+            "FLOP/s",
+        )
+        + ")",
+    )
     table.add_row(
         f"attention {measured.attention_dtype}",
         "BxHxTxD " + "x".join(map(str, measured.attention_shape)),

@@ -73,6 +73,37 @@ class PeakFlops(_Frozen):
 Fraction = float_in(limits.MIN_EFFICIENCY, 1.0)
 
 
+# Note [matmul curve]
+#     A GEMM's efficiency falls below the device's plateau (matmul_efficiency) when it is too small to keep every
+#     SM busy or too short along its reduction to amortise each tile's start and end: cuBLAS splits the output
+#     into tiles, one thread block each, and each block loops over K (NVIDIA, "Matrix Multiplication Background
+#     User's Guide", 2023, Sec. 2.1 and 3: tile and wave quantization). The curve is Hockney's half-performance
+#     form (R. W. Hockney, "The Parallel Computers 2", 1988: r(n) = r_inf n / (n + n_half)) in those two sizes:
+#         factor = output / (output + half_output_elements) * k / (k + half_k)
+#     with output = batch x M x N, the elements of C (every one a unit of parallel work) and k = K, the reduction.
+#     It is relative, in (0, 1], and tends to 1 for large GEMMs, so matmul_efficiency stays the plateau and scaling
+#     it scales every matmul. Fused attention uses the same form (attention_curve): output = the query rows x head
+#     dim across batch and heads (FlashAttention-2 parallelises over them), k = the keys each query reads. A cluster
+#     file without a curve keeps factor 1 (every matmul at matmul_efficiency, the model before curves existed):
+#     its efficiencies were taken for the shapes it was written for, and loading it must not change its
+#     predictions; `hyparallel calibrate` writes a fitted curve.
+class MatmulCurve(_Frozen):
+    """A matmul's efficiency relative to the plateau by its shape (Note [matmul curve]); both halves 0: factor 1."""
+
+    half_output_elements: float_in(0.0, limits.MAX_CURVE_ELEMENTS) = Field(
+        description="Output elements (batch x M x N) at which the output's parallelism alone halves the efficiency."
+    )
+    half_k: float_in(0.0, limits.MAX_CURVE_ELEMENTS) = Field(
+        description="Reduction length K at which the reduction alone halves the efficiency."
+    )
+
+    def factor(self, output_elements: float, k: float) -> float:
+        """The relative efficiency, in (0, 1], of a product with ``output_elements`` outputs reduced over ``k``."""
+        if output_elements <= 0 or k <= 0:
+            return 1.0
+        return output_elements / (output_elements + self.half_output_elements) * k / (k + self.half_k)
+
+
 class DeviceSpec(_Frozen):
     """One accelerator (or one CPU process): compute, memory capacity and memory bandwidth.
 
@@ -85,8 +116,27 @@ class DeviceSpec(_Frozen):
     peak_flops: PeakFlops = Field(description="Dense peak FLOP/s by dtype.")
     memory_bytes: MemoryBytes = Field(description="Total device memory in bytes.")
     memory_bandwidth_bytes_per_s: BytesPerS = Field(description="Peak memory (HBM) bandwidth.")
-    matmul_efficiency: Fraction = Field(0.75, description="Fraction of peak FLOP/s that matrix products reach.")
-    attention_efficiency: Fraction = Field(0.6, description="Fraction of peak FLOP/s that fused attention reaches.")
+    matmul_efficiency: Fraction = Field(
+        0.75, description="Fraction of peak FLOP/s that large matrix products reach (the plateau of matmul_curve)."
+    )
+    attention_efficiency: Fraction = Field(
+        0.6, description="Fraction of peak FLOP/s that large fused attention reaches (the plateau of attention_curve)."
+    )
+    matmul_curve: MatmulCurve | None = Field(
+        None,
+        description="How matrix products of smaller shapes fall below matmul_efficiency (Note [matmul curve] in "
+        "cluster.py); none: every product at matmul_efficiency.",
+    )
+    attention_curve: MatmulCurve | None = Field(
+        None,
+        description="The same for fused attention, below attention_efficiency: output = query rows x head dim "
+        "over batch and heads, k = keys; none: every attention at attention_efficiency.",
+    )
+    kernel_floor_s: LatencyS = Field(
+        0.0,
+        description="The least time one kernel takes on the device whatever its size (launch and teardown), "
+        "besides the host's op_overhead_s; 0 on a CPU.",
+    )
     memory_efficiency: Fraction = Field(
         0.8, description="Fraction of memory bandwidth that memory-bound kernels reach."
     )

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from hyparallel import schema
-from hyparallel.cluster import ClusterSpec, DeviceSpec, LinkSpec, PeakFlops, preset_dir
+from hyparallel.cluster import ClusterSpec, DeviceSpec, LinkSpec, MatmulCurve, PeakFlops, preset_dir
 from hyparallel.errors import ConfigError
 from hyparallel.planner.api import round_figures
 
@@ -51,6 +51,7 @@ CLUSTER_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("cluster", ClusterSpec),
     ("device", DeviceSpec),
     ("device.peak_flops", PeakFlops),
+    ("device.matmul_curve, device.attention_curve", MatmulCurve),
     ("intra_node, inter_node", LinkSpec),
 )
 
@@ -639,8 +640,13 @@ What each figure should be, and how to measure it:
   `reserved_bytes` what the model cannot use (CUDA context, NCCL buffers, fragmentation: about 3 GiB on a GPU).
 - `device.memory_bandwidth_bytes_per_s`: the datasheet's HBM bandwidth; `memory_efficiency` the fraction
   a large device-to-device copy reaches.
-- `device.matmul_efficiency`, `attention_efficiency`: time a bf16 GEMM of your model's shapes and
-  the fused attention forward + backward, divide the FLOPs by the time and the peak.
+- `device.matmul_efficiency`, `attention_efficiency`: the plateau, what large GEMMs and long-sequence fused
+  attention reach: time a large bf16 GEMM (and the attention forward + backward), divide the FLOPs by the time
+  and the peak. `matmul_curve` and `attention_curve` (optional) say how smaller shapes fall below it,
+  as `output / (output + half_output_elements) x K / (K + half_k)`
+  ([cost-model.md](cost-model.md#compute-time-profilepy-costsroofline_s));
+  `hyparallel calibrate` fits the matmul curve from small, skinny and large GEMMs. A file without them prices
+  every product at the plateau. `kernel_floor_s` (optional): the least a kernel takes on the device.
 - `intra_node` / `inter_node`: the **bus bandwidth** nccl-tests' `all_reduce_perf` reports for a large
   message (inside one node; across nodes with one GPU per node), not the datasheet's line rate; the
   latency is a small message's time over the ring's 2(n-1) steps.

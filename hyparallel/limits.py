@@ -66,6 +66,8 @@ MIN_RATE = 1.0
 
 # Efficiencies (fractions of a peak): at least 0.1%, as `hyparallel calibrate` rounds them.
 MIN_EFFICIENCY = 0.001
+# The half-performance sizes of an efficiency curve (elements): far beyond any GEMM a device runs in one call.
+MAX_CURVE_ELEMENTS = 1e15
 
 # Latencies and per-op overheads: an hour per message is no link.
 MAX_LATENCY_S = 3600.0

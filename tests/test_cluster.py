@@ -88,7 +88,7 @@ def test_unknown_cluster_key_rejected(tmp_path):
         (("bf16: 3.12e+14", "bf16: 1.0e-300"), "device.peak_flops.bf16: expected a number of at least 1, got 1.0e-300"),
         (("bf16: 3.12e+14", "bf16: 1.0e+300"), "device.peak_flops.bf16: expected a number up to 1e+21, got 1.0e+300"),
         (
-            ("matmul_efficiency: 0.7", "matmul_efficiency: 0.0"),
+            ("matmul_efficiency: 0.73", "matmul_efficiency: 0.0"),
             "matmul_efficiency: expected a number of at least 0.001",
         ),
         (("latency_s: 5.0e-06", "latency_s: -1.0"), "intra_node.latency_s: expected a non-negative number, got -1.0"),
@@ -101,7 +101,7 @@ def test_unknown_cluster_key_rejected(tmp_path):
             "gpus_per_node: expected a positive integer up to 1,024, got 4096",
         ),
         (
-            ("matmul_efficiency: 0.7", "matmul_efficiency: true"),
+            ("matmul_efficiency: 0.73", "matmul_efficiency: true"),
             "device.matmul_efficiency: expected a number, got true",
         ),
     ],
@@ -135,3 +135,46 @@ def test_presets_fit_the_bounds_at_the_largest_size():
 
     spec = hp.ClusterSpec.preset("h200", num_nodes=limits.MAX_DEVICES // 8)
     assert spec.num_gpus == limits.MAX_DEVICES
+
+
+def test_a_cluster_file_without_curves_loads_with_none(tmp_path):
+    # Written before curves existed: no matmul_curve, attention_curve or kernel_floor_s. It loads, and every matmul
+    # stays at matmul_efficiency (Note [matmul curve]).
+    text = hp.ClusterSpec.preset("a100-80g").to_yaml()
+    lines, skip = [], False
+    for line in text.splitlines():
+        if line.startswith(("  matmul_curve:", "  attention_curve:")):
+            skip = True
+            continue
+        if skip and line.startswith("    "):
+            continue
+        skip = False
+        if not line.startswith("  kernel_floor_s:"):
+            lines.append(line)
+    path = tmp_path / "old.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    device = hp.ClusterSpec.load(path).device
+    assert device.matmul_curve is None and device.attention_curve is None and device.kernel_floor_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (("half_k: 63.0", "half_k: lots"), "device.matmul_curve.half_k: expected a non-negative number, got 'lots'"),
+        (("half_k: 63.0", "half_k: -1.0"), "device.matmul_curve.half_k: expected a non-negative number, got -1.0"),
+        (("    half_k: 63.0\n", ""), "device.matmul_curve.half_k: missing"),
+        (
+            ("    half_k: 63.0\n", "    half_k: 63.0\n    half_n: 1.0\n"),
+            "device.matmul_curve.half_n: unknown key 'half_n'",
+        ),
+    ],
+)
+def test_a_malformed_curve_is_one_line_naming_the_field(tmp_path, edit, expected):
+    text = hp.ClusterSpec.preset("a100-80g").to_yaml()
+    assert edit[0] in text, edit[0]
+    path = tmp_path / "c.yaml"
+    path.write_text(text.replace(edit[0], edit[1], 1))
+    with pytest.raises(ConfigError) as info:
+        hp.ClusterSpec.load(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{path}: ") and expected in message, message

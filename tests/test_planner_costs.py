@@ -371,3 +371,81 @@ def test_powersgd_on_gloo_is_charged_its_measured_in_step_cost():
     assert costs.compression_compute_s("bf16", 1e6, 0, 0, device, serial=True) == pytest.approx(
         16e6 / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency) + 3 * device.op_overhead_s
     )
+
+
+# ---- shape-dependent efficiency (Note [matmul curve], Note [GEMM shapes]) ----------------------------------------
+
+
+def test_the_matmul_curve_is_monotone_relative_and_reaches_the_plateau():
+    curve = hp.ClusterSpec.preset("a100-80g").device.matmul_curve
+    squares = [curve.factor(n * n, n) for n in (64, 256, 1024, 4096, 16384, 65536)]
+    assert all(0 < a < b <= 1 for a, b in zip(squares, squares[1:]))  # bigger GEMMs are nearer the plateau
+    assert squares[-1] > 0.99  # the plateau is matmul_efficiency itself
+    assert curve.factor(8192 * 8192, 64) < curve.factor(8192 * 8192, 8192)  # a short reduction is slower per FLOP
+    assert curve.factor(64 * 8192, 8192) < curve.factor(8192 * 8192, 8192)  # so are few rows
+    assert costs.curve_factor(None, 1.0, 1.0) == 1.0  # no curve: every product at the plateau
+
+
+def _linear_times(device_update: dict, tp: int = 1, micro_batch: int = 1, style: str = "qkv"):
+    """(forward, backward) seconds of gpt-1.3b's first attention projection on an a100-80g under ``device_update``."""
+    from hyparallel.planner.profile import _op_times
+
+    model = hp.models.build("gpt-1.3b")
+    graph = hp.trace(model, model.example_inputs(1, 2048))
+    cluster = hp.ClusterSpec.preset("a100-80g")
+    device = cluster.device.model_copy(update={"op_overhead_s": 0.0, "kernel_floor_s": 0.0, **device_update})
+    profile = ModelProfile(graph, cluster, "bf16", 2048)
+    op = next(op for raw in profile.raw for op in raw.ops if op.kind == "linear")  # layers.0.attn.qkv: column
+    return op, _op_times(op, tp, False, micro_batch, device.peak_flops.bf16, device, serial=False)
+
+
+def test_scaling_the_plateau_scales_every_matmul():
+    # The online calibration fits matmul_efficiency: halving it must double a compute-bound product's time.
+    _, (forward, backward) = _linear_times({})
+    _, (forward_half, backward_half) = _linear_times({"matmul_efficiency": 0.365})
+    assert forward_half == pytest.approx(2 * forward) and backward_half == pytest.approx(2 * backward)
+
+
+def test_without_a_curve_a_product_costs_its_flops_at_the_plateau():
+    op, (forward, backward) = _linear_times({"matmul_curve": None})
+    device = hp.ClusterSpec.preset("a100-80g").device
+    assert forward == pytest.approx(op.flops / (device.peak_flops.bf16 * device.matmul_efficiency))
+    assert backward == pytest.approx(2 * forward)  # the two backward products, each at the plateau
+
+
+def test_gemm_shapes_follow_the_tensor_parallel_split():
+    from hyparallel.planner.profile import _rank_gemm
+
+    op, _ = _linear_times({})
+    assert op.style == "column" and op.gemm == (1.0, 2048.0, 3 * 2048.0, 2048.0)  # M tokens, N = 3h, K = h
+    assert _rank_gemm(op, 4, 2) == (1.0, 4096.0, 1536.0, 2048.0)  # 2 sequences' tokens, N split by tp
+    # A smaller split GEMM is slower per FLOP: 4 tp ranks take more than a quarter of the time each.
+    _, (forward_1, _) = _linear_times({}, tp=1)
+    _, (forward_4, _) = _linear_times({}, tp=4)
+    assert forward_4 > forward_1 / 4
+
+
+def test_backward_products_are_costed_by_their_own_shapes():
+    # Few rows (M = 64 tokens) under a large weight: the forward and the input gradient have M x N or M x K outputs,
+    # too few to fill the device; the weight gradient has K x N outputs, reduced over the 64 tokens.
+    curve = hp.ClusterSpec.preset("a100-80g").device.matmul_curve
+    forward = costs.gemm_efficiency(0.7, curve, 1, 64, 8192, 8192)
+    input_grad, weight_grad = costs.gemm_backward_efficiencies(0.7, curve, 1, 64, 8192, 8192)
+    assert input_grad == pytest.approx(costs.gemm_efficiency(0.7, curve, 1, 64, 8192, 8192))  # M x K over N
+    assert weight_grad == pytest.approx(costs.gemm_efficiency(0.7, curve, 1, 8192, 8192, 64))  # K x N over M
+    assert forward < weight_grad < 0.7
+
+
+def test_a_kernel_takes_at_least_the_floor():
+    assert costs.kernel_s(1e-7, 2e-6) == 2e-6 and costs.kernel_s(1e-3, 2e-6) == 1e-3
+    # A tiny op on a GPU without host overhead costs the device's floor.
+    model = hp.models.build("gpt-tiny")
+    graph = hp.trace(model, model.example_inputs(1, 16))
+    cluster = hp.ClusterSpec.preset("a100-80g")
+    cluster = cluster.model_copy(
+        update={"device": cluster.device.model_copy(update={"op_overhead_s": 0.0, "kernel_floor_s": 1e-3})}
+    )
+    profile = ModelProfile(graph, cluster, "bf16", 16)
+    kernels = sum(1 for raw in profile.raw for op in raw.ops if op.kind != "view")
+    forward = sum(s.forward_s for s in profile.segment_costs(1, False, 1, "none", cluster.intra_node))
+    assert forward == pytest.approx(kernels * 1e-3, rel=1e-6)

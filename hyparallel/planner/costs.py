@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from hyparallel.cluster import DeviceSpec, LinkSpec
+from hyparallel.cluster import DeviceSpec, LinkSpec, MatmulCurve
 from hyparallel.schema import Dtype, GradCompression, Schedule
 
 Bytes = float | np.ndarray
@@ -84,6 +84,34 @@ def roofline_s(
     compute_s = flops / (peak_flops * flop_efficiency) if flops else 0.0
     memory_s = num_bytes / (memory_bandwidth_bytes_per_s * memory_efficiency) if num_bytes else 0.0
     return max(compute_s, memory_s)
+
+
+def curve_factor(curve: MatmulCurve | None, output_elements: float, k: float) -> float:
+    """A product's efficiency relative to the plateau by its shape (Note [matmul curve] in cluster.py); 1 without
+    a curve."""
+    return 1.0 if curve is None else curve.factor(output_elements, k)
+
+
+def gemm_efficiency(plateau: float, curve: MatmulCurve | None, batch: float, m: float, n: float, k: float) -> float:
+    """The fraction of peak a ``batch`` x (``m`` x ``k``) @ (``k`` x ``n``) product reaches: the plateau times the
+    curve's factor for its ``batch * m * n`` outputs reduced over ``k``."""
+    return plateau * curve_factor(curve, batch * m * n, k)
+
+
+def gemm_backward_efficiencies(
+    plateau: float, curve: MatmulCurve | None, batch: float, m: float, n: float, k: float
+) -> tuple[float, float]:
+    """Efficiencies of the two backward products of C = A @ B (A: m x k, B: k x n), each by its own shape:
+    dA = dC @ B^T (m x k outputs reduced over n) and dB = A^T @ dC (k x n outputs reduced over m)."""
+    return (
+        gemm_efficiency(plateau, curve, batch, m, k, n),
+        gemm_efficiency(plateau, curve, batch, k, n, m),
+    )
+
+
+def kernel_s(work_s: float, kernel_floor_s: float) -> float:
+    """One kernel's device time: its roofline, at least the device's per-kernel floor (launch and teardown)."""
+    return max(work_s, kernel_floor_s)
 
 
 # Note [op overhead]

@@ -77,6 +77,10 @@ class _OpCost:
     weight_bytes: float
     style: str  # column | row | vocab | replicate | split (inside a column->row region) | full
     quadratic: bool  # its output has two sequence-length dims (attention scores): selective recomputation redoes it
+    # A product's shape for one sequence, unsplit: (batch, M, N, K) of batch x (M x K) @ (K x N) (Note [GEMM shapes]);
+    # () when it is not a product or its shape cannot be read (then its efficiency is the plateau).
+    gemm: tuple[float, float, float, float] = ()
+    tokens_in_m: bool = False  # a Linear: a micro-batch's sequences multiply M (its tokens), else the batch
 
 
 @dataclass(frozen=True)
@@ -273,9 +277,9 @@ class ModelProfile:
         serial = self.cluster.backend == "gloo"  # gloo clusters are CPU processes: Note [op overhead] in costs.py
         forward = backward = quadratic_forward = 0.0
         for op in raw.ops:
-            t = _op_time(op, tp, sp, b, peak, device, serial)
+            t, t_backward = _op_times(op, tp, sp, b, peak, device, serial)
             forward += t
-            backward += t * _BACKWARD_RATIO.get(op.kind, 2.0)
+            backward += t_backward
             quadratic_forward += t if op.quadratic else 0.0
         comm_fwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_fwd)
         comm_bwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_bwd)
@@ -369,6 +373,7 @@ class ModelProfile:
             else 0
         )
         kind = "copy" if op.kind == "view" and op.target in _COPYING_VIEWS else op.kind  # other views alias: free
+        gemm = _gemm_shape(op, rows) if kind in _MATMUL_KINDS else ()
         return _OpCost(
             kind=kind,
             flops=op.flops / rows,
@@ -377,6 +382,8 @@ class ModelProfile:
             weight_bytes=weight,
             style=style,
             quadratic=op.name in self.quadratic,
+            gemm=gemm,
+            tokens_in_m=kind == "linear" and bool(gemm),
         )
 
     def _quadratic_ops(self) -> set[str]:
@@ -483,10 +490,59 @@ def dispatched_ops(graph: ModelGraph) -> list[Op]:
     return [op for op in graph.compute_ops() if op.kind != "view" or op.target in _COPYING_VIEWS]
 
 
-def _op_time(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, serial: bool) -> float:
-    """Forward seconds of one op for a micro-batch of ``b`` on one tensor-parallel rank (``serial``: a CPU)."""
+# Note [GEMM shapes]
+#     A product's efficiency depends on its shape (Note [matmul curve] in cluster.py), read from the traced op:
+#     a Linear of input (..., K) and output (..., N) is one GEMM with M = its tokens (every leading dim: a
+#     micro-batch of b sequences has b times the tokens of one); a matmul of (..., M, K) @ (..., K, N) is a batch
+#     of GEMMs, the leading dims (b times one sequence's) the batch; fused attention of q (..., Tq, D) and k
+#     (..., Tk, D) has Tq x D outputs per batch and head, reduced over the Tk keys. Each tensor-parallel rank runs
+#     its share: a column or vocab split divides N, a row split K, a split inside a column->row region (heads)
+#     the batch; sequence parallelism shards the ops between them, not the products' shapes. The backward of
+#     C = A @ B runs two products, each costed by its own shape (costs.gemm_backward_efficiencies): dA = dC @ B^T
+#     (M x K outputs over N) and dB = A^T @ dC (K x N over M, a Linear's weight gradient reduced over the tokens).
+
+
+def _gemm_shape(op: Op, rows: int) -> tuple[float, float, float, float]:
+    """(batch, M, N, K) of one sequence's product (Note [GEMM shapes]); () when the shapes do not read as one."""
+    inputs, outputs = op.input_shapes, op.output_shapes
+    if not inputs or not outputs or not inputs[0] or not outputs[0]:
+        return ()
+    if op.kind == "linear":
+        k, n = inputs[0][-1], outputs[0][-1]
+        return (1.0, _numel(inputs[0]) / k / rows, float(n), float(k)) if k and n else ()
+    if op.kind == "attention":
+        if len(inputs) < 2 or len(inputs[0]) < 2 or len(inputs[1]) < 2:
+            return ()
+        query_rows, head_dim, keys = inputs[0][-2], inputs[0][-1], inputs[1][-2]
+        batch = _numel(inputs[0][:-2]) / rows
+        return (batch, float(query_rows), float(head_dim), float(keys))
+    if len(inputs) < 2 or len(inputs[0]) < 2 or len(inputs[1]) < 2:  # a matrix-vector product: the plateau
+        return ()
+    m, k, n = inputs[0][-2], inputs[0][-1], inputs[1][-1]
+    return (_numel(outputs[0][:-2]) / rows, float(m), float(n), float(k))
+
+
+def _rank_gemm(op: _OpCost, tp: int, b: int) -> tuple[float, float, float, float]:
+    """(batch, M, N, K) of a micro-batch of ``b`` sequences on one tensor-parallel rank (Note [GEMM shapes])."""
+    batch, m, n, k = op.gemm
+    if op.tokens_in_m:
+        m *= b
+    else:
+        batch *= b
+    if op.style in ("column", "vocab"):
+        n /= tp
+    elif op.style == "row":
+        k /= tp
+    elif op.style == "split":
+        batch /= tp
+    return batch, m, n, k
+
+
+def _op_times(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, serial: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of one op for a micro-batch of ``b`` on one tensor-parallel rank (``serial``: a
+    CPU), dispatch included (Note [op overhead] in costs.py)."""
     if op.kind == "view":  # aliases its input: no kernel runs
-        return 0.0
+        return 0.0, 0.0
     flops, weight = op.flops * b, op.weight_bytes
     in_bytes, out_bytes = op.in_bytes * b, op.out_bytes * b
     if op.style == "column" or op.style == "vocab":
@@ -497,18 +553,30 @@ def _op_time(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, serial
         flops, in_bytes, out_bytes = flops / tp, in_bytes / tp, out_bytes / tp
     elif sp and op.style == "full":  # sequence parallelism shards norms, dropout and residuals along the sequence
         in_bytes, out_bytes = in_bytes / tp, out_bytes / tp
-    if op.kind in _MATMUL_KINDS:
-        efficiency = device.attention_efficiency if op.kind == "attention" else device.matmul_efficiency
-        work_s = costs.roofline_s(
-            flops,
-            in_bytes + out_bytes + weight,
-            peak,
-            efficiency,
-            device.memory_bandwidth_bytes_per_s,
-            device.memory_efficiency,
-        )
-    else:
-        work_s = costs.roofline_s(
-            0.0, in_bytes + out_bytes, peak, 1.0, device.memory_bandwidth_bytes_per_s, device.memory_efficiency
-        )
-    return costs.dispatched_s(work_s, device.op_overhead_s, serial)
+    bandwidth, memory_efficiency = device.memory_bandwidth_bytes_per_s, device.memory_efficiency
+    overhead, floor = device.op_overhead_s, device.kernel_floor_s
+
+    def kernel(kernel_flops: float, num_bytes: float, efficiency: float) -> float:
+        work_s = costs.roofline_s(kernel_flops, num_bytes, peak, efficiency, bandwidth, memory_efficiency)
+        return costs.dispatched_s(costs.kernel_s(work_s, floor), overhead, serial)
+
+    ratio = _BACKWARD_RATIO.get(op.kind, 2.0)
+    if op.kind not in _MATMUL_KINDS:
+        forward = kernel(0.0, in_bytes + out_bytes, 1.0)
+        return forward, forward * ratio
+    num_bytes = in_bytes + out_bytes + weight
+    shape = _rank_gemm(op, tp, b) if op.gemm else None
+    if op.kind == "attention":
+        efficiency = device.attention_efficiency
+        if shape is not None:
+            batch, query_rows, head_dim, keys = shape
+            efficiency *= costs.curve_factor(device.attention_curve, batch * query_rows * head_dim, keys)
+        forward = kernel(flops, num_bytes, efficiency)
+        return forward, forward * ratio
+    if shape is None:
+        forward = kernel(flops, num_bytes, device.matmul_efficiency)
+        return forward, forward * ratio
+    plateau, curve = device.matmul_efficiency, device.matmul_curve
+    forward = kernel(flops, num_bytes, costs.gemm_efficiency(plateau, curve, *shape))
+    input_grad, weight_grad = costs.gemm_backward_efficiencies(plateau, curve, *shape)
+    return forward, kernel(flops, num_bytes, input_grad) + kernel(flops, num_bytes, weight_grad)
