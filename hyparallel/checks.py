@@ -14,6 +14,7 @@ their own callers, so a rule is written once.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -127,8 +128,9 @@ def expand_styles(paths: Collection[str], tensor_parallel: dict[str, TPStyle], m
     names each block's ``output.dense``, not also its ``attention.output.dense``.
     """
     styles: dict[str, TPStyle] = {}
+    key = tuple(paths) if not isinstance(paths, tuple) else paths
     for pattern, style in tensor_parallel.items():
-        matched = [p for p in paths if path_matches(p, pattern)]
+        matched = _matching(key, pattern)
         if not matched:
             raise ConfigError(
                 f"tensor_parallel: '{pattern}' matches no module of {model_name}; "
@@ -137,6 +139,15 @@ def expand_styles(paths: Collection[str], tensor_parallel: dict[str, TPStyle], m
         for path in matched:
             styles[path] = style
     return styles
+
+
+@functools.lru_cache(maxsize=256)
+def _matching(paths: tuple[str, ...], pattern: str) -> tuple[str, ...]:
+    """The paths ``pattern`` names, in order (kept: the planner checks the same map for every plan it writes)."""
+    same_depth = [p for p in paths if p.count(".") == pattern.count(".")]  # `*` never spans a dot
+    if any(c in pattern for c in "*?["):
+        return tuple(p for p in same_depth if path_matches(p, pattern))
+    return tuple(p for p in same_depth if p == pattern)
 
 
 def check_styles(graph: ModelGraph, tensor_parallel: dict[str, TPStyle]) -> dict[str, TPStyle]:
@@ -238,6 +249,7 @@ def assign_stages(
     runs nothing.
     """
 
+    @functools.cache  # one answer per module: a block's ops share a few owners
     def listed_path(path: str) -> str | None:
         parts = path.split(".") if path else []
         return next((p for end in range(len(parts), 0, -1) if (p := ".".join(parts[:end])) in listed), None)

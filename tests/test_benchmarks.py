@@ -106,6 +106,22 @@ def test_figures_are_rendered_with_peer_ratio_and_targets():
     assert "(12 s here)" in text and "hyparallel / peer < 1 means hyparallel is faster" in text
 
 
+def test_the_whole_command_is_rendered_against_its_target():
+    command = {"group": "command", "model": "gpt-175b", "gpus": 1024, "global_batch": 1536, "runs": 3,
+               "command": "hyparallel plan --model gpt-175b --gpus 1024", "wall_s": 3.6, "cpu_s": 2.9,
+               "wall_runs": [3.5, 3.6, 4.0], "cpu_runs": [2.8, 2.9, 3.0], "target_s": 3.0}  # fmt: skip
+    outcome = run_all.Outcome("planner_speed", "python benchmarks/planner_speed.py --json FILE", "ok", 12,
+                              {**PLANNER, "commands": [command, {**command, "model": "gpt-1t", "wall_s": 4.5,
+                                                                 "target_s": 5.0}]})  # fmt: skip
+    summary, lines = run_all.render_planner(outcome)
+    assert summary.endswith("gpt-175b command 3.60 s / 3 s (MISSED); gpt-1t command 4.50 s / 5 s (met)")
+    text = "\n".join(lines)
+    assert "| `hyparallel plan --model gpt-175b --gpus 1024` | 3 | 3.60 | 2.90 | 3 | 1.20 (MISSED) |" in text
+    assert "| 3 | 4.50 | 2.90 | 5 | 0.90 (met) |" in text
+    assert "commands" not in PLANNER and "whole command" not in "\n".join(run_all.render_planner(
+        run_all.Outcome("planner_speed", "python benchmarks/planner_speed.py", "ok", 12, PLANNER))[1])  # fmt: skip
+
+
 def test_failed_benchmark_shows_its_failure_and_stderr():
     failure = "exit 1 after 3 s; end of stderr:\nTraceback (most recent call last):\nRuntimeError: gloo boom"
     text = markdown(
@@ -203,13 +219,14 @@ def test_quick_planner_run_writes_results(tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=400,  # the quick search cases and one run of each whole `hyparallel plan` command
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert "- CPU: " in text and "- Python " in text and "hyparallel at git commit " in text
     assert "## Planner search time (`planner_speed`)" in text and "| target | gpt-175b | 96 | 1,024 | 1,536 |" in text
+    assert "| `hyparallel plan --model gpt-175b --cluster a100-80g --gpus 1024 --global-batch 1536" in text
     assert "Run with `--only planner_speed`: the other benchmarks were not run." in text
 
 

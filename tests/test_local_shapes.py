@@ -83,3 +83,23 @@ def hand_plan(graph) -> hp.Plan:
             "tensor_parallel": {"model.layers.*.mlp.gate_up_proj": "column", "model.layers.*.mlp.down_proj": "row"},
         }
     )
+
+
+def test_the_unsplit_model_runs_once_for_every_degree(monkeypatch):
+    from hyparallel.graph import local_shapes
+
+    model = hp.models.load("tests.tiny_lms:config_split_lm").module
+    example = hp.models.example_inputs(model, 1, 16)
+    graph = hp.trace(model, example)
+    runs: list[str] = []
+    original = local_shapes.first_failure
+
+    def counted(module, inputs, method):
+        runs.append(method)
+        return original(module, inputs, method)
+
+    monkeypatch.setattr(local_shapes, "first_failure", counted)
+    reasons = local_shapes.replicate_what_fails(model, graph, [2, 4], example)
+    assert reasons  # its attention fails at one rank's sizes, and is replicated
+    # the unsplit run once, then per degree one rank's sizes until the rest runs: never the unsplit run again
+    assert len(runs) == 1 + len(reasons) + 2

@@ -57,12 +57,17 @@ def replicate_what_fails(
     """Replicate (``graph.replicate``) the split modules that cannot run at one rank's sizes under any of
     ``degrees`` (Note [the planner replicates what fails at one rank's sizes]); returns the reasons."""
     reasons: list[str] = []
+    unsplit: list[str | None] = []  # how the unsplit model runs: one answer for every degree and round
     for tp in sorted(d for d in set(degrees) if d > 1):
         if graph.structure.check(tp, graph):
             continue  # a degree that does not divide the heads or widths is refused as such, not worked around
         for _ in range(rounds):
             styles = {graph.op(n).module: s for n, s in graph.structure.styles.items() if graph.op(n).module}
-            failure = local_shape_failure(model, graph, styles, tp, example_inputs)
+            if not unsplit and any(style in ("column", "row") for style in styles.values()):
+                unsplit.append(dry_run_method(model, graph, example_inputs))
+            if unsplit == [None]:
+                return reasons  # the unsplit model runs on meta neither way: no split of it can be judged
+            failure = local_shape_failure(model, graph, styles, tp, example_inputs, unsplit[0] if unsplit else None)
             if failure is None:
                 break
             ops = _split_within(graph, failure[0])
@@ -92,20 +97,35 @@ def _split_within(graph: ModelGraph, where: str) -> list[str]:
         owner = owner.rpartition(".")[0]
 
 
-def local_shape_failure(
-    model: nn.Module, graph: ModelGraph, styles: dict[str, str], tp: int, example_inputs: Any
-) -> tuple[str, str] | None:
-    """(module path, one-line reason) of the first split module that cannot run at one rank's sizes (Note [one
-    rank's sizes, run on meta]); None when every split runs, or when the unsplit model does not run on meta."""
-    if tp == 1 or not any(style in ("column", "row") for style in styles.values()):
-        return None
-    method = graph.method
-    if method == "fx" and first_failure(meta_copy(model), example_inputs, "fx") is not None:
+def dry_run_method(model: nn.Module, graph: ModelGraph, example_inputs: Any) -> str | None:
+    """How the unsplit ``model`` runs on meta at the shapes of ``example_inputs``: "fx" (eagerly), "export", or
+    None when it runs neither way (then no split of it can be judged). It does not depend on the splits, so a
+    caller judging several degrees or styles asks once (Note [one rank's sizes, run on meta])."""
+    if graph.method == "fx" and first_failure(meta_copy(model), example_inputs, "fx") is not None:
         # Eager on meta the unsplit model fails (data-dependent checks, such as Hugging Face's masks): judge both
         # exported instead, which takes them; when even the unsplit export fails, there is nothing to compare with.
-        method = "export"
         if first_failure(meta_copy(model), example_inputs, "export") is not None:
             return None
+        return "export"
+    return graph.method
+
+
+def local_shape_failure(
+    model: nn.Module,
+    graph: ModelGraph,
+    styles: dict[str, str],
+    tp: int,
+    example_inputs: Any,
+    method: str | None = None,
+) -> tuple[str, str] | None:
+    """(module path, one-line reason) of the first split module that cannot run at one rank's sizes (Note [one
+    rank's sizes, run on meta]); None when every split runs, or when the unsplit model does not run on meta.
+    ``method``: :func:`dry_run_method`'s answer when the caller has it already (it is asked otherwise)."""
+    if tp == 1 or not any(style in ("column", "row") for style in styles.values()):
+        return None
+    method = method or dry_run_method(model, graph, example_inputs)
+    if method is None:
+        return None
     local = local_shapes_copy(model, graph, styles, tp)
     failure = first_failure(local, example_inputs, method)
     if failure is None:

@@ -334,6 +334,12 @@ class ModelGraph:
 
     def segments(self) -> tuple[Segment, ...]:
         """The ops between consecutive cut points, with their summed costs, in execution order."""
+        return self._segments
+
+    @cached_property
+    def _segments(self) -> tuple[Segment, ...]:
+        # Computed once: the ops, blocks and cut points are fixed when the graph is built, and the planner asks for
+        # every plan it writes (Note [the runtime's checks]).
         cut_after = {cut.position: cut for cut in self.cut_points}
         block_paths = {block.path for block in self.blocks}
         segments, current = [], []

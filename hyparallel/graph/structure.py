@@ -21,6 +21,7 @@ same way (fused or separate QKV, grouped-query attention, SwiGLU, transformers' 
 from __future__ import annotations
 
 import math
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -44,6 +45,8 @@ class TPAnalysis:
     vocab_embedding: str | None = None
     parts: dict[str, list[int]] = field(default_factory=dict)  # fused column outputs: sizes of [q | k | v] etc.
     unsplittable: dict[str, str] = field(default_factory=dict)  # op -> why it stays replicated whatever the plan
+    # question -> (a weak reference to the graph asked about, the answer): answers kept, see whole_sequence
+    _answers: dict[str, tuple] = field(default_factory=dict, compare=False, repr=False)
 
     def nothing_split(self, tp: int, graph: ModelGraph) -> str | None:
         """Why ``tp`` > 1 is no plan for a model none of whose ops tensor parallelism splits (None: some split).
@@ -64,7 +67,15 @@ class TPAnalysis:
         only the split regions gather it whole: every other op of a block on the token stream must compute each
         token from that token alone (Note [what acts on each token on its own]). Attention left replicated (its
         projections not split, Note [fused layouts read from the graph]) would attend within its rank's part only.
+        The answer is kept: this analysis and its graph do not change (``ModelGraph.replicate`` makes a new one),
+        and the planner asks for every plan it writes.
         """
+        known = self._answers.get("whole_sequence")
+        if known is None or known[0]() is not graph:  # a weak reference: the graph holds this analysis
+            known = self._answers["whole_sequence"] = (weakref.ref(graph), self._whole_sequence(graph))
+        return known[1]
+
+    def _whole_sequence(self, graph: ModelGraph) -> str | None:
         for name, style in self.styles.items():  # the sequence is gathered along dim 1 of (batch, seq, hidden)
             shapes = graph.op(name).input_shapes
             if style == "column" and shapes and len(shapes[0]) != 3:

@@ -39,6 +39,7 @@ from hyparallel.graph.kinds import (
     writes_in_place,
 )
 from hyparallel.graph.model_graph import Block, ModelGraph, Op, Value
+from hyparallel.graph.repeats import repeated_blocks_once
 from hyparallel.graph.trace_errors import Failure, explain, remember_source
 
 Method = Literal["auto", "fx", "export"]
@@ -207,7 +208,8 @@ def first_failure(model: nn.Module, example_inputs: Any, method: str) -> tuple[s
     """
     args, kwargs = split_inputs(example_inputs)
     args, kwargs = tree_map(to_meta, (args, kwargs))
-    with ModuleStack(model) as calls, kept_torch_state():
+    repeats = repeated_blocks_once(model) if method != "export" else contextlib.nullcontext()
+    with repeats, ModuleStack(model) as calls, kept_torch_state():  # Note [a repeated block runs once on meta]
         try:
             if method == "export":
                 _exported(model, args, kwargs, None)
