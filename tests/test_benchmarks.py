@@ -230,3 +230,86 @@ def test_the_recovery_section_shows_both_saves_and_every_restart():
     text = "\n".join(lines)
     assert "| memory | 1.000 | **0.25** |" in text and "800 MiB" in text
     assert "| dlrover-run | memory, every 1 | 7.0 | memory | 0 |" in text
+
+
+def _load_published():
+    spec = importlib.util.spec_from_file_location("benchmarks_published", REPO / "benchmarks" / "published.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+CONFIG_FIELDS = (
+    "source", "url", "config_source", "layers", "hidden", "heads", "vocab", "seq_len", "ffn", "tp", "pp", "dp", "gpus",
+    "micro_batch", "global_batch", "schedule", "virtual_stages", "recompute", "sequence_parallel", "precision", "gpu",
+    "preset", "measured_s", "predicted_s", "error",
+)  # fmt: skip
+
+
+def test_quick_published_run_records_every_configuration_and_its_error(tmp_path):
+    out = tmp_path / "published.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/published.py", "--quick", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    published = _load_published()
+    assert [r["id"] for r in figures["rows"]] == list(published.QUICK)
+    for r in figures["rows"]:
+        assert all(r[name] is not None for name in CONFIG_FIELDS), r
+        assert r["tp"] * r["pp"] * r["dp"] == r["gpus"] and r["ffn"] == 4 * r["hidden"]
+        assert r["error"] == r["predicted_s"] / r["measured_s"] - 1 and r["predicted_s"] > 0
+        if r["published_s"] is None:  # converted from TFLOP/s per GPU with Narayanan et al.'s eq. 3
+            b, s, layers, h, v = r["global_batch"], r["seq_len"], r["layers"], r["hidden"], r["vocab"]
+            flops = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
+            assert abs(r["measured_s"] * r["measured_tflops_per_gpu"] * 1e12 * r["gpus"] / flops - 1) < 1e-9
+        else:
+            assert r["measured_s"] == r["published_s"]
+    narayanan = figures["rows"][0]  # 1.7B: 1.52e16 FLOPs per iteration at 137 TFLOP/s on 32 GPUs
+    assert narayanan["measured_tflops_per_gpu"] == 137 and abs(narayanan["measured_s"] - 3.528) < 0.01
+    errors = sorted(abs(r["error"]) for r in figures["rows"])
+    assert figures["summary"]["median_abs_error"] == errors[1] and figures["summary"]["max_abs_error"] == errors[-1]
+    assert figures["left_out"] and all(item["source"] and item["reason"] for item in figures["left_out"])
+    assert "median |error|" in proc.stdout and "Left out:" in proc.stdout and "Targets (issue 19):" in proc.stdout
+
+
+def test_a_configuration_the_planner_says_does_not_fit_is_still_timed_and_flagged():
+    published = _load_published()
+    base = published.ROWS[0]
+    import dataclasses
+
+    row = dataclasses.replace(base, id="too-big", layers=2, hidden=16384, heads=128, tp=1, pp=1, dp=1, global_batch=1,
+                              micro_batch=1)  # fmt: skip
+    records, refused = published.evaluate([row])
+    assert not refused and records[0]["planner_oom"]
+    assert records[0]["memory_gib"] > records[0]["usable_gib"] and 0 < records[0]["predicted_s"] < float("inf")
+
+
+def test_the_published_section_shows_each_row_the_summary_and_what_was_left_out():
+    row = {
+        "id": "narayanan-1.7b", "source": "Narayanan et al. 2021 (arXiv 2104.04473), Table 1",
+        "config": "tp 1 pp 1 dp 32, mb 16 x 1, 1f1b, recompute full", "gpus": 32, "measured_s": 3.528,
+        "published_s": None, "measured_tflops_per_gpu": 137, "predicted_s": 2.62, "error": -0.257,
+        "memory_gib": 47.0, "usable_gib": 77.0, "planner_oom": False,
+    }  # fmt: skip
+    oom = {**row, "id": "x", "published_s": 1.0, "measured_s": 1.0, "predicted_s": 1.1, "error": 0.1,
+           "memory_gib": 90.0, "planner_oom": True}  # fmt: skip
+    stats = {"rows": 2, "median_abs_error": 0.179, "max_abs_error": 0.257, "mean_signed_error": -0.0785, "over": 1,
+             "under": 1, "targets": {"median_abs_error <= 5%": False, "max_abs_error <= 15%": False,
+                                     "errors of both signs": True}}  # fmt: skip
+    figures = {"rows": [row, oom], "left_out": [{"source": "MT-NLG", "reason": "not verified"}], "summary": stats}
+    outcome = run_all.Outcome("published", "python benchmarks/published.py --json FILE", "ok", 20, figures)
+    summary, lines = run_all.render_published(outcome)
+    assert summary.startswith("2 rows: median abs error 17.9%, max 25.7%, 1 over / 1 under") and "MISSED" in summary
+    assert "|" not in summary  # it sits in RESULTS.md's summary table
+    text = "\n".join(lines)
+    assert "| narayanan-1.7b | Narayanan et al. 2021 (arXiv 2104.04473), Table 1 |" in text
+    assert "| 32 | 3.53 (137 TF) | 2.62 | **-25.7%** | 47.0 |" in text
+    assert "| 1.00 | 1.10 | **+10.0%** | 90.0 > 77: planner says OOM |" in text
+    assert "errors of both signs: met" in text and "- MT-NLG: not verified." in text
