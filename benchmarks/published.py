@@ -50,7 +50,8 @@ Note [where the zoo GPT differs from Megatron's]
     all-reduced in fp32 in DDP buckets overlapped with the last backward (Megatron 2021 all-reduces after the
     backward, in fp16 unless --accumulate-allreduce-grads-in-fp32), and, without interleaving, stage
     boundaries chosen by its min-max program where Megatron splits the layers evenly (no constraint expresses
-    fixed boundaries).
+    fixed boundaries; on the 39B and 1T rows its cut is the even split, the embedding with the first stage's
+    layers and the final norm and head with the last's, as each row's ``stages`` in --json shows).
 """
 
 from __future__ import annotations
