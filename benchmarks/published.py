@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import hyparallel as hp
+from hyparallel.cluster import preset_dir
 from hyparallel.errors import PlanError
 
 # The cost-model issue's targets (issue 19): median |error| at most 5%, the largest at most 15%, both signs seen.
@@ -289,10 +290,18 @@ def _unbounded(cluster: hp.ClusterSpec) -> hp.ClusterSpec:
     return cluster.model_copy(update={"device": device})
 
 
+def preset_file(name: str) -> Path:
+    """The preset YAML of the hyparallel tree imported: its checkout's configs/clusters/ when it runs from a source
+    tree (``PYTHONPATH=/path/to/checkout``, whose presets may differ from those of the installed package, which
+    ``ClusterSpec.preset`` reads), else the installed package's."""
+    checkout = Path(hp.__file__).resolve().parent.parent / "configs" / "clusters" / f"{name}.yaml"
+    return checkout if checkout.is_file() else Path(str(preset_dir() / f"{name}.yaml"))
+
+
 def predict(row: Row, graph) -> Prediction:
     """The planner's step time and memory for ``row``'s configuration, every decision fixed, on its stock preset."""
     per_node = min(row.gpus_per_node, row.gpus)  # a row on part of one node gets a node of that many GPUs
-    cluster = hp.ClusterSpec.preset(row.preset, num_nodes=row.gpus // per_node, gpus_per_node=per_node)
+    cluster = hp.ClusterSpec.load(preset_file(row.preset)).resized(row.gpus // per_node, per_node)
     fixed = dict(
         tp=row.tp,
         pp=row.pp,
@@ -361,6 +370,7 @@ def evaluate(rows: list[Row]) -> tuple[list[dict], list[dict]]:
             "measured_as": "iteration time" if row.measured_s is not None else "TFLOP/s per GPU (eq. 3)",
             "published_s": row.measured_s,
             "flops_per_iteration": narayanan_flops(row),
+            "preset_file": str(preset_file(row.preset)),
             **asdict(prediction),
             "error": prediction.predicted_s / measured - 1,
         }
@@ -446,6 +456,8 @@ def main() -> None:
     left_out = LEFT_OUT + refused
     stats = summary(records)
     print("\n".join(markdown(records, left_out, stats)))
+    presets = ", ".join(sorted({r["preset_file"] for r in records}))
+    print(f"\nPresets: {presets}; hyparallel from {Path(hp.__file__).parent}.")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": records, "left_out": left_out, "summary": stats}, indent=1))
 
