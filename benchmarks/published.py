@@ -36,6 +36,11 @@ Note [the published rows]
     (calculon-ai/calculon, calculon/llm/validation.py seqsel_tab5, validation/seqsel/tab5/*.json,
     models/*.json, commit caa4b11), so they are one step from the source (marked so in every row). The
     vocabulary (51,200) is not in those files: taken from the Megatron-LM README, the same codebase and group.
+    A primary check: Megatron-LM's README of May 2022 (commit 841f789) gives the model FLOPs utilization of the
+    same four sequence-parallel + selective runs (22B 41.5%, 175B 51.4%, 530B 56.0%, 1T 56.3%, "measured using
+    a data parallel size of one"); through the model-FLOP count (``model_flops``) at the A100's 312 TFLOP/s they
+    give back Calculon's four times within 0.4% (printed as the cross-check), which confirms those times, batch
+    sizes, GPU counts and the vocabulary. The full-recomputation times have no such second source.
 
 Note [where the zoo GPT differs from Megatron's]
     The rows are costed on hyparallel's zoo GPT (hyparallel/models/gpt.py) at the publication's shape:
@@ -74,6 +79,7 @@ TARGET_MAX = 0.15
 ORDER = ("pp", "dp", "tp")  # Megatron-LM's rank order: tp innermost, then dp, pp outermost
 SEQ_LEN = 2048
 VOCAB = 51200  # Megatron-LM README (April 2021): "All models use a vocabulary size of 51,200"
+A100_PEAK_FLOPS = 312e12  # A100 datasheet, dense fp16/bf16 Tensor Core: the peak behind the publications' MFU
 DROPOUT = 0.1  # Megatron-LM's default --hidden-dropout and --attention-dropout (megatron/arguments.py, 6985e58)
 
 NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1"
@@ -118,6 +124,7 @@ class Row:
     gpus_per_node: int = 8
     measured_s: float | None = None  # as published (iteration time)
     measured_tflops_per_gpu: float | None = None  # as published; converted with the paper's own FLOP count
+    readme_mfu: float | None = None  # Megatron-LM README (May 2022): model FLOPs utilization of this run
 
     @property
     def ffn(self) -> int:
@@ -171,7 +178,28 @@ def _narayanan(size, layers, hidden, heads, tp, pp, gpus, batch, micro, tflops, 
     )
 
 
-def _korthikanti(size, layers, hidden, heads, pp, gpus, batch, micro, v, full_s, selective_s) -> list[Row]:
+def model_flops(row: Row) -> float:
+    """Model FLOPs of one iteration, no recomputation counted (Narayanan eq. 3 with 3 passes, not 4: forward,
+    backward x 2): 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)); the count behind Korthikanti et al.'s MFU."""
+    b, s, layers, h, v = row.global_batch, row.seq_len, row.layers, row.hidden, row.vocab
+    return 72 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (12 * layers * h))
+
+
+def cross_checks(rows: list[Row]) -> list[dict]:
+    """Rows with a README MFU: the iteration time it implies (model FLOPs / (MFU x peak x GPUs)) against the one
+    used, an independent check of a transcription (Note [the published rows])."""
+    checks = []
+    for row in rows:
+        if row.readme_mfu is not None and row.measured_s is not None:
+            implied = model_flops(row) / (row.readme_mfu * A100_PEAK_FLOPS * row.gpus)
+            checks.append(
+                {"id": row.id, "readme_mfu": row.readme_mfu, "implied_s": implied, "used_s": row.measured_s,
+                 "difference": implied / row.measured_s - 1}
+            )  # fmt: skip
+    return checks
+
+
+def _korthikanti(size, layers, hidden, heads, pp, gpus, batch, micro, v, full_s, selective_s, mfu) -> list[Row]:
     common = dict(
         source=KORTHIKANTI,
         url=KORTHIKANTI_URL,
@@ -200,6 +228,7 @@ def _korthikanti(size, layers, hidden, heads, pp, gpus, batch, micro, v, full_s,
             recompute="selective",
             sequence_parallel=True,
             measured_s=selective_s,
+            readme_mfu=mfu,
             **common,
         ),
     ]
@@ -218,11 +247,12 @@ ROWS: list[Row] = [
     _narayanan("310B", 96, 16384, 128, 8, 16, 1920, 2160, 1, 155, v=2),  # 6 per stage, 3 per virtual stage
     _narayanan("530B", 105, 20480, 128, 8, 35, 2520, 2520, 1, 163, v=3),  # 3 per stage, 1 per virtual stage
     _narayanan("1T", 128, 25600, 160, 8, 64, 3072, 3072, 1, 163),
-    # Korthikanti: (size, layers, hidden, heads, pp, GPUs, batch, micro-batch, virtual stages, full s, SP+sel s).
-    *_korthikanti("22B", 48, 6144, 64, 1, 8, 4, 4, 1, 1.42, 1.10),
-    *_korthikanti("175B", 96, 12288, 96, 8, 64, 64, 1, 3, 18.13, 13.75),
-    *_korthikanti("530B", 105, 20480, 128, 35, 280, 280, 1, 3, 49.05, 37.83),
-    *_korthikanti("1T", 128, 25600, 160, 64, 512, 512, 1, 1, 94.42, 71.49),
+    # Korthikanti: (size, layers, hidden, heads, pp, GPUs, batch, micro-batch, virtual stages, full s, SP+sel s,
+    # the README's MFU of the SP + selective run).
+    *_korthikanti("22B", 48, 6144, 64, 1, 8, 4, 4, 1, 1.42, 1.10, 0.415),
+    *_korthikanti("175B", 96, 12288, 96, 8, 64, 64, 1, 3, 18.13, 13.75, 0.514),
+    *_korthikanti("530B", 105, 20480, 128, 35, 280, 280, 1, 3, 49.05, 37.83, 0.560),
+    *_korthikanti("1T", 128, 25600, 160, 64, 512, 512, 1, 1, 94.42, 71.49, 0.563),
 ]
 QUICK = ("narayanan-1.7b", "korthikanti-22b-full", "korthikanti-22b-sp-selective")
 
@@ -453,13 +483,21 @@ def main() -> None:
         parser.error(f"unknown row id(s) {', '.join(unknown)}; choose from {', '.join(r.id for r in ROWS)}")
     rows = [r for r in ROWS if wanted is None or r.id in wanted]
     records, refused = evaluate(rows)
+    checks = cross_checks(rows)
     left_out = LEFT_OUT + refused
     stats = summary(records)
     print("\n".join(markdown(records, left_out, stats)))
+    for check in checks:
+        print(
+            f"Cross-check {check['id']}: the README's MFU {check['readme_mfu']:.1%} implies "
+            f"{check['implied_s']:.2f} s, the row uses {check['used_s']:.2f} s ({check['difference']:+.1%})."
+        )
     presets = ", ".join(sorted({r["preset_file"] for r in records}))
     print(f"\nPresets: {presets}; hyparallel from {Path(hp.__file__).parent}.")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": records, "left_out": left_out, "summary": stats}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"rows": records, "left_out": left_out, "summary": stats, "cross_checks": checks}, indent=1)
+        )
 
 
 if __name__ == "__main__":

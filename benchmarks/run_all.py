@@ -352,6 +352,14 @@ def render_published(outcome: Outcome) -> tuple[str, list[str]]:
         "",
         *(f"- {item['source']}: {item['reason']}." for item in figures["left_out"]),
     ]
+    checks = figures.get("cross_checks", [])
+    if checks:
+        shown = ", ".join(f"{c['id']} {c['implied_s']:.2f} s vs {c['used_s']:.2f} s" for c in checks)
+        lines += [
+            "",
+            "Cross-check of the Korthikanti times against a primary source (the Megatron-LM README of May 2022: "
+            f"MFU of the same runs, through the model-FLOP count at 312 TFLOP/s): {shown}.",
+        ]
     return summary, lines
 
 

@@ -277,6 +277,13 @@ def test_quick_published_run_records_every_configuration_and_its_error(tmp_path)
     assert figures["summary"]["median_abs_error"] == errors[1] and figures["summary"]["max_abs_error"] == errors[-1]
     assert figures["left_out"] and all(item["source"] and item["reason"] for item in figures["left_out"])
     assert "median |error|" in proc.stdout and "Left out:" in proc.stdout and "Targets (issue 19):" in proc.stdout
+    assert [c["id"] for c in figures["cross_checks"]] == ["korthikanti-22b-sp-selective"]
+
+
+def test_the_transcribed_korthikanti_times_agree_with_the_readme_mfu():
+    checks = _load_published().cross_checks(_load_published().ROWS)
+    assert len(checks) == 4  # 22B, 175B, 530B, 1T with sequence parallelism and selective recomputation
+    assert all(abs(c["difference"]) < 0.005 for c in checks), checks
 
 
 def test_a_configuration_the_planner_says_does_not_fit_is_still_timed_and_flagged():
@@ -303,7 +310,9 @@ def test_the_published_section_shows_each_row_the_summary_and_what_was_left_out(
     stats = {"rows": 2, "median_abs_error": 0.179, "max_abs_error": 0.257, "mean_signed_error": -0.0785, "over": 1,
              "under": 1, "targets": {"median_abs_error <= 5%": False, "max_abs_error <= 15%": False,
                                      "errors of both signs": True}}  # fmt: skip
-    figures = {"rows": [row, oom], "left_out": [{"source": "MT-NLG", "reason": "not verified"}], "summary": stats}
+    checks = [{"id": "x", "readme_mfu": 0.415, "implied_s": 1.104, "used_s": 1.10, "difference": 0.004}]
+    figures = {"rows": [row, oom], "left_out": [{"source": "MT-NLG", "reason": "not verified"}], "summary": stats,
+               "cross_checks": checks}  # fmt: skip
     outcome = run_all.Outcome("published", "python benchmarks/published.py --json FILE", "ok", 20, figures)
     summary, lines = run_all.render_published(outcome)
     assert summary.startswith("2 rows: median abs error 17.9%, max 25.7%, 1 over / 1 under") and "MISSED" in summary
@@ -313,3 +322,4 @@ def test_the_published_section_shows_each_row_the_summary_and_what_was_left_out(
     assert "| 32 | 3.53 (137 TF) | 2.62 | **-25.7%** | 47.0 |" in text
     assert "| 1.00 | 1.10 | **+10.0%** | 90.0 > 77: planner says OOM |" in text
     assert "errors of both signs: met" in text and "- MT-NLG: not verified." in text
+    assert "at 312 TFLOP/s): x 1.10 s vs 1.10 s." in text
