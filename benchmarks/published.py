@@ -274,9 +274,12 @@ LEFT_OUT: list[dict[str, str]] = [
         "reason": "bar charts: the measured figures are not stated as numbers in the text or the README",
     },
     {
-        "source": "Smith et al. 2022, MT-NLG 530B (arXiv 2201.11990), iteration times at 280/350/420 nodes",
-        "reason": "the paper could not be read from here to verify its numbers and DeepSpeed configuration "
-        "(ZeRO stage, micro-batch); a number not verified is not used",
+        "source": "Smith et al. 2022, MT-NLG 530B (arXiv 2201.11990), Sec. 2.4: 60.1, 50.2 and 44.4 s per iteration "
+        "(126, 121, 113 TFLOP/s per GPU) at batch 1920 on 280, 350 and 420 DGX A100 nodes, tp 8 pp 35",
+        "reason": "the paper could not be read from here; its figures are found only as llm-analysis transcribed "
+        "them (cli99/llm-analysis, examples/megatron-turing-nlg), consistent with each other through eq. 3 (within "
+        "0.5%), but without the micro-batch, with ZeRO 3 (which DeepSpeed's pipeline engine refuses beside pp 35) and "
+        "with 40 GB A100s where Selene's have 80: the configuration is not complete",
     },
     {
         "source": "BLOOM-176B (BigScience, Megatron-DeepSpeed, 384 A100 80GB)",
