@@ -10,7 +10,7 @@ fitted per row. It prints measured and predicted seconds per iteration and the s
 how many rows are over and under, and whether the cost-model issue's targets are met (median |error| <= 5%,
 max <= 15%, errors of both signs). Rows a publication does not give completely are left out, each with its
 reason (printed). It is a benchmark, not a test: it exits 0 whatever the errors.
-``--quick``: the three smallest rows (a smoke test); ``--only``: rows by id; ``--json FILE``: every row.
+``--quick``: three small rows (a smoke test); ``--only``: rows by id; ``--json FILE``: every row.
 
 Note [the published rows]
     Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
@@ -434,8 +434,9 @@ def summary(records: list[dict]) -> dict:
     }
 
 
-def markdown(records: list[dict], left_out: list[dict], stats: dict) -> list[str]:
-    """The per-row table, the summary lines and the rows left out, as markdown lines."""
+def markdown(records: list[dict], left_out: list[dict], stats: dict, checks: list[dict]) -> list[str]:
+    """The per-row table, the summary lines, the rows left out and the cross-checks, as markdown lines (printed,
+    and embedded by run_all.py in RESULTS.md)."""
     lines = [
         "| id | source | model | config | GPUs | measured s | predicted s | error | planner memory GiB |",
         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -472,12 +473,20 @@ def markdown(records: list[dict], left_out: list[dict], stats: dict) -> list[str
         "",
         *(f"- {item['source']}: {item['reason']}." for item in left_out),
     ]
-    return lines
+    if checks:
+        lines += ["", "Cross-checks of transcribed times against a primary source (Note [the published rows]):", ""]
+    lines += [
+        f"- {c['id']}: the Megatron-LM README's MFU {c['readme_mfu']:.1%} implies {c['implied_s']:.2f} s, the row "
+        f"uses {c['used_s']:.2f} s ({c['difference']:+.1%})."
+        for c in checks
+    ]
+    presets = ", ".join(sorted({r["preset_file"] for r in records}))
+    return lines + ["", f"Presets: {presets}; hyparallel from {Path(hp.__file__).parent}."]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the three smallest rows only: " + ", ".join(QUICK))
+    parser.add_argument("--quick", action="store_true", help="three small rows only: " + ", ".join(QUICK))
     parser.add_argument("--only", help="comma-separated row ids, from: " + ", ".join(r.id for r in ROWS))
     parser.add_argument("--json", help="write every row, the left-out ones and the summary here")
     args = parser.parse_args()
@@ -489,17 +498,14 @@ def main() -> None:
     checks = cross_checks(rows)
     left_out = LEFT_OUT + refused
     stats = summary(records)
-    print("\n".join(markdown(records, left_out, stats)))
-    for check in checks:
-        print(
-            f"Cross-check {check['id']}: the README's MFU {check['readme_mfu']:.1%} implies "
-            f"{check['implied_s']:.2f} s, the row uses {check['used_s']:.2f} s ({check['difference']:+.1%})."
-        )
-    presets = ", ".join(sorted({r["preset_file"] for r in records}))
-    print(f"\nPresets: {presets}; hyparallel from {Path(hp.__file__).parent}.")
+    lines = markdown(records, left_out, stats, checks)
+    print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"rows": records, "left_out": left_out, "summary": stats, "cross_checks": checks}, indent=1)
+            json.dumps(
+                {"rows": records, "left_out": left_out, "summary": stats, "cross_checks": checks, "markdown": lines},
+                indent=1,
+            )
         )
 
 

@@ -304,63 +304,17 @@ def render_prediction(outcome: Outcome) -> tuple[str, list[str]]:
 
 
 def render_published(outcome: Outcome) -> tuple[str, list[str]]:
-    """Each published configuration: measured and predicted seconds, the signed error; the summary and targets;
-    the sources left out, with their reasons."""
-    figures = outcome.figures
-    rows = []
-    for r in figures["rows"]:
-        tflops = "" if r["published_s"] is not None else f" ({r['measured_tflops_per_gpu']:g} TF)"
-        memory = f"{r['memory_gib']:.1f}" + (f" > {r['usable_gib']:.0f}: planner says OOM" if r["planner_oom"] else "")
-        rows.append(
-            [
-                r["id"],
-                r["source"],
-                r["config"],
-                f"{r['gpus']:,}",
-                f"{r['measured_s']:.2f}{tflops}",
-                f"{r['predicted_s']:.2f}",
-                f"**{r['error']:+.1%}**",
-                memory,
-            ]
-        )
-    stats = figures["summary"]
+    """published.py's markdown as it printed it (every row, the summary, what was left out), and its summary."""
+    stats = outcome.figures["summary"]
     if not stats.get("rows"):
         return "no rows", ["No published configuration was costed.", ""]
-    met = "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in stats["targets"].items())
     summary = (
         f"{stats['rows']} rows: median abs error {stats['median_abs_error']:.1%}, max {stats['max_abs_error']:.1%}, "
         f"{stats['over']} over / {stats['under']} under (targets <= 5% and <= 15%, both signs: "
         f"{'met' if all(stats['targets'].values()) else 'MISSED'})"
     )
-    lines = [
-        "Peer: the published measurement; error = predicted / measured - 1 (negative: the planner is optimistic).",
-        "",
-        *_table(
-            ["id", "source", "config", "GPUs", "measured s", "predicted s", "error", "planner memory GiB"],
-            "lllrrrrr",
-            rows,
-        ),
-        "",
-        f"{stats['rows']} rows: median |error| {stats['median_abs_error']:.1%}, max |error| "
-        f"{stats['max_abs_error']:.1%}, mean signed error {stats['mean_signed_error']:+.1%}; {stats['over']} over "
-        f"(pessimistic), {stats['under']} under (optimistic). Targets (issue 19): {met}.",
-        "",
-        "Measured as published: iteration seconds, or TFLOP/s per GPU (TF) turned into seconds with Narayanan "
-        "et al.'s own FLOP count (eq. 3). Predicted: the stock preset of the row's GPU, every decision fixed to "
-        "the publication's. Sources, configurations and where the zoo GPT differs: the notes in "
-        "benchmarks/published.py. Left out:",
-        "",
-        *(f"- {item['source']}: {item['reason']}." for item in figures["left_out"]),
-    ]
-    checks = figures.get("cross_checks", [])
-    if checks:
-        shown = ", ".join(f"{c['id']} {c['implied_s']:.2f} s vs {c['used_s']:.2f} s" for c in checks)
-        lines += [
-            "",
-            "Cross-check of the Korthikanti times against a primary source (the Megatron-LM README of May 2022: "
-            f"MFU of the same runs, through the model-FLOP count at 312 TFLOP/s): {shown}.",
-        ]
-    return summary, lines
+    peer = "Peer: the published measurement; error = predicted / measured - 1 (negative: the planner is optimistic)."
+    return summary, [peer, "", *outcome.figures["markdown"]]
 
 
 # --quick's data-parallel step: a 2-layer GPT, a few steps (dp_vs_ddp, dp_compression).

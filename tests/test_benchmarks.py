@@ -278,6 +278,8 @@ def test_quick_published_run_records_every_configuration_and_its_error(tmp_path)
     assert figures["left_out"] and all(item["source"] and item["reason"] for item in figures["left_out"])
     assert "median |error|" in proc.stdout and "Left out:" in proc.stdout and "Targets (issue 19):" in proc.stdout
     assert [c["id"] for c in figures["cross_checks"]] == ["korthikanti-22b-sp-selective"]
+    assert "\n".join(figures["markdown"]) in proc.stdout  # what run_all embeds is what it printed
+    assert "| narayanan-1.7b | Narayanan et al. 2021 (arXiv 2104.04473), Table 1 | GPT 1.7B |" in proc.stdout
 
 
 def test_the_transcribed_korthikanti_times_agree_with_the_readme_mfu():
@@ -298,28 +300,21 @@ def test_a_configuration_the_planner_says_does_not_fit_is_still_timed_and_flagge
     assert records[0]["memory_gib"] > records[0]["usable_gib"] and 0 < records[0]["predicted_s"] < float("inf")
 
 
-def test_the_published_section_shows_each_row_the_summary_and_what_was_left_out():
-    row = {
-        "id": "narayanan-1.7b", "source": "Narayanan et al. 2021 (arXiv 2104.04473), Table 1",
-        "config": "tp 1 pp 1 dp 32, mb 16 x 1, 1f1b, recompute full", "gpus": 32, "measured_s": 3.528,
-        "published_s": None, "measured_tflops_per_gpu": 137, "predicted_s": 2.62, "error": -0.257,
-        "memory_gib": 47.0, "usable_gib": 77.0, "planner_oom": False,
-    }  # fmt: skip
-    oom = {**row, "id": "x", "published_s": 1.0, "measured_s": 1.0, "predicted_s": 1.1, "error": 0.1,
-           "memory_gib": 90.0, "planner_oom": True}  # fmt: skip
+def test_the_published_section_embeds_the_printed_markdown_under_its_summary():
     stats = {"rows": 2, "median_abs_error": 0.179, "max_abs_error": 0.257, "mean_signed_error": -0.0785, "over": 1,
              "under": 1, "targets": {"median_abs_error <= 5%": False, "max_abs_error <= 15%": False,
                                      "errors of both signs": True}}  # fmt: skip
-    checks = [{"id": "x", "readme_mfu": 0.415, "implied_s": 1.104, "used_s": 1.10, "difference": 0.004}]
-    figures = {"rows": [row, oom], "left_out": [{"source": "MT-NLG", "reason": "not verified"}], "summary": stats,
-               "cross_checks": checks}  # fmt: skip
+    lines = ["| id | source |", "| --- | --- |", "| narayanan-1.7b | Narayanan et al. 2021 |", "", "Left out:"]
+    figures = {"rows": [], "left_out": [], "summary": stats, "cross_checks": [], "markdown": lines}
     outcome = run_all.Outcome("published", "python benchmarks/published.py --json FILE", "ok", 20, figures)
-    summary, lines = run_all.render_published(outcome)
-    assert summary.startswith("2 rows: median abs error 17.9%, max 25.7%, 1 over / 1 under") and "MISSED" in summary
+    summary, body = run_all.render_published(outcome)
+    assert (
+        summary
+        == "2 rows: median abs error 17.9%, max 25.7%, 1 over / 1 under (targets <= 5% and <= 15%, both signs: MISSED)"
+    )
     assert "|" not in summary  # it sits in RESULTS.md's summary table
-    text = "\n".join(lines)
-    assert "| narayanan-1.7b | Narayanan et al. 2021 (arXiv 2104.04473), Table 1 |" in text
-    assert "| 32 | 3.53 (137 TF) | 2.62 | **-25.7%** | 47.0 |" in text
-    assert "| 1.00 | 1.10 | **+10.0%** | 90.0 > 77: planner says OOM |" in text
-    assert "errors of both signs: met" in text and "- MT-NLG: not verified." in text
-    assert "at 312 TFLOP/s): x 1.10 s vs 1.10 s." in text
+    assert body[2:] == lines and body[0].startswith("Peer: the published measurement")
+    text = markdown(outcome)
+    assert "## The cost model against published large-scale measurements (`published`)" in text
+    assert "| `published` | ok | 2 rows: median abs error 17.9%, max 25.7%" in text  # its row of the summary table
+    assert "| narayanan-1.7b | Narayanan et al. 2021 |" in text
