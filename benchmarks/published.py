@@ -480,8 +480,10 @@ def markdown(records: list[dict], left_out: list[dict], stats: dict, checks: lis
         f"uses {c['used_s']:.2f} s ({c['difference']:+.1%})."
         for c in checks
     ]
-    presets = ", ".join(sorted({r["preset_file"] for r in records}))
-    return lines + ["", f"Presets: {presets}; hyparallel from {Path(hp.__file__).parent}."]
+    root = Path(hp.__file__).resolve().parent.parent
+    files = {Path(r["preset_file"]) for r in records}
+    shown = {str(f.relative_to(root)) if f.is_relative_to(root) else str(f) for f in files}
+    return lines + ["", f"Presets: {', '.join(sorted(shown))}, of the hyparallel tree imported."]
 
 
 def main() -> None:
