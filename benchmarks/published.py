@@ -50,10 +50,11 @@ Note [where the zoo GPT differs from Megatron's]
     unfused (two batched GEMMs around a fused scale-mask-softmax and dropout); so the planner's ``selective``
     recomputation (re-run what holds seq x seq tensors) is its ``none`` here, and Korthikanti's selective rows
     are costed with recompute selective, which the planner costs as none: the fused attention backward
-    re-computes the scores itself (docs/cost-model.md). Megatron's GeLU is exact, the zoo's tanh-approximated
-    (both costed as one memory-bound op). The planner's reductions and stages are its own: gradients
-    all-reduced in fp32 in DDP buckets overlapped with the last backward (Megatron 2021 all-reduces after the
-    backward, in fp16 unless --accumulate-allreduce-grads-in-fp32), and, without interleaving, stage
+    re-computes the scores itself (docs/cost-model.md; the predicted times and memory of these rows equal those
+    with recompute none). The planner's reductions and stages are its own: gradients all-reduced in fp32 in DDP
+    buckets overlapped with the last backward (Megatron 2021 reduces fp16 gradients unless
+    --accumulate-allreduce-grads-in-fp32; overlapped under torch DDP, the rows up to 18B, and after the backward
+    under its local DDP, the larger ones: run_table_1.sh's DDP setting), and, without interleaving, stage
     boundaries chosen by its min-max program where Megatron splits the layers evenly (no constraint expresses
     fixed boundaries; on the 39B and 1T rows its cut is the even split, the embedding with the first stage's
     layers and the final norm and head with the last's, as each row's ``stages`` in --json shows).
