@@ -403,7 +403,8 @@ def evaluate(rows: list[Row]) -> tuple[list[dict], list[dict]]:
             "measured_s": measured,
             "measured_as": "iteration time" if row.measured_s is not None else "TFLOP/s per GPU (eq. 3)",
             "published_s": row.measured_s,
-            "flops_per_iteration": narayanan_flops(row),
+            "eq3_flops_per_iteration": narayanan_flops(row),  # with the recomputation's forward
+            "model_flops_per_iteration": model_flops(row),  # without it (what MFU counts)
             "preset_file": str(preset_file(row.preset)),
             **asdict(prediction),
             "error": prediction.predicted_s / measured - 1,
