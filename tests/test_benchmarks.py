@@ -233,6 +233,7 @@ def test_the_recovery_section_shows_both_saves_and_every_restart():
 
 
 def _load_published():
+    sys.path.insert(0, str(REPO / "benchmarks"))  # published.py imports megatron_gpt.py from beside it
     spec = importlib.util.spec_from_file_location("benchmarks_published", REPO / "benchmarks" / "published.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -318,3 +319,65 @@ def test_the_published_section_embeds_the_printed_markdown_under_its_summary():
     assert "## The cost model against published large-scale measurements (`published`)" in text
     assert "| `published` | ok | 2 rows: median abs error 17.9%, max 25.7%" in text  # its row of the summary table
     assert "| narayanan-1.7b | Narayanan et al. 2021 |" in text
+
+
+def _megatron_gpt():
+    _load_published()  # puts benchmarks/ on sys.path
+    return importlib.import_module("megatron_gpt")
+
+
+def _tiny_megatron_and_zoo(device: str, dropout: float = 0.1):
+    import torch
+
+    from hyparallel.models.gpt import GPT, GPTConfig
+
+    megatron_gpt = _megatron_gpt()
+    config = GPTConfig(num_layers=2, hidden_size=64, num_heads=8, vocab_size=256, max_seq_len=32, dropout=dropout)
+    with torch.device(device):
+        return megatron_gpt.MegatronGPT(config), GPT(config)
+
+
+def test_megatrons_gpt_computes_the_zoo_gpt_with_its_qkv_laid_out_per_head():
+    import torch
+
+    torch.manual_seed(0)
+    megatron, zoo = _tiny_megatron_and_zoo("cpu", dropout=0.0)
+    state = zoo.state_dict()
+    heads, head_dim = 8, 8
+    for name, value in list(state.items()):  # [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
+        if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+            state[name] = value.unflatten(0, (3, heads, head_dim)).transpose(0, 1).flatten(0, 2)
+    megatron.load_state_dict(state)
+    tokens = torch.randint(0, 256, (2, 32))
+    torch.testing.assert_close(megatron(tokens), zoo(tokens), rtol=1e-5, atol=1e-5)  # float32 sums reordered
+
+
+def test_megatrons_gpt_splits_as_the_zoo_gpt_and_selective_recomputes_its_scores():
+    import hyparallel as hp
+    from hyparallel.planner.profile import ModelProfile
+
+    megatron, zoo = _tiny_megatron_and_zoo("meta")
+    graphs = [hp.trace(m, m.example_inputs(1, 32)) for m in (megatron, zoo)]
+    analyses = [g.structure for g in graphs]
+    assert analyses[0].styles == analyses[1].styles and analyses[0].head_groups == analyses[1].head_groups
+    assert sorted(analyses[0].attention_heads.values()) == sorted(analyses[1].attention_heads.values()) == [8, 8]
+    assert all(a.check(8, g) is None and a.whole_sequence(g) is None for a, g in zip(analyses, graphs))
+    assert analyses[0].styles["layers.0.attn.qkv"] == "column" and analyses[0].styles["layers.0.attn.proj"] == "row"
+    cluster = hp.ClusterSpec.preset("a100-80g", num_nodes=1)
+    quadratic = ModelProfile(graphs[0], cluster, "fp16", 32).quadratic
+    assert sorted(graphs[0].op(n).target for n in quadratic) == ["Dropout", "Dropout", "baddbmm", "baddbmm",
+                                                                  "softmax", "softmax"]  # fmt: skip
+    assert not ModelProfile(graphs[1], cluster, "fp16", 32).quadratic  # fused: no scores held
+
+    def costed(recompute):
+        best = hp.search(graphs[0], cluster, 8, 32, "fp16", tp=8, pp=1, dp=1, micro_batch=8, recompute=recompute,
+                         zero=0, sequence_parallel=True).best[0]  # fmt: skip
+        return best.step_time_s, best.peak_memory_bytes
+
+    (none_s, none_bytes), (selective_s, selective_bytes) = costed("none"), costed("selective")
+    assert selective_s > none_s and selective_bytes < none_bytes
+
+
+def test_megatrons_vocabulary_padding_per_tensor_parallel_degree():
+    megatron_gpt = _megatron_gpt()
+    assert [megatron_gpt.padded_vocab(tp) for tp in (1, 2, 4, 8)] == [50304, 50432, 50688, 51200]
