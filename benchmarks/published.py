@@ -42,22 +42,39 @@ Note [the published rows]
     give back Calculon's four times within 0.4% (printed as the cross-check), which confirms those times, batch
     sizes, GPU counts and the vocabulary. The full-recomputation times have no such second source.
 
-Note [where the zoo GPT differs from Megatron's]
-    The rows are costed on hyparallel's zoo GPT (hyparallel/models/gpt.py) at the publication's shape:
-    pre-LayerNorm blocks, fused QKV, learned positions, a 4h GeLU MLP, biases, an embedding tied to the head,
-    dropout 0.1, as Megatron-LM's GPT. Where it differs: its attention is one fused kernel
-    (F.scaled_dot_product_attention, costed at the preset's attention efficiency), Megatron's of 2021 is
-    unfused (two batched GEMMs around a fused scale-mask-softmax and dropout); so the planner's ``selective``
-    recomputation (re-run what holds seq x seq tensors) is its ``none`` here, and Korthikanti's selective rows
-    are costed with recompute selective, which the planner costs as none: the fused attention backward
-    re-computes the scores itself (docs/cost-model.md; the predicted times and memory of these rows equal those
-    with recompute none). The planner's reductions and stages are its own: gradients all-reduced in fp32 in DDP
-    buckets overlapped with the last backward (Megatron 2021 reduces fp16 gradients unless
-    --accumulate-allreduce-grads-in-fp32; overlapped under torch DDP, the rows up to 18B, and after the backward
-    under its local DDP, the larger ones: run_table_1.sh's DDP setting), and, without interleaving, stage
-    boundaries chosen by its min-max program where Megatron splits the layers evenly (no constraint expresses
-    fixed boundaries; on the 39B and 1T rows its cut is the even split, the embedding with the first stage's
-    layers and the final norm and head with the last's, as each row's ``stages`` in --json shows).
+Note [the model costed]
+    The rows are costed on Megatron-LM's GPT as those runs ran it (benchmarks/megatron_gpt.py, Note [the
+    publications' model]): the zoo GPT's pre-LayerNorm blocks, learned positions, 4h GeLU MLP, biases and tied
+    embedding, with Megatron's unfused attention (baddbmm scores of (b * heads, s, s), softmax, dropout 0.1 on the
+    probabilities, bmm with v), the hidden dropout 0.1 as one bias-dropout-add, and GPT-2's vocabulary padded as
+    Megatron pads it for the row's tp (50,304 at tp 1 up to 51,200 at tp 8; eq. 3 counts 51,200, as the
+    publications did). The zoo GPT's fused attention (F.scaled_dot_product_attention) holds no seq x seq
+    tensor, so it charged no score traffic and its ``selective`` recomputation was its ``none``; on this model the
+    planner finds the score ops (profile.py, _quadratic_ops: baddbmm, softmax, dropout) and ``selective``
+    re-runs them and drops what they saved, as Korthikanti et al.'s selective recomputation. hyparallel's
+    tensor-parallel analysis finds the same splits on it as on the zoo GPT (column qkv and fc, row proj, the
+    vocab-parallel embedding and head; tests/test_benchmarks.py checks it at tp 8). The planner's stages are its
+    own: without interleaving, boundaries chosen by its min-max program where Megatron splits the layers evenly
+    (no constraint expresses fixed boundaries; on the 39B and 1T rows its cut is the even split, the embedding
+    with the first stage's layers and the final norm and head with the last's, as each row's ``stages`` in --json
+    shows).
+
+Note [how the rows reduce gradients]
+    Narayanan's rows: examples/sc21/CONFIG.sh passes --fp16 and not --accumulate-allreduce-grads-in-fp32, and
+    run_table_1.sh sets --DDP-impl torch up to 18B, local from 39B (Megatron-LM de7dc40, Aug 2021). In that
+    Megatron (megatron/arguments.py) --fp16 makes the parameters fp16 (params_dtype half), and fp32 gradient
+    accumulation and all-reduce is on only with that flag (forced for bf16, not fp16); so torch's DDP, wrapping
+    the fp16 model, all-reduces fp16 gradients in buckets during the backward, and the local DDP
+    (megatron/model/distributed.py, no contiguous buffers) flattens the fp16 gradients, divides them by dp and
+    all-reduces them after the backward (megatron/training.py, train_step: backward-params-all-reduce). Both put
+    2 bytes per gradient on the wire: these rows are costed with grad_compression fp16, which halves the wire
+    bytes and charges three casting kernels per bucket (Note [gradient compression] in costs.py; Megatron's fp16
+    gradients need no cast down: its flatten, divide and unflatten are the same three passes, over 2-byte
+    elements, where the planner charges 4 + 2, 2 + 2, 2 + 4 bytes: slightly pessimistic). The planner overlaps
+    the reduction with the last backward on every row; under the local DDP (39B up) Megatron runs it after the
+    backward: optimistic on those rows by the unhidden part of that all-reduce. Korthikanti's rows run at dp 1
+    (the README: "measured using a data parallel size of one"): nothing is reduced across data parallelism, so
+    their grad_compression (none) changes nothing.
 """
 
 from __future__ import annotations
@@ -70,16 +87,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+from megatron_gpt import MegatronGPT, padded_vocab  # benchmarks/megatron_gpt.py, beside this script
+
 import hyparallel as hp
 from hyparallel.cluster import preset_dir
 from hyparallel.errors import PlanError
+from hyparallel.models.gpt import GPTConfig
 
 # The cost-model issue's targets (issue 19): median |error| at most 5%, the largest at most 15%, both signs seen.
 TARGET_MEDIAN = 0.05
 TARGET_MAX = 0.15
 ORDER = ("pp", "dp", "tp")  # Megatron-LM's rank order: tp innermost, then dp, pp outermost
 SEQ_LEN = 2048
-VOCAB = 51200  # Megatron-LM README (April 2021): "All models use a vocabulary size of 51,200"
+VOCAB = 51200  # Megatron-LM README (April 2021): "All models use a vocabulary size of 51,200" (in eq. 3's count)
 A100_PEAK_FLOPS = 312e12  # A100 datasheet, dense fp16/bf16 Tensor Core: the peak behind the publications' MFU
 DROPOUT = 0.1  # Megatron-LM's default --hidden-dropout and --attention-dropout (megatron/arguments.py, 6985e58)
 
@@ -120,6 +141,9 @@ class Row:
     vocab: int = VOCAB
     seq_len: int = SEQ_LEN
     precision: str = "fp16"
+    # How the data-parallel gradients cross the wire, as the planner's parallel.grad_compression names it
+    # (Note [how the rows reduce gradients]).
+    grad_compression: str = "none"
     gpu: str = "A100-SXM4-80GB"
     preset: str = "a100-80g"
     gpus_per_node: int = 8
@@ -131,6 +155,12 @@ class Row:
     def ffn(self) -> int:
         """The MLP width: 4 x hidden in every row (Megatron-LM's default --ffn-hidden-size)."""
         return 4 * self.hidden
+
+    @property
+    def model_vocab(self) -> int:
+        """The vocabulary the run trained: GPT-2's 50,257 tokens padded as Megatron-LM pads them for its tp
+        (51,200 at tp 8; eq. 3 counts 51,200 on every row, as the publications did)."""
+        return padded_vocab(self.tp)
 
     @property
     def gpus(self) -> int:
@@ -172,9 +202,10 @@ def _narayanan(size, layers, hidden, heads, tp, pp, gpus, batch, micro, tflops, 
         dp=gpus // (tp * pp),
         micro_batch=micro,
         global_batch=batch,
-        recompute="full",  # run_table_1.sh: --activations-checkpoint-method uniform on every row
+        recompute="full",  # run_table_1.sh: --checkpoint-activations on every row
         sequence_parallel=False,
         virtual_stages=v,
+        grad_compression="fp16",  # Note [how the rows reduce gradients]: fp16 gradients all-reduced in fp16
         measured_tflops_per_gpu=tflops,
     )
 
@@ -215,6 +246,7 @@ def _korthikanti(size, layers, hidden, heads, pp, gpus, batch, micro, v, full_s,
         micro_batch=micro,
         global_batch=batch,
         virtual_stages=v,
+        grad_compression="none",  # dp 1 on every row: no data-parallel reduction (Note [how the rows reduce ...])
     )
     return [
         Row(
@@ -285,7 +317,8 @@ LEFT_OUT: list[dict[str, str]] = [
     {
         "source": "BLOOM-176B (BigScience, Megatron-DeepSpeed, 384 A100 80GB)",
         "reason": "not collected: its model (ALiBi positions, a LayerNorm after the embedding, a 250,880-token "
-        "vocabulary) is not the zoo GPT, so its figures would test the model's shape as much as the cost model",
+        "vocabulary) is not the GPT costed here, so its figures would test the model's shape as much as the cost "
+        "model",
     },
 ]
 
@@ -304,17 +337,19 @@ class Prediction:
     search_s: float = 0.0
 
 
-def _model(row: Row):
-    return hp.models.build(
-        "gpt-175b",
+def _model(row: Row) -> MegatronGPT:
+    """The row's model as Megatron-LM ran it (Note [the publications' model] in megatron_gpt.py), on meta."""
+    config = GPTConfig(
         num_layers=row.layers,
         hidden_size=row.hidden,
         num_heads=row.heads,
-        vocab_size=row.vocab,
+        vocab_size=row.model_vocab,
         max_seq_len=row.seq_len,
         ffn_hidden_size=row.ffn,
         dropout=DROPOUT,
     )
+    with torch.device("meta"):
+        return MegatronGPT(config)
 
 
 def _unbounded(cluster: hp.ClusterSpec) -> hp.ClusterSpec:
@@ -346,6 +381,7 @@ def predict(row: Row, graph) -> Prediction:
         recompute=row.recompute,
         zero=0,  # Megatron-LM's DDP (torch or local) keeps full optimizer state per replica
         sequence_parallel=row.sequence_parallel,
+        grad_compression=row.grad_compression,
         order=ORDER,
     )
     start = time.perf_counter()
@@ -383,7 +419,7 @@ def evaluate(rows: list[Row]) -> tuple[list[dict], list[dict]]:
     graphs: dict[tuple, object] = {}  # one trace per model shape (a table's full and selective rows share it)
     records, refused = [], []
     for row in rows:
-        shape = (row.layers, row.hidden, row.heads, row.vocab, row.seq_len, row.ffn)
+        shape = (row.layers, row.hidden, row.heads, row.model_vocab, row.seq_len, row.ffn)
         if shape not in graphs:
             model = _model(row)
             graphs[shape] = hp.trace(model, hp.models.example_inputs(model, 1, row.seq_len), name=row.model)
@@ -397,6 +433,7 @@ def evaluate(rows: list[Row]) -> tuple[list[dict], list[dict]]:
         record = {
             **asdict(row),
             "ffn": row.ffn,
+            "model_vocab": row.model_vocab,
             "gpus": row.gpus,
             "schedule": row.schedule,
             "config": config_text(row),
@@ -467,8 +504,9 @@ def markdown(records: list[dict], left_out: list[dict], stats: dict, checks: lis
         "error = predicted / measured - 1 (negative: the planner is optimistic). Measured as published: iteration "
         "seconds, or TFLOP/s per GPU (TF) turned into seconds with Narayanan et al.'s eq. 3. Predicted: the "
         "stock preset, every decision fixed to the publication's (`hp.search` with tp, pp, dp, micro_batch, "
-        "schedule, virtual_stages, recompute, zero 0, sequence_parallel, order pp,dp,tp). Sources and the zoo "
-        "GPT's differences: Note [the published rows] and Note [where the zoo GPT differs from Megatron's] in "
+        "schedule, virtual_stages, recompute, zero 0, sequence_parallel, grad_compression, order pp,dp,tp) on "
+        "Megatron's GPT with unfused attention (benchmarks/megatron_gpt.py). Sources, the model and the gradient "
+        "reduction: Note [the published rows], Note [the model costed] and Note [how the rows reduce gradients] in "
         "benchmarks/published.py.",
         "",
         "Left out:",

@@ -242,9 +242,9 @@ def _load_published():
 
 
 CONFIG_FIELDS = (
-    "source", "url", "config_source", "layers", "hidden", "heads", "vocab", "seq_len", "ffn", "tp", "pp", "dp", "gpus",
-    "micro_batch", "global_batch", "schedule", "virtual_stages", "recompute", "sequence_parallel", "precision", "gpu",
-    "preset", "measured_s", "predicted_s", "error",
+    "source", "url", "config_source", "layers", "hidden", "heads", "vocab", "model_vocab", "seq_len", "ffn", "tp", "pp",
+    "dp", "gpus", "micro_batch", "global_batch", "schedule", "virtual_stages", "recompute", "sequence_parallel",
+    "precision", "grad_compression", "gpu", "preset", "measured_s", "predicted_s", "error",
 )  # fmt: skip
 
 
