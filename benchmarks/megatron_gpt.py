@@ -34,6 +34,13 @@ Note [the publications' model]
         kernel floors per layer (more on the smallest rows, hn 96: 0.28 passes, the floors weigh more);
       * the causal mask read by baddbmm is charged once per sequence of the micro-batch (the cost model scales
         every input by the micro-batch): pessimistic by 1 / (heads per rank) of one score read, under 1%;
+      * the cost model charges every memory-bound op's backward twice its forward (profile.py, _BACKWARD_RATIO's
+        default), where softmax's backward moves 1.5 times its forward bytes (probabilities and their gradient in,
+        one gradient out) and dropout's about 1 time (gradient and mask in, one out): some 3 score passes per
+        layer more than Megatron moves, pessimistic by roughly 4% of the 1.7B row's step (a pass there is
+        16 x 24 x 2048^2 x 2 bytes, 2 ms at the a100-80g preset's 0.8 x 2.039 TB/s; 24 layers), less as the
+        scores' share of a layer falls with the hidden size. Not corrected here: it is the cost model's, for
+        every model;
       * Megatron's FusedScaleMaskSoftmax reads fp16 scores and writes fp16 probabilities (fp32 inside): the
         trace's softmax is costed at the plan's dtype in and out, the same bytes; torch's dropout keeps a
         one-byte bool mask, as Megatron's nn.Dropout and its jit-fused bias-dropout-add.
