@@ -330,6 +330,20 @@ def render_prediction(outcome: Outcome) -> tuple[str, list[str]]:
     return spearman, lines
 
 
+def render_published(outcome: Outcome) -> tuple[str, list[str]]:
+    """published.py's markdown as it printed it (every row, the summary, what was left out), and its summary."""
+    stats = outcome.figures["summary"]
+    if not stats.get("rows"):
+        return "no rows", ["No published configuration was costed.", ""]
+    summary = (
+        f"{stats['rows']} rows: median abs error {stats['median_abs_error']:.1%}, max {stats['max_abs_error']:.1%}, "
+        f"{stats['over']} over / {stats['under']} under (targets <= 5% and <= 15%, both signs: "
+        f"{'met' if all(stats['targets'].values()) else 'MISSED'})"
+    )
+    peer = "Peer: the published measurement; error = predicted / measured - 1 (negative: the planner is optimistic)."
+    return summary, [peer, "", *outcome.figures["markdown"]]
+
+
 # --quick's data-parallel step: a 2-layer GPT, a few steps (dp_vs_ddp, dp_compression).
 SMALL_DP_STEP = (
     "--model",
@@ -448,6 +462,19 @@ BENCHMARKS.append(
         render_compression,
         quick_args=("--worlds", "2", *SMALL_DP_STEP),
         timeout_s=1200,
+    )
+)
+BENCHMARKS.append(
+    Benchmark(
+        "published",
+        "The cost model against published large-scale measurements",
+        "The planner's predicted step time on exactly the configurations that published Megatron-LM measurements "
+        "ran (Narayanan et al. 2021, Table 1: 1.7B-1T on up to 3,072 A100s; Korthikanti et al. 2022, Table 5: "
+        "22B-1T, full recomputation against sequence parallelism with selective recomputation), with the stock "
+        "`a100-80g` preset and nothing fitted per row, against the figure each publication reports.",
+        render_published,
+        quick_args=("--quick",),
+        timeout_s=600,
     )
 )
 NAMES = [b.name for b in BENCHMARKS] + ["gpu"]

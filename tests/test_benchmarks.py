@@ -247,3 +247,154 @@ def test_the_recovery_section_shows_both_saves_and_every_restart():
     text = "\n".join(lines)
     assert "| memory | 1.000 | **0.25** |" in text and "800 MiB" in text
     assert "| dlrover-run | memory, every 1 | 7.0 | memory | 0 |" in text
+
+
+def _load_published():
+    sys.path.insert(0, str(REPO / "benchmarks"))  # published.py imports megatron_gpt.py from beside it
+    spec = importlib.util.spec_from_file_location("benchmarks_published", REPO / "benchmarks" / "published.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+CONFIG_FIELDS = (
+    "source", "url", "config_source", "layers", "hidden", "heads", "vocab", "model_vocab", "seq_len", "ffn", "tp", "pp",
+    "dp", "gpus", "micro_batch", "global_batch", "schedule", "virtual_stages", "recompute", "sequence_parallel",
+    "precision", "grad_compression", "gpu", "preset", "measured_s", "predicted_s", "error",
+)  # fmt: skip
+
+
+def test_quick_published_run_records_every_configuration_and_its_error(tmp_path):
+    out = tmp_path / "published.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/published.py", "--quick", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    published = _load_published()
+    assert [r["id"] for r in figures["rows"]] == list(published.QUICK)
+    for r in figures["rows"]:
+        assert all(r[name] is not None for name in CONFIG_FIELDS), r
+        assert r["tp"] * r["pp"] * r["dp"] == r["gpus"] and r["ffn"] == 4 * r["hidden"]
+        assert r["error"] == r["predicted_s"] / r["measured_s"] - 1 and r["predicted_s"] > 0
+        if r["published_s"] is None:  # converted from TFLOP/s per GPU with Narayanan et al.'s eq. 3
+            b, s, layers, h, v = r["global_batch"], r["seq_len"], r["layers"], r["hidden"], r["vocab"]
+            flops = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
+            assert abs(r["measured_s"] * r["measured_tflops_per_gpu"] * 1e12 * r["gpus"] / flops - 1) < 1e-9
+        else:
+            assert r["measured_s"] == r["published_s"]
+    narayanan = figures["rows"][0]  # 1.7B: 1.52e16 FLOPs per iteration at 137 TFLOP/s on 32 GPUs
+    assert narayanan["measured_tflops_per_gpu"] == 137 and abs(narayanan["measured_s"] - 3.528) < 0.01
+    errors = sorted(abs(r["error"]) for r in figures["rows"])
+    assert figures["summary"]["median_abs_error"] == errors[1] and figures["summary"]["max_abs_error"] == errors[-1]
+    assert figures["left_out"] and all(item["source"] and item["reason"] for item in figures["left_out"])
+    assert "median |error|" in proc.stdout and "Left out:" in proc.stdout and "Targets (issue 19):" in proc.stdout
+    assert [c["id"] for c in figures["cross_checks"]] == ["korthikanti-22b-sp-selective"]
+    assert "\n".join(figures["markdown"]) in proc.stdout  # what run_all embeds is what it printed
+    assert "| narayanan-1.7b | Narayanan et al. 2021 (arXiv 2104.04473), Table 1 | GPT 1.7B |" in proc.stdout
+
+
+def test_the_transcribed_korthikanti_times_agree_with_the_readme_mfu():
+    checks = _load_published().cross_checks(_load_published().ROWS)
+    assert len(checks) == 4  # 22B, 175B, 530B, 1T with sequence parallelism and selective recomputation
+    assert all(abs(c["difference"]) < 0.005 for c in checks), checks
+
+
+def test_a_configuration_the_planner_says_does_not_fit_is_still_timed_and_flagged():
+    published = _load_published()
+    base = published.ROWS[0]
+    import dataclasses
+
+    row = dataclasses.replace(base, id="too-big", layers=2, hidden=16384, heads=128, tp=1, pp=1, dp=1, global_batch=1,
+                              micro_batch=1)  # fmt: skip
+    records, refused = published.evaluate([row])
+    assert not refused and records[0]["planner_oom"]
+    assert records[0]["memory_gib"] > records[0]["usable_gib"] and 0 < records[0]["predicted_s"] < float("inf")
+
+
+def test_the_published_section_embeds_the_printed_markdown_under_its_summary():
+    stats = {"rows": 2, "median_abs_error": 0.179, "max_abs_error": 0.257, "mean_signed_error": -0.0785, "over": 1,
+             "under": 1, "targets": {"median_abs_error <= 5%": False, "max_abs_error <= 15%": False,
+                                     "errors of both signs": True}}  # fmt: skip
+    lines = ["| id | source |", "| --- | --- |", "| narayanan-1.7b | Narayanan et al. 2021 |", "", "Left out:"]
+    figures = {"rows": [], "left_out": [], "summary": stats, "cross_checks": [], "markdown": lines}
+    outcome = run_all.Outcome("published", "python benchmarks/published.py --json FILE", "ok", 20, figures)
+    summary, body = run_all.render_published(outcome)
+    assert (
+        summary
+        == "2 rows: median abs error 17.9%, max 25.7%, 1 over / 1 under (targets <= 5% and <= 15%, both signs: MISSED)"
+    )
+    assert "|" not in summary  # it sits in RESULTS.md's summary table
+    assert body[2:] == lines and body[0].startswith("Peer: the published measurement")
+    text = markdown(outcome)
+    assert "## The cost model against published large-scale measurements (`published`)" in text
+    assert "| `published` | ok | 2 rows: median abs error 17.9%, max 25.7%" in text  # its row of the summary table
+    assert "| narayanan-1.7b | Narayanan et al. 2021 |" in text
+
+
+def _megatron_gpt():
+    _load_published()  # puts benchmarks/ on sys.path
+    return importlib.import_module("megatron_gpt")
+
+
+def _tiny_megatron_and_zoo(device: str, dropout: float = 0.1):
+    import torch
+
+    from hyparallel.models.gpt import GPT, GPTConfig
+
+    megatron_gpt = _megatron_gpt()
+    config = GPTConfig(num_layers=2, hidden_size=64, num_heads=8, vocab_size=256, max_seq_len=32, dropout=dropout)
+    with torch.device(device):
+        return megatron_gpt.MegatronGPT(config), GPT(config)
+
+
+def test_megatrons_gpt_computes_the_zoo_gpt_with_its_qkv_laid_out_per_head():
+    import torch
+
+    torch.manual_seed(0)
+    megatron, zoo = _tiny_megatron_and_zoo("cpu", dropout=0.0)
+    state = zoo.state_dict()
+    heads, head_dim = 8, 8
+    for name, value in list(state.items()):  # [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
+        if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+            state[name] = value.unflatten(0, (3, heads, head_dim)).transpose(0, 1).flatten(0, 2)
+    megatron.load_state_dict(state)
+    tokens = torch.randint(0, 256, (2, 32))
+    torch.testing.assert_close(megatron(tokens), zoo(tokens), rtol=1e-5, atol=1e-5)  # float32 sums reordered
+
+
+def test_megatrons_gpt_splits_as_the_zoo_gpt_and_selective_recomputes_its_scores():
+    import hyparallel as hp
+    from hyparallel.planner.profile import ModelProfile
+
+    megatron, zoo = _tiny_megatron_and_zoo("meta")
+    graphs = [hp.trace(m, m.example_inputs(1, 32)) for m in (megatron, zoo)]
+    analyses = [g.structure for g in graphs]
+    assert analyses[0].styles == analyses[1].styles and analyses[0].head_groups == analyses[1].head_groups
+    assert sorted(analyses[0].attention_heads.values()) == sorted(analyses[1].attention_heads.values()) == [8, 8]
+    assert all(a.check(8, g) is None and a.whole_sequence(g) is None for a, g in zip(analyses, graphs))
+    assert analyses[0].styles["layers.0.attn.qkv"] == "column" and analyses[0].styles["layers.0.attn.proj"] == "row"
+    cluster = hp.ClusterSpec.preset("a100-80g", num_nodes=1)
+    quadratic = ModelProfile(graphs[0], cluster, "fp16", 32).quadratic
+    assert sorted(graphs[0].op(n).target for n in quadratic) == ["Dropout", "Dropout", "baddbmm", "baddbmm",
+                                                                  "softmax", "softmax"]  # fmt: skip
+    assert not ModelProfile(graphs[1], cluster, "fp16", 32).quadratic  # fused: no scores held
+
+    def costed(recompute):
+        best = hp.search(graphs[0], cluster, 8, 32, "fp16", tp=8, pp=1, dp=1, micro_batch=8, recompute=recompute,
+                         zero=0, sequence_parallel=True).best[0]  # fmt: skip
+        return best.step_time_s, best.peak_memory_bytes
+
+    (none_s, none_bytes), (selective_s, selective_bytes) = costed("none"), costed("selective")
+    assert selective_s > none_s and selective_bytes < none_bytes
+
+
+def test_megatrons_vocabulary_padding_per_tensor_parallel_degree():
+    megatron_gpt = _megatron_gpt()
+    assert [megatron_gpt.padded_vocab(tp) for tp in (1, 2, 4, 8)] == [50304, 50432, 50688, 51200]
