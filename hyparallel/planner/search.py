@@ -463,6 +463,8 @@ class Search:
         memory = params * state + inflight * act + work + extra_memory
         if c.zero == 3:  # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
             memory = memory + 2 * largest * sum(costs.unsharded_bytes_per_param(dtype, mode))
+        memory = memory + params * costs.recompute_copies_bytes_per_param(dtype, c.recompute, c.zero, inflight)
+        memory = np.maximum(memory, costs.after_backward_bytes(params, largest, dtype, c.zero, c.dp, mode))
         return t, tail, memory
 
     def _all_reduce_tail(
