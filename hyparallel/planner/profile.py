@@ -483,6 +483,23 @@ class ModelProfile:
         sources = {p for op in ops for p in g.predecessors(op.name) if p not in names and g.nodes[p]["kind"] != "input"}
         return sum(g.nodes[p]["output_bytes"] * self._widening(p) for p in sources)
 
+    @cached_property
+    def boundary_bytes(self) -> float:
+        """Bytes per sequence of the largest tensor set crossing a cut point, in the dtypes the runtime holds them
+        (Note [fp32 under autocast]): what a pipeline stage keeps of each micro-batch it has sent (Note [a pipeline
+        stage's boundary tensors] in search.py)."""
+        g = self.graph.graph
+        return (
+            max(
+                (
+                    sum(g.nodes[t]["output_bytes"] * self._widening(t) for t in cut.tensors if t in g)
+                    for cut in self.graph.cut_points
+                ),
+                default=0.0,
+            )
+            * self.per_sequence
+        )
+
     def _widening(self, name: str) -> float:
         """How much wider than the plan's dtype the value ``name`` is when the runtime computes it (Note [fp32
         under autocast]): 4 / 2 for a value autocast leaves in fp32 in a bf16/fp16 plan, else 1."""
