@@ -55,8 +55,10 @@ def test_bubble_and_inflight_microbatches():
 
 
 def test_zero_state_bytes():
-    # bf16 under autocast: 4 (fp32 weight) + 2 (its bf16 copy) + 4 (fp32 grad) + 8 (AdamW m, v) = 18 bytes.
-    assert costs.state_bytes_per_param("bf16", 0, 8) == 18
+    # bf16 under autocast: 4 (fp32 weight) + 2 (its bf16 copy) + 4 (fp32 grad) + 8 (AdamW m, v) = 18 bytes; with
+    # dp > 1 DDP's fp32 gradient buckets add 4 (costs.DDP_BUCKET_BYTES_PER_PARAM).
+    assert costs.state_bytes_per_param("bf16", 0, 1) == 18
+    assert costs.state_bytes_per_param("bf16", 0, 8) == 18 + 4
     # ZeRO 1 as parallelize runs it: fp32 weights gathered through the step + a bf16 copy + whole fp32 gradients,
     # sharded fp32 master weights and AdamW m, v.
     assert costs.state_bytes_per_param("bf16", 1, 8) == 4 + 2 + 4 + (4 + 8) / 8
@@ -102,9 +104,11 @@ def test_activation_bytes_of_a_gpt_layer(gpt_profile):
     # saves a 4-byte input and the Linear after it a 2-byte cast of the norm's fp32 output:
     #   attn_norm input 4sh, qkv input (the cast) 2sh, attention q/k/v (views of the qkv output) 6sh + its output 2sh
     #   + fp32 log-sum-exp 4*a*s bytes, projection input (a copy after the transpose) 2sh, dropout mask sh,
-    #   mlp_norm input 4sh, fc input (the cast) 2sh, GeLU input 8sh, projection input 8sh, dropout mask sh: 40 sh.
+    #   mlp_norm input 4sh, fc input (the cast) 2sh, GeLU input 8sh, projection input 8sh, dropout mask sh: 40 sh;
+    #   and each norm's fp32 mean and reciprocal std per row, 8s bytes each.
     s, h, a = 16, 64, 4
-    by_hand = 40 * s * h + 4 * a * s
+    stats = 2 * 8 * s
+    by_hand = 40 * s * h + 4 * a * s + stats
     link = gpt_profile.cluster.intra_node
     block = next(i for i, seg in enumerate(gpt_profile.segments) if seg.is_block)
     assert gpt_profile.segment_costs(1, False, 1, "none", link)[block].activation_bytes == by_hand
@@ -112,12 +116,18 @@ def test_activation_bytes_of_a_gpt_layer(gpt_profile):
     # tp=2: what lies between the column and row Linears is split (Korthikanti's 24/t part; ours 26/t),
     # the rest (norm inputs and their casts, masks: 14 sh) is replicated, unless sequence parallel.
     split = 26 * s * h + 4 * a * s
-    assert gpt_profile.segment_costs(2, False, 1, "none", link)[block].activation_bytes == 14 * s * h + split / 2
+    assert gpt_profile.segment_costs(2, False, 1, "none", link)[block].activation_bytes == (
+        14 * s * h + stats + split / 2
+    )
     assert gpt_profile.segment_costs(2, True, 1, "none", link)[block].activation_bytes == by_hand / 2
     # Full recomputation keeps only the block's input (the fp32 hidden state, 4sh), plus one block while
-    # recomputing.
+    # recomputing, on top of the backward's own transient (Note [backward's own]).
     full = gpt_profile.segment_costs(1, False, 1, "full", link)[block]
-    assert full.activation_bytes == 4 * s * h and full.working_bytes == by_hand
+    none = gpt_profile.segment_costs(1, False, 1, "none", link)[block]
+    assert full.activation_bytes == 4 * s * h and full.working_bytes == by_hand + none.working_bytes
+    # The backward's own: the largest op's gradients (the GeLU: its 16-bit input and output, 8sh each) and the
+    # largest weight's gradient (fc's 64 x 256 + 256 bias, 2 + 4 bytes each in bf16).
+    assert none.working_bytes == 16 * s * h + (64 * 256 + 256) * 6
 
 
 def test_fp32_under_autocast_follows_the_dtypes(gpt_profile):
@@ -321,8 +331,8 @@ def test_zero_state_bytes_under_compression():
     assert costs.unsharded_bytes_per_param("bf16", "bf16") == (2, 2)
     assert costs.unsharded_bytes_per_param("bf16") == (4 + 2, 4)  # fp32 weight, autocast's copy, fp32 gradient
     # ZeRO 0: a 16-bit reduction holds nothing more; PowerSGD an fp32 residual per element (none with dp = 1).
-    assert costs.state_bytes_per_param("bf16", 0, 8, "bf16") == 18
-    assert costs.state_bytes_per_param("bf16", 0, 8, "powersgd") == 18 + 4
+    assert costs.state_bytes_per_param("bf16", 0, 8, "bf16") == 18 + 4  # DDP's buckets
+    assert costs.state_bytes_per_param("bf16", 0, 8, "powersgd") == 18 + 4 + 4
     assert costs.state_bytes_per_param("bf16", 0, 1, "powersgd") == 18
     assert costs.gathered_bytes_per_param("bf16", "bf16") == 2 and costs.gathered_bytes_per_param("bf16") == 4
     assert costs.reduced_bytes_per_param("fp16") == 2 and costs.reduced_bytes_per_param("none") == 4

@@ -468,6 +468,8 @@ class Search:
             boundary = self.ctx.profile.boundary_bytes * c.micro_batch / (c.tp if c.sequence_parallel else 1)
             memory = memory + (inflight * c.virtual_stages + 1) * boundary
         memory = np.maximum(memory, costs.after_backward_bytes(params, largest, dtype, c.zero, c.dp, mode))
+        if c.pp > 1:  # Note [syncing a weight several stages hold] in costs.py
+            memory = np.maximum(memory, params * state + shared * costs.TIED_SYNC_BYTES_PER_PARAM)
         return t, tail, memory
 
     def _all_reduce_tail(
