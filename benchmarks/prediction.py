@@ -12,6 +12,9 @@ Run: .venv/bin/python benchmarks/prediction.py [--model gpt-mini] [--seq-len 128
 3. Prints a markdown table (predicted, measured, error), the Spearman rank correlation of predicted and
    measured (overall and per N), and whether the planner's pick is the measured fastest of its N or within
    10 % of it.
+   Every run also records each rank's peak tensor bytes (train_gpt --memory-out, hyparallel.peak_memory: Note
+   [measuring a CPU peak]); the table shows measured, predicted and their ratio per rank, and the script exits 1
+   if any rank measured more than its prediction (an under-prediction) or recorded no peak.
 4. Memory: for a few of the plans, every rank's weights, gradients and AdamW state (bytes of the real tensors
    after a step) against the planner's per-rank parameters x bytes per parameter (fp32: 4 + 4 + 8).
 5. Activations: the bytes one micro-batch's forward and loss save for the backward (every distinct tensor
@@ -100,11 +103,13 @@ def label(constraints: dict) -> str:
     return " ".join(f"{k.replace('_', '-')} {v}" for k, v in constraints.items()) or "planner's pick"
 
 
-def measure(n: int, plan, args, folder: Path) -> float | None:
-    """Median measured step seconds of `plan` under torchrun, or None if the run failed."""
-    plan_file, metrics = folder / "plan.yaml", folder / "metrics.json"
+def measure(n: int, plan, args, folder: Path) -> tuple[float | None, list[dict]]:
+    """Median measured step seconds of `plan` under torchrun (None if the run failed), and every rank's peak tensor
+    bytes against its prediction (train_gpt --memory-out: hyparallel.peak_memory)."""
+    plan_file, metrics, peaks = folder / "plan.yaml", folder / "metrics.json", folder / "peaks.json"
     plan.save(plan_file)
     metrics.unlink(missing_ok=True)
+    peaks.unlink(missing_ok=True)
     proc = torchrun(
         n,
         "examples/train_gpt.py",
@@ -118,11 +123,13 @@ def measure(n: int, plan, args, folder: Path) -> float | None:
         str(args.steps),
         "--metrics-out",
         str(metrics),
+        "--memory-out",
+        str(peaks),
     )
     if proc.returncode != 0 or not metrics.exists():
         print(f"   run failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-        return None
-    return json.loads(metrics.read_text())["step_time_s"]
+        return None, []
+    return json.loads(metrics.read_text())["step_time_s"], json.loads(peaks.read_text()) if peaks.exists() else []
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -164,7 +171,7 @@ def step_times(args, folder: Path) -> list[dict]:
             if key in seen:  # the pick may equal a grid point: run it once
                 continue
             seen.add(key)
-            measured = measure(n, plan, args, folder)
+            measured, peaks = measure(n, plan, args, folder)
             rows.append(
                 {
                     "world": n,
@@ -173,6 +180,7 @@ def step_times(args, folder: Path) -> list[dict]:
                     "predicted_s": plan.predicted.step_time_s,
                     "measured_s": measured,
                     "pick": name == "planner's pick",
+                    "peaks": peaks,
                 }
             )
             print(
@@ -222,6 +230,31 @@ def step_report(rows: list[dict]) -> list[str]:
     if errors:
         lines.append(f"median |measured / predicted - 1|: {float(np.median(errors)):.0%}")
     return lines
+
+
+def peak_report(rows: list[dict]) -> tuple[list[str], list[str]]:
+    """The per-rank peak table of every plan run (measured, predicted, ratio), and one line per rank whose measured
+    peak is above the prediction (an under-prediction: on a real cluster, an out-of-memory crash)."""
+    lines = [
+        "| N | plan | rank (pp, dp, tp) | peak tensor bytes, measured | predicted | measured / predicted |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    under = []
+    for r in rows:
+        for peak in r.get("peaks", []):
+            c, measured, predicted = peak["coords"], peak["peak_bytes"], peak["predicted_bytes"]
+            lines.append(
+                f"| {r['world']} | {r['plan']} | {peak['rank']} ({c['pp']}, {c['dp']}, {c['tp']}) | {measured:,} | "
+                f"{predicted:,.0f} | {measured / predicted:.2f} |"
+            )
+            if measured > predicted:
+                under.append(
+                    f"N={r['world']} {r['plan']} rank {peak['rank']}: measured {measured:,} bytes > predicted "
+                    f"{predicted:,.0f}"
+                )
+        if r["measured_s"] and not r.get("peaks"):
+            under.append(f"N={r['world']} {r['plan']}: no peak measured")
+    return lines, under
 
 
 def memory_worker(plan_file: str, model_name: str, out: str) -> None:
@@ -411,12 +444,17 @@ def main() -> int:
             memory_lines = memory(args, Path(tmp))
     if "activations" in parts:
         activation_lines = activations(device=args.device)
+    peak_lines, under = peak_report(rows) if rows else ([], [])
     if step_lines:
         print(
             f"## Step time: predicted vs measured ({args.model}, global batch {args.global_batch} x {args.seq_len}, "
             "fp32, gloo; calibrated per world size)\n"
         )
         print("\n".join(step_lines))
+        print("\n## Peak memory per rank: measured (hyparallel.peak_memory) vs predicted, every plan above\n")
+        print("\n".join(peak_lines))
+        verdict = "\n".join(f"UNDER-PREDICTED: {line}" for line in under) or "measured peak <= predicted on every rank"
+        print("\n" + verdict)
     if memory_lines:
         print("\n## Memory: weights, gradients and optimizer state per rank (bytes), measured vs planner\n")
         print("\n".join(memory_lines))
@@ -434,11 +472,13 @@ def main() -> int:
                     "step_report": step_lines,
                     "memory_report": memory_lines,
                     "activation_report": activation_lines,
+                    "peak_report": peak_lines,
+                    "under_predicted": under,
                 },
                 indent=1,
             )
         )
-    return 0
+    return 1 if under else 0
 
 
 if __name__ == "__main__":

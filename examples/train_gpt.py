@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import hyparallel as hp
+from hyparallel import peak_memory
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
@@ -50,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--metrics-out", help="rank 0 writes the measured step figures and the plan here as JSON")
     parser.add_argument("--calibrate-online", metavar="FILE", help="rank 0 writes the corrected cluster here")
     parser.add_argument("--calibrate-threshold", type=float, default=None, help="fit when off by more (default 0.1)")
+    parser.add_argument("--memory-out", help="rank 0 writes every rank's peak tensor bytes and the prediction here")
     parser.add_argument("--log-json", help="rank 0 appends {step, loss, world_size, restart} here, a JSON line a step")
     return parser.parse_args()
 
@@ -64,13 +66,13 @@ def load_plan(args: argparse.Namespace, model: torch.nn.Module) -> hp.Plan:
 
 def batches(plan: hp.Plan, seed: int, skip: int):
     """Global batches of (inputs, targets): rows of seq_len + 1 bytes from random places in the corpus."""
-    data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
+    data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8)  # widened per batch: 1 byte a token
     rows, length = plan.training.global_batch, plan.training.seq_len
     generator = torch.Generator().manual_seed(seed)
     for step in range(10**9):
         starts = torch.randint(0, data.numel() - length - 1, (rows,), generator=generator)
         if step >= skip:
-            chunk = torch.stack([data[s : s + length + 1] for s in starts.tolist()])
+            chunk = torch.stack([data[s : s + length + 1] for s in starts.tolist()]).long()
             yield chunk[:, :-1], chunk[:, 1:]
 
 
@@ -78,10 +80,13 @@ def main() -> None:
     args = parse_args()
     model = hp.models.load(args.model).module  # meta device: each rank materialises only its share
     plan = load_plan(args, model)
+    peaks = peak_memory.for_plan(plan).start() if args.memory_out else None  # before the model is materialised
     pmodel = hp.parallelize(model, plan, seed=args.seed)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr, weight_decay=0.0)
     if args.calibrate_online:  # Note [online calibration] in hyparallel/metrics.py
         pmodel.metrics.calibrate_online(args.calibrate_online, model=args.model, threshold=args.calibrate_threshold)
+    if peaks:
+        peaks.reset_peak()  # the steps' peak, not the materialisation's
     rank0, done, source = pmodel.env.rank == 0, 0, ""
     resumed = None
     if args.checkpoint_dir:
@@ -143,6 +148,8 @@ def main() -> None:
         )
         if args.metrics_out:
             Path(args.metrics_out).write_text(json.dumps(pmodel.metrics.record(args.model), indent=1))
+    if peaks and (rows := peak_memory.report(pmodel, peaks)):
+        Path(args.memory_out).write_text(json.dumps(rows, indent=1))
     torch.distributed.destroy_process_group()
 
 

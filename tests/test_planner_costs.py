@@ -55,8 +55,10 @@ def test_bubble_and_inflight_microbatches():
 
 
 def test_zero_state_bytes():
-    # bf16 under autocast: 4 (fp32 weight) + 2 (its bf16 copy) + 4 (fp32 grad) + 8 (AdamW m, v) = 18 bytes.
-    assert costs.state_bytes_per_param("bf16", 0, 8) == 18
+    # bf16 under autocast: 4 (fp32 weight) + 2 (its bf16 copy) + 4 (fp32 grad) + 8 (AdamW m, v) = 18 bytes; with
+    # dp > 1 DDP's fp32 gradient buckets add 4 (costs.DDP_BUCKET_BYTES_PER_PARAM).
+    assert costs.state_bytes_per_param("bf16", 0, 1) == 18
+    assert costs.state_bytes_per_param("bf16", 0, 8) == 18 + 4
     # ZeRO 1 as parallelize runs it: fp32 weights gathered through the step + a bf16 copy + whole fp32 gradients,
     # sharded fp32 master weights and AdamW m, v.
     assert costs.state_bytes_per_param("bf16", 1, 8) == 4 + 2 + 4 + (4 + 8) / 8
@@ -97,24 +99,51 @@ def gpt_profile():
 
 
 def test_activation_bytes_of_a_gpt_layer(gpt_profile):
-    # Tensors a zoo GPT block keeps for backward (bf16, s=16, h=64, 4 heads), by hand:
-    #   attn_norm input 2sh, qkv input 2sh, attention q/k/v (views of the qkv output) 6sh + its output 2sh
+    # Tensors a zoo GPT block keeps for backward (bf16, s=16, h=64, 4 heads), by hand. Under autocast the residual
+    # stream stays fp32 (Note [fp32 under autocast]): the embedding and every residual add make fp32, so each norm
+    # saves a 4-byte input and the Linear after it a 2-byte cast of the norm's fp32 output:
+    #   attn_norm input 4sh, qkv input (the cast) 2sh, attention q/k/v (views of the qkv output) 6sh + its output 2sh
     #   + fp32 log-sum-exp 4*a*s bytes, projection input (a copy after the transpose) 2sh, dropout mask sh,
-    #   mlp_norm input 2sh, fc input 2sh, GeLU input 8sh, projection input 8sh, dropout mask sh: 36 sh in all.
+    #   mlp_norm input 4sh, fc input (the cast) 2sh, GeLU input 8sh, projection input 8sh, dropout mask sh: 40 sh;
+    #   and each norm's fp32 mean and reciprocal std per row, 8s bytes each.
     s, h, a = 16, 64, 4
-    by_hand = 36 * s * h + 4 * a * s
+    stats = 2 * 8 * s
+    by_hand = 40 * s * h + 4 * a * s + stats
     link = gpt_profile.cluster.intra_node
     block = next(i for i, seg in enumerate(gpt_profile.segments) if seg.is_block)
     assert gpt_profile.segment_costs(1, False, 1, "none", link)[block].activation_bytes == by_hand
     assert gpt_profile.segment_costs(1, False, 3, "none", link)[block].activation_bytes == 3 * by_hand
     # tp=2: what lies between the column and row Linears is split (Korthikanti's 24/t part; ours 26/t),
-    # the rest (norm inputs and outputs, residual, masks: 10 sh) is replicated, unless sequence parallel.
+    # the rest (norm inputs and their casts, masks: 14 sh) is replicated, unless sequence parallel.
     split = 26 * s * h + 4 * a * s
-    assert gpt_profile.segment_costs(2, False, 1, "none", link)[block].activation_bytes == 10 * s * h + split / 2
+    assert gpt_profile.segment_costs(2, False, 1, "none", link)[block].activation_bytes == (
+        14 * s * h + stats + split / 2
+    )
     assert gpt_profile.segment_costs(2, True, 1, "none", link)[block].activation_bytes == by_hand / 2
-    # Full recomputation keeps only the block's input (the hidden state, 2sh), plus one block while recomputing.
+    # Full recomputation keeps only the block's input (the fp32 hidden state, 4sh), plus one block while
+    # recomputing, on top of the backward's own transient (Note [backward's own]).
     full = gpt_profile.segment_costs(1, False, 1, "full", link)[block]
-    assert full.activation_bytes == 2 * s * h and full.working_bytes == by_hand
+    none = gpt_profile.segment_costs(1, False, 1, "none", link)[block]
+    assert full.activation_bytes == 4 * s * h and full.working_bytes == by_hand + none.working_bytes
+    # The backward's own: the largest op's gradients (the GeLU: its 16-bit input and output, 8sh each) and the
+    # largest weight's gradient (fc's 64 x 256 + 256 bias, 2 + 4 bytes each in bf16).
+    assert none.working_bytes == 16 * s * h + (64 * 256 + 256) * 6
+
+
+def test_fp32_under_autocast_follows_the_dtypes(gpt_profile):
+    # Note [fp32 under autocast]: norms and embeddings make fp32, Linears and attention 16 bits, an elementwise op
+    # fp32 when any input is; in fp32 plans nothing is widened.
+    graph = gpt_profile.graph
+    fp32 = gpt_profile.fp32_values
+    kinds = {name: graph.graph.nodes[name]["kind"] for name in graph.graph.nodes}
+    assert all(name in fp32 for name, kind in kinds.items() if kind in ("norm", "embedding"))
+    assert not any(name in fp32 for name, kind in kinds.items() if kind in ("linear", "attention"))
+    residual = [n for n, k in kinds.items() if k == "dropout"]  # bias_dropout_residual: bf16 + fp32 residual
+    assert residual and all(n in fp32 for n in residual)
+    gelu = [n for n, k in kinds.items() if k == "activation"]  # computed from a Linear's 16-bit output only
+    assert gelu and not any(n in fp32 for n in gelu)
+    fp32_profile = ModelProfile(graph, gpt_profile.cluster, "fp32", 16)
+    assert fp32_profile.fp32_values == frozenset()
 
 
 def test_tp_communication_of_a_gpt_layer(gpt_profile):
@@ -193,16 +222,17 @@ def test_op_overhead_costs_every_dispatched_op_on_a_cpu():
     assert forward_s(1e-3) - forward_s(0.0) == pytest.approx(kernels * 1e-3, rel=1e-6)
 
 
-def test_the_loss_keeps_fp32_log_probabilities_and_briefly_the_logits_twice():
-    # Note [the loss's memory]: 4 bytes per logit saved; while the loss runs, the logits (2 in bf16) and their
-    # fp32 copy (4) too.
+def test_the_loss_keeps_fp32_log_probabilities_and_its_backward_two_fp32_gradients():
+    # Note [the loss's memory]: 4 bytes per logit saved; its forward holds the logits (2 in bf16) and their fp32
+    # copy (4) beside them, its backward nll_loss's and log_softmax's fp32 gradients (4 + 4): the larger, 8 bytes
+    # per logit, in both dtypes.
     model = hp.models.build("gpt-tiny")
     graph = hp.trace(model, model.example_inputs(1, 16))
     logits = 16 * model.config.vocab_size
-    for dtype, transient in (("bf16", 6), ("fp32", 4)):
+    for dtype in ("bf16", "fp32"):
         cluster = hp.ClusterSpec.preset("a100-80g")
         last = ModelProfile(graph, cluster, dtype, 16).segment_costs(1, False, 2, "none", cluster.intra_node)[-1]
-        assert last.working_bytes == pytest.approx(2 * logits * transient)
+        assert last.working_bytes == pytest.approx(2 * logits * 8)
         assert last.activation_bytes >= 2 * logits * 4
 
 
@@ -301,8 +331,8 @@ def test_zero_state_bytes_under_compression():
     assert costs.unsharded_bytes_per_param("bf16", "bf16") == (2, 2)
     assert costs.unsharded_bytes_per_param("bf16") == (4 + 2, 4)  # fp32 weight, autocast's copy, fp32 gradient
     # ZeRO 0: a 16-bit reduction holds nothing more; PowerSGD an fp32 residual per element (none with dp = 1).
-    assert costs.state_bytes_per_param("bf16", 0, 8, "bf16") == 18
-    assert costs.state_bytes_per_param("bf16", 0, 8, "powersgd") == 18 + 4
+    assert costs.state_bytes_per_param("bf16", 0, 8, "bf16") == 18 + 4  # DDP's buckets
+    assert costs.state_bytes_per_param("bf16", 0, 8, "powersgd") == 18 + 4 + 4
     assert costs.state_bytes_per_param("bf16", 0, 1, "powersgd") == 18
     assert costs.gathered_bytes_per_param("bf16", "bf16") == 2 and costs.gathered_bytes_per_param("bf16") == 4
     assert costs.reduced_bytes_per_param("fp16") == 2 and costs.reduced_bytes_per_param("none") == 4

@@ -30,6 +30,10 @@ MASTER_BYTES_PER_PARAM = 4
 # "Overlap Communication with Dependent Computation via Decomposition", Sec. 2; Zhao et al. 2023,
 # "PyTorch FSDP", Sec. 7.2). We charge this fraction of the hidden communication time to the step.
 OVERLAP_CONTENTION = 0.2
+# Note [the loss's memory] in profile.py: the cross-entropy's backward holds nll_loss's and log_softmax's fp32
+# gradients (4 + 4 bytes per logit) beside the saved fp32 log-probabilities (aten's cross_entropy is log_softmax
+# then nll_loss; both gradients are dense).
+LOSS_BACKWARD_BYTES_PER_LOGIT = 8
 
 # DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25): the last
 # bucket is reduced after the last backward op, so at least its reduction is never hidden.
@@ -417,13 +421,80 @@ def state_bytes_per_param(dtype: Dtype, zero: int, dp: int, grad_compression: Gr
     if zero == 0 or dp == 1:
         copy = 0 if dtype == "fp32" else DTYPE_BYTES[dtype]
         residual = ERROR_FEEDBACK_BYTES_PER_PARAM if grad_compression == "powersgd" and dp > 1 else 0
-        return master + copy + grad + adam + residual
+        buckets = DDP_BUCKET_BYTES_PER_PARAM if dp > 1 else 0
+        return master + copy + grad + adam + residual + buckets
     weight, unsharded_grad = unsharded_bytes_per_param(dtype, grad_compression)
     if zero == 1:
         return master / dp + weight + unsharded_grad + adam / dp
     if zero == 2:  # gradients reduce-scattered after every micro-batch: only their fp32 shards stay
         return master / dp + weight + (grad + adam) / dp
     return (master + grad + adam) / dp
+
+
+# Note [memory after the backward]
+#     Between train_step and the next one, the runtime and a training loop allocate transients the step's own peak
+#     does not see. Activations are freed by then, and so is autocast's 16-bit copy of the weights (held for the
+#     step, Note [one 16-bit copy of the weights per step] in parallel.py), but weights, gradients and AdamW state
+#     are all alive:
+#       * torch.optim.AdamW's default on CUDA is its foreach implementation (torch/optim/adam.py,
+#         _multi_tensor_adam): `torch._foreach_sqrt(exp_avg_sqs)` makes a new fp32 tensor for every parameter the
+#         optimizer steps, 4 bytes per parameter at once (OPTIMIZER_STEP_TRANSIENT_BYTES_PER_PARAM). The
+#         single-tensor implementation (CPU's default) makes `exp_avg_sq.sqrt() / bias_correction2_sqrt`, two fp32
+#         temporaries of one parameter at a time; the fused one (fused=True) none;
+#       * ParallelModel.clip_grad_norm_ squares each gradient in float64 (`grad.double().pow(2)`): two 8-byte
+#         copies of one gradient at a time, CLIP_TRANSIENT_BYTES_PER_ELEMENT = 16 per element of the largest.
+#     The planner takes the larger of the two over a stage's state, bounding a stage's largest tensor by its
+#     largest segment's parameters.
+# Note [syncing a weight several stages hold]
+#     After the schedule, a weight two pipeline ranks hold (a tied embedding and head) has its step's gradient summed
+#     over them (PipelineRuntime._sync_tied_grads): the gradient before the step (cloned when one existed), the
+#     step's part (a clone or a difference), the other holder's part received, and the total: 4 fp32 tensors of the
+#     weight's size beside its gradient, 16 bytes per element, while the step's state (autocast's copy included) is
+#     alive and the activations are freed. Measured: gpt-tiny pp 2 in bf16 on the CPU peaked there, 3.5% over the
+#     prediction without it (tests/test_planner_memory.py).
+TIED_SYNC_BYTES_PER_PARAM = 16
+# DistributedDataParallel (ZeRO 0, dp > 1) allocates its gradient buckets when it is built: a flat fp32 copy of every
+# gradient, kept for the run (torch's default gradient_as_bucket_view=False, which parallelize keeps). Measured:
+# gpt-tiny dp 2 in bf16 on the CPU peaked 12% over the prediction without it (tests/test_planner_memory.py). With a
+# pipeline the runtime reduces in flat buckets of its own instead (one 25 MiB bucket at a time): counted the same.
+DDP_BUCKET_BYTES_PER_PARAM = 4
+OPTIMIZER_STEP_TRANSIENT_BYTES_PER_PARAM = 4
+CLIP_TRANSIENT_BYTES_PER_ELEMENT = 16
+
+
+def after_backward_bytes(
+    params: Bytes, largest: Bytes, dtype: Dtype, zero: int, dp: int, grad_compression: GradCompression = "none"
+) -> Bytes:
+    """A stage's memory in the optimizer step and gradient clipping (Note [memory after the backward]).
+
+    ``params``: the parameters a rank holds; ``largest``: the most any one of its segments holds (a bound on its
+    largest tensor). State as ``state_bytes_per_param`` counts it, less autocast's copy at ZeRO 0 (freed with the
+    step; ZeRO 1-3 keep their gathered buffers in the count); the optimizer's transient over the parameters it steps
+    (a 1/dp shard at ZeRO >= 1), or the clip's over the largest gradient, whichever is larger.
+    """
+    state = state_bytes_per_param(dtype, zero, dp, grad_compression)
+    if (zero == 0 or dp == 1) and dtype != "fp32":
+        state -= DTYPE_BYTES[dtype]
+    stepped = params / dp if zero >= 1 and dp > 1 else params
+    transient = np.maximum(
+        stepped * OPTIMIZER_STEP_TRANSIENT_BYTES_PER_PARAM, largest * CLIP_TRANSIENT_BYTES_PER_ELEMENT
+    )
+    return params * state + transient
+
+
+def recompute_copies_bytes_per_param(dtype: Dtype, recompute: str, zero: int, inflight: float) -> float:
+    """Bytes per parameter of the 16-bit weight copies selective recomputation keeps beyond the step's one.
+
+    Note [16-bit copies under recomputation]: with recomputation parallelize casts the weights once per micro-batch
+    (not once per step). Full recomputation saves nothing of a recomputed region, so each copy is freed when its
+    micro-batch's autocast region ends and the recompute casts one region's weights again: the step's one copy in
+    ``state_bytes_per_param`` bounds it. Selective recomputation saves every op it does not recompute, the casts
+    among them, so each micro-batch in flight holds a copy of the stage's weights until its backward: ``inflight - 1``
+    more than counted. Nothing in fp32 training, or under ZeRO 3 (copies of the gathered units only).
+    """
+    if dtype == "fp32" or recompute != "selective" or zero == 3:
+        return 0.0
+    return DTYPE_BYTES[dtype] * max(inflight - 1.0, 0.0)
 
 
 def adam_step_bytes_per_param(dtype: Dtype) -> int:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, cached_property
 
+import networkx as nx
+
 from hyparallel.cluster import ClusterSpec, LinkSpec
 from hyparallel.graph import ModelGraph, Op
 from hyparallel.graph.structure import TPAnalysis
@@ -120,6 +122,8 @@ class _SegmentRaw:
     comm_fwd: tuple[float, ...]
     comm_bwd: tuple[float, ...]
     loss_working: tuple[float, float] = (0.0, 0.0)  # (split by tp, whole) bytes alive while the loss runs
+    backward_working: float = 0.0  # per sequence: the largest op's output and input gradients (Note [backward's own])
+    weight_ops: tuple[Op, ...] = ()  # ops with parameters: their weight gradients' transient (Note [backward's own])
 
 
 class ModelProfile:
@@ -285,10 +289,13 @@ class ModelProfile:
         comm_bwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_bwd)
         saved = raw.saved_split / tp + raw.saved_full / (tp if sp else 1)
         working = raw.loss_working[0] / tp + raw.loss_working[1] / (tp if sp else 1)
+        weight_grads = max((self.tp_analysis.params_per_rank(op, tp) for op in raw.weight_ops), default=0.0)
+        weight_bytes = self.dtype_bytes + 4 if self.dtype != "fp32" else 4
+        working = max(working, raw.backward_working / (tp if sp else 1) + weight_grads * weight_bytes / b)
         if raw.is_block and recompute == "full":
             backward += forward  # the block's forward runs again before its backward
             comm_bwd += comm_fwd
-            working, saved = saved, raw.block_input_bytes / (tp if sp else 1)
+            working, saved = saved + working, raw.block_input_bytes / (tp if sp else 1)
         elif raw.is_block and recompute == "selective":
             backward += quadratic_forward  # re-run the ops producing the seq^2 tensors (Korthikanti et al. 2022)
             quadratic_split, quadratic_full = raw.saved_quadratic
@@ -312,17 +319,24 @@ class ModelProfile:
         loss_working = (0.0, 0.0)
         if ops[-1].name == self.segments_last_op:
             # Note [the loss's memory]
-            # The loss (token cross-entropy in fp32, as parallelize's default computes it) keeps its fp32
-            # log-probabilities for the backward: 4 bytes per logit saved. While it runs, the model's logits
-            # (in the plan's dtype) and their fp32 copy are alive too: a transient of 2 + 4 bytes per logit
-            # in bf16/fp16 (4 in fp32, where the copy is the tensor itself), measured on an H200 (RESULTS.md).
+            # The loss (token cross-entropy in fp32, as parallelize's default computes it: log_softmax then
+            # nll_loss) keeps its fp32 log-probabilities for the backward: 4 bytes per logit saved. Its forward
+            # holds the model's logits (the plan's dtype) and their fp32 copy beside them: 2 + 4 bytes per logit
+            # in bf16/fp16 (4 in fp32, where the copy is the tensor itself). Its backward holds more:
+            # nll_loss's gradient (fp32, dense, 4 bytes per logit) and log_softmax's (4 more) beside the saved
+            # log-probabilities, before the gradient is cast back to the logits' dtype. The transient is the
+            # larger of the two, LOSS_BACKWARD_BYTES_PER_LOGIT = 8 in every dtype.
             outputs = [graph.op(p) for p in graph.graph.predecessors(graph.ops[-1].name)]
             numel = sum(_numel(s) for op in outputs for s in op.output_shapes)
+            forward_transient = self.dtype_bytes + (4 if self.dtype != "fp32" else 0)
             logits, transient = (
                 numel * 4 / scale,
-                numel * (self.dtype_bytes + (4 if self.dtype != "fp32" else 0)) / scale,
+                numel * max(forward_transient, costs.LOSS_BACKWARD_BYTES_PER_LOGIT) / scale,
             )
-            vocab_split = analysis.styles.get(ops[-1].name) == "vocab"
+            # parallelize gathers a vocab-parallel head's logits for the loss unless told vocab_parallel_loss=True,
+            # which the plan does not say: the loss's memory is counted whole (measured: gpt-tiny tp 2 on the CPU
+            # peaked at twice the prediction with it split by tp).
+            vocab_split = False
             if vocab_split:
                 saved_split += logits
             else:
@@ -330,6 +344,30 @@ class ModelProfile:
             loss_working = (transient, 0.0) if vocab_split else (0.0, transient)
         comm_fwd, comm_bwd = self._tp_comm(ops)
         entering = self._entering_bytes(ops) if segment.is_block else 0.0
+        # Note [backward's own]
+        #     While an op's backward runs, the gradient of its output and those of its inputs are alive beside every
+        #     saved activation, each in its value's dtype; a Linear's weight gradient is made in the dtype it computed
+        #     in (autocast's 16 bits) and cast to the fp32 parameter's before it is accumulated: 2 + 4 bytes per
+        #     parameter at once (4 in fp32). The planner adds the largest op's to the stage's transient (each
+        #     activation gradient counted whole across tp ranks: an upper bound). Measured: gpt-tiny pp 2 in bf16 on
+        #     the CPU peaked in a backward, 3.5% over the prediction without it (tests/test_planner_memory.py).
+        g = graph.graph
+        backward_working = max(
+            (
+                (
+                    cost.out_bytes * self._widening(op.name)
+                    + sum(
+                        g.nodes[p]["output_bytes"] * self._widening(p) * self.scale / self.traced_rows
+                        for p in g.predecessors(op.name)
+                        if g.nodes[p]["kind"] != "input"
+                    )
+                )
+                for op, cost in zip(ops, op_costs)
+                if cost.kind != "view"
+            ),
+            default=0.0,
+        )
+        weight_ops = tuple(op for op in ops if op.param_count)
 
         @cache
         def params_by_tp(tp: int) -> float:
@@ -344,6 +382,7 @@ class ModelProfile:
             comm_bwd,
             entering,
             loss_working,
+            backward_working,
             segment.is_block,
             tuple((analysis.styles.get(op.name), op.param_count) for op in ops),
         )
@@ -360,6 +399,8 @@ class ModelProfile:
             comm_fwd=tuple(x * one for x in comm_fwd),
             comm_bwd=tuple(x * one for x in comm_bwd),
             loss_working=(loss_working[0] * one, loss_working[1] * one),
+            backward_working=backward_working,
+            weight_ops=weight_ops,
         )
 
     def _op_cost(self, op: Op) -> _OpCost:
@@ -434,9 +475,16 @@ class ModelProfile:
             if op.kind == "attention" or name in _SAVES_OUTPUT:
                 sources.append(op.name)
             for source in sources:
-                saved[source] = g.nodes[source]["output_bytes"]
+                if op.kind in _SIXTEEN_BIT_KINDS and source != op.name and source in self.fp32_values:
+                    # autocast casts an fp32 input to the plan's dtype first and the op saves that cast
+                    saved[f"{source}:cast"] = g.nodes[source]["output_bytes"]
+                else:
+                    saved[source] = g.nodes[source]["output_bytes"] * self._widening(source)
             if op.kind == "attention":  # log-sum-exp per (head, query) in fp32
                 saved[f"{op.name}:lse"] = _numel(op.output_shapes[0]) / op.input_shapes[0][-1] * 4 / self.scale
+            if op.kind == "norm" and op.output_shapes:  # mean and reciprocal std (or rms) per row in fp32
+                rows = _numel(op.output_shapes[0]) / max(op.output_shapes[0][-1], 1)
+                saved[f"{op.name}:stats"] = rows * 2 * 4 / self.scale
             if op.kind == "dropout":  # a one-byte mask per element
                 saved[f"{op.name}:mask"] = sum(_numel(s) for s in op.output_shapes) / self.scale
         split = full = quadratic_split = quadratic_full = 0.0
@@ -478,7 +526,67 @@ class ModelProfile:
         """Bytes of the tensors that flow into these ops from outside (a block's inputs)."""
         g, names = self.graph.graph, {op.name for op in ops}
         sources = {p for op in ops for p in g.predecessors(op.name) if p not in names and g.nodes[p]["kind"] != "input"}
-        return sum(g.nodes[p]["output_bytes"] for p in sources)
+        return sum(g.nodes[p]["output_bytes"] * self._widening(p) for p in sources)
+
+    @cached_property
+    def boundary_bytes(self) -> float:
+        """Bytes per sequence of the largest tensor set crossing a cut point, in the dtypes the runtime holds them
+        (Note [fp32 under autocast]): what a pipeline stage keeps of each micro-batch it has sent (Note [a pipeline
+        stage's boundary tensors] in search.py)."""
+        g = self.graph.graph
+        return (
+            max(
+                (
+                    sum(g.nodes[t]["output_bytes"] * self._widening(t) for t in cut.tensors if t in g)
+                    for cut in self.graph.cut_points
+                ),
+                default=0.0,
+            )
+            * self.per_sequence
+        )
+
+    def _widening(self, name: str) -> float:
+        """How much wider than the plan's dtype the value ``name`` is when the runtime computes it (Note [fp32
+        under autocast]): 4 / 2 for a value autocast leaves in fp32 in a bf16/fp16 plan, else 1."""
+        return 4 / self.dtype_bytes if name in self.fp32_values else 1.0
+
+    @cached_property
+    def fp32_values(self) -> frozenset[str]:
+        """The values a bf16/fp16 plan's runtime holds in fp32 (Note [fp32 under autocast]); none in fp32 plans."""
+        return autocast_fp32_values(self.graph) if self.dtype != "fp32" else frozenset()
+
+
+# Note [fp32 under autocast]
+#     parallelize runs a bf16/fp16 plan under torch.autocast over fp32 weights, and autocast casts only the inputs
+#     of its lower-precision ops (matrix products, attention: torch's autocast op lists, "CUDA Ops that can autocast
+#     to float16", and their CPU counterparts). Everything else computes in the dtype its inputs have: embeddings
+#     look up the fp32 table, norms, softmax and the loss run in fp32 (autocast's fp32 list), and an elementwise op
+#     with one fp32 input promotes to fp32. So a GPT's residual stream (embedding + positions, then each block's
+#     residual adds) stays fp32: the norms save it at 4 bytes per element, and full recomputation keeps each block's
+#     input at 4, where the plan's dtype says 2. The planner follows the dtypes through the traced graph the same
+#     way: a value is 16-bit when a matrix product or attention makes it, or when every value it is computed from
+#     is; fp32 when a norm, softmax, embedding, loss or explicit `float` makes it, or when any value it is computed
+#     from is fp32 (type promotion). Measured: gpt-1.3b on an H200 (benchmarks/RESULTS.md, Note [the H200 rows]
+#     in tests/test_planner_memory.py).
+_SIXTEEN_BIT_KINDS = {"linear", "matmul", "attention"}
+_FP32_KINDS = {"norm", "embedding", "loss"}
+_FP32_TARGETS = _SAVES_OUTPUT | {"float", "softmax", "log_softmax", "cross_entropy", "layer_norm", "rms_norm"}
+
+
+def autocast_fp32_values(graph: ModelGraph) -> frozenset[str]:
+    """The ops whose outputs a bf16/fp16 autocast region leaves in fp32 (Note [fp32 under autocast])."""
+    g, fp32 = graph.graph, set()
+    for name in nx.topological_sort(g):
+        kind, target = g.nodes[name]["kind"], g.nodes[name].get("target")
+        if kind in ("input", "output"):
+            continue
+        if kind in _SIXTEEN_BIT_KINDS:
+            continue
+        if kind in _FP32_KINDS or target in _FP32_TARGETS:
+            fp32.add(name)
+        elif any(p in fp32 for p in g.predecessors(name)):
+            fp32.add(name)
+    return frozenset(fp32)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

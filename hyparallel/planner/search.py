@@ -463,6 +463,14 @@ class Search:
         memory = params * state + inflight * act + work + extra_memory
         if c.zero == 3:  # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
             memory = memory + 2 * largest * sum(costs.unsharded_bytes_per_param(dtype, mode))
+        memory = memory + params * costs.recompute_copies_bytes_per_param(dtype, c.recompute, c.zero, inflight)
+        if c.pp > 1:  # Note [a pipeline stage's boundary tensors]
+            boundary = self.ctx.profile.boundary_bytes * c.micro_batch / (c.tp if c.sequence_parallel else 1)
+            sent_back = c.num_microbatches * (c.virtual_stages - (1 if stage == 0 else 0))
+            memory = memory + (inflight * c.virtual_stages + 1 + sent_back) * boundary
+        memory = np.maximum(memory, costs.after_backward_bytes(params, largest, dtype, c.zero, c.dp, mode))
+        if c.pp > 1:  # Note [syncing a weight several stages hold] in costs.py
+            memory = np.maximum(memory, params * state + shared * costs.TIED_SYNC_BYTES_PER_PARAM)
         return t, tail, memory
 
     def _all_reduce_tail(
@@ -558,6 +566,19 @@ class Search:
         return self._finish(
             c, links, self._tables(c, links), evaluation.stages, _devices(c, evaluation.stages), limit=math.inf
         )
+
+
+# Note [a pipeline stage's boundary tensors]
+#     A pipeline stage keeps the output it sent for each micro-batch in flight (the root its backward starts from
+#     when the gradient arrives) and receives that gradient into a tensor of the same size; neither is saved by an op
+#     of the stage, so the activations do not count them. The planner adds (in flight x v + 1) x the largest cut's
+#     tensors per micro-batch (profile.boundary_bytes, in the dtypes the runtime holds: the residual stream is fp32
+#     under autocast) on every pipeline stage; 1/t of them with sequence parallelism. Measured: gpt-tiny pp 2 on
+#     this project's CPU (benchmarks/prediction.py's memory table) was 7% over the prediction on stage 0 without it.
+#     And the gradients a stage sends back stay referenced by their isend's work until the end of the schedule
+#     (PipelineRuntime keeps every send in _Step.sends and waits for them there): m of them on every stage but the
+#     first, m per virtual stage after a device's first under interleaving. Measured: gpt-mini pp 2, 1F1B with 16
+#     micro-batches of 1, stage 1 at 1.04 x the prediction without them (benchmarks/prediction.py).
 
 
 def _devices(c: Config, chunks: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
