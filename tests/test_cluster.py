@@ -80,6 +80,18 @@ def test_unknown_cluster_key_rejected(tmp_path):
         hp.ClusterSpec.load(path)
 
 
+def _refused_after_edit(tmp_path, edit, expected):
+    """The a100-80g preset with ``edit`` (old, new) applied is refused in one line naming the file and ``expected``."""
+    text = hp.ClusterSpec.preset("a100-80g").to_yaml()
+    assert edit[0] in text, edit[0]
+    path = tmp_path / "c.yaml"
+    path.write_text(text.replace(edit[0], edit[1], 1))
+    with pytest.raises(ConfigError) as info:
+        hp.ClusterSpec.load(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{path}: ") and expected in message, message
+
+
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
@@ -107,14 +119,7 @@ def test_unknown_cluster_key_rejected(tmp_path):
     ],
 )
 def test_cluster_figures_are_finite_and_bounded(tmp_path, edit, expected):
-    text = hp.ClusterSpec.preset("a100-80g").to_yaml()
-    assert edit[0] in text, edit[0]
-    path = tmp_path / "c.yaml"
-    path.write_text(text.replace(edit[0], edit[1], 1))
-    with pytest.raises(ConfigError) as info:
-        hp.ClusterSpec.load(path)
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(f"{path}: ") and expected in message, message
+    _refused_after_edit(tmp_path, edit, expected)
 
 
 @pytest.mark.parametrize(
@@ -170,11 +175,4 @@ def test_a_cluster_file_without_curves_loads_with_none(tmp_path):
     ],
 )
 def test_a_malformed_curve_is_one_line_naming_the_field(tmp_path, edit, expected):
-    text = hp.ClusterSpec.preset("a100-80g").to_yaml()
-    assert edit[0] in text, edit[0]
-    path = tmp_path / "c.yaml"
-    path.write_text(text.replace(edit[0], edit[1], 1))
-    with pytest.raises(ConfigError) as info:
-        hp.ClusterSpec.load(path)
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(f"{path}: ") and expected in message, message
+    _refused_after_edit(tmp_path, edit, expected)
