@@ -79,7 +79,7 @@ def test_a_graph_traced_with_b_rows_costs_one_sequence_as_at_batch_one():
 
     def figures(p: ModelProfile) -> list[float]:
         costs = p.segment_costs(2, True, 3, "selective", cluster.intra_node)
-        fields = ("tp_comm_s", "activation_bytes", "working_bytes", "params")
+        fields = ("tp_comm_s", "activation_bytes", "params")
         return [
             p.forward_flops,
             sum(op.flops for raw in p.raw for op in raw.ops),
@@ -93,6 +93,11 @@ def test_a_graph_traced_with_b_rows_costs_one_sequence_as_at_batch_one():
     # sequence's share of them is a third at 3 rows. Only those differ: the saved activations above agree.
     moved = [sum(op.in_bytes + op.out_bytes for raw in p.raw for op in raw.ops) for p in (profile, reference)]
     assert moved[0] == pytest.approx(moved[1], rel=0.02) and moved[0] < moved[1]
+    # The backward's transient (Note [backward's own] in profile.py) counts the largest op's input gradients, the
+    # position embeddings' among them: the same third, so the 3-row trace's figure is a little lower, never higher.
+    working = [sum(s.working_bytes for s in p.segment_costs(2, True, 3, "selective", cluster.intra_node))
+               for p in (profile, reference)]  # fmt: skip
+    assert working[0] == pytest.approx(working[1], rel=0.02) and working[0] <= working[1]
 
 
 # ---- hp.plan and hp.search ------------------------------------------------------------------------
