@@ -14,21 +14,44 @@ Note [measuring a CPU peak]
     reported. Caveats: a storage that existed before ``start`` is not known, and its free is not reported (torch logs
     one warning line), so start before the model is materialised; kineto logs each start and stop unless
     KINETO_LOG_LEVEL says otherwise, so ``start`` sets it to 6 (silent) when unset, before kineto first runs.
-    Threads the profiler does not follow (not autograd's, which it does) are not counted, and neither are frees
-    made on them: gloo's worker threads release a collective's output when its work object goes, so each
-    all-gather's output stays counted (measured: +8 MB of count per all-gather of 8 MB, 2 processes; an all-reduce
-    of a contiguous tensor, which works in place, drifts by nothing). The count can so only over-state a peak,
-    never under-state it; plans with many collectives' outputs (tensor parallelism, FSDP) read high.
+    Threads the profiler does not follow (gloo's workers: autograd's it does) report no events, and c10 skips their
+    frees in its table too, unless its global flag ``caffe2_report_cpu_memory_usage`` is on: gloo's workers release a
+    collective's tensors when its work object goes, so without the flag each all-gather's output stays counted
+    (measured: +8 MB per all-gather of 8 MB, 2 processes). ``start`` so turns the flag on (a c10 global, set through
+    ctypes; nothing in torch's Python API reaches it): every thread's allocations and frees then update c10's table
+    and its running total, and each event the profiler records carries that process-wide total
+    (``total_allocated``), which is what this module counts. The count is exact at every event on the threads the
+    profiler follows; a peak reached and left entirely inside a gloo worker between two of them is not seen (a
+    collective's temporaries: small next to the tensors the step holds). Where the flag cannot be set (a libc10
+    without the symbol), the count falls back to summing the followed threads' signed sizes, which can only
+    over-state a peak (``exact`` is then False).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import functools
+import glob
 import os
 
 import torch
+from torch._C._profiler import _ExtraFields_Allocation as _Allocation
 
 __all__ = ["PeakMemory"]
+
+
+@functools.cache
+def _report_every_thread() -> bool:
+    """Turn on c10's ``caffe2_report_cpu_memory_usage`` (Note [measuring a CPU peak]) once per process; whether it
+    could be. c10's total counts from then on."""
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "*c10.*"))):
+        try:
+            ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage").value = True
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 class PeakMemory:
@@ -39,6 +62,8 @@ class PeakMemory:
         self.device = torch.device(device)
         self.current_bytes = 0  # CPU: bytes allocated since start and not yet freed
         self.peak_bytes = 0
+        self.exact = True  # CPU: False where c10's every-thread reporting could not be turned on
+        self._base: int | None = None  # CPU: c10's process-wide total at start (what was allocated before)
         self._running = False
 
     def start(self) -> PeakMemory:
@@ -47,6 +72,10 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+            first = _report_every_thread.cache_info().currsize == 0
+            self.exact = _report_every_thread()
+            # the first tracker counts from zero; a later one from c10's total at its first event
+            self._base = 0 if first else None
             self._enable()
             atexit.register(self.stop)  # a profiler left running crashes the interpreter's exit
         self._running = True
@@ -101,18 +130,32 @@ class PeakMemory:
         _enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
 
     def _fold(self, result) -> int:
-        """Add a profiler session's CPU memory events to the running total; the session's peak."""
-        events = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in result.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
+        """Fold a profiler session's CPU memory events into the running count; the session's peak."""
+        events = sorted(_allocations(result.experimental_event_tree()))
         peak = self.current_bytes
-        for _, nbytes in events:
-            self.current_bytes += nbytes
+        for _, nbytes, total in events:
+            if self.exact:
+                # c10's total: every thread's storages since the flag went on (a later tracker's base: before it)
+                if self._base is None:
+                    self._base = total - nbytes
+                self.current_bytes = total - self._base
+            else:
+                self.current_bytes += nbytes
             peak = max(peak, self.current_bytes)
         self.peak_bytes = max(self.peak_bytes, peak)
         return peak
+
+
+def _allocations(nodes) -> list[tuple[int, int, int]]:
+    """(start ns, signed bytes, c10's process-wide total after it) of every CPU allocation event under ``nodes``."""
+    found, stack = [], list(nodes)
+    while stack:
+        node = stack.pop()
+        fields = node.extra_fields
+        if isinstance(fields, _Allocation) and fields.device.type == "cpu":
+            found.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
+        stack.extend(node.children)
+    return found
 
 
 def for_plan(plan) -> PeakMemory:
