@@ -116,6 +116,8 @@ class _SegmentRaw:
     params_by_tp: Callable[[int], float]
     saved_split: float
     saved_full: float
+    # Note [what sequence parallelism shards]: column Linears' gathered inputs, and how much of it other ops save too
+    saved_gathered: tuple[float, float]
     saved_quadratic: tuple[float, float]  # (split by tp, whole) bytes of seq x seq tensors
     block_input_bytes: float
     is_block: bool
@@ -287,19 +289,32 @@ class ModelProfile:
             quadratic_forward += t if op.quadratic else 0.0
         comm_fwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_fwd)
         comm_bwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_bwd)
-        saved = raw.saved_split / tp + raw.saved_full / (tp if sp else 1)
-        working = raw.loss_working[0] / tp + raw.loss_working[1] / (tp if sp else 1)
+        # Note [what sequence parallelism shards]
+        #     parallelize splits the sequence from the first block's input to the last block's output: inside
+        #     blocks, what is replicated across tp ranks without SP is a 1/tp slice of the sequence with it; a column
+        #     Linear's input is all-gathered first (enter_tp_region), and autograd saves the gathered, whole tensor
+        #     for the weight's gradient (Megatron gathers it again in the backward instead; parallelize does not).
+        #     Outside the blocks nothing is sharded: the embedding's output is scattered by the first block's
+        #     pre-hook, the last block's output gathered, so the final norm, the head and the loss hold the whole
+        #     sequence. Measured: gpt-mini tp 2 SP on the CPU peaked in the loss's backward 12% over the prediction
+        #     that divided all of these by tp.
+        seq = tp if sp and raw.is_block else 1
+        gathered, also_full = raw.saved_gathered  # without SP, the gathered copy is the replicated tensor itself
+        saved = raw.saved_split / tp + raw.saved_full / seq + gathered - (also_full if seq == 1 else 0.0)
+        working = raw.loss_working[0] / tp + raw.loss_working[1] / seq
         weight_grads = max((self.tp_analysis.params_per_rank(op, tp) for op in raw.weight_ops), default=0.0)
         weight_bytes = self.dtype_bytes + 4 if self.dtype != "fp32" else 4
-        working = max(working, raw.backward_working / (tp if sp else 1) + weight_grads * weight_bytes / b)
+        # an op's activation gradients counted whole (Note [backward's own]): a column's input gradient is the
+        # gathered sequence's under SP, before its reduce-scatter
+        working = max(working, raw.backward_working + weight_grads * weight_bytes / b)
         if raw.is_block and recompute == "full":
             backward += forward  # the block's forward runs again before its backward
             comm_bwd += comm_fwd
-            working, saved = saved + working, raw.block_input_bytes / (tp if sp else 1)
+            working, saved = saved + working, raw.block_input_bytes / seq
         elif raw.is_block and recompute == "selective":
             backward += quadratic_forward  # re-run the ops producing the seq^2 tensors (Korthikanti et al. 2022)
             quadratic_split, quadratic_full = raw.saved_quadratic
-            saved -= quadratic_split / tp + quadratic_full / (tp if sp else 1)
+            saved -= quadratic_split / tp + quadratic_full / seq
         return SegmentCost(
             forward_s=forward,
             backward_s=backward,
@@ -315,7 +330,7 @@ class ModelProfile:
         graph, analysis, scale = self.graph, self.tp_analysis, self.scale
         ops = [graph.op(name) for name in segment.ops]
         op_costs = tuple(self._op_cost(op) for op in ops)
-        saved_split, saved_full, quadratic = self._saved(ops)
+        saved_split, saved_full, saved_gathered, quadratic = self._saved(ops, segment.is_block)
         loss_working = (0.0, 0.0)
         if ops[-1].name == self.segments_last_op:
             # Note [the loss's memory]
@@ -377,6 +392,7 @@ class ModelProfile:
             tuple(op_costs),
             saved_split,
             saved_full,
+            saved_gathered,
             quadratic,
             comm_fwd,
             comm_bwd,
@@ -393,6 +409,7 @@ class ModelProfile:
             params_by_tp=params_by_tp,
             saved_split=saved_split * one,
             saved_full=saved_full * one,
+            saved_gathered=(saved_gathered[0] * one, saved_gathered[1] * one),
             saved_quadratic=(quadratic[0] * one, quadratic[1] * one),
             block_input_bytes=entering * one,
             is_block=segment.is_block,
@@ -461,10 +478,15 @@ class ModelProfile:
             name = preds[0]
         return name
 
-    def _saved(self, ops: list[Op]) -> tuple[float, float, float]:
-        """Bytes (traced dtype and rows) the segment keeps for backward: split by tp, replicated, seq^2-sized."""
+    def _saved(self, ops: list[Op], in_block: bool) -> tuple[float, float, tuple[float, float], tuple[float, float]]:
+        """Bytes (traced dtype and rows) the segment keeps for backward: split by tp, replicated, the gathered inputs
+        of column Linears and how much of them other ops save too (Note [what sequence parallelism shards]; only in
+        blocks), seq^2-sized (split, replicated)."""
         g, split_ops = self.graph.graph, self.tp_analysis.split_ops
+        styles = self.tp_analysis.styles
         saved: dict[str, float] = {}
+        gathered: set[str] = set()  # read by a column Linear: saved as the gathered copy under SP
+        elsewhere: set[str] = set()  # read and saved by another op: that op keeps the (sharded) tensor itself
         for op in ops:
             sources: list[str] = []
             name = op.target
@@ -472,12 +494,17 @@ class ModelProfile:
                 op.kind == "elementwise" and name not in _SAVES_NOTHING and name not in _SAVES_OUTPUT
             ):
                 sources = [self._base(p) for p in g.predecessors(op.name) if g.nodes[p]["kind"] != "input"]
+            column = in_block and styles.get(op.name) == "column"
+            for source in sources:
+                (gathered if column else elsewhere).add(source)
             if op.kind == "attention" or name in _SAVES_OUTPUT:
                 sources.append(op.name)
+                elsewhere.add(op.name)
             for source in sources:
                 if op.kind in _SIXTEEN_BIT_KINDS and source != op.name and source in self.fp32_values:
                     # autocast casts an fp32 input to the plan's dtype first and the op saves that cast
                     saved[f"{source}:cast"] = g.nodes[source]["output_bytes"]
+                    (gathered if column else elsewhere).add(f"{source}:cast")
                 else:
                     saved[source] = g.nodes[source]["output_bytes"] * self._widening(source)
             if op.kind == "attention":  # log-sum-exp per (head, query) in fp32
@@ -487,8 +514,7 @@ class ModelProfile:
                 saved[f"{op.name}:stats"] = rows * 2 * 4 / self.scale
             if op.kind == "dropout":  # a one-byte mask per element
                 saved[f"{op.name}:mask"] = sum(_numel(s) for s in op.output_shapes) / self.scale
-        split = full = quadratic_split = quadratic_full = 0.0
-        styles = self.tp_analysis.styles
+        split = full = whole = both = quadratic_split = quadratic_full = 0.0
         for source, num_bytes in saved.items():
             base = source.split(":")[0]
             # Split by tp: what column Linears produce and what is computed from it, and the vocab-parallel
@@ -496,12 +522,17 @@ class ModelProfile:
             is_split = base in split_ops or styles.get(base) == "column" or base == self.tp_analysis.vocab_head
             if is_split:
                 split += num_bytes
+            elif source in gathered:
+                whole += num_bytes  # the gathered copy (without SP: the tensor itself, replicated)
+                if source in elsewhere:  # and the sharded one another op saves
+                    full += num_bytes
+                    both += num_bytes
             else:
                 full += num_bytes
             if ":" not in source and base in self.quadratic:
                 quadratic_split += num_bytes if is_split else 0.0
                 quadratic_full += 0.0 if is_split else num_bytes
-        return split, full, (quadratic_split, quadratic_full)
+        return split, full, (whole, both), (quadratic_split, quadratic_full)
 
     def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Bytes (traced dtype and rows) of each all-reduce forward and backward in these ops."""
