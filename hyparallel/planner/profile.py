@@ -124,6 +124,7 @@ class _SegmentRaw:
     comm_fwd: tuple[float, ...]
     comm_bwd: tuple[float, ...]
     loss_working: tuple[float, float] = (0.0, 0.0)  # (split by tp, whole) bytes alive while the loss runs
+    logits_bytes: float = 0.0  # the head's logits in the plan's dtype, whole (Note [gloo's late frees])
     backward_working: float = 0.0  # per sequence: the largest op's output and input gradients (Note [backward's own])
     weight_ops: tuple[Op, ...] = ()  # ops with parameters: their weight gradients' transient (Note [backward's own])
 
@@ -302,6 +303,14 @@ class ModelProfile:
         gathered, also_full = raw.saved_gathered  # without SP, the gathered copy is the replicated tensor itself
         saved = raw.saved_split / tp + raw.saved_full / seq + gathered - (also_full if seq == 1 else 0.0)
         working = raw.loss_working[0] / tp + raw.loss_working[1] / seq
+        if serial and tp > 1:
+            # Note [gloo's late frees]
+            #     gloo's worker thread drops a collective's work object, and with it the tensors it staged, after
+            #     the caller has gone on; on busy cores that can be well into the loss's backward. Measured on the
+            #     CPU (hyparallel.peak_memory, which sees those frees): tp 2 ranks of gpt-tiny peaked at 0.95-1.06x
+            #     the prediction from run to run, the spread the logits' all-gather's input and output (1 + 1/tp
+            #     of the whole logits). The largest tensor-parallel collective's: counted beside the loss.
+            working += raw.logits_bytes * (1 + 1 / tp)
         weight_grads = max((self.tp_analysis.params_per_rank(op, tp) for op in raw.weight_ops), default=0.0)
         weight_bytes = self.dtype_bytes + 4 if self.dtype != "fp32" else 4
         # an op's activation gradients counted whole (Note [backward's own]): a column's input gradient is the
@@ -331,7 +340,7 @@ class ModelProfile:
         ops = [graph.op(name) for name in segment.ops]
         op_costs = tuple(self._op_cost(op) for op in ops)
         saved_split, saved_full, saved_gathered, quadratic = self._saved(ops, segment.is_block)
-        loss_working = (0.0, 0.0)
+        loss_working, logits_bytes = (0.0, 0.0), 0.0
         if ops[-1].name == self.segments_last_op:
             # Note [the loss's memory]
             # The loss (token cross-entropy in fp32, as parallelize's default computes it: log_softmax then
@@ -357,6 +366,7 @@ class ModelProfile:
             else:
                 saved_full += logits
             loss_working = (transient, 0.0) if vocab_split else (0.0, transient)
+            logits_bytes = numel * self.dtype_bytes / scale
         comm_fwd, comm_bwd = self._tp_comm(ops)
         entering = self._entering_bytes(ops) if segment.is_block else 0.0
         # Note [backward's own]
@@ -398,6 +408,7 @@ class ModelProfile:
             comm_bwd,
             entering,
             loss_working,
+            logits_bytes,
             backward_working,
             segment.is_block,
             tuple((analysis.styles.get(op.name), op.param_count) for op in ops),
@@ -416,6 +427,7 @@ class ModelProfile:
             comm_fwd=tuple(x * one for x in comm_fwd),
             comm_bwd=tuple(x * one for x in comm_bwd),
             loss_working=(loss_working[0] * one, loss_working[1] * one),
+            logits_bytes=logits_bytes * one,
             backward_working=backward_working,
             weight_ops=weight_ops,
         )

@@ -21,7 +21,8 @@ CASES = {
     "pp2-1f1b-bf16": {"dp": 1, "tp": 1, "pp": 2, "schedule": "1f1b", "micro_batch": 2, "dtype": "bf16"},
     "pp2-1f1b-fp32": {"dp": 1, "tp": 1, "pp": 2, "schedule": "1f1b", "micro_batch": 2, "dtype": "fp32"},
     "dp2-bf16": {"dp": 2, "tp": 1, "pp": 1, "micro_batch": 2, "dtype": "bf16"},
-    "tp2-fp32": {"dp": 1, "tp": 2, "pp": 1, "micro_batch": 4, "dtype": "fp32"},
+    "tp2-fp32": {"dp": 1, "tp": 2, "pp": 1, "micro_batch": 4, "dtype": "fp32", "sequence_parallel": False},
+    "tp2-sp-bf16": {"dp": 1, "tp": 2, "pp": 1, "micro_batch": 4, "dtype": "bf16", "sequence_parallel": True},
 }
 
 
