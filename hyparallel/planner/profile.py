@@ -121,6 +121,9 @@ class _SegmentRaw:
     is_block: bool
     comm_fwd: tuple[float, ...]
     comm_bwd: tuple[float, ...]
+    # The all-reduces sequence parallelism turns into a reduce-scatter and an all-gather (row outputs forward, column
+    # inputs backward; Note [sequence parallelism on gloo]); the vocab-parallel ones stay all-reduces.
+    comm_sequence: tuple[float, ...] = ()
     loss_working: tuple[float, float] = (0.0, 0.0)  # (split by tp, whole) bytes alive while the loss runs
     backward_working: float = 0.0  # per sequence: the largest op's output and input gradients (Note [backward's own])
     weight_ops: tuple[Op, ...] = ()  # ops with parameters: their weight gradients' transient (Note [backward's own])
@@ -287,6 +290,8 @@ class ModelProfile:
             quadratic_forward += t if op.quadratic else 0.0
         comm_fwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_fwd)
         comm_bwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_bwd)
+        if sp and serial:  # Note [sequence parallelism on gloo]: each reduce-scatter runs as an all-reduce
+            comm_fwd += sum(costs.ring_allgather_s(x * b, tp, link) for x in raw.comm_sequence)
         saved = raw.saved_split / tp + raw.saved_full / (tp if sp else 1)
         working = raw.loss_working[0] / tp + raw.loss_working[1] / (tp if sp else 1)
         weight_grads = max((self.tp_analysis.params_per_rank(op, tp) for op in raw.weight_ops), default=0.0)
@@ -342,7 +347,7 @@ class ModelProfile:
             else:
                 saved_full += logits
             loss_working = (transient, 0.0) if vocab_split else (0.0, transient)
-        comm_fwd, comm_bwd = self._tp_comm(ops)
+        comm_fwd, comm_bwd, comm_sequence = self._tp_comm(ops)
         entering = self._entering_bytes(ops) if segment.is_block else 0.0
         # Note [backward's own]
         #     While an op's backward runs, the gradient of its output and those of its inputs are alive beside every
@@ -398,6 +403,7 @@ class ModelProfile:
             is_block=segment.is_block,
             comm_fwd=tuple(x * one for x in comm_fwd),
             comm_bwd=tuple(x * one for x in comm_bwd),
+            comm_sequence=tuple(x * one for x in comm_sequence),
             loss_working=(loss_working[0] * one, loss_working[1] * one),
             backward_working=backward_working,
             weight_ops=weight_ops,
@@ -503,8 +509,9 @@ class ModelProfile:
                 quadratic_full += 0.0 if is_split else num_bytes
         return split, full, (quadratic_split, quadratic_full)
 
-    def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Bytes (traced dtype and rows) of each all-reduce forward and backward in these ops."""
+    def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        """Bytes (traced dtype and rows) of each all-reduce forward and backward in these ops, and of those among them
+        that sequence parallelism turns into a reduce-scatter and an all-gather (the row and column ones)."""
         analysis, g = self.tp_analysis, self.graph.graph
         names = {op.name for op in ops}
         forward = [self.graph.op(r).output_bytes for r in analysis.row_ops if r in names]
@@ -513,6 +520,7 @@ class ModelProfile:
             for inputs in analysis.column_inputs
             if any(c in names for p in inputs for c in g.successors(p) if analysis.styles.get(c) == "column")
         ]
+        sequence = (*forward, *backward)
         if analysis.vocab_embedding in names:
             forward.append(self.graph.op(analysis.vocab_embedding).output_bytes)
         if analysis.vocab_head in names:
@@ -520,7 +528,7 @@ class ModelProfile:
             backward.append(sum(_numel(s) for s in head.input_shapes) * self.dtype_bytes / self.scale)
             tokens = _numel(head.output_shapes[0]) / head.output_shapes[0][-1]
             forward.extend([tokens * 4 / self.scale] * 3)  # vocab-parallel cross-entropy: max, sum of exp, target logit
-        return tuple(forward), tuple(backward)
+        return tuple(forward), tuple(backward), sequence
 
     def _entering_bytes(self, ops: list[Op]) -> float:
         """Bytes of the tensors that flow into these ops from outside (a block's inputs)."""
@@ -554,6 +562,16 @@ class ModelProfile:
     def fp32_values(self) -> frozenset[str]:
         """The values a bf16/fp16 plan's runtime holds in fp32 (Note [fp32 under autocast]); none in fp32 plans."""
         return autocast_fp32_values(self.graph) if self.dtype != "fp32" else frozenset()
+
+
+# Note [sequence parallelism on gloo]
+#     Sequence parallelism replaces a row Linear's all-reduce by a reduce-scatter and the next column Linear's copy
+#     by an all-gather (and mirrors them backward): a ring reduce-scatter and all-gather cost one all-reduce together
+#     (Korthikanti et al. 2022, Sec. 4.2.2). Gloo has no reduce-scatter of its own, so the runtime all-reduces the
+#     whole tensor and keeps its chunk (hyparallel.tensor.collectives._reduce_scatter): on a gloo cluster each
+#     such pair costs an all-reduce plus an all-gather. Measured with gpt-mini tp 2 SP, 2 processes on this
+#     project's 2-core machine (torch.profiler, 2026-12-02): a reduce-scatter of a 1 MiB row output took 3.9 ms, an
+#     all-gather to 1 MiB 1.8 ms (the step's collectives also wait for the other rank, which this does not price).
 
 
 # Note [fp32 under autocast]
