@@ -159,6 +159,23 @@ def test_tp_communication_of_a_gpt_layer(gpt_profile):
     assert recomputed.tp_comm_s == pytest.approx(6 * costs.ring_allreduce_s(2 * 16 * 64 * 2, 4, link))
 
 
+def test_sequence_parallelism_on_gloo_all_reduces_for_its_reduce_scatters(gpt_profile):
+    # Note [sequence parallelism on gloo]: a ring reduce-scatter and all-gather cost one all-reduce (NCCL), but gloo's
+    # reduce-scatter is a whole all-reduce, so each of a layer's 4 pairs costs an all-reduce plus an all-gather.
+    graph, link = gpt_profile.graph, gpt_profile.cluster.intra_node
+    block = next(i for i, seg in enumerate(gpt_profile.segments) if seg.is_block)
+    nccl = gpt_profile.segment_costs(4, True, 2, "none", link)[block]
+    assert nccl.tp_comm_s == pytest.approx(4 * costs.ring_allreduce_s(2 * 16 * 64 * 2, 4, link))
+    cpu = hp.ClusterSpec.preset("cpu")
+    gloo = ModelProfile(graph, cpu, "bf16", 16)
+    pair = costs.ring_allreduce_s(2 * 16 * 64 * 2, 4, cpu.intra_node) + costs.ring_allgather_s(
+        2 * 16 * 64 * 2, 4, cpu.intra_node
+    )
+    assert gloo.segment_costs(4, True, 2, "none", cpu.intra_node)[block].tp_comm_s == pytest.approx(4 * pair)
+    plain = gloo.segment_costs(4, False, 2, "none", cpu.intra_node)[block]  # without SP: all-reduces, as before
+    assert plain.tp_comm_s == pytest.approx(4 * costs.ring_allreduce_s(2 * 16 * 64 * 2, 4, cpu.intra_node))
+
+
 def test_parameters_per_rank(gpt_profile):
     link = gpt_profile.cluster.intra_node
     h, f, layers = 64, 256, 2

@@ -123,6 +123,9 @@ class _SegmentRaw:
     is_block: bool
     comm_fwd: tuple[float, ...]
     comm_bwd: tuple[float, ...]
+    # The all-reduces sequence parallelism turns into a reduce-scatter and an all-gather (row outputs forward, column
+    # inputs backward; Note [sequence parallelism on gloo]); the vocab-parallel ones stay all-reduces.
+    comm_sequence: tuple[float, ...] = ()
     loss_working: tuple[float, float] = (0.0, 0.0)  # (split by tp, whole) bytes alive while the loss runs
     logits_bytes: float = 0.0  # the head's logits in the plan's dtype, whole (Note [gloo's late frees])
     backward_working: float = 0.0  # per sequence: the largest op's output and input gradients (Note [backward's own])
@@ -290,6 +293,8 @@ class ModelProfile:
             quadratic_forward += t if op.quadratic else 0.0
         comm_fwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_fwd)
         comm_bwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_bwd)
+        if sp and serial:  # Note [sequence parallelism on gloo]: each reduce-scatter runs as an all-reduce
+            comm_fwd += sum(costs.ring_allgather_s(x * b, tp, link) for x in raw.comm_sequence)
         # Note [what sequence parallelism shards]
         #     parallelize splits the sequence from the first block's input to the last block's output: inside
         #     blocks, what is replicated across tp ranks without SP is a 1/tp slice of the sequence with it; a column
@@ -367,7 +372,7 @@ class ModelProfile:
                 saved_full += logits
             loss_working = (transient, 0.0) if vocab_split else (0.0, transient)
             logits_bytes = numel * self.dtype_bytes / scale
-        comm_fwd, comm_bwd = self._tp_comm(ops)
+        comm_fwd, comm_bwd, comm_sequence = self._tp_comm(ops)
         entering = self._entering_bytes(ops) if segment.is_block else 0.0
         # Note [backward's own]
         #     While an op's backward runs, the gradient of its output and those of its inputs are alive beside every
@@ -406,6 +411,7 @@ class ModelProfile:
             quadratic,
             comm_fwd,
             comm_bwd,
+            comm_sequence,
             entering,
             loss_working,
             logits_bytes,
@@ -426,6 +432,7 @@ class ModelProfile:
             is_block=segment.is_block,
             comm_fwd=tuple(x * one for x in comm_fwd),
             comm_bwd=tuple(x * one for x in comm_bwd),
+            comm_sequence=tuple(x * one for x in comm_sequence),
             loss_working=(loss_working[0] * one, loss_working[1] * one),
             logits_bytes=logits_bytes * one,
             backward_working=backward_working,
@@ -546,8 +553,9 @@ class ModelProfile:
                 quadratic_full += 0.0 if is_split else num_bytes
         return split, full, (whole, both), (quadratic_split, quadratic_full)
 
-    def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Bytes (traced dtype and rows) of each all-reduce forward and backward in these ops."""
+    def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        """Bytes (traced dtype and rows) of each all-reduce forward and backward in these ops, and of those among them
+        that sequence parallelism turns into a reduce-scatter and an all-gather (the row and column ones)."""
         analysis, g = self.tp_analysis, self.graph.graph
         names = {op.name for op in ops}
         forward = [self.graph.op(r).output_bytes for r in analysis.row_ops if r in names]
@@ -556,6 +564,7 @@ class ModelProfile:
             for inputs in analysis.column_inputs
             if any(c in names for p in inputs for c in g.successors(p) if analysis.styles.get(c) == "column")
         ]
+        sequence = (*forward, *backward)
         if analysis.vocab_embedding in names:
             forward.append(self.graph.op(analysis.vocab_embedding).output_bytes)
         if analysis.vocab_head in names:
@@ -563,7 +572,7 @@ class ModelProfile:
             backward.append(sum(_numel(s) for s in head.input_shapes) * self.dtype_bytes / self.scale)
             tokens = _numel(head.output_shapes[0]) / head.output_shapes[0][-1]
             forward.extend([tokens * 4 / self.scale] * 3)  # vocab-parallel cross-entropy: max, sum of exp, target logit
-        return tuple(forward), tuple(backward)
+        return tuple(forward), tuple(backward), sequence
 
     def _entering_bytes(self, ops: list[Op]) -> float:
         """Bytes of the tensors that flow into these ops from outside (a block's inputs)."""
@@ -597,6 +606,16 @@ class ModelProfile:
     def fp32_values(self) -> frozenset[str]:
         """The values a bf16/fp16 plan's runtime holds in fp32 (Note [fp32 under autocast]); none in fp32 plans."""
         return autocast_fp32_values(self.graph) if self.dtype != "fp32" else frozenset()
+
+
+# Note [sequence parallelism on gloo]
+#     Sequence parallelism replaces a row Linear's all-reduce by a reduce-scatter and the next column Linear's copy
+#     by an all-gather (and mirrors them backward): a ring reduce-scatter and all-gather cost one all-reduce together
+#     (Korthikanti et al. 2022, Sec. 4.2.2). Gloo has no reduce-scatter of its own, so the runtime all-reduces the
+#     whole tensor and keeps its chunk (hyparallel.tensor.collectives._reduce_scatter): on a gloo cluster each
+#     such pair costs an all-reduce plus an all-gather. Measured with gpt-mini tp 2 SP, 2 processes on this
+#     project's 2-core machine (torch.profiler, 2026-12-02): a reduce-scatter of a 1 MiB row output took 3.9 ms, an
+#     all-gather to 1 MiB 1.8 ms (the step's collectives also wait for the other rank, which this does not price).
 
 
 # Note [fp32 under autocast]
