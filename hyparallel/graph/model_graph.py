@@ -37,7 +37,7 @@ Note [a gradient path]
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -164,8 +164,11 @@ class ModelGraph:
     def __post_init__(self) -> None:
         self._by_name = {op.name: op for op in self.ops}
         self.graph = nx.DiGraph(name=self.name)
+        names = [f.name for f in fields(Op)]
         for op in self.ops:
-            self.graph.add_node(op.name, **asdict(op))
+            # An Op's fields are immutable (strings, numbers, tuples of them): the node shares them, where asdict
+            # rebuilt every tuple (a quarter of a second for GPT-3 175B's 1,835 ops).
+            self.graph.add_node(op.name, **{name: getattr(op, name) for name in names})
         for value in self.values:
             for consumer in value.consumers:
                 if self.graph.has_edge(value.producer, consumer):

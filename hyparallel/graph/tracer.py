@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._traceback import CapturedTraceback
 
 from hyparallel.errors import TraceError
 from hyparallel.graph.kinds import (
@@ -171,14 +172,34 @@ def _given(model: nn.Module, args: tuple, kwargs: dict) -> set[str]:
 
 
 class ModuleStack:
-    """Follows module calls with hooks so that a failure can name the module it happened in."""
+    """Follows module calls with hooks so that a failure can name the module it happened in.
 
-    def __init__(self, model: nn.Module):
+    ``eager``: the block only runs the model eagerly (a dry run), so two process-wide module hooks follow it,
+    instead of two hooks on each of its modules (GPT-3 175B's 967: most of a dry run's own time, which runs each
+    distinct block once). Tracers keep hooks on the modules: a process-wide hook is not theirs to meet.
+    """
+
+    def __init__(self, model: nn.Module, eager: bool = False):
         self.model = model
+        self.eager = eager
         self.stack: list[str] = []
         self.handles: list[Any] = []
 
     def __enter__(self) -> ModuleStack:
+        if self.eager:
+            paths = {id(module): path for path, module in self.model.named_modules()}
+
+            def enter(module: nn.Module, _args: Any) -> None:
+                if id(module) in paths:
+                    self.stack.append(paths[id(module)])
+
+            def leave(module: nn.Module, _args: Any, _output: Any) -> None:
+                if id(module) in paths:
+                    self._leave(paths[id(module)])
+
+            self.handles.append(nn.modules.module.register_module_forward_pre_hook(enter))
+            self.handles.append(nn.modules.module.register_module_forward_hook(leave))
+            return self
         for path, module in self.model.named_modules():
             self.handles.append(module.register_forward_pre_hook(lambda _m, _a, path=path: self.stack.append(path)))
             self.handles.append(module.register_forward_hook(lambda _m, _a, _o, path=path: self._leave(path)))
@@ -209,7 +230,8 @@ def first_failure(model: nn.Module, example_inputs: Any, method: str) -> tuple[s
     args, kwargs = split_inputs(example_inputs)
     args, kwargs = tree_map(to_meta, (args, kwargs))
     repeats = repeated_blocks_once(model) if method != "export" else contextlib.nullcontext()
-    with repeats, ModuleStack(model) as calls, kept_torch_state():  # Note [a repeated block runs once on meta]
+    calls = ModuleStack(model, eager=method != "export")
+    with repeats, calls, kept_torch_state():  # Note [a repeated block runs once on meta]
         try:
             if method == "export":
                 _exported(model, args, kwargs, None)
@@ -244,6 +266,15 @@ def to_meta(value: Any) -> Any:
 # ---- torch.fx ------------------------------------------------------------------------------------
 
 
+# Note [stack traces made when asked]
+#     An error raised while the profiler runs a node names the user's line that traced it (remember_source), from
+#     the stack recorded with the node. fx's own ``record_stack_traces`` formats every node's stack as it traces,
+#     and its first filtering imports torch.export._trace and torch._inductor (0.3 s and more of a `hyparallel plan`
+#     on top of formatting some 2,000 stacks). So the tracer records each node's stack in fx's fast raw form
+#     (``CapturedTraceback.extract``) and formats it as fx would, filtered alike, only for a node that fails.
+_TRACEBACK = "hyparallel_traceback"  # node.meta key: the node's CapturedTraceback
+
+
 class _LeafTracer(fx.Tracer):
     """Keeps every module without children (standard or custom) as one call_module node."""
 
@@ -262,7 +293,21 @@ class _LeafTracer(fx.Tracer):
         # a forward is left to torch.export, which records the region (wrap_with_set_grad_enabled).
         if torch.is_grad_enabled() != self.grad_mode:
             raise RuntimeError("torch.fx cannot record a grad-mode change (torch.no_grad() or enable_grad in forward)")
-        return super().create_node(*args, **kwargs)
+        node = super().create_node(*args, **kwargs)
+        node.meta[_TRACEBACK] = CapturedTraceback.extract()  # Note [stack traces made when asked]
+        return node
+
+
+def stack_trace(node: fx.Node) -> str | None:
+    """Where in the user's forward ``node`` was traced, as fx's ``record_stack_traces`` would have recorded it
+    (Note [stack traces made when asked]); torch.export's nodes carry their own."""
+    captured = node.meta.get(_TRACEBACK)
+    if node.stack_trace or captured is None:
+        return node.stack_trace
+    summary = captured.summary()
+    if summary:
+        summary = _LeafTracer()._filter_traceback_frames(summary)
+    return "".join(summary.format()).strip() if summary else None
 
 
 def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
@@ -274,7 +319,6 @@ def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
         if p.name not in bound and p.default is not inspect.Parameter.empty
     }
     tracer = _LeafTracer()
-    tracer.record_stack_traces = True  # a node that fails on meta names the user's line (remember_source)
     graph = tracer.trace(model, concrete_args=concrete or None)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -603,7 +647,7 @@ class _Profiler(fx.Interpreter):
         try:
             return self._run_node(n)
         except Exception as exc:  # a shape error, say: its traceback is generated graph code; name the user's line
-            remember_source(exc, n.stack_trace)
+            remember_source(exc, stack_trace(n))
             raise
 
     def _run_node(self, n: fx.Node) -> Any:

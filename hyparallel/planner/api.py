@@ -545,7 +545,7 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
     every = {m for s in segments for m in s.modules}
     # A parent whose children are listed (Hugging Face's `transformer`, running position ids and masks) is
     # left out: its own glue ops run where execution order puts them (Note [which stage runs a node]).
-    parents = {m for m in every if any(other.startswith(m + ".") for other in every)}
+    parents = every & {m.rsplit(".", k)[0] for m in every for k in range(1, m.count(".") + 1)}  # dotted prefixes
     stage_modules = _stage_modules(segments, evaluation.stages, parents)
     for index, (start, end) in enumerate(evaluation.stages):
         device = index % c.pp

@@ -19,6 +19,7 @@ Note [gradient compression is asked for]
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import pydantic
@@ -115,6 +116,7 @@ class Constraints(BaseModel):
         }
 
 
+@functools.cache  # the search asks for each configuration it enumerates; pydantic's model_fields is slow to reach
 def default(name: str) -> Any:
     """The value the search takes for constraint ``name`` when the caller leaves it out (None: it is searched)."""
     return Constraints.model_fields[name].default

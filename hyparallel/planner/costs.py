@@ -45,6 +45,10 @@ DP_BUCKET_BYTES = 25 * 2**20
 
 
 def _ring_s(num_bytes: Bytes, steps: int, group_size: int, link: LinkSpec) -> Bytes:
+    if isinstance(num_bytes, (int, float)):  # one byte count: the same float64 arithmetic, without numpy's overhead
+        if not num_bytes > 0:
+            return 0.0
+        return float(steps * link.latency_s + steps / group_size * float(num_bytes) / link.bandwidth_bytes_per_s)
     seconds = (
         steps * link.latency_s + steps / group_size * np.asarray(num_bytes, dtype=float) / link.bandwidth_bytes_per_s
     )

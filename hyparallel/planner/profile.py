@@ -148,6 +148,10 @@ class ModelProfile:
         self.per_sequence = self.scale / traced_rows  # traced bytes -> plan-dtype bytes of one sequence
         self.dtype_bytes = costs.DTYPE_BYTES[dtype]
         self.raw = [self._raw(segment) for segment in self.segments]
+        # Each segment's first twin (the first segment of the same signature): hashing the signatures once here,
+        # not per configuration costed, where it was most of segment_costs' time.
+        first_of: dict[tuple, int] = {}
+        self._twin = [first_of.setdefault(raw.signature, i) for i, raw in enumerate(self.raw)]
         self.cut_bytes = max((cut.bytes for cut in graph.cut_points), default=0) * self.per_sequence
         self.forward_flops = graph.flops / traced_rows  # per sequence
         self.num_blocks = len(graph.blocks)
@@ -165,15 +169,11 @@ class ModelProfile:
         """The cost of every segment under one configuration (cached)."""
         key = (tp, sequence_parallel, micro_batch, recompute, tp_link)
         if key not in self._cache:
-            by_signature: dict[tuple, SegmentCost] = {}
-            result = []
-            for raw in self.raw:
-                if raw.signature not in by_signature:
-                    by_signature[raw.signature] = self._cost(
-                        raw, tp, sequence_parallel, micro_batch, recompute, tp_link
-                    )
-                result.append(by_signature[raw.signature])
-            self._cache[key] = tuple(result)
+            by_twin: dict[int, SegmentCost] = {}
+            for i, raw in zip(self._twin, self.raw):
+                if i not in by_twin:
+                    by_twin[i] = self._cost(raw, tp, sequence_parallel, micro_batch, recompute, tp_link)
+            self._cache[key] = tuple(by_twin[i] for i in self._twin)
         return self._cache[key]
 
     def tied_segments(self, tp: int) -> list[tuple[int, tuple[int, ...], float]]:
