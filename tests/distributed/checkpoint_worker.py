@@ -21,8 +21,8 @@ from hyparallel.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
 
 PLANS = {
-    "saved": dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1),
-    "loaded": dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0),
+    "saved": dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1, sequence_parallel=True),
+    "loaded": dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, sequence_parallel=True),
 }
 
 

@@ -44,23 +44,40 @@ GPT2 = (
     "resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
 )
 CASES = {  # name -> (model, plan constraints, train_step calls before the first optimizer step)
-    "dp2-tp2-pp2-1f1b": (GPT, dict(dp=2, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0), 1),
+    # tp cases ask for sequence parallelism: on gloo the planner prices it above plain tp and would leave it off
+    "dp2-tp2-pp2-1f1b": (
+        GPT,
+        dict(dp=2, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, sequence_parallel=True),
+        1,
+    ),
     "dp4": (GPT, dict(dp=4, tp=1, pp=1, micro_batch=1, zero=0), 1),
-    "tp2-pp2": (GPT, dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0), 1),
+    "tp2-pp2": (GPT, dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, sequence_parallel=True), 1),
     "dp2-tp2-nosp": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, sequence_parallel=False), 1),
-    "dp2-tp2-zero1": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1), 1),
-    "dp2-tp2-zero2": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=1, zero=2), 1),
-    "dp2-tp2-zero3": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=3), 1),
+    "dp2-tp2-zero1": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1, sequence_parallel=True), 1),
+    "dp2-tp2-zero2": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=1, zero=2, sequence_parallel=True), 1),
+    "dp2-tp2-zero3": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=3, sequence_parallel=True), 1),
     "dp2-pp2-zero1-gpipe": (GPT, dict(dp=2, tp=1, pp=2, schedule="gpipe", micro_batch=1, zero=1), 1),
     "dp2-pp2-interleaved": (
         GPT,
         dict(dp=2, tp=1, pp=2, schedule="interleaved-1f1b", virtual_stages=2, micro_batch=1, zero=0),
         1,
     ),
-    "dp2-tp2-recompute": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, recompute="full"), 1),
-    "tp2-pp2-recompute": (GPT, dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, recompute="full"), 1),
+    "dp2-tp2-recompute": (
+        GPT,
+        dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, recompute="full", sequence_parallel=True),
+        1,
+    ),
+    "tp2-pp2-recompute": (
+        GPT,
+        dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, recompute="full", sequence_parallel=True),
+        1,
+    ),
     "dp2-tp2-sp-accumulate": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, sequence_parallel=True), 2),
-    "hf-gpt2-tp2-pp2": (GPT2, dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0), 1),
+    "hf-gpt2-tp2-pp2": (
+        GPT2,
+        dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, sequence_parallel=True),
+        1,
+    ),
     "hf-gpt2-dp2-pp2-zero1-selective": (
         GPT2,
         dict(dp=2, tp=1, pp=2, schedule="1f1b", micro_batch=1, zero=1, recompute="selective"),
