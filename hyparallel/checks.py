@@ -76,6 +76,8 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
         )
     if plan.tensor_parallel is not None:
         styles = check_styles(graph, plan.tensor_parallel)
+    if par.vocab_parallel_loss:  # tp > 1 (the schema's check)
+        check_vocab_parallel_loss(graph, styles if plan.tensor_parallel is not None else None)
     if par.recompute != "none" and par.pp == 1:
         check_blocks(graph, f"recompute: {par.recompute}", "to recompute")
     if par.sync_batchnorm and (par.tp > 1 or par.pp > 1):
@@ -84,6 +86,24 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
             "converted on the whole model before data parallelism; use tp: 1 and pp: 1, or sync_batchnorm: false"
         )
     return CheckedPlan(plan=plan, styles=styles, stage_of=stage_of)
+
+
+def check_vocab_parallel_loss(graph: ModelGraph, styles: dict[str, str] | None) -> None:
+    """parallel.vocab_parallel_loss needs an output head split by vocabulary (in ``styles``, the plan's map, when
+    it has one): refuse, in one line, a plan that states it without."""
+    head = graph.structure.vocab_head
+    if head is None:
+        raise ConfigError(
+            f"parallel.vocab_parallel_loss: {graph.name} has no output head tensor parallelism can split by "
+            "vocabulary (a Linear outside the blocks whose logits span the token embedding's vocabulary and reach the "
+            "output); set it to false, and the loss sees the logits whole"
+        )
+    path = graph.op(head).module
+    if styles is not None and styles.get(path) != "vocab":
+        raise ConfigError(
+            f"parallel.vocab_parallel_loss: the plan's tensor_parallel map keeps the output head {path} "
+            f"{styles.get(path, 'replicate')}, not vocab; split it (vocab) or set vocab_parallel_loss to false"
+        )
 
 
 def check_world_size(plan: Plan, world_size: int) -> None:

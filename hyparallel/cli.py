@@ -196,6 +196,7 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
         f"parallel {mesh} = {plan.world_size} processes; schedule {par.schedule}"
         + (f" ({par.virtual_stages} virtual stages)" if par.virtual_stages > 1 else "")
         + f", recompute {par.recompute}, ZeRO {par.zero}, sequence parallel {'on' if par.sequence_parallel else 'off'}"
+        + (f", loss {'vocab-parallel' if par.vocab_parallel_loss else 'on gathered logits'}" if par.tp > 1 else "")
         + (f", gradient compression {views.compression(plan)}" if par.dp > 1 else ""),
         markup=False,
     )
@@ -341,6 +342,8 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
         progress("tracing", 0, 0)
         constraints = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
         constraints.update(compression)
+        if args.no_vocab_parallel_loss:
+            constraints["vocab_parallel_loss"] = False
         result = search(
             loaded.module,
             cluster,
@@ -456,6 +459,7 @@ def _print_plan(plan, out: Console) -> None:
         f"mesh {mesh}; micro-batch {plan.training.micro_batch} x {plan.num_microbatches}; schedule {par.schedule}"
         + (f" (v={par.virtual_stages})" if par.virtual_stages > 1 else "")
         + f"; recompute {par.recompute}; ZeRO {par.zero}; sequence parallel {'on' if par.sequence_parallel else 'off'}"
+        + (f"; loss {'vocab-parallel' if par.vocab_parallel_loss else 'on gathered logits'}" if par.tp > 1 else "")
         + (f"; gradient compression {views.compression(plan)}" if par.dp > 1 else ""),
         markup=False,
     )
@@ -840,6 +844,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --grad-compression powersgd or any: steps reduced uncompressed before PowerSGD starts "
         "(default 1000)",
+    )
+    plan.add_argument(
+        "--no-vocab-parallel-loss",
+        action="store_true",
+        help="gather the logits for the loss (any loss_fn then works; tp times the loss's memory), instead of "
+        "the vocab-parallel cross-entropy the planner sets wherever tp splits the head",
     )
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")

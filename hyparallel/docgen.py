@@ -283,6 +283,10 @@ _PLAN_RULES: tuple[tuple[str, dict], ...] = (
         {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {"sequence_parallel": True}},
     ),
     (
+        "`vocab_parallel_loss` needs tp > 1.",
+        {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {"vocab_parallel_loss": True}},
+    ),
+    (
         "`stages` lists pp x virtual_stages entries ...",
         {
             "training": {"global_batch": 16, "seq_len": 64},

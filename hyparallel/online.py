@@ -245,7 +245,9 @@ class Planner:
         from hyparallel.planner.search import Search
 
         tr = self.plan.training
-        profile = ModelProfile(self.graph, cluster, tr.dtype, tr.seq_len)
+        profile = ModelProfile(
+            self.graph, cluster, tr.dtype, tr.seq_len, vocab_parallel_loss=self.plan.parallel.vocab_parallel_loss
+        )
         best, _ = Search(profile, cluster, tr.global_batch, tr.dtype).best(Constraints(**fixed(self.plan)).given())
         return best[0].step_time_s if best else None
 
@@ -272,6 +274,7 @@ def fixed(plan: Plan) -> dict[str, Any]:
         "recompute": par.recompute,
         "zero": par.zero,
         "sequence_parallel": par.sequence_parallel,
+        "vocab_parallel_loss": par.vocab_parallel_loss,
         "order": plan.placement.order,
         **_compression(plan),
     }
@@ -282,7 +285,10 @@ def asked(plan: Plan) -> dict[str, Any]:
     planner compresses only when asked, Note [gradient compression is asked for]; a plan that compresses was)."""
     from hyparallel.planner.complete import _compression
 
-    return _compression(plan) if plan.parallel.grad_compression != "none" else {}
+    kept = _compression(plan) if plan.parallel.grad_compression != "none" else {}
+    if plan.parallel.tp > 1 and not plan.parallel.vocab_parallel_loss:  # its logits gathered: a loss_fn of its own
+        kept["vocab_parallel_loss"] = False
+    return kept
 
 
 def fit_factor(evaluate: Callable[[ClusterSpec], float | None], cluster: ClusterSpec, measured_s: float):

@@ -42,6 +42,7 @@ from hyparallel.recompute import apply_recompute
 from hyparallel.schema import LossFn, Plan
 from hyparallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel, check_local_shapes
 from hyparallel.tensor.init import materialize_, refuse_unrecoverable_buffers
+from hyparallel.tensor.layers import VocabParallelHead
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IGNORE_INDEX = -100  # targets with this value (padding) are not counted, as in F.cross_entropy
@@ -101,7 +102,6 @@ def parallelize(
     example_inputs: Any = None,
     seed: int = 0,
     device: torch.device | str | None = None,
-    vocab_parallel_loss: bool = False,
 ) -> ParallelModel:
     """Run ``model`` as ``plan`` says, in every process of a torchrun launch; see Note [what parallelize does].
 
@@ -109,15 +109,16 @@ def parallelize(
     than its share, initialised deterministically from ``seed``. ``example_inputs`` is one micro-batch
     for tracing (default: token ids of the plan's ``micro_batch x seq_len``). ``device`` defaults to the
     CPU for a gloo cluster's plan, else cuda:LOCAL_RANK when there is a GPU (Note [which device a rank
-    uses]). With ``vocab_parallel_loss`` the vocab-parallel head keeps its slice of the logits and
-    ``train_step``'s default loss is token cross-entropy computed without ever gathering them; otherwise the
-    logits are gathered and any ``loss_fn`` works.
+    uses]). Under a plan with ``parallel.vocab_parallel_loss`` (the planner's default wherever tp splits the
+    head) the head keeps each rank's slice of the logits in training and ``train_step``'s default loss is token
+    cross-entropy computed without ever gathering them; otherwise the logits are gathered and any ``loss_fn``
+    works. Calling the model (``pmodel(inputs)``) returns the whole logits either way.
     """
     env = LaunchEnv.from_environ()
     check_world_size(plan, env.world_size)  # before the trace: a launch of the wrong size is refused at once
     device = torch.device(device) if device is not None else default_device(env, plan)
     with tracing_device(device):  # Note [exported for the device it runs on] (hyparallel.graph.tracer)
-        return _parallelize(model, plan, env, device, example_inputs, seed, vocab_parallel_loss)
+        return _parallelize(model, plan, env, device, example_inputs, seed)
 
 
 def _parallelize(
@@ -127,7 +128,6 @@ def _parallelize(
     device: torch.device,
     example_inputs: Any,
     seed: int,
-    vocab_parallel_loss: bool,
 ) -> ParallelModel:
     example = example_inputs if example_inputs is not None else token_ids(plan)
     graph = trace(model, example)  # Note [one trace]
@@ -147,7 +147,7 @@ def _parallelize(
     check_sync_batchnorm(plan, device)
     refuse_unrecoverable_buffers(model)  # a meta buffer with no value: refused before any collective
     mesh = init_mesh(plan, env, device)  # the first collective
-    vocab_parallel_loss = vocab_parallel_loss and par.tp > 1
+    vocab_parallel_loss = par.vocab_parallel_loss  # tp > 1 and a vocab-parallel head: check_plan saw to both
     tp_info = None
     if par.tp > 1:
         tp_info = apply_tensor_parallel(
@@ -428,8 +428,23 @@ class ParallelModel:
         """The model's forward on this rank (pp = 1 only; a pipeline runs through train_step and eval_step)."""
         if self.pipeline is not None:
             raise RuntimeError("a pipelined model has no single forward on one rank; use train_step or eval_step")
-        with self._autocast():
+        with self._autocast(), self._whole_logits():
             return (self._ddp or self.module)(*args, **kwargs)
+
+    @contextmanager
+    def _whole_logits(self):
+        """Under a vocab-parallel loss the head keeps its slice of the logits; a call of the model gathers them."""
+        heads = [m for m in self.module.modules() if isinstance(m, VocabParallelHead) and not m.gather_output]
+        if not self._vocab_parallel_loss or not heads:
+            yield
+            return
+        for head in heads:
+            head.gather_output = True
+        try:
+            yield
+        finally:
+            for head in heads:
+                head.gather_output = False
 
     def _accumulate(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         m = self.plan.num_microbatches
@@ -502,8 +517,10 @@ class ParallelModel:
         if loss_fn is not None:
             if self._vocab_parallel_loss:
                 raise ConfigError(
-                    "parallelize(..., vocab_parallel_loss=True) keeps each rank's slice of the logits; "
-                    "use train_step's default loss, or vocab_parallel_loss=False to gather them for yours"
+                    "this plan computes the loss on each tp rank's slice of the logits (parallel.vocab_parallel_loss: "
+                    "true), so a loss_fn of your own would see a slice; use train_step's default loss, or set "
+                    "vocab_parallel_loss: false in the plan (`hyparallel plan --no-vocab-parallel-loss`, "
+                    "hp.plan(..., vocab_parallel_loss=False)) to gather them"
                 )
             return loss_fn
         # Sum over tokens, divided by the global count of real targets: micro-batches, ranks and padding

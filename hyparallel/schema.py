@@ -116,6 +116,13 @@ class ParallelConfig(_Section):
         description="Split the norms, dropout and residual adds between the tensor-parallel matmuls along the "
         "sequence over the tp ranks.",
     )
+    vocab_parallel_loss: bool = Field(
+        False,
+        description="Compute train_step's default loss (token cross-entropy) on each tp rank's slice of the "
+        "vocab-parallel head's logits, Megatron-LM's vocab-parallel cross-entropy, never gathering them; false "
+        "all-gathers the logits so that any loss_fn works (tp times the loss's memory, and the gather's traffic). "
+        "The planner sets it wherever tp > 1 splits the head, unless asked not to. Needs tp > 1.",
+    )
     fused_kernels: bool = Field(
         True,
         description="Run the activation after a column-split Linear in that Linear's matmul epilogue (a Triton "
@@ -170,6 +177,11 @@ class ParallelConfig(_Section):
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs tp > 1: it shards along tp; set it to false or raise tp")
+        if self.vocab_parallel_loss and self.tp == 1:
+            raise ValueError(
+                "parallel.vocab_parallel_loss needs tp > 1: it computes the loss on each tp rank's slice of the "
+                "logits; set it to false or raise tp"
+            )
         if self.grad_compression == "powersgd" and self.zero > 0 and self.dp > 1:
             raise ValueError(
                 f"parallel.grad_compression powersgd needs zero 0: ZeRO {self.zero} runs on FSDP2, whose "

@@ -47,6 +47,26 @@ def test_plan_errors_come_from_the_trace_alone(parallel, message):
     assert not dist.is_initialized()
 
 
+def test_a_vocab_parallel_loss_needs_a_head_split_by_vocabulary():
+    gpt, pairs = gpt_graph(), {"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row"}
+    with pytest.raises(ConfigError, match=r"keeps the output head output replicate, not vocab; split it"):
+        check_plan(plan(tp=2, vocab_parallel_loss=True, tensor_parallel=pairs), gpt)
+    vocab = {**pairs, "output": "vocab", "tok_embeddings": "vocab"}  # tied: both split by vocabulary
+    checked = check_plan(plan(tp=2, vocab_parallel_loss=True, tensor_parallel=vocab), gpt)
+    assert checked.styles["output"] == "vocab"
+    check_plan(plan(tp=2, vocab_parallel_loss=True), gpt)  # no map yet: the planner splits the head
+    bert = hp.models.load(
+        "hf:BertForSequenceClassification num_hidden_layers=2 hidden_size=32 num_attention_heads=4 "
+        "intermediate_size=64 vocab_size=64"
+    ).module  # its classifier's logits are no vocabulary's
+    graph = hp.trace(bert, hp.models.example_inputs(bert, 1, 16))
+    with pytest.raises(ConfigError, match=r"has no output head tensor parallelism can split by vocabulary") as error:
+        check_plan(plan(tp=2, vocab_parallel_loss=True), graph)
+    assert "\n" not in str(error.value)
+    check_plan(plan(tp=2), graph)  # the same plan without it runs
+    assert not dist.is_initialized()
+
+
 def test_a_checked_plan_has_its_styles_expanded_and_its_stages_mapped():
     checked = check_plan(
         plan(

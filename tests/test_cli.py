@@ -213,6 +213,15 @@ def test_plan_json_is_the_only_stdout(capsys):
     assert code == 0
     data = json.loads(out)
     assert data["parallel"]["tp"] == 2 and data["version"] == 1
+    assert data["parallel"]["vocab_parallel_loss"]  # the planner's default wherever tp splits the head
+
+
+def test_plan_gathers_the_logits_when_asked_and_says_so(capsys):
+    argv = ["plan", "--model", "gpt-mini", "--gpus", "2", "--cluster", "cpu", "--global-batch", "8", "--seq-len", "32"]
+    code, out, _ = run(capsys, *argv, "--tp", "2", "--no-vocab-parallel-loss")
+    assert code == 0 and "loss on gathered logits" in out
+    code, out, _ = run(capsys, *argv, "--tp", "2")
+    assert code == 0 and "loss vocab-parallel" in out
 
 
 def test_plan_top_lists_candidates_and_alternatives(capsys):

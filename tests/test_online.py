@@ -259,3 +259,13 @@ def test_a_failing_fit_is_one_line_and_training_goes_on(tiny, monkeypatch, error
     for _ in range(3):
         meter.step_started(tokens=1024)
     assert len(lines) == 1 and said in lines[0] and meter.calibration is None and len(meter.steps()) == 2
+
+
+def test_the_replan_keeps_a_plans_gathered_logits():
+    # A tp plan that gathers its logits (for a loss_fn of its own) is re-planned and costed gathering them too.
+    model = hp.models.build("gpt-tiny")
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=2)
+    plan = hp.plan(model, cluster, 8, 64, "fp32", tp=2, vocab_parallel_loss=False)
+    assert online.asked(plan) == {"vocab_parallel_loss": False} and online.fixed(plan)["vocab_parallel_loss"] is False
+    vocab = hp.plan(model, cluster, 8, 64, "fp32", tp=2)
+    assert online.asked(vocab) == {} and online.fixed(vocab)["vocab_parallel_loss"] is True

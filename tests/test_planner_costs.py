@@ -498,3 +498,25 @@ def test_a_kernel_takes_at_least_the_floor():
     kernels = sum(1 for raw in profile.raw for op in raw.ops if op.kind != "view")
     forward = sum(s.forward_s for s in profile.segment_costs(1, False, 1, "none", cluster.intra_node))
     assert forward == pytest.approx(kernels * 1e-3, rel=1e-6)
+
+
+def test_the_loss_is_vocab_parallel_unless_asked_and_each_way_is_priced_as_it_runs():
+    # gpt-tiny with a 4,096-token vocabulary at tp 2: the planner's plan computes the loss vocab-parallel (three
+    # all-reduces of one fp32 figure per token); asked to gather the logits, it prices their all-gather instead,
+    # per micro-batch, and each rank holds the loss's fp32 tensors whole rather than its half.
+    model = hp.models.load("gpt-tiny vocab_size=4096").module
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=2)
+    fixed = dict(tp=2, dp=1, pp=1, micro_batch=4, zero=0, sequence_parallel=False, recompute="none")
+    vocab = hp.plan(model, cluster, 8, 64, "fp32", **fixed)
+    gathered = hp.plan(model, cluster, 8, 64, "fp32", vocab_parallel_loss=False, **fixed)
+    assert vocab.parallel.vocab_parallel_loss and not gathered.parallel.vocab_parallel_loss
+    assert not hp.plan(model, cluster.resized(gpus_per_node=1), 8, 64, "fp32", tp=1).parallel.vocab_parallel_loss
+    logits, tokens = 4 * 64 * 4096, 4 * 64  # per micro-batch
+    link = cluster.intra_node
+    per_micro_batch = costs.ring_allgather_s(logits * 4, 2, link) - 3 * costs.ring_allreduce_s(tokens * 4, 2, link)
+    difference = (gathered.predicted.comm_s.tp - vocab.predicted.comm_s.tp) / vocab.num_microbatches
+    assert difference == pytest.approx(per_micro_batch, rel=1e-4)
+    # At least the saved fp32 tensor's other half (4 - 4/2 bytes per logit), at most every loss tensor whole
+    # (Note [the loss's memory]: 4 saved, 8 transient, 6 of gloo's late frees, less the 2 + 2 split).
+    extra = (gathered.predicted.memory_gib[0] - vocab.predicted.memory_gib[0]) * 2**30 / logits
+    assert 2 <= extra <= 14

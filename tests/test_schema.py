@@ -159,6 +159,7 @@ def test_malformed_plans_give_one_line(tmp_path, data, expected):
             "interleaved-1f1b needs num_microbatches (6) to be a multiple of pp (4)",
         ),
         ({"sequence_parallel": True}, {"global_batch": 8, "seq_len": 8}, "parallel.sequence_parallel needs tp > 1"),
+        ({"vocab_parallel_loss": True}, {"global_batch": 8, "seq_len": 8}, "parallel.vocab_parallel_loss needs tp > 1"),
     ],
 )
 def test_inconsistent_plans_show_the_arithmetic(tmp_path, parallel, training, expected):

@@ -76,6 +76,34 @@ def test_vocab_parallel_cross_entropy_matches_torch(group):
     torch.testing.assert_close(ours, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vocab_parallel_function_in_place_gives_torchs_loss_and_gradient(group, dtype):
+    # The autograd function itself on a group of one (its all-reduces the identity): padded columns past the
+    # vocabulary, an ignored target; its in-place steps (Note [the vocab-parallel loss's memory]) leave the logits
+    # as they were and give F.cross_entropy's gradient, in the logits' dtype.
+    from hyparallel.tensor.layers import _VocabParallelCrossEntropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 12, dtype=dtype, requires_grad=True)  # vocabulary 11, one padding column
+    targets = torch.randint(0, 11, (2, 5))
+    targets[1, 3] = -100
+    before = logits.detach().clone()
+    ours = _VocabParallelCrossEntropy.apply(logits, targets, 0, 11, group, -100)
+    (grad,) = torch.autograd.grad(ours, logits)
+    assert torch.equal(logits.detach(), before) and grad.dtype == dtype
+    reference = logits.detach()[..., :11].float().requires_grad_()
+    expected = F.cross_entropy(reference.flatten(0, 1), targets.flatten())
+    expected.backward()
+    torch.testing.assert_close(ours.float(), expected)
+    tolerance = {} if dtype == torch.float32 else {"rtol": 0, "atol": 2**-9}  # the gradient rounded to bf16
+    torch.testing.assert_close(grad[..., :11].float(), reference.grad, **tolerance)
+    assert torch.all(grad[..., 11] == 0)  # the padding column's logit gets no gradient
+    twice = _VocabParallelCrossEntropy.apply(logits, targets, 0, 11, group, -100)
+    twice.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        twice.backward()
+
+
 @pytest.mark.parametrize(
     ("styles", "message"),
     [

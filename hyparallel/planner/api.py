@@ -90,7 +90,8 @@ def plan(
     it fixes micro_batch to its rows and gives seq_len), or a function ``(batch_size, seq_len) -> inputs`` used
     as a model's ``example_inputs`` method is (Note [example inputs]). The constraints are
     ``constraints=Constraints(...)`` or the same names as keyword arguments: tp, pp, dp, micro_batch, schedule,
-    virtual_stages, recompute, zero, sequence_parallel, order (placement.order, outermost axis first), and
+    virtual_stages, recompute, zero, sequence_parallel, vocab_parallel_loss (False: the logits gathered for a
+    loss_fn of your own), order (placement.order, outermost axis first), and
     grad_compression (none, bf16, fp16, powersgd, or any: searched), powersgd_rank, powersgd_start_step:
     gradients are compressed only when asked (Note [gradient compression is asked for] in constraints.py).
 
@@ -154,7 +155,8 @@ def search(
     if module is not None and inputs is not None:
         replicate_what_fails(module, graph, _tp_degrees(cluster, given), inputs)
     start = time.perf_counter()
-    profile = ModelProfile(graph, cluster, dtype, seq_len, traced_rows=rows or 1)
+    vocab_loss = given.get("vocab_parallel_loss", True)  # not searched: on wherever tp splits the head, unless asked
+    profile = ModelProfile(graph, cluster, dtype, seq_len, traced_rows=rows or 1, vocab_parallel_loss=vocab_loss)
     result = SearchResult(
         graph=graph,
         cluster=cluster,
@@ -589,6 +591,7 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
             "recompute": c.recompute,
             "zero": c.zero,
             "sequence_parallel": c.sequence_parallel,
+            "vocab_parallel_loss": profile.vocab_split(c.tp),
             "grad_compression": c.grad_compression,
             "powersgd_rank": c.powersgd_rank,
             "powersgd_start_step": result.powersgd_start_step,
@@ -652,8 +655,7 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
     tp_link, pp_link = (axis_link(c.order, sizes, axis, result.cluster) for axis in ("tp", "pp"))
     segment_costs = profile.segment_costs(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, tp_link)
     tp_forward_s = [
-        float(sum(costs.ring_allreduce_s(x * c.micro_batch, c.tp, tp_link) for x in raw.comm_fwd))
-        for raw in profile.raw
+        profile.tp_forward_comm_s(raw, c.tp, c.sequence_parallel, c.micro_batch, tp_link) for raw in profile.raw
     ]
     p2p_s = transfer_s(profile, c, pp_link)
     figures = []

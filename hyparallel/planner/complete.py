@@ -73,6 +73,7 @@ def complete(plan: Plan, graph: ModelGraph, *, example_inputs: Any = None, modul
             recompute=par.recompute,
             zero=par.zero,
             sequence_parallel=par.sequence_parallel,
+            vocab_parallel_loss=par.vocab_parallel_loss,
             order=plan.placement.order,
             **_compression(plan),
         ).plan()

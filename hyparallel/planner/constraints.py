@@ -62,6 +62,11 @@ class Constraints(BaseModel):
     recompute: Recompute | None = Field(None, description="Activation recomputation.")
     zero: ZeroStage | None = Field(None, description="ZeRO stage of the data-parallel axis.")
     sequence_parallel: bool | None = Field(None, description="Sequence parallelism along the tp ranks.")
+    vocab_parallel_loss: bool | None = Field(
+        None,
+        description="The loss on each tp rank's slice of the logits (parallel.vocab_parallel_loss); left out: on "
+        "wherever tp > 1 splits the head. false: the logits gathered, for a loss_fn of your own.",
+    )
     order: tuple[Axis, Axis, Axis] | None = Field(None, description="The mesh axes outermost first (placement.order).")
     grad_compression: CompressionChoice = Field(
         ParallelConfig.model_fields["grad_compression"].default,

@@ -126,7 +126,12 @@ class _SegmentRaw:
     # The all-reduces sequence parallelism turns into a reduce-scatter and an all-gather (row outputs forward, column
     # inputs backward; Note [sequence parallelism on gloo]); the vocab-parallel ones stay all-reduces.
     comm_sequence: tuple[float, ...] = ()
-    loss_working: tuple[float, float] = (0.0, 0.0)  # (split by tp, whole) bytes alive while the loss runs
+    # Note [the loss's memory]: the loss's saved fp32 tensor, its transients gathered and vocab-parallel (whole)
+    loss_saved: float = 0.0
+    loss_working: float = 0.0
+    loss_working_vocab: float = 0.0
+    comm_loss: tuple[float, ...] = ()  # the vocab-parallel loss's all-reduces (forward), in the head's segment
+    comm_gather: float = 0.0  # the head's logits, whole: what gathering them for the loss all-gathers
     logits_bytes: float = 0.0  # the head's logits in the plan's dtype, whole (Note [gloo's late frees])
     backward_working: float = 0.0  # per sequence: the largest op's output and input gradients (Note [backward's own])
     weight_ops: tuple[Op, ...] = ()  # ops with parameters: their weight gradients' transient (Note [backward's own])
@@ -135,9 +140,20 @@ class _SegmentRaw:
 class ModelProfile:
     """Everything the search needs from a ModelGraph, for one dtype and one cluster."""
 
-    def __init__(self, graph: ModelGraph, cluster: ClusterSpec, dtype: Dtype, seq_len: int, traced_rows: int = 1):
-        """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in api.py)."""
+    def __init__(
+        self,
+        graph: ModelGraph,
+        cluster: ClusterSpec,
+        dtype: Dtype,
+        seq_len: int,
+        traced_rows: int = 1,
+        vocab_parallel_loss: bool = True,
+    ):
+        """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in api.py);
+        ``vocab_parallel_loss``: the loss runs on each tp rank's slice of the logits wherever tp splits the head
+        (parallel.vocab_parallel_loss), else they are gathered for it."""
         self.graph, self.cluster, self.dtype, self.seq_len = graph, cluster, dtype, seq_len
+        self.vocab_parallel_loss = vocab_parallel_loss
         self.traced_rows = traced_rows
         self.tp_analysis: TPAnalysis = graph.structure
         self.segments = graph.segments()
@@ -162,6 +178,27 @@ class ModelProfile:
         self._powersgd: dict[tuple[int, int], tuple[GradientWork, ...]] = {}
 
     # ---- per configuration ------------------------------------------------------------------
+
+    def head_split(self, tp: int) -> bool:
+        """Whether ``tp`` ranks split the output head by vocabulary (each computes its slice of the logits)."""
+        head = self.tp_analysis.vocab_head
+        return tp > 1 and head is not None and self.tp_analysis.styles.get(head) == "vocab"
+
+    def vocab_split(self, tp: int) -> bool:
+        """Whether the loss runs on each of ``tp`` ranks' slice of the logits (parallel.vocab_parallel_loss)."""
+        return self.vocab_parallel_loss and self.head_split(tp)
+
+    def tp_forward_comm_s(self, raw: _SegmentRaw, tp: int, sp: bool, b: int, link: LinkSpec) -> float:
+        """Seconds of one segment's tensor-parallel collectives in the forward, at micro-batch ``b``."""
+        seconds = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_fwd)
+        if sp and self.cluster.backend == "gloo":  # Note [sequence parallelism on gloo]: a reduce-scatter is an
+            seconds += sum(costs.ring_allgather_s(x * b, tp, link) for x in raw.comm_sequence)  # all-reduce there
+        if raw.comm_loss and self.head_split(tp):
+            if self.vocab_split(tp):  # vocab-parallel cross-entropy: max, sum of exponentials, target logit
+                seconds += sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_loss)
+            else:  # the head's logits all-gathered for the loss
+                seconds += costs.ring_allgather_s(raw.comm_gather * b, tp, link)
+        return float(seconds)
 
     def segment_costs(
         self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str, tp_link: LinkSpec
@@ -291,10 +328,8 @@ class ModelProfile:
             forward += t
             backward += t_backward
             quadratic_forward += t if op.quadratic else 0.0
-        comm_fwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_fwd)
+        comm_fwd = self.tp_forward_comm_s(raw, tp, sp, b, link)
         comm_bwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_bwd)
-        if sp and serial:  # Note [sequence parallelism on gloo]: each reduce-scatter runs as an all-reduce
-            comm_fwd += sum(costs.ring_allgather_s(x * b, tp, link) for x in raw.comm_sequence)
         # Note [what sequence parallelism shards]
         #     parallelize splits the sequence from the first block's input to the last block's output: inside
         #     blocks, what is replicated across tp ranks without SP is a 1/tp slice of the sequence with it; a column
@@ -307,8 +342,13 @@ class ModelProfile:
         seq = tp if sp and raw.is_block else 1
         gathered, also_full = raw.saved_gathered  # without SP, the gathered copy is the replicated tensor itself
         saved = raw.saved_split / tp + raw.saved_full / seq + gathered - (also_full if seq == 1 else 0.0)
-        working = raw.loss_working[0] / tp + raw.loss_working[1] / seq
-        if serial and tp > 1:
+        if self.vocab_split(tp):
+            saved += raw.loss_saved / tp
+            working = raw.loss_working_vocab / tp
+        else:
+            saved += raw.loss_saved
+            working = raw.loss_working
+        if serial and tp > 1 and not self.vocab_split(tp):
             # Note [gloo's late frees]
             #     gloo's worker thread drops a collective's work object, and with it the tensors it staged, after
             #     the caller has gone on; on busy cores that can be well into the loss's backward. Measured on the
@@ -345,7 +385,7 @@ class ModelProfile:
         ops = [graph.op(name) for name in segment.ops]
         op_costs = tuple(self._op_cost(op) for op in ops)
         saved_split, saved_full, saved_gathered, quadratic = self._saved(ops, segment.is_block)
-        loss_working, logits_bytes = (0.0, 0.0), 0.0
+        loss_saved = loss_working = loss_working_vocab = logits_bytes = 0.0
         if ops[-1].name == self.segments_last_op:
             # Note [the loss's memory]
             # The loss (token cross-entropy in fp32, as parallelize's default computes it: log_softmax then
@@ -357,22 +397,17 @@ class ModelProfile:
             # larger of the two, LOSS_BACKWARD_BYTES_PER_LOGIT = 8 in every dtype.
             outputs = [graph.op(p) for p in graph.graph.predecessors(graph.ops[-1].name)]
             numel = sum(_numel(s) for op in outputs for s in op.output_shapes)
+            #     The vocab-parallel loss (parallel.vocab_parallel_loss; Note [the vocab-parallel loss's memory] in
+            #     hyparallel/tensor/layers.py) saves one fp32 tensor of the local logits, 4 bytes per logit over tp,
+            #     and holds the logits themselves beside it (the plan's dtype) while it makes it, and the gradient
+            #     cast back to that dtype in its backward: dtype bytes per logit over tp. Gathered, each rank holds
+            #     the whole: 4 saved, the transient above.
             forward_transient = self.dtype_bytes + (4 if self.dtype != "fp32" else 0)
-            logits, transient = (
-                numel * 4 / scale,
-                numel * max(forward_transient, costs.LOSS_BACKWARD_BYTES_PER_LOGIT) / scale,
-            )
-            # parallelize gathers a vocab-parallel head's logits for the loss unless told vocab_parallel_loss=True,
-            # which the plan does not say: the loss's memory is counted whole (measured: gpt-tiny tp 2 on the CPU
-            # peaked at twice the prediction with it split by tp).
-            vocab_split = False
-            if vocab_split:
-                saved_split += logits
-            else:
-                saved_full += logits
-            loss_working = (transient, 0.0) if vocab_split else (0.0, transient)
+            loss_saved = numel * 4 / scale
+            loss_working = numel * max(forward_transient, costs.LOSS_BACKWARD_BYTES_PER_LOGIT) / scale
+            loss_working_vocab = numel * self.dtype_bytes / scale
             logits_bytes = numel * self.dtype_bytes / scale
-        comm_fwd, comm_bwd, comm_sequence = self._tp_comm(ops)
+        comm_fwd, comm_bwd, comm_sequence, (comm_loss, comm_gather) = self._tp_comm(ops)
         entering = self._entering_bytes(ops) if segment.is_block else 0.0
         # Note [backward's own]
         #     While an op's backward runs, the gradient of its output and those of its inputs are alive beside every
@@ -413,7 +448,11 @@ class ModelProfile:
             comm_bwd,
             comm_sequence,
             entering,
+            loss_saved,
             loss_working,
+            loss_working_vocab,
+            comm_loss,
+            comm_gather,
             logits_bytes,
             backward_working,
             segment.is_block,
@@ -433,7 +472,11 @@ class ModelProfile:
             comm_fwd=tuple(x * one for x in comm_fwd),
             comm_bwd=tuple(x * one for x in comm_bwd),
             comm_sequence=tuple(x * one for x in comm_sequence),
-            loss_working=(loss_working[0] * one, loss_working[1] * one),
+            loss_saved=loss_saved * one,
+            loss_working=loss_working * one,
+            loss_working_vocab=loss_working_vocab * one,
+            comm_loss=tuple(x * one for x in comm_loss),
+            comm_gather=comm_gather * one,
             logits_bytes=logits_bytes * one,
             backward_working=backward_working,
             weight_ops=weight_ops,
@@ -553,9 +596,10 @@ class ModelProfile:
                 quadratic_full += 0.0 if is_split else num_bytes
         return split, full, (whole, both), (quadratic_split, quadratic_full)
 
-    def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
-        """Bytes (traced dtype and rows) of each all-reduce forward and backward in these ops, and of those among them
-        that sequence parallelism turns into a reduce-scatter and an all-gather (the row and column ones)."""
+    def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple]:
+        """Bytes (traced dtype and rows) of each all-reduce forward and backward in these ops, of those among them
+        that sequence parallelism turns into a reduce-scatter and an all-gather (the row and column ones), and
+        (the vocab-parallel loss's three all-reduces, the head's whole logits) where the head is among them."""
         analysis, g = self.tp_analysis, self.graph.graph
         names = {op.name for op in ops}
         forward = [self.graph.op(r).output_bytes for r in analysis.row_ops if r in names]
@@ -567,12 +611,14 @@ class ModelProfile:
         sequence = (*forward, *backward)
         if analysis.vocab_embedding in names:
             forward.append(self.graph.op(analysis.vocab_embedding).output_bytes)
+        loss, gathered = [], 0.0
         if analysis.vocab_head in names:
             head = self.graph.op(analysis.vocab_head)
             backward.append(sum(_numel(s) for s in head.input_shapes) * self.dtype_bytes / self.scale)
             tokens = _numel(head.output_shapes[0]) / head.output_shapes[0][-1]
-            forward.extend([tokens * 4 / self.scale] * 3)  # vocab-parallel cross-entropy: max, sum of exp, target logit
-        return tuple(forward), tuple(backward), sequence
+            loss = [tokens * 4 / self.scale] * 3  # vocab-parallel cross-entropy: max, sum of exp, target logit
+            gathered = _numel(head.output_shapes[0]) * self.dtype_bytes / self.scale
+        return tuple(forward), tuple(backward), sequence, (tuple(loss), gathered)
 
     def _entering_bytes(self, ops: list[Op]) -> float:
         """Bytes of the tensors that flow into these ops from outside (a block's inputs)."""

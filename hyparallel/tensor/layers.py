@@ -208,36 +208,47 @@ class VocabParallelHead(ColumnParallelLinear):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Megatron-LM's vocab-parallel cross-entropy: max, sum of exponentials and target logit are all-reduced."""
+    """Megatron-LM's vocab-parallel cross-entropy: max, sum of exponentials and target logit are all-reduced.
+
+    Note [the vocab-parallel loss's memory]: one fp32 tensor of the local logits' size, made once and worked on in
+    place (masked, shifted, exponentiated in the forward and saved; turned into the gradient in the backward,
+    as Megatron-LM's does): 4 bytes per local logit beside the logits themselves, where out-of-place steps held
+    16. The backward consumes what it saved, so it runs once (a second backward, retain_graph, is refused).
+    """
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, vocab_size, group, ignore_index):
-        logits = logits.float()
-        columns = torch.arange(logits.size(-1), device=logits.device) + vocab_start
-        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))  # vocabulary padding
-        maximum = all_reduce_(logits.amax(dim=-1), group, torch.distributed.ReduceOp.MAX)
-        shifted = logits - maximum.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = all_reduce_(exp.sum(dim=-1), group)
+        work = logits.to(torch.float32, copy=True)
+        columns = torch.arange(work.size(-1), device=work.device) + vocab_start
+        work.masked_fill_(columns >= vocab_size, float("-inf"))  # vocabulary padding
+        maximum = all_reduce_(work.amax(dim=-1), group, torch.distributed.ReduceOp.MAX)
+        work.sub_(maximum.unsqueeze(-1))
         local_target = targets - vocab_start
-        here = (local_target >= 0) & (local_target < logits.size(-1))
-        picked = shifted.gather(-1, local_target.clamp(0, logits.size(-1) - 1).unsqueeze(-1)).squeeze(-1)
+        here = (local_target >= 0) & (local_target < work.size(-1))
+        picked = work.gather(-1, local_target.clamp(0, work.size(-1) - 1).unsqueeze(-1)).squeeze(-1)
         target_logit = all_reduce_(torch.where(here, picked, torch.zeros_like(picked)), group)
+        exp = work.exp_()
+        sum_exp = all_reduce_(exp.sum(dim=-1), group)
         valid = targets != ignore_index
         count = valid.sum().clamp(min=1)
         loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit)).sum() / count
         ctx.save_for_backward(exp, sum_exp, local_target, here & valid, valid)
-        ctx.count = count
+        ctx.count, ctx.consumed, ctx.dtype = count, False, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.consumed:
+            raise RuntimeError(
+                "vocab_parallel_cross_entropy's backward ran twice: it turns its saved tensor into the gradient in "
+                "place; backward through it once (no retain_graph)"
+            )
+        ctx.consumed = True
         exp, sum_exp, local_target, hit, valid = ctx.saved_tensors
-        softmax = exp / sum_exp.unsqueeze(-1)
-        softmax = softmax * valid.unsqueeze(-1)
-        index = local_target.clamp(0, softmax.size(-1) - 1).unsqueeze(-1)
-        softmax.scatter_add_(-1, index, -hit.unsqueeze(-1).to(softmax.dtype))
-        return softmax * (grad / ctx.count), None, None, None, None, None
+        gradient = exp.div_(sum_exp.unsqueeze(-1)).mul_(valid.unsqueeze(-1))  # the softmax, ignored targets zero
+        index = local_target.clamp(0, gradient.size(-1) - 1).unsqueeze(-1)
+        gradient.scatter_add_(-1, index, -hit.unsqueeze(-1).to(gradient.dtype))
+        return gradient.mul_(grad / ctx.count).to(ctx.dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

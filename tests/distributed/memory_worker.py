@@ -23,6 +23,10 @@ CASES = {
     "dp2-bf16": {"dp": 2, "tp": 1, "pp": 1, "micro_batch": 2, "dtype": "bf16"},
     "tp2-fp32": {"dp": 1, "tp": 2, "pp": 1, "micro_batch": 4, "dtype": "fp32", "sequence_parallel": False},
     "tp2-sp-bf16": {"dp": 1, "tp": 2, "pp": 1, "micro_batch": 4, "dtype": "bf16", "sequence_parallel": True},
+    "tp2-gathered-fp32": {  # the logits gathered for the loss: the tp cases above compute it vocab-parallel
+        **{"dp": 1, "tp": 2, "pp": 1, "micro_batch": 4, "dtype": "fp32", "sequence_parallel": False},
+        "vocab_parallel_loss": False,
+    },
 }
 
 
@@ -45,7 +49,7 @@ def run_case(name: str) -> dict:
     state = sum(p.numel() * p.element_size() for p in pmodel.parameters()) * 4  # weights, grads (fp32), m and v
     stage = plan.coords(dist.get_rank())["pp"]
     predicted = plan.predicted.memory_gib[stage] * 2**30 - cluster.device.reserved_bytes
-    return {"peak_bytes": peaks.stop(), "predicted_bytes": predicted, "state_bytes": state}
+    return {"peak_bytes": peaks.stop(), "predicted_bytes": predicted, "state_bytes": state, "plan": plan.to_dict()}
 
 
 if __name__ == "__main__":
