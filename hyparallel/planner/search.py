@@ -427,6 +427,26 @@ class Search:
         stages' gradients but the shared ones, under grad_compression powersgd (else ``wire`` is ``params``);
         ``shared``: the params of weights other stages hold too, which a compressing plan reduces apart in fp32.
         """
+        t, tail, held = self._stage_time(c, links, t, bwd, params, act, wire, hook_s, hook_ops, shared, work, largest)
+        return t, tail, self._stage_memory(c, held, stage)
+
+    def _stage_time(
+        self,
+        c: Config,
+        links,
+        t: np.ndarray,
+        bwd: np.ndarray,
+        params: np.ndarray,
+        act: np.ndarray,
+        wire: np.ndarray,
+        hook_s: np.ndarray,
+        hook_ops: np.ndarray,
+        shared: np.ndarray,
+        work: np.ndarray,
+        largest: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """``_stage_terms``' time and tail, which do not depend on the stage's place in the pipeline, and what its
+        memory needs beside that place (``_stage_memory``): the partition computes these once, not per stage."""
         dtype, cluster, mode = self.ctx.dtype, self.ctx.cluster, c.grad_compression
         t = t + self._p2p_s(c, links)
         serial = cluster.backend == "gloo"  # CPU processes: collectives and compute share the cores
@@ -458,20 +478,27 @@ class Search:
         tail = tail + optimizer_params * costs.adam_step_bytes_per_param(dtype) / (
             device.memory_bandwidth_bytes_per_s * device.memory_efficiency
         )
-        inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages)
         state = costs.state_bytes_per_param(dtype, c.zero, c.dp, mode)
-        memory = params * state + inflight * act + work + extra_memory
+        held = params * state + work + extra_memory
         if c.zero == 3:  # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
-            memory = memory + 2 * largest * sum(costs.unsharded_bytes_per_param(dtype, mode))
-        memory = memory + params * costs.recompute_copies_bytes_per_param(dtype, c.recompute, c.zero, inflight)
+            held = held + 2 * largest * sum(costs.unsharded_bytes_per_param(dtype, mode))
+        floor = costs.after_backward_bytes(params, largest, dtype, c.zero, c.dp, mode)
+        if c.pp > 1:  # Note [syncing a weight several stages hold] in costs.py
+            floor = np.maximum(floor, params * state + shared * costs.TIED_SYNC_BYTES_PER_PARAM)
+        return t, tail, (held, params, act, floor)
+
+    def _stage_memory(self, c: Config, held: tuple, stage: int) -> np.ndarray:
+        """The memory of candidate stages at place ``stage`` of the pipeline: what ``_stage_time`` found held, and
+        what depends on the micro-batches in flight there."""
+        base, params, act, floor = held
+        inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages)
+        memory = base + inflight * act
+        memory = memory + params * costs.recompute_copies_bytes_per_param(self.ctx.dtype, c.recompute, c.zero, inflight)
         if c.pp > 1:  # Note [a pipeline stage's boundary tensors]
             boundary = self.ctx.profile.boundary_bytes * c.micro_batch / (c.tp if c.sequence_parallel else 1)
             sent_back = c.num_microbatches * (c.virtual_stages - (1 if stage == 0 else 0))
             memory = memory + (inflight * c.virtual_stages + 1 + sent_back) * boundary
-        memory = np.maximum(memory, costs.after_backward_bytes(params, largest, dtype, c.zero, c.dp, mode))
-        if c.pp > 1:  # Note [syncing a weight several stages hold] in costs.py
-            memory = np.maximum(memory, params * state + shared * costs.TIED_SYNC_BYTES_PER_PARAM)
-        return t, tail, memory
+        return np.maximum(memory, floor)
 
     def _all_reduce_tail(
         self, c: Config, links, params, bwd, wire, hook_s, hook_ops, shared, serial: bool
@@ -503,10 +530,11 @@ class Search:
         limit = self.ctx.cluster.device.usable_memory_bytes
         quantities = tables.ranges()
         weight = c.num_microbatches - 1 / c.virtual_stages
+        step, tail, held = self._stage_time(c, links, *quantities)  # the same at every place in the pipeline
+        cost = weight * step + tail
 
         def stage_cost(stage: int) -> np.ndarray:
-            step, tail, memory = self._stage_terms(c, links, *quantities, stage)
-            return np.where((memory <= limit) & tables.valid, weight * step + tail, np.inf)
+            return np.where((self._stage_memory(c, held, stage) <= limit) & tables.valid, cost, np.inf)
 
         return _minmax_partition(stage_cost, n, p)
 
