@@ -520,3 +520,28 @@ def test_the_loss_is_vocab_parallel_unless_asked_and_each_way_is_priced_as_it_ru
     # (Note [the loss's memory]: 4 saved, 8 transient, 6 of gloo's late frees, less the 2 + 2 split).
     extra = (gathered.predicted.memory_gib[0] - vocab.predicted.memory_gib[0]) * 2**30 / logits
     assert 2 <= extra <= 14
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_fsdp_and_the_optimizer_dispatch_per_tensor_on_a_cpu(backend):
+    # Note [what FSDP and the optimizer dispatch on a CPU]: gpt-mini's 52 parameter tensors at dp 2. The op overhead
+    # moves compute alike under every ZeRO stage, so how ZeRO 1's step minus ZeRO 0's grows with it is the
+    # per-tensor work alone: an all-gather and a reduce-scatter per tensor, and AdamW on DTensors for plain ones.
+    # On nccl (GPUs launch it behind the kernels) nothing.
+    model = hp.models.build("gpt-mini")
+    tensors = len(list(model.parameters()))
+    assert tensors == 52
+
+    def zero_cost(overhead: float) -> float:
+        base = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=2)
+        device = base.device.model_copy(update={"op_overhead_s": overhead})
+        cluster = base.model_copy(update={"device": device, "backend": backend})
+        step = {
+            z: hp.plan(model, cluster, 16, 128, "fp32", dp=2, tp=1, pp=1, micro_batch=8, zero=z).predicted.step_time_s
+            for z in (0, 1)
+        }
+        return step[1] - step[0]
+
+    growth = (zero_cost(2e-5) - zero_cost(1e-5)) / 1e-5
+    expected = tensors * (2 * costs.FSDP_OPS_PER_TENSOR + costs.ADAM_DTENSOR_OPS_PER_TENSOR - costs.ADAM_OPS_PER_TENSOR)
+    assert growth == pytest.approx(expected if backend == "gloo" else 0.0, rel=1e-3, abs=1e-3)

@@ -501,6 +501,23 @@ def recompute_copies_bytes_per_param(dtype: Dtype, recompute: str, zero: int, in
     return DTYPE_BYTES[dtype] * max(inflight - 1.0, 0.0)
 
 
+# Note [what FSDP and the optimizer dispatch on a CPU]
+#     On a CPU backend (gloo) nothing hides the host's work per parameter tensor behind kernels: torch's AdamW
+#     (its for-loop path, the CPU default) dispatches a handful of ops per tensor, six times as costly on FSDP2's
+#     DTensors; and FSDP2 splits each all-gather's output into, and packs each reduce-scatter's input from, its
+#     unit's parameters, with DTensor bookkeeping per parameter. Counted in units of the device's op overhead
+#     (DeviceSpec.op_overhead_s, which `hyparallel calibrate` measures), per parameter tensor. Measured on an Intel
+#     Xeon (2 cores, op overhead 13.9 us): AdamW 22 us per plain tensor and 130 us per DTensor (a 1-process mesh,
+#     200 tensors); gpt-mini (52 tensors, 5 FSDP units) at dp 2: ZeRO 1 steps 41.5 ms slower than ZeRO 0 (train_step
+#     +33.5, optimizer +6.3), ZeRO 3 23 ms slower than ZeRO 1 in train_step (its 5 extra all-gathers): 22 op
+#     overheads per tensor per FSDP collective from the first (its all-gather and reduce-scatter, less the optimizer
+#     and gloo's slower reduce-scatter), 32 from the second; 26 taken. The planner priced none of it, and picked ZeRO 1
+#     there (measured 38% slower than ZeRO 0). GPUs launch this work asynchronously, behind the kernels: not added.
+ADAM_OPS_PER_TENSOR = 1.6
+ADAM_DTENSOR_OPS_PER_TENSOR = 9.4
+FSDP_OPS_PER_TENSOR = 26.0
+
+
 def adam_step_bytes_per_param(dtype: Dtype) -> int:
     """Memory traffic of one fused Adam step per parameter: read grad, master, m, v; write master, m, v, weight."""
     reads = GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM[dtype] + (0 if dtype != "fp32" else 4)

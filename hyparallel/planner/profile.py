@@ -95,6 +95,7 @@ class SegmentCost:
     params: float  # parameters one tensor-parallel rank holds
     activation_bytes: float  # kept for the backward pass, per micro-batch in flight
     working_bytes: float  # transient, once per stage (a recomputed block's activations)
+    tensors: int = 0  # parameter tensors (each one the optimizer and ZeRO's FSDP handle apart)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class _SegmentRaw:
     logits_bytes: float = 0.0  # the head's logits in the plan's dtype, whole (Note [gloo's late frees])
     backward_working: float = 0.0  # per sequence: the largest op's output and input gradients (Note [backward's own])
     weight_ops: tuple[Op, ...] = ()  # ops with parameters: their weight gradients' transient (Note [backward's own])
+    tensors: int = 0  # parameter tensors its ops read
 
 
 class ModelProfile:
@@ -376,6 +378,7 @@ class ModelProfile:
             params=raw.params_by_tp(tp),
             activation_bytes=saved * b,
             working_bytes=working * b,
+            tensors=raw.tensors,
         )
 
     # ---- once per model ---------------------------------------------------------------------
@@ -480,6 +483,7 @@ class ModelProfile:
             logits_bytes=logits_bytes * one,
             backward_working=backward_working,
             weight_ops=weight_ops,
+            tensors=len({name for op in weight_ops for name in op.params}),
         )
 
     def _op_cost(self, op: Op) -> _OpCost:

@@ -417,6 +417,7 @@ class Search:
         hook_s: np.ndarray,
         hook_ops: np.ndarray,
         shared: np.ndarray,
+        tensors: np.ndarray,
         work: np.ndarray,
         largest: np.ndarray,
         stage: int,
@@ -427,7 +428,9 @@ class Search:
         stages' gradients but the shared ones, under grad_compression powersgd (else ``wire`` is ``params``);
         ``shared``: the params of weights other stages hold too, which a compressing plan reduces apart in fp32.
         """
-        t, tail, held = self._stage_time(c, links, t, bwd, params, act, wire, hook_s, hook_ops, shared, work, largest)
+        t, tail, held = self._stage_time(
+            c, links, t, bwd, params, act, wire, hook_s, hook_ops, shared, tensors, work, largest
+        )
         return t, tail, self._stage_memory(c, held, stage)
 
     def _stage_time(
@@ -442,6 +445,7 @@ class Search:
         hook_s: np.ndarray,
         hook_ops: np.ndarray,
         shared: np.ndarray,
+        tensors: np.ndarray,
         work: np.ndarray,
         largest: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -465,19 +469,26 @@ class Search:
             scatter_bytes = params * costs.reduced_bytes_per_param(mode, serial)
             gather = per_unit(costs.ring_allgather_s, weight_bytes)
             scatter = per_unit(costs.ring_reduce_scatter_s, scatter_bytes)
+            # Note [what FSDP and the optimizer dispatch on a CPU]: each collective's per-tensor work, unhidden there
+            per_tensor = tensors * costs.FSDP_OPS_PER_TENSOR * cluster.device.op_overhead_s if serial else 0.0
             if c.zero == 1:  # gradients reduce-scattered unit by unit in the last backward; weights gathered once
                 last = costs.ring_reduce_scatter_s(scatter_bytes / units, c.dp, link)
-                tail = np.maximum(costs.overlapped_s(scatter - last, bwd, serial), 0) + last + gather
+                tail = np.maximum(costs.overlapped_s(scatter - last, bwd, serial), 0) + last + gather + 2 * per_tensor
             elif c.zero == 2:  # gradients reduce-scattered after every micro-batch's backward
-                t = t + costs.overlapped_s(scatter, bwd, serial)
-                tail = gather
+                t = t + costs.overlapped_s(scatter, bwd, serial) + per_tensor
+                tail = gather + per_tensor
             else:  # ZeRO-3: weights gathered for forward and backward, gradients scattered, every micro-batch
                 t = t + costs.overlapped_s(gather, t - bwd, serial) + costs.overlapped_s(gather + scatter, bwd, serial)
+                t = t + 3 * per_tensor
         optimizer_params = params / c.dp if c.zero >= 1 else params
         device = cluster.device
         tail = tail + optimizer_params * costs.adam_step_bytes_per_param(dtype) / (
             device.memory_bandwidth_bytes_per_s * device.memory_efficiency
         )
+        if serial:  # Note [what FSDP and the optimizer dispatch on a CPU]
+            sharded = c.zero >= 1 and c.dp > 1  # FSDP2's parameters are DTensors
+            ops = costs.ADAM_DTENSOR_OPS_PER_TENSOR if sharded else costs.ADAM_OPS_PER_TENSOR
+            tail = tail + tensors * ops * device.op_overhead_s
         state = costs.state_bytes_per_param(dtype, c.zero, c.dp, mode)
         held = params * state + work + extra_memory
         if c.zero == 3:  # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
@@ -636,8 +647,9 @@ class _Tables:
     """Prefix sums over segments, so any contiguous range's totals are two lookups."""
 
     # Quantities summed over a range (t, backward, params, activations, PowerSGD's elements sent, kernel seconds and
-    # ops, the shared weights' params); then two taken as the range's largest (working bytes, a segment's params).
-    ADDITIVE = 8
+    # ops, the shared weights' params, parameter tensors); then two taken as the range's largest (working bytes, a
+    # segment's params).
+    ADDITIVE = 9
 
     def __init__(
         self,
@@ -669,14 +681,15 @@ class _Tables:
         self.wire = prefix([g.elements for g in gradients])
         self.hook_s = prefix([g.work_s for g in gradients])
         self.hook_ops = prefix([g.ops for g in gradients])
+        self.tensors = prefix([s.tensors for s in segments])
         self.work = np.array([s.working_bytes for s in segments])
         self.largest = np.array([s.params for s in segments])
         index = np.arange(self.n + 1)
         self.valid = index[:, None] < index[None, :]
 
     def range(self, start: int, end: int) -> tuple[float, ...]:
-        """(t, backward, params, activations, PowerSGD's elements, seconds and ops, shared params, working, largest
-        segment's params) of segments [start, end)."""
+        """(t, backward, params, activations, PowerSGD's elements, seconds and ops, shared params, parameter tensors,
+        working, largest segment's params) of segments [start, end)."""
         peak = lambda values: float(values[start:end].max()) if end > start else 0.0  # noqa: E731
         params, shared, taken = self.params[end] - self.params[start], 0.0, GradientWork()
         for (owner, readers, size), g in zip(self.tied, self.tied_gradients):
@@ -694,12 +707,13 @@ class _Tables:
             self.hook_s[end] - self.hook_s[start] - taken.work_s,
             self.hook_ops[end] - self.hook_ops[start] - taken.ops,
             shared,
+            self.tensors[end] - self.tensors[start],
             peak(self.work),
             peak(self.largest),
         )
 
     def ranges(self) -> tuple[np.ndarray, ...]:
-        """The same ten quantities for every [start, end) as (n+1) x (n+1) arrays."""
+        """The same eleven quantities for every [start, end) as (n+1) x (n+1) arrays."""
 
         def diff(prefix):
             return prefix[None, :] - prefix[:, None]
@@ -739,6 +753,7 @@ class _Tables:
             hook_s,
             hook_ops,
             shared,
+            diff(self.tensors),
             running_max(self.work),
             running_max(self.largest),
         )
