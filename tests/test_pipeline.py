@@ -66,6 +66,16 @@ def test_runtime_holds_the_activations_the_simulator_and_cost_model_assume(resul
         # Most micro-batches whose activations the rank really held (saved outputs awaiting their backward)
         # = the simulator's count = what the planner's memory model charges.
         assert rank["peak_inflight"] == rank["simulated_peak"] == rank["cost_model_peak"]
+        # Note [gradients sent back]: the gradients a rank sent back and still held, never past the planner's count
+        assert rank["peak_backward_sends"] <= rank["backward_sends_bound"] <= rank["backward_sends_sent"]
+
+
+def test_a_rank_holds_fewer_gradients_sent_back_than_it_sends(results):
+    # Under 1F1B the bound binds: a rank past the first holds at most its in-flight micro-batches' gradients, not
+    # every one it sent (all of them were held to the schedule's end before).
+    plain = [case for case in CASES if case.endswith("-1f1b") and "interleaved" not in case]
+    ranks = [r for case in plain for r in pipeline_ranks(results, case) if r["backward_sends_sent"]]
+    assert ranks and all(r["backward_sends_bound"] < r["backward_sends_sent"] for r in ranks)
 
 
 @pytest.mark.parametrize("case", HAND_CHECKED)

@@ -26,6 +26,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec
 from hyparallel.errors import ConfigError
 from hyparallel.pipeline.schedule import Action, ActionKind, lower, schedule
 from hyparallel.pipeline.split import PipelineSplit, Stage, split_model
+from hyparallel.planner import costs
 from hyparallel.schema import LossFn, Plan, Schedule
 
 StageCall = Callable[[Stage, Any, Any], Any]  # (stage, micro-batch inputs, received) -> output
@@ -124,6 +125,11 @@ class PipelineRuntime:
         if sorted(stages) != mine:
             raise ConfigError(f"pipeline rank {self.rank} runs stages {mine} but was given {sorted(stages)}")
         self.stages = dict(stages)
+        # Note [gradients sent back]: the planner's figure (costs.backward_sends_held) is the runtime's bound
+        self._send_window = costs.backward_sends_held(
+            schedule_kind, self.pp, num_microbatches, self.rank, virtual_stages
+        )
+        self.peak_backward_sends = 0  # the most gradients sent back this rank held at once (over its steps)
         self.program = lower(
             schedule(schedule_kind, self.pp, num_microbatches, virtual_stages), self.pp, virtual_stages
         )[self.rank]
@@ -393,6 +399,26 @@ class PipelineRuntime:
     def _send_b(self, step: _Step, a: Action) -> None:
         grads = [g.contiguous() for g in step.input_grads.pop((a.stage, a.microbatch))]
         step.sends[a.stage, "B", a.microbatch] = self._isend(grads, a)
+        self._hold_fewer_sends(step)
+
+    # Note [gradients sent back]
+    #     An isend's work references the tensor it sends until it is waited for. A forward's send is waited for at
+    #     that micro-batch's backward; a gradient sent back has no such point, and waiting for them all at the end
+    #     of the schedule held m per virtual stage. So each new one drops those already delivered, and beyond
+    #     costs.backward_sends_held (one per micro-batch chunk in flight here) waits for the oldest. That cannot
+    #     deadlock: the receiving device takes this device's gradients in the order they were sent (the schedules
+    #     agree on every pair's send order, schedule.p2p_order_mismatches), so the oldest one undelivered is the next
+    #     it receives, and what it does before receiving it needs nothing from this device that is not already sent.
+    def _hold_fewer_sends(self, step: _Step) -> None:
+        held = [key for key in step.sends if key[1] == "B"]  # in the order sent
+        for key in held:
+            if all(work.is_completed() for work in step.sends[key]):
+                del step.sends[key]
+        held = [key for key in step.sends if key[1] == "B"]
+        while len(held) > self._send_window:
+            for work in step.sends.pop(held.pop(0)):
+                work.wait()
+        self.peak_backward_sends = max(self.peak_backward_sends, len(held))
 
     def _recv_b(self, step: _Step, a: Action) -> None:
         step.grads[a.stage, a.microbatch] = self._wait_recv(step, a)

@@ -354,6 +354,20 @@ def inflight_microbatches(
     return chunks / virtual_stages
 
 
+def backward_sends_held(schedule: Schedule, pp: int, num_microbatches: int, stage: int, virtual_stages: int = 1) -> int:
+    """Gradients a pipeline device has sent back and still holds, at most (Note [gradients sent back]).
+
+    PipelineRuntime keeps at most one per micro-batch chunk in flight on the device (``inflight_microbatches`` x v,
+    at least one), waiting for the oldest before it holds more; never more than it sends: m per virtual stage
+    past the device's first (the first stage sends none).
+    """
+    sent = num_microbatches * (virtual_stages - (1 if stage == 0 else 0))
+    window = max(
+        1, math.ceil(inflight_microbatches(schedule, pp, num_microbatches, stage, virtual_stages) * virtual_stages)
+    )
+    return min(sent, window)
+
+
 def gathered_bytes_per_param(dtype: Dtype, grad_compression: GradCompression = "none") -> int:
     """Bytes per parameter ZeRO 1-3 all-gather: the fp32 master copies, or the training dtype's 16 bits when the plan
     compresses gradients to bf16/fp16 and trains in 16 bits (FSDP2's MixedPrecisionPolicy param_dtype, as

@@ -507,7 +507,7 @@ class Search:
         memory = memory + params * costs.recompute_copies_bytes_per_param(self.ctx.dtype, c.recompute, c.zero, inflight)
         if c.pp > 1:  # Note [a pipeline stage's boundary tensors]
             boundary = self.ctx.profile.boundary_bytes * c.micro_batch / (c.tp if c.sequence_parallel else 1)
-            sent_back = c.num_microbatches * (c.virtual_stages - (1 if stage == 0 else 0))
+            sent_back = costs.backward_sends_held(c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages)
             memory = memory + (inflight * c.virtual_stages + 1 + sent_back) * boundary
         return np.maximum(memory, floor)
 
@@ -614,10 +614,11 @@ class Search:
 #     tensors per micro-batch (profile.boundary_bytes, in the dtypes the runtime holds: the residual stream is fp32
 #     under autocast) on every pipeline stage; 1/t of them with sequence parallelism. Measured: gpt-tiny pp 2 on
 #     this project's CPU (benchmarks/prediction.py's memory table) was 7% over the prediction on stage 0 without it.
-#     And the gradients a stage sends back stay referenced by their isend's work until the end of the schedule
-#     (PipelineRuntime keeps every send in _Step.sends and waits for them there): m of them on every stage but the
-#     first, m per virtual stage after a device's first under interleaving. Measured: gpt-mini pp 2, 1F1B with 16
-#     micro-batches of 1, stage 1 at 1.04 x the prediction without them (benchmarks/prediction.py).
+#     And the gradients a stage sends back stay referenced by their isend's work until it is waited for: at most
+#     costs.backward_sends_held of them (Note [gradients sent back] in pipeline/runtime.py; they were all held until
+#     the schedule's end, m per virtual stage past a device's first: 100 GiB per GPU for a 1T GPT at pp 64 with 512
+#     micro-batches). Measured: gpt-mini pp 2, 1F1B with 16 micro-batches of 1, stage 1 at 1.04 x the prediction
+#     without them (benchmarks/prediction.py).
 
 
 def _devices(c: Config, chunks: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

@@ -261,17 +261,21 @@ def run_recompute_case(name: str) -> dict:
     inputs, targets = batch(spec, SEED)
     world = dist.get_world_size()
     losses, grads, worst = {}, {}, {}
+    planned = hp.plan(
+        hp.models.load(spec).module,
+        hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world),
+        GLOBAL_BATCH,
+        SEQ,
+        "bf16",
+        recompute="none",
+        **constraints,
+    ).to_dict()
     for recompute in ("none", "full", "selective"):
+        # the same plan, stages included, under each mode (the planner may balance the stages otherwise per mode)
         model = hp.models.load(spec).module
-        plan = hp.plan(
-            model,
-            hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world),
-            GLOBAL_BATCH,
-            SEQ,
-            "bf16",
-            recompute=recompute,
-            **constraints,
-        )
+        data = {**planned, "parallel": {**planned["parallel"], "recompute": recompute}}
+        data.pop("predicted")
+        plan = hp.Plan.from_dict(data)
         groups = harness.parameter_groups(model)  # before parallelize swaps modules in
         pmodel = hp.parallelize(model, plan, seed=SEED, device="cpu")  # gloo on the CPU, a GPU present or not
         torch.manual_seed(SEED + dist.get_rank())  # the same dropout draws under each mode; other ones on each rank

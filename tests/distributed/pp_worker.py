@@ -202,6 +202,9 @@ def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
         "peak_inflight": runtime.peak_inflight,
         "simulated_peak": sim.peak_inflight[rank],
         "cost_model_peak": costs.inflight_microbatches(kind, pp, MICROBATCHES, rank, v),
+        "peak_backward_sends": runtime.peak_backward_sends,
+        "backward_sends_bound": costs.backward_sends_held(kind, pp, MICROBATCHES, rank, v),
+        "backward_sends_sent": MICROBATCHES * (v - (1 if rank == 0 else 0)),
         "tied": sorted(runtime._tied),
     }
 
