@@ -405,6 +405,15 @@ class Search:
             return self._infeasible(c, links, tables)
         return self._finish(c, links, tables, best, [[r] for r in best])
 
+    def evaluate_even(self, c: Config) -> Evaluation:
+        """``c`` with Megatron-LM's layout whatever its schedule: equal blocks per (virtual) stage, what precedes
+        and follows them with the first and the last (for comparing with runs that used it; the search balances
+        stages by time under memory instead)."""
+        links = self._links(c)
+        tables = self._tables(c, links)
+        chunks = _interleaved_chunks(len(tables.segments), self.ctx.profile, c.pp * c.virtual_stages)
+        return self._finish(c, links, tables, chunks, _devices(c, chunks))
+
     def _stage_terms(
         self,
         c: Config,
