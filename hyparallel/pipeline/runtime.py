@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
+from hyparallel import inflight
 from hyparallel.errors import ConfigError
 from hyparallel.pipeline.schedule import Action, ActionKind, lower, schedule
 from hyparallel.pipeline.split import PipelineSplit, Stage, split_model
-from hyparallel.planner import costs
 from hyparallel.schema import LossFn, Plan, Schedule
 
 StageCall = Callable[[Stage, Any, Any], Any]  # (stage, micro-batch inputs, received) -> output
@@ -125,8 +125,8 @@ class PipelineRuntime:
         if sorted(stages) != mine:
             raise ConfigError(f"pipeline rank {self.rank} runs stages {mine} but was given {sorted(stages)}")
         self.stages = dict(stages)
-        # Note [gradients sent back]: the planner's figure (costs.backward_sends_held) is the runtime's bound
-        self._send_window = costs.backward_sends_held(
+        # Note [gradients sent back]: the planner counts the same bound (hyparallel.inflight, below both)
+        self._send_window = inflight.backward_sends_held(
             schedule_kind, self.pp, num_microbatches, self.rank, virtual_stages
         )
         self.peak_backward_sends = 0  # the most gradients sent back this rank held at once (over its steps)
@@ -405,7 +405,7 @@ class PipelineRuntime:
     #     An isend's work references the tensor it sends until it is waited for. A forward's send is waited for at
     #     that micro-batch's backward; a gradient sent back has no such point, and waiting for them all at the end
     #     of the schedule held m per virtual stage. So each new one drops those already delivered, and beyond
-    #     costs.backward_sends_held (one per micro-batch chunk in flight here) waits for the oldest. That cannot
+    #     inflight.backward_sends_held (one per micro-batch chunk in flight here) waits for the oldest. That cannot
     #     deadlock: the receiving device takes this device's gradients in the order they were sent (the schedules
     #     agree on every pair's send order, schedule.p2p_order_mismatches), so the oldest one undelivered is the next
     #     it receives, and what it does before receiving it needs nothing from this device that is not already sent.
