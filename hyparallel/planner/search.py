@@ -414,32 +414,10 @@ class Search:
         chunks = _interleaved_chunks(len(tables.segments), self.ctx.profile, c.pp * c.virtual_stages)
         return self._finish(c, links, tables, chunks, _devices(c, chunks))
 
-    def _stage_terms(
-        self,
-        c: Config,
-        links,
-        t: np.ndarray,
-        bwd: np.ndarray,
-        params: np.ndarray,
-        act: np.ndarray,
-        wire: np.ndarray,
-        hook_s: np.ndarray,
-        hook_ops: np.ndarray,
-        shared: np.ndarray,
-        tensors: np.ndarray,
-        work: np.ndarray,
-        largest: np.ndarray,
-        stage: int,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per-micro-batch time, tail and memory of candidate stages (arrays of any shape).
-
-        ``wire``, ``hook_s``, ``hook_ops``: PowerSGD's elements sent, kernel seconds and ops (``GradientWork``) of the
-        stages' gradients but the shared ones, under grad_compression powersgd (else ``wire`` is ``params``);
-        ``shared``: the params of weights other stages hold too, which a compressing plan reduces apart in fp32.
-        """
-        t, tail, held = self._stage_time(
-            c, links, t, bwd, params, act, wire, hook_s, hook_ops, shared, tensors, work, largest
-        )
+    def _stage_terms(self, c: Config, links, *quantities: np.ndarray, stage: int) -> tuple[np.ndarray, ...]:
+        """Per-micro-batch time, tail and memory of candidate stages at place ``stage`` of the pipeline;
+        ``quantities`` are ``_Tables.range``'s (arrays of any shape), as ``_stage_time`` takes them."""
+        t, tail, held = self._stage_time(c, links, *quantities)
         return t, tail, self._stage_memory(c, held, stage)
 
     def _stage_time(
@@ -458,8 +436,14 @@ class Search:
         work: np.ndarray,
         largest: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, tuple]:
-        """``_stage_terms``' time and tail, which do not depend on the stage's place in the pipeline, and what its
-        memory needs beside that place (``_stage_memory``): the partition computes these once, not per stage."""
+        """Per-micro-batch time and tail of candidate stages, which do not depend on their place in the pipeline, and
+        what their memory needs beside that place (``_stage_memory``): the partition computes these once, not per
+        stage.
+
+        ``wire``, ``hook_s``, ``hook_ops``: PowerSGD's elements sent, kernel seconds and ops (``GradientWork``) of the
+        stages' gradients but the shared ones, under grad_compression powersgd (else ``wire`` is ``params``);
+        ``shared``: the params of weights other stages hold too, which a compressing plan reduces apart in fp32.
+        """
         dtype, cluster, mode = self.ctx.dtype, self.ctx.cluster, c.grad_compression
         t = t + self._p2p_s(c, links)
         serial = cluster.backend == "gloo"  # CPU processes: collectives and compute share the cores
@@ -567,7 +551,7 @@ class Search:
             parts = [tables.range(*r) for r in ranges]
             totals = [np.float64(sum(part[k] for part in parts)) for k in range(_Tables.ADDITIVE)]
             peaks = [np.float64(max(part[k] for part in parts)) for k in range(_Tables.ADDITIVE, len(parts[0]))]
-            step, tail, memory = (float(x) for x in self._stage_terms(c, links, *totals, *peaks, stage))
+            step, tail, memory = (float(x) for x in self._stage_terms(c, links, *totals, *peaks, stage=stage))
             params = float(totals[2])
             step_times.append(step)
             tails.append(tail)
