@@ -413,7 +413,8 @@ class PipelineRuntime:
         held = [key for key in step.sends if key[1] == "B"]  # in the order sent
         for key in held:
             if all(work.is_completed() for work in step.sends[key]):
-                del step.sends[key]
+                for work in step.sends.pop(key):
+                    work.wait()  # returns at once; raises if the send failed (not dropped unseen)
         held = [key for key in step.sends if key[1] == "B"]
         while len(held) > self._send_window:
             for work in step.sends.pop(held.pop(0)):
