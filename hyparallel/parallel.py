@@ -310,6 +310,7 @@ class ParallelModel:
         self._graph, self._modules, self._autocast = graph, list(modules), autocast
         self._dtype = autocast.dtype
         self._vocab_parallel_loss = vocab_parallel_loss
+        self._split_heads = [m for m in model.modules() if isinstance(m, VocabParallelHead) and not m.gather_output]
         self._ddp = data_parallel.ddp
         self._io = None
         self._started = False
@@ -434,8 +435,8 @@ class ParallelModel:
     @contextmanager
     def _whole_logits(self):
         """Under a vocab-parallel loss the head keeps its slice of the logits; a call of the model gathers them."""
-        heads = [m for m in self.module.modules() if isinstance(m, VocabParallelHead) and not m.gather_output]
-        if not self._vocab_parallel_loss or not heads:
+        heads = self._split_heads if self._vocab_parallel_loss else []
+        if not heads:
             yield
             return
         for head in heads:

@@ -14,6 +14,7 @@ Note [one step's state] for what a step keeps.
 from __future__ import annotations
 
 import pickle
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -82,6 +83,7 @@ class _Step:
     input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # of what it received
     losses: list[torch.Tensor] = field(default_factory=list)  # detached, in the order the last stage ran
     sends: dict[tuple[int, str, int], list[Any]] = field(default_factory=dict)  # (stage, F/B, micro-batch)
+    sent_back: deque[tuple[int, str, int]] = field(default_factory=deque)  # sends' keys of gradients, oldest first
     posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = field(default_factory=dict)  # early receives
 
     def release(self) -> None:
@@ -89,6 +91,7 @@ class _Step:
         for part in (self.inputs, self.targets, self.received, self.outputs, self.grads, self.input_grads):
             part.clear()
         self.sends.clear()  # a failed step's sends and early receives: dropped, not waited for
+        self.sent_back.clear()
         self.posted.clear()
 
 
@@ -399,6 +402,7 @@ class PipelineRuntime:
     def _send_b(self, step: _Step, a: Action) -> None:
         grads = [g.contiguous() for g in step.input_grads.pop((a.stage, a.microbatch))]
         step.sends[a.stage, "B", a.microbatch] = self._isend(grads, a)
+        step.sent_back.append((a.stage, "B", a.microbatch))
         self._hold_fewer_sends(step)
 
     # Note [gradients sent back]
@@ -410,15 +414,10 @@ class PipelineRuntime:
     #     agree on every pair's send order, schedule.p2p_order_mismatches), so the oldest one undelivered is the next
     #     it receives, and what it does before receiving it needs nothing from this device that is not already sent.
     def _hold_fewer_sends(self, step: _Step) -> None:
-        held = [key for key in step.sends if key[1] == "B"]  # in the order sent
-        for key in held:
-            if all(work.is_completed() for work in step.sends[key]):
-                for work in step.sends.pop(key):
-                    work.wait()  # returns at once; raises if the send failed (not dropped unseen)
-        held = [key for key in step.sends if key[1] == "B"]
-        while len(held) > self._send_window:
-            for work in step.sends.pop(held.pop(0)):
-                work.wait()
+        held = step.sent_back  # delivered in the order sent: the oldest first
+        while held and (len(held) > self._send_window or all(work.is_completed() for work in step.sends[held[0]])):
+            for work in step.sends.pop(held.popleft()):
+                work.wait()  # the oldest beyond the window; else done already (raises if the send failed)
         self.peak_backward_sends = max(self.peak_backward_sends, len(held))
 
     def _recv_b(self, step: _Step, a: Action) -> None:
