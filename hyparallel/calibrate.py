@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -69,12 +70,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from hyparallel import _files
-from hyparallel.cluster import ClusterSpec, DeviceSpec, LinkSpec, MatmulCurve, PeakFlops
+from hyparallel.cluster import ClusterSpec, DeviceSpec, ElementCost, LinkSpec, MatmulCurve, PeakFlops
 from hyparallel.errors import ConfigError, HyparallelError
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
@@ -95,6 +96,8 @@ class Settings:
     matmul_shapes: tuple[tuple[int, int, int], ...]  # (M, K, N): (M, K) @ (K, N)
     window_s: float  # time given to each rate measurement
     attention_shape: tuple[int, int, int, int]  # (B, n_heads, T, head_dim)
+    # More attention shapes on a CPU, for its attention curve (Note [a CPU's attention curve]); none on a GPU.
+    attention_curve_shapes: tuple[tuple[int, int, int, int], ...]
     copy_bytes: int
     allreduce_bytes: int
     allreduce_repeats: int
@@ -115,6 +118,7 @@ def settings_for(kind: DeviceKind, quick: bool, threads: int) -> Settings:
             matmul_shapes=tuple((s, s, s) for s in squares) + skinny + mlp,
             window_s=0.05 if quick else 0.25,
             attention_shape=(4, 32, 4096, 128),
+            attention_curve_shapes=(),
             copy_bytes=2**28 if quick else 2**30,
             allreduce_bytes=2**27 if quick else 2**30,
             allreduce_repeats=3 if quick else 5,
@@ -125,11 +129,18 @@ def settings_for(kind: DeviceKind, quick: bool, threads: int) -> Settings:
     # process, 13 GB/s copy) reads 64^3 and the skinny shapes as memory-bound, and the curve needs three others.
     squares = (64, 256, 384, 512) if quick else (32, 64, 128, 256, 384, 512, 1024)
     skinny = ((512, 16, 512), (16, 512, 512)) if quick else ((1024, 16, 1024), (16, 1024, 1024))
+    # A small transformer's products: 1,024 tokens through a 128 -> 512 projection, and the weight gradient's
+    # (128 x 1,024) @ (1,024 x 512). Compute-bound on both CPUs measured (the squares alone left the curve's K term
+    # free: the AMD EPYC's 512^3 ran at 62-69 GFLOP/s, gpt-mini's products at 52).
+    model = ((1024, 128, 512), (128, 1024, 512))
     mlp = () if quick else ((1024, 1024, 4096),)
     return Settings(
-        matmul_shapes=tuple((s, s, s) for s in squares) + skinny + mlp,
+        matmul_shapes=tuple((s, s, s) for s in squares) + skinny + model + mlp,
         window_s=0.1 if quick else 0.5,
         attention_shape=(1, 4, 256, 64) if quick else (1, 8, 512, 64),
+        attention_curve_shapes=((8, 8, 128, 16), (2, 8, 128, 32), (1, 8, 512, 32))
+        if quick
+        else ((8, 8, 128, 16), (4, 8, 256, 32), (1, 8, 1024, 64), (1, 16, 512, 128)),
         copy_bytes=2**25 if quick else 2**27,
         allreduce_bytes=2**22 if quick else 2**26,
         allreduce_repeats=3 if quick else 5,
@@ -165,6 +176,11 @@ class Measurements:
     allreduce_bytes: int
     latency_s: float | None  # None with one process
     op_overhead_s: float  # host time per dispatched op: Note [op overhead] in hyparallel/planner/costs.py
+    # A CPU's activations: name -> (forward, backward) seconds per fp32 element (Note [activations a CPU computes]
+    # in cluster.py); empty on a GPU.
+    activation_s: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # A CPU's further attention shapes: "BxHxTxD" -> FLOP/s (Note [a CPU's attention curve]); empty on a GPU.
+    attention_curve_flops: dict[str, float] = field(default_factory=dict)
 
     def achievable_flops(self, dtype: str) -> float:
         """The fastest shape's rate for ``dtype`` (a CPU's tf32 is its fp32)."""
@@ -244,6 +260,7 @@ def measure(nproc: int | None = None, quick: bool = False, device: DeviceKind | 
         quick=quick,
         matmul_flops=matmul,
         attention_flops=figures["attention"],
+        attention_curve_flops={k.split("/")[1]: v for k, v in figures.items() if k.startswith("attention/")},
         attention_dtype="bf16" if kind == "cuda" else "fp32",
         attention_shape=settings.attention_shape,
         memory_bandwidth_bytes_per_s=figures["copy"],
@@ -254,6 +271,11 @@ def measure(nproc: int | None = None, quick: bool = False, device: DeviceKind | 
         allreduce_bytes=settings.allreduce_bytes,
         latency_s=figures.get("latency"),
         op_overhead_s=figures["op_overhead"],
+        activation_s={
+            key.split("/")[1]: (value, figures[key.replace("/forward", "/backward")])
+            for key, value in figures.items()
+            if key.startswith("activation/") and key.endswith("/forward")
+        },
     )
 
 
@@ -295,8 +317,15 @@ def fit_matmul_curve(rates: dict[str, float], dtype: str, bandwidth_bytes_per_s:
     if len(kept) < 3:
         return None
     shapes = np.array(_shapes(kept), dtype=float)
-    output, k = shapes[:, 0] * shapes[:, 2], shapes[:, 1]
-    log_rate = np.log(np.array(list(kept.values())))
+    return _fit_halves(shapes[:, 0] * shapes[:, 2], shapes[:, 1], list(kept.values()))
+
+
+def _fit_halves(output, k, rates: list[float]) -> MatmulCurve:
+    """The two halves of Hockney's form that fit ``rates`` at (``output``, ``k``) best, in log space, the largest
+    shape at least MIN_LARGEST_FACTOR of the plateau (Note [fitting the curve])."""
+    import numpy as np
+
+    log_rate = np.log(np.array(rates))
     largest = int(np.argmax(output * k))
     halves_output = np.concatenate([[0.0], np.geomspace(1.0, 1e10, 201)])[:, None, None]
     halves_k = np.concatenate([[0.0], np.geomspace(0.1, 1e6, 141)])[None, :, None]
@@ -309,6 +338,27 @@ def fit_matmul_curve(rates: dict[str, float], dtype: str, bandwidth_bytes_per_s:
         half_output_elements=_significant(float(halves_output[i, 0, 0])),
         half_k=_significant(float(halves_k[0, j, 0])),
     )
+
+
+# Note [a CPU's attention curve]
+#     A CPU's fused attention (torch's flash kernel for the CPU: blocks of BLAS products and an exp per score) slows
+#     with small heads far more than a GPU's: on the AMD EPYC gpt-mini's (8 sequences x 8 heads, T 128, head_dim
+#     16) ran at about half the rate of the calibrated (1, 4, 256, 64). So on a CPU calibrate times more shapes,
+#     head_dim 16 to 64 (128 in the full run), and fits the attention curve to them as the matmul curve is fitted
+#     (Note [fitting the curve]; output = B x H x T x head_dim, k = T: Note [matmul curve] in cluster.py), its
+#     plateau the attention efficiency. A GPU keeps its preset's curve, and its one shape gives the plateau.
+def fit_attention_curve(measured: Measurements) -> tuple[MatmulCurve | None, float]:
+    """(curve, plateau FLOP/s) of a CPU's attention shapes; (None, the one rate) with fewer than three."""
+    import numpy as np
+
+    rates = {"x".join(map(str, measured.attention_shape)): measured.attention_flops, **measured.attention_curve_flops}
+    if len(rates) < 3:
+        return None, measured.attention_flops
+    shapes = np.array([[int(x) for x in shape.split("x")] for shape in rates], dtype=float)
+    output, k = shapes.prod(axis=1), shapes[:, 2]
+    curve = _fit_halves(output, k, list(rates.values()))
+    logs = [math.log(rate / curve.factor(o, kk)) for o, kk, rate in zip(output, k, rates.values())]
+    return curve, max(math.exp(statistics.fmean(logs)), max(rates.values()))
 
 
 def matmul_plateau(rates: dict[str, float], dtype: str, bandwidth: float, curve: MatmulCurve | None) -> float:
@@ -333,6 +383,7 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
         )
         for dtype in DTYPES
     }
+    attention_curve, attention_plateau = fit_attention_curve(measured)
     reserved = -(-measured.reserved_bytes // RESERVED_ROUNDING_BYTES) * RESERVED_ROUNDING_BYTES
     device_name = measured.device_name
     if measured.device_kind == "cpu":
@@ -347,16 +398,19 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
             matmul_efficiency=_fraction(rates["bf16"], peaks.bf16),
             matmul_curve=curve,
             attention_efficiency=_fraction(
-                measured.attention_flops / _attention_factor(measured, base.device.attention_curve),
+                attention_plateau
+                if attention_curve is not None
+                else measured.attention_flops / _attention_factor(measured, base.device.attention_curve),
                 getattr(peaks, measured.attention_dtype),
             ),
-            attention_curve=base.device.attention_curve,
+            attention_curve=attention_curve or base.device.attention_curve,
             kernel_floor_s=base.device.kernel_floor_s,
             memory_efficiency=_fraction(
                 measured.memory_bandwidth_bytes_per_s, base.device.memory_bandwidth_bytes_per_s
             ),
             reserved_bytes=max(base.device.reserved_bytes, reserved),
             op_overhead_s=_significant(measured.op_overhead_s),
+            activation_costs=_activation_specs(measured),
         )
     else:
         device = DeviceSpec(
@@ -366,10 +420,12 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
             memory_bandwidth_bytes_per_s=_significant(measured.memory_bandwidth_bytes_per_s),
             matmul_efficiency=1.0,
             matmul_curve=curve,
-            attention_efficiency=_fraction(measured.attention_flops, rates[measured.attention_dtype]),
+            attention_efficiency=_fraction(attention_plateau, rates[measured.attention_dtype]),
+            attention_curve=attention_curve,
             memory_efficiency=1.0,
             reserved_bytes=reserved,
             op_overhead_s=_significant(measured.op_overhead_s),
+            activation_costs=_activation_specs(measured),
         )
     intra_node, inter_node, links_from = _links(measured, base)
     figures_from = (
@@ -388,6 +444,14 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
         intra_node=intra_node,
         inter_node=inter_node,
     )
+
+
+def _activation_specs(measured: Measurements) -> dict[str, ElementCost]:
+    """The measured activations as the cluster file carries them."""
+    return {
+        name: ElementCost(forward_s=_significant(forward), backward_s=_significant(backward))
+        for name, (forward, backward) in measured.activation_s.items()
+    }
 
 
 def _attention_factor(measured: Measurements, curve: MatmulCurve | None) -> float:
@@ -472,7 +536,14 @@ def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
     b, h, t, d = measured.attention_shape
     lines += [
         f"Attention: causal SDPA forward, {measured.attention_dtype}, B={b} H={h} T={t} D={d}: "
-        f"{measured.attention_flops:.3g} FLOP/s counting 4*B*H*T*T*D (torch.utils.flop_counter's count).",
+        f"{measured.attention_flops:.3g} FLOP/s counting 4*B*H*T*T*D (torch.utils.flop_counter's count)"
+        + (
+            "; for the curve, BxHxTxD "
+            + ", ".join(f"{shape} {rate:.3g}" for shape, rate in measured.attention_curve_flops.items())
+            + "."
+            if measured.attention_curve_flops
+            else "."
+        ),
         f"Memory: copy_ of {measured.copy_bytes / 2**20:.0f} MiB: "
         f"{measured.memory_bandwidth_bytes_per_s:.3g} B/s read + written; "
         f"reserved {measured.reserved_bytes / 2**20:.0f} MiB measured "
@@ -484,6 +555,11 @@ def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
         f"Op overhead: {measured.op_overhead_s:.3g} s per op "
         "(a tiny GPT's forward + backward over 3 x its traced ops).",
     ]
+    if measured.activation_s:
+        lines.append(
+            f"Activations, fp32, {ACTIVATION_ELEMENTS:,} elements, seconds per element forward / backward: "
+            + ", ".join(f"{name} {f:.3g} / {b:.3g}" for name, (f, b) in measured.activation_s.items())
+        )
     if measured.allreduce_bus_bytes_per_s is None:
         lines.append("Links: one process, nothing to measure; taken from the preset named in the description.")
     else:
@@ -812,9 +888,13 @@ def _measure_rank(
     try:
         rate = functools.partial(_rate, kind=kind, window_s=settings.window_s, sync=sync)
         figures = _matmul_rates(settings, kind, device, rate)
-        figures["attention"] = _attention_rate(settings, kind, device, rate)
+        figures["attention"] = _attention_rate(settings.attention_shape, kind, device, rate)
+        for shape in settings.attention_curve_shapes:
+            figures["attention/" + "x".join(map(str, shape))] = _attention_rate(shape, kind, device, rate)
         figures["copy"] = _copy_rate(settings, device, rate)
         figures["op_overhead"] = _op_overhead_s(device, rate)
+        if kind == "cpu":  # a GPU's activations are memory-bound: their bytes price them
+            figures.update(_activation_costs(device, rate, settings.window_s))
         if world > 1:
             figures.update(_collective_figures(settings, kind, device, rank, world, sync))
         figures["reserved"] = float(_reserved_bytes(kind, device))
@@ -865,6 +945,64 @@ def _cuda_rate(fn: Callable[[], object], work: float, window_s: float, batches: 
     return work / statistics.median(seconds)
 
 
+# Note [a CPU's rates drift]
+#     A shared or virtual CPU's speed moves over seconds: on the AMD EPYC (2 cores) 512^3 fp32 ran at 62-69
+#     GFLOP/s in one minute and 38-43 in another, and one quick calibration read its 256^3 at 43 GFLOP/s while the
+#     next read 68. Measured one after another, the shapes would each catch a different moment and the fitted
+#     curve would fit the drift (one such fit put both halves at 0, every product at the plateau). So on a CPU every
+#     shape is measured in CPU_ROUNDS rounds of window / rounds, the shapes taking turns, and the median
+#     round is its rate: a slow moment lowers all shapes alike instead of one.
+#     A CPU's BLAS also runs one shape at different speeds by operand layout: on that EPYC (1,024 x 128) @ (128 x
+#     512) read 39 GFLOP/s as nn.Linear's forward runs it (the weight transposed), 56 with both operands as stored,
+#     52 with the first transposed (a weight gradient's). Training runs each layout about as often (a Linear's
+#     forward, its input's gradient, its weight's), so on a CPU each shape's round times the three in turn and its
+#     rate is their mean (_cpu_products). And in training a product's operands come from memory, not from a cache
+#     the last call warmed: the same shape read 56-66 GFLOP/s timed on one set of operands and 40-49 taking turns
+#     over sets of 32 MiB in all (gpt-mini's products ran at 51 in its step). So each call takes the next of
+#     enough operand sets to fill CPU_OPERAND_BYTES. A GPU's kernels run every layout at one speed from HBM: it
+#     times A @ B on one set.
+CPU_ROUNDS = 3
+CPU_OPERAND_BYTES = 32 * 2**20
+
+
+def _cpu_products(shape: tuple[int, int, int], device, dtype) -> Callable[[], object]:
+    """One (M, K) @ (K, N) product in each layout training runs it: A @ B^T, A @ B, A^T @ B (three products), each
+    call on the next of the operand sets that fill CPU_OPERAND_BYTES (Note [a CPU's rates drift])."""
+    import torch
+
+    m, k, n = shape
+    element = torch.empty((), dtype=dtype).element_size()
+    count = max(1, min(64, CPU_OPERAND_BYTES // ((2 * m * k + 2 * k * n + m * n) * element)))
+    sets = [
+        (
+            torch.randn(m, k, device=device, dtype=dtype),
+            torch.randn(k, m, device=device, dtype=dtype).t(),
+            torch.randn(k, n, device=device, dtype=dtype),
+            torch.randn(n, k, device=device, dtype=dtype).t(),
+            torch.empty(m, n, device=device, dtype=dtype),
+        )
+        for _ in range(count)
+    ]
+    turn = itertools.cycle(sets)
+
+    def products() -> None:
+        a, a_t, b, b_t, out = next(turn)
+        torch.mm(a, b_t, out=out)
+        torch.mm(a, b, out=out)
+        torch.mm(a_t, b, out=out)
+
+    return products
+
+
+def _mm_operands(shape: tuple[int, int, int], device, dtype) -> Callable[[], object]:
+    """``torch.mm`` of an (M, K) and a (K, N) random operand into a preallocated result, ready to time."""
+    import torch
+
+    m, k, n = shape
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    return functools.partial(torch.mm, a, b, out=torch.empty(m, n, device=device, dtype=dtype))
+
+
 def _matmul_rates(settings: Settings, kind: DeviceKind, device, rate: Callable[..., float]) -> dict[str, float]:
     """FLOP/s of torch.mm for every dtype and shape, keyed "matmul/<dtype>/<M>x<K>x<N>"."""
     import torch
@@ -877,28 +1015,75 @@ def _matmul_rates(settings: Settings, kind: DeviceKind, device, rate: Callable[.
             if name == "tf32" and kind == "cpu":
                 continue  # no TF32 on a CPU
             torch.set_float32_matmul_precision("high" if name == "tf32" else "highest")
+            if kind == "cpu":  # Note [a CPU's rates drift]
+                operands = [_cpu_products(shape, device, dtype) for shape in settings.matmul_shapes]
+                rounds: list[list[float]] = [[] for _ in operands]
+                for _ in range(CPU_ROUNDS):
+                    for (m, k, n), call, rates in zip(settings.matmul_shapes, operands, rounds):
+                        rates.append(rate(call, 3 * 2 * m * k * n, window_s=settings.window_s / CPU_ROUNDS))
+                for (m, k, n), rates in zip(settings.matmul_shapes, rounds):
+                    figures[f"matmul/{name}/{m}x{k}x{n}"] = statistics.median(rates)
+                del operands
+                continue
             for m, k, n in settings.matmul_shapes:
-                a = torch.randn(m, k, device=device, dtype=dtype)
-                b = torch.randn(k, n, device=device, dtype=dtype)
-                c = torch.empty(m, n, device=device, dtype=dtype)
-                figures[f"matmul/{name}/{m}x{k}x{n}"] = rate(functools.partial(torch.mm, a, b, out=c), 2 * m * k * n)
-                del a, b, c  # before the next shape's
+                call = _mm_operands((m, k, n), device, dtype)
+                figures[f"matmul/{name}/{m}x{k}x{n}"] = rate(call, 2 * m * k * n)
+                del call  # before the next shape's operands
     finally:
         torch.set_float32_matmul_precision(precision)
     return figures
 
 
-def _attention_rate(settings: Settings, kind: DeviceKind, device, rate: Callable[..., float]) -> float:
-    """FLOP/s of causal SDPA forward, counted as Note [attention FLOPs] says."""
+def _attention_rate(shape: tuple[int, int, int, int], kind: DeviceKind, device, rate: Callable[..., float]) -> float:
+    """FLOP/s of causal SDPA forward of (B, heads, T, head_dim), counted as Note [attention FLOPs] says."""
     import torch
     import torch.nn.functional as F
 
-    batch, heads, seq, head_dim = settings.attention_shape
+    batch, heads, seq, head_dim = shape
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype) for _ in range(3))
     return rate(
         lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 4 * batch * heads * seq * seq * head_dim
     )
+
+
+# Elements each activation is timed on: 8 MiB of fp32, past a core's L2 as a small model's activations are.
+ACTIVATION_ELEMENTS = 2**21
+
+
+def _activation_costs(device, rate: Callable[..., float], window_s: float) -> dict[str, float]:
+    """Seconds per element of common activations' forward and backward in fp32, keyed "activation/<name>/<pass>"
+    (Note [activations a CPU computes] in cluster.py)."""
+    import torch
+    import torch.nn.functional as F
+
+    functions = {
+        "gelu": F.gelu,
+        "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+        "silu": F.silu,
+        "relu": F.relu,
+        "sigmoid": torch.sigmoid,
+        "tanh": torch.tanh,
+    }
+    generator = torch.Generator(device).manual_seed(0)
+    x = torch.randn(ACTIVATION_ELEMENTS, device=device, generator=generator).requires_grad_()
+    grad = torch.randn(ACTIVATION_ELEMENTS, device=device, generator=generator)
+    calls = {}
+    for name, fn in functions.items():
+        calls[f"activation/{name}/forward"] = functools.partial(_no_grad, fn, x)
+        calls[f"activation/{name}/backward"] = functools.partial(torch.autograd.grad, fn(x), x, grad, retain_graph=True)
+    seconds: dict[str, list[float]] = {key: [] for key in calls}
+    for _ in range(CPU_ROUNDS):  # taking turns, as the matmuls do: Note [a CPU's rates drift]
+        for key, call in calls.items():
+            seconds[key].append(1.0 / rate(call, ACTIVATION_ELEMENTS, window_s=window_s / CPU_ROUNDS))
+    return {key: statistics.median(values) for key, values in seconds.items()}
+
+
+def _no_grad(fn: Callable, x):
+    import torch
+
+    with torch.no_grad():
+        return fn(x)
 
 
 # A transformer too small for its kernels' work to matter: its step time is all dispatch.

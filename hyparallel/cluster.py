@@ -104,6 +104,24 @@ class MatmulCurve(_Frozen):
         return output_elements / (output_elements + self.half_output_elements) * k / (k + self.half_k)
 
 
+# Note [activations a CPU computes]
+#     A GPU's activation functions are memory-bound: their bytes at the memory bandwidth price them. A CPU core
+#     computes a transcendental per element more slowly than it streams it: on the Intel Xeon here tanh-GELU ran
+#     at 1.8 ns per fp32 element forward against the 0.57 its bytes take at the copy bandwidth, on the AMD EPYC
+#     4.4 ns against 1.2 (erf-GELU about half that, ReLU at its bytes). `hyparallel calibrate` on a CPU times each
+#     common activation's forward and backward per element (fp32, the dtype CPUs train in); the cost model
+#     charges an activation the larger of that and its bytes at bandwidth (planner/profile.py, _op_times). The
+#     functions are named as the graph names them: the module's or function's name lowercased, with GELU's
+#     approximation appended ("gelu", "gelu_tanh", "silu", "relu", "sigmoid", "tanh"); others run at their bytes.
+class ElementCost(_Frozen):
+    """Seconds per element of one activation function's forward and backward (Note [activations a CPU computes])."""
+
+    forward_s: float_in(0.0, limits.MAX_LATENCY_S) = Field(description="Forward seconds per element.")
+    backward_s: float_in(0.0, limits.MAX_LATENCY_S) = Field(
+        description="Backward seconds per element (the input's gradient)."
+    )
+
+
 class DeviceSpec(_Frozen):
     """One accelerator (or one CPU process): compute, memory capacity and memory bandwidth.
 
@@ -149,6 +167,12 @@ class DeviceSpec(_Frozen):
         0.0,
         description="Host time to dispatch one op (Python, the framework, the kernel launch): a GPU op takes "
         "at least this long, a CPU op (backend gloo) this long on top of its work.",
+    )
+    activation_costs: dict[str, ElementCost] = Field(
+        default_factory=dict,
+        description="Compute time per element of activation functions where it exceeds their memory traffic (a "
+        "CPU's GELU, SiLU), by function name ('gelu', 'gelu_tanh', 'silu', ...: Note [activations a CPU computes] "
+        "in cluster.py); empty: every activation at its bytes over memory bandwidth.",
     )
 
     @model_validator(mode="after")

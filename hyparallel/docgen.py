@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from hyparallel import schema
-from hyparallel.cluster import ClusterSpec, DeviceSpec, LinkSpec, MatmulCurve, PeakFlops, preset_dir
+from hyparallel.cluster import ClusterSpec, DeviceSpec, ElementCost, LinkSpec, MatmulCurve, PeakFlops, preset_dir
 from hyparallel.errors import ConfigError
 from hyparallel.planner.api import round_figures
 
@@ -52,6 +52,7 @@ CLUSTER_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("device", DeviceSpec),
     ("device.peak_flops", PeakFlops),
     ("device.matmul_curve, device.attention_curve", MatmulCurve),
+    ("device.activation_costs.<function>", ElementCost),
     ("intra_node, inter_node", LinkSpec),
 )
 

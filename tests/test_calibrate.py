@@ -35,6 +35,10 @@ def test_measurements_are_plausible(calibrated):
     assert measured.attention_flops > 0 and measured.memory_bandwidth_bytes_per_s > 1e7
     assert measured.allreduce_bus_bytes_per_s > 1e5 and 1e-6 < measured.latency_s < 1
     assert 2**20 < measured.reserved_bytes < measured.memory_bytes
+    # A CPU's activations and further attention shapes (Notes [activations a CPU computes], [a CPU's attention curve])
+    assert set(measured.activation_s) == {"gelu", "gelu_tanh", "silu", "relu", "sigmoid", "tanh"}
+    assert all(1e-12 < seconds < 1e-6 for pair in measured.activation_s.values() for seconds in pair)
+    assert len(measured.attention_curve_flops) == len(calibrate.settings_for("cpu", True, 1).attention_curve_shapes)
 
 
 def test_spec_without_base_uses_measured_rates(calibrated, tmp_path):
@@ -56,6 +60,26 @@ def test_spec_without_base_uses_measured_rates(calibrated, tmp_path):
         assert 1 / 3 < ratios[-1] < 3, shape
     assert 1 / 1.5 < statistics.median(ratios) < 1.5, ratios
     assert device.matmul_efficiency == 1.0 and 0 < device.attention_efficiency <= 1
+    # The attention curve gives back the measured attention rates as the matmul curve does its shapes'.
+    attention = {
+        "x".join(map(str, measured.attention_shape)): measured.attention_flops,
+        **measured.attention_curve_flops,
+    }
+    assert device.attention_curve is not None
+    ratios = []
+    for shape, rate in attention.items():
+        b, h, t, d = map(int, shape.split("x"))
+        ratios.append(
+            device.peak_flops.fp32
+            * device.attention_efficiency
+            * device.attention_curve.factor(b * h * t * d, t)
+            / rate
+        )
+        assert 1 / 3 < ratios[-1] < 3, shape
+    assert 1 / 1.5 < statistics.median(ratios) < 1.5, ratios
+    assert set(device.activation_costs) == set(measured.activation_s)
+    for name, cost in device.activation_costs.items():
+        assert (cost.forward_s, cost.backward_s) == pytest.approx(measured.activation_s[name], rel=1e-3), name
     assert device.reserved_bytes >= measured.reserved_bytes and device.reserved_bytes % 2**20 == 0
     assert spec.intra_node.latency_s == pytest.approx(measured.latency_s, rel=1e-3)
     assert spec.inter_node.bandwidth_bytes_per_s == spec.intra_node.bandwidth_bytes_per_s  # one machine
@@ -65,6 +89,7 @@ def test_spec_without_base_uses_measured_rates(calibrated, tmp_path):
     text = path.read_text()
     assert text.startswith("# Written by `hyparallel calibrate`") and "512x512x512" in text and "All-reduce" in text
     assert "curve fitted on fp32" in text and "matmul_curve:" in text
+    assert "Activations, fp32" in text and "gelu_tanh:" in text and "attention_curve:" in text
     loaded = hp.ClusterSpec.load(path)
     assert loaded == spec and loaded.device.matmul_curve == spec.device.matmul_curve  # the curve round-trips
     plan = hp.plan(hp.models.build("gpt-tiny", device="meta"), loaded, global_batch=8, seq_len=64, dtype="fp32")
@@ -94,6 +119,28 @@ def test_the_fit_recovers_a_known_curve():
     # Memory-bound shapes are the roofline's, not the curve's: with a slow memory they are left out, and with
     # fewer than three left nothing is fitted.
     assert calibrate.fit_matmul_curve(rates, "bf16", 1e9) is None
+
+
+def test_the_attention_fit_recovers_a_known_curve(calibrated):
+    # Attention rates made from a known curve and plateau come back, to the fit's grid.
+    _, measured = calibrated
+    true = MatmulCurve(half_output_elements=2e4, half_k=100.0)
+    shapes = [(1, 4, 256, 64), (8, 8, 128, 16), (2, 8, 128, 32), (1, 8, 1024, 64), (4, 16, 512, 32)]
+    rate = {s: 5e10 * true.factor(s[0] * s[1] * s[2] * s[3], s[2]) for s in shapes}
+    known = dataclasses.replace(
+        measured,
+        attention_shape=shapes[0],
+        attention_flops=rate[shapes[0]],
+        attention_curve_flops={"x".join(map(str, s)): rate[s] for s in shapes[1:]},
+    )
+    curve, plateau = calibrate.fit_attention_curve(known)
+    assert curve.half_output_elements == pytest.approx(2e4, rel=0.1) and curve.half_k == pytest.approx(100, rel=0.1)
+    assert plateau == pytest.approx(5e10, rel=0.05)
+    # One shape (a GPU's calibration): no curve, its rate the plateau.
+    assert calibrate.fit_attention_curve(dataclasses.replace(known, attention_curve_flops={})) == (
+        None,
+        rate[shapes[0]],
+    )
 
 
 def test_one_process_takes_links_from_the_base(calibrated):

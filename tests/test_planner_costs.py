@@ -545,3 +545,37 @@ def test_fsdp_and_the_optimizer_dispatch_per_tensor_on_a_cpu(backend):
     growth = (zero_cost(2e-5) - zero_cost(1e-5)) / 1e-5
     expected = tensors * (2 * costs.FSDP_OPS_PER_TENSOR + costs.ADAM_DTENSOR_OPS_PER_TENSOR - costs.ADAM_OPS_PER_TENSOR)
     assert growth == pytest.approx(expected if backend == "gloo" else 0.0, rel=1e-3, abs=1e-3)
+
+
+def _activation_times(costs_by_function: dict, tp: int = 1, micro_batch: int = 2):
+    """(op, (forward, backward)) of gpt-tiny's first MLP activation (tanh-GELU, between a column and a row Linear)
+    on the cpu preset without op overhead, with the given per-element activation costs."""
+    from hyparallel.cluster import ElementCost
+    from hyparallel.planner.profile import _op_times
+
+    model = hp.models.build("gpt-tiny")
+    graph = hp.trace(model, model.example_inputs(1, 16))
+    device = hp.ClusterSpec.preset("cpu").device
+    device = device.model_copy(
+        update={"op_overhead_s": 0.0, "activation_costs": {k: ElementCost(**v) for k, v in costs_by_function.items()}}
+    )
+    profile = ModelProfile(graph, hp.ClusterSpec.preset("cpu"), "fp32", 16)
+    op = next(op for raw in profile.raw for op in raw.ops if op.kind == "activation")
+    return op, _op_times(op, tp, False, micro_batch, device.peak_flops.fp32, device, serial=True)
+
+
+def test_a_cpu_activation_costs_the_larger_of_its_compute_and_its_bytes():
+    # Note [activations a CPU computes]: gpt-tiny's MLP runs nn.GELU(approximate="tanh"), named gelu_tanh.
+    op, (forward_bytes, backward_bytes) = _activation_times({})
+    assert op.function == "gelu_tanh" and op.out_elements == 16 * 4 * 64  # tokens x ffn per sequence
+    elements = 2 * op.out_elements
+    _, (forward, backward) = _activation_times({"gelu_tanh": {"forward_s": 1e-6, "backward_s": 3e-6}})
+    assert forward == pytest.approx(elements * 1e-6) and backward == pytest.approx(elements * 3e-6)
+    # A tensor-parallel rank computes its share of the split activation.
+    _, (forward_tp, _) = _activation_times({"gelu_tanh": {"forward_s": 1e-6, "backward_s": 3e-6}}, tp=2)
+    assert forward_tp == pytest.approx(forward / 2)
+    # Cheaper than its bytes: the bytes price it; another function's cost does not apply.
+    assert _activation_times({"gelu_tanh": {"forward_s": 1e-15, "backward_s": 1e-15}})[1] == pytest.approx(
+        (forward_bytes, backward_bytes)
+    )
+    assert _activation_times({"gelu": {"forward_s": 1e-6, "backward_s": 3e-6}})[1] == (forward_bytes, backward_bytes)

@@ -124,6 +124,26 @@ def test_sequential_mlp():
     assert [cut.bytes for cut in graph.cut_points] == [8 * 64 * 4, 8 * 64 * 4]
 
 
+class _Activations(nn.Module):
+    """Activations as modules and as functions, GELU's approximation in each form."""
+
+    def __init__(self):
+        super().__init__()
+        self.exact, self.tanh, self.silu = nn.GELU(), nn.GELU(approximate="tanh"), nn.SiLU()
+
+    def forward(self, x):
+        x = self.silu(self.tanh(self.exact(x)))
+        return torch.nn.functional.gelu(torch.nn.functional.gelu(x, approximate="tanh"))
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_activations_are_named_with_their_variant(method):
+    # What a CPU's per-element activation costs are keyed by (Note [activations a CPU computes] in cluster.py).
+    graph = hp.trace(_Activations(), torch.zeros(2, 8), method=method)
+    functions = [op.function for op in graph.compute_ops() if op.kind == "activation"]
+    assert functions == ["gelu", "gelu_tanh", "silu", "gelu_tanh", "gelu"], functions
+
+
 def test_graph_is_a_dag_in_execution_order(gpt_tiny_graph):
     _, graph = gpt_tiny_graph
     g = graph.graph

@@ -81,6 +81,14 @@ class Op:
     # Whether the op's output requires grad in the traced run (Note [a gradient path]): False for what no loss can
     # differentiate through (a shape, zeros_like, detach, a no-grad region, an integer result).
     grad: bool = True
+    # An option of the function that changes its work, where the graph can read it: GELU's approximation ("tanh");
+    # "" otherwise. Costs key a CPU's per-element activation times by it (Note [activations a CPU computes]).
+    variant: str = ""
+
+    @property
+    def function(self) -> str:
+        """The function's name as costs key it: the target lowercased, its variant appended ("gelu_tanh")."""
+        return self.target.lower() + (f"_{self.variant}" if self.variant else "")
 
 
 @dataclass(frozen=True)

@@ -987,7 +987,16 @@ class _OpBuilder:
             base_forward=base_forward(module) if module is not None else "",
             inner=inner,
             grad=any(self.profiler.grad.get(n, True) for n in leaving),
+            variant=_variant(module, members),
         )
+
+
+def _variant(module: nn.Module | None, members: list[fx.Node]) -> str:
+    """GELU's approximation ("tanh"), from the module or the call's keyword; "" for the exact form and others."""
+    approximate = getattr(module, "approximate", None) if module is not None else None
+    for node in members if approximate is None else ():
+        approximate = node.kwargs.get("approximate", approximate)
+    return approximate if isinstance(approximate, str) and approximate != "none" else ""
 
 
 def _build(model: nn.Module, program: Program, name: str) -> ModelGraph:

@@ -83,6 +83,8 @@ class _OpCost:
     # () when it is not a product or its shape cannot be read (then its efficiency is the plateau).
     gemm: tuple[float, float, float, float] = ()
     tokens_in_m: bool = False  # a Linear: a micro-batch's sequences multiply M (its tokens), else the batch
+    function: str = ""  # an activation's function name (Op.function): Note [activations a CPU computes]
+    out_elements: float = 0.0  # elements of its output, one sequence
 
 
 @dataclass(frozen=True)
@@ -508,6 +510,8 @@ class ModelProfile:
             quadratic=op.name in self.quadratic,
             gemm=gemm,
             tokens_in_m=kind == "linear" and bool(gemm),
+            function=op.function if kind == "activation" else "",
+            out_elements=sum(_numel(shape) for shape in op.output_shapes) / rows,
         )
 
     def _quadratic_ops(self) -> set[str]:
@@ -781,6 +785,14 @@ def _op_times(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, seria
         return costs.dispatched_s(costs.kernel_s(work_s, floor), overhead, serial)
 
     ratio = _BACKWARD_RATIO.get(op.kind, 2.0)
+    computed = device.activation_costs.get(op.function) if op.function else None
+    if computed is not None:  # Note [activations a CPU computes] in cluster.py: the larger of compute and bytes
+        sharded = op.style in ("column", "vocab", "split") or (sp and op.style == "full")
+        elements = op.out_elements * b / (tp if sharded else 1)
+        moved = costs.roofline_s(0.0, in_bytes + out_bytes, peak, 1.0, bandwidth, memory_efficiency)
+        forward = costs.dispatched_s(costs.kernel_s(max(moved, elements * computed.forward_s), floor), overhead, serial)
+        backward_each = max(moved, elements * computed.backward_s / ratio)  # its ops dispatched as the others' are
+        return forward, ratio * costs.dispatched_s(costs.kernel_s(backward_each, floor), overhead, serial)
     if op.kind not in _MATMUL_KINDS:
         forward = kernel(0.0, in_bytes + out_bytes, 1.0)
         return forward, forward * ratio
