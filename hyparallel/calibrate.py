@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from hyparallel import _files
+from hyparallel import _files, limits
 from hyparallel.cluster import ClusterSpec, DeviceSpec, ElementCost, LinkSpec, MatmulCurve, PeakFlops
 from hyparallel.errors import ConfigError, HyparallelError
 
@@ -181,6 +181,11 @@ class Measurements:
     activation_s: dict[str, tuple[float, float]] = field(default_factory=dict)
     # A CPU's further attention shapes: "BxHxTxD" -> FLOP/s (Note [a CPU's attention curve]); empty on a GPU.
     attention_curve_flops: dict[str, float] = field(default_factory=dict)
+    # A ring collective's step latency where it is not the ping-pong's (Note [a collective's latency]); None:
+    # latency_s. And the two all-reduces' seconds it was solved from (1/ALLREDUCE_SMALL_FRACTION of
+    # allreduce_bytes, allreduce_bytes); None with one process.
+    collective_latency_s: float | None = None
+    allreduce_s: tuple[float, float] | None = None
 
     def achievable_flops(self, dtype: str) -> float:
         """The fastest shape's rate for ``dtype`` (a CPU's tf32 is its fp32)."""
@@ -246,6 +251,17 @@ def measure(nproc: int | None = None, quick: bool = False, device: DeviceKind | 
         return tuple(int(size) for size in item[0].split("x"))
 
     matmul = {dtype: dict(sorted(rates.items(), key=by_size)) for dtype, rates in matmul.items() if rates}
+    link = (
+        collective_link(
+            nproc,
+            settings.allreduce_bytes,
+            figures["allreduce_s"],
+            settings.allreduce_bytes // ALLREDUCE_SMALL_FRACTION,
+            figures["allreduce_small_s"],
+        )
+        if "allreduce_s" in figures
+        else None
+    )
     return Measurements(
         device_kind=kind,
         device_name=info["device_name"],
@@ -267,7 +283,7 @@ def measure(nproc: int | None = None, quick: bool = False, device: DeviceKind | 
         copy_bytes=settings.copy_bytes,
         memory_bytes=info["memory_bytes"],
         reserved_bytes=int(figures["reserved"]),
-        allreduce_bus_bytes_per_s=figures.get("allreduce"),
+        allreduce_bus_bytes_per_s=link[0] if link else None,
         allreduce_bytes=settings.allreduce_bytes,
         latency_s=figures.get("latency"),
         op_overhead_s=figures["op_overhead"],
@@ -276,6 +292,8 @@ def measure(nproc: int | None = None, quick: bool = False, device: DeviceKind | 
             for key, value in figures.items()
             if key.startswith("activation/") and key.endswith("/forward")
         },
+        collective_latency_s=link[1] if link else None,
+        allreduce_s=(figures["allreduce_small_s"], figures["allreduce_s"]) if link else None,
     )
 
 
@@ -471,6 +489,9 @@ def _links(measured: Measurements, base: ClusterSpec | None) -> tuple[LinkSpec, 
         name=f"{measured.backend} between {measured.nproc} local processes (measured)",
         bandwidth_bytes_per_s=_significant(measured.allreduce_bus_bytes_per_s),
         latency_s=_significant(measured.latency_s),
+        collective_latency_s=None
+        if measured.collective_latency_s is None
+        else _significant(min(measured.collective_latency_s, limits.MAX_LATENCY_S)),
     )
     if source is not None:
         return intra, source.inter_node, f"intra-node link measured, inter-node from preset {source.name}"
@@ -478,6 +499,7 @@ def _links(measured: Measurements, base: ClusterSpec | None) -> tuple[LinkSpec, 
         name=f"{intra.name}; inter-node not measured (one machine): same as intra-node",
         bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s,
         latency_s=intra.latency_s,
+        collective_latency_s=intra.collective_latency_s,
     )
     return intra, inter, "intra-node link measured, inter-node not measurable here (same figures)"
 
@@ -565,8 +587,19 @@ def cluster_yaml(spec: ClusterSpec, measured: Measurements) -> str:
     else:
         lines.append(
             f"All-reduce of {measured.allreduce_bytes / 2**20:.0f} MiB fp32 across {measured.nproc}: "
-            f"{measured.allreduce_bus_bytes_per_s:.3g} B/s bus bandwidth (2(n-1)/n * bytes / time); "
-            f"send/recv of 4 bytes: {measured.latency_s:.3g} s one way (ping-pong, all pairs at once)."
+            f"{measured.allreduce_bus_bytes_per_s:.3g} B/s bus bandwidth"
+            + (
+                f", {measured.allreduce_s[1]:.3g} s, and of 1/{ALLREDUCE_SMALL_FRACTION} of it "
+                f"{measured.allreduce_s[0]:.3g} s: solved for the bandwidth and "
+                + (
+                    f"{measured.collective_latency_s:.3g} s per ring step (Note [a collective's latency])"
+                    if measured.collective_latency_s is not None
+                    else "no step latency of their own (the small one no faster per byte)"
+                )
+                if measured.allreduce_s
+                else ""
+            )
+            + f"; send/recv of 4 bytes: {measured.latency_s:.3g} s one way (ping-pong, all pairs at once)."
         )
     if measured.device_kind == "cpu":
         lines.append(
@@ -646,6 +679,8 @@ def measurements_table(measured: Measurements):
             _si(measured.allreduce_bus_bytes_per_s, "B/s"),
         )
         table.add_row("send/recv latency", "4 B", f"{measured.latency_s * 1e6:,.1f} us")
+        if measured.collective_latency_s is not None:
+            table.add_row("all-reduce step latency", "two sizes", f"{measured.collective_latency_s * 1e6:,.1f} us")
     else:
         table.add_row("collectives", "-", "not measured (one process)")
     table.add_row("memory", "", f"{measured.memory_bytes / 2**30:,.1f} GiB")
@@ -1125,6 +1160,33 @@ def _copy_rate(settings: Settings, device, rate: Callable[..., float]) -> float:
     return rate(lambda: target.copy_(source), 2 * settings.copy_bytes)
 
 
+# Note [a collective's latency]
+#     A ring all-reduce of B bytes over n ranks takes 2(n-1) steps of latency and 2(n-1)/n x B at the bus
+#     bandwidth (costs.ring_allreduce_s). On NCCL a step's latency is about a message's; gloo's all-reduce on a
+#     CPU pays far more per step than its send/recv: on the AMD EPYC (2 processes) 64 KiB took 2.9 ms, 1 MiB 5.0
+#     and 4 MiB 6.8, against a 0.13-0.55 ms ping-pong; priced from the ping-pong and the 4 MiB rate, a
+#     tensor-parallel step's 1 MiB all-reduces read 2.8 ms each and ran 4.9 (gpt-mini tp 2: 88 of 348 ms). So
+#     calibrate times the all-reduce at two sizes (allreduce_bytes and 1/ALLREDUCE_SMALL_FRACTION of it) and
+#     solves the two for the step latency (the link's collective_latency_s) and the bandwidth; send/recv keep the
+#     ping-pong's latency_s. A pair that does not solve (the small one no faster per byte) keeps the large one's
+#     rate as the bandwidth and no collective latency of its own.
+ALLREDUCE_SMALL_FRACTION = 64
+
+
+def collective_link(
+    world: int, large_bytes: float, large_s: float, small_bytes: float, small_s: float
+) -> tuple[float, float | None]:
+    """(bus bandwidth, step latency or None) solving t = 2(n-1) a + 2(n-1)/n B / b at two sizes (Note [a
+    collective's latency])."""
+    steps, share = 2 * (world - 1), 2 * (world - 1) / world
+    if large_s > small_s and large_bytes > small_bytes:
+        bandwidth = share * (large_bytes - small_bytes) / (large_s - small_s)
+        latency = (small_s - share * small_bytes / bandwidth) / steps
+        if latency > 0:
+            return bandwidth, latency
+    return share * large_bytes / large_s, None
+
+
 def _collective_figures(
     settings: Settings, kind: DeviceKind, device, rank: int, world: int, sync: Callable[[], None]
 ) -> dict[str, float]:
@@ -1136,18 +1198,22 @@ def _collective_figures(
         if kind == "cuda":
             torch.cuda.synchronize(device)
 
-    tensor = torch.ones(settings.allreduce_bytes // 4, device=device)
-    dist.all_reduce(tensor)  # warm-up: connections and buffers
-    seconds = []
-    for _ in range(settings.allreduce_repeats):
-        sync()
-        start = time.perf_counter()
-        dist.all_reduce(tensor)
-        synchronize()
-        seconds.append(time.perf_counter() - start)
-    del tensor
+    def allreduce_s(num_bytes: int, repeats: int) -> float:
+        tensor = torch.ones(num_bytes // 4, device=device)
+        dist.all_reduce(tensor)  # warm-up: connections and buffers
+        seconds = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            synchronize()
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
+
+    small = settings.allreduce_bytes // ALLREDUCE_SMALL_FRACTION
     figures = {
-        "allreduce": 2 * (world - 1) / world * settings.allreduce_bytes / statistics.median(seconds),
+        "allreduce_s": allreduce_s(settings.allreduce_bytes, settings.allreduce_repeats),
+        "allreduce_small_s": allreduce_s(small, 3 * settings.allreduce_repeats),
         "latency": math.nan,
     }
     peer = rank ^ 1  # pairs (0, 1), (2, 3), ...

@@ -198,6 +198,16 @@ class LinkSpec(_Frozen):
         description="Bytes per second one device sends in one direction, as collectives reach it (bus bandwidth)."
     )
     latency_s: LatencyS = Field(description="Seconds per message (one step of a ring collective).")
+    collective_latency_s: LatencyS | None = Field(
+        None,
+        description="Seconds per step of a ring collective where it differs from a message's latency_s (gloo's "
+        "all-reduce on a CPU: Note [a collective's latency] in calibrate.py); none: latency_s.",
+    )
+
+    @property
+    def step_latency_s(self) -> float:
+        """The latency of one step of a ring collective: collective_latency_s, else latency_s."""
+        return self.latency_s if self.collective_latency_s is None else self.collective_latency_s
 
 
 class ClusterSpec(_Frozen):

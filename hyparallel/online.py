@@ -196,6 +196,13 @@ def scaled(cluster: ClusterSpec, factor: float, links: bool = False) -> ClusterS
         ),
         memory_efficiency=_fraction(min(1.0, device.memory_efficiency * factor)),
         op_overhead_s=_significant(min(device.op_overhead_s / factor, limits.MAX_LATENCY_S)),
+        activation_costs={
+            name: {
+                "forward_s": _significant(cost.forward_s / factor),
+                "backward_s": _significant(cost.backward_s / factor),
+            }
+            for name, cost in device.activation_costs.items()
+        },
     )
     if links:
         for name in ("intra_node", "inter_node"):
@@ -203,6 +210,8 @@ def scaled(cluster: ClusterSpec, factor: float, links: bool = False) -> ClusterS
             bandwidth = min(link["bandwidth_bytes_per_s"] * factor, limits.MAX_BYTES_PER_S)
             link["bandwidth_bytes_per_s"] = _significant(bandwidth)
             link["latency_s"] = _significant(link["latency_s"] / factor)
+            if link.get("collective_latency_s") is not None:
+                link["collective_latency_s"] = _significant(link["collective_latency_s"] / factor)
     return validate(ClusterSpec, data, f"cluster '{cluster.name}' scaled by {factor:.3g}")
 
 

@@ -207,3 +207,18 @@ def _render(table) -> str:
     console = Console(file=io.StringIO(), width=200)
     console.print(table)
     return console.file.getvalue()
+
+
+def test_the_collective_latency_is_solved_from_two_all_reduce_sizes():
+    # Note [a collective's latency]: t = 2(n-1) a + 2(n-1)/n B / b at two sizes gives back a and b.
+    world, latency, bandwidth = 4, 1e-3, 2e9
+
+    def seconds(num_bytes: float) -> float:
+        return 2 * (world - 1) * latency + 2 * (world - 1) / world * num_bytes / bandwidth
+
+    solved_bandwidth, solved_latency = calibrate.collective_link(world, 2**22, seconds(2**22), 2**16, seconds(2**16))
+    assert solved_bandwidth == pytest.approx(bandwidth) and solved_latency == pytest.approx(latency)
+    # The small one no faster per byte: the large one's rate, no step latency of its own.
+    assert calibrate.collective_link(2, 2**22, 1e-3, 2**16, 1e-3) == (2**22 / 1e-3, None)
+    link = hp.cluster.LinkSpec(name="t", bandwidth_bytes_per_s=1e9, latency_s=1e-5, collective_latency_s=1e-3)
+    assert link.step_latency_s == 1e-3 and link.model_copy(update={"collective_latency_s": None}).step_latency_s == 1e-5

@@ -269,3 +269,20 @@ def test_the_replan_keeps_a_plans_gathered_logits():
     assert online.asked(plan) == {"vocab_parallel_loss": False} and online.fixed(plan)["vocab_parallel_loss"] is False
     vocab = hp.plan(model, cluster, 8, 64, "fp32", tp=2)
     assert online.asked(vocab) == {} and online.fixed(vocab)["vocab_parallel_loss"] is True
+
+
+def test_scaling_the_links_scales_a_collectives_own_latency_too():
+    stock = hp.ClusterSpec.preset("cpu")
+    link = stock.intra_node.model_copy(update={"collective_latency_s": 2e-3})
+    cluster = stock.model_copy(update={"intra_node": link, "inter_node": link})
+    faster = online.scaled(cluster, 4.0, links=True)
+    assert faster.intra_node.collective_latency_s == pytest.approx(5e-4)
+    assert faster.intra_node.latency_s == pytest.approx(stock.intra_node.latency_s / 4, rel=1e-3)
+
+
+def test_scaling_compute_scales_a_cpus_activation_costs():
+    stock = hp.ClusterSpec.preset("cpu")
+    gelu = hp.cluster.ElementCost(forward_s=4e-9, backward_s=6e-9)
+    cluster = stock.model_copy(update={"device": stock.device.model_copy(update={"activation_costs": {"gelu": gelu}})})
+    faster = online.scaled(cluster, 2.0).device.activation_costs["gelu"]
+    assert (faster.forward_s, faster.backward_s) == pytest.approx((2e-9, 3e-9))

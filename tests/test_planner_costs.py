@@ -25,6 +25,14 @@ def test_collectives():
     )
 
 
+def test_a_collectives_own_step_latency_prices_its_steps_and_not_a_send():
+    # Note [a collective's latency] in calibrate.py: gloo's all-reduce pays more per step than a send/recv.
+    slow = LINK.model_copy(update={"collective_latency_s": 1e-3})
+    assert costs.ring_allreduce_s(1e9, 8, slow) == pytest.approx(14 * 1e-3 + 1.75 * 1e9 / 100e9)
+    assert costs.ring_allgather_s(1e9, 8, slow) == pytest.approx(7 * 1e-3 + 0.875 * 1e9 / 100e9)
+    assert costs.p2p_s(1e6, slow) == costs.p2p_s(1e6, LINK)
+
+
 def test_roofline():
     # 1 TFLOP at 100 TFLOP/s x 0.5 = 20 ms; 1 GB at 1 TB/s x 0.8 = 1.25 ms: compute-bound.
     assert costs.roofline_s(1e12, 1e9, 100e12, 0.5, 1e12, 0.8) == pytest.approx(0.02)

@@ -49,9 +49,10 @@ def _ring_s(num_bytes: Bytes, steps: int, group_size: int, link: LinkSpec) -> By
     if isinstance(num_bytes, (int, float)):  # one byte count: the same float64 arithmetic, without numpy's overhead
         if not num_bytes > 0:
             return 0.0
-        return float(steps * link.latency_s + steps / group_size * float(num_bytes) / link.bandwidth_bytes_per_s)
+        return float(steps * link.step_latency_s + steps / group_size * float(num_bytes) / link.bandwidth_bytes_per_s)
     seconds = (
-        steps * link.latency_s + steps / group_size * np.asarray(num_bytes, dtype=float) / link.bandwidth_bytes_per_s
+        steps * link.step_latency_s
+        + steps / group_size * np.asarray(num_bytes, dtype=float) / link.bandwidth_bytes_per_s
     )
     result = np.where(np.asarray(num_bytes) > 0, seconds, 0.0)
     return float(result) if np.ndim(result) == 0 else result
@@ -282,7 +283,7 @@ def dp_allreduce_s(
     wire = np.asarray(wire_bytes, dtype=float)
     share = np.divide(wire, grad, out=np.zeros_like(wire * grad), where=grad > 0)
     last_wire = np.minimum(grad, DP_BUCKET_BYTES) * share
-    latency = 2 * (group_size - 1) * link.latency_s  # one ring all-reduce's steps
+    latency = 2 * (group_size - 1) * link.step_latency_s  # one ring all-reduce's steps
     extra = (collectives_per_bucket(grad_compression) - 1) * latency
     buckets = dp_buckets(grad)
     whole = ring_allreduce_s(wire, group_size, link) + extra * buckets
