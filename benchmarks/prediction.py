@@ -88,7 +88,10 @@ def torchrun(n: int, *argv: str, timeout: int = 600) -> subprocess.CompletedProc
 # The steps left out of each run's median. The planner predicts the steady step; measured on the AMD EPYC (2 cores)
 # with gpt-mini dp 2, the first steps run 305, 242, 245 ms and later ones 209-244 (allocator growth, gloo's first
 # buffers, the caches warming): a median over steps 2-4 (the old --quick: 4 steps, the first left out) read 14%
-# over the steady 206 ms. Left out: the first three; the median of the rest.
+# over the steady 206 ms. Left out: the first three; the median of the rest. The peak memory is counted over
+# those three (train_gpt --memory-steps): the optimizer's state exists from the first step's end and the second and
+# third are steady steps, while the CPU's allocation profiler (Note [measuring a CPU peak]) slowed the same dp 2
+# step from 189 to 210 ms.
 WARMUP_STEPS = 3
 
 
@@ -132,6 +135,8 @@ def measure(n: int, plan, args, folder: Path) -> tuple[float | None, list[dict]]
         str(metrics),
         "--memory-out",
         str(peaks),
+        "--memory-steps",  # the timed steps run without the CPU's allocation profiler (about 10% of a step)
+        str(WARMUP_STEPS),
     )
     if proc.returncode != 0 or not metrics.exists():
         print(f"   run failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)

@@ -52,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calibrate-online", metavar="FILE", help="rank 0 writes the corrected cluster here")
     parser.add_argument("--calibrate-threshold", type=float, default=None, help="fit when off by more (default 0.1)")
     parser.add_argument("--memory-out", help="rank 0 writes every rank's peak tensor bytes and the prediction here")
+    parser.add_argument(
+        "--memory-steps", type=int, default=0, help="count the peak over the first N steps only (0: all of them)"
+    )
     parser.add_argument("--log-json", help="rank 0 appends {step, loss, world_size, restart} here, a JSON line a step")
     return parser.parse_args()
 
@@ -111,6 +114,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         last = loss.item()
         first = last if first is None else first
+        if peaks and step - done == args.memory_steps:  # the rest run without the CPU's allocation profiler
+            peaks.stop()
         recent = pmodel.metrics.last(args.log_every)  # steps closed so far: this one closes at the next train_step
         if rank0 and (step % args.log_every == 0 or step == done + 1):
             print(f"step {step:4d}  loss {last:.4f}" + (f"  {recent.line()}" if recent else ""), flush=True)
