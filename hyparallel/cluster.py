@@ -197,7 +197,9 @@ class LinkSpec(_Frozen):
     bandwidth_bytes_per_s: BytesPerS = Field(
         description="Bytes per second one device sends in one direction, as collectives reach it (bus bandwidth)."
     )
-    latency_s: LatencyS = Field(description="Seconds per message (one step of a ring collective).")
+    latency_s: LatencyS = Field(
+        description="Seconds per message (and per step of a ring collective, unless collective_latency_s says)."
+    )
     collective_latency_s: LatencyS | None = Field(
         None,
         description="Seconds per step of a ring collective where it differs from a message's latency_s (gloo's "

@@ -787,8 +787,7 @@ def _op_times(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, seria
     ratio = _BACKWARD_RATIO.get(op.kind, 2.0)
     computed = device.activation_costs.get(op.function) if op.function else None
     if computed is not None:  # Note [activations a CPU computes] in cluster.py: the larger of compute and bytes
-        sharded = op.style in ("column", "vocab", "split") or (sp and op.style == "full")
-        elements = op.out_elements * b / (tp if sharded else 1)
+        elements = op.out_elements * out_bytes / op.out_bytes if op.out_bytes else 0.0  # this rank's share, as above
         moved = costs.roofline_s(0.0, in_bytes + out_bytes, peak, 1.0, bandwidth, memory_efficiency)
         forward = costs.dispatched_s(costs.kernel_s(max(moved, elements * computed.forward_s), floor), overhead, serial)
         backward_each = max(moved, elements * computed.backward_s / ratio)  # its ops dispatched as the others' are
