@@ -6,7 +6,10 @@ at most 5 s, on one core; the whole `hyparallel plan` command for GPT-3 175B in 
 1T one in at most its 5 s too). Tracing is timed separately from the search: it is shared by every plan of a model.
 The command is run as a user runs it, in a fresh process (imports, model build, trace, dry runs, search, YAML),
 ``--runs`` times (default 3; 1 with ``--quick``), and its median wall and CPU (user + sys) seconds are reported:
-on a machine shared with other work the wall time is the noisier of the two.
+on a machine shared with other work the wall time is the noisier of the two. Twice: as a user's first run
+(--no-cache: the trace and the dry runs at one rank's sizes, which import torch._dynamo and sympy through
+torch's Python meta kernels) and as every later one, with the traced graph read from the cache
+(hyparallel.graph.cache).
 ``--quick`` times the two target cases only; ``--json FILE`` writes every row's figures.
 """
 
@@ -76,27 +79,36 @@ def met(seconds: float, target_s: float) -> str:
     return f"{seconds:.2f} s / {target_s:g} s = {seconds / target_s:.2f} ({verdict})"
 
 
-def time_command(model: str, gpus: int, global_batch: int, target_s: float, runs: int) -> dict:
-    """Run ``hyparallel plan`` for one target ``runs`` times in fresh processes; prints and returns the medians."""
+def time_command(model: str, gpus: int, global_batch: int, target_s: float, runs: int, cached: bool) -> dict:
+    """Run ``hyparallel plan`` for one target ``runs`` times in fresh processes; prints and returns the medians.
+    ``cached``: with the model's traced graph in the cache (a run before, not timed, wrote it), as every run after
+    a user's first; otherwise with --no-cache, as the first."""
     with tempfile.TemporaryDirectory() as folder:
         argv = [
             *("plan", "--model", model, "--cluster", "a100-80g", "--gpus", str(gpus)),
             *("--global-batch", str(global_batch), "--seq-len", "2048", "--dtype", "bf16"),
+            *(() if cached else ("--no-cache",)),
             *("-o", str(Path(folder) / "plan.yaml")),
         ]
+        env = {**os.environ, "HYPARALLEL_CACHE_DIR": str(Path(folder) / "cache")}  # this run's own, empty cache
+        command = [sys.executable, "-m", "hyparallel", *argv]
+        if cached:
+            subprocess.run(command, capture_output=True, text=True, env=env, check=True)
         walls, cpus = [], []
         for _ in range(runs):
             before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "hyparallel", *argv], capture_output=True, text=True)
+            proc = subprocess.run(command, capture_output=True, text=True, env=env)
             walls.append(time.perf_counter() - start)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
             if proc.returncode != 0:
                 raise SystemExit(f"hyparallel {' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     wall_s, cpu_s = statistics.median(walls), statistics.median(cpus)
-    print(f"{model:9} {gpus:>6,} GPUs: wall {met(wall_s, target_s)}; CPU {cpu_s:.2f} s (median of {runs})")
+    how = "trace cached" if cached else "first run  "
+    print(f"{model:9} {gpus:>6,} GPUs, {how}: wall {met(wall_s, target_s)}; CPU {cpu_s:.2f} s (median of {runs})")
     return {
         "group": "command",
+        "cached": cached,
         "model": model,
         "gpus": gpus,
         "global_batch": global_batch,
@@ -139,7 +151,7 @@ def main() -> None:
             rows.append({**time_search("gpt-175b", 1024, 1536, layers), "group": "growth with layers"})
     print("whole `hyparallel plan` command, fresh process:")
     runs = args.runs or (1 if args.quick else 3)
-    commands = [time_command(*case, runs=runs) for case in COMMANDS]
+    commands = [time_command(*case, runs=runs, cached=cached) for cached in (False, True) for case in COMMANDS]
     if args.json:
         Path(args.json).write_text(json.dumps({"cases": rows, "commands": commands}, indent=1))
 

@@ -355,6 +355,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
             top=max(args.top, 1),
             alternatives=args.top > 1,
             progress=progress,
+            cache=not args.no_cache,
             **constraints,
         )
     plan = result.plan()
@@ -815,6 +816,12 @@ def build_parser() -> argparse.ArgumentParser:
         "tuple of args or a dict of kwargs) with the same meaning; the planner traces "
         "make_inputs(1, seq_len), and parallelize takes example_inputs=make_inputs(micro_batch, "
         "seq_len)",
+    )
+    plan.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="trace the model again instead of reading its traced graph from the cache "
+        "($HYPARALLEL_CACHE_DIR, else ~/.cache/hyparallel)",
     )
     plan.add_argument(
         "--top",

@@ -52,6 +52,13 @@ def clean_launch_environment():
         yield
 
 
+@pytest.fixture(autouse=True)
+def own_graph_cache(tmp_path_factory, monkeypatch):
+    """Each test (and every process it starts) reads and writes traced graphs in a cache of its own: a graph
+    cached by one test (perhaps under a patched tracer) is never another's, and ~/.cache is left alone."""
+    monkeypatch.setenv("HYPARALLEL_CACHE_DIR", str(tmp_path_factory.mktemp("graph-cache")))
+
+
 @pytest.fixture
 def world_of_one(monkeypatch):
     """parallelize in this process, a world of one without torchrun; the process group it made goes afterwards.

@@ -13,6 +13,7 @@ from hyparallel.checks import check_plan
 from hyparallel.cluster import ClusterSpec
 from hyparallel.errors import ConfigError, PlanError
 from hyparallel.graph import ModelGraph
+from hyparallel.graph import cache as graph_cache
 from hyparallel.graph.local_shapes import replicate_what_fails
 from hyparallel.planner import costs
 from hyparallel.planner.constraints import Constraints, count_message, default
@@ -134,6 +135,7 @@ def search(
     module: nn.Module | None = None,
     module_inputs: Any = None,
     constraints: Constraints | None = None,
+    cache: bool = False,
     **fixed: Any,
 ) -> SearchResult:
     """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost).
@@ -145,15 +147,20 @@ def search(
     micro_batch, as example_inputs of that many rows would (Note [example inputs]). ``module``: the module
     a ModelGraph ``model`` was traced from with ``module_inputs`` (parallelize's), so that splits its forward
     cannot run at one rank's sizes stay replicated (Note [the planner replicates what fails at one rank's sizes]);
-    a module ``model`` is its own.
+    a module ``model`` is its own. ``cache``: a module ``model`` traced (and dry run) before with the same key is
+    read from the disk cache instead (``hyparallel.graph.cache``; ``hyparallel plan`` does so unless --no-cache).
     """
     given = _given(constraints, fixed)
     _check_request(cluster, global_batch, seq_len, dtype, given)
-    graph, seq_len, rows, inputs = _graph(model, global_batch, seq_len, name, example_inputs, given, traced_rows)
+    degrees = _tp_degrees(cluster, given)
+    graph, seq_len, rows, inputs, cache_key = _graph(
+        model, global_batch, seq_len, name, example_inputs, given, traced_rows, degrees if cache else None
+    )
     module = model if isinstance(model, nn.Module) else module
     inputs = inputs if module_inputs is None else module_inputs
     if module is not None and inputs is not None:
-        replicate_what_fails(module, graph, _tp_degrees(cluster, given), inputs)
+        replicate_what_fails(module, graph, degrees, inputs)
+        graph_cache.store(cache_key, graph)
     start = time.perf_counter()
     vocab_loss = given.get("vocab_parallel_loss", True)  # not searched: on wherever tp splits the head, unless asked
     profile = ModelProfile(graph, cluster, dtype, seq_len, traced_rows=rows or 1, vocab_parallel_loss=vocab_loss)
@@ -230,9 +237,11 @@ def _graph(
     example_inputs: Any,
     constraints: dict,
     traced_rows: int | None = None,
-) -> tuple[ModelGraph, int, int | None, Any]:
+    cache_degrees: list[int] | None = None,
+) -> tuple[ModelGraph, int, int | None, Any, str | None]:
     """The graph to plan, its seq_len, the micro-batch example_inputs fix (None: searched; sets that constraint),
-    and the inputs it was traced with (None: a graph given traced)."""
+    the inputs it was traced with (None: a graph given traced, or read from the cache) and the key to cache it
+    under (None: not cached). ``cache_degrees``: read a module's graph from the cache, keyed with these degrees."""
     from hyparallel import models
     from hyparallel.graph import trace
 
@@ -245,9 +254,9 @@ def _graph(
             )
         if traced_rows is not None:  # one micro-batch, as parallelize traced it
             _fix_micro_batch(constraints, traced_rows, global_batch)
-            return model, _needed(seq_len), traced_rows, None
+            return model, _needed(seq_len), traced_rows, None, None
         _batch_one(model)
-        return model, _needed(seq_len), None, None
+        return model, _needed(seq_len), None, None, None
     if example_inputs is None or callable(example_inputs):
         seq_len = _needed(seq_len)
         batch = (
@@ -255,7 +264,11 @@ def _graph(
             if example_inputs is not None
             else models.example_inputs(model, 1, seq_len)
         )
-        return trace(model, batch, name=name), seq_len, None, batch
+        cache_key = graph_cache.key(model, batch, name, cache_degrees) if cache_degrees is not None else None
+        cached = graph_cache.load(cache_key)
+        if cached is not None:
+            return cached, seq_len, None, None, None
+        return trace(model, batch, name=name), seq_len, None, batch, cache_key
     batch = read_inputs(example_inputs)
     if seq_len is not None and batch.seq_len is not None and seq_len != batch.seq_len:
         raise ConfigError(
@@ -264,7 +277,7 @@ def _graph(
         )
     seq_len = _needed(seq_len or batch.seq_len)
     _fix_micro_batch(constraints, batch.rows, global_batch)
-    return trace(model, batch.inputs, name=name), seq_len, batch.rows, batch.inputs
+    return trace(model, batch.inputs, name=name), seq_len, batch.rows, batch.inputs, None
 
 
 def _tp_degrees(cluster: ClusterSpec, constraints: dict) -> list[int]:
