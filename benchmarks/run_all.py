@@ -140,15 +140,17 @@ def render_planner(outcome: Outcome) -> tuple[str, list[str]]:
     commands = outcome.figures.get("commands", [])
     for c in commands:
         verdict = "met" if c["wall_s"] <= c["target_s"] else "MISSED"
-        summary.append(f"{c['model']} command {c['wall_s']:.2f} s / {c['target_s']:g} s ({verdict})")
+        how = "cached" if c.get("cached") else "first"
+        summary.append(f"{c['model']} command ({how}) {c['wall_s']:.2f} s / {c['target_s']:g} s ({verdict})")
     if commands:
         lines += ["", "The whole command, in a fresh process as a user runs it (median of the runs):", ""]
         lines += _table(
-            ["command", "runs", "wall s", "CPU s", "target s", "wall / target"],
-            "lrrrrr",
+            ["command", "trace", "runs", "wall s", "CPU s", "target s", "wall / target"],
+            "llrrrrr",
             [
                 [
                     f"`{c['command']}`",
+                    "cached" if c.get("cached") else "first run (--no-cache)",
                     c["runs"],
                     f"{c['wall_s']:.2f}",
                     f"{c['cpu_s']:.2f}",
@@ -161,6 +163,8 @@ def render_planner(outcome: Outcome) -> tuple[str, list[str]]:
         lines += [
             "",
             "Targets (issue 19): GPT-3 175B's whole command in at most 3 s wall time; the 1T one is held to its 5 s. "
+            "A first run traces the model and dry runs its splits at one rank's sizes; later ones read that graph "
+            "from the cache (hyparallel.graph.cache), as a user re-planning the model for other GPUs or batches does. "
             "CPU s is the process's user + sys time: on a machine shared with other work the wall time is the "
             "noisier figure.",
         ]

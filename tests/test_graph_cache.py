@@ -16,6 +16,7 @@ import hyparallel.graph
 from hyparallel.graph import cache
 from hyparallel.planner import api, search
 
+from .conftest import HF_LLAMA_TINY
 from .test_cli import run
 
 
@@ -174,3 +175,21 @@ def test_cli_plan_caches_unless_no_cache(capsys, tmp_path):
     assert run(capsys, *argv, "-o", str(tmp_path / "c.yaml"))[0] == 0
     written = [(tmp_path / f"{n}.yaml").read_text() for n in "abc"]
     assert written[0] == written[1] == written[2]
+
+
+def test_a_hugging_face_model_is_keyed_by_its_whole_config_attention_implementation_included():
+    keys = []
+    for implementation in ("eager", "sdpa"):
+        model = hp.models.load(HF_LLAMA_TINY).module
+        model.config._attn_implementation = implementation  # what decides which attention is traced
+        keys.append(cache.key(model, hp.models.example_inputs(model, 1, 16), "llama", [2]))
+    assert None not in keys and keys[0] != keys[1]
+
+
+def test_the_cache_keeps_a_bounded_number_of_graphs(monkeypatch):
+    monkeypatch.setattr(cache, "KEPT", 2)
+    graph = hp.trace(hp.models.build("gpt-tiny"), hp.models.build("gpt-tiny").example_inputs(1, 16))
+    for name in ("a", "b", "c"):
+        cache.store(name, graph)
+    assert [p.stem for p in graph_files()] == ["b", "c"]
+    assert cache.load("a") is None and cache.load("c").ops == graph.ops

@@ -29,6 +29,7 @@ from hyparallel.graph.model_graph import ModelGraph
 
 log = logging.getLogger(__name__)
 FORMAT = 1  # bumped when what a cache file holds changes
+KEPT = 64  # graphs kept on disk (GPT-3 175B's is 0.8 MB); the least recently written beyond them are removed
 
 # Note [what a cached graph is keyed by]
 #     A cached graph must be the graph a fresh trace would give, never a stale one (a plan from it would be
@@ -104,6 +105,9 @@ def store(cache_key: str | None, graph: ModelGraph) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as file:
             pickle.dump((FORMAT, light), file, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(file.name, folder / f"{cache_key}.pkl")  # atomic: a reader sees the old file or the new one
+        stored = sorted(folder.glob("*.pkl"), key=lambda p: p.stat().st_mtime_ns)
+        for old in stored[:-KEPT]:  # the least recently written go: the cache stays a bounded size
+            old.unlink(missing_ok=True)
     except OSError as exc:
         log.info("not caching the trace in %s (%s)", folder, exc)
 
@@ -160,16 +164,19 @@ def _canon(value: Any, depth: int) -> str:
         return _callable(value, depth)
     if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType, type)):
         return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
-    if dataclasses.is_dataclass(value):
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        return f"{type(value).__qualname__}{_canon(fields, depth + 1)}"
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict):  # a Hugging Face config, and the like
-        return f"{type(value).__module__}.{type(value).__qualname__}{_canon(to_dict(), depth + 1)}"
     if type(value).__module__ != "builtins" and isinstance(getattr(value, "__dict__", None), dict):
-        # A plain config object (a class of attributes, a SimpleNamespace): its attributes and its class's source.
+        # A config object (Hugging Face's, a dataclass, a class of attributes, a SimpleNamespace): every attribute,
+        # private ones too (a Hugging Face config's fields and to_dict leave out _attn_implementation_internal,
+        # which decides which attention is traced), and its class's source.
         kind = type(value)
         return f"{kind.__module__}.{kind.__qualname__} {_type_source(kind)}{_canon(vars(value), depth + 1)}"
+    if dataclasses.is_dataclass(value):  # one with slots
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        kind = type(value)
+        return f"{kind.__module__}.{kind.__qualname__} {_type_source(kind)}{_canon(fields, depth + 1)}"
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):  # a config with no __dict__ (slots) that describes itself
+        return f"{type(value).__module__}.{type(value).__qualname__}{_canon(to_dict(), depth + 1)}"
     raise Uncacheable(f"an attribute of type {type(value).__module__}.{type(value).__qualname__}")
 
 
