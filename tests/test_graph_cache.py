@@ -4,6 +4,8 @@ that decides the trace changes the key (Note [what a cached graph is keyed by]).
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 import types
 
@@ -193,3 +195,25 @@ def test_the_cache_keeps_a_bounded_number_of_graphs(monkeypatch):
         cache.store(name, graph)
     assert [p.stem for p in graph_files()] == ["b", "c"]
     assert cache.load("a") is None and cache.load("c").ops == graph.ops
+
+
+def test_the_key_is_the_same_in_every_process():
+    """A key that changed per process (a str hash, an object's id) would never hit: two fresh processes, two
+    hash seeds, one key, for a zoo model and a Hugging Face one."""
+    script = (
+        "import hyparallel as hp\nfrom hyparallel.graph import cache\n"
+        f"for spec in ('gpt-tiny', {HF_LLAMA_TINY!r}):\n"
+        "    m = hp.models.load(spec).module\n"
+        "    print(cache.key(m, hp.models.example_inputs(m, 1, 16), 'n', [2]))\n"
+    )
+    keys = [
+        subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout.split()
+        for seed in ("1", "2")
+    ]
+    assert len(keys[0]) == 2 and "None" not in keys[0] and keys[0] == keys[1]

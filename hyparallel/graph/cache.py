@@ -45,6 +45,9 @@ KEPT = 64  # graphs kept on disk (GPT-3 175B's is 0.8 MB); the least recently wr
 
 _SKIPPED_ATTRIBUTES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
 _DEPTH = 8
+# Attributes that differ in every process and decide nothing traced: transformers' GenerationConfig keeps a
+# hash() of itself (randomised per process), which would make every run's key new.
+_PROCESS_LOCAL = {"_original_object_hash"}
 _ITEMS = 10_000  # a larger container (a dataset held by a module) is not described: the model is traced
 
 
@@ -169,7 +172,8 @@ def _canon(value: Any, depth: int) -> str:
         # private ones too (a Hugging Face config's fields and to_dict leave out _attn_implementation_internal,
         # which decides which attention is traced), and its class's source.
         kind = type(value)
-        return f"{kind.__module__}.{kind.__qualname__} {_type_source(kind)}{_canon(vars(value), depth + 1)}"
+        described = {k: v for k, v in vars(value).items() if k not in _PROCESS_LOCAL}
+        return f"{kind.__module__}.{kind.__qualname__} {_type_source(kind)}{_canon(described, depth + 1)}"
     if dataclasses.is_dataclass(value):  # one with slots
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         kind = type(value)

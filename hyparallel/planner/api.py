@@ -154,7 +154,14 @@ def search(
     _check_request(cluster, global_batch, seq_len, dtype, given)
     degrees = _tp_degrees(cluster, given)
     graph, seq_len, rows, inputs, cache_key = _graph(
-        model, global_batch, seq_len, name, example_inputs, given, traced_rows, degrees if cache else None
+        model,
+        global_batch,
+        seq_len,
+        name,
+        example_inputs,
+        given,
+        traced_rows,
+        degrees if cache and module_inputs is None else None,
     )
     module = model if isinstance(model, nn.Module) else module
     inputs = inputs if module_inputs is None else module_inputs
