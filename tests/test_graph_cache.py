@@ -102,6 +102,7 @@ def test_the_key_follows_what_decides_the_trace():
     tied.extra.weight = tied.out.weight
     others["a tie"] = cache.key(tied, (x,), "m", [2, 4])
     assert cache.key(untied, (x,), "m", [2, 4]) != others["a tie"]
+    others["eval mode"] = cache.key(Attention(32, 4).eval(), (x,), "m", [2, 4])  # dropout traced or not
     hooked = Attention(32, 4)
     hooked.out.register_forward_hook(lambda module, args, out: out * 2)
     others["a forward hook"] = cache.key(hooked, (x,), "m", [2, 4])
@@ -217,3 +218,11 @@ def test_the_key_is_the_same_in_every_process():
         for seed in ("1", "2")
     ]
     assert len(keys[0]) == 2 and "None" not in keys[0] and keys[0] == keys[1]
+
+
+def test_a_graph_pickle_refuses_is_not_cached_and_leaves_no_file():
+    graph = hp.trace(hp.models.build("gpt-tiny"), hp.models.build("gpt-tiny").example_inputs(1, 16))
+    graph.replicated["x"] = lambda: None  # pickle cannot store a lambda
+    cache.store("k", graph)
+    folder = cache.cache_dir() / "graphs"
+    assert list(folder.iterdir()) == []

@@ -43,7 +43,7 @@ KEPT = 64  # graphs kept on disk (GPT-3 175B's is 0.8 MB); the least recently wr
 #     _ITEMS items) makes the model uncacheable: it is traced every time. torch's and site packages' files are
 #     named by their distribution's version rather than read.
 
-_SKIPPED_ATTRIBUTES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+_SKIPPED_ATTRIBUTES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
 _DEPTH = 8
 # Attributes that differ in every process and decide nothing traced: transformers' GenerationConfig keeps a
 # hash() of itself (randomised per process), which would make every run's key new.
@@ -103,16 +103,22 @@ def store(cache_key: str | None, graph: ModelGraph) -> None:
         return
     folder = cache_dir() / "graphs"
     light = dataclasses.replace(graph, program=None, traced=None, replicated=dict(graph.replicated))
+    written = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as file:
+            written = file.name
             pickle.dump((FORMAT, light), file, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(file.name, folder / f"{cache_key}.pkl")  # atomic: a reader sees the old file or the new one
+        os.replace(written, folder / f"{cache_key}.pkl")  # atomic: a reader sees the old file or the new one
+        written = None
         stored = sorted(folder.glob("*.pkl"), key=lambda p: p.stat().st_mtime_ns)
         for old in stored[:-KEPT]:  # the least recently written go: the cache stays a bounded size
             old.unlink(missing_ok=True)
-    except OSError as exc:
-        log.info("not caching the trace in %s (%s)", folder, exc)
+    except Exception as exc:  # a full disk, a read-only folder, a value pickle refuses: the plan goes on
+        log.info("not caching the trace in %s (%s: %s)", folder, type(exc).__name__, exc)
+    finally:
+        if written is not None:
+            Path(written).unlink(missing_ok=True)
 
 
 def _parts(model: nn.Module, inputs: Any, name: str, degrees: list[int]):
