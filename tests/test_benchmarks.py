@@ -114,10 +114,24 @@ def test_the_whole_command_is_rendered_against_its_target():
                               {**PLANNER, "commands": [command, {**command, "model": "gpt-1t", "wall_s": 4.5,
                                                                  "target_s": 5.0}]})  # fmt: skip
     summary, lines = run_all.render_planner(outcome)
-    assert summary.endswith("gpt-175b command 3.60 s / 3 s (MISSED); gpt-1t command 4.50 s / 5 s (met)")
+    assert summary.endswith("gpt-175b command (first) 3.60 s / 3 s (MISSED); gpt-1t command (first) 4.50 s / 5 s (met)")
     text = "\n".join(lines)
-    assert "| `hyparallel plan --model gpt-175b --gpus 1024` | 3 | 3.60 | 2.90 | 3 | 1.20 (MISSED) |" in text
+    assert (
+        "| `hyparallel plan --model gpt-175b --gpus 1024` | first run (--no-cache) | 3 | 3.60 | 2.90 | 3 "
+        "| 1.20 (MISSED) |" in text
+    )
     assert "| 3 | 4.50 | 2.90 | 5 | 0.90 (met) |" in text
+    cached = run_all.render_planner(
+        run_all.Outcome(
+            "planner_speed",
+            "python benchmarks/planner_speed.py --json FILE",
+            "ok",
+            12,
+            {**PLANNER, "commands": [{**command, "cached": True, "wall_s": 2.5}]},
+        )  # fmt: skip
+    )
+    assert cached[0].endswith("gpt-175b command (cached) 2.50 s / 3 s (met)")
+    assert "| cached | 3 | 2.50 |" in "\n".join(cached[1])
     assert "commands" not in PLANNER and "whole command" not in "\n".join(run_all.render_planner(
         run_all.Outcome("planner_speed", "python benchmarks/planner_speed.py", "ok", 12, PLANNER))[1])  # fmt: skip
 
