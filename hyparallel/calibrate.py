@@ -32,7 +32,8 @@ Output: with a base preset (``base="h200"``) the spec keeps the preset's datashe
 and bandwidth and sets the efficiencies to measured / datasheet (matmul: bf16's plateau; attention: the
 rate over the preset's attention curve at the measured shape; clipped to (0, 1]), keeps the preset's
 attention curve and kernel floor; the intra-node link is measured, the inter-node link kept (one machine
-cannot measure it). Without a base the peaks are the measured plateaus with efficiencies 1, memory is the
+cannot measure it). Without a base the peaks are the measured matmul plateaus with matmul efficiency 1 (raised to the
+attention plateau when attention measured faster: Note [attention above the matmul plateau]), memory is the
 device's (a CPU: RAM / N), and the inter-node link repeats the intra-node one. Either way the fitted matmul
 curve is written (none when too few shapes are compute-bound).
 
@@ -431,14 +432,22 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
             activation_costs=_activation_specs(measured),
         )
     else:
+        # Note [attention above the matmul plateau]
+        #     Without a datasheet the peak is the measured matmul plateau, and each efficiency a fraction of it, at
+        #     most 1. A CPU's fused attention can measure above that plateau (its rate drifts between the matmul
+        #     shapes and the attention ones, Note [a CPU's rates drift]: a CI run read the attention plateau 1.22x
+        #     the matmul one), and clamping its efficiency to 1 would predict every attention ~1.6x slower than
+        #     measured. So the peaks rise to the attention plateau and the matmul efficiency falls to match: both
+        #     rates stay the measured ones (online.scaled does the same).
+        up = max(1.0, attention_plateau / rates[measured.attention_dtype])
         device = DeviceSpec(
             name=device_name,
-            peak_flops=PeakFlops(**rates),
+            peak_flops=PeakFlops(**{dtype: _significant(rate * up) for dtype, rate in rates.items()}),
             memory_bytes=measured.memory_bytes,
             memory_bandwidth_bytes_per_s=_significant(measured.memory_bandwidth_bytes_per_s),
-            matmul_efficiency=1.0,
+            matmul_efficiency=_fraction(1.0, up),
             matmul_curve=curve,
-            attention_efficiency=_fraction(attention_plateau, rates[measured.attention_dtype]),
+            attention_efficiency=_fraction(attention_plateau, rates[measured.attention_dtype] * up),
             attention_curve=attention_curve,
             memory_efficiency=1.0,
             reserved_bytes=reserved,
