@@ -2,13 +2,14 @@
 the bytes of weights, gradients and optimizer state on every rank.
 
 Run: .venv/bin/python benchmarks/prediction.py [--model gpt-mini] [--seq-len 128] [--global-batch 16]
-     [--steps 8] [--worlds 2,4,8] [--json FILE] [--quick]
+     [--steps 8] [--worlds 2,4,8] [--rounds 2] [--json FILE] [--quick]
 1. Calibrate: `hyparallel calibrate --nproc N` for each world size N, since on a CPU machine a "device" is a
    process and its share of the cores depends on how many run (the cpu preset is the 8-process figure).
 2. For each N, a grid of plans (pure dp, tp, pp with GPipe and 1F1B, mixes; 2 to 8 processes) plus the
    planner's own unconstrained pick; each is planned with the calibrated cluster (predicted step time) and
    run with `torchrun --nproc_per_node N examples/train_gpt.py --plan P --steps S --metrics-out M` (measured:
-   the median step after the first WARMUP_STEPS, pmodel.metrics: train_step to train_step, optimizer included).
+   the median step after the first WARMUP_STEPS, pmodel.metrics: train_step to train_step, optimizer included),
+   the plans of one N taking turns over --rounds rounds, their steps pooled (Note [rounds of runs]).
 3. Prints a markdown table (predicted, measured, error), the Spearman rank correlation of predicted and
    measured (overall and per N), and whether the planner's pick is the measured fastest of its N or within
    10 % of it.
@@ -113,9 +114,9 @@ def label(constraints: dict) -> str:
     return " ".join(f"{k.replace('_', '-')} {v}" for k, v in constraints.items()) or "planner's pick"
 
 
-def measure(n: int, plan, args, folder: Path) -> tuple[float | None, list[dict]]:
-    """Median measured step seconds of `plan` under torchrun (None if the run failed), and every rank's peak tensor
-    bytes against its prediction (train_gpt --memory-out: hyparallel.peak_memory)."""
+def measure(n: int, plan, args, folder: Path) -> tuple[list[float] | None, list[dict]]:
+    """The steady steps' measured seconds of one run of `plan` under torchrun (None if the run failed), and every
+    rank's peak tensor bytes against its prediction (train_gpt --memory-out: hyparallel.peak_memory)."""
     plan_file, metrics, peaks = folder / "plan.yaml", folder / "metrics.json", folder / "peaks.json"
     plan.save(plan_file)
     metrics.unlink(missing_ok=True)
@@ -142,8 +143,29 @@ def measure(n: int, plan, args, folder: Path) -> tuple[float | None, list[dict]]
         print(f"   run failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
         return None, []
     step_seconds = json.loads(metrics.read_text())["step_times_s"]
-    measured = float(np.median(step_seconds[WARMUP_STEPS:] if len(step_seconds) > WARMUP_STEPS else step_seconds))
-    return measured, json.loads(peaks.read_text()) if peaks.exists() else []
+    steady = step_seconds[WARMUP_STEPS:] if len(step_seconds) > WARMUP_STEPS else step_seconds
+    return [float(x) for x in steady], json.loads(peaks.read_text()) if peaks.exists() else []
+
+
+# Note [rounds of runs]
+#     A shared CPU's speed drifts over minutes (Note [a CPU's rates drift] in hyparallel/calibrate.py): on the AMD
+#     EPYC the same dp 8 step of gpt-mini measured 172 ms in one run and 282 in another, and a world size's plans,
+#     run one after another, each caught a different moment; the pick's verdict (within 10% of the fastest)
+#     turned on which plan ran in the slow minute. So each world size's plans run in ROUNDS rounds, taking turns
+#     (A B C, A B C), and a plan's figure is the median of its steady steps over all rounds: a slow minute falls on
+#     every plan alike instead of on one. Each rank's peak is the largest over the rounds.
+ROUNDS = 2
+
+
+def merged_peaks(runs: list[list[dict]]) -> list[dict]:
+    """Every rank's largest measured peak over several runs of one plan (the prediction is the same in each)."""
+    by_rank: dict[int, dict] = {}
+    for peaks in runs:
+        for peak in peaks:
+            kept = by_rank.get(peak["rank"])
+            if kept is None or peak["peak_bytes"] > kept["peak_bytes"]:
+                by_rank[peak["rank"]] = peak
+    return [by_rank[rank] for rank in sorted(by_rank)]
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -179,29 +201,37 @@ def step_times(args, folder: Path) -> list[dict]:
                 )
             except hp.planner.PlanError as exc:
                 print(f"   N={n} {label(constraints)}: not planned ({exc})", file=sys.stderr)
-        seen = set()
+        seen, runs = set(), []
         for name, plan in cases:
             key = describe(plan)
-            if key in seen:  # the pick may equal a grid point: run it once
-                continue
-            seen.add(key)
-            measured, peaks = measure(n, plan, args, folder)
+            if key not in seen:  # the pick may equal a grid point: run it once
+                seen.add(key)
+                runs.append((name, key, plan, [], []))
+        for round_ in range(args.rounds):  # Note [rounds of runs]
+            for _name, key, plan, steps, peaks in runs:
+                measured, peak = measure(n, plan, args, folder)
+                steps.append(measured)
+                peaks.append(peak)
+                print(
+                    f"   N={n} {key} (round {round_ + 1} of {args.rounds}): predicted "
+                    f"{plan.predicted.step_time_s * 1e3:.1f} ms, measured "
+                    + (f"{np.median(measured) * 1e3:.1f} ms" if measured else "failed"),
+                    file=sys.stderr,
+                    flush=True,
+                )
+        for name, key, plan, steps, peaks in runs:
+            failed = any(s is None for s in steps)
             rows.append(
                 {
                     "world": n,
                     "case": name,
                     "plan": key,
                     "predicted_s": plan.predicted.step_time_s,
-                    "measured_s": measured,
+                    "measured_s": None if failed else float(np.median([x for s in steps for x in s])),
+                    "round_medians_s": [None if s is None else float(np.median(s)) for s in steps],
                     "pick": name == "planner's pick",
-                    "peaks": peaks,
+                    "peaks": merged_peaks(peaks),
                 }
-            )
-            print(
-                f"   N={n} {key}: predicted {plan.predicted.step_time_s * 1e3:.1f} ms, measured "
-                + (f"{measured * 1e3:.1f} ms" if measured else "failed"),
-                file=sys.stderr,
-                flush=True,
             )
     return rows
 
@@ -438,6 +468,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12, help="steps per run, the first WARMUP_STEPS left out")
     parser.add_argument("--worlds", default="2,4,8", help="world sizes to run, from 2, 4, 8")
     parser.add_argument("--quick", action="store_true", help="quick calibration, 8 steps per run")
+    parser.add_argument(
+        "--rounds", type=int, default=ROUNDS, help=f"runs of each plan, taking turns (default {ROUNDS})"
+    )
     parser.add_argument("--json", help="write the results here as JSON")
     parser.add_argument("--only", choices=("steps", "memory", "activations"), help="run one part")
     parser.add_argument("--device", default="cpu", help="device of the activations part (cpu, or cuda on a GPU)")

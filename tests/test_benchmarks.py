@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -412,3 +414,38 @@ def test_megatrons_gpt_splits_as_the_zoo_gpt_and_selective_recomputes_its_scores
 def test_megatrons_vocabulary_padding_per_tensor_parallel_degree():
     megatron_gpt = _megatron_gpt()
     assert [megatron_gpt.padded_vocab(tp) for tp in (1, 2, 4, 8)] == [50304, 50432, 50688, 51200]
+
+
+def _prediction_module():
+    spec = importlib.util.spec_from_file_location("benchmarks_prediction", REPO / "benchmarks" / "prediction.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prediction_runs_a_world_sizes_plans_in_turns_and_pools_their_steps(monkeypatch, tmp_path):
+    # Note [rounds of runs]: A B A B, not A A B B; a plan's figure is the median of its steps over both rounds, and
+    # each rank's peak the largest of its runs.
+    import argparse
+
+    import hyparallel as hp
+
+    prediction = _prediction_module()
+    order, steps = [], iter([[0.10, 0.12], [0.30, 0.31], [0.14, 0.16], [0.33, 0.35]])
+
+    def measure(n, plan, args, folder):
+        order.append(prediction.describe(plan))
+        peak = 100 + len(order)  # grows run by run: the merged peak is the last run's
+        return next(steps), [{"rank": 0, "coords": plan.coords(0), "peak_bytes": peak, "predicted_bytes": 1e9}]
+
+    monkeypatch.setattr(prediction, "measure", measure)
+    monkeypatch.setattr(prediction, "calibrated", lambda n, folder, quick: hp.ClusterSpec.preset("cpu"))
+    monkeypatch.setitem(prediction.GRID, 2, [{"tp": 2}])
+    args = argparse.Namespace(worlds=[2], model="gpt-tiny", global_batch=8, seq_len=32, quick=True, rounds=2)
+    rows = prediction.step_times(args, tmp_path)
+    assert len(rows) == 2 and len(order) == 4
+    assert order[0] == order[2] and order[1] == order[3] and order[0] != order[1]  # taking turns
+    first, second = rows
+    assert first["measured_s"] == pytest.approx(0.13) and first["round_medians_s"] == pytest.approx([0.11, 0.15])
+    assert second["measured_s"] == pytest.approx(0.32) and second["round_medians_s"] == pytest.approx([0.305, 0.34])
+    assert [p["peak_bytes"] for p in first["peaks"]] == [103] and [p["peak_bytes"] for p in second["peaks"]] == [104]
