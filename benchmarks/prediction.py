@@ -9,7 +9,8 @@ Run: .venv/bin/python benchmarks/prediction.py [--model gpt-mini] [--seq-len 128
    planner's own unconstrained pick; each is planned with the calibrated cluster (predicted step time) and
    run with `torchrun --nproc_per_node N examples/train_gpt.py --plan P --steps S --metrics-out M` (measured:
    the median step after the first WARMUP_STEPS, pmodel.metrics: train_step to train_step, optimizer included),
-   the plans of one N taking turns over --rounds rounds, their steps pooled (Note [rounds of runs]).
+   the plans of one N taking turns over --rounds rounds, their steps pooled, each round calibrated anew and
+   the prediction the mean over the rounds' calibrations (Note [rounds of runs]).
 3. Prints a markdown table (predicted, measured, error), the Spearman rank correlation of predicted and
    measured (overall and per N), and whether the planner's pick is the measured fastest of its N or within
    10 % of it.
@@ -154,7 +155,21 @@ def measure(n: int, plan, args, folder: Path) -> tuple[list[float] | None, list[
 #     turned on which plan ran in the slow minute. So each world size's plans run in ROUNDS rounds, taking turns
 #     (A B C, A B C), and a plan's figure is the median of its steady steps over all rounds: a slow minute falls on
 #     every plan alike instead of on one. Each rank's peak is the largest over the rounds.
+#     The calibration drifts as much: two quick calibrations with 2 processes half an hour apart predicted the same
+#     dp 2 step at 108.5 and 138.1 ms, and a world size's runs measured 1.24-1.62x a calibration made in a fast
+#     minute. So each round after the first calibrates again before its runs, and a plan's prediction is the mean
+#     of its configuration's cost under each round's calibration (the planner's pick is made with the first).
 ROUNDS = 2
+
+
+def predict(plan, cluster, args) -> float:
+    """``plan``'s step time (its configuration fixed) under ``cluster``: the planner's cost of it there."""
+    from hyparallel import online
+
+    seconds = online.Planner(args.model, plan).evaluate(cluster)
+    if seconds is None:
+        raise SystemExit(f"{describe(plan)} does not fit the cluster calibrated again")
+    return seconds
 
 
 def merged_peaks(runs: list[list[dict]]) -> list[dict]:
@@ -206,28 +221,32 @@ def step_times(args, folder: Path) -> list[dict]:
             key = describe(plan)
             if key not in seen:  # the pick may equal a grid point: run it once
                 seen.add(key)
-                runs.append((name, key, plan, [], []))
+                runs.append((name, key, plan, [], [], []))
         for round_ in range(args.rounds):  # Note [rounds of runs]
-            for _name, key, plan, steps, peaks in runs:
+            if round_ > 0:  # calibrated again, just before this round's runs
+                cluster = calibrated(n, folder, args.quick).resized(num_nodes=1, gpus_per_node=n)
+            for _name, key, plan, steps, peaks, predictions in runs:
+                predictions.append(plan.predicted.step_time_s if round_ == 0 else predict(plan, cluster, args))
                 measured, peak = measure(n, plan, args, folder)
                 steps.append(measured)
                 peaks.append(peak)
                 print(
                     f"   N={n} {key} (round {round_ + 1} of {args.rounds}): predicted "
-                    f"{plan.predicted.step_time_s * 1e3:.1f} ms, measured "
+                    f"{predictions[-1] * 1e3:.1f} ms, measured "
                     + (f"{np.median(measured) * 1e3:.1f} ms" if measured else "failed"),
                     file=sys.stderr,
                     flush=True,
                 )
-        for name, key, plan, steps, peaks in runs:
+        for name, key, _plan, steps, peaks, predictions in runs:
             failed = any(s is None for s in steps)
             rows.append(
                 {
                     "world": n,
                     "case": name,
                     "plan": key,
-                    "predicted_s": plan.predicted.step_time_s,
+                    "predicted_s": float(np.mean(predictions)),
                     "measured_s": None if failed else float(np.median([x for s in steps for x in s])),
+                    "round_predicted_s": predictions,
                     "round_medians_s": [None if s is None else float(np.median(s)) for s in steps],
                     "pick": name == "planner's pick",
                     "peaks": merged_peaks(peaks),

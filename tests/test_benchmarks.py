@@ -424,8 +424,8 @@ def _prediction_module():
 
 
 def test_prediction_runs_a_world_sizes_plans_in_turns_and_pools_their_steps(monkeypatch, tmp_path):
-    # Note [rounds of runs]: A B A B, not A A B B; a plan's figure is the median of its steps over both rounds, and
-    # each rank's peak the largest of its runs.
+    # Note [rounds of runs]: A B A B, not A A B B; a plan's figure is the median of its steps over both rounds, each
+    # rank's peak the largest of its runs.
     import argparse
 
     import hyparallel as hp
@@ -439,7 +439,14 @@ def test_prediction_runs_a_world_sizes_plans_in_turns_and_pools_their_steps(monk
         return next(steps), [{"rank": 0, "coords": plan.coords(0), "peak_bytes": peak, "predicted_bytes": 1e9}]
 
     monkeypatch.setattr(prediction, "measure", measure)
-    monkeypatch.setattr(prediction, "calibrated", lambda n, folder, quick: hp.ClusterSpec.preset("cpu"))
+    calibrations = []
+
+    def calibrated(n, folder, quick):
+        calibrations.append(len(order))  # how many runs had run when it calibrated
+        return hp.ClusterSpec.preset("cpu")
+
+    monkeypatch.setattr(prediction, "calibrated", calibrated)
+    monkeypatch.setattr(prediction, "predict", lambda plan, cluster, args: 2 * plan.predicted.step_time_s)
     monkeypatch.setitem(prediction.GRID, 2, [{"tp": 2}])
     args = argparse.Namespace(worlds=[2], model="gpt-tiny", global_batch=8, seq_len=32, quick=True, rounds=2)
     rows = prediction.step_times(args, tmp_path)
@@ -449,3 +456,10 @@ def test_prediction_runs_a_world_sizes_plans_in_turns_and_pools_their_steps(monk
     assert first["measured_s"] == pytest.approx(0.13) and first["round_medians_s"] == pytest.approx([0.11, 0.15])
     assert second["measured_s"] == pytest.approx(0.32) and second["round_medians_s"] == pytest.approx([0.305, 0.34])
     assert [p["peak_bytes"] for p in first["peaks"]] == [103] and [p["peak_bytes"] for p in second["peaks"]] == [104]
+    # calibrated again before the second round; the prediction the mean of both rounds' (here: the first's, doubled)
+    assert calibrations == [0, 2]
+    for row in rows:
+        once = row["round_predicted_s"][0]
+        assert row["round_predicted_s"] == pytest.approx([once, 2 * once]) and row["predicted_s"] == pytest.approx(
+            1.5 * once
+        )
