@@ -14,7 +14,7 @@ setup: $(VENV)/.ready
 $(VENV)/.ready: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev,elastic]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev,elastic,ps]"
 	touch $@
 
 demo: $(VENV)/.ready

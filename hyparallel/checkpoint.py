@@ -106,6 +106,8 @@ def save(
         raise ConfigError(f"checkpoint storage {storage!r}: use 'disk' or 'memory'")
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ConfigError(f"keep={keep!r}: the number of checkpoints to keep is a whole number, 1 or more")
+    if getattr(pmodel, "ps_mode", False):  # parameter-server mode: the servers write their shards
+        return pmodel.save_checkpoint(directory, step, extra)
     with launch.long_timeouts():
         if storage == "memory":
             return _save_to_memory(pmodel, optimizer, Path(directory), step, extra, keep)
@@ -446,6 +448,8 @@ def load(
     made for another model, with one line each.
     """
     directory = Path(directory)
+    if getattr(pmodel, "ps_mode", False):  # parameter-server mode: the servers re-shard by row
+        return _load_ps(pmodel, directory, missing_ok)
     with launch.long_timeouts():
         memory, disk = _memory_snapshots(pmodel, directory), latest(directory)
         # The newest step every rank holds in memory: a rank killed mid-save has the one before, which every
@@ -466,6 +470,19 @@ def load(
                 "without one"
             )
         return _load_from(pmodel, optimizer, disk, no_dist=False)
+
+
+def _load_ps(pmodel, directory: Path, missing_ok: bool) -> dict[str, Any] | None:
+    path = latest(directory)
+    if path is None:
+        if missing_ok:
+            return None
+        raise ConfigError(f"{directory}: no complete checkpoint (a step-* folder with {MARKER}); check the path")
+    meta = _read_marker(path)
+    if "ps" not in meta:
+        raise ConfigError(f"{path}: a checkpoint of a plan without ps; parameter-server mode loads only its own")
+    pmodel.load_checkpoint(path)
+    return {"step": meta["step"], "extra": meta.get("extra", {}), "path": path, "storage": "disk"}
 
 
 def _step_of(path: Path | None) -> int:

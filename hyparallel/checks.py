@@ -109,6 +109,14 @@ def check_vocab_parallel_loss(graph: ModelGraph, styles: dict[str, str] | None) 
 def check_world_size(plan: Plan, world_size: int) -> None:
     """WORLD_SIZE must be dp x tp x pp: the arithmetic and the fix in the message."""
     par = plan.parallel
+    if plan.ps is not None:
+        if world_size != plan.launch_size:
+            raise ConfigError(
+                f"dp({par.dp}) workers + ps.servers({plan.ps.servers}) = {plan.launch_size} != "
+                f"WORLD_SIZE({world_size}); launch {plan.launch_size} processes "
+                f"(torchrun --nproc_per_node {plan.launch_size}) or change dp or ps.servers"
+            )
+        return
     if world_size != plan.world_size:
         raise ConfigError(
             f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}) = {plan.world_size} != WORLD_SIZE({world_size}); "

@@ -64,7 +64,10 @@ EXAMPLES = {
         "  hyparallel plan --model gpt-13b --gpus 64 --cluster h100-sxm --mtbf 24 --checkpoint memory   "
         "# + checkpoint interval, goodput\n"
         "  hyparallel plan --model gpt-13b --gpus 64 --cluster a100-80g --grad-compression any --top 5   "
-        "# may compress dp gradients"
+        "# may compress dp gradients\n"
+        "  hyparallel plan --model dlrm-criteo-tb --gpus 8 --global-batch 65536 --top 3   "
+        "# embedding tables: parameter servers or GPUs\n"
+        "  hyparallel plan --model dlrm-tiny --gpus 2 --global-batch 64 --ps-servers 2 -o ps.yaml"
     ),
     "calibrate": (
         "examples:\n"
@@ -197,9 +200,11 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
         + (f" ({par.virtual_stages} virtual stages)" if par.virtual_stages > 1 else "")
         + f", recompute {par.recompute}, ZeRO {par.zero}, sequence parallel {'on' if par.sequence_parallel else 'off'}"
         + (f", loss {'vocab-parallel' if par.vocab_parallel_loss else 'on gathered logits'}" if par.tp > 1 else "")
-        + (f", gradient compression {views.compression(plan)}" if par.dp > 1 else ""),
+        + (f", gradient compression {views.compression(plan)}" if par.dp > 1 and plan.ps is None else ""),
         markup=False,
     )
+    if plan.ps is not None:
+        out.print(views.ps_line(plan), markup=False, highlight=False)
     groups = Table(title="process groups (ranks of the first group of each kind)")
     for column in ("axis", "groups", "first group", "link"):
         groups.add_column(column)
@@ -315,7 +320,7 @@ def _runs(segments):
 
 def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     """Search the best plan for a model on a cluster; print it, write it with -o."""
-    from hyparallel import models
+    from hyparallel import models, views
     from hyparallel._files import check_writable
     from hyparallel.cluster import ClusterSpec
     from hyparallel.planner import PlanError, search, to_plan, with_goodput
@@ -356,6 +361,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
             alternatives=args.top > 1,
             progress=progress,
             cache=not args.no_cache,
+            ps_servers=args.ps_servers,
             **constraints,
         )
     plan = result.plan()
@@ -367,8 +373,10 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
         print(json.dumps(plan.to_dict(), indent=2))
         return
     _print_plan(plan, out)
-    if args.top > 1:
+    if args.top > 1 and result.best:
         _print_top(result, to_plan, out)
+    if args.top > 1 and result.tables is not None:
+        out.print(views.table_options(result.tables))
     out.print(
         f"searched {result.considered:,} configurations ({result.evaluated:,} costed exactly) in {result.search_s:.2f}s"
         + (f"; wrote {args.output}" if args.output else "; pass -o plan.yaml to save it"),
@@ -461,9 +469,11 @@ def _print_plan(plan, out: Console) -> None:
         + (f" (v={par.virtual_stages})" if par.virtual_stages > 1 else "")
         + f"; recompute {par.recompute}; ZeRO {par.zero}; sequence parallel {'on' if par.sequence_parallel else 'off'}"
         + (f"; loss {'vocab-parallel' if par.vocab_parallel_loss else 'on gathered logits'}" if par.tp > 1 else "")
-        + (f"; gradient compression {views.compression(plan)}" if par.dp > 1 else ""),
+        + (f"; gradient compression {views.compression(plan)}" if par.dp > 1 and plan.ps is None else ""),
         markup=False,
     )
+    if plan.ps is not None:
+        out.print(views.ps_line(plan), markup=False, highlight=False)
     out.print(views.stage_table(plan))
     out.print(views.time_breakdown(plan))
     if line := views.compression_line(plan):
@@ -529,12 +539,15 @@ def _print_top(result, to_plan, out: Console) -> None:
 
 
 def _max_seq_len(model) -> int | None:
+    """The model's context (at most 2048), else its example_inputs' own default seq_len (1 for DLRM's samples)."""
+    from hyparallel.planner.inputs import default_seq_len
+
     config = getattr(model, "config", None)
     for attr in ("max_seq_len", "n_positions", "max_position_embeddings"):
         value = getattr(config, attr, None)
         if isinstance(value, int):
             return min(value, 2048)
-    return None
+    return default_seq_len(model)
 
 
 def cmd_check(args: argparse.Namespace, out: Console) -> None:
@@ -857,6 +870,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="gather the logits for the loss (any loss_fn then works; tp times the loss's memory), instead of "
         "the vocab-parallel cross-entropy the planner sets wherever tp splits the head",
+    )
+    plan.add_argument(
+        "--ps-servers",
+        type=DEVICES,
+        default=None,
+        metavar="N",
+        help="plan parameter-server mode: the embedding tables and dense weights on N server processes, one worker "
+        "per GPU (tp = pp = 1); without it a recommendation model gets whichever of servers and GPUs is faster",
     )
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")

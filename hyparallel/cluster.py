@@ -241,6 +241,14 @@ class ClusterSpec(_Frozen):
         description="Bytes per second one node writes to the checkpoint directory, shared by its devices "
         "(local NVMe, or the node's share of a shared file system).",
     )
+    # Parameter-server figure (docs/cost-model.md, "Embedding tables: parameter servers or GPUs"); optional: the
+    # planner assumes a default (hyparallel.planner.ps.DEFAULT_SERVER_MEMORY_BYTES) when it is absent.
+    ps_server_memory_bytes: MemoryBytes | None = Field(
+        None,
+        description="Host memory one parameter-server process may fill with its rows of the tables, the dense "
+        "weights it holds, their optimizer state and a step's staged pushes (ps mode); none: 512 GiB, one socket's "
+        "share of a DGX A100's host memory.",
+    )
 
     @model_validator(mode="after")
     def _check_size(self) -> ClusterSpec:

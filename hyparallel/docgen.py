@@ -46,6 +46,7 @@ PLAN_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("predicted.comm_s", schema.CommTime),
     ("predicted.uncompressed", schema.UncompressedTime),
     ("checkpoint", schema.CheckpointCost),
+    ("ps", schema.PsConfig),
 )
 CLUSTER_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("cluster", ClusterSpec),
@@ -408,6 +409,7 @@ every choice the file states fixed; the planner writes everything.
 | `tensor_parallel` | map of module path or glob to `column`, `row`, `vocab` or `replicate` | planner (or you) |
 | `predicted` | [Predicted](#predicted) | planner |
 | `checkpoint` | [CheckpointCost](#checkpointcost) | planner, with `--mtbf` (optional) |
+| `ps` | [PsConfig](#psconfig) | planner, for parameter servers (optional), or you |
 
 ## A complete plan
 
@@ -660,6 +662,9 @@ What each figure should be, and how to measure it:
   with every device of the node saving at once (time `hp.checkpoint.save(..., storage="memory")` and divide the
   bytes each rank holds by it; a device-to-host copy's rate, CUDA samples' `bandwidthTest --dtoh`, bounds it
   from above), and what one node writes to the checkpoint directory (`fio --rw=write --bs=16M --direct=1` there).
+- `ps_server_memory_bytes` (optional; read when the planner prices parameter servers,
+  [cost-model.md](cost-model.md#embedding-tables-parameter-servers-or-gpus)): the host memory one server process
+  may fill (its host's or socket's memory, less what else runs there); without it the planner assumes 512 GiB.
 
 Or let hyparallel measure them: `hyparallel calibrate [--base PRESET] [--nproc N] --out FILE` runs the
 measurements on the machine it is started on (the links with N processes) and writes a cluster file

@@ -37,6 +37,8 @@ MAX_VIRTUAL_STAGES = MAX_LAYERS
 # PowerSGD's factor rank: 1-4 in Vogels et al. 2019 and torch's examples, up to 32 in their ablations; 1,024
 # keeps a typo from asking for factors as large as the matrices they approximate.
 MAX_POWERSGD_RANK = 1024
+# Parameter-server staleness bound: beyond a few hundred steps stale-synchronous training is plain async SGD.
+MAX_PS_STALENESS = 10_000
 # Steps before PowerSGD compresses (torch's start_powerSGD_iter, default 1,000): up to a billion steps.
 MAX_POWERSGD_START_STEP = 10**9
 

@@ -116,6 +116,10 @@ def parallelize(
     """
     env = LaunchEnv.from_environ()
     check_world_size(plan, env.world_size)  # before the trace: a launch of the wrong size is refused at once
+    if plan.ps is not None:  # parameter-server mode: this rank's role (hyparallel.ps.runtime)
+        from hyparallel.ps.runtime import parallelize_ps
+
+        return parallelize_ps(model, plan, env.rank, env.world_size)
     device = torch.device(device) if device is not None else default_device(env, plan)
     with tracing_device(device):  # Note [exported for the device it runs on] (hyparallel.graph.tracer)
         return _parallelize(model, plan, env, device, example_inputs, seed)

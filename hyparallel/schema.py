@@ -41,6 +41,7 @@ ZeroStage = Literal[0, 1, 2, 3]
 TPStyle = Literal["column", "row", "vocab", "replicate"]
 Axis = Literal["pp", "dp", "tp"]
 GradCompression = Literal["none", "bf16", "fp16", "powersgd"]  # how gradients cross dp (docs/data-parallel.md)
+PsOptimizer = Literal["sgd", "adagrad", "rowwise-adam"]  # applied on the parameter servers (docs/parameter-server.md)
 CheckpointStorage = Literal["memory", "disk"]  # hp.checkpoint.save's storage=: host memory first, or straight to disk
 # (model output, targets) -> scalar loss, as train_step and eval_step take it. A string "torch.Tensor": this
 # module, which the planner and the CLI load, does not import torch.
@@ -190,6 +191,38 @@ class ParallelConfig(_Section):
         return self
 
 
+class PsConfig(_Section):
+    """Parameter-server mode: embedding tables (and the dense weights) live on ``servers`` extra processes.
+
+    Workers pull the rows a batch needs and push sparse gradients; the servers apply ``optimizer``. The launch
+    has ``parallel.dp`` workers plus ``servers`` server processes (docs/parameter-server.md).
+    """
+
+    servers: int_in(1, limits.MAX_DEVICES) = Field(
+        description="Parameter-server processes; each holds every table's rows r with r % servers == its index."
+    )
+    tables: list[str] | Literal["auto"] = Field(
+        "auto",
+        description="Module paths of the nn.Embedding / nn.EmbeddingBag tables held by the servers; `auto` takes "
+        "every one. The model's other weights live on the servers too, each whole on one server.",
+    )
+    staleness: int_in(0, limits.MAX_PS_STALENESS) = Field(
+        0,
+        description="How many steps a worker may run ahead of the slowest (stale-synchronous parallel); 0 is "
+        "synchronous SGD: each step's gradients are summed over the workers and applied once.",
+    )
+    optimizer: PsOptimizer = Field(
+        "adagrad",
+        description="Update rule the servers apply: `sgd`, `adagrad` (torch.optim.Adagrad's) or `rowwise-adam` "
+        "(Adam with one second moment per row, its steps counted per row).",
+    )
+    lr: float_above(0.0, 1e3) = Field(0.01, description="The servers' learning rate.")
+    worker_timeout_s: float_above(0.0, 86_400.0) = Field(
+        30.0,
+        description="A worker silent this long is taken for dead: its unfinished data shard goes back in the queue.",
+    )
+
+
 class Placement(_Section):
     """How ranks map onto the (pp, dp, tp) mesh; see Note [rank order]."""
 
@@ -265,7 +298,8 @@ class CommTime(_Section):
     dp: NonNegativeFloat = Field(
         description="The step's tail after the last backward on the slowest stage: gradient reduction not hidden "
         "behind the backward (with a compressing hook's kernels), ZeRO 1/2's weight all-gather, and the optimizer "
-        "step (ZeRO 2/3's per-micro-batch traffic is in the stages' time instead)."
+        "step (ZeRO 2/3's per-micro-batch traffic is in the stages' time instead). In ps mode: the pull from and "
+        "push to the servers and their update."
     )
     pp: NonNegativeFloat = Field(
         description="Point-to-point activation and gradient transfers: per micro-batch x (m + pp - 1)."
@@ -386,6 +420,9 @@ class Plan(_Section):
         description="Checkpoint cost, best interval and expected goodput; written by `hyparallel plan --mtbf`, "
         "informational.",
     )
+    ps: PsConfig | None = Field(
+        None, description="Parameter-server mode (optional): embedding tables on server processes, async SGD."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -462,6 +499,11 @@ class Plan(_Section):
                             "each module belongs to one stage"
                         )
                     seen[module] = stage.index
+        if self.ps is not None and (par.tp > 1 or par.pp > 1):
+            raise ValueError(
+                f"ps (parameter-server mode) needs tp 1 and pp 1, not tp {par.tp} and pp {par.pp}: each worker runs "
+                "the whole dense model; drop ps or set tp: 1 and pp: 1"
+            )
         if self.predicted is not None and len(self.predicted.memory_gib) != par.pp:
             raise ValueError(
                 f"predicted.memory_gib has {len(self.predicted.memory_gib)} entries; "
@@ -475,6 +517,11 @@ class Plan(_Section):
     def world_size(self) -> int:
         """dp * tp * pp."""
         return self.parallel.world_size
+
+    @property
+    def launch_size(self) -> int:
+        """Processes to launch: dp * tp * pp, plus the parameter servers in ps mode."""
+        return self.parallel.world_size + (self.ps.servers if self.ps is not None else 0)
 
     @property
     def num_microbatches(self) -> int:

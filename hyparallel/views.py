@@ -139,7 +139,9 @@ def time_breakdown(plan: Plan) -> Table:
     parts = {
         "tensor-parallel communication (exposed)": pred.comm_s.tp,
         "pipeline sends": pred.comm_s.pp,
-        "data-parallel gradient sync + optimizer step": pred.comm_s.dp,
+        "parameter servers: pull, push, their update"
+        if plan.ps is not None
+        else "data-parallel gradient sync + optimizer step": pred.comm_s.dp,
     }
     rest = max(pred.step_time_s - sum(parts.values()), 0.0)
     compute = min(m * max(per_device, default=0.0), rest)
@@ -152,9 +154,10 @@ def time_breakdown(plan: Plan) -> Table:
         parts = {"compute (m x slowest stage)": compute, **parts, other: rest - compute}
     else:  # a plan without per-stage compute figures
         parts = {"compute and pipeline bubble": rest, **parts}
+    unit = "samples" if plan.training.seq_len == 1 else "tokens"  # a recommendation model's "sequence" is a sample
     table = Table(
         title=f"predicted step {pred.step_time_s:.3f} s, taken apart",
-        caption=f"{pred.tokens_per_s:,.0f} tokens/s, {pred.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pred.mfu:.1%}, "
+        caption=f"{pred.tokens_per_s:,.0f} {unit}/s, {pred.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pred.mfu:.1%}, "
         f"pipeline bubble {pred.bubble_fraction:.1%} of compute",
     )
     for column in ("part", "seconds", "share"):
@@ -224,3 +227,31 @@ def checkpoint_lines(plan: Plan) -> list[str]:
         f"({duration(ck.interval_s)}; Young/Daly, MTBF {ck.mtbf_hours:g} h, restart {duration(ck.restart_s)}); "
         "lost: " + ", ".join(f"{part} {fraction:.2%}" for part, fraction in lost.items()),
     ]
+
+
+def ps_line(plan: Plan) -> str:
+    """A ps plan's servers in one line: how many beside the workers, what they hold, how they update it."""
+    ps = plan.ps
+    tables = "every embedding table" if ps.tables == "auto" else f"{len(ps.tables)} embedding table(s)"
+    sync = "synchronous" if ps.staleness == 0 else f"up to {ps.staleness} step(s) stale"
+    return (
+        f"parameter servers {ps.servers} beside the {plan.parallel.dp} workers (launch {plan.launch_size} "
+        f"processes): {tables} and the dense weights, {ps.optimizer} at lr {ps.lr:g}, {sync}"
+    )
+
+
+def table_options(choice) -> Table:
+    """Where the embedding tables could go (a planner.tables.TableChoice): each option's step time, memory, and
+    why it was not picked."""
+    table = Table(title="where the embedding tables go")
+    for column in ("option", "step ms", "GiB per GPU", "GiB per server", "why not"):
+        table.add_column(column, justify="left" if column in ("option", "why not") else "right")
+    for option in sorted(choice.options, key=lambda o: (o is not choice.pick, not o.fits, o.step_time_s)):
+        table.add_row(
+            option.label,
+            f"{option.step_time_s * 1e3:.3g}" if option.fits else "-",
+            f"{option.gpu_memory_bytes / 2**30:.1f}" if option.fits else "-",
+            f"{option.server_memory_bytes / 2**30:.1f}" if option.server_memory_bytes is not None else "-",
+            choice.why_not(option),
+        )
+    return table

@@ -380,6 +380,7 @@ NUMERIC_FLAGS = [  # (command, flag, bound): hyparallel.limits'
     ("plan", "--top", limits.MAX_TOP),
     ("plan", "--powersgd-rank", limits.MAX_POWERSGD_RANK),
     ("plan", "--powersgd-start-step", limits.MAX_POWERSGD_START_STEP),  # from 2: "1" is never drawn as bad
+    ("plan", "--ps-servers", limits.MAX_DEVICES),
     ("trace", "--batch-size", limits.MAX_GLOBAL_BATCH),
     ("trace", "--seq-len", limits.MAX_SEQ_LEN),
     ("calibrate", "--nproc", limits.MAX_GPUS_PER_NODE),

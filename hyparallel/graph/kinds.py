@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 OpKind = Literal[
@@ -50,7 +51,9 @@ _MATMUL = {
 # CPU and fp32. torch's FLOP counter knows none of them: the tracer counts them (Note [grouped matmul FLOPs]).
 GROUPED_MM = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
 _MATMUL |= GROUPED_MM
-_EMBEDDING = {"embedding", "embedding_bag"}
+# The ATen ops of an embedding bag (torch.export shows them; torch's FLOP counter counts none of them).
+EMBEDDING_BAG_OPS = frozenset({"embedding_bag", "_embedding_bag", "_embedding_bag_forward_only"})
+_EMBEDDING = {"embedding", *EMBEDDING_BAG_OPS}
 _NORM = {
     "layer_norm",
     "native_layer_norm",
@@ -148,6 +151,21 @@ POINTWISE = frozenset(
 REDUCTIONS = frozenset(
     {"mean", "sum", "var", "std", "var_mean", "amax", "amin", "max", "min", "norm", "linalg_vector_norm", "prod"}
 )
+
+
+# Note [embedding bag FLOPs]
+#     An embedding lookup moves rows and computes nothing (0 FLOPs, costed by its bytes). An embedding bag also
+#     pools each bag of rows: a sum, mean or max of ``bag`` rows of ``dim`` values each, one add (or compare) per
+#     gathered value into the bag's accumulator, as the kernels run it, and one multiply more with per-sample
+#     weights. So a bag op counts numel(ids) * dim FLOPs (twice that, weighted): for a (B, bag) id tensor,
+#     B * bag * dim. They are tiny beside a model's matrix products; the bytes gathered are the real cost.
+
+
+def embedding_bag_flops(ids: Any, dim: int, per_sample_weights: Any = None) -> int:
+    """Forward FLOPs of pooling the bags of ``ids`` from rows of width ``dim`` (Note [embedding bag FLOPs])."""
+    if not isinstance(ids, torch.Tensor):
+        return 0
+    return ids.numel() * dim * (2 if per_sample_weights is not None else 1)
 
 
 def target_name(target: Any) -> str:

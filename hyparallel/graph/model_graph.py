@@ -11,7 +11,8 @@ Note [what counts as a FLOP]
     counts itself: Note [grouped matmul FLOPs]), counted exactly from shapes by ``torch.utils.flop_counter``: 2*M*N*K
     for an (M, K) x (K, N) product, and 4*B*heads*Tq*Tk*head_dim for attention (causal masking
     is not discounted, as Megatron-LM's model-FLOPs formula does not). Elementwise ops, norms and
-    softmax are memory-bound and are costed by their bytes, so they carry 0 FLOPs.
+    softmax are memory-bound and are costed by their bytes, so they carry 0 FLOPs. The one exception is
+    an embedding bag's pooling, one add per gathered value (Note [embedding bag FLOPs] in kinds.py).
 
 Note [bytes]
     Byte figures are at the dtype the model was traced in (usually fp32 on the meta device); the

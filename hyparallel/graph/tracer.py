@@ -30,9 +30,11 @@ from torch.utils._traceback import CapturedTraceback
 
 from hyparallel.errors import TraceError
 from hyparallel.graph.kinds import (
+    EMBEDDING_BAG_OPS,
     GROUPED_MM,
     VIEW_OPS,
     base_forward,
+    embedding_bag_flops,
     function_kind,
     logits_of,
     module_kind,
@@ -711,9 +713,24 @@ class _Profiler(fx.Interpreter):
         with self.counter:  # entering clears the counter: it then holds this node's FLOPs only
             out = super().run_node(n)
         flops = self.counter.get_total_flops()
-        if not flops and target_name(n.target) in GROUPED_MM:
-            flops = grouped_mm_flops(*self.fetch_args_kwargs_from_env(n)[0][:2], out)
-        return flops, out
+        return flops or self._uncounted_flops(n, out), out
+
+    def _uncounted_flops(self, n: fx.Node, out: Any) -> int:
+        """FLOPs torch's counter does not know: grouped matrix products (Note [grouped matmul FLOPs]) and embedding
+        bags' pooling (Note [embedding bag FLOPs]), from a leaf EmbeddingBag call or its ATen op."""
+        name = target_name(n.target)
+        module = self.fetch_attr(n.target) if n.op == "call_module" else None
+        if name not in GROUPED_MM and name not in EMBEDDING_BAG_OPS and not isinstance(module, nn.EmbeddingBag):
+            return 0
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if name in GROUPED_MM:
+            return grouped_mm_flops(*args[:2], out)
+        if module is not None:  # EmbeddingBag.forward(input, offsets=None, per_sample_weights=None)
+            weights = args[2] if len(args) > 2 else kwargs.get("per_sample_weights")
+            return embedding_bag_flops(args[0] if args else kwargs.get("input"), module.embedding_dim, weights)
+        # aten embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, ...)
+        weights = args[6] if len(args) > 6 else kwargs.get("per_sample_weights")
+        return embedding_bag_flops(args[1], args[0].shape[-1], weights) if len(args) > 1 else 0
 
     def _key(self, n: fx.Node) -> tuple | None:
         """What determines a node's output shapes and FLOPs; None when it cannot be told (then no caching)."""

@@ -1,4 +1,4 @@
-"""Models: the built-in zoo, Hugging Face architectures from a config, and user factories.
+"""Models: the built-in zoo (GPT, Llama, DLRM), Hugging Face architectures from a config, and user factories.
 
 ``build(name)`` builds a zoo model (on the meta device by default); ``load(spec)`` resolves any
 MODEL spec the CLI accepts: a zoo name, ``package.module:factory`` or ``hf:ARCH``, each optionally
@@ -22,6 +22,7 @@ from torch import nn
 
 from hyparallel._yaml import load_yaml_text
 from hyparallel.errors import ModelSpecError
+from hyparallel.models.dlrm import DLRM, DLRMConfig, batch_for, bce_loss, synthetic_clicks
 from hyparallel.models.gpt import GPT, GPTConfig
 from hyparallel.models.hf import build_hf
 from hyparallel.models.llama import Llama, LlamaConfig
@@ -29,6 +30,8 @@ from hyparallel.models.meta import build_on, empty_init
 from hyparallel.models.zoo import ZooEntry, build, config, entries, names
 
 __all__ = [
+    "DLRM",
+    "DLRMConfig",
     "GPT",
     "GPTConfig",
     "Llama",
@@ -46,6 +49,9 @@ __all__ = [
     "load_callable",
     "example_inputs",
     "fingerprint",
+    "batch_for",
+    "bce_loss",
+    "synthetic_clicks",
 ]
 
 

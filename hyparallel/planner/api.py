@@ -18,6 +18,7 @@ from hyparallel.graph.local_shapes import replicate_what_fails
 from hyparallel.planner import costs
 from hyparallel.planner.constraints import Constraints, count_message, default
 from hyparallel.planner.goodput import DEFAULT_RESTART_S, check_goodput_request, with_goodput
+from hyparallel.planner.inputs import default_seq_len
 from hyparallel.planner.inputs import make as make_inputs
 from hyparallel.planner.inputs import read as read_inputs
 from hyparallel.planner.profile import ModelProfile
@@ -51,9 +52,15 @@ class SearchResult:
     profile: ModelProfile | None = None
     refused: list[Evaluation] = field(default_factory=list)  # fitted, but check_plan refused them (their reason)
     powersgd_start_step: int = field(default_factory=lambda: default("powersgd_start_step"))  # written into plans
+    tables: Any = None  # a planner.tables.TableChoice: where a recommendation model's tables go (ps_servers=)
 
     def plan(self, rank: int = 0) -> Plan:
-        """The ``rank``-th best evaluation as a Plan."""
+        """The ``rank``-th best evaluation as a Plan; rank 0 is the tables' pick when they were compared (a ps
+        plan when parameter servers won)."""
+        if rank == 0 and self.tables is not None and self.tables.pick.kind == "ps":
+            from hyparallel.planner.tables import write_plan  # it imports this module
+
+            return write_plan(self, self.tables.pick)
         return to_plan(self, self.best[rank])
 
 
@@ -82,6 +89,7 @@ def plan(
     mtbf_hours: float | None = None,
     restart_s: float = DEFAULT_RESTART_S,
     checkpoint_storage: CheckpointStorage = "disk",
+    ps_servers: int | None = None,
     **fixed: Any,
 ) -> Plan:
     """The fastest plan that fits memory for ``model`` on ``cluster``; constraints fix any decision.
@@ -100,6 +108,11 @@ def plan(
     time per checkpoint, the interval that maximises goodput and the goodput expected, with ``restart_s``
     seconds per restart and checkpoints saved as ``hp.checkpoint.save(storage=checkpoint_storage)``
     (``hyparallel.planner.with_goodput``, which adds it to any plan; docs/cost-model.md).
+
+    ``ps_servers=N`` plans parameter-server mode with N servers (tp = pp = 1, one worker per GPU, every embedding
+    table on the servers: the plan's ``ps`` section). Left out, a recommendation model (embedding tables, no
+    transformer blocks) gets whichever is fastest of parameter servers (their count searched) and the tables on
+    the GPUs (hyparallel.planner.tables; docs/cost-model.md, "Embedding tables: parameter servers or GPUs").
     """
     if mtbf_hours is not None:  # refused before the search, not after it
         check_goodput_request(mtbf_hours, restart_s, checkpoint_storage, cluster)
@@ -112,6 +125,7 @@ def plan(
         example_inputs=example_inputs,
         name=name,
         constraints=constraints,
+        ps_servers=ps_servers,
         **fixed,
     ).plan()
     if mtbf_hours is None:
@@ -136,6 +150,7 @@ def search(
     module_inputs: Any = None,
     constraints: Constraints | None = None,
     cache: bool = False,
+    ps_servers: int | None = None,
     **fixed: Any,
 ) -> SearchResult:
     """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost).
@@ -149,9 +164,14 @@ def search(
     cannot run at one rank's sizes stay replicated (Note [the planner replicates what fails at one rank's sizes]);
     a module ``model`` is its own. ``cache``: a module ``model`` traced (and dry run) before with the same key is
     read from the disk cache instead (``hyparallel.graph.cache``; ``hyparallel plan`` does so unless --no-cache).
+    ``ps_servers``: as ``plan`` takes it; the result's ``tables`` then holds the options compared (also for a
+    recommendation model without it), and ``plan()`` the pick.
     """
+    from hyparallel.planner import tables  # it imports this module
+
     given = _given(constraints, fixed)
     _check_request(cluster, global_batch, seq_len, dtype, given)
+    tables.check_request(ps_servers, given, cluster, global_batch)
     degrees = _tp_degrees(cluster, given)
     graph, seq_len, rows, inputs, cache_key = _graph(
         model,
@@ -182,11 +202,17 @@ def search(
         powersgd_start_step=given.get("powersgd_start_step", default("powersgd_start_step")),
     )
     engine = Search(profile, cluster, global_batch, dtype, progress, admit=Admission(result))
-    best, frugal = engine.best(given, top=top)
-    if not best:
+    compare = tables.applies(graph, given, ps_servers)
+    searched = ps_servers is None or alternatives  # ps_servers decides: the search only for comparison
+    best, frugal = engine.best(given, top=top) if searched else ([], None)
+    if compare:
+        result.tables = tables.choose(
+            graph, profile, cluster, global_batch, dtype, given, best, frugal, ps_servers, searched
+        )
+    elif not best:
         raise PlanError(_nothing_found(engine, profile, cluster, global_batch, given, frugal))
     result.best = best
-    if alternatives:
+    if alternatives and best:
         result.alternatives = _alternatives(engine, profile, cluster, best[0], given)
     result.considered, result.evaluated, result.refused = engine.considered, engine.evaluated, engine.refused
     result.search_s = time.perf_counter() - start
@@ -265,7 +291,7 @@ def _graph(
         _batch_one(model)
         return model, _needed(seq_len), None, None, None
     if example_inputs is None or callable(example_inputs):
-        seq_len = _needed(seq_len)
+        seq_len = _needed(seq_len if seq_len is not None or example_inputs else default_seq_len(model))
         batch = (
             make_inputs(example_inputs, 1, seq_len).inputs
             if example_inputs is not None
@@ -564,11 +590,7 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
     reserved = result.cluster.device.reserved_bytes
     stages = []
     timings = _stage_timings(result, evaluation)
-    every = {m for s in segments for m in s.modules}
-    # A parent whose children are listed (Hugging Face's `transformer`, running position ids and masks) is
-    # left out: its own glue ops run where execution order puts them (Note [which stage runs a node]).
-    parents = every & {m.rsplit(".", k)[0] for m in every for k in range(1, m.count(".") + 1)}  # dotted prefixes
-    stage_modules = _stage_modules(segments, evaluation.stages, parents)
+    stage_modules = stage_module_lists(segments, evaluation.stages)
     for index, (start, end) in enumerate(evaluation.stages):
         device = index % c.pp
         stages.append(
@@ -640,6 +662,17 @@ def _uncompressed(result: SearchResult, evaluation: Evaluation) -> dict[str, flo
     engine = Search(result.profile, result.cluster, result.global_batch, result.dtype)
     plain = engine.uncompressed(evaluation)
     return {"step_time_s": plain.step_time_s, "dp_comm_s": float(plain.comm_s["dp"])}
+
+
+def stage_module_lists(segments, ranges: list[tuple[int, int]]) -> list[list[str]]:
+    """The module paths each (virtual) stage of segment ``ranges`` lists in a plan.
+
+    A parent whose children are listed (Hugging Face's `transformer`, running position ids and masks) is
+    left out: its own glue ops run where execution order puts them (Note [which stage runs a node]).
+    """
+    every = {m for s in segments for m in s.modules}
+    parents = every & {m.rsplit(".", k)[0] for m in every for k in range(1, m.count(".") + 1)}  # dotted prefixes
+    return _stage_modules(segments, ranges, parents)
 
 
 def _stage_modules(segments, ranges: list[tuple[int, int]], parents: set[str]) -> list[list[str]]:

@@ -46,6 +46,18 @@ def read(inputs: Any, what: str = "example_inputs") -> MicroBatch:
     return MicroBatch(inputs, rows=tensors[0].size(0), seq_len=sequences[0].size(1) if sequences else None)
 
 
+def default_seq_len(model: Any) -> int | None:
+    """The default of ``seq_len`` in the model's own ``example_inputs(batch_size, seq_len=..., device)``, if it has
+    one: a model whose inputs are not sequences (DLRM's samples) says so with ``seq_len=1``; None otherwise."""
+    method = getattr(model, "example_inputs", None)
+    try:
+        parameter = inspect.signature(method).parameters.get("seq_len") if callable(method) else None
+    except (TypeError, ValueError):  # no signature to read
+        return None
+    default = parameter.default if parameter is not None else None
+    return default if isinstance(default, int) and not isinstance(default, bool) and default > 0 else None
+
+
 def make(factory: InputsFactory, batch_size: int, seq_len: int) -> MicroBatch:
     """``factory(batch_size, seq_len)`` read as one micro-batch, refused unless it has those rows and that length."""
     name = f"{getattr(factory, '__module__', None) or '?'}:{getattr(factory, '__qualname__', type(factory).__name__)}"

@@ -1,0 +1,287 @@
+"""Parameter-server mode: the servers' update rules, the dispatcher's pacing and leases, and whole runs.
+
+The runs launch one process per rank (servers first, then workers), as torchrun would, and compare with one
+process training the same batches: at staleness 0 the servers apply each step's mean gradient, so the
+weights must match single-process training over the steps the dispatcher's log records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hyparallel.ps.dispatcher import Dispatcher
+from hyparallel.ps.optim import RowOptimizer
+from hyparallel.ps.server import Push, ServerShard
+from tests.ps import roles
+
+ROOT = Path(__file__).resolve().parent.parent
+pytest.importorskip("ray", reason="parameter-server mode runs on Ray: pip install -e '.[ps]'")
+
+# fp32 tolerance: the servers sum the workers' gradients weighted by their samples, one process sums the
+# whole batch's at once; the two orders of summation differ in the last bits (measured < 2e-7 relative).
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# ---- update rules -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+def test_row_rules_match_torch_optimizers_on_the_rows_touched(rule):
+    torch.manual_seed(0)
+    weight = torch.randn(10, 3)
+    reference = weight.clone().requires_grad_()
+    torch_opt = (torch.optim.SGD if rule == "sgd" else torch.optim.Adagrad)([reference], lr=0.1)
+    mine = RowOptimizer(rule, 0.1, weight)
+    for step in range(3):
+        rows = torch.tensor([1, 4, 7]) if step != 1 else torch.tensor([0, 4])
+        grad = torch.randn(len(rows), 3)
+        dense = torch.zeros(10, 3)
+        dense[rows] = grad
+        reference.grad = dense
+        torch_opt.step()
+        mine.apply(weight, rows, grad)
+    torch.testing.assert_close(weight, reference.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_rowwise_adam_keeps_one_second_moment_and_one_step_count_per_row():
+    weight = torch.zeros(4, 2)
+    opt = RowOptimizer("rowwise-adam", 0.1, weight)
+    grad = torch.tensor([[1.0, 3.0]])
+    opt.apply(weight, torch.tensor([2]), grad)
+    # First step: m_hat = g, v_hat = mean(g^2) = 5, so the row moves by lr * g / sqrt(5).
+    torch.testing.assert_close(weight[2], -0.1 * grad[0] / (5**0.5 + 1e-8))
+    assert opt.state["v"].shape == (4,) and opt.state["steps"].tolist() == [0, 0, 1, 0]
+    assert weight[[0, 1, 3]].abs().sum() == 0
+
+
+def test_a_checkpoint_of_two_servers_loads_row_by_row_onto_three(tmp_path):
+    full = torch.arange(22.0).reshape(11, 2)
+    old = [ServerShard(i, 2, {"t": full[i::2]}, {}, "adagrad", 0.1, synchronous=False) for i in range(2)]
+    for i, shard in enumerate(old):
+        shard.push(Push("w", 1, batch=i, samples=1, sparse={"t": (torch.tensor([0]), torch.ones(1, 2))}))
+        shard.save(tmp_path / f"server-{i}.pt")
+    updated = torch.cat([s.tables["t"] for s in old])  # rows 0 (server 0) and 1 (server 1) moved
+    new = [ServerShard(i, 3, {"t": torch.zeros(len(range(i, 11, 3)), 2)}, {}, "adagrad", 0.1, False) for i in range(3)]
+    for shard in new:
+        shard.load(sorted(tmp_path.glob("server-*.pt")))
+    again = torch.empty(11, 2)
+    for i, shard in enumerate(new):
+        again[i::3] = shard.tables["t"]
+    expected = full.clone()
+    expected[0::2], expected[1::2] = old[0].tables["t"], old[1].tables["t"]
+    torch.testing.assert_close(again, expected)
+    assert not torch.equal(updated, torch.cat([full[0::2], full[1::2]]))
+    assert new[0].optimizers["t"].state["sum"][0].tolist() == [1.0, 1.0]  # row 0's Adagrad sum came along
+    assert all(s.applied == {0, 1} for s in new)
+
+
+def test_a_push_for_a_batch_already_applied_is_dropped():
+    shard = ServerShard(0, 1, {"t": torch.zeros(3, 1)}, {}, "sgd", 1.0, synchronous=False)
+    push = Push("a", 1, batch=5, samples=1, sparse={"t": (torch.tensor([1]), torch.ones(1, 1))})
+    assert shard.push(push) and not shard.push(Push("b", 1, 5, 1, push.sparse))
+    assert shard.tables["t"][1].item() == -1.0 and shard.updates == [("a", 1, 5)]
+
+
+# ---- the dispatcher ---------------------------------------------------------------------------
+
+
+def _dispatcher(staleness, timeout=60.0):
+    steps = []
+
+    async def apply_step(step, batches):
+        steps.append((step, batches))
+
+    return Dispatcher(staleness, timeout, apply_step), steps
+
+
+def test_staleness_bounds_how_far_a_worker_runs_ahead_of_the_slowest():
+    async def run():
+        d, _ = _dispatcher(staleness=2)
+        await d.create_dataset(40, shard_size=4)
+        await d.register("fast")
+        await d.register("slow")
+        slow_step, slow_batch = await d.begin("slow")
+        ahead = 0
+        for _ in range(5):  # the fast worker finishes steps while the slow one sits in its first
+            task = asyncio.ensure_future(d.begin("fast"))
+            done, _ = await asyncio.wait([task], timeout=1.5)
+            if not done:
+                task.cancel()
+                break
+            step, batch = task.result()
+            await d.finish("fast", step, batch)
+            ahead += 1
+        assert ahead == 3  # steps 1, 2, 3 while slow's clock is 0: then 3 - 0 > 2 blocks it
+        await d.finish("slow", slow_step, slow_batch)
+        assert all(step - 1 - slowest <= 2 for _, step, slowest in d.pacing)
+
+    asyncio.run(run())
+
+
+def test_a_silent_workers_lease_goes_back_to_the_queue_and_is_consumed_once():
+    async def run():
+        d, steps = _dispatcher(staleness=0, timeout=0.2)
+        await d.create_dataset(6, shard_size=3)
+        await d.register("a")
+        await d.register("b")
+        step_a, batch_a = await d.begin("a")
+        await d.begin("b")  # b takes batch 3 of shard [3, 6) and is never heard of again
+        await d.finish("a", step_a, batch_a)
+        await asyncio.sleep(0.3)
+        d.workers["a"].seen += 1.0  # a is alive
+        assert await d.reap() == ["b"]
+        while (given := await d.begin("a")) is not None:
+            await d.finish("a", *given)
+        assert sorted(b for b, _, _ in d.log) == list(range(6))
+        assert Counter(w for _, w, _ in d.log) == {"a": 6}
+        assert steps[0] == (1, [0])  # step 1 closed without b's staged batch
+
+    asyncio.run(run())
+
+
+# ---- whole runs -------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, *, servers, workers, staleness, num_batches, optimizer="adagrad", **env_extra):
+    plan = {
+        "training": {"global_batch": 6 * workers, "micro_batch": 6, "seq_len": 1, "dtype": "fp32"},
+        "parallel": {"dp": workers},
+        "ps": {"servers": servers, "staleness": staleness, "optimizer": optimizer, "lr": 0.1, "worker_timeout_s": 3},
+    }
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump(plan))
+    world = servers + workers
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RAY_", "GROUP_", "LOCAL_"))},
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(world),
+        "PYTHONPATH": str(ROOT),
+        **{k: str(v) for k, v in env_extra.items()},
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.ps.roles", str(plan_file), str(num_batches), str(tmp_path / f"out{r}")],
+            env={**env, "RANK": str(r)},
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"err{r}", "w"),
+        )
+        for r in range(world)
+    ]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    result = torch.load(tmp_path / "out0", weights_only=False)
+    records = {r: json.loads((tmp_path / f"out{r}").read_text()) for r in range(servers, world) if codes[r] == 0}
+    return codes, result, records
+
+
+def _reference(log, optimizer_cls=torch.optim.Adagrad):
+    """One process training the steps the log records, each on the concatenation of its batches."""
+    model = roles.model()
+    opt = optimizer_cls(model.parameters(), lr=0.1)
+    by_step = defaultdict(list)
+    for batch, _, step in log:
+        by_step[step].append(batch)
+    losses = {}
+    for step in sorted(by_step):
+        parts = [roles.batch(b) for b in sorted(by_step[step])]
+        with torch.no_grad():
+            for b, ((dense, sparse), clicks) in zip(sorted(by_step[step]), parts):
+                losses[b] = roles.loss_fn(model(dense, sparse), clicks).item()
+        dense = torch.cat([p[0][0] for p in parts])
+        sparse = torch.cat([p[0][1] for p in parts])
+        clicks = torch.cat([p[1] for p in parts])
+        roles.loss_fn(model(dense, sparse), clicks).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict(), losses
+
+
+def _assert_parity(result, records):
+    reference, losses = _reference(result["log"])
+    assert set(result["state"]) == set(reference)  # every parameter, by name
+    for name, value in reference.items():
+        torch.testing.assert_close(result["state"][name], value, rtol=RTOL, atol=ATOL, msg=name)
+    for record in records.values():
+        for entry in record:
+            assert entry["loss"] == pytest.approx(losses[entry["batch"]], rel=RTOL, abs=ATOL)
+
+
+def test_a_worker_killed_after_pushing_leaves_its_batch_to_the_others_once(tmp_path):
+    # Rank 1 (a worker) dies as it reports its 3rd batch: its pushes are staged on the server, its report never
+    # arrives, and it is taken for dead after worker_timeout_s (3 s).
+    codes, result, records = _launch(
+        tmp_path, servers=1, workers=2, staleness=0, num_batches=12, PS_TEST_KILL_WORKER="1:2", PS_TEST_SHARD=3
+    )
+    assert codes == [0, -9, 0]
+    log = result["log"]
+    assert Counter(b for b, _, _ in log) == Counter(range(12))  # every batch consumed exactly once
+    assert sum(1 for _, w, _ in log if w.startswith("worker-1-")) == 2
+    _assert_parity(result, records)  # the dead worker's staged pushes counted nowhere
+
+
+def test_staleness_2_is_stale_synchronous_and_a_killed_server_comes_back_from_its_checkpoint(tmp_path):
+    codes, result, records = _launch(
+        tmp_path,
+        servers=2,
+        workers=2,
+        staleness=2,
+        num_batches=16,
+        PS_TEST_CHECKPOINT_AT=3,
+        PS_TEST_CHECKPOINT_DIR=tmp_path / "ckpt",
+        PS_TEST_KILL_SERVER_AT=5,
+        PS_TEST_KILL_SERVER=1,
+        PS_TEST_KILLER=2,
+        PS_TEST_SLOW_S=0.05,
+    )
+    assert codes == [0, 0, 0, 0]
+    assert Counter(b for b, _, _ in result["log"]) == Counter(range(16))
+    assert result["restored_from"] == [None, str(tmp_path / "ckpt" / "step-00000003")]
+    for updates in result["updates"]:  # no batch applied twice on any server
+        assert len({b for _, _, b in updates}) == len(updates)
+    assert all(step - 1 - slowest <= 2 for _, step, slowest in result["pacing"])
+    assert all(torch.isfinite(v).all() for v in result["state"].values())
+
+
+def test_staleness_0_equals_one_process_on_two_servers_and_on_one_resumed_from_their_checkpoint(tmp_path):
+    # The parity test of the mode, on 2 servers and then on 1 (2 workers each): the second run starts from the
+    # first run's checkpoint of step 2, re-sharded by row, and the weights still match one process.
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    ckpt = tmp_path / "ckpt"
+    codes, before, records = _launch(
+        first, servers=2, workers=2, staleness=0, num_batches=8, PS_TEST_CHECKPOINT_AT=2, PS_TEST_CHECKPOINT_DIR=ckpt
+    )
+    assert codes == [0, 0, 0, 0]
+    assert Counter(b for b, _, _ in before["log"]) == Counter(range(8))
+    assert all(records.values())  # both workers trained
+    _assert_parity(before, records)
+    codes, result, records = _launch(second, servers=1, workers=2, staleness=0, num_batches=8, PS_TEST_RESUME_DIR=ckpt)
+    assert codes == [0, 0, 0]
+    log = result["log"]
+    assert Counter(b for b, _, _ in log) == Counter(range(8))
+    resumed = torch.load(ckpt / "step-00000002" / "ps" / "dispatcher.pt", weights_only=False)["log"]
+    assert resumed and [tuple(e) for e in resumed] == log[: len(resumed)]  # the first run's steps, kept
+    assert all(entry["batch"] not in {b for b, _, _ in resumed} for r in records.values() for entry in r)
+    _assert_parity(result, records)  # the re-sharded rows and Adagrad sums carried on exactly
