@@ -52,14 +52,18 @@ def dp_kib_per_step(model_name: str, workers: int = 2) -> float:
     return 2 * (workers - 1) / workers * grad_bytes / 2**10
 
 
-def predicted(model_name: str, mode: str) -> float | None:
-    """The planner's step time for this configuration on the `cpu` preset (None if it has no figure for it)."""
-    try:
-        from hyparallel.planner import ps as ps_costs
-    except ImportError:
-        return None
-    estimate = getattr(ps_costs, "benchmark_step_s", None)
-    return estimate(model_name, mode, workers=2, servers=1, batch=BATCH) if estimate else None
+def predicted(model_name: str, mode: str) -> float:
+    """The planner's step time for this configuration: 2 workers on the `cpu` preset (ps: and 1 server)."""
+    import hyparallel as hp
+
+    model = hp.models.build(model_name)
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=2)
+    fixed = {"ps_servers": 1} if mode == "ps" else {"ps_servers": 0, "dp": 2}
+    plan = hp.plan(
+        model, cluster, global_batch=2 * BATCH, dtype="fp32", example_inputs=model.example_inputs(BATCH), **fixed
+    )
+    assert (plan.ps is not None) == (mode == "ps"), f"the planner did not plan {mode} for {model_name}"
+    return plan.predicted.step_time_s
 
 
 def main() -> None:
@@ -87,13 +91,13 @@ def main() -> None:
                     "samples_per_s": rate,
                     "vs_dp": rate / dp_rate,
                     "kib_per_step": kib,
-                    "predicted_samples_per_s": (2 * BATCH / step) if step else None,
+                    "predicted_samples_per_s": 2 * BATCH / step,
                 }
             )
     print("| model | configuration | samples/s | / dp | KiB per worker-step | predicted samples/s |")
     print("|---|---|---:|---:|---:|---:|")
     for r in results:
-        pred = f"{r['predicted_samples_per_s']:.0f}" if r["predicted_samples_per_s"] else "-"
+        pred = f"{r['predicted_samples_per_s']:.0f}"
         print(
             f"| {r['model']} | {r['config']} | {r['samples_per_s']:.0f} | {r['vs_dp']:.3f} | "
             f"{r['kib_per_step']:.1f} | {pred} |"

@@ -334,6 +334,14 @@ def render_prediction(outcome: Outcome) -> tuple[str, list[str]]:
     return spearman, lines
 
 
+def render_ps(outcome: Outcome) -> tuple[str, list[str]]:
+    """ps_vs_dp.py's table as it printed it; the summary: each ps configuration's samples/s over dp's."""
+    rows = outcome.figures
+    summary = "; ".join(f"{r['model']} {r['config']} x{r['vs_dp']:.2f}" for r in rows if r["config"].startswith("ps"))
+    lines = ["Peer: plain data parallelism (DDP) in the same run; / dp above 1 means parameter servers are faster.", ""]
+    return summary + " (samples/s, ps / dp)", [*lines, *outcome.stdout.strip().splitlines()]
+
+
 def render_published(outcome: Outcome) -> tuple[str, list[str]]:
     """published.py's markdown as it printed it (every row, the summary, what was left out), and its summary."""
     stats = outcome.figures["summary"]
@@ -479,6 +487,18 @@ BENCHMARKS.append(
         render_published,
         quick_args=("--quick",),
         timeout_s=600,
+    )
+)
+BENCHMARKS.append(
+    Benchmark(
+        "ps_vs_dp",
+        "Parameter-server mode against plain data parallelism",
+        "examples/train_recsys.py under torchrun on this machine for dlrm-tiny and dlrm-mid: data parallelism over 2 "
+        "processes (DDP, the tables replicated) against 1 parameter server and 2 workers at staleness 0 and 4, in "
+        "turns: samples/s, the bytes a worker moves per step, and the planner's prediction on the `cpu` preset.",
+        render_ps,
+        quick_args=("--quick",),
+        timeout_s=2400,
     )
 )
 NAMES = [b.name for b in BENCHMARKS] + ["gpu"]

@@ -64,10 +64,9 @@ def main() -> None:
         rank, dp = pmodel.env.rank, plan.parallel.dp
         steps = ((s, s * dp + rank) for s in range(args.batches // dp))
     else:  # the servers apply the updates: no optimizer here
-        if args.checkpoint_dir:
-            hp.checkpoint.load(pmodel, None, args.checkpoint_dir, missing_ok=True)
-        rank = int(os.environ.get("RANK", 0))
-        steps = enumerate(pmodel.batches(args.batches))
+        resumed = args.checkpoint_dir and hp.checkpoint.load(pmodel, None, args.checkpoint_dir, missing_ok=True)
+        rank, first = int(os.environ.get("RANK", 0)), resumed["step"] if resumed else 0  # steps go on from it
+        steps = enumerate(pmodel.batches(args.batches), start=first)
     cfg, losses, start, done = model.config, [], time.perf_counter(), 0
     for step, index in steps:
         dense, sparse, clicks = batch_for(cfg, args.batch, index, seed=args.seed)

@@ -873,11 +873,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--ps-servers",
-        type=DEVICES,
+        type=_int_in(limits.MAX_DEVICES, low=0),
         default=None,
         metavar="N",
         help="plan parameter-server mode: the embedding tables and dense weights on N server processes, one worker "
-        "per GPU (tp = pp = 1); without it a recommendation model gets whichever of servers and GPUs is faster",
+        "per GPU (tp = pp = 1); 0 keeps the tables on the GPUs; without it a recommendation model gets whichever "
+        "of servers and GPUs is faster",
     )
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")

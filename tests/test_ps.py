@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -129,6 +131,25 @@ def test_staleness_bounds_how_far_a_worker_runs_ahead_of_the_slowest():
     asyncio.run(run())
 
 
+def test_at_staleness_0_a_worker_that_finished_the_step_waits_for_the_others():
+    async def run():
+        d, steps = _dispatcher(staleness=0)
+        await d.create_dataset(10, shard_size=2)
+        await d.register("a")
+        await d.register("b")
+        step, batch = await d.begin("a")
+        await d.finish("a", step, batch)
+        early = asyncio.ensure_future(d.begin("a"))
+        done, _ = await asyncio.wait([early], timeout=1.5)
+        assert not done  # one batch per worker per step: a waits for b's
+        step_b, batch_b = await d.begin("b")
+        await d.finish("b", step_b, batch_b)
+        assert steps == [(1, sorted([batch, batch_b]))] and step == step_b == 1
+        assert (await early)[0] == 2
+
+    asyncio.run(run())
+
+
 def test_a_silent_workers_lease_goes_back_to_the_queue_and_is_consumed_once():
     async def run():
         d, steps = _dispatcher(staleness=0, timeout=0.2)
@@ -159,7 +180,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, *, servers, workers, staleness, num_batches, optimizer="adagrad", **env_extra):
+def _launch(tmp_path, *, servers, workers, staleness, num_batches, optimizer="adagrad", replace=False, **env_extra):
+    """One process per rank; ``replace``: a worker that dies is replaced by a new process of its rank (which joins)."""
     plan = {
         "training": {"global_batch": 6 * workers, "micro_batch": 6, "seq_len": 1, "dtype": "fp32"},
         "parallel": {"dp": workers},
@@ -176,23 +198,34 @@ def _launch(tmp_path, *, servers, workers, staleness, num_batches, optimizer="ad
         "PYTHONPATH": str(ROOT),
         **{k: str(v) for k, v in env_extra.items()},
     }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.ps.roles", str(plan_file), str(num_batches), str(tmp_path / f"out{r}")],
-            env={**env, "RANK": str(r)},
+
+    def start(rank: int, out: str, **extra) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.ps.roles", str(plan_file), str(num_batches), str(tmp_path / out)],
+            env={**env, "RANK": str(rank), **extra},
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
-            stderr=open(tmp_path / f"err{r}", "w"),
+            stderr=open(tmp_path / f"err-{out}", "w"),
         )
-        for r in range(world)
-    ]
+
+    procs = {r: start(r, f"out{r}") for r in range(world)}
+    joined = {}
     try:
-        codes = [p.wait(timeout=240) for p in procs]
+        deadline = time.monotonic() + 240
+        while any(p.poll() is None for p in [*procs.values(), *joined.values()]) and time.monotonic() < deadline:
+            for r, p in procs.items():
+                if replace and p.poll() == -signal.SIGKILL and r not in joined:
+                    joined[r] = start(r, f"out{r}-joined", PS_TEST_KILL_WORKER="")
+            time.sleep(0.1)
+        codes = [procs[r].wait(timeout=1) for r in range(world)]
     finally:
-        for p in procs:
+        for p in [*procs.values(), *joined.values()]:
             p.kill()
+    for r, p in joined.items():
+        assert p.returncode == 0, (tmp_path / f"err-out{r}-joined").read_text()[-2000:]
     result = torch.load(tmp_path / "out0", weights_only=False)
     records = {r: json.loads((tmp_path / f"out{r}").read_text()) for r in range(servers, world) if codes[r] == 0}
+    records.update({f"{r}-joined": json.loads((tmp_path / f"out{r}-joined").read_text()) for r in joined})
     return codes, result, records
 
 
@@ -228,16 +261,26 @@ def _assert_parity(result, records):
             assert entry["loss"] == pytest.approx(losses[entry["batch"]], rel=RTOL, abs=ATOL)
 
 
-def test_a_worker_killed_after_pushing_leaves_its_batch_to_the_others_once(tmp_path):
+def test_a_worker_killed_after_pushing_leaves_its_batch_to_the_others_once_and_a_new_one_joins(tmp_path):
     # Rank 1 (a worker) dies as it reports its 3rd batch: its pushes are staged on the server, its report never
-    # arrives, and it is taken for dead after worker_timeout_s (3 s).
+    # arrives, and it is taken for dead after worker_timeout_s (3 s). A new process of rank 1 then joins mid-run.
     codes, result, records = _launch(
-        tmp_path, servers=1, workers=2, staleness=0, num_batches=12, PS_TEST_KILL_WORKER="1:2", PS_TEST_SHARD=3
+        tmp_path,
+        servers=1,
+        workers=2,
+        staleness=0,
+        num_batches=60,
+        replace=True,
+        PS_TEST_KILL_WORKER="1:2",
+        PS_TEST_SHARD=3,
+        PS_TEST_SLOW_S=0.25,
     )
     assert codes == [0, -9, 0]
     log = result["log"]
-    assert Counter(b for b, _, _ in log) == Counter(range(12))  # every batch consumed exactly once
-    assert sum(1 for _, w, _ in log if w.startswith("worker-1-")) == 2
+    assert Counter(b for b, _, _ in log) == Counter(range(60))  # every batch consumed exactly once
+    by_worker = Counter(w for _, w, _ in log)
+    assert len(by_worker) == 3 and sum(n for w, n in by_worker.items() if w.startswith("worker-1-")) > 2
+    assert records["1-joined"]  # the newcomer trained
     _assert_parity(result, records)  # the dead worker's staged pushes counted nowhere
 
 
@@ -285,3 +328,65 @@ def test_staleness_0_equals_one_process_on_two_servers_and_on_one_resumed_from_t
     assert resumed and [tuple(e) for e in resumed] == log[: len(resumed)]  # the first run's steps, kept
     assert all(entry["batch"] not in {b for b, _, _ in resumed} for r in records.values() for entry in r)
     _assert_parity(result, records)  # the re-sharded rows and Adagrad sums carried on exactly
+
+
+def _processes(match) -> list[int]:
+    """Live processes whose command line (and environment, for ``match``'s second part) match."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if match(cmdline, environ):
+            found.append(int(proc.name))
+    return found
+
+
+def _wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if found := condition():
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} after {timeout_s} s")
+
+
+def test_the_example_under_torchrun_survives_a_killed_server_and_a_killed_worker(tmp_path):
+    # One torchrun of examples/train_recsys.py (1 server, 2 workers, checkpoints every 5 steps, --max-restarts 1).
+    # The server actor is SIGKILLed: Ray restarts it from the newest checkpoint, and training goes on. Then a worker
+    # is SIGKILLed: torchrun restarts the group, which resumes from the newest checkpoint. Every batch of the log is
+    # consumed once in the end (rank 0's summary of the dispatcher's log).
+    ckpt = tmp_path / "ckpt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "3",
+        "--max-restarts",
+        "1",
+    ]
+    cmd += [str(ROOT / "examples" / "train_recsys.py"), "--mode", "ps", "--batches", "400", "--batch", "32"]
+    cmd += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RAY_", "MASTER_", "RANK"))}
+    proc = subprocess.Popen(
+        cmd, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        steps = lambda: sorted(p.name for p in ckpt.glob("step-*"))  # noqa: E731
+        _wait_for(steps, 120, "checkpoint")
+        (server,) = _wait_for(lambda: _processes(lambda cmd, env: cmd.startswith(b"ray::_Server")), 60, "server")
+        os.kill(server, signal.SIGKILL)
+        seen = steps()
+        _wait_for(lambda: len(steps()) > len(seen) + 1, 120, "checkpoint after the server's restart")
+        worker_env = [b"RANK=2", b"TORCHELASTIC_RESTART_COUNT=0"]
+        (worker,) = _processes(lambda cmd, env: b"train_recsys.py" in cmd and all(e in env for e in worker_env))
+        os.kill(worker, signal.SIGKILL)
+        stdout, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:]
+    assert "hyparallel ps: 400 batches consumed, each once" in stdout

@@ -203,7 +203,7 @@ def search(
     )
     engine = Search(profile, cluster, global_batch, dtype, progress, admit=Admission(result))
     compare = tables.applies(graph, given, ps_servers)
-    searched = ps_servers is None or alternatives  # ps_servers decides: the search only for comparison
+    searched = not ps_servers or alternatives  # ps_servers N > 0 decides: the search only for comparison
     best, frugal = engine.best(given, top=top) if searched else ([], None)
     if compare:
         result.tables = tables.choose(

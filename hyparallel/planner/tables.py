@@ -147,7 +147,7 @@ def _ms(seconds: float) -> str:
 
 def check_request(ps_servers: object, constraints: dict, cluster: ClusterSpec, global_batch: int) -> None:
     """A one-line PlanError for a ``ps_servers`` that is not a count, or that constraints ps mode cannot run."""
-    if ps_servers is None:
+    if ps_servers is None or ps_servers == 0:  # 0: no servers, the tables stay on the GPUs
         return
     if not isinstance(ps_servers, int) or isinstance(ps_servers, bool) or not 1 <= ps_servers <= limits.MAX_DEVICES:
         high = limits.MAX_DEVICES if isinstance(ps_servers, int) and ps_servers > limits.MAX_DEVICES else None
@@ -170,7 +170,9 @@ def check_request(ps_servers: object, constraints: dict, cluster: ClusterSpec, g
 
 def applies(graph: ModelGraph, constraints: dict, ps_servers: int | None) -> bool:
     """Whether to compare where the tables go (Note [which models compare tables]); ``ps_servers`` given, a model
-    without tables is a PlanError."""
+    without tables is a PlanError; 0 keeps the tables on the GPUs (no comparison)."""
+    if ps_servers == 0:
+        return False
     if ps_servers is not None:
         if not embedding_tables(graph):
             raise PlanError(

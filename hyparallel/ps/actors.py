@@ -99,11 +99,15 @@ class _Dispatcher:
         self.saved_dir: str | None = None
         self.saved_step = -1
         self.reaper = None
+        self.handles = None
 
     def _handles(self):
+        """The server actors (looked up once: a handle stays good across the actor's restarts)."""
         import ray
 
-        return [ray.get_actor(server_name(i)) for i in range(self.servers)]
+        if self.handles is None:
+            self.handles = [ray.get_actor(server_name(i)) for i in range(self.servers)]
+        return self.handles
 
     async def _apply_step(self, step: int, batches: list[int]) -> None:
         await asyncio.gather(*[h.apply_step.remote(step, batches) for h in self._handles()])
@@ -143,7 +147,7 @@ class _Dispatcher:
         """
         final = Path(root) / f"step-{step:08d}"
         async with self.core.changed:  # no step closes, no batch is handed out, while the shards are written
-            if step <= self.saved_step:
+            if step <= self.saved_step:  # saved already by another worker (or older than the newest)
                 return str(final)
             temporary = Path(root) / f".step-{step:08d}.tmp"
             shutil.rmtree(temporary, ignore_errors=True)
@@ -163,7 +167,8 @@ class _Dispatcher:
                 return
             await asyncio.gather(*[h.load.remote(directory) for h in self._handles()])
             self.core.restore(torch.load(Path(directory) / "ps" / "dispatcher.pt", weights_only=False))
-            self.saved_dir = directory
+            # Steps go on from the checkpoint's: a later save of a smaller step would hide behind this one.
+            self.saved_dir, self.saved_step = directory, json.loads((Path(directory) / MARKER).read_text())["step"]
 
     async def checkpoint_dir(self) -> str | None:
         return self.saved_dir

@@ -70,7 +70,7 @@ class Dispatcher:
         consumed = {batch for batch, _, _ in self.log}
         self.todo = deque((b, b + 1) for b in range(self.num_batches) if b not in consumed)
         for worker in self.workers.values():
-            worker.lease, worker.batch, worker.clock = None, None, self.closed
+            worker.lease, worker.batch, worker.clock, worker.step_done = None, None, self.closed, False
 
     def state(self) -> dict:
         """What a checkpoint keeps: the batches consumed and, at staleness 0, the last step closed."""
@@ -207,8 +207,8 @@ class Dispatcher:
         return min(clocks) if clocks else default
 
     def _paced(self, name: str, step: int) -> bool:
-        if self.staleness == 0:
-            return step == self.closed + 1
+        if self.staleness == 0:  # lockstep: one batch per worker per step, the next once the step is applied
+            return step == self.closed + 1 and not self.workers[name].step_done
         return (step - 1) - self._slowest(exclude=name, default=step - 1) <= self.staleness
 
     async def _maybe_close(self) -> None:

@@ -198,6 +198,14 @@ class PSServer:
 
         ray.get(self.dispatcher.wait_finished.remote())
         if self.rank == 0:
+            log, dead = self.log(), ray.get(self.dispatcher.dead.remote())
+            once = len({batch for batch, _, _ in log}) == len(log)
+            print(
+                f"hyparallel ps: {len(log)} batches consumed"
+                + (", each once" if once else ", SOME TWICE")
+                + f", by {len({worker for _, worker, _ in log})} worker(s); {len(dead)} taken for dead",
+                flush=True,
+            )
             return True
         try:
             while True:
