@@ -171,7 +171,7 @@ def test_a_transformer_keeps_its_plan():
 def test_request_errors_are_one_line():
     model = hp.models.build("dlrm-tiny")
     for bad, words in (
-        ({"ps_servers": 0}, "ps_servers must be a positive integer"),
+        ({"ps_servers": -1}, "ps_servers must be a positive integer"),
         ({"ps_servers": 2, "tp": 2}, "needs tp 1, not 2"),
         ({"ps_servers": 2, "dp": 4}, "one worker per GPU"),
     ):
@@ -180,6 +180,15 @@ def test_request_errors_are_one_line():
         assert "\n" not in str(error.value)
     with pytest.raises(PlanError, match="no nn.Embedding or nn.EmbeddingBag"):
         hp.plan(make_no_tables(), A100, 64, ps_servers=2)
+
+
+def test_zero_servers_keeps_the_tables_on_the_gpus():
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=2)
+    model = hp.models.build("dlrm-mid")
+    inputs = model.example_inputs(64)
+    assert hp.plan(model, cluster, 128, dtype="fp32", example_inputs=inputs).ps is not None  # the pick here
+    kept = hp.plan(model, cluster, 128, dtype="fp32", example_inputs=inputs, ps_servers=0)
+    assert kept.ps is None and kept.predicted.step_time_s > 0
 
 
 # ---- the command line ----------------------------------------------------------------------------------------
@@ -206,7 +215,7 @@ def test_cli_top_shows_why_each_place_lost(capsys):
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (("--ps-servers", "0"), "--ps-servers: expected a positive integer"),
+        (("--ps-servers", "-1"), "--ps-servers: expected an integer from 0"),
         (("--ps-servers", "2", "--tp", "2"), "needs tp 1, not 2"),
         (("--ps-servers", "2", "--pp", "2"), "needs pp 1, not 2"),
     ],
