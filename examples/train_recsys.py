@@ -67,7 +67,7 @@ def main() -> None:
         resumed = args.checkpoint_dir and hp.checkpoint.load(pmodel, None, args.checkpoint_dir, missing_ok=True)
         rank, first = int(os.environ.get("RANK", 0)), resumed["step"] if resumed else 0  # steps go on from it
         steps = enumerate(pmodel.batches(args.batches), start=first)
-    cfg, losses, start, done = model.config, [], time.perf_counter(), 0
+    cfg, losses, ends, done = model.config, [], [], 0
     for step, index in steps:
         dense, sparse, clicks = batch_for(cfg, args.batch, index, seed=args.seed)
         loss = pmodel.train_step((dense, sparse), clicks, bce_loss)
@@ -75,15 +75,17 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        ends.append(time.perf_counter())
         done += 1
         if plan.ps is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             hp.checkpoint.save(pmodel, None, args.checkpoint_dir, step=step + 1)
-    elapsed = time.perf_counter() - start
+    # Steady state: from the end of the first batch (start-up, the first pull of every row) to the end of the last.
+    rate = (done - 1) * args.batch / (ends[-1] - ends[0]) if done > 1 else float("nan")
     moved = getattr(pmodel, "bytes_moved", None)
     recent = losses[-10:]
     print(
         f"rank {rank} ({args.mode}): {done} batches, loss {losses[0]:.4f} -> {sum(recent) / len(recent):.4f} "
-        f"(last 10), {done * args.batch / elapsed:.0f} samples/s"
+        f"(last 10), {rate:.0f} samples/s"
         + (f", {moved / max(done, 1) / 2**10:.1f} KiB moved per batch" if moved is not None else ""),
         flush=True,
     )
