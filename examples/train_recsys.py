@@ -54,6 +54,7 @@ def make_plan(args: argparse.Namespace) -> hp.Plan:
 def main() -> None:
     args = parse_args()
     plan = make_plan(args)
+    args.batch, args.mode = plan.training.micro_batch, "ps" if plan.ps is not None else "dp"  # as a --plan says
     torch.manual_seed(args.seed)  # the same weights on every rank
     model = hp.models.build(args.model, device="cpu")
     pmodel = hp.parallelize(model, plan, example_inputs=model.example_inputs(args.batch, device="cpu"))

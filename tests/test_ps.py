@@ -22,6 +22,8 @@ import pytest
 import torch
 import yaml
 
+import hyparallel as hp
+from hyparallel.errors import ConfigError
 from hyparallel.ps.dispatcher import Dispatcher
 from hyparallel.ps.optim import RowOptimizer
 from hyparallel.ps.server import Push, ServerShard
@@ -93,6 +95,35 @@ def test_a_push_for_a_batch_already_applied_is_dropped():
     push = Push("a", 1, batch=5, samples=1, sparse={"t": (torch.tensor([1]), torch.ones(1, 1))})
     assert shard.push(push) and not shard.push(Push("b", 1, 5, 1, push.sparse))
     assert shard.tables["t"][1].item() == -1.0 and shard.updates == [("a", 1, 5)]
+
+
+def _ps_plan(**ps):
+    training = {"global_batch": 12, "micro_batch": 6, "seq_len": 1, "dtype": "fp32"}
+    return hp.Plan.from_dict({"training": training, "parallel": {"dp": 2}, "ps": {"servers": 1, **ps}})
+
+
+@pytest.mark.parametrize(
+    "make, ps, words",
+    [
+        (lambda: torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.BatchNorm1d(2)), {}, "running statistics"),
+        (lambda: torch.nn.Sequential(torch.nn.Embedding(5, 2, max_norm=1.0)), {}, "max_norm"),
+        (lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), {}, "no nn.Embedding"),
+        (lambda: torch.nn.Sequential(torch.nn.Embedding(5, 2)), {"tables": ["1"]}, "not a module"),
+        (lambda: torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Linear(2, 2)), {"tables": ["1"]}, "Linear"),
+    ],
+)
+def test_what_parameter_servers_cannot_hold_is_refused_before_anything_starts(monkeypatch, make, ps, words):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match=words) as error:
+        hp.parallelize(make(), _ps_plan(**ps))
+    assert "\n" not in str(error.value)
+
+
+def test_a_launch_of_the_wrong_size_names_workers_and_servers(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"dp\(2\) workers \+ ps.servers\(1\) = 3 != WORLD_SIZE\(2\)"):
+        hp.parallelize(torch.nn.Embedding(5, 2), _ps_plan())
 
 
 # ---- the dispatcher ---------------------------------------------------------------------------

@@ -71,6 +71,12 @@ def parallelize_ps(model: nn.Module, plan: Plan, rank: int, world_size: int) -> 
             "parameter-server mode starts the servers from the model's weights: build the model on the CPU "
             "(the same seed on every rank), not on the meta device"
         )
+    for name, module in model.named_modules():
+        if getattr(module, "track_running_stats", False):
+            raise ConfigError(
+                f"parameter-server mode: '{name}' ({type(module).__name__}) keeps running statistics, which each "
+                "worker would update on its own batches only; set track_running_stats=False or train it without ps"
+            )
     tables = table_modules(model, plan)
     servers = plan.ps.servers
     namespace = _connect(rank)
