@@ -546,7 +546,13 @@ def export(directory: str | Path, out: str | Path) -> Path:
     path = latest(directory) if not (Path(directory) / MARKER).exists() else Path(directory)
     if path is None:
         raise ConfigError(f"{directory}: no complete checkpoint (a step-* folder with {MARKER}) to export")
-    tied = _read_marker(path).get("tied", {})
+    marker = _read_marker(path)
+    if "ps" in marker:  # parameter-server mode: every server's rows, put back in order
+        from hyparallel.ps.server import assemble
+
+        shards = [torch.load(f, weights_only=False) for f in sorted((path / "ps").glob("server-*.pt"))]
+        return _write_export(assemble(shards), {}, out, save_file)
+    tied = marker.get("tied", {})
     reader = dcp.FileSystemReader(path)
     try:
         metadata = reader.read_metadata()
@@ -559,6 +565,10 @@ def export(directory: str | Path, out: str | Path) -> Path:
     everything: dict[str, Any] = {}
     _load_state_dict(everything, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
     model = {key[len("model.") :]: value for key, value in everything.items()}
+    return _write_export(model, tied, out, save_file)
+
+
+def _write_export(model: dict[str, torch.Tensor], tied: dict[str, str], out: Path, save_file) -> Path:
     with _files.atomic_output(out) as tmp:
         if save_file is not None:
             save_file({k: v.contiguous() for k, v in model.items()}, str(tmp))

@@ -358,6 +358,11 @@ def test_staleness_0_equals_one_process_on_two_servers_and_on_one_resumed_from_t
     resumed = torch.load(ckpt / "step-00000002" / "ps" / "dispatcher.pt", weights_only=False)["log"]
     assert resumed and [tuple(e) for e in resumed] == log[: len(resumed)]  # the first run's steps, kept
     assert all(entry["batch"] not in {b for b, _, _ in resumed} for r in records.values() for entry in r)
+    # `hyparallel checkpoint export` puts the servers' rows back in order: the model after the checkpoint's steps.
+    exported = torch.load(hp.checkpoint.export(ckpt, tmp_path / "model.pt"), weights_only=True)
+    roles.model().load_state_dict(exported, strict=True)
+    for name, value in _reference(resumed)[0].items():
+        torch.testing.assert_close(exported[name], value, rtol=RTOL, atol=ATOL, msg=name)
     _assert_parity(result, records)  # the re-sharded rows and Adagrad sums carried on exactly
 
 

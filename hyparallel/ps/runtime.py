@@ -29,7 +29,7 @@ from torch import nn
 from hyparallel.errors import ConfigError
 from hyparallel.ps import actors
 from hyparallel.ps.remote import RemoteEmbedding, unsupported
-from hyparallel.ps.server import Push
+from hyparallel.ps.server import Push, assemble
 from hyparallel.schema import LossFn, Plan
 
 ADDRESS_KEY = "hyparallel-ps/ray-address"
@@ -225,16 +225,7 @@ class PSServer:
         import ray
 
         snapshots = ray.get([_wait_actor(actors.server_name(i)).snapshot.remote() for i in range(self.servers)])
-        state = {}
-        for name, rows in snapshots[0]["tables"].items():
-            total = sum(s["tables"][name].shape[0] for s in snapshots)
-            full = torch.empty(total, *rows.shape[1:], dtype=rows.dtype)
-            for index, snap in enumerate(snapshots):
-                full[index :: self.servers] = snap["tables"][name]
-            state[f"{name}.weight"] = full
-        for snap in snapshots:
-            state.update(snap["dense"])
-        return state
+        return assemble([{**snap, "index": i} for i, snap in enumerate(snapshots)])
 
     def log(self) -> list[tuple[int, str, int]]:
         """The dispatcher's log: (batch, worker, step) of every batch consumed, each once."""

@@ -32,6 +32,23 @@ def local_rows(num_rows: int, index: int, servers: int) -> int:
     return max(0, (num_rows - index + servers - 1) // servers)
 
 
+def assemble(shards: list[dict]) -> dict[str, torch.Tensor]:
+    """The whole model's weights from every server's ``tables`` and ``dense`` (``index``-ed, ``servers`` of them):
+    each table as ``<module path>.weight`` with its rows back in order, the dense weights by name."""
+    shards = sorted(shards, key=lambda shard: shard["index"])
+    servers = len(shards)
+    state = {}
+    for name, rows in shards[0]["tables"].items():
+        total = sum(shard["tables"][name].shape[0] for shard in shards)
+        full = torch.empty(total, *rows.shape[1:], dtype=rows.dtype)
+        for shard in shards:  # server i held rows i, i + servers, i + 2 servers, ...
+            full[shard["index"] :: servers] = shard["tables"][name]
+        state[f"{name}.weight"] = full
+    for shard in shards:
+        state.update(shard["dense"])
+    return state
+
+
 @dataclass
 class Push:
     """One worker's gradients for one batch, on one server: sparse rows by table, dense tensors by name."""
