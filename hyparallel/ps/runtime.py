@@ -139,9 +139,13 @@ def _ray_with_token(token: str):
 
     if token:
         # Ray reads RAY_AUTH_MODE into a cached config when first imported: refresh it if Ray came in earlier.
-        from ray._raylet import Config
+        # A Ray release without token authentication has no such config: nothing to refresh then.
+        try:
+            from ray._raylet import Config
 
-        Config.initialize("")
+            Config.initialize("")
+        except (ImportError, AttributeError):
+            pass
     return ray
 
 
