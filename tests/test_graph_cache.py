@@ -220,6 +220,57 @@ def test_the_key_is_the_same_in_every_process():
     assert len(keys[0]) == 2 and "None" not in keys[0] and keys[0] == keys[1]
 
 
+HELD_MODULES = """
+import torch
+from torch import nn
+from hyparallel.graph import cache
+
+class Rotary(nn.Module):
+    def forward(self, x):
+        return x
+
+def pick(names):  # its code holds a comprehension's code object and a frozenset of strings
+    return [n for n in names if n in {"q_proj", "k_proj", "v_proj", "o_proj"}]
+
+class Net(nn.Linear):
+    def __init__(self):
+        super().__init__(4, 4)
+        self.__dict__["_kernel_funcs"] = {"rotary": Rotary()}  # as transformers 5.25's kernels keep them
+        self.__dict__["root"] = self  # a back-reference to a module of the model
+        self.pick = pick
+
+    def forward(self, x):
+        return self._kernel_funcs["rotary"](super().forward(x))
+
+print(cache.key(Net(), (torch.zeros(1, 4),), "n", [2]))
+"""
+
+
+def test_held_modules_and_a_functions_constants_are_keyed_alike_in_every_process():
+    """A module held outside _modules (by its path when it is the model's, else by its class and state) and a
+    function's nested code and set constants (whose reprs hold an address and a str-hash order)."""
+    keys = [
+        subprocess.run(
+            [sys.executable, "-c", HELD_MODULES],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout.split()
+        for seed in ("1", "2")
+    ]
+    assert len(keys[0]) == 1 and "None" not in keys[0] and keys[0] == keys[1]
+
+
+def test_a_held_module_is_keyed_by_its_state():
+    model, x = Attention(32, 4), torch.zeros(1, 8, 32)
+    keys = []
+    for helper in (nn.Dropout(0.1), nn.Dropout(0.2), model.qkv, model.out):
+        model.__dict__["helper"] = helper
+        keys.append(cache.key(model, (x,), "m", [2]))
+    assert None not in keys and len(set(keys)) == 4
+
+
 def test_a_graph_pickle_refuses_is_not_cached_and_leaves_no_file():
     graph = hp.trace(hp.models.build("gpt-tiny"), hp.models.build("gpt-tiny").example_inputs(1, 16))
     graph.replicated["x"] = lambda: None  # pickle cannot store a lambda

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 import hyparallel as hp
 from hyparallel.checks import check_plan
 from hyparallel.errors import ConfigError
-from hyparallel.graph.structure import fused_parts
+from hyparallel.graph.structure import fused_parts, interleave
 from hyparallel.parity import small_spec
 
 from .conftest import assert_every_parameter_compared, torchrun
+from .tiny_lms import with_attention
 
 SCALED = "tests.tiny_lms:scaled_embedding_lm"
 GPT_BIGCODE_MQA = (
@@ -110,6 +113,43 @@ def test_a_multi_query_key_value_head_is_found_behind_a_view():
     c_attn = "transformer.h.0.attn.c_attn"
     assert graph.structure.parts[c_attn] == [32, 8, 8]
     assert graph.structure.check(2, graph) is None and graph.structure.check(4, graph) is None
+
+
+class HeadsViewAttention(nn.Module):
+    """transformers 5.25's Falcon: the fused projection viewed as (..., heads + 2 or 3 * heads, head_dim), then cut
+    along those heads by one split (multi-query), or regrouped into (heads, 3) and unbound (q, k, v per head)."""
+
+    def __init__(self, hidden: int, heads: int, multi_query: bool):
+        super().__init__()
+        self.heads, self.head_dim, self.multi_query = heads, hidden // heads, multi_query
+        self.qkv = nn.Linear(hidden, hidden + 2 * self.head_dim if multi_query else 3 * hidden)
+        self.o_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        fused = self.qkv(x).view(*x.shape[:-1], -1, self.head_dim)  # (B, T, parts of heads, head_dim)
+        if self.multi_query:
+            q, k, v = fused.split([fused.size(-2) - 2, 1, 1], dim=-2)
+            k, v = k.expand_as(q), v.expand_as(q)
+        else:
+            q, k, v = fused.unflatten(-2, (-1, 3)).unbind(-2)  # (B, T, heads, 3, head_dim) unbound
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+
+@pytest.mark.parametrize("multi_query", [True, False], ids=["multi-query-split", "per-head-unflatten"])
+def test_a_fused_projection_cut_along_its_heads_is_read_through_every_view(multi_query):
+    # Note [fused parts behind a view] and Note [fused layouts read from the graph]: the [q | k | v] heads cut by
+    # one split along the heads dim, and a per-head interleave read from the last of two reshapes.
+    model = with_attention(lambda: HeadsViewAttention(32, 4, multi_query), 32, 4, 2, 64)
+    graph = hp.trace(model, hp.models.example_inputs(model, 1, 16))
+    analysis, qkv = graph.structure, "layers.0.attn.qkv"
+    assert analysis.styles[qkv] == "column" and analysis.styles["layers.0.attn.o_proj"] == "row"
+    assert qkv not in analysis.unsplittable
+    if multi_query:  # the one key/value head is kept whole, not cut in half
+        assert fused_parts(graph, qkv) == analysis.parts[qkv] == [32, 8, 8]
+    else:  # heads groups of (q, k, v): a contiguous range of rows is a range of whole heads
+        assert fused_parts(graph, qkv) == [96] and interleave(graph, qkv) == (4, [3, 8])
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import pickle
 import sys
 import tempfile
 import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,10 @@ KEPT = 64  # graphs kept on disk (GPT-3 175B's is 0.8 MB); the least recently wr
 #     fields, the dry runs); the example inputs' structure, shapes and dtypes; the tensor-parallel degrees dry
 #     run; and the model as its forward sees it: every module's path and class, the source files of every class
 #     in its MRO and of every loaded module of the same top-level package (what its forward may call), each
-#     module's attributes (numbers, strings, configs, functions by their code, hooks), and every parameter's and
-#     buffer's name, shape, dtype and tie; a plain config object by its attributes and its class's source. A
+#     module's attributes (numbers, strings, configs, functions by their code, hooks, a module held outside
+#     _modules by its path when it is one of the model's, else by its class, forward and state), and every
+#     parameter's and buffer's name, shape, dtype and tie; a plain config object by its attributes and its class's
+#     source. Every description is the same in every process: never an id, an address or a str hash's order. A
 #     value the key cannot describe exactly (an object with none of those forms, a container of more than
 #     _ITEMS items) makes the model uncacheable: it is traced every time. torch's and site packages' files are
 #     named by their distribution's version rather than read.
@@ -126,8 +129,12 @@ def _parts(model: nn.Module, inputs: Any, name: str, degrees: list[int]):
     yield f"name {name!r}; degrees {sorted(set(degrees))}; default dtype {torch.get_default_dtype()}"
     leaves, spec = tree_flatten(inputs)
     yield f"inputs {spec}"
+    # every module by its first path: a module held outside _modules that is one of them is named by it, not its id
+    paths: dict[int, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), path)
     for leaf in leaves:
-        yield _canon(leaf, 0)
+        yield _canon(leaf, 0, paths)
     yield f"global hooks {_global_hooks()}"
     classes: dict[type, None] = {}
     for path, module in model.named_modules(remove_duplicate=False):
@@ -135,19 +142,20 @@ def _parts(model: nn.Module, inputs: Any, name: str, degrees: list[int]):
         yield f"module {path!r} {type(module).__module__}.{type(module).__qualname__}"
         for attribute, value in sorted(vars(module).items()):
             if attribute not in _SKIPPED_ATTRIBUTES:
-                yield f"{attribute}={_canon(value, 0)}"
+                yield f"{attribute}={_canon(value, 0, paths)}"
         for buffer, tensor in module._buffers.items():
             persistent = buffer not in module._non_persistent_buffers_set
-            yield f"buffer {buffer} {_canon(tensor, 0)} persistent={persistent}"
+            yield f"buffer {buffer} {_canon(tensor, 0, paths)} persistent={persistent}"
     first: dict[int, str] = {}
     for param_name, param in model.named_parameters(remove_duplicate=False):
         tie = first.setdefault(id(param), param_name)
-        yield f"param {param_name} {_canon(param, 0)} grad={param.requires_grad} tie={tie}"
+        yield f"param {param_name} {_canon(param, 0, paths)} grad={param.requires_grad} tie={tie}"
     yield from sorted(_sources(classes))
 
 
-def _canon(value: Any, depth: int) -> str:
-    """An exact description of ``value`` for the key; raises Uncacheable for one it cannot give."""
+def _canon(value: Any, depth: int, paths: Mapping[int, str]) -> str:
+    """An exact description of ``value`` for the key, the same in every process (never an id, an address or a
+    str hash's order); ``paths`` names the model's modules. Raises Uncacheable for a value it cannot describe."""
     if depth > _DEPTH:
         raise Uncacheable("a value nested too deep")
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes, range, slice, enum.Enum)):
@@ -157,20 +165,20 @@ def _canon(value: Any, depth: int) -> str:
     if isinstance(value, torch.Tensor):  # a meta trace reads a tensor's kind, never its values
         return f"tensor({tuple(value.shape)}, {value.dtype}, {value.device.type}, {type(value).__name__})"
     if isinstance(value, nn.Module):  # a module held as an attribute outside _modules (it is traced as such)
-        return f"module {type(value).__module__}.{type(value).__qualname__} at {id(value)}"
+        return _held_module(value, depth, paths)
     if isinstance(value, (tuple, list, set, frozenset)):
         if len(value) > _ITEMS:
             raise Uncacheable(f"a collection of {len(value):,} items")
-        items = [_canon(v, depth + 1) for v in value]
+        items = [_canon(v, depth + 1, paths) for v in value]
         inner = ", ".join(sorted(items) if isinstance(value, (set, frozenset)) else items)
         return f"{type(value).__name__}[{inner}]"
     if isinstance(value, dict):
         if len(value) > _ITEMS:
             raise Uncacheable(f"a mapping of {len(value):,} items")
-        inner = ", ".join(f"{_canon(k, depth + 1)}: {_canon(v, depth + 1)}" for k, v in value.items())
+        inner = ", ".join(f"{_canon(k, depth + 1, paths)}: {_canon(v, depth + 1, paths)}" for k, v in value.items())
         return f"{type(value).__name__}{{{inner}}}"
     if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
-        return _callable(value, depth)
+        return _callable(value, depth, paths)
     if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType, type)):
         return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
     if type(value).__module__ != "builtins" and isinstance(getattr(value, "__dict__", None), dict):
@@ -179,14 +187,14 @@ def _canon(value: Any, depth: int) -> str:
         # which decides which attention is traced), and its class's source.
         kind = type(value)
         described = {k: v for k, v in vars(value).items() if k not in _PROCESS_LOCAL}
-        return f"{kind.__module__}.{kind.__qualname__} {_type_source(kind)}{_canon(described, depth + 1)}"
+        return f"{kind.__module__}.{kind.__qualname__} {_type_source(kind)}{_canon(described, depth + 1, paths)}"
     if dataclasses.is_dataclass(value):  # one with slots
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         kind = type(value)
-        return f"{kind.__module__}.{kind.__qualname__} {_type_source(kind)}{_canon(fields, depth + 1)}"
+        return f"{kind.__module__}.{kind.__qualname__} {_type_source(kind)}{_canon(fields, depth + 1, paths)}"
     to_dict = getattr(value, "to_dict", None)
     if callable(to_dict):  # a config with no __dict__ (slots) that describes itself
-        return f"{type(value).__module__}.{type(value).__qualname__}{_canon(to_dict(), depth + 1)}"
+        return f"{type(value).__module__}.{type(value).__qualname__}{_canon(to_dict(), depth + 1, paths)}"
     raise Uncacheable(f"an attribute of type {type(value).__module__}.{type(value).__qualname__}")
 
 
@@ -202,16 +210,46 @@ def _type_source(kind: type) -> str:
     return _file_hash(file, stat.st_mtime_ns, stat.st_size)
 
 
-def _callable(value: Any, depth: int) -> str:
+def _held_module(module: nn.Module, depth: int, paths: Mapping[int, str]) -> str:
+    """A module held outside ``_modules`` (a back-reference, a helper a decorator attaches: transformers 5.25's
+    kernels keep a ``Func`` module per attention in ``_kernel_funcs``): one of the model's by its path, another by
+    its class, its forward's code and its whole state."""
+    kind = type(module)
+    name = f"module {kind.__module__}.{kind.__qualname__}"
+    if id(module) in paths:
+        return f"{name} at {paths[id(module)]!r}"
+    state = {k: v for k, v in vars(module).items() if k not in _PROCESS_LOCAL}
+    forward = _callable(kind.forward, depth + 1, paths)
+    return f"{name} {_type_source(kind)} {forward} {_canon(state, depth + 1, paths)}"
+
+
+def _callable(value: Any, depth: int, paths: Mapping[int, str]) -> str:
     if isinstance(value, functools.partial):
-        return f"partial({_callable(value.func, depth + 1)}, {_canon(value.args, depth + 1)}, " + (
-            f"{_canon(value.keywords, depth + 1)})"
+        return f"partial({_callable(value.func, depth + 1, paths)}, {_canon(value.args, depth + 1, paths)}, " + (
+            f"{_canon(value.keywords, depth + 1, paths)})"
         )
     if isinstance(value, types.MethodType):
-        return f"method {_callable(value.__func__, depth + 1)} of {_canon(value.__self__, depth + 1)}"
+        return f"method {_callable(value.__func__, depth + 1, paths)} of {_canon(value.__self__, depth + 1, paths)}"
     code = getattr(value, "__code__", None)
-    body = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else ""
+    body = _code_digest(code) if isinstance(code, types.CodeType) else ""
     return f"function {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')} {body}"
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """A hash of ``code``'s bytecode and constants, the same in every process: a nested function's code (a lambda,
+    a comprehension) by its own hash, not its repr (which holds its address), a frozenset (``x in {"a", "b"}``)
+    by its sorted items, not its repr (ordered by str hashes)."""
+    return hashlib.sha256(code.co_code + _constant(code.co_consts).encode()).hexdigest()[:16]
+
+
+def _constant(value: Any) -> str:
+    if isinstance(value, types.CodeType):
+        return f"code {_code_digest(value)}"
+    if isinstance(value, tuple):
+        return f"({', '.join(_constant(v) for v in value)})"
+    if isinstance(value, frozenset):
+        return f"frozenset({{{', '.join(sorted(_constant(v) for v in value))}}})"
+    return repr(value)
 
 
 def _global_hooks() -> str:
@@ -221,7 +259,7 @@ def _global_hooks() -> str:
         getattr(module_file, name, {})
         for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_module_registration_hooks")
     ]
-    return ", ".join(_callable(h, 0) for table in hooks for h in table.values())
+    return ", ".join(_callable(h, 0, {}) for table in hooks for h in table.values())
 
 
 @functools.cache

@@ -342,8 +342,9 @@ def fused_parts(graph: ModelGraph, op_name: str) -> list[int]:
 
     Note [fused parts behind a view]: the split may come after views that keep the last dim whole (GPTBigCode's
     multi-query ``c_attn(x).unsqueeze(1).split((embed_dim, kv_dim, kv_dim), dim=3)``), or after a view into
-    (..., heads, head_dim) whose head dim is sliced (Falcon's multi-query ``view(..., heads + 2, head_dim)``
-    then ``[..., :-2, :]``, ``[..., [-2], :]``, ``[..., [-1], :]``). Missing the split would cut a single key/value
+    (..., heads, head_dim) whose heads dim is cut, by slices or by one split (Falcon's multi-query
+    ``view(..., heads + 2, head_dim)`` then ``[..., :-2, :]``, ``[..., [-2], :]``, ``[..., [-1], :]`` before
+    transformers 5.25, ``.split([heads, 1, 1], dim=-2)`` since). Missing the split would cut a single key/value
     head in half; each piece is sized on its own instead (the pieces in the order they run).
     """
     out = graph.op(op_name).output_shapes[0][-1]
@@ -370,10 +371,13 @@ def fused_parts(graph: ModelGraph, op_name: str) -> list[int]:
 # for these layouts:
 # * [q | k | v] parts cut along the last dim (GPT-2's c_attn(x).split, Phi-3's slices), behind views that keep the
 #   last dim whole (GPTBigCode's unsqueeze): fused_parts sizes each part.
-# * a view into (..., heads, head_dim) whose heads dim is cut (Falcon's multi-query slices): parts of whole heads.
+# * a view into (..., heads, head_dim) whose heads dim is cut, by slices or one split (Falcon's multi-query
+#   slices, its split([heads, 1, 1], dim=-2) since transformers 5.25): parts of whole heads.
 # * a view into (..., G, W...) cut inside each group (along a W dim), where G is the number of query heads: a
 #   per-head interleave (GPT-NeoX's (..., heads, 3 * head_dim) chunked, Bloom's (..., heads, 3, head_dim)
 #   indexed). A contiguous range of groups is a contiguous range of heads, so it splits as one part.
+# Reshapes one after another regroup the same row-major features, so the grouping read is the last one before the
+# cut (Falcon's view(..., 3 * heads, head_dim).unflatten(-2, (heads, 3)).unbind(-2) is Bloom's per-head layout).
 # A view into G groups cut inside each group where G is not the head count (CodeGen's mp_num groups, each holding
 # q | v | k for several heads, regrouped into heads after the cut) interleaves parts at a granularity the split
 # does not follow: such a column and its row partner stay replicated (TPAnalysis.unsplittable), and check_styles
@@ -413,20 +417,27 @@ def interleave(graph: ModelGraph, op_name: str) -> tuple[int, list[int]] | None:
 
 
 def _grouping_view(graph: ModelGraph, op_name: str, out: int) -> tuple[Op | None, int, list[int]]:
-    """The first view of ``op_name``'s output (through views that keep its last dim whole) into trailing dims
-    (G, W...) whose product is the output width, with G and the W dims; (None, 0, []) if there is none."""
-    name = op_name
+    """The view of ``op_name``'s output (through views that keep its last dim whole) into trailing dims (G, W...)
+    whose product is the output width, with G and the W dims; (None, 0, []) if there is none. Reshapes following
+    one another regroup the same row-major features, so the last before the cut is the grouping it reads (Falcon's
+    ``view(..., 3 * heads, head_dim).unflatten(-2, (heads, 3))`` since transformers 5.25: heads groups of (3,
+    head_dim)); a permutation after a grouping ends the walk (it reorders what the grouping laid out)."""
+    name, found = op_name, (None, 0, [])
     while True:
         successors = _uses(graph, name)
         op = successors[0] if len(successors) == 1 else None
         if op is None or op.kind != "view" or op.target in _CUTS or len(op.output_shapes) != 1:
-            return None, 0, []
+            return found
+        if found[0] is not None and op.target not in _RESHAPES:
+            return found
         shape = list(op.output_shapes[0])
         if shape and shape[-1] != out:
-            for start in range(len(shape) - 1):
-                if math.prod(shape[start:]) == out and shape[start] != out:
-                    return op, shape[start], shape[start + 1 :]
-            return None, 0, []
+            start = next((s for s in range(len(shape) - 1) if math.prod(shape[s:]) == out and shape[s] != out), None)
+            if start is None:  # the features mixed with other dims: the grouping before, if any, is the last read
+                return found
+            found = (op, shape[start], shape[start + 1 :])
+        elif found[0] is not None:  # the features flattened back: the cut after reads no grouping of this one
+            return found
         name = op.name
 
 
@@ -441,6 +452,8 @@ def _uses(graph: ModelGraph, name: str) -> list[Op]:
 
 
 _CUTS = ("split", "chunk", "split_with_sizes", "unbind", "slice", "narrow", "index", "select", "getitem")
+_SPLITS = ("split", "chunk", "split_with_sizes", "unbind")
+_RESHAPES = ("view", "_unsafe_view", "reshape", "unflatten", "flatten", "unsqueeze", "squeeze", "contiguous")
 
 
 def _first_cut(graph: ModelGraph, view: Op) -> int | None:
@@ -461,9 +474,8 @@ def _pieces(successors: list[Op], dim: int) -> list[int]:
     """The sizes along ``dim`` of one split (x.split / x.chunk) or of the slices (x[..., a:b], x[..., [i], :]) that
     every successor takes; [] if the successors do something else."""
     for op in successors:
-        shapes = op.output_shapes
-        if op.target in ("split", "chunk", "split_with_sizes", "unbind") and len(shapes) > 1 and dim == -1:
-            return [s[-1] for s in shapes]
+        if op.target in _SPLITS and len(op.output_shapes) > 1 and op.input_shapes:
+            return _split_sizes(op, dim)
     slicing = ("slice", "narrow", "index", "select", "getitem") if dim == -2 else ("slice",)
     if successors and all(op.target in slicing and len(op.output_shapes) == 1 for op in successors):
         pieces = []
@@ -479,6 +491,25 @@ def _pieces(successors: list[Op], dim: int) -> list[int]:
                 return []
         return pieces
     return []
+
+
+def _split_sizes(op: Op, dim: int) -> list[int]:
+    """The sizes along ``dim`` of the pieces one split, chunk or unbind ``op`` cuts its input into; [] when it cuts
+    along another dim (the dim is read from the shapes: every other dim of each piece is the input's)."""
+    before = list(op.input_shapes[0])
+    if not before:
+        return []
+    at = dim % len(before)
+    rest = before[:at] + before[at + 1 :]
+    sizes = []
+    for after in map(list, op.output_shapes):
+        if len(after) == len(before) and after[:at] + after[at + 1 :] == rest:
+            sizes.append(after[at])
+        elif after == rest:  # unbind drops the dim it cuts
+            sizes.append(1)
+        else:
+            return []
+    return sizes if sum(sizes) == before[at] else []
 
 
 def _is_linear(op: Op) -> bool:
