@@ -20,6 +20,7 @@ _LAZY = {
     "ParallelModel": "hyparallel.parallel",
     "check": "hyparallel.parity",
     "checkpoint": None,
+    "tracking": None,
 }
 
 
@@ -48,6 +49,7 @@ __all__ = [
     "plan",
     "search",
     "trace",
+    "tracking",
     "check",
     "__version__",
 ]

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from hyparallel import _files, launch
+from hyparallel.data import DataPosition
 from hyparallel.errors import ConfigError
 
 MARKER = "hyparallel.json"
@@ -93,7 +94,8 @@ def save(
 ) -> Path | PendingSave:
     """Write a checkpoint of ``pmodel`` (and the optimizer's state) for ``step``; every rank calls it.
 
-    ``extra`` (JSON-able: the data position, anything the loop needs) comes back from :func:`load`.
+    ``extra`` (JSON-able: anything the loop needs) comes back from :func:`load`; the data position of
+    ``pmodel.sampler(...)``'s training sampler is saved with it on its own (hyparallel/data.py).
     Returns the checkpoint folder. With ``asynchronous`` the tensors are copied (staged) and written by a
     background thread over a process group of its own while training goes on; the returned
     :class:`PendingSave`'s ``wait()``, on every rank, makes the checkpoint current (call it before the
@@ -150,13 +152,27 @@ def _meta(pmodel, optimizer, step: int, extra) -> dict[str, Any]:
         "format": FORMAT,
         "step": step,
         "extra": extra or {},
+        "data": _data_position(pmodel),  # global rows: resumes under any dp (hyparallel/data.py)
         "world_size": _world(),
         "plan": pmodel.plan.parallel.model_dump(),
         "model": pmodel.plan.model.model_dump() if pmodel.plan.model else None,
+        "hf": hf_spec(getattr(pmodel, "module", None)),  # a transformers model's class and config: export rebuilds it
         "optimizer": _hyperparameters(optimizer),
         "tied": {alias: first for alias, first in _canonical_names(pmodel).items() if alias != first},
         "compression_step": getattr(getattr(pmodel, "data_parallel", None), "compression_step", None),
+        "loss_scale": _loss_scale(pmodel),  # fp16's dynamic loss scale (Note [fp16 loss scaling], hyparallel.parallel)
     }
+
+
+def _loss_scale(pmodel) -> dict[str, Any] | None:
+    scaler = getattr(pmodel, "scaler", None)
+    return scaler.state_dict() if scaler is not None else None
+
+
+def _data_position(pmodel) -> dict[str, Any] | None:
+    """The training sampler's position (pmodel.data_position), the same on every rank; None without a sampler."""
+    position = pmodel.data_position() if hasattr(pmodel, "data_position") else None
+    return None if position is None else position.to_dict()
 
 
 def _staged(entries: dict[str, Entry]) -> dict[str, Entry]:
@@ -445,7 +461,8 @@ def load(
     Returns ``{"step": ..., "extra": {...}, "path": ..., "storage": "disk" | "memory"}``: a memory checkpoint
     of this run is read when every rank has one at least as new as the directory's (Note [memory checkpoints]).
     Every rank calls it. Refuses a folder with no complete checkpoint (returns None with ``missing_ok``), or one
-    made for another model, with one line each.
+    made for another model, with one line each. A saved data position resumes ``pmodel.data_sampler``, or the
+    training sampler ``pmodel.sampler(...)`` makes next, under any dp.
     """
     directory = Path(directory)
     if getattr(pmodel, "ps_mode", False):  # parameter-server mode: the servers re-shard by row
@@ -491,6 +508,8 @@ def _step_of(path: Path | None) -> int:
 
 def _load_from(pmodel, optimizer, path: Path, no_dist: bool) -> dict[str, Any]:
     meta = _read_marker(path)
+    data = meta.get("data")  # checked before any tensor is read
+    data = None if data is None else DataPosition.from_dict(data, f"{path / MARKER}: data")
     planned = pmodel.plan.model
     if (
         planned is not None
@@ -509,6 +528,8 @@ def _load_from(pmodel, optimizer, path: Path, no_dist: bool) -> dict[str, Any]:
     with warnings.catch_warnings():  # a memory checkpoint is one rank's own: no_dist, as intended
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load({}, storage_reader=reader, planner=_LoadPieces(entries), no_dist=no_dist)
+    if optimizer is not None:
+        _restore_hyperparameters(optimizer, meta.get("optimizer") or [], path)
     rng = path / ("rng.pt" if no_dist else f"rng-{_rank()}.pt")
     data_parallel = getattr(pmodel, "data_parallel", None)
     if rng.exists() and meta["world_size"] == _world():  # same layout: each rank resumes its own streams
@@ -523,22 +544,40 @@ def _load_from(pmodel, optimizer, path: Path, no_dist: bool) -> dict[str, Any]:
             "starts afresh (each rank's residuals are its own)",
             stacklevel=3,
         )
+    if meta.get("loss_scale") and getattr(pmodel, "scaler", None) is not None:  # an fp16 run resumes its scale
+        pmodel.scaler.load_state_dict(meta["loss_scale"])
+    if data is not None and hasattr(pmodel, "restore_data_position"):
+        pmodel.restore_data_position(data)  # now, or when pmodel.sampler(...) makes the training sampler
     return {"step": meta["step"], "extra": meta["extra"], "path": path, "storage": "memory" if no_dist else "disk"}
 
 
-def export(directory: str | Path, out: str | Path) -> Path:
-    """Consolidate the newest checkpoint under ``directory`` into one single-device state dict file.
+def export(directory: str | Path, out: str | Path, format: str = "auto", max_shard_size: int | str = "5GB") -> Path:
+    """Consolidate the newest checkpoint under ``directory`` into one single-device state dict file, or a folder.
 
-    Keys are the model's parameter names (tied weights under their first name), values full tensors; the
-    format follows the extension: ``.safetensors`` (transformers' and safetensors' loaders read it) or a
+    Keys are the model's parameter names (tied weights under their first name), values full tensors; ``format``
+    ``auto`` follows OUT's name (hyparallel.pretrained.export_format): ``.safetensors`` (transformers' and
+    safetensors' loaders read it), a folder (no suffix, a trailing ``/`` or an existing folder: ``hf``, a Hugging
+    Face folder of an ``hf:`` model, shards of at most ``max_shard_size``, that ``from_pretrained`` loads) or else a
     ``torch.save`` file (tied names included, sharing the tensor; safetensors keeps one name, as
     transformers does). Runs in one process, no process group.
     """
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+    written = export_format(out, format)
+    if written == "hf":
+        return export_hf(directory, out, max_shard_size)
     out = _files.check_writable(out)  # before reading gigabytes
-    save_file = _safetensors_writer() if out.suffix == ".safetensors" else None
+    save_file = _safetensors_writer() if written == "safetensors" else None
+    path = newest_checkpoint(directory)
+    marker = _read_marker(path)
+    if "ps" in marker:  # parameter-server mode: every server's rows, put back in order
+        from hyparallel.ps.server import assemble
+
+        shards = [torch.load(f, weights_only=False) for f in sorted((path / "ps").glob("server-*.pt"))]
+        return _write_export(assemble(shards), {}, out, save_file)
+    return _write_export(consolidated(path), marker.get("tied", {}), out, save_file)
+
+
+def newest_checkpoint(directory: str | Path) -> Path:
+    """``directory`` if it is one checkpoint, else its newest complete one; none there is a one-line ConfigError."""
     kind = _files.kind_of(directory)
     if kind != "folder":
         what = "no such folder" if kind == "missing" else "not a folder"
@@ -546,13 +585,14 @@ def export(directory: str | Path, out: str | Path) -> Path:
     path = latest(directory) if not (Path(directory) / MARKER).exists() else Path(directory)
     if path is None:
         raise ConfigError(f"{directory}: no complete checkpoint (a step-* folder with {MARKER}) to export")
-    marker = _read_marker(path)
-    if "ps" in marker:  # parameter-server mode: every server's rows, put back in order
-        from hyparallel.ps.server import assemble
+    return path
 
-        shards = [torch.load(f, weights_only=False) for f in sorted((path / "ps").glob("server-*.pt"))]
-        return _write_export(assemble(shards), {}, out, save_file)
-    tied = marker.get("tied", {})
+
+def consolidated(path: Path) -> dict[str, torch.Tensor]:
+    """The single-device model state the checkpoint ``path`` holds, every tensor whole (one process, no group)."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
     reader = dcp.FileSystemReader(path)
     try:
         metadata = reader.read_metadata()
@@ -564,8 +604,7 @@ def export(directory: str | Path, out: str | Path) -> Path:
     keys = [key for key in metadata.state_dict_metadata if key.startswith("model.")]
     everything: dict[str, Any] = {}
     _load_state_dict(everything, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
-    model = {key[len("model.") :]: value for key, value in everything.items()}
-    return _write_export(model, tied, out, save_file)
+    return {key[len("model.") :]: value for key, value in everything.items()}
 
 
 def _write_export(model: dict[str, torch.Tensor], tied: dict[str, str], out: Path, save_file) -> Path:
@@ -803,6 +842,24 @@ def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
+def _restore_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], path: Path) -> None:
+    """Each param group's saved hyperparameters (the learning rate a scheduler set, betas, weight decay) back into
+    the optimizer, as ``Optimizer.load_state_dict`` does; keys the group does not have are left out."""
+    if not saved:
+        return
+    if len(saved) != len(optimizer.param_groups):
+        warnings.warn(
+            f"{path}: saved with {len(saved)} optimizer param groups, this optimizer has "
+            f"{len(optimizer.param_groups)}: its hyperparameters (learning rates) are kept as they are",
+            stacklevel=4,
+        )
+        return
+    for group, values in zip(optimizer.param_groups, saved):
+        for key, value in values.items():
+            if key in group and not isinstance(group[key], torch.Tensor):
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+
 def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
     if optimizer is None:
         return []
@@ -849,3 +906,8 @@ def _world() -> int:
 def _barrier(group=None) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier(group=group)
+
+
+# Pretrained weights in and Hugging Face folders out (hp.checkpoint.load_pretrained); that module imports this one
+# only inside its functions, so either may be imported first.
+from hyparallel.pretrained import PretrainedLoad, export_format, export_hf, hf_spec, load_pretrained  # noqa: E402, F401

@@ -50,8 +50,11 @@ EXAMPLES = {
         "  hyparallel simulate plan.yaml                       # the schedule as text, one column per time step"
     ),
     "checkpoint": (
-        "example:\n  hyparallel checkpoint export ckpt/ model.safetensors   # the newest complete checkpoint in ckpt/\n"
-        "  hyparallel checkpoint export ckpt/step-00000100 model.pt"
+        "examples:\n"
+        "  hyparallel checkpoint export ckpt/ model.safetensors   # the newest complete checkpoint in ckpt/\n"
+        "  hyparallel checkpoint export ckpt/step-00000100 model.pt\n"
+        "  hyparallel checkpoint export ckpt/ llama-ft/           # an hf: model: a folder from_pretrained loads\n"
+        "  hyparallel checkpoint export ckpt/ Llama-3.1-8B-ft --format hf --max-shard-size 2GB"
     ),
     "plan": (
         "examples:\n"
@@ -349,6 +352,8 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
         constraints.update(compression)
         if args.no_vocab_parallel_loss:
             constraints["vocab_parallel_loss"] = False
+        if args.compile:
+            constraints["compile"] = True
         result = search(
             loaded.module,
             cluster,
@@ -586,8 +591,11 @@ def cmd_checkpoint(args: argparse.Namespace, out: Console) -> None:
     """Consolidate a sharded checkpoint (saved under any plan) into one single-device state dict file."""
     from hyparallel import checkpoint
 
-    written = checkpoint.export(args.path, args.out)
-    out.print(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB)", markup=False, highlight=False)
+    written = checkpoint.export(args.path, args.out, format=args.format, max_shard_size=args.max_shard_size)
+    files = sorted(written.iterdir()) if written.is_dir() else [written]
+    size = sum(f.stat().st_size for f in files) / 2**20
+    what = f"{written}/ ({len(files)} files, {size:.1f} MiB)" if written.is_dir() else f"{written} ({size:.1f} MiB)"
+    out.print(f"wrote {what}", markup=False, highlight=False)
 
 
 def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
@@ -872,6 +880,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the vocab-parallel cross-entropy the planner sets wherever tp splits the head",
     )
     plan.add_argument(
+        "--compile",
+        action="store_true",
+        help="write parallel.compile: true, so that parallelize runs each block under torch.compile (backend: "
+        "$HYPARALLEL_COMPILE_BACKEND, else inductor); the predicted times do not count it",
+    )
+    plan.add_argument(
         "--ps-servers",
         type=_int_in(limits.MAX_DEVICES, low=0),
         default=None,
@@ -930,7 +944,23 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt = add("checkpoint", cmd_checkpoint, "Consolidate a sharded checkpoint into one single-device state dict.")
     ckpt.add_argument("action", choices=("export",), help="what to do (export)")
     ckpt.add_argument("path", help="a checkpoint directory (its newest complete checkpoint) or one step-* folder")
-    ckpt.add_argument("out", help="output file: .safetensors, or anything else for torch.save")
+    ckpt.add_argument(
+        "out",
+        help="output: a .safetensors file; a folder (a name without suffix, ending in /, or an existing folder) "
+        "for a Hugging Face folder of an hf: model; any other name a torch.save file",
+    )
+    ckpt.add_argument(
+        "--format",
+        choices=("auto", "hf", "safetensors", "torch"),
+        default="auto",
+        help="what to write, whatever OUT's name (default auto: by the name, as above)",
+    )
+    ckpt.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="a Hugging Face folder's largest safetensors file (default 5GB; e.g. 500MB)",
+    )
     calibrate = add(
         "calibrate", cmd_calibrate, "Measure this machine (matmul, memory, collectives) and write a ClusterSpec."
     )

@@ -2,14 +2,15 @@
 next to what the plan predicted for them.
 
 Note [what a measured step is]
-    A step is the wall time from one ``train_step`` call to the next, so it covers what a training loop
-    really spends per step: forward, backward, gradient sync, the optimizer, clipping and the data loading of
-    the next batch. On CUDA the boundaries are CUDA events on the current stream (no synchronisation is
-    added; they are read once complete), on the CPU ``time.perf_counter``. The last step closes when
-    :meth:`RunMetrics.summary` (or ``close``) is called. The first ``warmup`` steps (allocator growth,
-    Triton autotuning, NCCL communicator set-up) are left out of the summary. Model FLOPs are the planner's:
-    3 x the traced forward FLOPs per token x tokens (no recomputation counted), so measured and predicted
-    TFLOP/s and MFU mean the same thing.
+    A step is the wall time from one optimizer step's first ``train_step`` call to the next one's (calls that
+    accumulate gradients between two optimizer steps are one step, their tokens added up; before any optimizer step
+    is seen, each call is one), so it covers what a training loop really spends per step: forward, backward,
+    gradient sync, the optimizer, clipping and the data loading of the next batch. On CUDA the boundaries are CUDA
+    events on the current stream (no synchronisation is added; they are read once complete), on the CPU
+    ``time.perf_counter``. The last step closes when :meth:`RunMetrics.summary` (or ``close``) is called. The first
+    ``warmup`` steps (allocator growth, Triton autotuning, NCCL communicator set-up) are left out of the summary.
+    Model FLOPs are the planner's: 3 x the traced forward FLOPs per token x tokens (no recomputation counted), so
+    measured and predicted TFLOP/s and MFU mean the same thing.
 
 Note [peak memory on the CPU]
     :func:`measured_peak_bytes` is the one place a rank's peak is measured. On CUDA it is
@@ -220,6 +221,11 @@ class RunMetrics:
                 if self._check_online():
                     mark = self._mark()  # the fit's time is in no measured step
         self._open = (mark, tokens)
+
+    def add_tokens(self, tokens: int) -> None:
+        """Called by a train_step that accumulates into the step in progress (no optimizer step since the last)."""
+        if self._open is not None:
+            self._open = (self._open[0], self._open[1] + tokens)
 
     def _check_online(self) -> bool:
         """Compare after the warm-up; on rank 0, fit and re-plan when off by more than the threshold.

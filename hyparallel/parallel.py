@@ -7,11 +7,14 @@
 
 ``parallelize`` reads top to bottom as a line of passes (Note [what parallelize does]), each a function with
 explicit inputs: trace -> check_plan -> planner.complete -> mesh -> apply_tensor_parallel -> split ->
-materialize -> apply_recompute -> apply_data_parallel. ``ParallelModel`` holds what they built and steps it.
+materialize -> apply_recompute -> apply_compile -> apply_data_parallel. ``ParallelModel`` holds what they built
+and steps it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import math
 import os
 import warnings
@@ -23,17 +26,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from hyparallel import launch
 from hyparallel.checks import batch_statistics, batch_statistics_warning, check_plan, check_world_size
+from hyparallel.compile import apply_compile, compile_backend_of
+from hyparallel.data import DataPosition, DataSampler
 from hyparallel.data_parallel import DataParallel, apply_data_parallel, micro_batch_hook
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph, trace
-from hyparallel.graph.kinds import logits_of
 from hyparallel.graph.local_shapes import block_modules
 from hyparallel.graph.tracer import tracing_device
+from hyparallel.loss import (
+    IGNORE_INDEX,
+    LossScaler,
+    MicroBatchLoss,
+    default_loss,
+    detached_loss,
+    global_loss,
+    hook_optimizer_steps,
+    scale_step_gradients,
+    token_cross_entropy,
+    user_loss,
+)
+from hyparallel.loss import logits_or_output as _logits
+from hyparallel.pipeline.forward import ForwardPipelines, sequence_divides
 from hyparallel.pipeline.runtime import PipelineRuntime, chunk_tree
 from hyparallel.pipeline.split import split_model
 from hyparallel.planner import complete
@@ -42,10 +59,9 @@ from hyparallel.recompute import apply_recompute
 from hyparallel.schema import LossFn, Plan
 from hyparallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel, check_local_shapes
 from hyparallel.tensor.init import materialize_, refuse_unrecoverable_buffers
-from hyparallel.tensor.layers import VocabParallelHead
+from hyparallel.tensor.layers import VocabParallelHead, whole_sequences
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-IGNORE_INDEX = -100  # targets with this value (padding) are not counted, as in F.cross_entropy
 
 __all__ = ["IGNORE_INDEX", "LaunchEnv", "ParallelModel", "parallelize", "token_cross_entropy"]
 
@@ -82,7 +98,8 @@ class LaunchEnv:
 # 4. Tensor parallelism swaps modules on the (meta) model; pipeline stages are cut from the swapped
 #    model and each rank materialises only its stages' slices, from the same per-parameter random streams
 #    a single device would use (`seed`): any plan of the same model starts from the same weights.
-# 5. Recomputation wraps each repeated block (pp = 1) or stage graph (pp > 1): hyparallel.recompute.
+# 5. Recomputation wraps each repeated block (pp = 1) or stage graph (pp > 1): hyparallel.recompute. Under
+#    parallel.compile, torch.compile then compiles the same regions' forwards: hyparallel.compile.
 # 6. Data parallelism on the dp axis (hyparallel.data_parallel): DDP or the bucketed all-reduce for ZeRO 0,
 #    FSDP2 for ZeRO 1-3.
 
@@ -102,6 +119,7 @@ def parallelize(
     example_inputs: Any = None,
     seed: int = 0,
     device: torch.device | str | None = None,
+    compile_backend: str | None = None,
 ) -> ParallelModel:
     """Run ``model`` as ``plan`` says, in every process of a torchrun launch; see Note [what parallelize does].
 
@@ -112,7 +130,9 @@ def parallelize(
     uses]). Under a plan with ``parallel.vocab_parallel_loss`` (the planner's default wherever tp splits the
     head) the head keeps each rank's slice of the logits in training and ``train_step``'s default loss is token
     cross-entropy computed without ever gathering them; otherwise the logits are gathered and any ``loss_fn``
-    works. Calling the model (``pmodel(inputs)``) returns the whole logits either way.
+    works. Calling the model (``pmodel(inputs)``) returns the whole logits either way. ``compile_backend``: the
+    torch.compile backend of a plan with ``parallel.compile`` (default ``$HYPARALLEL_COMPILE_BACKEND``, else
+    inductor; hyparallel.compile).
     """
     env = LaunchEnv.from_environ()
     check_world_size(plan, env.world_size)  # before the trace: a launch of the wrong size is refused at once
@@ -122,7 +142,7 @@ def parallelize(
         return parallelize_ps(model, plan, env.rank, env.world_size)
     device = torch.device(device) if device is not None else default_device(env, plan)
     with tracing_device(device):  # Note [exported for the device it runs on] (hyparallel.graph.tracer)
-        return _parallelize(model, plan, env, device, example_inputs, seed)
+        return _parallelize(model, plan, env, device, example_inputs, seed, compile_backend)
 
 
 def _parallelize(
@@ -132,7 +152,9 @@ def _parallelize(
     device: torch.device,
     example_inputs: Any,
     seed: int,
+    compile_backend: str | None = None,
 ) -> ParallelModel:
+    backend = compile_backend_of(plan.parallel.compile, compile_backend)  # a bad name: refused before the trace
     example = example_inputs if example_inputs is not None else token_ids(plan)
     graph = trace(model, example)  # Note [one trace]
     check_plan(plan, graph, env.world_size)  # what the plan states, before anything is planned
@@ -140,12 +162,6 @@ def _parallelize(
     checked = check_plan(plan, graph, env.world_size)  # the completed plan: its split modules and stages
     par = plan.parallel
     check_local_shapes(model, graph, checked.styles, par.tp, example)  # Note [one rank's sizes, run on meta]
-    if plan.training.dtype == "fp16":
-        warnings.warn(
-            "fp16 plans run under autocast without loss scaling, so small gradients can underflow; "
-            "prefer bf16, or scale the loss inside loss_fn",
-            stacklevel=2,
-        )
     if message := batch_statistics_warning(plan, training_batch_statistics(model, graph)):
         warnings.warn(message, UserWarning, stacklevel=2)  # Note [batch statistics] (hyparallel.checks)
     check_sync_batchnorm(plan, device)
@@ -177,6 +193,8 @@ def _parallelize(
         modules = [model]
         blocks = [module for block in graph.blocks for module in block_modules(model, block.path)]
         apply_recompute(blocks, par.recompute, plan.training.seq_len)
+    if backend is not None:  # the recomputed regions, each with its checkpoint (hyparallel.compile)
+        apply_compile(blocks or modules, backend)
     read = {name for op in graph.ops for name in op.params}  # what the traced forward uses, and reaches the output
     first = {id(p): name for name, p in model.named_parameters()}  # the trace names a tied tensor by its first name
     unused = [  # every name of it: DDP collects a module's own parameters by name (Luke's entity decoder, tied to
@@ -318,6 +336,14 @@ class ParallelModel:
         self._ddp = data_parallel.ddp
         self._io = None
         self._started = False
+        # fp16: dynamic loss scaling (Note [fp16 loss scaling]); its state goes into checkpoints
+        self.scaler = LossScaler() if plan.training.dtype == "fp16" else None
+        self._skip_optimizer_step = False  # an inf or NaN since the last optimizer step: skip the next one
+        self._scaled_after: bool | None = None  # whether steps scale gradients after backward (unknown before one)
+        self._optimizer_steps, self._measured_at = 0, -1  # optimizer steps seen (Note [what a measured step is])
+        self._forwards = self._forward_pipelines() if pipeline is not None else None
+        self._own_ids = {id(p) for p in self.parameters()}
+        self._optimizer_hooks = hook_optimizer_steps(self)
         self.metrics = RunMetrics(
             plan,
             graph.flops / max(_token_count(example), 1),
@@ -381,60 +407,203 @@ class ParallelModel:
 
         return torch.utils._pytree.tree_map(cut, batch)
 
-    def sampler(self, dataset, shuffle: bool = True, seed: int = 0):
-        """A DistributedSampler giving this data-parallel rank its share of ``dataset``."""
-        from torch.utils.data import DistributedSampler
+    def sampler(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = True, train: bool = True):
+        """This data-parallel rank's rows of each global batch of ``dataset``, for ``DataLoader(dataset,
+        batch_size=sampler.share, sampler=sampler)``: the one way to feed a dataset (``shard`` cuts a batch already
+        in memory to the same rows).
 
-        return DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=seed)
-
-    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
-        """Forward and backward of this rank's batch (``shard`` cuts it); returns the global mean loss on every rank.
-
-        The batch splits into the plan's micro-batches; gradients are synchronised over data parallelism and
-        completed over tensor parallelism: call the optimizer next (or accumulate: gradients add up over calls).
-        The default loss is token cross-entropy averaged over every target token of the global batch that is
-        not ``ignore_index`` (-100), however they fall into micro-batches and ranks. A ``loss_fn(output,
-        targets)`` of your own returns a micro-batch's mean; micro-batches and ranks then weigh equally.
+        The global batches are the same under any plan (Note [global batches, whatever the plan] in
+        hyparallel/data.py). A training sampler (``train=True``) becomes ``pmodel.data_sampler``: train_step counts
+        each batch it consumed, checkpoints save the position and ``hp.checkpoint.load`` resumes it, also when
+        the sampler is made after the load. ``train=False`` is an evaluation sampler (pass ``shuffle=False``): it
+        always starts at the first batch and is never counted or saved.
         """
+        made = DataSampler(
+            dataset,
+            self.plan.training.global_batch,
+            self.dp_size,
+            self.dp_rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            train=train,
+        )
+        if train:
+            restored = getattr(self, "_restored_data_position", None)
+            if restored is not None:  # hp.checkpoint.load ran first: resume where the checkpoint was
+                made.resume(restored)
+                self._restored_data_position = None
+            self._data_sampler = made
+        return made
+
+    def train_step(
+        self, inputs: Any, targets: Any, loss_fn: LossFn | None = None, *, accumulate: int = 1
+    ) -> torch.Tensor:
+        """Forward and backward of this rank's batch; returns the global batch's loss, the same on every rank.
+
+        ``inputs`` and ``targets`` are this data-parallel rank's rows (a ``pmodel.sampler`` DataLoader's batch, or
+        ``pmodel.shard`` of a global batch in memory); they split into the plan's micro-batches. Gradients are
+        synchronised over data parallelism and completed over tensor parallelism: call the optimizer next. The loss
+        is the single device's (Note [the loss a user reads], hyparallel.loss): by default token cross-entropy over
+        every counted target of the global batch; a ``loss_fn(output, targets)`` returns a micro-batch's mean, or
+        ``(total, count)`` for the exact mean of a loss whose rows weigh differently (padding, label smoothing).
+        train_step runs the backward itself; the loss it returns has none left to run. Gradients add up over calls;
+        ``accumulate=k`` divides this call's by k, so that k calls before the optimizer step train on the mean of the
+        k batches' losses. fp16 plans scale the loss dynamically (Note [fp16 loss scaling]); the gradients left after
+        train_step are unscaled, and an optimizer step after an inf or NaN is skipped.
+        """
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(f"train_step(accumulate={accumulate!r}): the number of batches per optimizer step, >= 1")
         self._check_rows(inputs)
-        self.metrics.step_started(_token_count(inputs) * self.dp_size)  # Note [what a measured step is]
+        self._open_measured_step(inputs)  # Note [what a measured step is]
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
-        loss_fn = self._loss(loss_fn, targets)
+        if not self._started:
+            self._warn_if_same_rows(inputs)  # once: a forgotten sampler feeds every dp rank the same rows
+        rule = self._loss_rule(loss_fn, targets, self.plan.num_microbatches, sliced=self._vocab_parallel_loss)
+        rule.backward_factor = (self.scaler.scale if self.scaler is not None else 1.0) / accumulate
+        aside = self._set_aside_grads() if self._scaled_after is not False else {}  # Note [a step's own gradients]
         before = [self.tp_info.partial_grads(m) for m in self._modules] if self.tp_info is not None else []
         with self._one_cast_per_step():
             if self.pipeline is not None:
-                loss = self.pipeline.train_step(inputs, targets, loss_fn)
+                self.pipeline.train_step(inputs, targets, rule, broadcast=False)  # the rule's reports: summed below
             else:
-                loss = self._accumulate(inputs, targets, loss_fn)
+                self._accumulate(inputs, targets, rule)
         self.data_parallel.finish_step(
             self.named_parameters(), self.pipeline.shared_parameters() if self.pipeline is not None else ()
         )
         for module, since in zip(self._modules, before):
             self.tp_info.reduce_grads(module, since)
-        loss = self.data_parallel.mean(loss)
+        loss, count, pair = global_loss(rule, self.device, self._loss_groups)
+        self._finish_gradients(rule, count, pair, aside)
+        if self.data_sampler is not None:
+            self.data_sampler.step_consumed()
         if not self._started:  # Note [how long a collective may wait]: started, from now on bounded tightly
             self._started = True
             launch.set_timeouts(launch.collective_timeout("nccl" if self.device.type == "cuda" else "gloo"))
-        return loss
+        return detached_loss(loss)
+
+    def _finish_gradients(self, rule: MicroBatchLoss, count: torch.Tensor, pair: bool, aside: dict) -> None:
+        """Scale the step's own gradients by what was known only after its backward, check them under fp16, and add
+        back those of earlier calls (Note [a step's own gradients], hyparallel.loss)."""
+        factor = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        count_after = pair and rule.global_count is None
+        if count_after:  # a (total, count) loss: its sum's gradient over the global count (dp: averaged ranks)
+            factor *= self.dp_size / max(float(count), 1.0)
+        self._scaled_after = self.scaler is not None or count_after
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        inf = scale_step_gradients(grads, factor, check_finite=self.scaler is not None, device=self.device)
+        if self.scaler is not None:  # Note [fp16 loss scaling] (hyparallel.loss)
+            self.scaler.update(inf)
+            self._skip_optimizer_step = self._skip_optimizer_step or inf
+        for param, old in aside.items():
+            param.grad = old if param.grad is None else param.grad.add_(old)
+
+    def _set_aside_grads(self) -> dict[nn.Parameter, torch.Tensor]:
+        """The gradients earlier calls left, taken off their parameters until the step's own are final."""
+        aside = {p: p.grad for p in self.parameters() if p.grad is not None}
+        for param in aside:
+            param.grad = None
+        return aside
+
+    def _open_measured_step(self, inputs: Any) -> None:
+        """A measured step runs from one optimizer step's first train_step to the next's (calls that accumulate
+        are one step); before any optimizer step is seen (one hyparallel cannot hook), each call is one."""
+        tokens = _token_count(inputs) * self.dp_size
+        if self._optimizer_steps == 0 or self._optimizer_steps != self._measured_at:
+            self.metrics.step_started(tokens)
+            self._measured_at = self._optimizer_steps
+        else:
+            self.metrics.add_tokens(tokens)
 
     @torch.no_grad()
-    def eval_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
-        """The global mean loss of a batch, without gradients (validation)."""
+    def eval_step(self, inputs: Any, targets: Any = None, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """The global batch's loss without gradients (validation), by train_step's rule, the same under any plan.
+
+        ``inputs`` are any inputs the model's forward takes (a tensor, a tuple, or a dict with an attention mask or
+        Hugging Face ``labels``), of any batch size that splits over dp: a pipeline traces its stages again for
+        inputs it was not traced with (Note [a forward under any plan]). ``targets`` may be None with a ``loss_fn``
+        that reads the output alone (``lambda out, _: out.loss``). A ``loss_fn`` of your own sees the whole logits
+        under a vocab-parallel plan too (gathered for it).
+        """
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
-        loss_fn = self._loss(loss_fn, targets)
-        if self.pipeline is not None:
-            return self.data_parallel.mean(self.pipeline.eval_step(inputs, targets, loss_fn))
-        with self._autocast():
-            whole = loss_fn(_call(self._ddp or self.module, inputs), targets).detach().float()
-        # the loss was scaled for one micro-batch of m
-        return self.data_parallel.mean(whole / self.plan.num_microbatches)
+        whole = loss_fn is not None and self._vocab_parallel_loss  # the user's loss reads whole logits
+        with self._whole_logits() if whole else nullcontext():
+            if self.pipeline is None:
+                rule = self._loss_rule(loss_fn, targets, 1, sliced=self._vocab_parallel_loss and not whole)
+                with self._autocast(), self._whole_sequences_unless_divides(inputs):
+                    rule(_call(self._ddp or self.module, inputs), targets)
+            else:
+                runtime, m, gathered = self._forwards.select(inputs, self._whole_logits, gather=whole)
+                rule = self._loss_rule(loss_fn, targets, m, sliced=self._vocab_parallel_loss and not gathered)
+                with self._forwards.running(runtime):
+                    runtime.eval_step(inputs, targets, rule, m, broadcast=False)
+        return global_loss(rule, self.device, self._loss_groups)[0]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward on this rank (pp = 1 only; a pipeline runs through train_step and eval_step)."""
-        if self.pipeline is not None:
-            raise RuntimeError("a pipelined model has no single forward on one rank; use train_step or eval_step")
-        with self._autocast(), self._whole_logits():
-            return (self._ddp or self.module)(*args, **kwargs)
+        """The model's forward under any plan: the single device's outputs (whole logits) on every rank.
+
+        Under a pipeline every rank passes the same inputs (this data-parallel rank's rows); the last stage's
+        outputs are broadcast to the others (``forward(..., broadcast=False)`` leaves them on the last stage).
+        """
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, broadcast: bool = True, **kwargs: Any) -> Any:
+        """:meth:`__call__`; with ``broadcast=False`` a pipeline's ranks other than the last stage's get None."""
+        with self._whole_logits():
+            if self.pipeline is None:
+                with self._autocast(), self._whole_sequences_unless_divides((args, kwargs)):
+                    return (self._ddp or self.module)(*args, **kwargs)
+            return self._forwards.forward(_bound_inputs(self.module, args, kwargs), self._whole_logits, broadcast)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+        """Greedy decoding under any plan: the tokens one device's argmax decoding gives, ``(B, T + new)``.
+
+        Each new token runs the model over the whole sequence (no key/value cache: quadratic in the length, meant
+        for checks and evaluation, not serving); under a pipeline traced by torch.export each new length is traced
+        once. Rows that produced ``eos_token_id`` continue with it.
+        """
+        tokens = input_ids.to(self.device)
+        finished = torch.zeros(tokens.size(0), dtype=torch.bool, device=self.device)
+        for _ in range(max_new_tokens):
+            following = _logits(self(tokens))[:, -1, :].argmax(-1)
+            if eos_token_id is not None:
+                following = torch.where(finished, torch.full_like(following, eos_token_id), following)
+                finished |= following == eos_token_id
+            tokens = torch.cat([tokens, following[:, None].to(tokens.dtype)], dim=1)
+            if eos_token_id is not None and bool(finished.all()):
+                break
+        return tokens
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        """Set training mode (dropout, batch statistics) on every module this rank runs, its stages included."""
+        for module in (self.module, *self._modules, *([self._ddp] if self._ddp is not None else [])):
+            module.train(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        """Evaluation mode on every module this rank runs: ``train(False)``."""
+        return self.train(False)
+
+    @property
+    def found_inf(self) -> bool:
+        """fp16: whether a train_step since the last optimizer step found an inf or NaN (that step is skipped)."""
+        return self._skip_optimizer_step
+
+    @property
+    def training(self) -> bool:
+        """Whether the model is in training mode."""
+        return self.module.training
+
+    @property
+    def _sequence_multiple(self) -> int:
+        """What a sequence's length must divide by to run split over the tp ranks (tp under sequence parallelism)."""
+        return self.tp_info.tp if self.tp_info is not None and self.tp_info.sequence_parallel else 1
+
+    def _whole_sequences_unless_divides(self, inputs: Any):
+        """Sequence parallelism off for a forward whose length does not divide by tp (Note [whole sequences for a
+        forward], hyparallel.tensor.layers)."""
+        return nullcontext() if sequence_divides(inputs, self._sequence_multiple) else whole_sequences()
 
     @contextmanager
     def _whole_logits(self):
@@ -443,26 +612,72 @@ class ParallelModel:
         if not heads:
             yield
             return
+        before = [head.gather_output for head in heads]  # nested: the outer block's setting comes back
         for head in heads:
             head.gather_output = True
         try:
             yield
         finally:
-            for head in heads:
-                head.gather_output = False
+            for head, was in zip(heads, before):
+                head.gather_output = was
 
-    def _accumulate(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+    def _accumulate(self, inputs: Any, targets: Any, loss_fn: LossFn) -> None:
         m = self.plan.num_microbatches
         pieces, goals = chunk_tree(inputs, m), chunk_tree(targets, m)
         runner = self._ddp or self.module
-        total = torch.zeros((), device=self.device)
         for index, (piece, goal) in enumerate(zip(pieces, goals)):
             with self.data_parallel.micro_batch(self.module, last=index == m - 1):
                 with self._autocast():
                     loss = loss_fn(_call(runner, piece), goal)
                 (loss / m).backward()
-            total += loss.detach().float()
-        return total / m
+
+    def _loss_rule(self, loss_fn: LossFn | None, targets: Any, m: int, sliced: bool) -> MicroBatchLoss:
+        """The step's loss rule (Note [the loss a user reads], hyparallel.loss); ``sliced``: the head's logits are
+        each tp rank's slice of the vocabulary."""
+        if loss_fn is not None:
+            return user_loss(loss_fn, m, self.dp_size, sliced)
+        return default_loss(targets, m, self.dp_size, self.mesh["dp"].get_group(), self.tp_info if sliced else None)
+
+    @property
+    def _loss_groups(self) -> list:
+        """Where micro-batch loss reports are summed: the pipeline (the last stage has them), then data parallelism."""
+        return [
+            self.mesh[axis].get_group()
+            for axis, size in (("pp", self.plan.parallel.pp), ("dp", self.dp_size))
+            if size > 1
+        ]
+
+    def _forward_pipelines(self) -> ForwardPipelines:
+        """A pipeline's forwards on any inputs (Note [a forward under any plan], hyparallel.pipeline.forward)."""
+        par = self.plan.parallel
+        refusal = None
+        if self.data_parallel.sharded:
+            refusal = (
+                f"a pipelined forward or eval_step with inputs {{inputs}} that the stages were not traced with, "
+                f"under ZeRO {par.zero}: FSDP2 holds the weights as shards it gathers only inside the training "
+                "stages, so new stages cannot be traced for them; pass such inputs as parallelize's example_inputs "
+                "(they are then the traced ones), or plan with zero: 0"
+            )
+        group = self.mesh["pp"].get_group()
+        return ForwardPipelines(
+            self.module,
+            self.pipeline,
+            [stage.modules for stage in self.plan.stages],
+            self.device,
+            micro_batch=self.plan.training.micro_batch,
+            sequence_multiple=self._sequence_multiple,
+            sliced_head=self._vocab_parallel_loss,
+            make_runtime=lambda split, stages: PipelineRuntime(
+                split,
+                stages,
+                group,
+                schedule_kind="gpipe" if par.virtual_stages == 1 else par.schedule,
+                num_microbatches=self.pipeline.num_microbatches,
+                virtual_stages=par.virtual_stages,
+                stage_call=self._autocast.stage_call,
+            ),
+            refusal=refusal,
+        )
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient so that the model's global 2-norm is at most ``max_norm``; returns the norm before.
@@ -518,34 +733,6 @@ class ParallelModel:
                 "pmodel.shard(batch) of the global batch"
             )
 
-    def _loss(self, loss_fn: LossFn | None, targets: Any) -> LossFn:
-        if loss_fn is not None:
-            if self._vocab_parallel_loss:
-                raise ConfigError(
-                    "this plan computes the loss on each tp rank's slice of the logits (parallel.vocab_parallel_loss: "
-                    "true), so a loss_fn of your own would see a slice; use train_step's default loss, or set "
-                    "vocab_parallel_loss: false in the plan (`hyparallel plan --no-vocab-parallel-loss`, "
-                    "hp.plan(..., vocab_parallel_loss=False)) to gather them"
-                )
-            return loss_fn
-        # Sum over tokens, divided by the global count of real targets: micro-batches, ranks and padding
-        # (ignore_index) weigh as in one big batch. The runtime averages micro-batches and DDP/FSDP average
-        # ranks, hence the factor m * dp.
-        count = (targets != IGNORE_INDEX).sum().float().reshape(1)
-        if self.dp_size > 1:
-            dist.all_reduce(count, group=self.mesh["dp"].get_group())
-        scale = self.plan.num_microbatches * self.dp_size / count.clamp_min(1.0)
-        if self._vocab_parallel_loss:
-            from hyparallel.tensor import vocab_parallel_cross_entropy
-
-            info = self.tp_info
-            return lambda output, goal: (
-                vocab_parallel_cross_entropy(_logits(output), goal, info.group, info.vocab_start, info.vocab_size)
-                * (goal != IGNORE_INDEX).sum()
-                * scale
-            )[0]
-        return lambda output, goal: (token_cross_entropy(output, goal, reduction="sum") * scale)[0]
-
     @contextmanager
     def _one_cast_per_step(self):
         """Note [one 16-bit copy of the weights per step]."""
@@ -558,6 +745,53 @@ class ParallelModel:
         finally:
             if torch.autocast_decrement_nesting() == 0:
                 torch.clear_autocast_cache()
+
+    # ---- the data position (hyparallel/data.py) ---------------------------------------------------------------
+
+    @property
+    def data_sampler(self) -> DataSampler | None:
+        """The training sampler ``sampler()`` made (None before): train_step counts each batch it consumed."""
+        return getattr(self, "_data_sampler", None)
+
+    def data_position(self) -> DataPosition | None:
+        """Where training is in its data, as checkpoints save it: the training sampler's, or a restored position
+        no sampler has taken yet (None: neither)."""
+        sampler = self.data_sampler
+        return sampler.position() if sampler is not None else getattr(self, "_restored_data_position", None)
+
+    def restore_data_position(self, position: DataPosition | None) -> None:
+        """Resume the data at ``position`` (``hp.checkpoint.load`` calls it): now, or when ``sampler()`` makes one."""
+        if position is None:
+            return
+        if self.data_sampler is not None:
+            self.data_sampler.resume(position)
+        else:
+            self._restored_data_position = position
+
+    def _warn_if_same_rows(self, inputs: Any) -> bool:
+        """Once (the first train_step), with dp > 1: whether every data-parallel rank got the same inputs, a
+        forgotten ``shard`` or ``sampler``; rank 0 warns. One all-gather of an 8-byte checksum over dp."""
+        if self.dp_size == 1 or getattr(self, "_rows_checked", False):
+            return False
+        self._rows_checked = True
+        leaves = [v for v in torch.utils._pytree.tree_leaves(inputs) if isinstance(v, torch.Tensor) and v.numel()]
+        digest = hashlib.sha256()
+        for leaf in leaves:
+            digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
+            digest.update(leaf.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)], device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(every, mine, group=self.mesh["dp"].get_group())
+        same = bool(leaves) and all(torch.equal(other, mine) for other in every)
+        if same and self.env.rank == 0:
+            warnings.warn(
+                f"train_step's first batch is the same on all {self.dp_size} data-parallel ranks, so each replica "
+                "trains on the same rows; give each rank its own: pmodel.sampler(dataset) with a DataLoader, or "
+                "pmodel.shard(global_batch)",
+                UserWarning,
+                stacklevel=3,
+            )
+        return same
 
 
 # Note [one 16-bit copy of the weights per step]
@@ -579,21 +813,13 @@ class ParallelModel:
 #     processes than GPUs is refused before the first collective (NCCL cannot put two ranks on one GPU).
 
 
-def token_cross_entropy(output: Any, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of next-token logits ``(B, T, V)`` (or an output with ``.logits``) against ``(B, T)``.
-
-    Targets equal to ``IGNORE_INDEX`` (-100, padding) count for nothing.
-    """
-    logits = _logits(output)
-    return F.cross_entropy(
-        logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
-    )
-
-
-def _logits(output: Any) -> torch.Tensor:
-    """What the default loss reads (``logits_of``), or the whole output."""
-    logits = logits_of(output)
-    return output if logits is None else logits
+def _bound_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """A call's arguments as the pipeline takes inputs: one tensor, a tuple of arguments, or a dict by name."""
+    if not kwargs:
+        return args[0] if len(args) == 1 else tuple(args)
+    if not args:
+        return dict(kwargs)
+    return dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
 
 
 def default_device(env: LaunchEnv, plan: Plan) -> torch.device:

@@ -137,6 +137,13 @@ class ParallelConfig(_Section):
         "they match a single device only with one micro-batch per step. Needs CUDA (SyncBatchNorm does not run on "
         "the CPU), tp = 1 and pp = 1.",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile the forward of each repeated block (each pipeline stage's graph when pp > 1), "
+        "after recomputation: backend `parallelize(compile_backend=...)`, else $HYPARALLEL_COMPILE_BACKEND, else "
+        "inductor. Parameter names and hooks are unchanged (hyparallel/compile.py). The planner's costs do not "
+        "model it.",
+    )
 
     grad_compression: GradCompression = Field(
         "none",

@@ -6,7 +6,8 @@
     checks    hyparallel.checks (check_plan: what the planner filters its candidates by and the runtime refuses)
     planner   hyparallel.planner
     runtime   hyparallel.tensor, hyparallel.pipeline
-    top       hyparallel.parallel, .data_parallel, .grad_compression, .recompute, .checkpoint, the CLI
+    top       hyparallel.parallel, .data_parallel, .grad_compression, .recompute, .checkpoint, .loss, .data,
+              .compile, .tracking, .pretrained, the CLI
 
 A plan is made (and shown, and simulated) on a laptop without the runtime, and the runtime applies a plan it
 is given without planning. These tests read hyparallel's own source with ``ast`` and build its import graph:
@@ -41,6 +42,11 @@ RUNTIME = (
     "hyparallel.grad_compression",
     "hyparallel.recompute",
     "hyparallel.checkpoint",
+    "hyparallel.loss",
+    "hyparallel.data",
+    "hyparallel.compile",
+    "hyparallel.tracking",
+    "hyparallel.pretrained",
 )
 SCHEMA = ("hyparallel.schema", "hyparallel.cluster", "hyparallel._yaml", "hyparallel._files", "hyparallel.limits")
 LEAF = ("hyparallel.errors", "hyparallel.kernels")

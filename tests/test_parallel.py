@@ -79,13 +79,14 @@ def test_training_equals_single_device_training(results, case):
         assert rank["losses"] == pytest.approx(rank["ref_losses"], rel=1e-5)  # 3 training steps, then eval_step
         assert len(rank["losses"]) == 4
         # The planner's loss: vocab-parallel wherever tp splits the head, unless asked to gather the logits; then
-        # a loss_fn of one's own is refused in one line, and calling the model still gives the whole logits
-        # (compared with the single device's in the worker).
+        # a loss_fn of one's own is refused in training in one line, evaluates on the gathered logits, and calling
+        # the model gives the whole logits under any plan (compared with the single device's in the worker).
         plan = rank["plan"]
         assert plan["vocab_parallel_loss"] == (plan["tp"] > 1 and case != "dp2-tp2-gathered")
         refused = rank.get("own_loss_refused", "")
         assert ("parallel.vocab_parallel_loss: true" in refused and "\n" not in refused) == plan["vocab_parallel_loss"]
-        assert ("called_logits" in rank) == (not rank["pipeline"])
+        assert rank["own_eval_loss"] == pytest.approx(rank["ref_losses"][-1], rel=1e-5)
+        assert "called_logits" in rank
     # Every parameter of the model, by name, on every data-parallel replica: its gradient and its value.
     for key in ("grads_checked", "checked"):
         assert_every_parameter_compared(ranks[0]["parameter_groups"], by_replica(ranks, key))
@@ -323,7 +324,6 @@ def _one_step(recompute: str, dtype: str) -> tuple[float, dict[str, torch.Tensor
     return loss, {name: p.grad.clone() for name, p in pmodel.named_parameters()}, {op: ops.counts[op] for op in COUNTED}
 
 
-@pytest.mark.filterwarnings("ignore:fp16 plans run under autocast without loss scaling")
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_recomputation_gives_the_loss_and_gradients_of_none_under_the_same_autocast(single_process, dtype):
     # Recomputation replays the forward's ops on the same inputs: the same autocast casts (a fresh cast per

@@ -76,12 +76,14 @@ class _Step:
     inputs: list[list[Any]]  # per micro-batch, the flat user inputs
     targets: list[Any]  # per micro-batch
     key: tuple[Any, bool]  # (input shapes, grad mode): eval_step's forwards carry no requires_grad, their own header
-    loss_fn: LossFn
+    loss_fn: LossFn | None  # None: a forward, the last stage keeps its outputs (``results``)
+    m: int  # micro-batches of this step
     received: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # flat leaves of what a stage received
     outputs: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # what it produced (the last: its loss)
     grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # of its outputs
     input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # of what it received
     losses: list[torch.Tensor] = field(default_factory=list)  # detached, in the order the last stage ran
+    results: dict[int, Any] = field(default_factory=dict)  # a forward's model outputs, by micro-batch (last stage)
     sends: dict[tuple[int, str, int], list[Any]] = field(default_factory=dict)  # (stage, F/B, micro-batch)
     sent_back: deque[tuple[int, str, int]] = field(default_factory=deque)  # sends' keys of gradients, oldest first
     posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = field(default_factory=dict)  # early receives
@@ -246,28 +248,64 @@ class PipelineRuntime:
         """This rank's copies of the weights several pipeline ranks hold (a tied embedding and head)."""
         return [self._tied_parameter(name) for name in self._tied]
 
-    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn, *, broadcast: bool = True) -> Any:
         """Forward and backward of one batch over the pipeline; gradients accumulate into the parameters.
 
         Every rank of the pipeline passes the same ``inputs`` and ``targets``; they are split along
         dim 0 into micro-batches. ``loss_fn(output, targets)`` returns a micro-batch's mean loss on the
         last stage; gradients are those of the mean over micro-batches (the full batch's mean for equal
-        micro-batches), and every rank gets that mean loss back.
+        micro-batches), and every rank gets that mean loss back (``broadcast=False``: the last stage's
+        micro-batch losses, none on other ranks, for a caller that reduces them itself).
         """
         tied_before = self._tied_grads_before()
         losses = self._run(self.program, inputs, targets, loss_fn)
         self._sync_tied_grads(tied_before)
-        return self._mean_loss(losses)
+        return self._mean_loss(losses) if broadcast else losses
 
     @torch.no_grad()
-    def eval_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
-        """The mean loss of a batch without gradients: the schedule's forwards only, on every rank."""
-        forwards = [a for a in self.program if a.kind in ("F", "SEND_F", "RECV_F")]
-        return self._mean_loss(self._run(forwards, inputs, targets, loss_fn))
+    def eval_step(
+        self, inputs: Any, targets: Any, loss_fn: LossFn, num_microbatches: int | None = None, *, broadcast: bool = True
+    ) -> Any:
+        """The mean loss of a batch without gradients: forwards only, on every rank (``broadcast`` as train_step's).
 
-    def _run(self, program: list[Action], inputs: Any, targets: Any, loss_fn: LossFn) -> list[torch.Tensor]:
-        """Execute ``program`` over one batch; the last stage's micro-batch losses (none on other ranks)."""
-        step = self._new_step(inputs, targets, loss_fn)
+        ``num_microbatches`` (default the schedule's) may differ from training's: an evaluation batch of its own size.
+        """
+        m = num_microbatches or self.num_microbatches
+        losses = self._run(self._forwards(m), inputs, targets, loss_fn, m)
+        return self._mean_loss(losses) if broadcast else losses
+
+    @torch.no_grad()
+    def forward(self, inputs: Any, num_microbatches: int = 1) -> list[Any] | None:
+        """The model's outputs for ``inputs``, one per micro-batch, on the last stage's rank (None on the others).
+
+        Every rank of the pipeline passes the same ``inputs``; they split along dim 0 into ``num_microbatches``.
+        """
+        step = self._run(self._forwards(num_microbatches), inputs, None, None, num_microbatches, keep_step=True)
+        if not self.stages.get(self.num_stages - 1):
+            return None
+        return [step.results[mb] for mb in range(num_microbatches)]
+
+    def _forwards(self, m: int) -> list[Action]:
+        """This rank's forward-only program for ``m`` micro-batches: each of its stages over every micro-batch in
+        turn, stage by stage (every pair of ranks receives in the order sent; sends do not wait)."""
+        ranks = range(self.pp)
+        order = {
+            r: [Action(c * self.pp + r, "F", mb) for c in range(self.virtual_stages) for mb in range(m)] for r in ranks
+        }
+        return lower(order, self.pp, self.virtual_stages)[self.rank]
+
+    def _run(
+        self,
+        program: list[Action],
+        inputs: Any,
+        targets: Any,
+        loss_fn: LossFn | None,
+        m: int | None = None,
+        keep_step: bool = False,
+    ) -> Any:
+        """Execute ``program`` over one batch of ``m`` micro-batches (default the schedule's); the last stage's
+        micro-batch losses (none on other ranks), or with ``keep_step`` the step itself (a forward's results)."""
+        step = self._new_step(inputs, targets, loss_fn, m or self.num_microbatches)
         self.last_order, self.peak_inflight, peak = [], 0.0, 0
         upcoming_receive = _next_receives(program)
         try:
@@ -285,17 +323,16 @@ class PipelineRuntime:
         finally:  # nothing of this step outlives it, even when it fails (Note [one step's state])
             step.release()
         self.peak_inflight = peak / self.virtual_stages
-        return step.losses
+        return step if keep_step else step.losses
 
-    def _new_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> _Step:
+    def _new_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None, m: int) -> _Step:
         """A step's state: ``inputs`` and ``targets`` cut into micro-batches, the first checked against the split."""
-        m = self.num_microbatches
         flat = self.split.flatten_inputs(inputs)
         chunks = _chunk_each(flat, m, "inputs")
         self.split.check_microbatch(chunks[0])
         targets_per_microbatch = chunk_tree(targets, m)
         shapes = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in chunks[0])
-        return _Step(chunks, targets_per_microbatch, (shapes, torch.is_grad_enabled()), loss_fn)
+        return _Step(chunks, targets_per_microbatch, (shapes, torch.is_grad_enabled()), loss_fn, m)
 
     # ---- compute ---------------------------------------------------------------------------------
 
@@ -305,10 +342,13 @@ class PipelineRuntime:
         if a.stage > 0:
             received = tree_unflatten(self._take_forward(step, a), self._specs[a.stage - 1, step.key])
         output = self.stage_call(stage, step.inputs[a.microbatch], received)
+        if stage.is_last and step.loss_fn is None:  # a forward: the model's output is the result
+            step.results[a.microbatch] = output
+            return
         if stage.is_last:
             loss = loss_fn_checked(step.loss_fn, output, step.targets[a.microbatch])
             step.losses.append(loss.detach())
-            step.outputs[a.stage, a.microbatch] = [loss / self.num_microbatches]
+            step.outputs[a.stage, a.microbatch] = [loss / step.m]
             return
         leaves, spec = tree_flatten(output)  # a tuple of values, some of them tuples of tensors themselves
         self._specs.setdefault((a.stage, step.key), spec)

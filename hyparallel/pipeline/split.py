@@ -117,9 +117,11 @@ class PipelineSplit:
             missing = [name for name in self.input_names if name not in bound]
             extra = [name for name in bound if name not in self.input_names]
             if missing or extra:
+                parts = ([f"passes {extra}, not traced"] if extra else []) + ([f"lacks {missing}"] if missing else [])
+                what = " and ".join(parts)
                 raise ConfigError(
-                    f"the pipeline was traced with inputs {list(self.input_names)} but got {list(bound)}; "
-                    "pass the same arguments the split was traced with"
+                    f"the pipeline's stages were traced with inputs {list(self.input_names)}: this call {what}; "
+                    "train with the traced inputs, or pass a micro-batch of these as parallelize's example_inputs"
                 )
             return [bound[name] for name in self.input_names]
         keys = _children(self.input_spec)[1].context  # the traced keyword order
@@ -128,8 +130,9 @@ class PipelineSplit:
         flat, spec = tree_flatten((args, kwargs))
         if spec != self.input_spec:
             raise ConfigError(
-                f"the pipeline was traced with inputs shaped like {self.input_spec} but got {spec}; "
-                "pass the same arguments the split was traced with"
+                f"the pipeline's stages were traced with inputs {list(keys) or 'given by position'} but this call "
+                f"passes {list(kwargs) or 'positional arguments'}; train with the traced inputs, or pass a micro-batch "
+                "of these as parallelize's example_inputs"
             )
         return flat
 

@@ -53,6 +53,7 @@ class SearchResult:
     refused: list[Evaluation] = field(default_factory=list)  # fitted, but check_plan refused them (their reason)
     powersgd_start_step: int = field(default_factory=lambda: default("powersgd_start_step"))  # written into plans
     tables: Any = None  # a planner.tables.TableChoice: where a recommendation model's tables go (ps_servers=)
+    compile: bool = False  # parallel.compile, written into plans as asked (the costs do not model it)
 
     def plan(self, rank: int = 0) -> Plan:
         """The ``rank``-th best evaluation as a Plan; rank 0 is the tables' pick when they were compared (a ps
@@ -102,7 +103,8 @@ def plan(
     virtual_stages, recompute, zero, sequence_parallel, vocab_parallel_loss (False: the logits gathered for a
     loss_fn of your own), order (placement.order, outermost axis first), and
     grad_compression (none, bf16, fp16, powersgd, or any: searched), powersgd_rank, powersgd_start_step:
-    gradients are compressed only when asked (Note [gradient compression is asked for] in constraints.py).
+    gradients are compressed only when asked (Note [gradient compression is asked for] in constraints.py), and
+    compile (parallel.compile: torch.compile at run time; written as asked, not costed).
 
     ``mtbf_hours`` (the whole job's mean time between failures) adds the plan's ``checkpoint`` section: the save
     time per checkpoint, the interval that maximises goodput and the goodput expected, with ``restart_s``
@@ -200,6 +202,7 @@ def search(
         best=[],
         profile=profile,
         powersgd_start_step=given.get("powersgd_start_step", default("powersgd_start_step")),
+        compile=given.get("compile", default("compile")),
     )
     engine = Search(profile, cluster, global_batch, dtype, progress, admit=Admission(result))
     compare = tables.applies(graph, given, ps_servers)
@@ -637,6 +640,7 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
             "grad_compression": c.grad_compression,
             "powersgd_rank": c.powersgd_rank,
             "powersgd_start_step": result.powersgd_start_step,
+            "compile": result.compile,
         },
         "placement": {"order": list(c.order)},
         "stages": stages,

@@ -42,8 +42,9 @@ from hyparallel.schema import (
 
 # What a caller may ask of the data-parallel axis: one mode, or ``any`` of them searched.
 CompressionChoice = Literal[GradCompression, "any"]
-# Note [gradient compression is asked for]: not searched when left out; their defaults are the plan's.
-_PLAN_DEFAULTS = ("grad_compression", "powersgd_rank", "powersgd_start_step")
+# Note [gradient compression is asked for]: not searched when left out; their defaults are the plan's. So is
+# compile: never searched (the costs do not model it), only written into the plan as asked.
+_PLAN_DEFAULTS = ("grad_compression", "powersgd_rank", "powersgd_start_step", "compile")
 
 
 class Constraints(BaseModel):
@@ -79,6 +80,11 @@ class Constraints(BaseModel):
     powersgd_start_step: int_in(2, limits.MAX_POWERSGD_START_STEP) = Field(
         ParallelConfig.model_fields["powersgd_start_step"].default,
         description="Steps reduced uncompressed before PowerSGD starts.",
+    )
+    compile: bool = Field(
+        ParallelConfig.model_fields["compile"].default,
+        description="torch.compile each block at run time (parallel.compile); written into the plan as asked, "
+        "never searched: the costs do not model compilation.",
     )
 
     def __init__(self, **values: Any) -> None:

@@ -40,6 +40,7 @@ from hyparallel.tensor.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
     enter_tp_region,
+    splits_sequence,
 )
 
 
@@ -445,6 +446,8 @@ def _enter_sequence_parallel(
     size = torch.distributed.get_world_size(group)
 
     def scatter(module, args, kwargs):
+        if not splits_sequence(True):  # Note [whole sequences for a forward] (hyparallel.tensor.layers)
+            return None
         hidden = args[0] if args else kwargs["hidden_states"]
         length = hidden.size(SEQ_DIM)  # a Proxy under torch.fx: checked when the traced graph runs
         if isinstance(length, int) and length % size:
@@ -453,6 +456,8 @@ def _enter_sequence_parallel(
         return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
 
     def gather(module, args, output):
+        if not splits_sequence(True):
+            return None
         if isinstance(output, (tuple, list)):  # (hidden, attention weights...): OpenAI GPT's block returns a list
             items = [gather_from_tp(output[0], SEQ_DIM, group), *output[1:]]
             return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)  # a namedtuple too

@@ -7,6 +7,10 @@ blocks. Weights are stored in nn.Linear layout (out, in) whatever the source mod
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +28,30 @@ from hyparallel.tensor.collectives import (
 from hyparallel.tensor.init import ShardLayout
 
 SEQ_DIM = 1
+
+# Note [whole sequences for a forward]
+#     Sequence parallelism splits the hidden state's sequence over the tp ranks between blocks, so it needs lengths
+#     that divide by tp; a forward, an evaluation or a generation step may have any length. Inside
+#     ``whole_sequences()`` every sequence-parallel split (the parallel Linears' gathers and reduce-scatters, the
+#     entry hooks, the scatter before the first block and the gather after the last: hyparallel.tensor.apply) is off,
+#     and the blocks run as plain tensor parallelism on the whole sequence: the same numbers, rounding aside. A trace
+#     made inside bakes that in; an eager forward reads it at each call. Training never runs inside it.
+_WHOLE_SEQUENCES: contextvars.ContextVar[bool] = contextvars.ContextVar("whole_sequences", default=False)
+
+
+@contextlib.contextmanager
+def whole_sequences() -> Iterator[None]:
+    """Sequence parallelism off inside (Note [whole sequences for a forward])."""
+    token = _WHOLE_SEQUENCES.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE_SEQUENCES.reset(token)
+
+
+def splits_sequence(sequence_parallel: bool) -> bool:
+    """Whether a module asked for sequence parallelism splits the sequence now (not inside ``whole_sequences``)."""
+    return sequence_parallel and not _WHOLE_SEQUENCES.get()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -96,7 +124,7 @@ def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: boo
 
     All-gather the sequence (SP) or copy (gradients all-reduced).
     """
-    return all_gather_seq(x, SEQ_DIM, group) if sequence_parallel else copy_to_tp(x, group)
+    return all_gather_seq(x, SEQ_DIM, group) if splits_sequence(sequence_parallel) else copy_to_tp(x, group)
 
 
 class RowParallelLinear(nn.Module):
@@ -129,7 +157,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        y = reduce_scatter_seq(y, SEQ_DIM, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
+        if splits_sequence(self.sequence_parallel):
+            y = reduce_scatter_seq(y, SEQ_DIM, self.group)
+        else:
+            y = reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
     def shard_layout(self, leaf: str) -> ShardLayout | None:

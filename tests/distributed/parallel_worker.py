@@ -230,13 +230,21 @@ def run_case(name: str) -> dict:
     losses.append(pmodel.eval_step(pmodel.shard(held_inputs), pmodel.shard(held_targets)).item())
     assert all(p.grad is None for p in pmodel.parameters())  # forward only
     result["checked"], result["worst_rel"] = compare(pmodel, model, ref["params"], False)
-    if pmodel.pipeline is None:  # calling the model gives the whole logits, the vocab-parallel loss or not
-        logits = logits_of(pmodel(pmodel.shard(held_inputs)))
-        torch.testing.assert_close(logits, pmodel.shard(ref["held_logits"]), rtol=PARAM_RTOL, atol=PARAM_ATOL)
-        result["called_logits"] = list(logits.shape)
-    if plan.parallel.vocab_parallel_loss:  # a loss_fn of one's own would see a slice: refused before any compute
+    # calling the model gives the whole logits under any plan, the vocab-parallel loss or not, a pipeline or not
+    logits = logits_of(pmodel(pmodel.shard(held_inputs)))
+    torch.testing.assert_close(logits, pmodel.shard(ref["held_logits"]), rtol=PARAM_RTOL, atol=PARAM_ATOL)
+    result["called_logits"] = list(logits.shape)
+
+    # a loss_fn of one's own evaluates on the whole logits (gathered for it under a vocab-parallel head); as
+    # (total, count) its mean is the single device's over the padded targets (Note [the loss a user reads])
+    def own_loss(output, goal):
+        return token_cross_entropy(output, goal, reduction="sum"), (goal != -100).sum()
+
+    own = pmodel.eval_step(pmodel.shard(held_inputs), pmodel.shard(held_targets), own_loss).item()
+    result["own_eval_loss"] = own
+    if plan.parallel.vocab_parallel_loss:  # in training it would see a slice: refused before any compute
         try:
-            pmodel.eval_step(pmodel.shard(held_inputs), pmodel.shard(held_targets), token_cross_entropy)
+            pmodel.train_step(pmodel.shard(held_inputs), pmodel.shard(held_targets), token_cross_entropy)
         except ConfigError as error:
             result["own_loss_refused"] = str(error)
     for got, want in zip(losses, ref["losses"]):
