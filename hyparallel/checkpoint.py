@@ -641,6 +641,10 @@ def _read_marker(path: Path) -> dict[str, Any]:
 
 def state_entries(pmodel, optimizer: torch.optim.Optimizer | None) -> dict[str, Entry]:
     """Every tensor to save or load, keyed in the single-device model's terms (Note [pieces])."""
+    # A forward the user ran on pmodel.module itself leaves ZeRO 1-2's units gathered: their shards are the state
+    # (a plain module, hyparallel.pretrained's _Whole, has no data parallelism)
+    if hasattr(pmodel, "data_parallel"):
+        pmodel.data_parallel.reshard(pmodel.local_modules())
     entries: dict[str, Entry] = {}
     aliases = _canonical_names(pmodel)
     state = optimizer.state if optimizer is not None else {}

@@ -80,6 +80,23 @@ class DataParallel:
         if self.sharded:
             fsdp_micro_batch(module, last, self.zero)
 
+    def reshard(self, modules: Iterable[nn.Module]) -> None:
+        """After a forward that no backward follows (eval_step, a call of the model): every FSDP2 unit in
+        ``modules`` frees the weights it gathered and its parameters are the shards again.
+
+        Under ZeRO 1 and 2 a unit keeps its weights gathered after the forward (reshard_after_forward=False, for the
+        step's backward), so without this an optimizer made next would hold the gathered copies (its updates
+        lost) and a checkpoint would save them. Under grad mode a later backward gathers them again, as ZeRO 3's.
+        """
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in modules:
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
+
     def finish_step(self, named_parameters: Iterable[tuple[str, nn.Parameter]], shared: Iterable[nn.Parameter] = ()):
         """After the step's last backward: the bucketed all-reduce a pipeline's ZeRO 0 needs (nothing otherwise).
 

@@ -527,7 +527,7 @@ class ParallelModel:
         """
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
         whole = loss_fn is not None and self._vocab_parallel_loss  # the user's loss reads whole logits
-        with self._whole_logits() if whole else nullcontext():
+        with self._whole_logits() if whole else nullcontext(), self._forward_only():
             if self.pipeline is None:
                 rule = self._loss_rule(loss_fn, targets, 1, sliced=self._vocab_parallel_loss and not whole)
                 with self._autocast(), self._whole_sequences_unless_divides(inputs):
@@ -549,7 +549,7 @@ class ParallelModel:
 
     def forward(self, *args: Any, broadcast: bool = True, **kwargs: Any) -> Any:
         """:meth:`__call__`; with ``broadcast=False`` a pipeline's ranks other than the last stage's get None."""
-        with self._whole_logits():
+        with self._whole_logits(), self._forward_only():
             if self.pipeline is None:
                 with self._autocast(), self._whole_sequences_unless_divides((args, kwargs)):
                     return (self._ddp or self.module)(*args, **kwargs)
@@ -604,6 +604,14 @@ class ParallelModel:
         """Sequence parallelism off for a forward whose length does not divide by tp (Note [whole sequences for a
         forward], hyparallel.tensor.layers)."""
         return nullcontext() if sequence_divides(inputs, self._sequence_multiple) else whole_sequences()
+
+    @contextmanager
+    def _forward_only(self):
+        """Around a forward without train_step's backward: FSDP2's gathered weights are freed after it."""
+        try:
+            yield
+        finally:
+            self.data_parallel.reshard(self._modules)
 
     @contextmanager
     def _whole_logits(self):

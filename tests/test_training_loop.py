@@ -1,7 +1,7 @@
 """A user's own training loop reads the single device's numbers under every plan (tests/distributed/loop_worker.py).
 
 One launch of 4 gloo processes runs the matrix: dp, tp (vocab-parallel and gathered logits), pp (GPipe, 1F1B,
-interleaved), mixes, one to four micro-batches, torch.fx and torch.export stages; train_step's loss and every
+interleaved), mixes, ZeRO 1, one to four micro-batches, torch.fx and torch.export stages; train_step's loss and every
 gradient for the default loss, a (total, count) loss and a mean loss, accumulation over calls, eval_step on a batch
 of another size, the forward's logits, greedy generation, and Hugging Face inputs the pipeline was not traced with.
 Note [the loss a user reads] (hyparallel/loss.py) defines the numbers.
@@ -20,6 +20,8 @@ CASES = (
     "dp2-pp2-gpipe-m4",
     "dp2-pp2-interleaved-m2",
     "tp2-pp2-1f1b-m4",
+    "dp2-tp2-zero1-m2",
+    "dp2-pp2-zero1-m2",
     "hf-llama-tp2-pp2",
 )
 GLOBAL_TOKENS = 8 * 16  # loop_worker's GLOBAL_BATCH x SEQ
@@ -52,7 +54,17 @@ def test_the_matrix_covers_one_and_several_micro_batches_and_every_loss(results)
     assert {"train_default", "train_pair", "train_mean", "eval_default", "eval_pair", "eval_labels"} <= keys
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "pp" in c and c != "dp2-pp2-interleaved-m2"])
+@pytest.mark.parametrize("case", [c for c in CASES if "zero" in c])
+def test_an_optimizer_made_after_an_eval_under_zero_updates_the_weights(results, case):
+    # FSDP2 keeps a forward's gathered weights for its backward under ZeRO 1 and 2: an eval and a call of the model
+    # hand them back, so the parameters an optimizer then holds are the shards (compared after one SGD step)
+    compared: dict[int, set[str]] = {}
+    for rank in results[case]:
+        compared.setdefault(rank["dp_rank"], set()).update(rank["stepped_after_eval"])
+    assert_every_parameter_compared(results[case][0]["parameter_groups"], compared)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "pp" in c and c != "dp2-pp2-interleaved-m2" and "zero" not in c])
 def test_greedy_generation_under_a_pipeline_gives_the_single_devices_tokens(results, case):
     assert all(rank["generated_equal"] for rank in results[case])
 

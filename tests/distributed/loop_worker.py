@@ -11,7 +11,9 @@ comparison is against the same weights):
 - ``eval_step`` with each loss on a batch of another size than training's;
 - the forward's outputs (``pmodel(x)``: whole logits on every rank) and, where asked, greedy generation and a
   Hugging Face forward with an attention mask and an eval with ``labels=`` (inputs the pipeline was not traced with);
-- a backward through train_step's loss is refused with a line saying train_step ran it.
+- a backward through train_step's loss is refused with a line saying train_step ran it;
+- under ZeRO (FSDP2), an optimizer made after the eval and the call updates the weights as one device's SGD step
+  (the weights compared with PARAM_RTOL, parallel_worker's).
 
 Tolerances, fp32: losses rtol 1e-5 (sums over micro-batches and ranks in another order), logits rtol 1e-5 / atol
 1e-5, gradients rtol 1e-5 / atol 1e-6 elementwise as tests/distributed/parallel_worker.py (its ``compare``).
@@ -36,6 +38,7 @@ from hyparallel.tensor.init import materialize_
 logging.getLogger("transformers").setLevel(logging.ERROR)
 SEQ, GLOBAL_BATCH, EVAL_BATCH, SEED = 16, 8, 4, 23
 LOSS_RTOL, LOGITS_TOL = 1e-5, 1e-5
+LR = 0.1  # "after_eval": one SGD step
 GPT = "gpt-tiny num_layers=4 bias=false"  # torch.fx stages
 LLAMA = (  # torch.export stages; grouped-query attention
     "hf:LlamaForCausalLM hidden_size=64 intermediate_size=128 num_hidden_layers=4 num_attention_heads=4 "
@@ -60,6 +63,13 @@ CASES = {  # name -> (model, plan constraints, extras: "custom" trains the user'
         dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, sequence_parallel=True),
         {"generate"},
     ),
+    # ZeRO: FSDP2 units, whose gathered weights an eval and a call hand back ("after_eval": an optimizer made then)
+    "dp2-tp2-zero1-m2": (
+        GPT,
+        dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1, sequence_parallel=True, vocab_parallel_loss=False),
+        {"custom", "after_eval"},
+    ),
+    "dp2-pp2-zero1-m2": (GPT, dict(dp=2, tp=1, pp=2, schedule="1f1b", micro_batch=2, zero=1), {"after_eval"}),
     "hf-llama-tp2-pp2": (
         LLAMA,
         dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=4, zero=0, sequence_parallel=True),
@@ -112,6 +122,8 @@ def reference(spec: str) -> dict:
         out[name] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
 
     run("default", lambda: token_cross_entropy(model(x), y))
+    grads = out["default"][1]
+    out["after_sgd"] = {n: p.detach() - LR * grads[n] for n, p in model.named_parameters(remove_duplicate=False)}
     run("pair", lambda: (lambda t, c: t / c)(*smoothed_sum(model(x), y)))
     run("pair2", lambda: (lambda t, c: t / c)(*smoothed_sum(model(x2), y2)))
     run("mean", lambda: smoothed_mean(model(xc), yc))
@@ -203,6 +215,12 @@ def run_case(name: str) -> dict:
         optimizer.zero_grad()
         pmodel.train_step(shard(x), shard(y))  # opens the next step: the two calls' step is closed
         result["metrics_last_tokens"] = pmodel.metrics.steps()[-1][1]
+    if "after_eval" in extras:  # last: an optimizer made after the eval and the call above, then one step
+        optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
+        pmodel.train_step(shard(x), shard(y))
+        optimizer.step()
+        names, _ = compare(pmodel, model, ref["after_sgd"], False)
+        result["stepped_after_eval"] = sorted(names)
     bad = {key: pair for key, pair in losses.items() if not close(*pair)}
     assert not bad, f"losses off the single device's (got, want): {bad}"
     return {**result, "losses": losses, "compared": sorted(compared)}

@@ -66,19 +66,24 @@ def run(name: str, root: Path) -> dict:
     loaded = hp.checkpoint.load_pretrained(pmodel, root / folder)
     growth = (status_kib("VmHWM") - start) * 1024
     held = sum(p.view.numel() * p.view.element_size() for e in state_entries(pmodel, None).values() for p in e.pieces)
-    # The optimizer before the first eval_step: under ZeRO 1 an eval_step leaves FSDP's parameters unsharded, and
-    # an optimizer made then holds the gathered copies, whose updates are lost (reported, as is the save below)
-    optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
     inputs, targets = batch(0)
     first = pmodel.eval_step(pmodel.shard(inputs), pmodel.shard(targets)).item()
+    # The optimizer after an eval_step, and the save after another: under ZeRO 1 FSDP2 keeps a forward's gathered
+    # weights for the backward, so an eval must hand them back (ParallelModel._forward_only), else this optimizer
+    # would hold the gathered copies (its updates lost: the eval after the step would not move) and the save below
+    # would write them (it crashed in DCP's write)
+    optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
     inputs, targets = batch(1)
     trained = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets)).item()
     optimizer.step()
     optimizer.zero_grad()
-    # Saved before the eval: under ZeRO 1 a save after eval_step crashes (SIGSEGV in DCP's write, same cause)
-    hp.checkpoint.save(pmodel, optimizer, root / f"ckpt-{name}", step=1)
     inputs, targets = batch(2)
     after = pmodel.eval_step(pmodel.shard(inputs), pmodel.shard(targets)).item()
+    pmodel(pmodel.shard(inputs))  # a call of the model too: weights handed back after it
+    if plan.parallel.pp == 1:  # and a forward of the user's module itself, past pmodel: the save hands them back
+        with torch.no_grad():
+            pmodel.module(pmodel.shard(inputs))
+    hp.checkpoint.save(pmodel, optimizer, root / f"ckpt-{name}", step=1)
     return {
         "growth_bytes": growth,
         "bytes_read": loaded.bytes_read,
