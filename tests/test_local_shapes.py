@@ -9,11 +9,14 @@ them (as for a split attention) broke the replicated projections' views.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+from torch import nn
 
 import hyparallel as hp
 from hyparallel.checks import check_plan
-from hyparallel.graph.local_shapes import local_shape_failure, local_shapes_copy
+from hyparallel.graph.local_shapes import local_shape_failure, local_shapes_copy, meta_copy
 from hyparallel.parity import small_spec
 from hyparallel.tensor.apply import check_local_shapes
 
@@ -103,3 +106,30 @@ def test_the_unsplit_model_runs_once_for_every_degree(monkeypatch):
     assert reasons  # its attention fails at one rank's sizes, and is replicated
     # the unsplit run once, then per degree one rank's sizes until the rest runs: never the unsplit run again
     assert len(runs) == 1 + len(reasons) + 2
+
+
+def test_the_meta_copy_is_the_models_when_a_freed_state_comes_back_at_its_address(monkeypatch):
+    # Note [the memo keeps what it copied alive] (hyparallel/graph/local_shapes.py): CPython may give a dict freed
+    # a moment ago (a module's __getstate__, once copied) to the next dict made, at the same address. This
+    # __getstate__ always does: it hands its one dict out again whenever nothing else holds it. A memo that let
+    # the copied states go gave a module another's attributes (seen in CI: "CausalSelfAttention has no attribute
+    # `qkv`", now and then).
+    plain, pool = nn.Module.__getstate__, [{}]
+
+    def reused_state(module):
+        if sys.getrefcount(pool[0]) > 2:  # held by more than the pool and getrefcount's argument: make another
+            pool[0] = {}
+        pool[0].clear()
+        pool[0].update(plain(module))
+        return pool[0]
+
+    model = hp.models.load("gpt-tiny num_layers=2").module
+    monkeypatch.setattr(nn.Module, "__getstate__", reused_state)
+    copied = meta_copy(model)
+    monkeypatch.undo()
+
+    def layout(module):
+        return [(name, type(m).__name__, list(m._modules), list(m._parameters)) for name, m in module.named_modules()]
+
+    assert layout(copied) == layout(model)
+    assert all(p.is_meta for p in copied.parameters())

@@ -196,6 +196,11 @@ def _deepcopy(value: Any, memo: dict[int, Any]) -> Any:
         return value
     if id(value) in memo:
         return memo[id(value)]
+    # Note [the memo keeps what it copied alive]: a module's __getstate__ is a new dict, freed once copied; its id
+    # could then be another new dict's, and the memo would hand that one the first one's copy (a module with
+    # another's attributes: "CausalSelfAttention has no attribute `qkv`", now and then). deepcopy keeps every
+    # original it memoised alive in memo[id(memo)]; so does this.
+    memo.setdefault(id(memo), []).append(value)
     if cls is dict or (cls is OrderedDict and not vars(value)):
         result = memo[id(value)] = cls()
         for key, item in value.items():

@@ -225,8 +225,10 @@ def _allocate(model: nn.Module, device: torch.device, names: set[str]) -> set[in
     several modules (a tied weight) is allocated once and set on every owner, so it stays tied.
     """
     owners = {name.rpartition(".")[0] for name in names}
+    # by id, holding the tensors: one replaced in its table below is freed otherwise, and a new tensor made at its
+    # address would read as it (Note [the memo keeps what it copied alive], hyparallel.graph.local_shapes)
     wanted = {
-        id(t)
+        id(t): t
         for path, module in model.named_modules(remove_duplicate=False)
         if path in owners
         for t in (*module._parameters.values(), *module._buffers.values())
