@@ -121,6 +121,16 @@ def test_what_parameter_servers_cannot_hold_is_refused_before_anything_starts(mo
     assert "\n" not in str(error.value)
 
 
+def test_a_ps_plan_without_ray_names_the_extra_in_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ModuleNotFoundError, as when not installed
+    with pytest.raises(
+        ConfigError, match=r"run on Ray, which is not installed: pip install 'hyparallel\[ps\]'"
+    ) as error:
+        hp.parallelize(torch.nn.Sequential(torch.nn.Embedding(5, 2)), _ps_plan())
+    assert "\n" not in str(error.value)
+
+
 def test_a_launch_of_the_wrong_size_names_workers_and_servers(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"dp\(2\) workers \+ ps.servers\(1\) = 3 != WORLD_SIZE\(2\)"):

@@ -66,6 +66,13 @@ def dense_owners(model: nn.Module, tables: dict[str, nn.Module], servers: int) -
 
 def parallelize_ps(model: nn.Module, plan: Plan, rank: int, world_size: int) -> PSServer | PSWorker:
     """This rank's role in ``plan``'s parameter-server mode (the launch size is already checked)."""
+    try:
+        import ray  # noqa: F401  (the servers are Ray actors)
+    except ImportError:
+        raise ConfigError(
+            "this plan runs parameter servers (its ps: section), and they run on Ray, which is not installed: "
+            "pip install 'hyparallel[ps]', or plan without servers (hyparallel plan --ps-servers 0)"
+        ) from None
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError(
             "parameter-server mode starts the servers from the model's weights: build the model on the CPU "
