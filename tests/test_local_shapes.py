@@ -16,7 +16,7 @@ from torch import nn
 
 import hyparallel as hp
 from hyparallel.checks import check_plan
-from hyparallel.graph.local_shapes import local_shape_failure, local_shapes_copy, meta_copy
+from hyparallel.graph.local_shapes import keeps_groups, local_shape_failure, local_shapes_copy, meta_copy
 from hyparallel.parity import small_spec
 from hyparallel.tensor.apply import check_local_shapes
 
@@ -43,6 +43,11 @@ def planned(spec: str, tp: int = 2) -> tuple:
             ("model.layers.*.self_attn.qkv_proj", "model.layers.*.self_attn.o_proj"),
             ("model.layers.*.mlp.gate_up_proj",),
         ),
+        (  # diffusers: runs at one rank's sizes, but as 4 heads of half the size (Note [a split keeps each head whole])
+            "tests.tiny_lms:heads_attribute_lm",
+            tuple(f"layers.*.attn.{p}_proj" for p in "qkvo"),
+            ("layers.*.up",),
+        ),
     ],
 )
 def test_the_planner_replicates_an_attention_sliced_with_the_models_constants(spec, attention, mlp):
@@ -53,6 +58,35 @@ def test_the_planner_replicates_an_attention_sliced_with_the_models_constants(sp
     example = hp.models.example_inputs(model, 2, 16)
     graph = hp.trace(model, example)
     check_local_shapes(model, graph, check_plan(plan, graph).styles, 2, example)  # what parallelize runs: passes
+
+
+def test_a_split_that_would_cut_heads_in_two_is_refused_in_one_line():
+    # Note [a split keeps each head whole]: diffusers' attention reads its head count from `heads`, which tp leaves
+    # whole, and its head size from the split width: every shape fits at one rank's sizes, the heads do not.
+    model = hp.models.load("tests.tiny_lms:heads_attribute_lm").module
+    example = hp.models.example_inputs(model, 2, 16)
+    graph = hp.trace(model, example)
+    styles = {f"layers.{i}.attn.{p}_proj": "column" for i in range(2) for p in "qkv"}
+    styles |= {f"layers.{i}.attn.o_proj": "row" for i in range(2)}
+    where, why = local_shape_failure(model, graph, styles, 2, example)
+    assert where == "layers.0.attn.q_proj" and "\n" not in why
+    assert "viewed as 4x8 (heads x head size), but at one rank's sizes under tp = 2 as 4x4" in why
+
+
+@pytest.mark.parametrize(
+    ("rows", "full", "local", "keeps"),
+    [
+        ([(0, 16)], [4, 8], [2, 8], True),  # two whole heads of four
+        ([(0, 16)], [4, 8], [4, 4], False),  # the same rows read as four half heads
+        ([(0, 8), (16, 24)], [2, 16], [2, 8], True),  # a fused [gate | up] viewed as (2, I): half of each part
+        ([(0, 8), (16, 24)], [2, 16], [1, 16], False),  # ... read as one group
+        ([(0, 48)], [4, 3, 8], [2, 3, 8], True),  # (heads, q/k/v, head size) of two whole heads
+        ([(0, 48)], [4, 3, 8], [2, 6, 4], False),
+        ([(0, 16)], [4, 8], [16], False),  # another number of levels
+    ],
+)
+def test_keeps_groups_compares_the_grouping_level_by_level(rows, full, local, keeps):
+    assert keeps_groups(rows, full, local) is keeps
 
 
 def test_a_module_that_runs_at_one_ranks_sizes_stays_split():

@@ -128,6 +128,15 @@ def test_a_no_grad_region_in_forward_trains_as_on_one_device():
     assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]
 
 
+def test_an_attention_holding_its_head_count_in_an_unknown_attribute_trains_as_one_device():
+    # diffusers' Attention keeps its head count in `heads` and reads its head size off the split projection: split
+    # by heads, each rank ran 4 heads of half the size (q_proj's gradient 81% off, no error). The dry run at one
+    # rank's sizes now sees the heads regrouped and the planner replicates that attention (Note [a split keeps each
+    # head whole]); the MLP stays split.
+    report = hp.check("tests.tiny_lms:heads_attribute_lm", tp=2, pp=1)
+    assert report.verdict == "equal", report.summary()
+
+
 def test_a_model_that_samples_in_training_is_compared_in_eval_mode():
     # Phi-MoE samples its routing in training: every run differs, on one process too, and the sweep called that
     # "differs" under every layout, dp 2 included. Its draws are found and the check runs in eval mode, saying so.

@@ -7,6 +7,8 @@ Factories for ``hp.models.load("tests.tiny_lms:NAME key=value ...")`` (the repos
 * ``config_split_lm``: nanoGPT's attention, its fused [q | k | v] split with the configured width.
 * ``mqa_lm``: multi-query attention, one key/value head shared by every query head; ``fused=True`` computes
   [q | k | v] in one Linear split by sizes, otherwise q, k and v are separate Linears.
+* ``heads_attribute_lm``: diffusers' attention, its head count in ``heads`` and its head size read off the split
+  projection's width.
 * ``interleaved_lm``: a fused projection whose output interleaves q, k and v: per head (``groups=0``: viewed as
   (..., heads, 3, head_dim) and unbound, as Bloom does) or per group of heads (CodeGen's ``mp_num`` groups, each
   q | k | v for several heads, regrouped into heads after the cut).
@@ -84,6 +86,24 @@ class QKNormAttention(Attention):
         )
         out = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class HeadsAttributeAttention(Attention):
+    """diffusers' ``Attention``: the head count in ``heads`` (a name the analysis does not know), the head size
+    computed from the projection's width (``head_dim = key.shape[-1] // attn.heads``) and an explicit softmax scale
+    of that size. Split by heads without dividing ``heads``, each rank would run ``heads`` heads of a smaller size."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__(hidden, heads, heads, False)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        head_dim = k.shape[-1] // self.heads
+        q, k, v = (t.view(batch, -1, self.heads, head_dim).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, -1, self.heads * head_dim))
 
 
 class SharedArgumentAttention(Attention):
@@ -204,6 +224,14 @@ def qk_norm_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: in
     blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
     for block in blocks:
         block.attn = QKNormAttention(hidden, heads)
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
+def heads_attribute_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """diffusers' attention (``HeadsAttributeAttention``): its head count in an attribute named ``heads``."""
+    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
+    for block in blocks:
+        block.attn = HeadsAttributeAttention(hidden, heads)
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import copyreg
 import functools
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from hyparallel.errors import ConfigError
 from hyparallel.graph.model_graph import ModelGraph
-from hyparallel.graph.structure import TPAnalysis, fused_parts, interleave
+from hyparallel.graph.structure import TPAnalysis, fused_parts, grouping, interleave
 from hyparallel.graph.tracer import first_failure, trace
 
 # Integer attributes attention modules use for their head bookkeeping (transformers' conventions).
@@ -149,9 +150,12 @@ def regrouped(
     sizes, into other groups than a 1/tp share of the full model's (a module sizing its groups from its head-count
     attributes, CodeGen's ``embed_dim // mp_num``); None when every such column keeps its groups."""
     by_module = {graph.op(name).module: name for name in graph.structure.styles}
-    grouped = {path: interleave(graph, by_module[path]) for path, style in styles.items() if style == "column"}
+    columns = [path for path, style in styles.items() if style == "column" and path in by_module]
+    grouped = {path: interleave(graph, by_module[path]) for path in columns}
     grouped = {path: groups for path, groups in grouped.items() if groups is not None}
-    if not grouped:
+    viewed = {path: grouping(graph, by_module[path]) for path in columns if path not in grouped}
+    viewed = {path: dims for path, dims in viewed.items() if dims is not None}
+    if not grouped and not viewed:
         return None
     local_graph = trace(local, example_inputs, method=graph.method)
     local_ops = {op.module: op.name for op in local_graph.compute_ops() if op.kind == "linear"}
@@ -165,7 +169,48 @@ def regrouped(
                 f"{groups // tp}: its module sizes the groups from the model's widths); "
                 "replicate it and its row partner"
             )
+    for path, dims in viewed.items():  # Note [a split keeps each head whole]
+        rows = column_rows(by_module[path], graph, graph.structure, tp, 0)
+        found = grouping(local_graph, local_ops[path]) if path in local_ops else None
+        if found is None and math.prod(dims[1:]) == sum(b - a for a, b in rows):
+            found = [1, *dims[1:]]  # one group per rank: (..., 1, D) reads as no grouping at all
+        if found is None or not keeps_groups(rows, dims, found):
+            seen = "x".join(map(str, found)) if found else "no such grouping"
+            return path, (
+                f"tensor_parallel: cannot split {path} (column: its output is viewed as {'x'.join(map(str, dims))} "
+                f"(heads x head size), but at one rank's sizes under tp = {tp} as {seen}, which mixes parts of "
+                "different heads: its module sizes its heads with a count tp does not divide, e.g. an attribute "
+                "holding the head count); replicate it and its row partner"
+            )
     return None
+
+
+# Note [a split keeps each head whole]
+#     A column split hands each rank whole heads: the rows of a view (..., H, D) from heads r*H/tp on. A module that
+#     computes its head size from the split width and its head count from an attribute the analysis does not know
+#     (diffusers' ``attn.heads``: head_dim = key.shape[-1] // attn.heads) views its share as (..., H, D/tp): every
+#     shape fits, the dry run passes, and each rank runs H heads of the wrong width with the wrong softmax scale.
+#     So for every split column whose output the full model views into groups (G, W...), the same view at one
+#     rank's sizes must group the rank's rows as the full view groups them, level by level (keeps_groups): rows in
+#     one group of the full view are in one local group and the other way round. The fused [gate | up] of an MLP
+#     viewed as (2, I) keeps its two groups with I/tp rows each; a head split into two local heads does not.
+
+
+def keeps_groups(rows: list[tuple[int, int]], full: list[int], local: list[int]) -> bool:
+    """Whether viewing a rank's ``rows`` of a column (full output rows, in order) as ``local`` groups them as the
+    full output's view ``full`` does, at every level of the grouping (Note [a split keeps each head whole])."""
+    if len(full) != len(local):
+        return False
+    index = torch.cat([torch.arange(a, b) for a, b in rows])
+    if index.numel() != math.prod(local):
+        return False
+    position = torch.arange(index.numel())
+    for level in range(1, len(full)):
+        outer, inner = index // math.prod(full[level:]), position // math.prod(local[level:])
+        pairs = torch.unique(torch.stack([outer, inner]), dim=1).size(1)
+        if not pairs == torch.unique(outer).numel() == torch.unique(inner).numel():
+            return False
+    return True
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

@@ -416,6 +416,13 @@ def interleave(graph: ModelGraph, op_name: str) -> tuple[int, list[int]] | None:
     return groups, inner
 
 
+def grouping(graph: ModelGraph, op_name: str) -> list[int] | None:
+    """The trailing dims (G, W...) ``op_name``'s output is viewed into, heads x head size for a projection
+    (``_grouping_view``); None when it is not viewed into groups."""
+    view, groups, inner = _grouping_view(graph, op_name, graph.op(op_name).output_shapes[0][-1])
+    return [groups, *inner] if view is not None else None
+
+
 def _grouping_view(graph: ModelGraph, op_name: str, out: int) -> tuple[Op | None, int, list[int]]:
     """The view of ``op_name``'s output (through views that keep its last dim whole) into trailing dims (G, W...)
     whose product is the output width, with G and the W dims; (None, 0, []) if there is none. Reshapes following
