@@ -199,10 +199,12 @@ class ParallelConfig(_Section):
 
 
 class PsConfig(_Section):
-    """Parameter-server mode: embedding tables (and the dense weights) live on ``servers`` extra processes.
+    """Parameter-server mode: embedding tables (and the dense weights) live on ``servers`` server processes.
 
     Workers pull the rows a batch needs and push sparse gradients; the servers apply ``optimizer``. The launch
-    has ``parallel.dp`` workers plus ``servers`` server processes (docs/parameter-server.md).
+    has ``parallel.dp`` workers plus ``servers`` server processes (docs/parameter-server.md): the planner's own
+    pick for N GPUs has dp + servers = N (the servers on some of the GPUs' processes), ``--ps-servers`` adds them
+    beside N workers.
     """
 
     servers: int_in(1, limits.MAX_DEVICES) = Field(
@@ -478,7 +480,10 @@ class Plan(_Section):
     @model_validator(mode="after")
     def _check_whole(self) -> Plan:
         par = self.parallel
-        if self.cluster is not None and self.cluster.num_gpus != par.world_size:
+        # a ps plan's servers may run on some of the GPUs' processes (the planner's pick; Note [servers inside the
+        # launch] in hyparallel/planner/tables.py) or beside one worker per GPU (servers asked for)
+        inside = self.ps is not None and par.world_size + self.ps.servers == getattr(self.cluster, "num_gpus", 0)
+        if self.cluster is not None and self.cluster.num_gpus != par.world_size and not inside:
             c = self.cluster
             raise ValueError(
                 f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}) = {par.world_size} GPUs, but cluster '{c.name}' has "

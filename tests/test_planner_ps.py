@@ -133,8 +133,10 @@ def test_criteo_tables_do_not_fit_replicated_and_ps_is_planned(criteo):
     assert servers.step_time_s == pytest.approx(sum(servers.parts.values()))
     plan = criteo.plan()
     assert plan.ps is not None and plan.ps.servers == servers.servers and len(plan.ps.tables) == 26
-    assert (plan.parallel.dp, plan.parallel.tp, plan.parallel.pp) == (8, 1, 1)
-    assert plan.launch_size == 8 + servers.servers
+    # Note [servers inside the launch]: a plan for 8 GPUs runs in 8 processes, servers on some of them; 65,536
+    # samples split over 4 workers (not 5, 6 or 7), so 4 servers
+    assert (plan.parallel.dp, plan.parallel.tp, plan.parallel.pp) == (servers.workers, 1, 1) == (4, 1, 1)
+    assert plan.launch_size == 8 and plan.ps.servers == 4
     assert plan.training.seq_len == 1  # DLRM's inputs are samples, not sequences
     pred = plan.predicted
     assert len(pred.memory_gib) == 1 and pred.memory_gib[0] < A100.device.memory_bytes / 2**30
@@ -156,9 +158,35 @@ def test_ps_servers_fixes_the_count_and_host_memory_refuses_too_few():
     model = hp.models.build("dlrm-criteo-tb")
     plan = hp.plan(model, A100, 65536, ps_servers=4)
     assert plan.ps.servers == 4 and plan.ps.optimizer == "adagrad" and plan.ps.staleness == 0
+    assert plan.parallel.dp == 8 and plan.launch_size == 12  # servers asked for: beside one worker per GPU
     small = A100.model_copy(update={"ps_server_memory_bytes": 64 * 2**30})
     with pytest.raises(PlanError, match="per server .* use more servers"):
         hp.plan(model, small, 65536, ps_servers=2)
+
+
+class LSTMLM(torch.nn.Module):
+    """A language model whose repeated layers the planner does not see (an nn.LSTM): it looks like a model of one
+    embedding table and a little dense compute, and the ps option used to win with 5 servers beside 4 workers."""
+
+    def __init__(self, vocab: int = 256, hidden: int = 64):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab)
+        self.lstm = torch.nn.LSTM(hidden, hidden, 2, batch_first=True)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.embed(tokens))[0])
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["lstm", "dlrm-tiny"])
+def test_the_planners_pick_for_n_gpus_runs_in_n_processes(name, gpus):
+    # Note [servers inside the launch]: whatever wins, servers included, the launch is the GPUs' processes
+    cluster = hp.ClusterSpec.preset("cpu", gpus_per_node=gpus)
+    if name == "lstm":
+        plan = hp.plan(LSTMLM(), cluster, 64, 16, "fp32", example_inputs=torch.zeros(1, 16, dtype=torch.long))
+    else:
+        plan = hp.plan(hp.models.build(name), cluster, 64)
+    assert plan.launch_size == gpus, (plan.parallel.dp, plan.ps)
 
 
 def test_a_transformer_keeps_its_plan():

@@ -19,7 +19,7 @@ gradient compression, virtual stages); transformers keep the search's plan unles
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from hyparallel import limits
@@ -37,9 +37,6 @@ from hyparallel.schema import ModelInfo, Plan, PsOptimizer
 
 OptionKind = Literal["ps", "workers", "split"]
 PS_OPTIMIZER: PsOptimizer = "adagrad"  # what a planned ps section asks the servers for (PsConfig's default)
-# The server counts searched go up to this many per worker: past it each pull's requests (tables x servers) cost
-# more latency than the servers' shares of bandwidth and memory save.
-PS_SERVERS_PER_WORKER = 4
 # A server count is taken over a smaller one only if it is more than this much faster: a process per 1% is not
 # worth its host.
 PS_SERVERS_WITHIN = 0.01
@@ -109,6 +106,7 @@ class Option:
     gpu_memory_bytes: float = math.inf  # peak of the busiest GPU, reserved memory not included
     server_memory_bytes: float | None = None  # ps: the busiest server's host memory
     servers: int = 0
+    workers: int = 0  # ps: the worker processes (Note [servers inside the launch])
     micro_batch: int = 0
     parts: dict[str, float] = field(default_factory=dict)  # seconds per step by what takes them
     reason: str = ""  # why it does not fit (or was not priced)
@@ -195,6 +193,7 @@ class _Setting:
     global_batch: int
     dtype: str
     micro_batch: int | None  # fixed by a constraint
+    worker_count: int | None = None  # ps workers, when servers take some of the GPUs' processes; None: one per GPU
     tables: list[Table] = field(init=False)
     dense: list[tuple[int, int]] = field(init=False)  # (values, rows) of each dense parameter
     per_worker: list[float] = field(init=False)  # distinct rows of each table a worker's samples look up
@@ -214,7 +213,7 @@ class _Setting:
 
     @property
     def workers(self) -> int:
-        return self.cluster.num_gpus
+        return self.worker_count or self.cluster.num_gpus
 
     @property
     def dense_params(self) -> int:
@@ -286,25 +285,40 @@ def choose(
     return TableChoice(options, min(runnable, key=lambda o: o.step_time_s))
 
 
+# Note [servers inside the launch]
+#     A plan for N GPUs runs in a launch of N processes. So the planner's own ps option puts its servers on some of
+#     those processes, ranks 0 .. s-1 (their GPUs idle: a server is a CPU process), and the other N - s are the
+#     workers: priced with the same hardware as the search's plans, not with s more processes. Only ``ps_servers``
+#     (`hyparallel plan --ps-servers`) adds servers beside one worker per GPU: the user asks for those processes,
+#     and the plan's summary says the launch size.
+
+
 def _best_ps(setting: _Setting, ps_servers: int | None) -> Option:
-    """The ps option at ``ps_servers``, or at the fewest servers within PS_SERVERS_WITHIN of the fastest count."""
-    if setting.global_batch % setting.workers:
-        return Option(
-            "ps",
-            "parameter servers",
-            False,
-            reason=f"global batch {setting.global_batch} is not divisible by the {setting.workers} workers",
-        )
-    worker = _ps_worker(setting)
+    """The ps option at ``ps_servers`` (beside one worker per GPU), or, inside the GPUs' processes (Note [servers
+    inside the launch]), at the fewest servers within PS_SERVERS_WITHIN of the fastest count."""
     if ps_servers is not None:
-        return _ps_option(setting, ps_servers, worker)
-    if not worker.fits:
-        return _ps_option(setting, 1, worker)
-    most = min(limits.MAX_DEVICES, max(PS_SERVERS_PER_WORKER * setting.workers, 8))
-    options = [_ps_option(setting, servers, worker) for servers in range(1, most + 1)]
+        if setting.global_batch % setting.workers:
+            return Option(
+                "ps",
+                "parameter servers",
+                False,
+                reason=f"global batch {setting.global_batch} is not divisible by the {setting.workers} workers",
+            )
+        return _ps_option(setting, ps_servers, _ps_worker(setting))
+    n = setting.cluster.num_gpus
+    splits = [replace(setting, worker_count=n - servers) for servers in range(1, n)]
+    splits = [inside for inside in splits if setting.global_batch % inside.workers == 0]
+    if not splits:
+        why = (
+            "one process: none left for a server"
+            if n == 1
+            else (f"no split of the {n} processes into servers and workers divides global batch {setting.global_batch}")
+        )
+        return Option("ps", "parameter servers", False, reason=why)
+    options = [_ps_option(inside, n - inside.workers, _ps_worker(inside)) for inside in splits]
     fitting = [o for o in options if o.fits]
     if not fitting:
-        return options[-1]
+        return options[0]
     fastest = min(o.step_time_s for o in fitting)
     return next(o for o in fitting if o.step_time_s <= fastest * (1 + PS_SERVERS_WITHIN))
 
@@ -325,6 +339,7 @@ def _ps_option(setting: _Setting, servers: int, worker: _Fit) -> Option:
             label,
             False,
             servers=servers,
+            workers=setting.workers,
             reason=f"a worker needs {worker.peak_bytes / 2**30:.1f} GiB per GPU (the dense model, the pulled rows "
             f"and a micro-batch's activations) on {usable / 2**30:.1f} GiB usable",
         )
@@ -363,6 +378,7 @@ def _ps_option(setting: _Setting, servers: int, worker: _Fit) -> Option:
         gpu_memory_bytes=worker_peak,
         server_memory_bytes=host,
         servers=servers,
+        workers=setting.workers,
         micro_batch=micro_batch,
         parts={"compute": compute_s, "pull": pull_s, "push": push_s, "server update": update_s},
         reason=""
@@ -471,16 +487,17 @@ def _split_option(setting: _Setting) -> Option:
 
 
 def write_plan(result: SearchResult, option: Option) -> Plan:
-    """The ps option as the Plan the runtime reads: one worker per GPU, ``option.servers`` servers, every table."""
+    """The ps option as the Plan the runtime reads: ``option.workers`` workers, ``option.servers`` servers (inside
+    the GPUs' processes or beside them: Note [servers inside the launch]), every table."""
     graph, profile, cluster = result.graph, result.profile, result.cluster
-    n, micro_batch, step = cluster.num_gpus, option.micro_batch, option.step_time_s
+    n, micro_batch, step = option.workers, option.micro_batch, option.step_time_s
     segments = graph.segments()
     costs_now = profile.segment_costs(1, False, micro_batch, "none", cluster.intra_node)
     forward = sum(s.forward_s for s in costs_now)
     backward = sum(s.backward_s for s in costs_now)
     reserved = cluster.device.reserved_bytes
     memory_gib = (option.gpu_memory_bytes + reserved) / 2**30
-    tflops = costs.model_flops_per_step(profile.forward_flops, result.global_batch) / step / n / 1e12
+    tflops = costs.model_flops_per_step(profile.forward_flops, result.global_batch) / step / cluster.num_gpus / 1e12
     comm = option.parts["pull"] + option.parts["push"] + option.parts["server update"]
     data = {
         "version": 1,
