@@ -592,7 +592,7 @@ def test_simulate_refuses_a_schedule_too_long_to_time(capsys, tmp_path):
         (["gpt-tiny", "hidden_size=" + "9" * 5000], "hidden_size must be an integer"),
         (["gpt-tiny", "nmu_layers=2"], "model 'gpt-tiny' has no setting 'nmu_layers'"),
         (["hf:gpt2", "n_layer=-1"], "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1"),
-        (["hf:gpt2", "n_layr=2"], "hf:gpt2: GPT2Config has no setting 'n_layr'"),
+        (["hf:gpt2", "n_layr=2"], "hf:gpt2: no transformers config has a setting 'n_layr'"),
     ],
 )
 def test_bad_model_specs_are_one_line(capsys, model, expected):

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import warnings
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -32,16 +38,33 @@ def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.
     config_cls = model_cls.config_class if from_class else transformers.CONFIG_MAPPING[arch]
     if "use_cache" in getattr(config_cls, "__dataclass_fields__", {}) or _has_setting(config_cls, "use_cache", errors):
         overrides = {"use_cache": False, **overrides}
-    _check_known(arch, config_cls, overrides, errors)
+    unlisted = _unlisted(config_cls, overrides, errors)
     try:
         config = config_cls(**overrides)
         try:
             check_hf_config(config)
         except ValueError as exc:
             raise ModelSpecError(f"hf:{arch}: {exc}") from None
-        return build_on(
-            device, lambda: model_cls(config) if from_class else transformers.AutoModelForCausalLM.from_config(config)
-        )
+        unused = [key for key in unlisted if not _consumed(config_cls, overrides, key, errors)]
+        with _reads(config_cls) as read:
+            model = build_on(
+                device,
+                lambda: model_cls(config) if from_class else transformers.AutoModelForCausalLM.from_config(config),
+            )
+        unused = [key for key in unused if key not in read]
+        known = _settings_of_any_config(transformers) if unused else set()
+        if typos := [key for key in unused if key not in known]:
+            raise ModelSpecError(
+                f"hf:{arch}: no transformers config has a setting {', '.join(map(repr, typos))}; check the spelling "
+                f"against {config_cls.__name__}'s documentation (transformers would keep it and ignore it)"
+            )
+        if unused:
+            warnings.warn(
+                f"hf:{arch}: {config_cls.__name__} and the model do not read {', '.join(map(repr, unused))} (a "
+                "setting of other transformers configs): it changes nothing here",
+                stacklevel=2,
+            )
+        return model
     except ModelSpecError:
         raise
     except errors as exc:
@@ -49,22 +72,77 @@ def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.
         raise ModelSpecError(f"hf:{arch}: cannot build from config {overrides}: {text[:200]}") from None
 
 
-def _check_known(arch: str, config_cls: type, overrides: dict, errors: tuple[type[BaseException], ...]) -> None:
-    """Refuse an override the config does not have: transformers keeps unknown keys silently, so a typo
-    (``num_hiden_layers=4``) would build the default model."""
+# Note [a config key judged by its use]
+#     transformers keeps a key its config does not know as a plain attribute, silently: a typo
+#     (``num_hiden_layers=4``) would build the default model. But a key the default config lacks is not always a
+#     typo: the config may fold it into another setting (``partial_rotary_factor`` into transformers 5's
+#     ``rope_parameters``), or the model may read it with ``getattr(config, key, default)`` (CodeGen's
+#     ``pad_token_id``, OPT's ``activation_dropout`` in older releases), or it may be a setting every published
+#     config.json of the family carries that this release no longer reads. So an override the default config lacks
+#     is taken when building the config without it changes anything else or building the model reads it; else it
+#     is taken with a warning when some transformers config has that setting, and refused as a typo when none has.
+
+
+def _unlisted(config_cls: type, overrides: dict, errors: tuple[type[BaseException], ...]) -> list[str]:
+    """The overrides the default config has no setting for (Note [a config key judged by its use])."""
     try:
         default = config_cls()
     except errors:
-        return  # a config that needs arguments: nothing to compare with
+        return []  # a config that needs arguments: nothing to compare with
     aliases = getattr(config_cls, "attribute_map", {}) or {}
-    unknown = [
+    return [
         key for key in overrides if key not in aliases and not hasattr(default, key) and not hasattr(default, f"_{key}")
     ]
-    if unknown:
-        raise ModelSpecError(
-            f"hf:{arch}: {config_cls.__name__} has no setting {', '.join(map(repr, unknown))}; "
-            "check the spelling against its documentation (transformers would ignore it)"
-        )
+
+
+def _consumed(config_cls: type, overrides: dict, key: str, errors: tuple[type[BaseException], ...]) -> bool:
+    """Whether the config built with ``key`` differs from the one built without it in anything but ``key``."""
+    try:
+        with_key = config_cls(**overrides).to_dict()
+        without = config_cls(**{k: v for k, v in overrides.items() if k != key}).to_dict()
+    except errors:
+        return True  # the key changes what the config accepts: it is read
+    with_key.pop(key, None)
+    return with_key != without
+
+
+@functools.cache
+def _settings_of_any_config(transformers) -> frozenset[str]:
+    """Every setting some transformers config declares (its dataclass fields, or its __init__'s parameters in
+    releases before configs were dataclasses) and every alias: a key outside it is a typo. Imports every config
+    module (seconds): asked only for an override neither its config nor its model reads."""
+    names: set[str] = set()
+    for model_type in list(transformers.CONFIG_MAPPING.keys()):
+        try:
+            config_cls = transformers.CONFIG_MAPPING[model_type]
+        except Exception:  # noqa: BLE001 -- a config module that does not import here names nothing
+            continue
+        names |= set(getattr(config_cls, "__dataclass_fields__", {}))
+        names |= set(getattr(config_cls, "attribute_map", {}) or {})
+        with contextlib.suppress(TypeError, ValueError):
+            names |= set(inspect.signature(config_cls.__init__).parameters)
+    return frozenset(names - {"self", "kwargs"})
+
+
+@contextlib.contextmanager
+def _reads(config_cls: type) -> Iterator[set[str]]:
+    """The attribute names read from instances of ``config_cls`` inside the block."""
+    read: set[str] = set()
+    own = config_cls.__dict__.get("__getattribute__")
+    inherited = config_cls.__getattribute__
+
+    def recording(self, name: str):
+        read.add(name)
+        return inherited(self, name)
+
+    config_cls.__getattribute__ = recording
+    try:
+        yield read
+    finally:
+        if own is not None:
+            config_cls.__getattribute__ = own
+        else:
+            del config_cls.__getattribute__
 
 
 def _has_setting(config_cls: type, key: str, errors: tuple[type[BaseException], ...]) -> bool:
