@@ -836,7 +836,8 @@ def build_parser() -> argparse.ArgumentParser:
         "make_inputs(batch_size, seq_len) returning one micro-batch of its inputs (a tensor, a "
         "tuple of args or a dict of kwargs) with the same meaning; the planner traces "
         "make_inputs(1, seq_len), and parallelize takes example_inputs=make_inputs(micro_batch, "
-        "seq_len)",
+        "seq_len); token ids must be seq_len long, other inputs (images, audio features) are taken as "
+        "they are. Hugging Face models need none: token ids, pixel_values or input_features by their config",
     )
     plan.add_argument(
         "--no-cache",

@@ -42,18 +42,24 @@ def tokens(rows: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("example", "rows", "seq_len"),
+    ("example", "rows", "seq_len", "fallback"),
     [
-        (torch.zeros(3, 7, dtype=torch.long), 3, 7),
-        ((torch.zeros(2, 5, dtype=torch.long), None, 0.5), 2, 5),  # non-tensor leaves
-        ({"mask": torch.ones(4, 9, dtype=torch.bool), "idx": torch.zeros(4, 9, dtype=torch.int32), "flag": True}, 4, 9),
-        ({"embeds": torch.zeros(2, 6, 8)}, 2, 6),  # no token ids
-        ((torch.zeros(5),), 5, None),  # no sequence dim
+        (torch.zeros(3, 7, dtype=torch.long), 3, 7, 1),
+        ((torch.zeros(2, 5, dtype=torch.long), None, 0.5), 2, 5, 1),  # non-tensor leaves
+        (
+            {"mask": torch.ones(4, 9, dtype=torch.bool), "idx": torch.zeros(4, 9, dtype=torch.int32), "flag": True},
+            4,
+            9,
+            1,
+        ),
+        ({"embeds": torch.zeros(2, 6, 8)}, 2, None, 6),  # no token ids: a length only when none is given
+        (torch.zeros(2, 3, 32, 32), 2, None, 1),  # images: dim 1 is channels, the figures per sample
+        ((torch.zeros(5),), 5, None, 1),  # no sequence dim
     ],
 )
-def test_inputs_give_rows_and_sequence_length(example, rows, seq_len):
+def test_inputs_give_rows_and_sequence_length(example, rows, seq_len, fallback):
     batch = inputs.read(example)
-    assert (batch.rows, batch.seq_len) == (rows, seq_len)
+    assert (batch.rows, batch.seq_len, batch.fallback_seq_len) == (rows, seq_len, fallback)
 
 
 @pytest.mark.parametrize(
@@ -170,7 +176,6 @@ def test_a_function_of_batch_and_length_lets_the_search_pick_the_micro_batch():
             PlanError,
             r"global batch 7 is not a multiple of the micro-batch of example_inputs \(2 rows",
         ),
-        ({"example_inputs": torch.zeros(2)}, PlanError, r"seq_len is not given: pass seq_len=, or example_inputs="),
         ({"example_inputs": make_inputs}, PlanError, r"seq_len is not given"),
         ({"example_inputs": "idx"}, ConfigError, r"example_inputs is a str"),
     ],
@@ -370,3 +375,35 @@ def test_parallelize_completes_a_hand_plan_with_its_example_inputs(one_process):
     assert hand.predicted is None
     pmodel = hp.parallelize(user_gpt(), hand, example_inputs=torch.zeros(2, SEQ, dtype=torch.long), device="cpu")
     assert pmodel.plan.predicted is not None and pmodel.plan.model.name == "UserGPT"  # planned with those inputs
+
+
+VIT = (
+    "hf:ViTForImageClassification hidden_size=64 num_hidden_layers=2 num_attention_heads=4 intermediate_size=128 "
+    "image_size=32 patch_size=8"
+)
+WHISPER = (
+    "hf:WhisperForConditionalGeneration d_model=64 encoder_layers=2 decoder_layers=2 encoder_attention_heads=4 "
+    "decoder_attention_heads=4 encoder_ffn_dim=128 decoder_ffn_dim=128 num_mel_bins=16 max_source_positions=32 "
+    "max_target_positions=64 vocab_size=128 pad_token_id=0 bos_token_id=1 eos_token_id=2 decoder_start_token_id=1"
+)
+
+
+def test_cli_plans_an_image_model_from_an_inputs_function_whatever_the_seq_len(capsys, tmp_path):
+    # Dim 1 of pixels is their channels, not a length: only token ids are checked against --seq-len
+    out = tmp_path / "plan.yaml"
+    argv = ["plan", "--model", VIT.split()[0], *VIT.split()[1:], "--example-inputs", "tests.user_gpt:make_pixels"]
+    code = main([*argv, "--gpus", "2", "--cluster", "cpu", "--global-batch", "8", "--dtype", "fp32", "-o", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert hp.Plan.load(out).parallel.world_size == 2
+
+
+@pytest.mark.parametrize(("spec", "shapes"), [(VIT, {"pixel_values": (2, 3, 32, 32)}), (WHISPER, None)])
+def test_hugging_face_image_and_audio_models_get_their_own_inputs(spec, shapes):
+    model = hp.models.load(spec).module
+    example = hp.models.example_inputs(model, 2, 16)
+    shapes = shapes or {"input_features": (2, 16, 64), "decoder_input_ids": (2, 16)}
+    assert {name: tuple(t.shape) for name, t in example.items()} == shapes
+    plan = hp.plan(model, cpu(2), 4, None, "fp32", tp=2, pp=1, example_inputs=example)
+    assert plan.training.seq_len == (16 if "decoder_input_ids" in shapes else 1)  # per sample for images
+    assert any(style == "column" for style in plan.tensor_parallel.values())

@@ -92,3 +92,8 @@ def make_fixed(batch_size: int, seq_len: int) -> torch.Tensor:
 
 
 NOT_CALLABLE = 3
+
+
+def make_pixels(batch_size: int, seq_len: int) -> torch.Tensor:
+    """Images, (batch_size, 3, 32, 32), whatever seq_len says: an image model's --example-inputs."""
+    return torch.zeros(batch_size, 3, 32, 32)

@@ -164,11 +164,12 @@ def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torc
     if callable(getattr(model, "example_inputs", None)):
         return model.example_inputs(batch_size, seq_len, device)
     main_input = getattr(model, "main_input_name", None)
-    if main_input == "input_ids":
-        tokens = {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)}
-        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # T5, BART: the decoder's tokens too
-            tokens["decoder_input_ids"] = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
-        return tokens
+    config = getattr(model, "config", None)
+    inputs = _hf_main_input(main_input, config, batch_size, seq_len, device)
+    if inputs is not None:
+        if getattr(config, "is_encoder_decoder", False):  # T5, BART, Whisper: the decoder's tokens too
+            inputs["decoder_input_ids"] = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        return inputs
     raise ModelSpecError(
         f"cannot tell what inputs {type(model).__name__} takes; pass example_inputs= (one micro-batch: a tensor, "
         "a tuple of args or a dict of kwargs; `hyparallel plan --example-inputs package.module:make_inputs`), or "
@@ -182,3 +183,21 @@ def fingerprint(model: nn.Module) -> str:
     for name, param in model.named_parameters():
         digest.update(f"{name}:{tuple(param.shape)};".encode())
     return "sha256:" + digest.hexdigest()[:16]
+
+
+def _hf_main_input(name: str | None, config: Any, batch_size: int, seq_len: int, device) -> dict | None:
+    """A Hugging Face model's main input by its ``main_input_name``: token ids (batch, seq_len), images
+    (batch, num_channels, image_size, image_size) or log-mel features (batch, num_mel_bins, 2 x
+    max_source_positions, Whisper's); None for another input or a config without those sizes."""
+    if name == "input_ids":
+        return {name: torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)}
+    sizes = getattr(config, "vision_config", None) or config  # a vision tower's own config (CLIP's)
+    if name == "pixel_values" and isinstance(getattr(sizes, "image_size", None), (int, list, tuple)):
+        side = sizes.image_size
+        height, width = (side, side) if isinstance(side, int) else tuple(side)[:2]
+        channels = getattr(sizes, "num_channels", 3)
+        return {name: torch.zeros(batch_size, channels, height, width, device=device)}
+    if name == "input_features" and all(hasattr(config, a) for a in ("num_mel_bins", "max_source_positions")):
+        frames = 2 * config.max_source_positions  # the encoder's two convolutions halve them once
+        return {name: torch.zeros(batch_size, config.num_mel_bins, frames, device=device)}
+    return None

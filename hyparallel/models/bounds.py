@@ -76,9 +76,10 @@ def check_hf_config(config: Any) -> None:
         if high is None:
             high = values.get("hidden_size" if name == "num_attention_heads" else "num_attention_heads", MAX_HIDDEN)
         label = f"{name} ({aliases[name]})" if name in aliases else name
-        if isinstance(value, list) and value and name == "intermediate_size":  # one per layer (Gemma 3n)
+        if isinstance(value, (list, tuple)) and value:  # one per layer (Gemma 3n's widths) or stage (Swin's heads)
             for each in value:
                 check_int(label, each, 1, high)
+            values[name] = max(value)
             continue
         check_int(label, value, 1, high)
         values[name] = value

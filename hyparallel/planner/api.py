@@ -311,7 +311,7 @@ def _graph(
             f"seq_len={seq_len} but example_inputs hold sequences of {batch.seq_len} tokens; "
             "make them agree, or leave seq_len out"
         )
-    seq_len = _needed(seq_len or batch.seq_len)
+    seq_len = seq_len or batch.seq_len or batch.fallback_seq_len
     _fix_micro_batch(constraints, batch.rows, global_batch)
     return trace(model, batch.inputs, name=name), seq_len, batch.rows, batch.inputs, None
 

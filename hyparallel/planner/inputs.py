@@ -2,8 +2,10 @@
 
 Read as ``parallelize`` reads a batch: a tensor, a tuple of positional inputs or a dict of keyword inputs, any of
 them holding non-tensor leaves too; the rows are dim 0 of the first tensor (pytree order) that has dims, the
-sequence length dim 1 of the token ids (the first integer tensor of two or more dims), else of the first tensor
-of two or more dims.
+sequence length dim 1 of the token ids (the first integer tensor of two or more dims). Inputs without token ids
+(images, audio features, embeddings) have no length to check a ``seq_len`` against: dim 1 of pixels is their
+channels. Only when no ``seq_len`` is given is one read from them: dim 1 of a (batch, length, width) float tensor
+(embeddings), else 1 (the plan's figures per sample, as a recommendation model's).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class MicroBatch:
 
     inputs: Any
     rows: int
-    seq_len: int | None  # None when no tensor has a sequence dim
+    seq_len: int | None  # the token ids' length; None without token ids
+    fallback_seq_len: int = 1  # when no seq_len is given and no token ids say it (the module doc)
 
 
 def read(inputs: Any, what: str = "example_inputs") -> MicroBatch:
@@ -42,8 +45,13 @@ def read(inputs: Any, what: str = "example_inputs") -> MicroBatch:
     token_ids = [
         t for t in tensors if t.dim() >= 2 and not (t.is_floating_point() or t.is_complex()) and t.dtype != torch.bool
     ]
-    sequences = token_ids or [t for t in tensors if t.dim() >= 2]
-    return MicroBatch(inputs, rows=tensors[0].size(0), seq_len=sequences[0].size(1) if sequences else None)
+    embedded = [t for t in tensors if t.dim() == 3 and t.is_floating_point()]
+    return MicroBatch(
+        inputs,
+        rows=tensors[0].size(0),
+        seq_len=token_ids[0].size(1) if token_ids else None,
+        fallback_seq_len=embedded[0].size(1) if embedded else 1,
+    )
 
 
 def default_seq_len(model: Any) -> int | None:
