@@ -567,6 +567,7 @@ def cmd_check(args: argparse.Namespace, out: Console) -> None:
         steps=args.steps,
         shrink=not args.as_given,
         timeout=args.timeout,
+        loss=args.loss,
     )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -939,6 +940,13 @@ def build_parser() -> argparse.ArgumentParser:
         check.add_argument(f"--{axis}", type=PER_NODE, default=default, help=f"the {axis} degree (default {default})")
     check.add_argument("--steps", type=_int_in(100), default=3, help="SGD steps compared (default 3)")
     check.add_argument("--as-given", action="store_true", help="build hf: models as given, not shrunk")
+    check.add_argument(
+        "--loss",
+        default=None,
+        metavar="package.module:fn",
+        help="the loss you train with, fn(output, targets) -> a scalar mean (targets: class ids over the logits' "
+        "last dim, else floats shaped like the output's first tensor); default token cross-entropy on the logits",
+    )
     check.add_argument("--timeout", type=_int_in(3600), default=600, help="seconds for the launch (default 600)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     add("demo", cmd_demo, "The embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU.")

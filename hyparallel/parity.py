@@ -32,6 +32,7 @@ Note [a parity check]
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -49,7 +50,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hyparallel.errors import HyparallelError
+from hyparallel.errors import ConfigError, HyparallelError
+from hyparallel.graph.kinds import logits_of
 
 __all__ = ["CheckReport", "GroupVerdict", "check", "expected_slice", "small_spec"]
 
@@ -187,16 +189,19 @@ def check(
     seed: int = 0,
     shrink: bool = True,
     timeout: float = 600.0,
+    loss: str | None = None,
     **constraints: Any,
 ) -> CheckReport:
     """Train a small copy of ``model`` (a MODEL spec) under dp x tp x pp in local gloo processes and compare its
     losses and gradients with one process's (Note [a parity check]). ``constraints`` fix more of the plan
-    (schedule, zero, sequence_parallel, recompute...). Returns the report; nothing is raised for a verdict.
+    (schedule, zero, sequence_parallel, recompute...). ``loss``: the loss you train with, a ``package.module:fn``
+    spec of ``fn(output, targets) -> scalar`` (Note [the loss a check trains]); token cross-entropy by default.
+    Returns the report; nothing is raised for a verdict.
     """
     layout = {"dp": dp, "tp": tp, "pp": pp, **constraints}
     return check_layouts(
         model, [layout], steps=steps, seq_len=seq_len, micro_batch=micro_batch, seed=seed, shrink=shrink,
-        timeout=timeout,
+        timeout=timeout, loss=loss,
     )[0]  # fmt: skip
 
 
@@ -210,6 +215,7 @@ def check_layouts(
     seed: int = 0,
     shrink: bool = True,
     timeout: float = 600.0,
+    loss: str | None = None,
 ) -> list[CheckReport]:
     """``check`` for several layouts of one model (each a dict of dp, tp, pp and other plan constraints, or
     ``{"world": N}``: the planner's own pick for N processes): one single-device reference per batch size, one
@@ -224,7 +230,7 @@ def check_layouts(
     with tempfile.TemporaryDirectory(prefix="hyparallel-check-", dir=keep) as tmp:
         folder = Path(tempfile.mkdtemp(prefix="check-", dir=keep) if keep else tmp)
         try:
-            (names, unused), jobs = _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed)
+            (names, unused), jobs = _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, loss)
         except HyparallelError as exc:  # the model itself: every layout refused with the same line
             for report in reports:
                 report.verdict, report.reason = "refused", _one_line(exc)
@@ -239,10 +245,21 @@ def check_layouts(
     return reports
 
 
-def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed):
+# Note [the loss a check trains]
+#     A check trains with token cross-entropy on the output's logits unless given the user's loss (``--loss
+#     package.module:fn``, ``hp.check(..., loss=...)``): ``fn(output, targets)`` returning a scalar mean, imported
+#     by name in every process. Its targets are class ids over the last dim of the output's logits when it has
+#     them, else normal floats shaped like the output's first tensor (a denoiser's ``sample``). Under a loss of the
+#     user's the plans gather the logits (vocab_parallel_loss: false), as train_step needs for any loss_fn. An
+#     output the default loss cannot read (no tensor, no logits: diffusers' UNet2DOutput) without a loss given is
+#     refused in one line before anything launches.
+
+
+def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, loss=None):
     """The reference and one job folder per plannable layout; layouts the planner refuses are reported so."""
     import hyparallel as hp
 
+    loss_fn = hp.models.load_callable(loss, "loss function") if loss else None
     model = hp.models.load(spec).module
     worlds = [
         layout.get("world") or r.layout["dp"] * r.layout["tp"] * r.layout["pp"] for layout, r in zip(layouts, reports)
@@ -252,7 +269,7 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed):
         for world, layout, r in zip(worlds, layouts, reports)
     ]
     rows = max(global_batches)
-    batches = _batches(model, rows, seq_len, steps, seed)
+    batches = _batches(model, rows, seq_len, steps, seed, own_loss=loss_fn is not None)
     references: dict[int, dict[str, Any]] = {}  # by global batch rows
     jobs: dict[int, CheckReport] = {}
     example = _micro_batch(batches[0][0], micro_batch)
@@ -270,6 +287,8 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed):
     for index in order:
         layout, report = layouts[index], reports[index]
         constraints = {k: v for k, v in layout.items() if k not in ("dp", "tp", "pp", "world")}
+        if loss_fn is not None:  # Note [the loss a check trains]: the logits gathered for it
+            constraints.setdefault("vocab_parallel_loss", False)
         degrees = {} if "world" in layout else report.layout  # {"world": N}: the planner picks the degrees
         cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=worlds[index])
         take = global_batches[index]
@@ -298,7 +317,7 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed):
                 **report.plan,
             }
         if take not in references:
-            references[take] = _reference(spec, mine, seed, sampling is not None)
+            references[take] = _reference(spec, mine, seed, sampling is not None, loss_fn)
         report.ref_losses = references[take]["losses"]
         job = folder / f"job{index}"
         job.mkdir()
@@ -306,7 +325,14 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed):
         torch.save(saved, job / "reference.pt")
         job.joinpath("job.json").write_text(
             json.dumps(
-                {"spec": spec, "plan": plan.to_dict(), "world": worlds[index], "seed": seed, "eval": bool(sampling)}
+                {
+                    "spec": spec,
+                    "plan": plan.to_dict(),
+                    "world": worlds[index],
+                    "seed": seed,
+                    "eval": bool(sampling),
+                    "loss": loss,
+                }
             )
         )
         jobs[index] = report
@@ -382,8 +408,11 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:400] or type(exc).__name__
 
 
-def _batches(model: nn.Module, rows: int, seq_len: int, steps: int, seed: int) -> list[tuple[Any, torch.Tensor]]:
-    """``steps`` (inputs, targets) pairs: random token ids (or normal floats) shaped like the model's inputs."""
+def _batches(
+    model: nn.Module, rows: int, seq_len: int, steps: int, seed: int, own_loss: bool = False
+) -> list[tuple[Any, torch.Tensor]]:
+    """``steps`` (inputs, targets) pairs: random token ids (or normal floats) shaped like the model's inputs, and
+    targets for the loss (Note [the loss a check trains])."""
     import hyparallel as hp
 
     vocab = _vocab(model)
@@ -399,21 +428,44 @@ def _batches(model: nn.Module, rows: int, seq_len: int, steps: int, seed: int) -
         return torch.randint(0, vocab, value.shape, generator=generator, dtype=value.dtype)
 
     example = hp.models.example_inputs(model, rows, seq_len, device="cpu")
+    target_shape, classes = (rows, seq_len), vocab  # a model meta tensors cannot run: a language model's targets
     try:  # the targets: one class per row of the output's last dimension (token ids for a language model)
-        from hyparallel.parallel import _logits
-
         with torch.no_grad():
-            shape = _logits(_call(model, _to_meta(example))).shape
-        target_shape, classes = tuple(shape[:-1]), int(shape[-1])
-    except Exception:  # noqa: BLE001 -- a model meta tensors cannot run: token targets, as a language model's
-        target_shape, classes = (rows, seq_len), vocab
+            output = _call(model, _to_meta(example))
+    except Exception:  # noqa: BLE001 -- judged when it runs for real
+        output = None
+    if output is not None:
+        logits = logits_of(output) if logits_of(output) is not None else output
+        if isinstance(logits, torch.Tensor):
+            target_shape, classes = tuple(logits.shape[:-1]), int(logits.shape[-1])
+        elif not own_loss:
+            raise ConfigError(
+                f"{type(model).__name__} returns a {type(output).__name__} without logits, so the default loss "
+                "(token cross-entropy) has nothing to read; pass the loss you train with: --loss "
+                "package.module:fn (hp.check(..., loss=...)), fn(output, targets) returning a scalar"
+            )
+        else:  # Note [the loss a check trains]: floats shaped like the output's first tensor
+            first = next(t for t in torch.utils._pytree.tree_leaves(_fields(output)) if isinstance(t, torch.Tensor))
+            target_shape, classes = tuple(first.shape), None
     out = []
     for _ in range(steps):
         inputs = torch.utils._pytree.tree_map(fill, example)
         if isinstance(inputs, dict) and list(inputs) == ["input_ids"]:
             inputs = inputs["input_ids"]  # as parallelize traces a token model by default: positional token ids
-        out.append((inputs, torch.randint(0, classes, target_shape, generator=generator)))
+        targets = (
+            torch.randn(target_shape, generator=generator)
+            if classes is None
+            else torch.randint(0, classes, target_shape, generator=generator)
+        )
+        out.append((inputs, targets))
     return out
+
+
+def _fields(output: Any) -> Any:
+    """A model output's values as a pytree: a dataclass (diffusers' outputs) as its fields in order."""
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return [getattr(output, f.name) for f in dataclasses.fields(output)]
+    return output
 
 
 def _to_meta(inputs: Any) -> Any:
@@ -478,19 +530,20 @@ def _no_dropout(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _reference(spec: str, batches, seed: int, eval_mode: bool = False) -> dict[str, Any]:
+def _reference(spec: str, batches, seed: int, eval_mode: bool = False, loss_fn=None) -> dict[str, Any]:
     """One process: the first step's gradients by name and the loss of each of ``steps`` SGD steps."""
     import hyparallel as hp
     from hyparallel.parallel import token_cross_entropy
     from hyparallel.tensor.init import materialize_
 
+    loss_fn = loss_fn or token_cross_entropy
     model = materialize_(hp.models.load(spec).module, "cpu", seed=seed)
     if eval_mode:
         model.eval()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads, unused = [], None, set()
     for inputs, targets in batches:
-        loss = token_cross_entropy(_call(model, inputs), targets)
+        loss = loss_fn(_call(model, inputs), targets)
         loss.backward()
         if grads is None:
             unused = {n for n, p in model.named_parameters(remove_duplicate=False) if p.grad is None}
@@ -502,7 +555,7 @@ def _reference(spec: str, batches, seed: int, eval_mode: bool = False) -> dict[s
         optimizer.zero_grad()
         losses.append(loss.item())
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    truth = _exact_gradients(spec, batches[0], seed, eval_mode)
+    truth = _exact_gradients(spec, batches[0], seed, eval_mode, loss_fn)
     ties: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         ties.setdefault(id(p), []).append(n)
@@ -511,7 +564,9 @@ def _reference(spec: str, batches, seed: int, eval_mode: bool = False) -> dict[s
     }  # fmt: skip
 
 
-def _exact_gradients(spec: str, batch: tuple[Any, torch.Tensor], seed: int, eval_mode: bool) -> dict | None:
+def _exact_gradients(
+    spec: str, batch: tuple[Any, torch.Tensor], seed: int, eval_mode: bool, loss_fn=None
+) -> dict | None:
     """The first step's gradients computed in float64 (the same weights), to tell rounding from error
     (``_close``); None where the model does not run in float64."""
     import hyparallel as hp
@@ -525,7 +580,8 @@ def _exact_gradients(spec: str, batch: tuple[Any, torch.Tensor], seed: int, eval
         inputs = torch.utils._pytree.tree_map(
             lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch[0]
         )
-        token_cross_entropy(_call(model, inputs), batch[1]).backward()
+        targets = batch[1].double() if batch[1].is_floating_point() else batch[1]
+        (loss_fn or token_cross_entropy)(_call(model, inputs), targets).backward()
     except Exception:  # noqa: BLE001 -- float64 is a sharper ruler where it runs; the fp32 tolerance stands alone
         return None
     return {
@@ -594,7 +650,9 @@ def _launcher(folder: Path, timeout: float, indices: list[str]) -> None:
                 fd = os.open(job / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
-                _worker(rank, spec["spec"], spec["plan"], str(job), spec["world"], spec["seed"], spec["eval"])
+                _worker(
+                    rank, spec["spec"], spec["plan"], str(job), spec["world"], spec["seed"], spec["eval"], spec["loss"]
+                )
                 os._exit(0)
             pids[pid] = rank
         _wait(job, pids, timeout)
@@ -628,7 +686,9 @@ def _wait(job: Path, pids: dict[int, int], timeout: float) -> None:
         (job / "launcher.json").write_text(json.dumps({"error": failed}))
 
 
-def _worker(rank: int, spec: str, plan_data: dict, folder: str, world: int, seed: int, eval_mode: bool) -> None:
+def _worker(
+    rank: int, spec: str, plan_data: dict, folder: str, world: int, seed: int, eval_mode: bool, loss: str | None = None
+) -> None:
     """One rank: parallelize the layout, train the batches, compare this rank's gradient slices by name."""
     import datetime
 
@@ -658,12 +718,13 @@ def _worker(rank: int, spec: str, plan_data: dict, folder: str, world: int, seed
         tokens = isinstance(first, torch.Tensor) and not first.is_floating_point()  # parallelize traces token ids
         example = None if tokens else _micro_batch(first, plan.training.micro_batch)  # images and the like: these
         pmodel = hp.parallelize(model, plan, example_inputs=example, seed=seed, device="cpu")
+        loss_fn = hp.models.load_callable(loss, "loss function") if loss else None
         optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
         modules = dict(model.named_modules())
         losses, grads = [], {}
         for step, (inputs, targets) in enumerate(batches):
-            loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
-            losses.append(loss.item())
+            value = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets), loss_fn)
+            losses.append(value.item())
             if step == 0:
                 for name, param in pmodel.named_parameters():
                     owner, _, leaf = name.rpartition(".")

@@ -62,6 +62,26 @@ def test_the_cli_exits_2_with_one_line_for_a_refusal():
     assert len(lines) == 1 and "refused" in lines[0] and "Traceback" not in proc.stderr
 
 
+def test_an_output_without_logits_needs_the_users_loss_and_trains_with_it():
+    # Note [the loss a check trains]: diffusers' UNet2DOutput has no logits; the check crashed in token
+    # cross-entropy and called it a bug. Without a loss it is refused in one line before any launch; with the
+    # user's loss (MSE of the sample against float targets shaped like it) tp 2 x pp 2 trains as one process.
+    refused = hp.check("tests.tiny_lms:sample_lm", tp=2, pp=1)
+    assert refused.verdict == "refused" and "\n" not in refused.reason
+    assert "SampleOutput without logits" in refused.reason and "--loss package.module:fn" in refused.reason
+    report = hp.check("tests.tiny_lms:sample_lm", tp=2, pp=2, loss="tests.tiny_lms:sample_mse")
+    assert report.verdict == "equal", report.summary()
+
+
+def test_the_cli_takes_the_users_loss(capsys):
+    from hyparallel.cli import main
+
+    argv = ["check", "tests.tiny_lms:sample_lm", "--tp", "2", "--pp", "1", "--dp", "1", "--steps", "1"]
+    assert main([*argv, "--loss", "tests.tiny_lms:sample_mse"]) == 0, capsys.readouterr().err
+    assert main([*argv, "--loss", "tests.tiny_lms:no_such_loss"]) == 2
+    assert "has no callable 'no_such_loss'" in capsys.readouterr().err
+
+
 def test_tiny_configs_keep_the_structure():
     import transformers
 

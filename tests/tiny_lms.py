@@ -16,6 +16,8 @@ Factories for ``hp.models.load("tests.tiny_lms:NAME key=value ...")`` (the repos
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -637,3 +639,28 @@ class ScanBlock(Block):
 def scan_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
     """Blocks with a recurrence written step by step into a zero tensor (``ScanGate``)."""
     return TinyLM(nn.Embedding(vocab_size, hidden), [ScanBlock(hidden, heads) for _ in range(layers)], vocab_size)
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    """An output without logits, as diffusers' ``UNet2DOutput(sample=...)``."""
+
+    sample: torch.Tensor
+
+
+class SampleLM(TinyLM):
+    """Returns its head's output as ``SampleOutput(sample=...)``: nothing for token cross-entropy to read."""
+
+    def forward(self, tokens: torch.Tensor) -> SampleOutput:  # type: ignore[override]
+        return SampleOutput(super().forward(tokens))
+
+
+def sample_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> SampleLM:
+    """A model whose output has no logits (``SampleOutput``); train it with ``sample_mse``."""
+    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
+    return SampleLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
+
+
+def sample_mse(output: SampleOutput, targets: torch.Tensor) -> torch.Tensor:
+    """A denoiser's loss: mean squared error of the output's sample against targets shaped like it."""
+    return F.mse_loss(output.sample.float(), targets)
