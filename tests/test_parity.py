@@ -73,6 +73,14 @@ def test_an_output_without_logits_needs_the_users_loss_and_trains_with_it():
     assert report.verdict == "equal", report.summary()
 
 
+def test_torchtitans_layout_splits_and_trains_as_one_device():
+    # Note [a layer that computes a standard one] (hyparallel/graph/kinds.py): its own Linear and Embedding classes
+    # (F.linear / F.embedding on their own weights) and layers in a ModuleDict: "tp 2 splits nothing" before
+    layouts = [{"tp": 2, "pp": 1}, {"tp": 2, "pp": 2}]
+    reports = check_layouts("tests.tiny_lms:dict_layers_lm", layouts, timeout=300)
+    assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]
+
+
 def test_the_cli_takes_the_users_loss(capsys):
     from hyparallel.cli import main
 

@@ -14,6 +14,7 @@ The parity cases run tp = 2 under parallelize in 2 gloo processes (tests/distrib
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -405,3 +406,37 @@ def test_sequence_parallelism_is_refused_for_a_second_stack_of_blocks():
     assert plan.parallel.tp == 2 and not plan.parallel.sequence_parallel
     decoder_only = traced(small_spec("hf:BartForCausalLM"))  # one stack: sequence parallelism as before
     assert decoder_only.structure.whole_sequence(decoder_only) is None
+
+
+class _ScaledOwnLinear(torch.nn.Module):
+    """F.linear and a scale: not the plain layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 4))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight) * 2.0
+
+
+class _PaddedOwnEmbedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 4))
+
+    def forward(self, ids):
+        return torch.nn.functional.embedding(ids, self.weight, padding_idx=0)
+
+
+def test_a_layer_computing_exactly_linear_or_embedding_is_split_as_one():
+    # Note [a layer that computes a standard one]: read from its forward, traced on its own
+    from hyparallel.graph.kinds import base_forward
+    from tests.tiny_lms import OwnEmbedding, OwnLinear
+
+    assert base_forward(OwnLinear(4, 4)) == "Linear" and base_forward(OwnLinear(4, 4, bias=True)) == "Linear"
+    assert base_forward(OwnEmbedding(8, 4)) == "Embedding"
+    assert base_forward(_ScaledOwnLinear()) == "" and base_forward(_PaddedOwnEmbedding()) == ""
+    graph = traced("tests.tiny_lms:dict_layers_lm n=2")
+    assert [b.path for b in graph.blocks] == ["layers.0", "layers.1"]  # a ModuleDict's layers are blocks
+    styles = graph.structure.styles
+    assert styles["layers.0.attention.wq"] == "column" and styles["layers.0.feed_forward.w2"] == "row"

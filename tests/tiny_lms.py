@@ -664,3 +664,85 @@ def sample_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int
 def sample_mse(output: SampleOutput, targets: torch.Tensor) -> torch.Tensor:
     """A denoiser's loss: mean squared error of the output's sample against targets shaped like it."""
     return F.mse_loss(output.sample.float(), targets)
+
+
+# ---- torchtitan's layout: own Linear/Embedding classes, layers in a ModuleDict ----
+
+
+class OwnLinear(nn.Module):
+    """A Linear that is not nn.Linear (torchtitan-style): its own weight and F.linear."""
+
+    def __init__(self, i, o, bias=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(o, i))
+        nn.init.normal_(self.weight, std=0.02)
+        self.bias = nn.Parameter(torch.zeros(o)) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class OwnEmbedding(nn.Module):
+    """An Embedding that is not nn.Embedding: its own weight and F.embedding."""
+
+    def __init__(self, n, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, d) * 0.02)
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+
+class OwnAttention(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.n_heads, self.head_dim = h, d // h
+        self.wq, self.wk, self.wv, self.wo = (OwnLinear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class OwnFeedForward(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w1, self.w2, self.w3 = OwnLinear(d, 4 * d), OwnLinear(4 * d, d), OwnLinear(d, 4 * d)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class OwnBlock(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.attention, self.feed_forward = OwnAttention(d, h), OwnFeedForward(d)
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(d), nn.RMSNorm(d)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class DictLayersLM(nn.Module):
+    def __init__(self, vocab=128, d=64, h=4, n=4):
+        super().__init__()
+        self.tok_embeddings = OwnEmbedding(vocab, d)
+        self.layers = nn.ModuleDict({str(i): OwnBlock(d, h) for i in range(n)})
+        self.norm, self.output = nn.RMSNorm(d), OwnLinear(d, vocab)
+
+    def example_inputs(self, batch_size, seq_len, device="meta"):
+        return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def dict_layers_lm(n: int = 4) -> DictLayersLM:
+    """torchtitan's Llama layout: its own Linear and Embedding classes (not torch's), layers in a ModuleDict."""
+    return DictLayersLM(n=n)

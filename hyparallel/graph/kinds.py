@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Literal
 
@@ -212,6 +213,9 @@ def module_kind(module: nn.Module, inner: list[str] | None = None) -> OpKind:
         return "linear"
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         return "embedding"
+    standard = base_forward(module)  # Note [a layer that computes a standard one]
+    if standard:
+        return "embedding" if standard == "Embedding" else "linear"
     if isinstance(module, nn.modules.dropout._DropoutNd):
         return "dropout"
     if name.endswith("Norm") or isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)):
@@ -247,7 +251,76 @@ def base_forward(module: nn.Module) -> str:
     if isinstance(module, nn.Embedding):
         return "Embedding" if forward is nn.Embedding.forward else ""
     conv1d = next((cls for cls in type(module).__mro__ if cls.__name__ == "Conv1D"), None)
-    return "Conv1D" if conv1d is not None and forward is conv1d.forward else ""
+    if conv1d is not None:
+        return "Conv1D" if forward is conv1d.forward else ""
+    return _computes(module)
+
+
+# Note [a layer that computes a standard one]
+#     torchtitan's Llama (and many a user's model) brings its own Linear and Embedding classes: not subclasses of
+#     torch's, so by type nothing would split ("tp 2 splits nothing"). A module without children whose parameters
+#     are a 2-D ``weight`` (and a 1-D ``bias``) and whose forward, traced by torch.fx on its own, is exactly
+#     ``F.linear(input, self.weight[, self.bias])`` (or ``F.embedding(input, self.weight)`` with no padding_idx,
+#     max_norm or sparse gradient) computes what nn.Linear (nn.Embedding) computes: it is split as one. Anything
+#     more in its forward (a scale, a cast, another op) keeps it replicated, as for a subclass that overrides it.
+def _computes(module: nn.Module) -> str:
+    """ "Linear" or "Embedding" when ``module``'s forward is exactly that standard layer's (the Note above)."""
+    if next(module.children(), None) is not None or type(module).__module__.startswith("torch."):
+        return ""
+    params = dict(module.named_parameters(recurse=False))
+    weight, bias = params.get("weight"), params.get("bias")
+    if (
+        weight is None
+        or weight.dim() != 2
+        or set(params) - {"weight", "bias"}
+        or (bias is not None and bias.dim() != 1)
+    ):
+        return ""
+    return _forward_is(type(module), bias is not None)
+
+
+_EMBEDDING_DEFAULTS = {
+    "padding_idx": None,
+    "max_norm": None,
+    "norm_type": 2.0,
+    "scale_grad_by_freq": False,
+    "sparse": False,
+}
+
+
+@functools.cache
+def _forward_is(cls: type, has_bias: bool) -> str:
+    import torch.fx as fx
+    import torch.nn.functional as F
+
+    try:
+        probe = cls.__new__(cls)
+        nn.Module.__init__(probe)
+        probe.weight = nn.Parameter(torch.empty(4, 4, device="meta"))
+        probe.bias = nn.Parameter(torch.empty(4, device="meta")) if has_bias else None
+        graph = fx.symbolic_trace(probe).graph
+    except Exception:  # noqa: BLE001 -- a forward torch.fx cannot follow on its own is not judged standard
+        return ""
+    calls = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    attrs = {n: n.target for n in graph.nodes if n.op == "get_attr"}
+    if len(calls) != 1 or len(inputs) != 1 or calls[0].op != "call_function":
+        return ""
+    if any(_EMBEDDING_DEFAULTS.get(key, object()) != value for key, value in calls[0].kwargs.items()):
+        return ""  # a padding row, a max_norm (or anything but F.embedding's defaults): not the plain layer
+    call, args = calls[0], tuple(calls[0].args)
+    while args and args[-1] is None:  # F.linear(x, self.weight, self.bias) with bias None
+        args = args[:-1]
+    named = [attrs.get(a) for a in args[1:]]
+    if (
+        call.target is F.linear
+        and args[:1] == (inputs[0],)
+        and named == (["weight", "bias"] if has_bias else ["weight"])
+    ):
+        return "Linear"
+    if call.target in (F.embedding, torch.embedding) and args[:1] == (inputs[0],) and named == ["weight"]:
+        return "Embedding"
+    return ""
 
 
 def writes_in_place(target: str) -> bool:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hyparallel.errors import ConfigError
+from hyparallel.graph.kinds import base_forward
 from hyparallel.graph.model_graph import ModelGraph
 from hyparallel.graph.structure import TPAnalysis, fused_parts, grouping, interleave
 from hyparallel.graph.tracer import first_failure, trace
@@ -297,8 +298,8 @@ def local_shapes_copy(model: nn.Module, graph: ModelGraph, styles: dict[str, str
 
 def linear_weight(module: nn.Module) -> torch.Tensor:
     weight = module.weight
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        return weight.detach()
+    if isinstance(module, (nn.Linear, nn.Embedding)) or base_forward(module) in ("Linear", "Embedding"):
+        return weight.detach()  # Note [a layer that computes a standard one] (hyparallel.graph.kinds)
     if type(module).__name__ == "Conv1D":  # transformers' Conv1D stores (in, out)
         return weight.detach().t()
     raise ConfigError(

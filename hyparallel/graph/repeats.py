@@ -57,7 +57,7 @@ def repeated_blocks_once(model: nn.Module) -> Iterator[None]:
     outputs: dict[Any, tuple[pytree.TreeSpec, list]] = {}
     patched: dict[int, nn.Module] = {}
     for container in model.modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             continue
         for block in container.children():
             if "forward" in block.__dict__ or id(block) in patched or _hooked(block):

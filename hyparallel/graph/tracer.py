@@ -1065,10 +1065,11 @@ def _live_nodes(nodes: list[fx.Node], outputs: dict[fx.Node, Any], program: Prog
 
 
 def _find_blocks(model: nn.Module, ops: list[Op]) -> tuple[Block, ...]:
-    """Children of ModuleList/Sequential containers that have children and share one structure."""
+    """Children of ModuleList/Sequential/ModuleDict containers that have children and share one structure (a
+    ModuleDict: torchtitan keeps its layers in one, by their indices as strings)."""
     candidates: list[str] = []
     for path, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             continue
         children = [(f"{path}.{n}" if path else n, c) for n, c in container.named_children()]
         by_shape: dict[tuple, list[str]] = {}

@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 from hyparallel.checks import check_blocks, check_styles, check_tensor_parallel_degree
 from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph
+from hyparallel.graph.kinds import base_forward
 from hyparallel.graph.local_shapes import (
     block_modules,
     column_rows,
@@ -386,8 +387,9 @@ def _parallel_module(
         if not weight.is_meta:
             kept = weight[rows[0] : min(rows[1], vocab)]
             padded[: kept.size(0)] = kept
-        if isinstance(old, nn.Embedding):
-            new = VocabParallelEmbedding(vocab, weight.size(1), rows, group, padding_idx=old.padding_idx, **kwargs)
+        if isinstance(old, nn.Embedding) or base_forward(old) == "Embedding":  # a layer computing one, too
+            padding = getattr(old, "padding_idx", None)
+            new = VocabParallelEmbedding(vocab, weight.size(1), rows, group, padding_idx=padding, **kwargs)
         else:
             new = VocabParallelHead(
                 weight.size(1),
