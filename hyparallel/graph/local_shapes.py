@@ -63,16 +63,18 @@ def replicate_what_fails(
     ``degrees`` (Note [the planner replicates what fails at one rank's sizes]); returns the reasons."""
     reasons: list[str] = []
     unsplit: list[str | None] = []  # how the unsplit model runs: one answer for every degree and round
-    for tp in sorted(d for d in set(degrees) if d > 1):
-        if graph.structure.check(tp, graph):
-            continue  # a degree that does not divide the heads or widths is refused as such, not worked around
+    # a degree that does not divide the heads or widths is refused as such, not worked around
+    runnable = [tp for tp in sorted(d for d in set(degrees) if d > 1) if not graph.structure.check(tp, graph)]
+    for tp in runnable:
         for _ in range(rounds):
             styles = {graph.op(n).module: s for n, s in graph.structure.styles.items() if graph.op(n).module}
             if not unsplit and any(style in ("column", "row") for style in styles.values()):
                 unsplit.append(dry_run_method(model, graph, example_inputs))
             if unsplit == [None]:
                 return reasons  # the unsplit model runs on meta neither way: no split of it can be judged
-            failure = local_shape_failure(model, graph, styles, tp, example_inputs, unsplit[0] if unsplit else None)
+            failure = local_shape_failure(  # heads regrouped at a smaller degree are at the largest too: checked once
+                model, graph, styles, tp, example_inputs, unsplit[0] if unsplit else None, groups=tp == runnable[-1]
+            )
             if failure is None:
                 break
             ops = _split_within(graph, failure[0])
@@ -122,10 +124,13 @@ def local_shape_failure(
     tp: int,
     example_inputs: Any,
     method: str | None = None,
+    groups: bool = True,
 ) -> tuple[str, str] | None:
     """(module path, one-line reason) of the first split module that cannot run at one rank's sizes (Note [one
     rank's sizes, run on meta]); None when every split runs, or when the unsplit model does not run on meta.
-    ``method``: :func:`dry_run_method`'s answer when the caller has it already (it is asked otherwise)."""
+    ``method``: :func:`dry_run_method`'s answer when the caller has it already (it is asked otherwise).
+    ``groups``: also check that each split keeps its heads whole (a trace at one rank's sizes: Note [a split keeps
+    each head whole]); the planner asks it at the largest degree it tries only."""
     if tp == 1 or not any(style in ("column", "row") for style in styles.values()):
         return None
     method = method or dry_run_method(model, graph, example_inputs)
@@ -134,7 +139,7 @@ def local_shape_failure(
     local = local_shapes_copy(model, graph, styles, tp)
     failure = first_failure(local, example_inputs, method)
     if failure is None:
-        return regrouped(local, graph, styles, tp, example_inputs)
+        return regrouped(local, graph, styles, tp, example_inputs) if groups else None
     where, exc = failure
     message = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
     return where, (
