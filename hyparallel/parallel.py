@@ -140,7 +140,7 @@ def parallelize(
         from hyparallel.ps.runtime import parallelize_ps
 
         return parallelize_ps(model, plan, env.rank, env.world_size)
-    device = torch.device(device) if device is not None else default_device(env, plan)
+    device = rank_device(device, env.local_rank) if device is not None else default_device(env, plan)
     with tracing_device(device):  # Note [exported for the device it runs on] (hyparallel.graph.tracer)
         return _parallelize(model, plan, env, device, example_inputs, seed, compile_backend)
 
@@ -828,6 +828,15 @@ def _bound_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     if not args:
         return dict(kwargs)
     return dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
+
+
+def rank_device(device: torch.device | str, local_rank: int) -> torch.device:
+    """``device`` as given to parallelize; an accelerator without an index ("cuda") is this rank's own one,
+    ``cuda:LOCAL_RANK``, as default_device picks it (torch.cuda.set_device refuses an index-less device)."""
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        return torch.device(device.type, local_rank)
+    return device
 
 
 def default_device(env: LaunchEnv, plan: Plan) -> torch.device:

@@ -423,3 +423,13 @@ def test_parallelize_traces_the_model_once(world_of_one):
     pmodel = hp.parallelize(hp.models.build("gpt-tiny"), plan, device="cpu")
     assert pmodel.plan.predicted is not None  # completed by the planner, from that same trace
     assert len(calls) == 1
+
+
+def test_an_accelerator_named_without_an_index_is_this_ranks_own():
+    # parallelize(model, plan, device="cuda") crashed in torch.cuda.set_device ("Expected a torch.device with a
+    # specified index"), seen on an H200: it is cuda:LOCAL_RANK, as the default device is
+    from hyparallel.parallel import rank_device
+
+    assert rank_device("cuda", 3) == torch.device("cuda", 3)
+    assert rank_device(torch.device("cuda", 1), 3) == torch.device("cuda", 1)
+    assert rank_device("cpu", 3) == torch.device("cpu")
