@@ -134,6 +134,7 @@ def test_a_base_model_file_loads_into_the_model_with_a_head(tmp_path):
     model = hp.models.load(GPT2, device="cpu").module
     loaded = hp.checkpoint.load_pretrained(model, tmp_path / "gpt2.safetensors")
     assert loaded.ignored == ("h.0.attn.bias",)
+    # exact: the tied head is the loaded embedding, copied from the file with no arithmetic on it
     assert torch.equal(model.lm_head.weight, source.transformer.wte.weight)
     assert all(apart == 0 for apart in weights_apart(model, source).values())
 

@@ -66,6 +66,8 @@ def test_an_optimizer_made_after_an_eval_under_zero_updates_the_weights(results,
 
 @pytest.mark.parametrize("case", [c for c in CASES if "pp" in c and c != "dp2-pp2-interleaved-m2" and "zero" not in c])
 def test_greedy_generation_under_a_pipeline_gives_the_single_devices_tokens(results, case):
+    # exact token ids are well defined only where no greedy pick is near a tie (loop_worker: generation_margin)
+    assert all(rank["generation_margin"] > 100 * 1e-5 for rank in results[case])
     assert all(rank["generated_equal"] for rank in results[case])
 
 

@@ -84,11 +84,13 @@ def run_case(name: str) -> dict:
     optimizer.zero_grad()
     if handle is not None:
         handle.remove()
+    # exact: a skipped step runs no kernel on the parameters, so they are the very same values
     result["inf_skipped"] = all(torch.equal(b, p) for b, p in zip(before, pmodel.parameters()))
     result["optimizer_state"] = len(optimizer.state)
     result["scale"] = (scale, pmodel.scaler.scale)
     pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets), small_loss)  # clean: trains, the tracker grows
     optimizer.step()
+    # loose by construction: any parameter moved at all (an AdamW step of lr 1e-3 moves each far past rounding)
     result["clean_step_trained"] = not all(torch.equal(b, p) for b, p in zip(before, pmodel.parameters()))
     # The scaler's state survives a checkpoint into another model.
     folder = [tempfile.mkdtemp(prefix="fp16-ckpt-") if dist.get_rank() == 0 else None]
