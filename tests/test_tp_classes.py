@@ -440,3 +440,20 @@ def test_a_layer_computing_exactly_linear_or_embedding_is_split_as_one():
     assert [b.path for b in graph.blocks] == ["layers.0", "layers.1"]  # a ModuleDict's layers are blocks
     styles = graph.structure.styles
     assert styles["layers.0.attention.wq"] == "column" and styles["layers.0.feed_forward.w2"] == "row"
+
+
+def test_torchs_transformer_encoder_is_traced_into_and_its_feed_forward_split():
+    # Note [torch's own layers with children are traced into]: nn.TransformerEncoder was one opaque op (tp split
+    # only the embedding and head; no pipeline cut between its layers). Now its layers are blocks, linear1 / linear2
+    # a column / row pair, and nn.MultiheadAttention (out_proj read, not called) one attention op kept whole.
+    graph = traced("tests.tiny_lms:torch_encoder_lm layers=2")
+    assert [b.path for b in graph.blocks] == ["encoder.layers.0", "encoder.layers.1"]
+    attention = [op for op in graph.ops if op.kind == "attention"]
+    assert [op.module for op in attention] == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
+    assert "encoder.layers.0.self_attn.in_proj_weight" in attention[0].params
+    styles = graph.structure.styles
+    assert styles["encoder.layers.0.linear1"] == "column" and styles["encoder.layers.1.linear2"] == "row"
+    assert not any(path.startswith("encoder.layers.0.self_attn") for path in styles)
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=2)
+    with pytest.raises(hp.PlanError, match=r"^sequence_parallel: encoder\.layers\.0\.self_attn mixes the whole"):
+        hp.plan(graph, cluster, 4, 16, "fp32", tp=2, sequence_parallel=True)

@@ -22,6 +22,7 @@ CASES = (
     "tp2-pp2-1f1b-m4",
     "dp2-tp2-zero1-m2",
     "dp2-pp2-zero1-m2",
+    "encoder-tp2-pp2-m4",
     "hf-llama-tp2-pp2",
 )
 GLOBAL_TOKENS = 8 * 16  # loop_worker's GLOBAL_BATCH x SEQ

@@ -746,3 +746,31 @@ class DictLayersLM(nn.Module):
 def dict_layers_lm(n: int = 4) -> DictLayersLM:
     """torchtitan's Llama layout: its own Linear and Embedding classes (not torch's), layers in a ModuleDict."""
     return DictLayersLM(n=n)
+
+
+class TorchEncoderLM(nn.Module):
+    """torch's own nn.TransformerEncoder as a causal LM: its layers in the encoder's ModuleList, attention an
+    nn.MultiheadAttention (one fused in_proj_weight, read by F.multi_head_attention_forward)."""
+
+    def __init__(self, hidden: int, heads: int, layers: int, vocab_size: int, norm_first: bool):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden)
+        layer = nn.TransformerEncoderLayer(
+            hidden, heads, 4 * hidden, dropout=0.0, activation="gelu", batch_first=True, norm_first=norm_first
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(hidden), enable_nested_tensor=False)
+        self.head = nn.Linear(hidden, vocab_size, bias=False)
+
+    def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> torch.Tensor:
+        return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], device=input_ids.device)
+        return self.head(self.encoder(self.embed(input_ids), mask=mask, is_causal=True))
+
+
+def torch_encoder_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 4, vocab_size: int = 64, norm_first: bool = True
+) -> TorchEncoderLM:
+    """nn.TransformerEncoder (pre-norm by default, as GPT-style models are) under a token embedding and a head."""
+    return TorchEncoderLM(hidden, heads, layers, vocab_size, norm_first)

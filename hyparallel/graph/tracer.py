@@ -277,13 +277,28 @@ def to_meta(value: Any) -> Any:
 _TRACEBACK = "hyparallel_traceback"  # node.meta key: the node's CapturedTraceback
 
 
+# Note [torch's own layers with children are traced into]
+#     fx keeps every torch.nn module as one call_module node, so nn.TransformerEncoder was one opaque op: tensor
+#     parallelism split only the embedding and head around it, and no pipeline could cut between its layers. A
+#     torch.nn module with children is traced into like a user's own (its children are then the ops and its
+#     ModuleList the blocks), except nn.MultiheadAttention, whose forward reads out_proj's weight without calling
+#     it (F.multi_head_attention_forward): it stays one op, kept whole by tensor parallelism. The encoder layer's
+#     forward branches on its tensors' dtypes and devices, which fx cannot record, so such a model is traced by
+#     torch.export. Once split, the encoder layer's fused inference path (torch._transformer_encoder_layer_fwd,
+#     taken in eval under no_grad) would read the split weights as whole; tensor parallelism turns it off
+#     (Note [torch's fused encoder path], hyparallel/tensor/apply.py).
+
+
 class _LeafTracer(fx.Tracer):
-    """Keeps every module without children (standard or custom) as one call_module node."""
+    """Keeps every module without children (standard or custom) as one call_module node
+    (Note [torch's own layers with children are traced into])."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             return False
-        return super().is_leaf_module(m, module_qualified_name) or next(m.children(), None) is None
+        if next(m.children(), None) is None or isinstance(m, nn.MultiheadAttention):
+            return True
+        return super().is_leaf_module(m, module_qualified_name) and not type(m).__module__.startswith("torch.nn.")
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         self.grad_mode = torch.is_grad_enabled()
@@ -925,6 +940,15 @@ class _OpBuilder:
         live = _live_nodes(list(program.gm.graph.nodes), outputs, program)
         used_names = set(self.group_of.values()) | {_OUTPUT}
         previous: tuple[str, str] | None = None  # (leaf module path, op name) of the last exported leaf call
+        ran = {path for n in program.gm.graph.nodes for path, _ in (n.meta.get("nn_module_stack") or {}).values()}
+
+        def is_leaf(path: str) -> bool:  # no children, or a torch.nn layer none of whose children's forward ran
+            module, prefix = self.modules.get(path), f"{path}." if path else ""  # (Note [torch's own layers ...])
+            if module is None or next(module.children(), None) is None:
+                return module is not None
+            own = type(module).__module__.startswith("torch.nn.")
+            return own and not any(prefix + c in ran for c, _ in module.named_children())
+
         for node in program.gm.graph.nodes:
             if node not in live or node in program.state_of or node.op in ("output", "placeholder"):
                 continue
@@ -933,8 +957,7 @@ class _OpBuilder:
                 key = self.group_of[source]  # unpacking a multi-output op stays part of that op
             else:
                 owner = module_of(node)
-                is_leaf = owner in self.modules and next(self.modules[owner].children(), None) is None
-                leaf = owner if node.op == "call_module" or (program.method == "export" and is_leaf) else None
+                leaf = owner if node.op == "call_module" or (program.method == "export" and is_leaf(owner)) else None
                 if leaf is not None and node.op != "call_module" and previous and previous[0] == leaf:
                     key = previous[1]  # the next ATen op of the same leaf module call
                 else:

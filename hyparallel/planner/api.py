@@ -435,6 +435,8 @@ def _nothing_found(
         return f"{reason}; choose a tensor-parallel degree that divides it"
     if reason := _needs_blocks(graph, constraints):
         return reason
+    if constraints.get("sequence_parallel") and (reason := analysis.whole_sequence(graph)):
+        return reason
     if not enumerate_configs(engine.ctx, constraints):
         if not enumerate_configs(engine.ctx, {}):
             return (

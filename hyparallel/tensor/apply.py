@@ -179,11 +179,35 @@ def apply_tensor_parallel(
         module = model.get_submodule(owner)
         module.register_forward_pre_hook(_entry_hook(module, group, sequence_parallel), with_kwargs=True)
     patch_attention_attributes(model, graph, analysis, tp, styles)
+    _off_fused_encoder_paths(model, styles)
     if sequence_parallel and tp > 1:
         info.synced_params = _enter_sequence_parallel(model, graph, styles, group)
     # Note [replicated parameters inside a split region]
     info.synced_params = sorted(set(info.synced_params) | _region_parameters(graph, analysis, styles))
     return info
+
+
+# Note [torch's fused encoder path]
+#     nn.TransformerEncoderLayer in eval under no_grad runs one fused kernel (torch._transformer_encoder_layer_fwd)
+#     on its children's weights as whole tensors instead of calling them, and nn.TransformerEncoder first packs
+#     a padded batch into nested tensors for it. With linear1 / linear2 split, that kernel reads one rank's slices
+#     as the whole weights: eval logits 0.57 off under tp 2, no error. torch skips both paths when a forward hook
+#     is attached anywhere in the layer, and packs nothing when the encoder's use_nested_tensor is off: a layer
+#     holding a split module gets a no-op pre-hook, and its encoder that flag off. Training never took them.
+def _no_op(module: nn.Module, args: tuple) -> None:
+    return None
+
+
+def _off_fused_encoder_paths(model: nn.Module, styles: dict[str, str]) -> None:
+    """Turn off torch's fused encoder paths above every split module (Note [torch's fused encoder path])."""
+    split = [path for path, style in styles.items() if style != "replicate"]
+    for path, module in model.named_modules():
+        if path and not any(_inside(s, path) for s in split):
+            continue
+        if isinstance(module, nn.TransformerEncoderLayer):
+            module.register_forward_pre_hook(_no_op)
+        elif isinstance(module, nn.TransformerEncoder):
+            module.use_nested_tensor = False
 
 
 # Note [replicated parameters inside a split region]

@@ -44,6 +44,7 @@ LLAMA = (  # torch.export stages; grouped-query attention
     "hf:LlamaForCausalLM hidden_size=64 intermediate_size=128 num_hidden_layers=4 num_attention_heads=4 "
     "num_key_value_heads=2 vocab_size=128 max_position_embeddings=64"
 )
+ENCODER = "tests.tiny_lms:torch_encoder_lm hidden=48 vocab_size=256"  # torch's nn.TransformerEncoder: export stages, fast path
 CASES = {  # name -> (model, plan constraints, extras: "custom" trains the user's losses, "hf" the HF inputs)
     "dp4-m2": (GPT, dict(dp=4, tp=1, pp=1, micro_batch=1, zero=0), {"custom", "metrics"}),
     "dp2-tp2-m1": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=4, zero=0, sequence_parallel=True), set()),
@@ -70,6 +71,12 @@ CASES = {  # name -> (model, plan constraints, extras: "custom" trains the user'
         {"custom", "after_eval"},
     ),
     "dp2-pp2-zero1-m2": (GPT, dict(dp=2, tp=1, pp=2, schedule="1f1b", micro_batch=2, zero=1), {"after_eval"}),
+    # Note [torch's fused encoder path]: eval under no_grad would take torch's fused kernel on the split weights
+    "encoder-tp2-pp2-m4": (
+        ENCODER,
+        dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, sequence_parallel=False),
+        {"generate"},
+    ),
     "hf-llama-tp2-pp2": (
         LLAMA,
         dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=4, zero=0, sequence_parallel=True),
