@@ -44,7 +44,8 @@ LLAMA = (  # torch.export stages; grouped-query attention
     "hf:LlamaForCausalLM hidden_size=64 intermediate_size=128 num_hidden_layers=4 num_attention_heads=4 "
     "num_key_value_heads=2 vocab_size=128 max_position_embeddings=64"
 )
-ENCODER = "tests.tiny_lms:torch_encoder_lm hidden=48 vocab_size=256"  # torch's nn.TransformerEncoder: export stages, fast path
+# torch's nn.TransformerEncoder: torch.export stages, its fused eval path (hidden 48: no greedy pick near a tie)
+ENCODER = "tests.tiny_lms:torch_encoder_lm hidden=48 vocab_size=256"
 CASES = {  # name -> (model, plan constraints, extras: "custom" trains the user's losses, "hf" the HF inputs)
     "dp4-m2": (GPT, dict(dp=4, tp=1, pp=1, micro_batch=1, zero=0), {"custom", "metrics"}),
     "dp2-tp2-m1": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=4, zero=0, sequence_parallel=True), set()),
