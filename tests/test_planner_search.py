@@ -352,3 +352,16 @@ def test_a_tied_weight_on_two_stages_is_reduced_apart_uncompressed():
     for start in range(n):
         for end in range(start + 1, n + 1):
             assert [a[start, end] for a in arrays] == pytest.approx(list(tables.range(start, end)))
+
+
+def test_a_cluster_is_also_taken_by_preset_name_or_file(tmp_path):
+    # hp.plan(model, "cpu", ...) ended in a raw AttributeError ('str' object has no attribute 'num_gpus')
+    from hyparallel.cluster import preset_dir
+
+    model = hp.models.build("gpt-tiny", device="meta")
+    path = tmp_path / "cluster.yaml"
+    path.write_text((preset_dir() / "cpu.yaml").read_text())
+    plans = [hp.plan(model, cluster, 8, 64, "fp32") for cluster in ("cpu", path, hp.ClusterSpec.preset("cpu"))]
+    assert plans[0].parallel == plans[1].parallel == plans[2].parallel
+    with pytest.raises(hp.ConfigError, match="unknown cluster preset 'cpux'"):
+        hp.plan(model, "cpux", 8, 64, "fp32")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +80,7 @@ class SearchResult:
 
 def plan(
     model: nn.Module | ModelGraph,
-    cluster: ClusterSpec,
+    cluster: ClusterSpec | str,
     global_batch: int,
     seq_len: int | None = None,
     dtype: str = "bf16",
@@ -115,7 +116,10 @@ def plan(
     table on the servers: the plan's ``ps`` section). Left out, a recommendation model (embedding tables, no
     transformer blocks) gets whichever is fastest of parameter servers (their count searched) and the tables on
     the GPUs (hyparallel.planner.tables; docs/cost-model.md, "Embedding tables: parameter servers or GPUs").
+    ``cluster`` is a ClusterSpec, or a preset name or cluster YAML path as ``--cluster`` takes it.
     """
+    if isinstance(cluster, (str, os.PathLike)):
+        cluster = ClusterSpec.resolve(str(cluster))
     if mtbf_hours is not None:  # refused before the search, not after it
         check_goodput_request(mtbf_hours, restart_s, checkpoint_storage, cluster)
     best = search(
@@ -137,7 +141,7 @@ def plan(
 
 def search(
     model: nn.Module | ModelGraph,
-    cluster: ClusterSpec,
+    cluster: ClusterSpec | str,
     global_batch: int,
     seq_len: int | None = None,
     dtype: str = "bf16",
@@ -171,6 +175,8 @@ def search(
     """
     from hyparallel.planner import tables  # it imports this module
 
+    if isinstance(cluster, (str, os.PathLike)):
+        cluster = ClusterSpec.resolve(str(cluster))
     given = _given(constraints, fixed)
     _check_request(cluster, global_batch, seq_len, dtype, given)
     tables.check_request(ps_servers, given, cluster, global_batch)
