@@ -31,10 +31,17 @@ test: $(VENV)/.ready
 bench: $(VENV)/.ready
 	$(BIN)/python benchmarks/run_all.py
 
-# Every causal-LM, masked-LM and encoder-decoder class of transformers (and hand-written models) under tp 2, pp 2,
-# tp 2 x pp 2 and dp 2 against one process; writes benchmarks/results/sweep.jsonl and docs/supported-models.md (two
-# hours or more on 2 cores; `$(BIN)/python benchmarks/sweep.py --only LlamaForCausalLM,Phi3ForCausalLM` reruns some).
+# Every causal-LM, masked-LM and encoder-decoder class of transformers, its image-classification, speech and a few
+# text-classification classes, torch.nn-built, diffusers and torchtitan models (and hand-written ones) under tp 2,
+# pp 2, tp 2 x pp 2 and dp 2 against one process; writes benchmarks/results/sweep.jsonl and docs/supported-models.md
+# (hours on 2 cores; `$(BIN)/python benchmarks/sweep.py --only LlamaForCausalLM,Phi3ForCausalLM` reruns some,
+# `--families vision --resume` one family). The sweep extra (pyproject.toml) first; torchtitan --no-deps: its own
+# requirements (datasets, wandb, torchdata...) serve its trainer, not the model class the sweep builds, and the
+# extra lists what that class imports. Neither install touches torch.
+TORCHTITAN ?= torchtitan==0.3.0
 sweep: $(VENV)/.ready
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev,elastic,ps,sweep]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps "$(TORCHTITAN)"
 	$(BIN)/python benchmarks/sweep.py
 
 clean:

@@ -1,12 +1,17 @@
-"""The architecture sweep: every causal-LM class of the installed transformers, under tp 2, pp 2, tp 2 x pp 2, dp 2.
+"""The architecture sweep: transformers' classes and more, under tp 2, pp 2, tp 2 x pp 2, dp 2, the planner's pick.
 
-`python benchmarks/sweep.py` (or `make sweep`; two hours or more on 2 cores) builds each class of transformers'
-causal-LM auto mapping from its own config class shrunk (hyparallel.models.tiny), plus masked-LM and
-encoder-decoder heads (``--families``) and the hand-written models of benchmarks/sweep_models.py, and runs
+`python benchmarks/sweep.py` (or `make sweep`; hours on 2 cores) builds each class of transformers' causal-LM,
+masked-LM, encoder-decoder, image-classification and speech (seq2seq and audio-classification) auto mappings, and a
+few text classifiers, from its own config class shrunk (hyparallel.models.tiny; ``SIZES`` adds overrides for the
+vision configs it does not shrink), plus models built from torch.nn, diffusers' UNet2DModel, torchtitan's
+Llama3Model (the ``sweep`` extra: ``pip install -e ".[sweep]"``, torchtitan ``--no-deps``) and the hand-written
+models of benchmarks/sweep_models.py (``--families`` picks; ``FAMILIES`` says what each is), and runs
 ``hp.parity.check_layouts`` for each: the layout in local gloo processes against one process, 3 SGD steps, every
-gradient and loss compared (Note [a parity check], hyparallel/parity.py). Results go to
-benchmarks/results/sweep.jsonl (one line per architecture; ``--resume`` keeps the lines already there) and
-the table to docs/supported-models.md (``--render`` only rewrites the table from the results).
+gradient and loss compared (Note [a parity check], hyparallel/parity.py), trained with token cross-entropy (one
+class per row for a classifier) or, where the output has no logits, the loss ``LOSSES`` names (Note [the loss a
+check trains]). Results go to benchmarks/results/sweep.jsonl (one line per architecture; ``--resume`` keeps the
+lines already there) and the table to docs/supported-models.md (``--render`` only rewrites the table from the
+results).
 
 An architecture that cannot be built from a config (or whose small copy does not run one forward and backward
 on one process) is listed with why; its layouts are not run.
@@ -40,6 +45,44 @@ HAND = {
     "embedding-heavy MLP (hand-written)": "benchmarks.sweep_models:embedding_mlp",
     "MoE decoder (hand-written)": "benchmarks.sweep_models:moe_lm",
 }
+TORCH_NN = {  # torch's own layers, as a user assembles them
+    "nn.TransformerEncoder causal LM": "benchmarks.sweep_models:torch_encoder_lm",
+    "nn.LSTM LM": "benchmarks.sweep_models:lstm_lm",
+    "one block at every depth (shared weights)": "benchmarks.sweep_models:shared_block_lm",
+}
+DIFFUSION = {"diffusers UNet2DModel": "benchmarks.sweep_models:unet2d"}  # pip install -e ".[sweep]"
+TORCHTITAN = {"torchtitan Llama3Model": "benchmarks.sweep_models:titan_llama3"}  # pip install -e ".[sweep]"
+TEXT_CLASSIFICATION = [  # a handful, not the whole mapping (~50 classes, most the encoders masked-lm already runs)
+    "BertForSequenceClassification",
+    "RobertaForSequenceClassification",
+    "DistilBertForSequenceClassification",
+    "CLIPTextModel",  # CLIP's text tower, no head: trained with hidden_mse
+]
+SIZES = {  # overrides on top of hyparallel.models.tiny's for vision configs it does not shrink (stage lists)
+    "ConvNextForImageClassification": "image_size=32 num_stages=2 hidden_sizes=[16,32] depths=[1,1]",
+    "SwinForImageClassification": "image_size=32 embed_dim=32 depths=[2,2] num_heads=[2,4] window_size=4",
+}
+LOSSES = {  # Note [the loss a check trains]: architectures whose output the default token cross-entropy cannot read
+    "CLIPTextModel": "benchmarks.sweep_models:hidden_mse",
+    "diffusers UNet2DModel": "benchmarks.sweep_models:sample_mse",
+}
+FAMILIES = {  # --families name -> what the doc says it is
+    "causal-lm": "transformers' causal-LM auto mapping",
+    "masked-lm": "transformers' masked-LM auto mapping",
+    "seq2seq": "transformers' encoder-decoder (seq2seq LM) auto mapping",
+    "vision": "transformers' image-classification auto mapping (ViT, ConvNeXt, Swin...): pixel_values in, class"
+    " logits (batch, classes) out, trained with cross-entropy against one class per image",
+    "speech": "transformers' speech seq2seq (Whisper...) and audio-classification auto mappings: input_features"
+    " or raw audio in",
+    "text-classification": "a handful of sequence classifiers (BERT, RoBERTa, DistilBERT: cross-entropy against"
+    " one class per sequence) and CLIP's text tower (no head: MSE of its last hidden state)",
+    "torch.nn": "models built from torch's own layers: nn.TransformerEncoder, nn.LSTM, one block reused at every depth",
+    "diffusion": "diffusers' UNet2DModel (small: 32/64 channels, 4 attention heads), trained with the MSE of"
+    " its sample against float targets",
+    "torchtitan": "torchtitan's Llama3Model (its own Linear/Embedding/RMSNorm classes, fused wqkv, grouped-query"
+    " attention; SDPA as the inner attention), small",
+    "hand-written": "the hand-written models of benchmarks/sweep_models.py",
+}
 RESULTS = ROOT / "benchmarks" / "results" / "sweep.jsonl"
 MAX_PARAMETERS = 20_000_000  # a small copy above this is not small: listed as not built
 DOC = ROOT / "docs" / "supported-models.md"
@@ -50,19 +93,35 @@ def architectures(families: list[str]) -> list[tuple[str, str, str]]:
     from transformers.models.auto import modeling_auto
 
     mappings = {
-        "causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        "masked-lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-        "seq2seq": modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        "causal-lm": [modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES],
+        "masked-lm": [modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES],
+        "seq2seq": [modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES],
+        "vision": [modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES],
+        "speech": [
+            modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+            modeling_auto.MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES,
+        ],
+        "text-classification": [{name: name for name in TEXT_CLASSIFICATION}],
     }
+    own = {"hand": ("hand-written", HAND), "torch.nn": ("torch.nn", TORCH_NN)}
+    own.update({"diffusion": ("diffusion", DIFFUSION), "torchtitan": ("torchtitan", TORCHTITAN)})
     out, seen = [], set()
     for family in families:
-        if family == "hand":
-            out += [(name, "hand-written", spec) for name, spec in HAND.items()]
+        if family in own:
+            label, specs = own[family]
+            out += [(name, label, spec) for name, spec in specs.items()]
             continue
-        for cls in sorted(set(mappings[family].values())):
+        if family not in mappings:
+            raise SystemExit(f"--families: no family {family!r}; the families: {', '.join([*mappings, *own])}")
+        classes = set()
+        for mapping in mappings[family]:  # a value may be a tuple of classes (DeiT: with and without a teacher)
+            classes.update(
+                name for value in mapping.values() for name in ([value] if isinstance(value, str) else value)
+            )
+        for cls in sorted(classes):
             if cls not in seen:
                 seen.add(cls)
-                out.append((cls, family, f"hf:{cls}"))
+                out.append((cls, family, " ".join(filter(None, [f"hf:{cls}", SIZES.get(cls)]))))
     return out
 
 
@@ -74,8 +133,9 @@ def _alarm(*_):
     raise _Timeout("building and one step took over 120 s")
 
 
-def builds(spec: str) -> str | None:
-    """None when the small copy builds and runs one forward and backward on one process, else why not."""
+def builds(spec: str, loss: str | None = None) -> str | None:
+    """None when the small copy builds and runs one forward and backward on one process (with ``loss``, a
+    ``package.module:fn`` spec, else token cross-entropy), else why not."""
     import torch
 
     import hyparallel as hp
@@ -91,8 +151,9 @@ def builds(spec: str) -> str | None:
         if count > MAX_PARAMETERS:  # sub-configs tiny.py does not shrink: gigabytes of reference gradients
             return f"its small copy still has {count:,} parameters (over {MAX_PARAMETERS:,}: a sub-config not shrunk)"
         model = materialize_(hp.models.load(small).module, "cpu", seed=0)
-        [(inputs, targets)] = _batches(hp.models.load(small).module, 2, 16, 1, 0)
-        token_cross_entropy(_call(model, inputs), targets).backward()
+        [(inputs, targets)] = _batches(hp.models.load(small).module, 2, 16, 1, 0, own_loss=loss is not None)
+        loss_fn = hp.models.load_callable(loss, "loss function") if loss else token_cross_entropy
+        loss_fn(_call(model, inputs), targets).backward()
         return None
     except BaseException as exc:  # noqa: BLE001 -- the reason is the row
         text = " ".join(str(exc).split()) or type(exc).__name__
@@ -134,13 +195,13 @@ def sweep(
             continue
         started = time.perf_counter()
         torch.set_grad_enabled(True)  # whatever the last architecture's failure left
-        row = {"arch": name, "family": family, "spec": spec}
-        why = builds(spec)
+        row = {"arch": name, "family": family, "spec": spec, **({"loss": LOSSES[name]} if name in LOSSES else {})}
+        why = builds(spec, LOSSES.get(name))
         if why is not None:
             row["cannot_build"] = why
         else:
             try:
-                reports = check_layouts(spec, list(LAYOUTS.values()), timeout=timeout)
+                reports = check_layouts(spec, list(LAYOUTS.values()), timeout=timeout, loss=LOSSES.get(name))
                 row["layouts"] = {
                     column: {"verdict": r.verdict, "reason": r.reason, "plan": r.plan, "mode": r.mode}
                     for column, r in zip(LAYOUTS, reports)
@@ -171,7 +232,7 @@ def _rerun_columns(
         started = time.perf_counter()
         torch.set_grad_enabled(True)
         try:
-            reports = check_layouts(spec, [LAYOUTS[c] for c in columns], timeout=timeout)
+            reports = check_layouts(spec, [LAYOUTS[c] for c in columns], timeout=timeout, loss=LOSSES.get(name))
             cells = {
                 c: {"verdict": r.verdict, "reason": r.reason, "plan": r.plan, "mode": r.mode, "rerun": True}
                 for c, r in zip(columns, reports)
@@ -218,7 +279,7 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
     import torch
     import transformers
 
-    order = {"causal-lm": 0, "masked-lm": 1, "seq2seq": 2, "hand-written": 3}  # passes append: the table sorts
+    order = {family: index for index, family in enumerate(FAMILIES)}  # passes append: the table sorts
     rows = sorted(rows, key=lambda r: (order.get(r["family"], 9), r["arch"].lower()))
     built = [r for r in rows if "layouts" in r]
     causal = [r for r in built if r["family"] == "causal-lm"]
@@ -246,6 +307,15 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
         f" that crashed: {len(failed)}. Architectures that could not be built: {len(rows) - len(built)}.",
         "",
         *_family_lines(built),
+        "",
+        "The families (`benchmarks/sweep.py --families`; the classes of a transformers family are those of its auto"
+        " mapping, the architectures not run are listed at the end):",
+        "",
+        *[
+            f"- {family}: {FAMILIES[family]}"
+            for family in dict.fromkeys(r["family"] for r in rows)
+            if family in FAMILIES
+        ],
         *(["", remark] if remark else []),
         "",
         "| architecture | family | " + " | ".join(LAYOUTS) + " |",
@@ -254,7 +324,8 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
     notes: dict[str, int] = {}
     for row in built:
         cells = [_cell(row["layouts"][c], notes) for c in LAYOUTS]
-        lines.append(f"| {row['arch']} | {row['family']} | " + " | ".join(cells) + " |")
+        arch = row["arch"] + (f" (loss: {row['loss'].rpartition(':')[2]})" if row.get("loss") else "")
+        lines.append(f"| {arch} | {row['family']} | " + " | ".join(cells) + " |")
     if notes:
         lines += ["", "## Notes", ""]
         lines += [f"{number}. {reason}" for reason, number in notes.items()]
@@ -271,7 +342,10 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--families", default="causal-lm,masked-lm,seq2seq,hand")
+    parser.add_argument(
+        "--families",
+        default="causal-lm,masked-lm,seq2seq,vision,speech,text-classification,torch.nn,diffusion,torchtitan,hand",
+    )
     parser.add_argument("--only", default="", help="comma-separated architecture names")
     parser.add_argument("--resume", action="store_true", help="keep the results already in --out")
     parser.add_argument("--render", action="store_true", help="only rewrite the table from --out")
