@@ -59,8 +59,10 @@ TEXT_CLASSIFICATION = [  # a handful, not the whole mapping (~50 classes, most t
     "CLIPTextModel",  # CLIP's text tower, no head: trained with hidden_mse
 ]
 SIZES = {  # overrides on top of hyparallel.models.tiny's for vision configs it does not shrink (stage lists)
-    "ConvNextForImageClassification": "image_size=32 num_stages=2 hidden_sizes=[16,32] depths=[1,1]",
+    "ConvNextForImageClassification": "image_size=32 num_stages=2 hidden_sizes=[16,32] depths=[2,2]",
     "SwinForImageClassification": "image_size=32 embed_dim=32 depths=[2,2] num_heads=[2,4] window_size=4",
+    "MobileNetV2ForImageClassification": "image_size=32",
+    "ResNetForImageClassification": "embedding_size=16 hidden_sizes=[16,32] depths=[1,1]",
 }
 LOSSES = {  # Note [the loss a check trains]: architectures whose output the default token cross-entropy cannot read
     "CLIPTextModel": "benchmarks.sweep_models:hidden_mse",
@@ -294,7 +296,9 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
         "",
         f"Every architecture below was built small from its own config class (transformers {transformers.__version__},"
         f" torch {torch.__version__}): 2 layers, width 64, 4 query heads (multi-query and grouped-query kept),"
-        " 128 tokens, 4 experts where it has experts (hyparallel/models/tiny.py). Each layout ran in local gloo"
+        " 128 tokens, 4 experts where it has experts (hyparallel/models/tiny.py; the vision configs whose stage lists"
+        " it does not shrink with the sizes of SIZES in benchmarks/sweep.py); the models that are not transformers"
+        " classes at the sizes their factories in benchmarks/sweep_models.py give. Each layout ran in local gloo"
         " processes against one process on the same weights and batches, 3 SGD steps, fp32: every parameter's"
         " gradient and every loss within rtol 1e-5 / atol 1e-6 is **equal**. **refused** is hyparallel saying no"
         " before the first collective (the line it printed is in the notes); **failed** is a crash, a bug;"
