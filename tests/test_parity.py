@@ -2,9 +2,9 @@
 
 The check trains a small copy under a layout in local gloo processes and in one, and compares every gradient and
 loss by parameter name: it must say equal for a correct split, differs when one rank computes something else (a
-model wrong on purpose), and refused, in one line, for a layout hyparallel does not run. The sweep slice runs
-benchmarks/sweep.py's four layouts for one architecture of each class issue 16 found wrong or crashing: each must
-be equal (docs/supported-models.md is the whole sweep).
+model wrong on purpose), and refused, in one line, for a layout hyparallel does not run. The sweep slice runs one
+architecture of each class issue 16 found wrong or crashing, under the layouts that class broke: each must be equal
+(`make sweep` runs all of benchmarks/sweep.py's layouts for every architecture; docs/supported-models.md).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from hyparallel.models.tiny import tiny_overrides
 from hyparallel.parity import check_layouts, small_spec
 
 from .conftest import REPO
-
-LAYOUTS = [{"tp": 2, "pp": 1}, {"tp": 1, "pp": 2}, {"tp": 2, "pp": 2}, {"dp": 2, "tp": 1, "pp": 1}]
 
 
 def names_of(spec: str) -> set[str]:
@@ -116,24 +114,28 @@ def test_tiny_configs_keep_the_structure():
     assert (luke.entity_vocab_size, luke.type_vocab_size) == (128, 2)
 
 
-SLICE = {  # one architecture per class of issue 16
-    "hf:GemmaForCausalLM": "a scaled embedding subclass, buffers computed in __init__",
-    "hf:Phi3ForCausalLM": "a fused qkv sliced with config constants: attention replicated, MLP split",
-    "hf:MixtralForCausalLM": "MoE experts as 3-d parameters, a device branch (histc) in the pipeline",
-    "hf:FalconForCausalLM": "multi-query attention, tensor constants made in forward, its own Linear subclass",
-    "hf:GPTBigCodeForCausalLM": "multi-query attention behind a view",
-    "hf:BartForCausalLM": "parameters the forward never reads (cross-attention without an encoder)",
-    "hf:BigBirdForCausalLM": "a pooler computed and dropped (DDP ignores it), attention sized by its config",
-    "hf:CTRLLMHeadModel": "an attention called as attn(x, x, x)",
-    "hf:DeepseekV3ForCausalLM": "latent attention: a learned key part enters the split heads without a column",
+# One architecture per class of issue 16, under the layouts its class broke (`make sweep` runs every layout of every
+# architecture: benchmarks/sweep.py, docs/supported-models.md). TP_PP covers a split and a pipeline in one launch.
+TP, TP_PP, DP = {"tp": 2, "pp": 1}, {"tp": 2, "pp": 2}, {"dp": 2, "tp": 1, "pp": 1}
+SLICE = {  # spec -> (what it is, the layouts run here)
+    "hf:GemmaForCausalLM": ("a scaled embedding subclass, buffers computed in __init__", [TP_PP]),
+    "hf:Phi3ForCausalLM": ("a fused qkv sliced with config constants: attention replicated, MLP split", [TP]),
+    "hf:MixtralForCausalLM": ("MoE experts as 3-d parameters, a device branch (histc) in the pipeline", [TP_PP]),
+    "hf:FalconForCausalLM": ("multi-query attention, tensor constants made in forward, its own Linear", [TP_PP]),
+    "hf:GPTBigCodeForCausalLM": ("multi-query attention behind a view", [TP]),
+    "hf:BartForCausalLM": ("parameters the forward never reads (cross-attention without an encoder)", [DP]),
+    "hf:BigBirdForCausalLM": ("a pooler computed and dropped (DDP ignores it), attention sized by config", [DP, TP]),
+    "hf:CTRLLMHeadModel": ("an attention called as attn(x, x, x)", [TP]),
+    "hf:DeepseekV3ForCausalLM": ("latent attention: a learned key part enters the split heads without a column", [TP]),
 }
 
 
 @pytest.mark.parametrize("spec", list(SLICE))
-def test_the_sweep_slice_is_equal_under_every_layout(spec):
-    reports = check_layouts(spec, LAYOUTS, timeout=300)
+def test_the_sweep_slice_is_equal_under_the_layouts_its_class_broke(spec):
+    what, layouts = SLICE[spec]
+    reports = check_layouts(spec, layouts, timeout=300)
     bad = [r.summary() for r in reports if r.verdict != "equal"]
-    assert not bad, f"{spec} ({SLICE[spec]}): {bad}"
+    assert not bad, f"{spec} ({what}): {bad}"
 
 
 def test_blocks_that_are_module_lists_train_under_every_layout():

@@ -167,7 +167,7 @@ def cases(rank: int) -> list[tuple[str, object]]:
         group = pairs[rank // 2] if tp == 2 else everyone
         for model_name, spec in MODELS.items():
             for sequence_parallel in (False, True):
-                for vocab_loss in (False, True) if not sequence_parallel else (False,):
+                for vocab_loss in (False, True) if not sequence_parallel and tp == 2 else (False,):
                     name = (
                         f"{model_name}-tp{tp}{'-sp' if sequence_parallel else ''}{'-vocab-loss' if vocab_loss else ''}"
                     )
