@@ -74,9 +74,8 @@ def test_an_output_without_logits_needs_the_users_loss_and_trains_with_it():
 def test_torchtitans_layout_splits_and_trains_as_one_device():
     # Note [a layer that computes a standard one] (hyparallel/graph/kinds.py): its own Linear and Embedding classes
     # (F.linear / F.embedding on their own weights) and layers in a ModuleDict: "tp 2 splits nothing" before
-    layouts = [{"tp": 2, "pp": 1}, {"tp": 2, "pp": 2}]
-    reports = check_layouts("tests.tiny_lms:dict_layers_lm", layouts, timeout=300)
-    assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]
+    report = hp.check("tests.tiny_lms:dict_layers_lm", tp=2, pp=2)
+    assert report.verdict == "equal", report.summary()
 
 
 def test_the_cli_takes_the_users_loss(capsys):
@@ -143,7 +142,7 @@ def test_blocks_that_are_module_lists_train_under_every_layout():
     # ModuleList has no forward: FSDP refused to wrap one (ValueError at the first step), and sequence
     # parallelism's scatter and gather hooks on it never fired (tp 2: 8.9e-4 off in losses, no error). Both go on
     # the modules that run the block (hyparallel.graph.local_shapes.block_modules).
-    layouts = [{"dp": 2, "tp": 1, "pp": 1, "zero": 1}, {"dp": 2, "tp": 1, "pp": 1, "zero": 3}]
+    layouts = [{"dp": 2, "tp": 1, "pp": 1, "zero": 3}]  # ZeRO 1 wraps the same units
     layouts += [{"tp": 2, "pp": 1, "sequence_parallel": True}, {"tp": 2, "pp": 2}, {"dp": 2, "recompute": "full"}]
     reports = check_layouts("tests.tiny_lms:nested_lm per_group=1", layouts, timeout=300)
     assert [r.verdict for r in reports] == ["equal"] * len(layouts), [r.summary() for r in reports]
@@ -154,8 +153,8 @@ def test_a_no_grad_region_in_forward_trains_as_on_one_device():
     # recording it, and a failed first export left the grad mode off for the next, which then did not see it
     # either: the pipeline's stages built gradients the single device does not (pp 2: 1.1e-4 off in losses).
     # The region's body (a higher-order op's subgraph) also needs its baked-in devices moved as the graph's.
-    reports = check_layouts("tests.tiny_lms:no_grad_lm", [{"tp": 1, "pp": 2}, {"tp": 2, "pp": 1}], timeout=300)
-    assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]
+    report = hp.check("tests.tiny_lms:no_grad_lm", tp=2, pp=2)  # stages of split layers
+    assert report.verdict == "equal", report.summary()
 
 
 def test_an_attention_holding_its_head_count_in_an_unknown_attribute_trains_as_one_device():
@@ -179,16 +178,16 @@ def test_a_model_that_samples_in_training_is_compared_in_eval_mode():
 def test_a_model_of_images_trains_on_its_own_inputs():
     # The ranks traced the CNN with token ids (parallelize's default) instead of its images, so every layout was
     # refused with "Input type (long int) and bias type (float)": the micro-batch is passed as example_inputs.
-    reports = check_layouts("benchmarks.sweep_models:cnn", [{"dp": 2, "tp": 1, "pp": 1}, {"tp": 1, "pp": 2}])
-    assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]
+    report = hp.check("benchmarks.sweep_models:cnn", tp=1, pp=2)
+    assert report.verdict == "equal", report.summary()
 
 
 def test_a_stage_that_writes_its_received_value_in_place_trains():
     # A pipeline stage receives its input as a leaf that needs a gradient; writing it in place (RoCBert's
     # `embedding_in += ...` just after a stage boundary) stopped pp 2 with "a leaf Variable that requires grad
     # is being used in an in-place operation". The stage writes on a copy.
-    reports = check_layouts("tests.tiny_lms:in_place_lm", [{"tp": 1, "pp": 2}, {"tp": 2, "pp": 2}], timeout=300)
-    assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]
+    report = hp.check("tests.tiny_lms:in_place_lm", tp=2, pp=2)
+    assert report.verdict == "equal", report.summary()
 
 
 def test_rounding_is_judged_against_float64_and_a_wrong_gradient_still_differs():
@@ -210,9 +209,8 @@ def test_a_view_the_cpu_kernels_strides_allow_traces_and_trains_in_stages():
     # program exported for the CPU failed when profiled on meta (the pipeline then took the plain meta export,
     # which baked in a branch the CPU cannot run), and a tp x pp stage failed the view at its rank's sizes.
     # Note [a view the run device's strides allow].
-    layouts = [{"tp": 1, "pp": 2}, {"tp": 2, "pp": 2}]
-    reports = check_layouts("tests.tiny_lms:strided_view_lm", layouts, timeout=300)
-    assert [r.verdict for r in reports] == ["equal", "equal"], [r.summary() for r in reports]
+    report = hp.check("tests.tiny_lms:strided_view_lm", tp=2, pp=2)
+    assert report.verdict == "equal", report.summary()
 
 
 def test_an_unused_tied_parameter_is_ignored_by_every_name():
