@@ -181,9 +181,18 @@ def test_one_process_takes_links_from_the_base(calibrated):
         calibrate.to_cluster_spec(alone)
 
 
-def test_cli_writes_a_loadable_spec(tmp_path, capsys):
+def test_cli_writes_a_loadable_spec(tmp_path, capsys, monkeypatch, calibrated):
+    # The command's own work (arguments, table, file); what it measures is the shared calibration's, checked above.
+    asked = []
+
+    def measured_once(**given):
+        asked.append(given)
+        return calibrated[0].model_copy(update={"name": given["name"]}), calibrated[1]
+
+    monkeypatch.setattr(calibrate, "calibrate", measured_once)
     path = tmp_path / "c.yaml"
     assert main(["calibrate", "--quick", "--device", "cpu", "--nproc", "2", "--out", str(path), "--name", "ci"]) == 0
+    assert [(a["nproc"], a["quick"], a["device"], a["name"]) for a in asked] == [(2, True, "cpu", "ci")]
     out = capsys.readouterr().out
     assert "matmul fp32" in out and f"wrote {path}" in out
     assert hp.ClusterSpec.load(path).name == "ci"
