@@ -27,7 +27,7 @@ import torch
 
 from hyparallel import checkpoint
 
-STEPS, EVERY = 40, 4
+STEPS, EVERY = 24, 4  # 40 when the Note's figures were measured; 24 keeps every case (suite time)
 FIRST_RTOL, LATER_RTOL = 1e-6, 1e-2  # Note [how close a resumed run stays]
 WEIGHT_RTOL, WEIGHT_ATOL = 0.0, 0.05  # Note [how close a resumed run stays]
 TIMEOUT_S = 5  # HYPARALLEL_TIMEOUT for the stopped-worker test
@@ -50,6 +50,8 @@ TIMEOUT_S = 5  # HYPARALLEL_TIMEOUT for the stopped-worker test
 #     uninterrupted run's losses for steps 9-16. The final weights therefore differ by AdamW's amplified rounding:
 #     measured at most 0.016 absolute (weights up to 0.16) after resuming at step 8 of 40: WEIGHT_ATOL = 0.05, a
 #     check that every tensor is there, shaped and trained alike; the losses above are the sharp check.
+#     The runs now have 24 steps: that drops later steps from each measured maximum and changes no resume point but
+#     the 2-process run's (12, the middle), whose first steps sum in the same other order as at 20.
 
 
 # Note [a stop between checkpoints]
