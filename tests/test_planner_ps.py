@@ -189,6 +189,15 @@ def test_the_planners_pick_for_n_gpus_runs_in_n_processes(name, gpus):
     assert plan.launch_size == gpus, (plan.parallel.dp, plan.ps)
 
 
+def test_only_a_model_whose_tables_hold_most_of_it_is_offered_parameter_servers():
+    # Note [which models compare tables]: "no blocks" alone gave an LSTM LM (a 16k-value embedding beside 66k in the
+    # LSTM) 6 servers and server-side Adagrad at lr 0.01 in place of the user's optimizer on the 8-process preset
+    cpu = hp.ClusterSpec.preset("cpu")
+    lstm = search(LSTMLM(), cpu, 8, 16, "fp32", example_inputs=torch.zeros(1, 16, dtype=torch.long))
+    assert not lstm.graph.blocks and lstm.tables is None and lstm.plan().ps is None
+    assert search(hp.models.build("dlrm-tiny"), cpu, 64).tables is not None  # tables compared: DLRM's dominate
+
+
 def test_a_transformer_keeps_its_plan():
     model = hp.models.build("gpt-tiny")
     result = search(model, A100, 64, 128)

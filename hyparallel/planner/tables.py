@@ -13,7 +13,10 @@ with the cost functions of ``hyparallel.planner.ps`` and the search's own:
 The pick is the fastest option that fits and runs; ``ps_servers`` given, it is the ps option at that count.
 Note [which models compare tables]: the comparison runs for recommendation models unless a constraint asks for
 what ps mode cannot do (tp or pp above 1, dp other than the GPUs, ZeRO, recomputation, sequence parallelism,
-gradient compression, virtual stages); transformers keep the search's plan unless ``ps_servers`` is given.
+gradient compression, virtual stages); transformers keep the search's plan unless ``ps_servers`` is given. A
+recommendation model is one whose untied embedding tables hold more than half of its parameters, with no repeated
+blocks: "no blocks" alone also took an LSTM language model and a block reused at every depth (their blocks are not
+seen) for one, and gave them parameter servers and server-side Adagrad in place of the user's optimizer.
 """
 
 from __future__ import annotations
@@ -90,8 +93,14 @@ def embedding_tables(graph: ModelGraph, traced_rows: int = 1) -> list[Table]:
 
 
 def is_recommendation(graph: ModelGraph) -> bool:
-    """A model with embedding tables and no repeated blocks (transformer layers): DLRM, wide-and-deep, two-towers."""
-    return not graph.blocks and bool(embedding_tables(graph))
+    """A model whose embedding tables hold most of its parameters and that has no repeated blocks (transformer
+    layers): DLRM, wide-and-deep, two-towers. An LSTM or a block reused at every depth under a small token
+    embedding has no blocks either, but its tables are no reason for parameter servers (Note [which models
+    compare tables])."""
+    tables = embedding_tables(graph)
+    if graph.blocks or not tables:
+        return False
+    return 2 * sum(t.values for t in tables) > sum(op.param_count for op in graph.ops)
 
 
 @dataclass
