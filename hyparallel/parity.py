@@ -273,7 +273,7 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, 
     references: dict[int, dict[str, Any]] = {}  # by global batch rows
     jobs: dict[int, CheckReport] = {}
     example = _micro_batch(batches[0][0], micro_batch)
-    sampling = _samples(spec, example, seed)
+    sampling = _samples(spec, _rows(batches[0][0], micro_batch), seed)  # real inputs: a CPU model runs them
     if sampling is not None:  # Note [a parity check]: compared in eval mode
         model.eval()
         for report in reports:
