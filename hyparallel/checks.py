@@ -65,7 +65,7 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
             )
         if par.sequence_parallel:
             check_blocks(graph, "sequence_parallel", "to shard between")
-            if reason := graph.structure.whole_sequence(graph):
+            if reason := graph.structure.whole_sequence(graph) or graph.structure.uneven_sequence(graph, par.tp):
                 raise ConfigError(reason)
     if par.pp > 1 and graph.custom_backwards:  # Note [a custom backward a traced stage cannot keep]
         where, function = graph.custom_backwards[0]

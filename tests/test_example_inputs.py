@@ -407,3 +407,15 @@ def test_hugging_face_image_and_audio_models_get_their_own_inputs(spec, shapes):
     plan = hp.plan(model, cpu(2), 4, None, "fp32", tp=2, pp=1, example_inputs=example)
     assert plan.training.seq_len == (16 if "decoder_input_ids" in shapes else 1)  # per sample for images
     assert any(style == "column" for style in plan.tensor_parallel.values())
+
+
+def test_a_sequence_tp_does_not_divide_is_planned_without_sequence_parallelism():
+    # ViT's blocks read 16 patches and the class token: 17 positions. The planner chose sequence parallelism at
+    # tp 2 and the run refused it ("sequence length 17 is not divisible by tp 2"); Dinov2's 257 too.
+    model = hp.models.load(VIT).module
+    example = hp.models.example_inputs(model, 2, 16)
+    plan = hp.plan(model, cpu(2), 4, None, "fp32", tp=2, pp=1, example_inputs=example)
+    assert not plan.parallel.sequence_parallel
+    uneven = r"^sequence_parallel: vit\.layers\.0 reads a sequence of 17 positions, which tp 2 does not divide"
+    with pytest.raises(hp.PlanError, match=uneven):
+        hp.plan(model, cpu(2), 4, None, "fp32", tp=2, pp=1, sequence_parallel=True, example_inputs=example)

@@ -75,6 +75,19 @@ class TPAnalysis:
             known = self._answers["whole_sequence"] = (weakref.ref(graph), self._whole_sequence(graph))
         return known[1]
 
+    def uneven_sequence(self, graph: ModelGraph, tp: int) -> str | None:
+        """Why sequence parallelism cannot split the blocks' sequence ``tp`` ways (None: it can): the length the
+        first block reads along dim 1, as traced (a ViT's patches and its class token: 257), must divide by tp."""
+        if tp == 1 or not graph.blocks:
+            return None
+        shapes = graph.op(graph.blocks[0].ops[0]).input_shapes
+        if not shapes or len(shapes[0]) != 3 or shapes[0][1] % tp == 0:
+            return None
+        return (
+            f"sequence_parallel: {graph.blocks[0].path} reads a sequence of {shapes[0][1]} positions, which tp {tp} "
+            "does not divide; use sequence_parallel: false or a tp that divides it"
+        )
+
     def _whole_sequence(self, graph: ModelGraph) -> str | None:
         for name, style in self.styles.items():  # the sequence is gathered along dim 1 of (batch, seq, hidden)
             shapes = graph.op(name).input_shapes

@@ -443,6 +443,8 @@ def _nothing_found(
         return reason
     if constraints.get("sequence_parallel") and (reason := analysis.whole_sequence(graph)):
         return reason
+    if constraints.get("sequence_parallel") and (reason := analysis.uneven_sequence(graph, constraints.get("tp", 1))):
+        return reason
     if not enumerate_configs(engine.ctx, constraints):
         if not enumerate_configs(engine.ctx, {}):
             return (

@@ -137,6 +137,10 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
     configs = []
     rank = fixed.get("powersgd_rank", default("powersgd_rank"))
     whole = ctx.profile.tp_analysis.whole_sequence(ctx.profile.graph)  # replicated attention: no sequence parallelism
+
+    def uneven(tp: int) -> str | None:  # a sequence tp does not divide (a ViT's 257 positions)
+        return ctx.profile.tp_analysis.uneven_sequence(ctx.profile.graph, tp)
+
     for tp, pp, dp in _layouts(ctx, fixed):
         for b in _divisors(ctx.global_batch // dp):
             m = ctx.global_batch // (dp * b)
@@ -146,7 +150,7 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
                 _recomputes(ctx.profile, pp, fixed),
                 _zeros(pp, dp, fixed),
                 (False, True)
-                if tp > 1 and ctx.profile.num_blocks and not whole
+                if tp > 1 and ctx.profile.num_blocks and not whole and not uneven(tp)
                 else (False,),  # Note [what needs blocks]
                 _orders(pp, dp, fixed),
             )
