@@ -110,7 +110,7 @@ def save(
         raise ConfigError(f"keep={keep!r}: the number of checkpoints to keep is a whole number, 1 or more")
     if getattr(pmodel, "ps_mode", False):  # parameter-server mode: the servers write their shards
         return pmodel.save_checkpoint(directory, step, extra)
-    with launch.long_timeouts():
+    with launch.long_timeouts(), launch.phase(f"the {storage} checkpoint save of step {step}"):
         if storage == "memory":
             return _save_to_memory(pmodel, optimizer, Path(directory), step, extra, keep)
         return _save_to_disk(pmodel, optimizer, Path(directory), step, extra, asynchronous, keep)
@@ -126,6 +126,7 @@ def _save_to_disk(
         dcp.save({}, storage_writer=dcp.FileSystemWriter(temporary), planner=_SavePieces(entries))
         return pending.wait()
     pending.group = pmodel.io_group()
+    launch.set_phase(f"writing step {step} to disk", role="asynchronous save")
     pending.future = dcp.async_save(
         {},
         storage_writer=dcp.FileSystemWriter(temporary),
@@ -198,8 +199,10 @@ class PendingSave:
     def wait(self) -> Path:
         """Block until written, then mark it complete and current; returns its folder."""
         if self.future is not None:
-            self.future.result()
+            with launch.phase(f"waiting for the asynchronous save of step {self.meta['step']}"):
+                self.future.result()
             self.future = None
+            launch.set_phase("", role="asynchronous save")
         _barrier(self.group)
         if _rank() == 0:
             (self.temporary / MARKER).write_text(json.dumps(self.meta, indent=1))
@@ -300,7 +303,8 @@ class _DiskWriter:
         while True:
             job = self.jobs.get()
             try:
-                _persist(job, self.group)
+                with launch.phase(f"persisting step {job.step} to disk", role="background writer"):
+                    _persist(job, self.group)
                 self.persisted = job.step
             except BaseException as exc:  # reported by the next save or finish(), on the main thread
                 self.error = exc
@@ -395,7 +399,7 @@ def finish(pmodel, directory: str | Path) -> Path | None:
     checkpoint if the directory lags behind it, and free the shared memory. Returns the newest on disk."""
     disk = getattr(pmodel, "_checkpoint_writer", None)
     if disk is not None:
-        with launch.long_timeouts():
+        with launch.long_timeouts(), launch.phase("finishing the memory checkpoints"):
             disk.wait_idle()
             if disk.newest is not None and disk.persisted < disk.newest.step:
                 disk.submit(disk.newest)
@@ -467,7 +471,7 @@ def load(
     directory = Path(directory)
     if getattr(pmodel, "ps_mode", False):  # parameter-server mode: the servers re-shard by row
         return _load_ps(pmodel, directory, missing_ok)
-    with launch.long_timeouts():
+    with launch.long_timeouts(), launch.phase(f"the checkpoint load from {directory}"):
         memory, disk = _memory_snapshots(pmodel, directory), latest(directory)
         # The newest step every rank holds in memory: a rank killed mid-save has the one before, which every
         # rank keeps until all hold the new one (Note [memory checkpoints]).

@@ -9,13 +9,19 @@
   predecessors left there (pytorch/pytorch#167288, #135712). No environment variable is needed.
 - Collectives are bounded (Note [how long a collective may wait]): a rank that hangs, is stopped or has died
   makes the others fail within ``HYPARALLEL_TIMEOUT`` seconds, and the agent restarts the group.
+- Every rank beats a heartbeat through the launch's store (Note [a heartbeat no stopped process can send]): a
+  rank that goes silent (stopped, frozen, cut off) is found within ``HYPARALLEL_HEARTBEAT_TIMEOUT`` seconds in any
+  phase, a checkpoint's save or load included; every other rank prints one line naming it and exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,10 +34,14 @@ __all__ = [
     "background_group",
     "collective_timeout",
     "current_timeout",
+    "heartbeat_timeout",
     "init_process_group",
     "init_timeout",
     "long_timeouts",
+    "phase",
     "round_store",
+    "round_token",
+    "set_phase",
     "set_timeouts",
 ]
 
@@ -115,12 +125,15 @@ def init_process_group(backend: str | None = None) -> None:
         return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):  # rank 0 hosts a store of this round's own
         dist.init_process_group(backend, timeout=timeout)
+        _start_heartbeat(rank, world, "hyparallel/heartbeat/")
         return
     shared = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
     )
-    store = round_store(shared, rank, world, timeout)
+    token = round_token(shared, rank, world, timeout)
+    store = dist.PrefixStore(f"hyparallel/{token}/", shared)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    _start_heartbeat(rank, world, f"hyparallel/{token}/heartbeat/")
 
 
 def round_store(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
@@ -129,6 +142,11 @@ def round_store(store: dist.Store, rank: int, world: int, timeout: datetime.time
     Every rank calls it; it returns once all ``world`` ranks agreed on the round's token, or raises after
     ``timeout``.
     """
+    return dist.PrefixStore(f"hyparallel/{round_token(store, rank, world, timeout)}/", store)
+
+
+def round_token(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta) -> str:
+    """The token every rank of this round agrees on (Note [a store private to each round]); see :func:`round_store`."""
     deadline = time.monotonic() + timeout.total_seconds()
 
     def wait(what: str) -> None:
@@ -156,7 +174,7 @@ def round_store(store: dist.Store, rank: int, world: int, timeout: datetime.time
                     break
             wait("no token from this round's rank 0")
         store.add(f"hyparallel/{token}/reported", 1)
-    return dist.PrefixStore(f"hyparallel/{token}/", store)
+    return token
 
 
 def set_timeouts(timeout: datetime.timedelta) -> None:
@@ -204,3 +222,189 @@ def long_timeouts() -> Iterator[None]:
         yield
     finally:
         set_timeouts(before)
+
+
+# Note [a heartbeat no stopped process can send]
+#     A collective's timeout cannot tell a peer that is slow from one that will never come: a checkpoint's save
+#     waits while other ranks write gigabytes, so its collectives have the long bound (HYPARALLEL_INIT_TIMEOUT), and
+#     a rank stopped (SIGSTOP, a frozen VM or node) or cut off inside a save kept its peers waiting ten minutes.
+#     So every rank of a group hyparallel starts also beats a heartbeat that a stopped process cannot send:
+#     - a daemon thread adds 1 to the rank's counter in the launch's store every beat (HEARTBEAT_TIMEOUT_S / 20,
+#       at most 1 s), over a store connection of its own (the main thread may block in a store wait, holding its
+#       connection), under the round's namespace (Note [a store private to each round]): a new round's counters
+#       start afresh;
+#     - the same thread reads one peer's counter: the next rank around the ring that has not exited cleanly (an
+#       exiting process marks itself gone). Every rank watching one keeps the store's load at four small
+#       operations per rank and beat, and whatever set of ranks stops, some live rank watches a stopped one;
+#     - a counter that has not moved for HYPARALLEL_HEARTBEAT_TIMEOUT seconds (default 20) of the watcher's own
+#       running time means the peer is gone without its agent seeing it: the watcher writes which rank and the
+#       phase it last reported (phase(): starting, training, a save or load of step N, the background writer) to
+#       the store, prints one line and exits; every other rank reads that within a beat, prints its own line (with
+#       its own phase), and each exits once all have (or a few beats passed: the agent stops the whole group as soon
+#       as one exits); the agent restarts the group. Exiting is how torch's NCCL watchdog ends a hung
+#       collective too: a thread cannot end another thread's wait inside a collective.
+#     The bound from a stop to the peers' exit is HYPARALLEL_HEARTBEAT_TIMEOUT plus a beat, in any phase: a save or
+#     load, the background writer of memory checkpoints, a step, tracing after the rendezvous. Before every rank has
+#     beaten once (imports, the rendezvous) a peer is not watched: HYPARALLEL_INIT_TIMEOUT bounds that.
+#     What it does not see: a process alive but stuck (its heartbeat thread beats on). A stuck step still times out
+#     after HYPARALLEL_TIMEOUT, a stuck save or load after HYPARALLEL_INIT_TIMEOUT. A process holding Python's GIL in
+#     one C call for longer than the bound would read as silent: raise the variable for such a program.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
+_phases: dict[str, str] = {}  # what this process is doing, by role ("" the main loop; the background writer)
+_heartbeat: _Heartbeat | None = None
+
+
+def heartbeat_timeout() -> float:
+    """Seconds of silence after which a peer counts as gone (HYPARALLEL_HEARTBEAT_TIMEOUT; default 20)."""
+    return _seconds("HYPARALLEL_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT_S)
+
+
+def set_phase(text: str, role: str = "") -> None:
+    """Say what this process is doing now (the heartbeat reports it to the peers if this rank goes silent)."""
+    if text:
+        _phases[role] = text
+    else:
+        _phases.pop(role, None)
+
+
+@contextlib.contextmanager
+def phase(text: str, role: str = "") -> Iterator[None]:
+    """:func:`set_phase` for a block; the phase before it is restored after."""
+    before = _phases.get(role, "")
+    set_phase(text, role)
+    try:
+        yield
+    finally:
+        set_phase(before, role)
+
+
+def _describe() -> str:
+    main = _phases.get("", "no phase reported")
+    others = "; ".join(f"{role}: {text}" for role, text in sorted(_phases.items()) if role)
+    return f"{main} ({others})" if others else main
+
+
+class _Heartbeat:
+    """One rank's heartbeat and its watch over one peer (Note [a heartbeat no stopped process can send])."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, timeout: float, report=None, end=None) -> None:
+        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+        self.beat = min(1.0, timeout / 20)
+        self.report = report or _report_silent_peer  # report(who, found_here): the one line
+        self.end = end or _end_process
+        self.stopped = threading.Event()
+        self.published = ""
+        self.thread = threading.Thread(target=self._run, name="hyparallel-heartbeat", daemon=True)
+
+    def start(self) -> _Heartbeat:
+        self._publish()  # what this rank is doing, before anything can stop it
+        self.store.add(f"beat/{self.rank}", 1)  # reported in: from now on the peers time this rank
+        self.thread.start()
+        return self
+
+    def _publish(self) -> None:
+        described = _describe()
+        if described != self.published:
+            self.store.set(f"phase/{self.rank}", described)
+            self.published = described
+
+    def stop(self, gone: bool = True) -> None:
+        """Stop beating; ``gone``: tell the peers this rank exits cleanly (they stop watching it)."""
+        self.stopped.set()
+        if gone:
+            with contextlib.suppress(Exception):
+                self.store.set(f"gone/{self.rank}", "1")
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=2 * self.beat + 1)
+
+    def _run(self) -> None:
+        peer, last, moved, previous = None, 0, time.monotonic(), time.monotonic()
+        while not self.stopped.wait(self.beat):
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                self._publish()
+                if self.store.add("silent", 0):  # another rank found one silent
+                    self._give_up(self.store.get("silent/who").decode(), found_here=False)
+                    return
+                now = time.monotonic()
+                if now - previous > 3 * self.beat:  # this process did not run meanwhile: that was no peer's silence
+                    moved = now
+                previous = now
+                watched = self._watched()
+                if watched is None:
+                    continue
+                count = self.store.add(f"beat/{watched}", 0)
+                if watched != peer or count != last or count == 0:  # a new peer, a beat, or not yet reported in
+                    peer, last, moved = watched, count, now
+                elif now - moved >= self.timeout and not self.store.check([f"gone/{watched}"]):
+                    its = self.store.get(f"phase/{watched}").decode() if self.store.check([f"phase/{watched}"]) else ""
+                    who = f"rank {watched} went silent (no heartbeat for {now - moved:.0f} s"
+                    who += f"{', in: ' + its if its else ''}; found by rank {self.rank})"
+                    self.store.set("silent/who", who)
+                    self.store.add("silent", 1)
+                    self._give_up(who, found_here=True)
+                    return
+            except Exception:  # a store hiccup: this beat is skipped; a peer's silence is judged on what was read
+                continue
+
+    def _give_up(self, who: str, found_here: bool) -> None:
+        """Report, then end once every other live rank reported too (or after a few beats): the agent stops the
+        group as soon as one rank exits, and each surviving rank is to say what it saw."""
+        self.report(who, found_here)
+        reported = self.store.add("silent/reported", 1)
+        live = self.world - 1 - sum(self.store.check([f"gone/{r}"]) for r in range(self.world))
+        deadline = time.monotonic() + max(1.0, 3 * self.beat)
+        while reported < live and time.monotonic() < deadline:
+            time.sleep(self.beat / 10)
+            reported = self.store.add("silent/reported", 0)
+        self.end()
+
+    def _watched(self) -> int | None:
+        """The next rank around the ring that has not exited cleanly (None: every other rank has)."""
+        for step in range(1, self.world):
+            candidate = (self.rank + step) % self.world
+            if not self.store.check([f"gone/{candidate}"]):
+                return candidate
+        return None
+
+
+def _report_silent_peer(who: str, found_here: bool) -> None:
+    """The one line a surviving rank prints (stderr) about a silent peer."""
+    rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+    bound = f"HYPARALLEL_HEARTBEAT_TIMEOUT={heartbeat_timeout():g} s"
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    sys.stderr.write(
+        f"hyparallel: {who}; rank {rank} was in: {_describe()}; exiting so that the launcher restarts the group "
+        f"({bound}; docs/elastic.md)\n"
+    )
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+
+
+def _end_process() -> None:
+    """End the process: its collectives would wait on the silent rank (the agent restarts the group)."""
+    os._exit(1)
+
+
+def _start_heartbeat(rank: int, world: int, prefix: str) -> None:
+    """Start this rank's heartbeat over a connection of its own to the launch's store (MASTER_ADDR:MASTER_PORT)."""
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
+    connection = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=max(10.0, heartbeat_timeout())),
+    )
+    set_phase("starting: materialising and the first step")
+    _heartbeat = _Heartbeat(dist.PrefixStore(prefix, connection), rank, world, heartbeat_timeout()).start()
+
+
+@atexit.register
+def _stop_heartbeat() -> None:
+    """A clean exit: the peers stop watching this rank (its agent reports a failed exit)."""
+    if _heartbeat is not None:
+        _heartbeat.stop()

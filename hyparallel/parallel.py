@@ -480,6 +480,7 @@ class ParallelModel:
         if not self._started:  # Note [how long a collective may wait]: started, from now on bounded tightly
             self._started = True
             launch.set_timeouts(launch.collective_timeout("nccl" if self.device.type == "cuda" else "gloo"))
+            launch.set_phase("training")
         return detached_loss(loss)
 
     def _finish_gradients(self, rule: MicroBatchLoss, count: torch.Tensor, pair: bool, aside: dict) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyparallel import checkpoint
+from hyparallel import checkpoint, launch
 
 STEPS, EVERY = 24, 4  # 40 when the Note's figures were measured; 24 keeps every case (suite time)
 FIRST_RTOL, LATER_RTOL = 1e-6, 1e-2  # Note [how close a resumed run stays]
@@ -124,7 +124,12 @@ def environ(repo: Path) -> dict:
     # torchrun's defaults, as a user has them: the rendezvous store shared with the workers (no
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: hyparallel.launch keeps each round's keys apart).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "PYTHONWARNINGS": "ignore"}
-    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "HYPARALLEL_TIMEOUT", "HYPARALLEL_INIT_TIMEOUT"):
+    for name in (
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "HYPARALLEL_TIMEOUT",
+        "HYPARALLEL_INIT_TIMEOUT",
+        "HYPARALLEL_HEARTBEAT_TIMEOUT",
+    ):
         env.pop(name, None)  # the defaults, whatever the shell running the tests exported
     return env
 
@@ -287,6 +292,79 @@ def test_a_stopped_worker_is_detected_within_the_timeout(reference, tmp_path, re
     assert resumed, "the group was not restarted from a checkpoint:\n" + stdout[-2000:]
     final_weights_match(directory, ref_dir, tmp_path)
     assert_same_training(losses(directory, stdout, restart=1), ref_losses, int(resumed[1]))
+
+
+def rank_of(pid: int) -> int:
+    """A worker's rank, from its environment (torchrun sets RANK)."""
+    environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(item for item in environment if item.startswith(b"RANK="))[5:])
+
+
+def stop_inside_a_save(proc: subprocess.Popen, directory: Path, storage: str) -> tuple[int, float, int]:
+    """SIGSTOP rank 3 while its group saves a checkpoint; returns (its pid, when, the step being saved).
+
+    Disk (a checkpoint every EVERY steps): rank 3 is stopped once rank 0 logged a step that is saved next, and counts
+    as stopped inside that save when the checkpoint is still incomplete a second later (its peers wait in the
+    save's collectives). Memory (one every step): stopped while its own snapshot is being written (the snapshot's
+    temporary folder still there a second later). A stop that missed is undone (SIGCONT) and tried again later.
+    """
+    memory = checkpoint.memory_dir(directory) / "rank-3"
+    wait_for(lambda: len(training_workers(proc.pid)) == 4, proc, "4 workers")
+    worker = next(pid for pid in training_workers(proc.pid) if rank_of(pid) == 3)
+    for step in range(2 * EVERY, STEPS - EVERY, EVERY if storage == "disk" else 1):  # after a complete checkpoint
+        if storage == "disk":
+            logged = lambda: log_of(directory).exists() and len(log_of(directory).read_text().splitlines()) >= step  # noqa: E731
+            wait_for(logged, proc, f"step {step} logged")
+            os.kill(worker, signal.SIGSTOP)
+            stopped = time.time()
+            time.sleep(1.0)
+            inside = not (directory / f"step-{step:08d}" / checkpoint.MARKER).exists()
+        else:
+            writing = lambda: any(int(p.name[6:14]) >= step for p in memory.glob(".step-*.tmp"))  # noqa: E731
+            wait_for(writing, proc, "a memory snapshot being written", 120)
+            os.kill(worker, signal.SIGSTOP)
+            stopped = time.time()
+            snapshots = [int(p.name[6:14]) for p in memory.glob(".step-*.tmp")]
+            time.sleep(1.0)
+            inside = bool(snapshots) and all((memory / f".step-{s:08d}.tmp").exists() for s in snapshots)
+            step = max(snapshots, default=-1)
+        if inside:
+            return worker, stopped, step
+        os.kill(worker, signal.SIGCONT)
+    raise AssertionError(f"no stop landed inside a {storage} save (the saves were too quick to catch)")
+
+
+@pytest.mark.parametrize("storage", ["disk", "memory"])
+def test_a_worker_stopped_inside_a_save_is_found_by_its_heartbeat(reference, tmp_path, repo, storage):
+    """Issue 41: no timeout variable set; the peers waiting in a save's collectives find the stopped rank by its
+    silent heartbeat (Note [a heartbeat no stopped process can send]), name it, exit; the group restarts."""
+    ref_dir, ref_losses = reference
+    directory = tmp_path / f"stopped-in-{storage}"
+    every = EVERY if storage == "disk" else 1
+    with launched(command(repo, 4, directory, restarts=1, every=every, storage=storage, keep=2), environ(repo)) as proc:
+        worker, stopped, step = stop_inside_a_save(proc, directory, storage)
+        peers = [pid for pid in training_workers(proc.pid) if pid != worker]
+        wait_for(lambda: not set(peers) & set(training_workers(proc.pid)), proc, "exit of the stopped rank's peers", 120)
+        detected = time.time() - stopped
+        print(f"{storage}: rank 3 stopped inside the save of step {step}; its peers exited {detected:.1f} s later")
+        # The bound: the heartbeat timeout (its default, 20 s) and a beat, plus the peers' exit; 15 s of slack for
+        # a busy machine. Without the heartbeat the peers waited HYPARALLEL_INIT_TIMEOUT (600 s).
+        assert detected < launch.DEFAULT_HEARTBEAT_TIMEOUT_S + 15, f"the peers ran on for {detected:.1f} s"
+        with contextlib.suppress(ProcessLookupError):  # as in the test above: torchrun's 30 s grace is not ours
+            os.kill(worker, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if "went silent" in line]
+    assert len(lines) == 3, stderr[-3000:]  # one line on each surviving rank, naming rank 3 and the save
+    assert all("rank 3 went silent" in line and "checkpoint save of step" in line for line in lines), lines
+    resumed = re.search(rf"resumed after step (\d+) from {storage}", stdout)
+    assert resumed, "the group was not restarted from a checkpoint:\n" + stdout[-2000:]
+    start = int(resumed[1])
+    assert start <= step
+    before = losses(directory, stdout, restart=0)
+    assert all(loss == pytest.approx(ref_losses[s], rel=FIRST_RTOL) for s, loss in before.items())
+    assert_same_training(losses(directory, stdout, restart=1), ref_losses, start)
+    final_weights_match(directory, ref_dir, tmp_path)
 
 
 def test_memory_checkpoints_lose_no_step(reference, tmp_path, repo):

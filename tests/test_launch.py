@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -95,3 +96,103 @@ def test_the_dlrover_launcher_without_dlrover_says_what_to_install(monkeypatch, 
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "dlrover is not installed" in err and "hyparallel[elastic]" in err
+
+
+class Ranks:
+    """``world`` heartbeats in one process, each over a client of its own to one store; what each one was told."""
+
+    def __init__(self, port: int, world: int, timeout_s: float) -> None:
+        self.told: dict[int, tuple[str, bool, float]] = {}
+        self.beats = []
+        for r in range(world):
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+            store = dist.PrefixStore("round/heartbeat/", client)
+            self.beats.append(launch._Heartbeat(store, r, world, timeout_s, report=self.tell(r), end=lambda: None))
+        self.started = time.monotonic()
+        for beat in self.beats:
+            beat.start()
+
+    def tell(self, rank: int):
+        def on_silent(who: str, found_here: bool) -> None:
+            self.told[rank] = (who, found_here, time.monotonic() - self.started)
+
+        return on_silent
+
+    def stop_all(self) -> None:
+        for beat in self.beats:
+            beat.stop(gone=False)
+
+
+def wait_until(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_a_silent_rank_is_named_to_every_other_rank_within_the_bound(shared_store):
+    ranks = Ranks(shared_store.port, 4, timeout_s=1.0)
+    try:
+        time.sleep(0.3)
+        ranks.beats[2].stopped.set()  # rank 2 stops beating, as a stopped process does (no "gone")
+        silenced = time.monotonic()
+        wait_until(lambda: len(ranks.told) == 3, 10)
+        assert sorted(ranks.told) == [0, 1, 3], ranks.told
+        who, found_here, _ = ranks.told[1]  # rank 1 watches rank 2 (the next around the ring)
+        assert found_here and who.startswith("rank 2 went silent") and "found by rank 1" in who, who
+        assert all(not ranks.told[r][1] and ranks.told[r][0] == who for r in (0, 3))
+        # the bound: the timeout plus a beat (timeout / 20) for the finder, a beat more for the others; the slack is
+        # for a busy machine's thread scheduling
+        assert time.monotonic() - silenced < 1.0 + 2.0, ranks.told
+    finally:
+        ranks.stop_all()
+
+
+def test_clean_exits_and_ranks_not_yet_started_are_not_silence(shared_store):
+    ranks = Ranks(shared_store.port, 3, timeout_s=0.5)
+    try:
+        ranks.beats[1].stop(gone=True)  # rank 1 exits cleanly: rank 0 watches rank 2 instead
+        time.sleep(0.3)
+        assert not ranks.told
+        time.sleep(1.5)  # three timeouts: nobody silent
+        assert not ranks.told, ranks.told
+        ranks.beats[2].stopped.set()  # now rank 2 goes silent: rank 0 (whose next rank left cleanly) finds it
+        wait_until(lambda: 0 in ranks.told, 5)
+        assert ranks.told[0][0].startswith("rank 2 went silent") and ranks.told[0][1], ranks.told
+    finally:
+        ranks.stop_all()
+    client = dist.TCPStore("127.0.0.1", shared_store.port, is_master=False)
+    told = []
+    lonely = launch._Heartbeat(
+        dist.PrefixStore("other/heartbeat/", client), 0, 2, 0.3, report=lambda who, here: told.append(who)
+    )
+    lonely.start()  # rank 1 of this round never beat (still importing, say): HYPARALLEL_INIT_TIMEOUT's, not silence
+    time.sleep(1.2)
+    lonely.stop()
+    assert not told
+
+
+def test_the_silent_ranks_last_phase_and_the_watchers_own_are_named(shared_store, monkeypatch):
+    monkeypatch.setattr(launch, "_phases", {})
+    launch.set_phase("training")
+    with launch.phase("the disk checkpoint save of step 8"), launch.phase("persisting step 4", role="writer"):
+        assert launch._describe() == "the disk checkpoint save of step 8 (writer: persisting step 4)"
+        ranks = Ranks(shared_store.port, 2, timeout_s=0.5)
+        try:
+            time.sleep(0.3)  # both published this process's phase
+            ranks.beats[1].stopped.set()
+            wait_until(lambda: 0 in ranks.told, 5)
+        finally:
+            ranks.stop_all()
+    assert launch._describe() == "training"
+    who = ranks.told[0][0]
+    assert "in: the disk checkpoint save of step 8 (writer: persisting step 4)" in who, who
+
+
+def test_the_heartbeat_timeout_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("HYPARALLEL_HEARTBEAT_TIMEOUT", raising=False)
+    assert launch.heartbeat_timeout() == launch.DEFAULT_HEARTBEAT_TIMEOUT_S
+    monkeypatch.setenv("HYPARALLEL_HEARTBEAT_TIMEOUT", "45")
+    assert launch.heartbeat_timeout() == 45
+    monkeypatch.setenv("HYPARALLEL_HEARTBEAT_TIMEOUT", "never")
+    with pytest.raises(ConfigError, match="HYPARALLEL_HEARTBEAT_TIMEOUT='never'"):
+        launch.heartbeat_timeout()
