@@ -313,14 +313,17 @@ def stop_inside_a_save(proc: subprocess.Popen, directory: Path, storage: str) ->
     worker = next(pid for pid in training_workers(proc.pid) if rank_of(pid) == 3)
     for step in range(2 * EVERY, STEPS - EVERY, EVERY if storage == "disk" else 1):  # after a complete checkpoint
         if storage == "disk":
-            logged = lambda: log_of(directory).exists() and len(log_of(directory).read_text().splitlines()) >= step  # noqa: E731
+
+            def logged(at: int = step) -> bool:
+                return log_of(directory).exists() and len(log_of(directory).read_text().splitlines()) >= at
+
             wait_for(logged, proc, f"step {step} logged")
             os.kill(worker, signal.SIGSTOP)
             stopped = time.time()
             time.sleep(1.0)
             inside = not (directory / f"step-{step:08d}" / checkpoint.MARKER).exists()
         else:
-            writing = lambda: any(int(p.name[6:14]) >= step for p in memory.glob(".step-*.tmp"))  # noqa: E731
+            writing = lambda at=step: any(int(p.name[6:14]) >= at for p in memory.glob(".step-*.tmp"))  # noqa: E731
             wait_for(writing, proc, "a memory snapshot being written", 120)
             os.kill(worker, signal.SIGSTOP)
             stopped = time.time()
@@ -344,7 +347,8 @@ def test_a_worker_stopped_inside_a_save_is_found_by_its_heartbeat(reference, tmp
     with launched(command(repo, 4, directory, restarts=1, every=every, storage=storage, keep=2), environ(repo)) as proc:
         worker, stopped, step = stop_inside_a_save(proc, directory, storage)
         peers = [pid for pid in training_workers(proc.pid) if pid != worker]
-        wait_for(lambda: not set(peers) & set(training_workers(proc.pid)), proc, "exit of the stopped rank's peers", 120)
+        peers_gone = lambda: not set(peers) & set(training_workers(proc.pid))  # noqa: E731
+        wait_for(peers_gone, proc, "exit of the stopped rank's peers", 120)
         detected = time.time() - stopped
         print(f"{storage}: rank 3 stopped inside the save of step {step}; its peers exited {detected:.1f} s later")
         # The bound: the heartbeat timeout (its default, 20 s) and a beat, plus the peers' exit; 15 s of slack for
