@@ -125,7 +125,7 @@ def init_process_group(backend: str | None = None) -> None:
         return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):  # rank 0 hosts a store of this round's own
         dist.init_process_group(backend, timeout=timeout)
-        _start_heartbeat(rank, world, "hyparallel/heartbeat/")
+        _start_heartbeat(rank, world, "hyparallel/heartbeat/", host=0)
         return
     shared = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
@@ -229,8 +229,8 @@ def long_timeouts() -> Iterator[None]:
 #     waits while other ranks write gigabytes, so its collectives have the long bound (HYPARALLEL_INIT_TIMEOUT), and
 #     a rank stopped (SIGSTOP, a frozen VM or node) or cut off inside a save kept its peers waiting ten minutes.
 #     So every rank of a group hyparallel starts also beats a heartbeat that a stopped process cannot send:
-#     - a daemon thread adds 1 to the rank's counter in the launch's store every beat (HEARTBEAT_TIMEOUT_S / 20,
-#       at most 1 s), over a store connection of its own (the main thread may block in a store wait, holding its
+#     - a daemon thread adds 1 to the rank's counter in the launch's store every beat (the timeout / 20, at most
+#       1 s), over a store connection of its own (the main thread may block in a store wait, holding its
 #       connection), under the round's namespace (Note [a store private to each round]): a new round's counters
 #       start afresh;
 #     - the same thread reads one peer's counter: the next rank around the ring that has not exited cleanly (an
@@ -243,6 +243,12 @@ def long_timeouts() -> Iterator[None]:
 #       its own phase), and each exits once all have (or a few beats passed: the agent stops the whole group as soon
 #       as one exits); the agent restarts the group. Exiting is how torch's NCCL watchdog ends a hung
 #       collective too: a thread cannot end another thread's wait inside a collective.
+#     - the store itself: without an agent's store (a plain RANK/MASTER_ADDR launch), rank 0's process hosts it, and
+#       a TCPStore operation on a stopped host waits for ever (measured: no client timeout applies to add/check).
+#       A guard thread, which makes no store operation, ends the process (with its one line) once an operation
+#       has waited HYPARALLEL_HEARTBEAT_TIMEOUT. A connection that breaks (the host exited or died: its agent sees
+#       that) is made anew each beat; after HYPARALLEL_HEARTBEAT_TIMEOUT without one the heartbeat stops quietly
+#       (the end of a run whose rank 0 left first).
 #     The bound from a stop to the peers' exit is HYPARALLEL_HEARTBEAT_TIMEOUT plus a beat, in any phase: a save or
 #     load, the background writer of memory checkpoints, a step, tracing after the rendezvous. Before every rank has
 #     beaten once (imports, the rendezvous) a peer is not watched: HYPARALLEL_INIT_TIMEOUT bounds that.
@@ -285,21 +291,35 @@ def _describe() -> str:
 
 
 class _Heartbeat:
-    """One rank's heartbeat and its watch over one peer (Note [a heartbeat no stopped process can send])."""
+    """One rank's heartbeat and its watch over one peer (Note [a heartbeat no stopped process can send]).
 
-    def __init__(self, store: dist.Store, rank: int, world: int, timeout: float, report=None, end=None) -> None:
-        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+    Two daemon threads: one makes every store operation (beats, reads); a guard, which makes none, ends the
+    process when one of them has waited ``timeout`` seconds for an answer (the store's host stopped: a TCPStore
+    operation then waits for ever).
+    """
+
+    def __init__(
+        self, connect, rank: int, world: int, timeout: float, report=None, end=None, host: int | None = None
+    ) -> None:
+        self.connect, self.rank, self.world, self.timeout = connect, rank, world, timeout  # connect(): a new store
+        self.store = connect()
+        self.host = host  # the rank whose process hosts the store (no agent's store), if any
         self.beat = min(1.0, timeout / 20)
         self.report = report or _report_silent_peer  # report(who, found_here): the one line
         self.end = end or _end_process
         self.stopped = threading.Event()
+        self.leaving = False  # stop(): tell the peers this rank exits cleanly
+        self.asking: float | None = None  # since when the store thread waits for an answer
+        self.done = False  # reported: the guard stays quiet
         self.published = ""
         self.thread = threading.Thread(target=self._run, name="hyparallel-heartbeat", daemon=True)
+        self.guard = threading.Thread(target=self._guard, name="hyparallel-heartbeat-guard", daemon=True)
 
     def start(self) -> _Heartbeat:
         self._publish()  # what this rank is doing, before anything can stop it
         self.store.add(f"beat/{self.rank}", 1)  # reported in: from now on the peers time this rank
         self.thread.start()
+        self.guard.start()
         return self
 
     def _publish(self) -> None:
@@ -309,47 +329,85 @@ class _Heartbeat:
             self.published = described
 
     def stop(self, gone: bool = True) -> None:
-        """Stop beating; ``gone``: tell the peers this rank exits cleanly (they stop watching it)."""
+        """Stop beating; ``gone``: tell the peers this rank exits cleanly (they stop watching it). Waits a few beats
+        at most: a store that does not answer is not waited for."""
+        self.leaving = gone
         self.stopped.set()
-        if gone:
-            with contextlib.suppress(Exception):
-                self.store.set(f"gone/{self.rank}", "1")
-        if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(timeout=2 * self.beat + 1)
+        for thread in (self.thread, self.guard):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=2 * self.beat + 1)
 
     def _run(self) -> None:
         peer, last, moved, previous = None, 0, time.monotonic(), time.monotonic()
+        answered = time.monotonic()
         while not self.stopped.wait(self.beat):
+            now = time.monotonic()
+            if now - previous > 3 * self.beat:  # this process did not run between beats: nobody's silence
+                moved = answered = now
             try:
-                self.store.add(f"beat/{self.rank}", 1)
-                self._publish()
-                if self.store.add("silent", 0):  # another rank found one silent
-                    self._give_up(self.store.get("silent/who").decode(), found_here=False)
+                if self.store is None:  # the connection broke: a new one (bounded: it raises), or an error
+                    self.store = self.connect()
+                self.asking = now  # an operation on a connection made waits for ever if the store's host stopped
+                if self._beat_and_watch(now, peer, last, moved):
                     return
-                now = time.monotonic()
-                if now - previous > 3 * self.beat:  # this process did not run meanwhile: that was no peer's silence
-                    moved = now
-                previous = now
-                watched = self._watched()
-                if watched is None:
-                    continue
-                count = self.store.add(f"beat/{watched}", 0)
-                if watched != peer or count != last or count == 0:  # a new peer, a beat, or not yet reported in
-                    peer, last, moved = watched, count, now
-                elif now - moved >= self.timeout and not self.store.check([f"gone/{watched}"]):
-                    its = self.store.get(f"phase/{watched}").decode() if self.store.check([f"phase/{watched}"]) else ""
-                    who = f"rank {watched} went silent (no heartbeat for {now - moved:.0f} s"
-                    who += f"{', in: ' + its if its else ''}; found by rank {self.rank})"
-                    self.store.set("silent/who", who)
-                    self.store.add("silent", 1)
-                    self._give_up(who, found_here=True)
+                peer, last, moved = self.watch
+                answered = now
+            except Exception:  # a store hiccup: this beat is skipped, the connection made anew
+                self.store = None
+                if time.monotonic() - answered >= self.timeout:  # the store's host is gone: its agent sees that
                     return
-            except Exception:  # a store hiccup: this beat is skipped; a peer's silence is judged on what was read
-                continue
+            finally:
+                self.asking = None
+                previous = time.monotonic()  # the next beat's gap is this thread's wait alone
+        if self.leaving and self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(f"gone/{self.rank}", "1")
+
+    def _beat_and_watch(self, now: float, peer: int | None, last: int, moved: float) -> bool:
+        """One beat: this rank's counter and phase, another rank's finding, the watched peer's counter. True when
+        a silent rank was reported."""
+        self.watch = (peer, last, moved)
+        self.store.add(f"beat/{self.rank}", 1)
+        self._publish()
+        if self.store.add("silent", 0):  # another rank found one silent
+            self._give_up(self.store.get("silent/who").decode(), found_here=False)
+            return True
+        watched = self._watched()
+        if watched is None:
+            return False
+        count = self.store.add(f"beat/{watched}", 0)
+        if watched != peer or count != last or count == 0:  # a new peer, a beat, or not yet reported in
+            self.watch = (watched, count, now)
+            return False
+        if now - moved < self.timeout or self.store.check([f"gone/{watched}"]):
+            return False
+        its = self.store.get(f"phase/{watched}").decode() if self.store.check([f"phase/{watched}"]) else ""
+        who = f"rank {watched} went silent (no heartbeat for {now - moved:.0f} s"
+        who += f"{', in: ' + its if its else ''}; found by rank {self.rank})"
+        self.store.set("silent/who", who)
+        self.store.add("silent", 1)
+        self._give_up(who, found_here=True)
+        return True
+
+    def _guard(self) -> None:
+        previous = time.monotonic()
+        while not self.stopped.wait(self.beat):
+            now, asking = time.monotonic(), self.asking
+            if now - previous <= 3 * self.beat and asking is not None and now - asking >= self.timeout:
+                if not self.done:
+                    hosted = f"rank {self.host} hosts it: it is stopped or cut off" if self.host is not None else ""
+                    self.done = True
+                    self.report(
+                        f"the launch's store did not answer for {now - asking:.0f} s ({hosted or 'its host'})", True
+                    )
+                self.end()
+                return
+            previous = now
 
     def _give_up(self, who: str, found_here: bool) -> None:
         """Report, then end once every other live rank reported too (or after a few beats): the agent stops the
         group as soon as one rank exits, and each surviving rank is to say what it saw."""
+        self.done = True
         self.report(who, found_here)
         reported = self.store.add("silent/reported", 1)
         live = self.world - 1 - sum(self.store.check([f"gone/{r}"]) for r in range(self.world))
@@ -387,20 +445,24 @@ def _end_process() -> None:
     os._exit(1)
 
 
-def _start_heartbeat(rank: int, world: int, prefix: str) -> None:
+def _start_heartbeat(rank: int, world: int, prefix: str, host: int | None = None) -> None:
     """Start this rank's heartbeat over a connection of its own to the launch's store (MASTER_ADDR:MASTER_PORT)."""
     global _heartbeat
     if _heartbeat is not None:
         _heartbeat.stop()
-    connection = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=max(10.0, heartbeat_timeout())),
-    )
     set_phase("starting: materialising and the first step")
-    _heartbeat = _Heartbeat(dist.PrefixStore(prefix, connection), rank, world, heartbeat_timeout()).start()
+    connect = _connection(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), prefix, heartbeat_timeout())
+    _heartbeat = _Heartbeat(connect, rank, world, heartbeat_timeout(), host=host).start()
+
+
+def _connection(host: str, port: int, prefix: str, timeout: float):
+    """What makes the heartbeat's connection to the store (again, after one broke): a client of its own."""
+
+    def connect() -> dist.Store:
+        wait = datetime.timedelta(seconds=max(0.5, timeout / 4))
+        return dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=wait))
+
+    return connect
 
 
 @atexit.register

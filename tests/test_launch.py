@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -101,13 +105,13 @@ def test_the_dlrover_launcher_without_dlrover_says_what_to_install(monkeypatch, 
 class Ranks:
     """``world`` heartbeats in one process, each over a client of its own to one store; what each one was told."""
 
-    def __init__(self, port: int, world: int, timeout_s: float) -> None:
+    def __init__(self, port: int, world: int, timeout_s: float, ranks=None, host: int | None = None) -> None:
         self.told: dict[int, tuple[str, bool, float]] = {}
         self.beats = []
-        for r in range(world):
-            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
-            store = dist.PrefixStore("round/heartbeat/", client)
-            self.beats.append(launch._Heartbeat(store, r, world, timeout_s, report=self.tell(r), end=lambda: None))
+        for r in range(world) if ranks is None else ranks:
+            connect = launch._connection("127.0.0.1", port, "round/heartbeat/", timeout_s)
+            beat = launch._Heartbeat(connect, r, world, timeout_s, report=self.tell(r), end=lambda: None, host=host)
+            self.beats.append(beat)
         self.started = time.monotonic()
         for beat in self.beats:
             beat.start()
@@ -160,11 +164,9 @@ def test_clean_exits_and_ranks_not_yet_started_are_not_silence(shared_store):
         assert ranks.told[0][0].startswith("rank 2 went silent") and ranks.told[0][1], ranks.told
     finally:
         ranks.stop_all()
-    client = dist.TCPStore("127.0.0.1", shared_store.port, is_master=False)
     told = []
-    lonely = launch._Heartbeat(
-        dist.PrefixStore("other/heartbeat/", client), 0, 2, 0.3, report=lambda who, here: told.append(who)
-    )
+    connect = launch._connection("127.0.0.1", shared_store.port, "other/heartbeat/", 0.3)
+    lonely = launch._Heartbeat(connect, 0, 2, 0.3, report=lambda who, here: told.append(who))
     lonely.start()  # rank 1 of this round never beat (still importing, say): HYPARALLEL_INIT_TIMEOUT's, not silence
     time.sleep(1.2)
     lonely.stop()
@@ -196,3 +198,43 @@ def test_the_heartbeat_timeout_reads_the_environment(monkeypatch):
     monkeypatch.setenv("HYPARALLEL_HEARTBEAT_TIMEOUT", "never")
     with pytest.raises(ConfigError, match="HYPARALLEL_HEARTBEAT_TIMEOUT='never'"):
         launch.heartbeat_timeout()
+
+
+def test_a_store_hosted_by_a_stopped_rank_is_found_too(tmp_path):
+    """Without an agent's store, rank 0's process hosts it: rank 0 stopped stops the store's answers as well."""
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, "
+            "wait_for_workers=False); print(s.port, flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(host.stdout.readline())
+        ranks = Ranks(port, 3, timeout_s=1.0, ranks=[1, 2], host=0)  # rank 0 (in the host process) never beats
+        time.sleep(0.5)
+        os.kill(host.pid, signal.SIGSTOP)
+        wait_until(lambda: len(ranks.told) == 2, 10)
+        assert sorted(ranks.told) == [1, 2], ranks.told
+        assert all(
+            "the launch's store did not answer" in who and "rank 0 hosts it" in who for who, *_ in ranks.told.values()
+        )
+        ranks.stop_all()
+        os.kill(host.pid, signal.SIGCONT)
+        # rank 0 exits and its store with it: the others' heartbeats go on quietly (its agent sees the exit)
+        ranks = Ranks(port, 3, timeout_s=1.0, ranks=[1, 2], host=0)
+        client = dist.TCPStore("127.0.0.1", port, is_master=False)
+        dist.PrefixStore("round/heartbeat/", client).set("gone/0", "1")
+        time.sleep(0.3)
+        host.kill()
+        time.sleep(2.5)
+        assert not ranks.told, ranks.told
+        started = time.monotonic()
+        ranks.stop_all()  # at exit: no store to answer, and no wait for it
+        assert time.monotonic() - started < 5
+    finally:
+        host.kill()
+        host.wait()
