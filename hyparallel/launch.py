@@ -312,6 +312,7 @@ class _Heartbeat:
         self.asking: float | None = None  # since when the store thread waits for an answer
         self.done = False  # reported: the guard stays quiet
         self.published = ""
+        self.watch: tuple[int | None, int, float] = (None, 0, time.monotonic())  # peer, its count, when it moved
         self.thread = threading.Thread(target=self._run, name="hyparallel-heartbeat", daemon=True)
         self.guard = threading.Thread(target=self._guard, name="hyparallel-heartbeat-guard", daemon=True)
 
@@ -338,19 +339,18 @@ class _Heartbeat:
                 thread.join(timeout=2 * self.beat + 1)
 
     def _run(self) -> None:
-        peer, last, moved, previous = None, 0, time.monotonic(), time.monotonic()
-        answered = time.monotonic()
+        previous = answered = time.monotonic()
         while not self.stopped.wait(self.beat):
             now = time.monotonic()
             if now - previous > 3 * self.beat:  # this process did not run between beats: nobody's silence
-                moved = answered = now
+                self.watch = (self.watch[0], self.watch[1], now)
+                answered = now
             try:
                 if self.store is None:  # the connection broke: a new one (bounded: it raises), or an error
                     self.store = self.connect()
                 self.asking = now  # an operation on a connection made waits for ever if the store's host stopped
-                if self._beat_and_watch(now, peer, last, moved):
+                if self._beat_and_watch(now):
                     return
-                peer, last, moved = self.watch
                 answered = now
             except Exception:  # a store hiccup: this beat is skipped, the connection made anew
                 self.store = None
@@ -363,10 +363,10 @@ class _Heartbeat:
             with contextlib.suppress(Exception):
                 self.store.set(f"gone/{self.rank}", "1")
 
-    def _beat_and_watch(self, now: float, peer: int | None, last: int, moved: float) -> bool:
-        """One beat: this rank's counter and phase, another rank's finding, the watched peer's counter. True when
-        a silent rank was reported."""
-        self.watch = (peer, last, moved)
+    def _beat_and_watch(self, now: float) -> bool:
+        """One beat: this rank's counter and phase, another rank's finding, the watched peer's counter (``watch``).
+        True when a silent rank was reported."""
+        peer, last, moved = self.watch
         self.store.add(f"beat/{self.rank}", 1)
         self._publish()
         if self.store.add("silent", 0):  # another rank found one silent
@@ -409,13 +409,15 @@ class _Heartbeat:
         group as soon as one rank exits, and each surviving rank is to say what it saw."""
         self.done = True
         self.report(who, found_here)
-        reported = self.store.add("silent/reported", 1)
-        live = self.world - 1 - sum(self.store.check([f"gone/{r}"]) for r in range(self.world))
-        deadline = time.monotonic() + max(1.0, 3 * self.beat)
-        while reported < live and time.monotonic() < deadline:
-            time.sleep(self.beat / 10)
-            reported = self.store.add("silent/reported", 0)
-        self.end()
+        try:  # a store that fails here must not keep this rank alive: it ends in any case
+            reported = self.store.add("silent/reported", 1)
+            live = self.world - 1 - sum(self.store.check([f"gone/{r}"]) for r in range(self.world))
+            deadline = time.monotonic() + max(1.0, 3 * self.beat)
+            while reported < live and time.monotonic() < deadline:
+                time.sleep(self.beat / 10)
+                reported = self.store.add("silent/reported", 0)
+        finally:
+            self.end()
 
     def _watched(self) -> int | None:
         """The next rank around the ring that has not exited cleanly (None: every other rank has)."""

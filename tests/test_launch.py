@@ -134,41 +134,41 @@ def wait_until(condition, seconds: float) -> None:
 
 
 def test_a_silent_rank_is_named_to_every_other_rank_within_the_bound(shared_store):
-    ranks = Ranks(shared_store.port, 4, timeout_s=1.0)
+    ranks = Ranks(shared_store.port, 4, timeout_s=2.0)
     try:
         time.sleep(0.3)
         ranks.beats[2].stopped.set()  # rank 2 stops beating, as a stopped process does (no "gone")
         silenced = time.monotonic()
-        wait_until(lambda: len(ranks.told) == 3, 10)
+        wait_until(lambda: len(ranks.told) == 3, 15)
         assert sorted(ranks.told) == [0, 1, 3], ranks.told
         who, found_here, _ = ranks.told[1]  # rank 1 watches rank 2 (the next around the ring)
         assert found_here and who.startswith("rank 2 went silent") and "found by rank 1" in who, who
         assert all(not ranks.told[r][1] and ranks.told[r][0] == who for r in (0, 3))
         # the bound: the timeout plus a beat (timeout / 20) for the finder, a beat more for the others; the slack is
-        # for a busy machine's thread scheduling
-        assert time.monotonic() - silenced < 1.0 + 2.0, ranks.told
+        # for a busy machine's thread scheduling (8 test processes on 2 cores)
+        assert time.monotonic() - silenced < 2.0 + 4.0, ranks.told
     finally:
         ranks.stop_all()
 
 
 def test_clean_exits_and_ranks_not_yet_started_are_not_silence(shared_store):
-    ranks = Ranks(shared_store.port, 3, timeout_s=0.5)
+    ranks = Ranks(shared_store.port, 3, timeout_s=1.0)
     try:
         ranks.beats[1].stop(gone=True)  # rank 1 exits cleanly: rank 0 watches rank 2 instead
         time.sleep(0.3)
         assert not ranks.told
-        time.sleep(1.5)  # three timeouts: nobody silent
+        time.sleep(3.0)  # three timeouts: nobody silent
         assert not ranks.told, ranks.told
         ranks.beats[2].stopped.set()  # now rank 2 goes silent: rank 0 (whose next rank left cleanly) finds it
-        wait_until(lambda: 0 in ranks.told, 5)
+        wait_until(lambda: 0 in ranks.told, 10)
         assert ranks.told[0][0].startswith("rank 2 went silent") and ranks.told[0][1], ranks.told
     finally:
         ranks.stop_all()
     told = []
-    connect = launch._connection("127.0.0.1", shared_store.port, "other/heartbeat/", 0.3)
-    lonely = launch._Heartbeat(connect, 0, 2, 0.3, report=lambda who, here: told.append(who))
+    connect = launch._connection("127.0.0.1", shared_store.port, "other/heartbeat/", 0.5)
+    lonely = launch._Heartbeat(connect, 0, 2, 0.5, report=lambda who, here: told.append(who))
     lonely.start()  # rank 1 of this round never beat (still importing, say): HYPARALLEL_INIT_TIMEOUT's, not silence
-    time.sleep(1.2)
+    time.sleep(2.0)
     lonely.stop()
     assert not told
 
@@ -178,11 +178,11 @@ def test_the_silent_ranks_last_phase_and_the_watchers_own_are_named(shared_store
     launch.set_phase("training")
     with launch.phase("the disk checkpoint save of step 8"), launch.phase("persisting step 4", role="writer"):
         assert launch._describe() == "the disk checkpoint save of step 8 (writer: persisting step 4)"
-        ranks = Ranks(shared_store.port, 2, timeout_s=0.5)
+        ranks = Ranks(shared_store.port, 2, timeout_s=1.0)
         try:
             time.sleep(0.3)  # both published this process's phase
             ranks.beats[1].stopped.set()
-            wait_until(lambda: 0 in ranks.told, 5)
+            wait_until(lambda: 0 in ranks.told, 10)
         finally:
             ranks.stop_all()
     assert launch._describe() == "training"
@@ -214,10 +214,10 @@ def test_a_store_hosted_by_a_stopped_rank_is_found_too(tmp_path):
     )
     try:
         port = int(host.stdout.readline())
-        ranks = Ranks(port, 3, timeout_s=1.0, ranks=[1, 2], host=0)  # rank 0 (in the host process) never beats
+        ranks = Ranks(port, 3, timeout_s=2.0, ranks=[1, 2], host=0)  # rank 0 (in the host process) never beats
         time.sleep(0.5)
         os.kill(host.pid, signal.SIGSTOP)
-        wait_until(lambda: len(ranks.told) == 2, 10)
+        wait_until(lambda: len(ranks.told) == 2, 15)
         assert sorted(ranks.told) == [1, 2], ranks.told
         assert all(
             "the launch's store did not answer" in who and "rank 0 hosts it" in who for who, *_ in ranks.told.values()
@@ -225,12 +225,12 @@ def test_a_store_hosted_by_a_stopped_rank_is_found_too(tmp_path):
         ranks.stop_all()
         os.kill(host.pid, signal.SIGCONT)
         # rank 0 exits and its store with it: the others' heartbeats go on quietly (its agent sees the exit)
-        ranks = Ranks(port, 3, timeout_s=1.0, ranks=[1, 2], host=0)
+        ranks = Ranks(port, 3, timeout_s=2.0, ranks=[1, 2], host=0)
         client = dist.TCPStore("127.0.0.1", port, is_master=False)
         dist.PrefixStore("round/heartbeat/", client).set("gone/0", "1")
         time.sleep(0.3)
         host.kill()
-        time.sleep(2.5)
+        time.sleep(5.0)  # two and a half timeouts
         assert not ranks.told, ranks.told
         started = time.monotonic()
         ranks.stop_all()  # at exit: no store to answer, and no wait for it
