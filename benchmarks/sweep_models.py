@@ -171,8 +171,8 @@ def moe_lm(layers: int = 2, hidden: int = 64, heads: int = 4, ffn: int = 64, exp
 
 class TorchEncoderLM(nn.Module):
     """torch's own nn.TransformerEncoder as a causal LM: its layers in the encoder's ModuleList, attention an
-    nn.MultiheadAttention (one fused in_proj_weight, read by F.multi_head_attention_forward). The sweep's copy of
-    tests/tiny_lms.py's (benchmarks do not import tests)."""
+    nn.MultiheadAttention (one fused in_proj_weight, read by F.multi_head_attention_forward). tests/tiny_lms.py's
+    torch_encoder_lm builds it too."""
 
     def __init__(self, hidden: int, heads: int, layers: int, vocab_size: int, norm_first: bool):
         super().__init__()

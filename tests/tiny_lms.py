@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.sweep_models import TorchEncoderLM  # the sweep's nn.TransformerEncoder LM, one copy
+
 
 class ScaledEmbedding(nn.Embedding):
     """An embedding whose forward multiplies by a constant: swapped for a plain one, it would lose the scale."""
@@ -746,27 +748,6 @@ class DictLayersLM(nn.Module):
 def dict_layers_lm(n: int = 4) -> DictLayersLM:
     """torchtitan's Llama layout: its own Linear and Embedding classes (not torch's), layers in a ModuleDict."""
     return DictLayersLM(n=n)
-
-
-class TorchEncoderLM(nn.Module):
-    """torch's own nn.TransformerEncoder as a causal LM: its layers in the encoder's ModuleList, attention an
-    nn.MultiheadAttention (one fused in_proj_weight, read by F.multi_head_attention_forward)."""
-
-    def __init__(self, hidden: int, heads: int, layers: int, vocab_size: int, norm_first: bool):
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, hidden)
-        layer = nn.TransformerEncoderLayer(
-            hidden, heads, 4 * hidden, dropout=0.0, activation="gelu", batch_first=True, norm_first=norm_first
-        )
-        self.encoder = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(hidden), enable_nested_tensor=False)
-        self.head = nn.Linear(hidden, vocab_size, bias=False)
-
-    def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> torch.Tensor:
-        return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], device=input_ids.device)
-        return self.head(self.encoder(self.embed(input_ids), mask=mask, is_causal=True))
 
 
 def torch_encoder_lm(
