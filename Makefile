@@ -42,6 +42,7 @@ TORCHTITAN ?= torchtitan==0.3.0
 sweep: $(VENV)/.ready
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev,elastic,ps,sweep]"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps "$(TORCHTITAN)"
+	$(BIN)/python -m pytest -q -m sweep
 	$(BIN)/python benchmarks/sweep.py
 
 clean:

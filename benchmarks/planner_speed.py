@@ -10,7 +10,7 @@ on a machine shared with other work the wall time is the noisier of the two. Twi
 (--no-cache: the trace and the dry runs at one rank's sizes, which import torch._dynamo and sympy through
 torch's Python meta kernels) and as every later one, with the traced graph read from the cache
 (hyparallel.graph.cache).
-``--quick`` times the two target cases only; ``--json FILE`` writes every row's figures.
+``--quick`` times the two target searches and the gpt-175b command only; ``--json FILE`` writes every row's figures.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def time_command(model: str, gpus: int, global_batch: int, target_s: float, runs
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the two target cases only")
+    parser.add_argument("--quick", action="store_true", help="the two target searches, the gpt-175b command")
     parser.add_argument("--json", help="write every row's figures here")
     parser.add_argument("--runs", type=int, help="runs of each whole command (default 3; 1 with --quick)")
     args = parser.parse_args()
@@ -151,7 +151,8 @@ def main() -> None:
             rows.append({**time_search("gpt-175b", 1024, 1536, layers), "group": "growth with layers"})
     print("whole `hyparallel plan` command, fresh process:")
     runs = args.runs or (1 if args.quick else 3)
-    commands = [time_command(*case, runs=runs, cached=cached) for cached in (False, True) for case in COMMANDS]
+    cases = COMMANDS[:1] if args.quick else COMMANDS
+    commands = [time_command(*case, runs=runs, cached=cached) for cached in (False, True) for case in cases]
     if args.json:
         Path(args.json).write_text(json.dumps({"cases": rows, "commands": commands}, indent=1))
 
