@@ -41,9 +41,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import hyparallel as hp
-from hyparallel.parallel import token_cross_entropy
 from hyparallel.planner import costs
-from hyparallel.schema import Plan
+from hyparallel.runtime.parallel import token_cross_entropy
+from hyparallel.spec.schema import Plan
 from hyparallel.tensor.init import materialize_
 
 MODEL = "gpt-tiny num_layers=4 hidden_size=256 num_heads=8 vocab_size=1024 max_seq_len=128"

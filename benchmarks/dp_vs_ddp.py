@@ -31,7 +31,7 @@ from common import agreement, alternate, timed  # benchmarks/common.py, beside t
 from torch.nn.parallel import DistributedDataParallel
 
 import hyparallel as hp
-from hyparallel.parallel import token_cross_entropy
+from hyparallel.runtime.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
 
 MODEL = "gpt-tiny num_layers=4 hidden_size=256 num_heads=8 vocab_size=1024 max_seq_len=128"

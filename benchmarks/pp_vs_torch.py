@@ -35,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import hyparallel as hp
 from hyparallel.pipeline import split_model
-from hyparallel.pipeline.runtime import PipelineRuntime
+from hyparallel.pipeline.executor import PipelineRuntime
 from hyparallel.tensor.init import materialize_
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}

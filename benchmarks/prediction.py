@@ -14,7 +14,7 @@ Run: .venv/bin/python benchmarks/prediction.py [--model gpt-mini] [--seq-len 128
 3. Prints a markdown table (predicted, measured, error), the Spearman rank correlation of predicted and
    measured (overall and per N), and whether the planner's pick is the measured fastest of its N or within
    10 % of it.
-   Every run also records each rank's peak tensor bytes (train_gpt --memory-out, hyparallel.peak_memory: Note
+   Every run also records each rank's peak tensor bytes (train_gpt --memory-out, hyparallel.runtime.peak_memory: Note
    [measuring a CPU peak]); the table shows measured, predicted and their ratio per rank, and the script exits 1
    if any rank measured more than its prediction (an under-prediction) or recorded no peak.
 4. Memory: for a few of the plans, every rank's weights, gradients and AdamW state (bytes of the real tensors
@@ -117,7 +117,7 @@ def label(constraints: dict) -> str:
 
 def measure(n: int, plan, args, folder: Path) -> tuple[list[float] | None, list[dict]]:
     """The steady steps' measured seconds of one run of `plan` under torchrun (None if the run failed), and every
-    rank's peak tensor bytes against its prediction (train_gpt --memory-out: hyparallel.peak_memory)."""
+    rank's peak tensor bytes against its prediction (train_gpt --memory-out: hyparallel.runtime.peak_memory)."""
     plan_file, metrics, peaks = folder / "plan.yaml", folder / "metrics.json", folder / "peaks.json"
     plan.save(plan_file)
     metrics.unlink(missing_ok=True)
@@ -149,7 +149,7 @@ def measure(n: int, plan, args, folder: Path) -> tuple[list[float] | None, list[
 
 
 # Note [rounds of runs]
-#     A shared CPU's speed drifts over minutes (Note [a CPU's rates drift] in hyparallel/calibrate.py): on the AMD
+#     A shared CPU's speed drifts over minutes (Note [a CPU's rates drift] in hyparallel/tools/calibrate.py): on the AMD
 #     EPYC the same dp 8 step of gpt-mini measured 172 ms in one run and 282 in another, and a world size's plans,
 #     run one after another, each caught a different moment; the pick's verdict (within 10% of the fastest)
 #     turned on which plan ran in the slow minute. So each world size's plans run in ROUNDS rounds, taking turns
@@ -164,7 +164,7 @@ ROUNDS = 2
 
 def predict(plan, cluster, args) -> float:
     """``plan``'s step time (its configuration fixed) under ``cluster``: the planner's cost of it there."""
-    from hyparallel import online
+    from hyparallel.planner import online
 
     seconds = online.Planner(args.model, plan).evaluate(cluster)
     if seconds is None:
@@ -421,7 +421,7 @@ def saved_bytes(model, tokens, dtype: str, device: str = "cpu") -> tuple[int, in
     """(activation bytes, 16-bit weight-copy bytes) autograd saves for one forward and loss of ``tokens``."""
     import torch
 
-    from hyparallel.parallel import token_cross_entropy
+    from hyparallel.runtime.parallel import token_cross_entropy
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
@@ -517,7 +517,7 @@ def main() -> int:
             "fp32, gloo; calibrated per world size)\n"
         )
         print("\n".join(step_lines))
-        print("\n## Peak memory per rank: measured (hyparallel.peak_memory) vs predicted, every plan above\n")
+        print("\n## Peak memory per rank: measured (hyparallel.runtime.peak_memory) vs predicted, every plan above\n")
         print("\n".join(peak_lines))
         verdict = "\n".join(f"UNDER-PREDICTED: {line}" for line in under) or "measured peak <= predicted on every rank"
         print("\n" + verdict)

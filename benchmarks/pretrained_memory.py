@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import hyparallel as hp
-from hyparallel.checkpoint import state_entries
+from hyparallel.runtime.checkpoint import state_entries
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 MODEL = (

@@ -6,7 +6,7 @@ dp over 2 processes (DDP, the tables replicated), and ps with 1 server and 2 wor
 configurations run in turns (dp, ps 0, ps 4, dp, ...) over --rounds rounds, so that a drift of the machine's speed
 falls on all of them. Printed per configuration: samples/s (all workers), bytes a worker moves per step (measured
 for ps: rows and dense weights pulled, gradients pushed; for dp the all-reduce's 2 (n-1)/n x gradient bytes), and
-the planner's prediction of the step next to it (hyparallel.planner.ps on the `cpu` cluster preset).
+the planner's prediction of the step next to it (hyparallel.planner.servers on the `cpu` cluster preset).
 """
 
 from __future__ import annotations

@@ -91,10 +91,10 @@ import torch
 from megatron_gpt import MegatronGPT, padded_vocab  # benchmarks/megatron_gpt.py, beside this script
 
 import hyparallel as hp
-from hyparallel.cluster import preset_dir
-from hyparallel.errors import PlanError
 from hyparallel.models.gpt import GPTConfig
 from hyparallel.planner.search import Search
+from hyparallel.spec.cluster import preset_dir
+from hyparallel.spec.errors import PlanError
 
 # The cost-model issue's targets (issue 19): median |error| at most 5%, the largest at most 15%, both signs seen.
 TARGET_MEDIAN = 0.05

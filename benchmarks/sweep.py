@@ -6,9 +6,9 @@ few text classifiers, from its own config class shrunk (hyparallel.models.tiny; 
 vision configs it does not shrink), plus models built from torch.nn, diffusers' UNet2DModel, torchtitan's
 Llama3Model (the ``sweep`` extra: ``pip install -e ".[sweep]"``, torchtitan ``--no-deps``) and the hand-written
 models of benchmarks/sweep_models.py (``--families`` picks; ``FAMILIES`` says what each is), and runs
-``hp.parity.check_layouts`` for each: the layout in local gloo processes against one process, 3 SGD steps, every
-gradient and loss compared (Note [a parity check], hyparallel/parity.py), trained with token cross-entropy (one
-class per row for a classifier) or, where the output has no logits, the loss ``LOSSES`` names (Note [the loss a
+``hyparallel.tools.parity.check_layouts`` for each: the layout in local gloo processes against one process, 3 SGD steps,
+every gradient and loss compared (Note [a parity check], hyparallel/tools/parity.py), trained with token cross-entropy
+(one class per row for a classifier) or, where the output has no logits, the loss ``LOSSES`` names (Note [the loss a
 check trains]). Results go to benchmarks/results/sweep.jsonl (one line per architecture; ``--resume`` keeps the
 lines already there) and the table to docs/supported-models.md (``--render`` only rewrites the table from the
 results).
@@ -141,9 +141,9 @@ def builds(spec: str, loss: str | None = None) -> str | None:
     import torch
 
     import hyparallel as hp
-    from hyparallel.parallel import token_cross_entropy
-    from hyparallel.parity import _batches, _call, small_spec
+    from hyparallel.runtime.parallel import token_cross_entropy
     from hyparallel.tensor.init import materialize_
+    from hyparallel.tools.parity import _batches, _call, small_spec
 
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(120)
@@ -179,7 +179,7 @@ def sweep(
     over the layouts a change touches); each replaced cell records it in ``rerun``."""
     import torch
 
-    from hyparallel.parity import check_layouts
+    from hyparallel.tools.parity import check_layouts
 
     done = {}
     if (resume or columns) and out.exists():
@@ -225,7 +225,7 @@ def _rerun_columns(
     """The ``columns`` layouts again for every architecture of ``names`` that built; ``out`` rewritten after each."""
     import torch
 
-    from hyparallel.parity import check_layouts
+    from hyparallel.tools.parity import check_layouts
 
     for index, (name, _, spec) in enumerate(names):
         row = done.get(name)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import hyparallel as hp
-from hyparallel import peak_memory
+from hyparallel.runtime import peak_memory
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
@@ -86,7 +86,7 @@ def main() -> None:
     peaks = peak_memory.for_plan(plan).start() if args.memory_out else None  # before the model is materialised
     pmodel = hp.parallelize(model, plan, seed=args.seed)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr, weight_decay=0.0)
-    if args.calibrate_online:  # Note [online calibration] in hyparallel/metrics.py
+    if args.calibrate_online:  # Note [online calibration] in hyparallel/runtime/metrics.py
         pmodel.metrics.calibrate_online(args.calibrate_online, model=args.model, threshold=args.calibrate_threshold)
     if peaks:
         peaks.reset_peak()  # the steps' peak, not the materialisation's

@@ -55,7 +55,7 @@ class Windows(Dataset):
 
 def smoothed(output, targets):
     """Label-smoothed cross-entropy as (total, count): its mean is one device's under any plan (Note [the loss a
-    user reads] in hyparallel/loss.py); a mean-reduced loss would weigh micro-batches equally instead."""
+    user reads] in hyparallel/runtime/loss.py); a mean-reduced loss would weigh micro-batches equally instead."""
     logits = (output.logits if hasattr(output, "logits") else output).flatten(0, -2).float()
     total = F.cross_entropy(logits, targets.flatten(), ignore_index=-100, label_smoothing=0.1, reduction="sum")
     return total, (targets != -100).sum()

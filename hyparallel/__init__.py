@@ -6,30 +6,31 @@ cluster files, the cost model).
 """
 
 from hyparallel import models
-from hyparallel.cluster import ClusterSpec
-from hyparallel.errors import ConfigError, HyparallelError, ModelSpecError, TraceError
 from hyparallel.graph import ModelGraph, trace
 from hyparallel.planner import PlanError, plan, search
-from hyparallel.schema import Plan
+from hyparallel.spec.cluster import ClusterSpec
+from hyparallel.spec.errors import ConfigError, HyparallelError, ModelSpecError, TraceError
+from hyparallel.spec.schema import Plan
 
 __version__ = "0.1.0"
 
 # The runtime loads on first use: `hyparallel plan` and friends start without torch.distributed.checkpoint.
 _LAZY = {
-    "parallelize": "hyparallel.parallel",
-    "ParallelModel": "hyparallel.parallel",
-    "check": "hyparallel.parity",
-    "checkpoint": None,
-    "tracking": None,
+    "parallelize": "hyparallel.runtime.parallel",
+    "ParallelModel": "hyparallel.runtime.parallel",
+    "check": "hyparallel.tools.parity",
+    "checkpoint": "hyparallel.runtime.checkpoint",  # modules: hp.checkpoint.save(...)
+    "tracking": "hyparallel.runtime.tracking",
 }
+_MODULES = {"checkpoint", "tracking"}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         from importlib import import_module
 
-        module = import_module(_LAZY[name] or f"hyparallel.{name}")
-        return module if _LAZY[name] is None else getattr(module, name)
+        module = import_module(_LAZY[name])
+        return module if name in _MODULES else getattr(module, name)
     raise AttributeError(f"module 'hyparallel' has no attribute '{name}'")
 
 

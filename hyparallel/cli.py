@@ -2,7 +2,7 @@
 
 User errors (a bad file, an unknown model, an untraceable model, a malformed command line, a number
 out of range) print one line to stderr and exit 2 with no traceback; anything else is a bug and keeps
-its traceback. Numeric flags are bounded by hyparallel.limits, the same bounds the plan schema uses.
+its traceback. Numeric flags are bounded by hyparallel.spec.limits, the same bounds the plan schema uses.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from hyparallel import limits
-from hyparallel.errors import HyparallelError
+from hyparallel.spec import limits
+from hyparallel.spec.errors import HyparallelError
 
 EXAMPLES = {
     "models": "example:\n  hyparallel models\n  hyparallel models --json",
@@ -124,7 +124,7 @@ def cmd_models(args: argparse.Namespace, out: Console) -> None:
 
 def cmd_clusters(args: argparse.Namespace, out: Console) -> None:
     """List the cluster presets."""
-    from hyparallel.cluster import ClusterSpec
+    from hyparallel.spec.cluster import ClusterSpec
 
     specs = [ClusterSpec.preset(name) for name in ClusterSpec.presets()]
     if args.json:
@@ -158,14 +158,14 @@ def cmd_clusters(args: argparse.Namespace, out: Console) -> None:
 
 def cmd_show(args: argparse.Namespace, out: Console) -> None:
     """Check a plan file and print it, completed: mesh and device map, stages and memory, predicted time."""
-    from hyparallel import views
-    from hyparallel.schema import Plan
+    from hyparallel.spec.schema import Plan
+    from hyparallel.tools import views
 
     plan = Plan.load(args.plan)
     if args.model:  # as parallelize reads it: one trace, the plan checked against it, then completed
         from hyparallel import models
-        from hyparallel.checks import check_plan
         from hyparallel.graph import trace
+        from hyparallel.graph.checks import check_plan
         from hyparallel.planner import complete
         from hyparallel.planner.inputs import token_ids
 
@@ -323,11 +323,12 @@ def _runs(segments):
 
 def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     """Search the best plan for a model on a cluster; print it, write it with -o."""
-    from hyparallel import models, views
-    from hyparallel._files import check_writable
-    from hyparallel.cluster import ClusterSpec
+    from hyparallel import models
     from hyparallel.planner import PlanError, search, to_plan, with_goodput
     from hyparallel.planner.goodput import DEFAULT_RESTART_S, check_goodput_request
+    from hyparallel.spec.cluster import ClusterSpec
+    from hyparallel.spec.files import check_writable
+    from hyparallel.tools import views
 
     if args.output:
         check_writable(args.output)  # before the search, not after it
@@ -460,7 +461,7 @@ def _progress(enabled: bool):
 
 
 def _print_plan(plan, out: Console) -> None:
-    from hyparallel import views
+    from hyparallel.tools import views
 
     par, cluster = plan.parallel, plan.cluster
     out.print(
@@ -557,7 +558,7 @@ def _max_seq_len(model) -> int | None:
 
 def cmd_check(args: argparse.Namespace, out: Console) -> None:
     """Train a small copy under the layout in local gloo processes and compare with one process."""
-    from hyparallel.parity import check
+    from hyparallel.tools.parity import check
 
     report = check(
         " ".join(args.model),
@@ -581,7 +582,7 @@ def cmd_check(args: argparse.Namespace, out: Console) -> None:
 
 def cmd_demo(args: argparse.Namespace, out: Console) -> None:
     """Run the embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU."""
-    from hyparallel import demo
+    from hyparallel.tools import demo
 
     demo.run(
         log=lambda text: out.print(text, markup=False, highlight=False), show_plan=lambda plan: _print_plan(plan, out)
@@ -590,7 +591,7 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> None:
 
 def cmd_checkpoint(args: argparse.Namespace, out: Console) -> None:
     """Consolidate a sharded checkpoint (saved under any plan) into one single-device state dict file."""
-    from hyparallel import checkpoint
+    from hyparallel.runtime import checkpoint
 
     written = checkpoint.export(args.path, args.out, format=args.format, max_shard_size=args.max_shard_size)
     files = sorted(written.iterdir()) if written.is_dir() else [written]
@@ -601,7 +602,7 @@ def cmd_checkpoint(args: argparse.Namespace, out: Console) -> None:
 
 def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
     """Measure this machine's matmul, memory and collective speeds; print them and write a ClusterSpec."""
-    from hyparallel import calibrate
+    from hyparallel.tools import calibrate
 
     if args.from_run is not None:
         _calibrate_from_run(args, out)
@@ -634,8 +635,8 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
 
 def _calibrate_from_run(args: argparse.Namespace, out: Console) -> None:
     """`calibrate --from-run`: fit the run's cluster to its measured steps, write it with --out, and re-plan."""
-    from hyparallel import online
-    from hyparallel._files import check_writable
+    from hyparallel.planner import online
+    from hyparallel.spec.files import check_writable
 
     given = [flag for flag in ("nproc", "base", "name", "device") if getattr(args, flag) is not None]
     if given or args.quick:
@@ -655,11 +656,11 @@ def _calibrate_from_run(args: argparse.Namespace, out: Console) -> None:
 def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
     """Simulate one training step of a plan's pipeline schedule; draw it with --out, else print it as text."""
     from hyparallel.pipeline.schedule import format_schedule, lower, schedule, simulate
-    from hyparallel.pipeline.timeline import timeline
-    from hyparallel.schema import Plan
+    from hyparallel.planner.timeline import timeline
+    from hyparallel.spec.schema import Plan
 
     if args.out:
-        from hyparallel.pictures import check_picture_path
+        from hyparallel.tools.pictures import check_picture_path
 
         check_picture_path(args.out)  # before simulating, not after
     plan = Plan.load(args.plan)
@@ -673,7 +674,7 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
     bubbles = ", ".join(f"{rank} {fraction:.0%}" for rank, fraction in result.bubble_fraction.items())
     summary = f"{step}; bubble per rank {bubbles}"
     if args.out:
-        from hyparallel.pictures import render_timeline
+        from hyparallel.tools.pictures import render_timeline
 
         drawn = render_timeline(result, args.out)
         out.print(summary, markup=False, highlight=False, soft_wrap=True)
@@ -719,7 +720,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _int_in(high: int, low: int = 1) -> Callable[[str], int]:
-    """An argparse ``type`` for an integer flag from ``low`` to ``high`` (the bounds of hyparallel.limits)."""
+    """An argparse ``type`` for an integer flag from ``low`` to ``high`` (the bounds of hyparallel.spec.limits)."""
     what = f"a positive integer up to {high:,}" if low == 1 else f"an integer from {low:,} to {high:,}"
 
     def parse(text: str) -> int:

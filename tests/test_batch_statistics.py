@@ -1,5 +1,5 @@
 """Batch-statistics layers under data parallelism and micro-batches (issue 16): warned about, sync_batchnorm refused
-on the CPU and with tp or pp; see Note [batch statistics] in hyparallel.checks."""
+on the CPU and with tp or pp; see Note [batch statistics] in hyparallel.graph.checks."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 import hyparallel as hp
-from hyparallel.checks import batch_statistics, batch_statistics_warning, check_plan
-from hyparallel.errors import ConfigError
+from hyparallel.graph.checks import batch_statistics, batch_statistics_warning, check_plan
+from hyparallel.spec.errors import ConfigError
 
 
 def tiny_cnn(norm: type[nn.Module] = nn.BatchNorm2d) -> nn.Module:

@@ -11,9 +11,9 @@ import torch
 from rich.console import Console
 
 import hyparallel as hp
-from hyparallel import calibrate
 from hyparallel.cli import main
-from hyparallel.cluster import MatmulCurve
+from hyparallel.spec.cluster import MatmulCurve
+from hyparallel.tools import calibrate
 
 
 @pytest.fixture(scope="module")
@@ -254,5 +254,5 @@ def test_the_collective_latency_is_solved_from_two_all_reduce_sizes():
     assert solved_bandwidth == pytest.approx(bandwidth) and solved_latency == pytest.approx(latency)
     # The small one no faster per byte: the large one's rate, no step latency of its own.
     assert calibrate.collective_link(2, 2**22, 1e-3, 2**16, 1e-3) == (2**22 / 1e-3, None)
-    link = hp.cluster.LinkSpec(name="t", bandwidth_bytes_per_s=1e9, latency_s=1e-5, collective_latency_s=1e-3)
+    link = hp.spec.cluster.LinkSpec(name="t", bandwidth_bytes_per_s=1e9, latency_s=1e-5, collective_latency_s=1e-3)
     assert link.step_latency_s == 1e-3 and link.model_copy(update={"collective_latency_s": None}).step_latency_s == 1e-5

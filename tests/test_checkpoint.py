@@ -17,7 +17,7 @@ import torch
 import hyparallel as hp
 from hyparallel import checkpoint
 from hyparallel.cli import main as cli
-from hyparallel.errors import ConfigError
+from hyparallel.spec.errors import ConfigError
 
 from .conftest import REPO, assert_every_parameter_compared, torchrun
 

@@ -1,4 +1,4 @@
-"""check_plan: every plan error from the trace alone, before a process group exists (hyparallel.checks)."""
+"""check_plan: every plan error from the trace alone, before a process group exists (hyparallel.graph.checks)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import hyparallel as hp
-from hyparallel.checks import check_plan
-from hyparallel.errors import ConfigError
+from hyparallel.graph.checks import check_plan
+from hyparallel.spec.errors import ConfigError
 
 GPT_STAGES = [["tok_embeddings", "pos_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
 

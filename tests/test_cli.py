@@ -149,7 +149,7 @@ def test_every_command_has_an_example_in_help(capsys):
 
 
 def test_demo_prints_the_plan_and_trains(capsys, monkeypatch):
-    from hyparallel import demo
+    from hyparallel.tools import demo
 
     monkeypatch.setattr(demo, "train_parallel", lambda log: [5.0, 2.0])  # the run itself: test_example_trains
     code, out, _ = run(capsys, "demo")
@@ -187,7 +187,7 @@ def test_plan_writes_yaml_and_prints_a_summary(capsys, tmp_path):
     plan = yaml.safe_load(out_file.read_text())
     assert plan["parallel"]["dp"] * plan["parallel"]["tp"] * plan["parallel"]["pp"] == 8
     assert "predicted step" in out and "MFU" in out and f"wrote {out_file}" in out
-    from hyparallel.schema import Plan
+    from hyparallel.spec.schema import Plan
 
     assert Plan.load(out_file).model.name == "gpt-mini"
 
@@ -448,7 +448,7 @@ def test_argparse_errors_are_one_line(capsys, argv, expected):
 
 
 PLAN = ["plan", "--model", "gpt-tiny", "--gpus", "8", "--cluster", "cpu"]
-NUMERIC_FLAGS = [  # (argv before the flag, flag, the bound from hyparallel.limits)
+NUMERIC_FLAGS = [  # (argv before the flag, flag, the bound from hyparallel.spec.limits)
     (["plan", "--model", "gpt-tiny", "--cluster", "cpu"], "--gpus", 2**20),
     (PLAN, "--gpus-per-node", 1024),
     (PLAN, "--global-batch", 2**24),
@@ -476,12 +476,13 @@ def test_every_numeric_flag_refuses_zero_negative_and_absurd(capsys, before, fla
 
 
 def test_bounds_of_flags_are_the_schemas():
-    from hyparallel import cli, limits
+    from hyparallel import cli
+    from hyparallel.spec import limits
 
     assert cli.DEVICES(str(limits.MAX_DEVICES)) == limits.MAX_DEVICES
     assert cli.SEQ_LEN(str(limits.MAX_SEQ_LEN)) == limits.MAX_SEQ_LEN
     assert cli.PER_NODE(str(limits.MAX_GPUS_PER_NODE)) == limits.MAX_GPUS_PER_NODE
-    from hyparallel.schema import ParallelConfig
+    from hyparallel.spec.schema import ParallelConfig
 
     assert ParallelConfig(powersgd_rank=limits.MAX_POWERSGD_RANK, powersgd_start_step=limits.MAX_POWERSGD_START_STEP)
 
@@ -641,7 +642,7 @@ def test_a_model_too_large_to_trace_is_one_line_on_the_real_stderr():
 
 
 def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path, monkeypatch):
-    from hyparallel import _files
+    from hyparallel.spec import files
 
     locked = tmp_path / "plan.yaml"
     locked.write_text("training: {global_batch: 8, seq_len: 4}\nparallel: {}\n")
@@ -657,8 +658,8 @@ def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path,
                 raise PermissionError(13, "Permission denied", str(path))
             return real_open(path, *args, **kwargs)
 
-        monkeypatch.setattr(_files, "open", denied_open, raising=False)  # the module's open, not the builtin
-        monkeypatch.setattr(_files.os, "access", lambda path, mode: Path(path) != folder and real_access(path, mode))
+        monkeypatch.setattr(files, "open", denied_open, raising=False)  # the module's open, not the builtin
+        monkeypatch.setattr(files.os, "access", lambda path, mode: Path(path) != folder and real_access(path, mode))
     assert one_line_error(capsys, "show", str(locked)).endswith("plan.yaml: cannot read: Permission denied")
     assert one_line_error(capsys, *PLAN, "-o", str(folder / "plan.yaml")).endswith("permission denied")
     assert not (folder / "plan.yaml").exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hyparallel as hp
-from hyparallel.errors import ConfigError
+from hyparallel.spec.errors import ConfigError
 
 REQUIRED = {"a100-80g", "h100-sxm", "h200", "cpu"}
 
@@ -136,7 +136,7 @@ def test_resizing_to_a_bad_size_is_one_line(sizes, expected):
 
 
 def test_presets_fit_the_bounds_at_the_largest_size():
-    from hyparallel import limits
+    from hyparallel.spec import limits
 
     spec = hp.ClusterSpec.preset("h200", num_nodes=limits.MAX_DEVICES // 8)
     assert spec.num_gpus == limits.MAX_DEVICES

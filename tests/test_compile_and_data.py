@@ -1,4 +1,4 @@
-"""parallel.compile (hyparallel/compile.py) and the data position across a change of dp, in one launch of 4 gloo
+"""parallel.compile (hyparallel/runtime/compile.py) and the data position across a change of dp, in one launch of 4 gloo
 processes (tests/distributed/compile_data_worker.py), and compile's one-process refusals and planner flag.
 
 Compiled with aot_eager (the CPU's backend: the ATen ops eager mode runs), one train_step's loss and every gradient
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 import hyparallel as hp
 from hyparallel.cli import main as cli
-from hyparallel.compile import BACKEND_ENV, compile_backend
-from hyparallel.errors import ConfigError
+from hyparallel.runtime.compile import BACKEND_ENV, compile_backend
+from hyparallel.spec.errors import ConfigError
 
 from .conftest import assert_every_parameter_compared, torchrun
 

@@ -1,5 +1,5 @@
-"""The data sampler (hyparallel/data.py): global batches that do not depend on dp, a position that counts what was
-consumed and resumes under another dp, in one process; tests/test_compile_and_data.py resumes a checkpoint saved
+"""The data sampler (hyparallel/runtime/data.py): global batches that do not depend on dp, a position that counts what
+was consumed and resumes under another dp, in one process; tests/test_compile_and_data.py resumes a checkpoint saved
 under dp 2 into dp 4 in 4 gloo processes.
 """
 
@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hyparallel as hp
 from hyparallel import checkpoint
-from hyparallel.data import DataPosition, DataSampler
-from hyparallel.errors import ConfigError
+from hyparallel.runtime.data import DataPosition, DataSampler
+from hyparallel.spec.errors import ConfigError
 
 ROWS, GLOBAL = 30, 8  # 3 full global batches an epoch, 6 rows dropped
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import hyparallel as hp
-from hyparallel.errors import ModelSpecError
 from hyparallel.models.dlrm import DLRM, DLRMConfig, batch_for, bce_loss, synthetic_clicks
 from hyparallel.models.zoo import CRITEO_TB_ROWS
+from hyparallel.spec.errors import ModelSpecError
 from hyparallel.tensor.init import materialize_
 
 DLRM_PRESETS = ["dlrm-tiny", "dlrm-mid", "dlrm-criteo-tb"]

@@ -72,10 +72,10 @@ def test_the_fix_is_still_needed():
     """Note [the dlrover fix]: fails once the installed dlrover starts its local master on this torch by itself."""
     import dlrover
 
-    from hyparallel import dlrover_run
+    from hyparallel.tools import dlrover_run
 
     assert dlrover_run.needs_fix(), (
-        f"dlrover {getattr(dlrover, '__version__', '?')} no longer needs hyparallel.dlrover_run's fix: "
+        f"dlrover {getattr(dlrover, '__version__', '?')} no longer needs hyparallel.tools.dlrover_run's fix: "
         "delete the module and its console script, and use dlrover-run"
     )
 

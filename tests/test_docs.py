@@ -11,12 +11,13 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from hyparallel import cluster, docgen, schema
-from hyparallel.cluster import ClusterSpec, PositiveInt
+from hyparallel.spec import cluster, schema
+from hyparallel.spec.cluster import ClusterSpec, PositiveInt
+from hyparallel.tools import docgen
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-REGENERATE = "run `python -m hyparallel.docgen`"
+REGENERATE = "run `python -m hyparallel.tools.docgen`"
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def test_check_names_stale_pages_and_write_fixes_them(tmp_path, monkeypatch, cap
     monkeypatch.setattr(docgen, "pages", lambda: rendered)
     assert docgen.main(["--check", "--docs-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "plan-reference.md: not current; run `python -m hyparallel.docgen`" in err and "clusters.md" in err
+    assert "plan-reference.md: not current; run `python -m hyparallel.tools.docgen`" in err and "clusters.md" in err
     assert docgen.main(["--docs-dir", str(tmp_path)]) == 0
     assert docgen.main(["--check", "--docs-dir", str(tmp_path)]) == 0
     (tmp_path / "clusters.md").write_text("edited by hand\n")

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyparallel import checkpoint, launch
+from hyparallel import checkpoint
+from hyparallel.runtime import launch
 
 STEPS, EVERY = 24, 4  # 40 when the Note's figures were measured; 24 keeps every case (suite time)
 FIRST_RTOL, LATER_RTOL = 1e-6, 1e-2  # Note [how close a resumed run stays]
@@ -122,7 +123,7 @@ def log_of(directory: Path) -> Path:
 
 def environ(repo: Path) -> dict:
     # torchrun's defaults, as a user has them: the rendezvous store shared with the workers (no
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: hyparallel.launch keeps each round's keys apart).
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: hyparallel.runtime.launch keeps each round's keys apart).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "PYTHONWARNINGS": "ignore"}
     for name in (
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",

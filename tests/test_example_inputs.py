@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 import hyparallel as hp
 from hyparallel.cli import main
-from hyparallel.errors import ConfigError, ModelSpecError
 from hyparallel.planner import PlanError, inputs
 from hyparallel.planner.profile import ModelProfile
+from hyparallel.spec.errors import ConfigError, ModelSpecError
 from hyparallel.tensor.init import materialize_
 
 from .user_gpt import VOCAB, make_inputs, make_model

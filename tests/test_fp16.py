@@ -1,4 +1,4 @@
-"""fp16 plans scale the loss dynamically (Note [fp16 loss scaling] in hyparallel/parallel.py; fp16_worker.py).
+"""fp16 plans scale the loss dynamically (Note [fp16 loss scaling] in hyparallel/runtime/parallel.py; fp16_worker.py).
 
 Without scaling, a small loss's gradients flush to zero in fp16's backward and training degrades without an error;
 with it, one train_step's gradients are fp32's within fp16's rounding. An inf on one rank skips the optimizer step on
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyparallel.loss import LossScaler, scale_grad
+from hyparallel.runtime.loss import LossScaler, scale_grad
 
 from .conftest import torchrun
 

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import hyparallel as hp
-from hyparallel import limits
-from hyparallel._yaml import dump_yaml
 from hyparallel.cli import main
+from hyparallel.spec import limits
+from hyparallel.spec.yaml_io import dump_yaml
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WATCHDOG_S = 20
@@ -119,7 +119,7 @@ def wrong_choice(choices: tuple) -> st.SearchStrategy:
 
 # ---- the fields of a plan and of a cluster file -------------------------------------------------------
 
-CLUSTER_FIELDS = [  # (path, kind, low, high): the bounds are hyparallel.limits'
+CLUSTER_FIELDS = [  # (path, kind, low, high): the bounds are hyparallel.spec.limits'
     (("num_nodes",), "int", 1, limits.MAX_DEVICES),
     (("gpus_per_node",), "int", 1, limits.MAX_GPUS_PER_NODE),
     (("name",), "str", None, None),
@@ -369,7 +369,7 @@ def trace_argv(folder: Path) -> list[str]:
     return ["trace", "--model", "gpt-tiny", "--seq-len", "32", "--batch-size", "1"]
 
 
-NUMERIC_FLAGS = [  # (command, flag, bound): hyparallel.limits'
+NUMERIC_FLAGS = [  # (command, flag, bound): hyparallel.spec.limits'
     ("plan", "--gpus", limits.MAX_DEVICES),
     ("plan", "--gpus-per-node", limits.MAX_GPUS_PER_NODE),
     ("plan", "--global-batch", limits.MAX_GLOBAL_BATCH),

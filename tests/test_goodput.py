@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hyparallel as hp
-from hyparallel import limits
 from hyparallel.cli import main
-from hyparallel.errors import ConfigError, PlanError
 from hyparallel.planner import goodput
-from hyparallel.schema import Plan
+from hyparallel.spec import limits
+from hyparallel.spec.errors import ConfigError, PlanError
+from hyparallel.spec.schema import Plan
 
 HOUR_S = 3600.0
 DAY_S = 24 * HOUR_S

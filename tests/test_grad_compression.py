@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import pytest
 
-from hyparallel.errors import ConfigError
-from hyparallel.schema import Plan
+from hyparallel.spec.errors import ConfigError
+from hyparallel.spec.schema import Plan
 
 from .conftest import assert_every_parameter_compared, torchrun
 

@@ -1,4 +1,4 @@
-"""hyparallel.launch: a store private to each round (Note [a store private to each round]) and the timeouts."""
+"""hyparallel.runtime.launch: a store private to each round (Note [a store private to each round]) and the timeouts."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hyparallel import launch
-from hyparallel.errors import ConfigError
+from hyparallel.runtime import launch
+from hyparallel.spec.errors import ConfigError
 
 
 def run_round(store_port: int, world: int, timeout_s: float = 20) -> list:
@@ -90,7 +90,7 @@ def test_the_timeouts_read_the_environment(monkeypatch):
 def test_the_dlrover_launcher_without_dlrover_says_what_to_install(monkeypatch, capsys):
     import sys
 
-    from hyparallel import dlrover_run
+    from hyparallel.tools import dlrover_run
 
     monkeypatch.setitem(sys.modules, "dlrover", None)  # import dlrover... raises ImportError
     monkeypatch.setitem(sys.modules, "dlrover.trainer", None)

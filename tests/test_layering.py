@@ -1,13 +1,14 @@
-"""The house is built in layers, and imports only go downwards.
+"""The house is built in layers, its folders named after them, and imports only go downwards.
 
-    leaf      hyparallel.errors, .limits, ._files, ._yaml, .kernels
-    schema    hyparallel.schema, .cluster
-    model     hyparallel.graph (tracer, ModelGraph, structure), hyparallel.models
-    checks    hyparallel.checks (check_plan: what the planner filters its candidates by and the runtime refuses)
-    planner   hyparallel.planner
-    runtime   hyparallel.tensor, hyparallel.pipeline
-    top       hyparallel.parallel, .data_parallel, .grad_compression, .recompute, .checkpoint, .loss, .data,
-              .compile, .tracking, .pretrained, the CLI
+    spec      hyparallel.spec (errors, limits, files, yaml_io, schema, cluster); hyparallel.kernels beside it
+    model     hyparallel.graph (tracer, ModelGraph, structure, checks: check_plan, what the planner filters its
+              candidates by and the runtime refuses), hyparallel.models
+    planner   hyparallel.planner: every cost formula; it reads the pipeline's schedule IR (pipeline.schedule)
+    parallel  hyparallel.tensor, hyparallel.pipeline: the tensor- and pipeline-parallel modules and engine
+    runtime   hyparallel.runtime: parallelize and ParallelModel, data parallelism, compression, recomputation,
+              launch, checkpoints, metrics, the parameter-server mode (runtime.ps)
+    tools     hyparallel.tools: calibrate, the parity check, views and pictures, the demo, docgen, dlrover-run
+    top       hyparallel.cli (and __main__)
 
 A plan is made (and shown, and simulated) on a laptop without the runtime, and the runtime applies a plan it
 is given without planning. These tests read hyparallel's own source with ``ast`` and build its import graph:
@@ -15,8 +16,9 @@ an arrow for every ``import``, at module level or inside a function, ``from a im
 when that is a module file, and from every module to its package (``hyparallel.a.b`` cannot load without
 ``hyparallel/a/__init__.py``; the root ``hyparallel/__init__.py`` is the facade and is only an arrow when
 imported by name). ``torch.distributed*`` modules are external nodes. Each rule in ``RULES`` says which
-modules must not reach which others, transitively; a failure names every chain that crosses the line. Names
-computed at run time (``import_module(f"...")``) are not seen here; the subprocess tests back that up.
+modules must not reach which others, transitively; a failure names every chain that crosses the line. The
+folders themselves form no cycle (``test_the_folders_are_layers``). Names computed at run time
+(``import_module(f"...")``) are not seen here; the subprocess tests back that up.
 """
 
 from __future__ import annotations
@@ -34,23 +36,26 @@ import networkx as nx
 import pytest
 
 PACKAGE = "hyparallel"
-RUNTIME = (
-    "hyparallel.tensor",
-    "hyparallel.pipeline",
-    "hyparallel.parallel",
-    "hyparallel.data_parallel",
-    "hyparallel.grad_compression",
-    "hyparallel.recompute",
-    "hyparallel.checkpoint",
-    "hyparallel.loss",
-    "hyparallel.data",
-    "hyparallel.compile",
-    "hyparallel.tracking",
-    "hyparallel.pretrained",
-)
-SCHEMA = ("hyparallel.schema", "hyparallel.cluster", "hyparallel._yaml", "hyparallel._files", "hyparallel.limits")
-LEAF = ("hyparallel.errors", "hyparallel.kernels")
+SPEC = ("hyparallel.spec",)
+LEAF = ("hyparallel.kernels",)
+MODEL = ("hyparallel.graph", "hyparallel.models")
+CHECKS = ("hyparallel.graph.checks",)
+PLANNER = ("hyparallel.planner",)
+PARALLEL = ("hyparallel.tensor", "hyparallel.pipeline")
+RUNTIME = ("hyparallel.runtime", *PARALLEL)
+TOOLS = ("hyparallel.tools",)
+TOP = ("hyparallel.cli", "hyparallel.__main__")
+# The pipeline's schedule IR (pure Python: actions, schedules, their simulation) is what the planner's timeline
+# runs; the engine that executes it is runtime.
+SCHEDULE = ("hyparallel.pipeline", "hyparallel.pipeline.schedule", "hyparallel.pipeline.split")
 DISTRIBUTED = "torch.distributed"
+# The folders, lowest first: a module may import only from its own level or one listed before it
+# (test_the_folders_are_layers). The model graph and the zoo are one level (a zoo model is built for the tracer,
+# the tracer builds models on meta); tensor and pipeline sit below the planner for the schedule IR alone, which
+# the planner simulates (the rules below keep the planner off everything else of theirs).
+FOLDERS = (("spec",), ("kernels",), ("graph", "models"), ("tensor",), ("pipeline",), ("planner",), ("runtime",),
+           ("tools",), ("cli",))  # fmt: skip
+LEVEL = {folder: level for level, folders in enumerate(FOLDERS) for folder in folders}
 
 
 @dataclass(frozen=True)
@@ -70,46 +75,62 @@ class Rule:
 
 RULES = [
     Rule(
+        "spec-is-the-floor",
+        SPEC,
+        (PACKAGE, DISTRIBUTED),
+        "plan and cluster files are read, checked and written with nothing above them: no model, planner or runtime",
+        allowed=SPEC,
+    ),
+    Rule(
+        "kernels-are-a-leaf",
+        LEAF,
+        (PACKAGE,),
+        "the kernels are used by the zoo and the runtime alike, so they import nothing of hyparallel but errors",
+        allowed=(*LEAF, "hyparallel.spec.errors"),
+    ),
+    Rule(
         "graph-and-models-know-neither-planner-nor-runtime",
-        ("hyparallel.graph", "hyparallel.models"),
-        ("hyparallel.planner", "hyparallel.checks", *RUNTIME),
+        MODEL,
+        (*PLANNER, *RUNTIME, *TOOLS, *TOP),
         "the model graph and the zoo are what the checks, the planner and the runtime read; they are below all three",
     ),
     Rule(
         "checks-never-run-anything",
-        ("hyparallel.checks",),
-        ("hyparallel.planner", *RUNTIME, DISTRIBUTED),
+        CHECKS,
+        (*PLANNER, *RUNTIME, *TOOLS, DISTRIBUTED),
         "the planner and the runtime read one set of constraints: check_plan reads a plan and a trace, "
         "it touches no process group and knows neither who plans nor who runs",
     ),
     Rule(
         "planner-never-runs-anything",
-        ("hyparallel.planner",),
-        (*RUNTIME, DISTRIBUTED),
-        "plans are made on one machine without a launch: the planner computes, it imports no runtime",
+        PLANNER,
+        (*RUNTIME, *TOOLS, *TOP, DISTRIBUTED),
+        "plans are made on one machine without a launch: the planner computes, it imports no runtime (the "
+        "pipeline's schedule IR aside, which it simulates)",
+        allowed=SCHEDULE,
     ),
     Rule(
-        "runtime-never-plans",
-        ("hyparallel.tensor", "hyparallel.pipeline"),
-        ("hyparallel.planner",),
-        "the runtime applies the plan it is given; what it shares with the planner lives below both",
+        "runtime-never-plans-below-parallelize",
+        PARALLEL,
+        PLANNER,
+        "the tensor- and pipeline-parallel engines apply the plan they are given; what they share with the planner "
+        "lives below both",
     ),
     Rule(
-        "schema-knows-no-runtime",
-        (*SCHEMA, "hyparallel.errors"),
-        (*RUNTIME, DISTRIBUTED),
-        "plan and cluster files are read, checked and written without the runtime",
+        "runtime-never-reaches-the-tools",
+        RUNTIME,
+        (*TOOLS, *TOP),
+        "the runtime is what training needs; the tools and the CLI are built on it, never under it",
     ),
     Rule(
-        "kernels-are-a-leaf",
-        ("hyparallel.kernels",),
-        (PACKAGE,),
-        "the kernels are used by the zoo and the runtime alike, so they import nothing of hyparallel but errors",
-        allowed=("hyparallel.kernels", "hyparallel.errors"),
+        "tools-never-reach-the-cli",
+        TOOLS,
+        TOP,
+        "the CLI parses arguments and calls the tools; a tool is callable without it",
     ),
     Rule(
         "upstream-never-imports-torch-distributed",
-        ("hyparallel.graph", "hyparallel.models", "hyparallel.checks", "hyparallel.planner", *SCHEMA, *LEAF),
+        (*MODEL, *PLANNER, *SPEC, *LEAF),
         (DISTRIBUTED,),
         "nothing upstream of the runtime imports torch.distributed itself",
         direct=True,
@@ -119,13 +140,13 @@ RULES = [
 # What `hyparallel show --model` and `hyparallel simulate` must not load; `import torch` itself loads
 # torch.distributed and torch.distributed.device_mesh, so those are not watched.
 RUNTIME_MODULES = [
-    "hyparallel.parallel",
-    "hyparallel.pipeline.runtime",
+    "hyparallel.runtime.parallel",
+    "hyparallel.pipeline.executor",
     "hyparallel.tensor.apply",
     "hyparallel.tensor.layers",
     "hyparallel.tensor.collectives",
-    "hyparallel.data_parallel",
-    "hyparallel.grad_compression",
+    "hyparallel.runtime.data_parallel",
+    "hyparallel.runtime.compression",
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
     "torch.distributed.pipelining",
@@ -306,26 +327,49 @@ def import_graph(repo):
 
 def test_the_import_graph_sees_the_known_arrows(import_graph):
     """The rules cannot pass vacuously: the layers exist and the graph finds arrows of every kind."""
-    for layer in ("hyparallel.graph", "hyparallel.models", "hyparallel.planner", "hyparallel.schema"):
+    for layer in ("hyparallel.graph", "hyparallel.models", "hyparallel.planner", "hyparallel.spec.schema"):
         assert any(under(n, [layer]) for n in import_graph), f"no module under {layer}"
-    for layer in ("hyparallel.tensor", "hyparallel.pipeline", "hyparallel.parallel", "hyparallel.cli"):
+    for layer in ("hyparallel.tensor", "hyparallel.pipeline", "hyparallel.runtime.parallel", "hyparallel.cli"):
         assert any(under(n, [layer]) for n in import_graph), f"no module under {layer}"
     known = [
-        ("hyparallel.parallel", "torch.distributed"),  # import torch.distributed as dist
-        ("hyparallel.checkpoint", "torch.distributed.checkpoint"),  # import torch.distributed.checkpoint as dcp
-        ("hyparallel.planner.api", "hyparallel.schema"),  # from hyparallel.schema import Plan
+        ("hyparallel.runtime.parallel", "torch.distributed"),  # import torch.distributed as dist
+        ("hyparallel.runtime.checkpoint", "torch.distributed.checkpoint"),  # import torch.distributed.checkpoint as dcp
+        ("hyparallel.planner.api", "hyparallel.spec.schema"),  # from hyparallel.spec.schema import Plan
         ("hyparallel.planner.api", "hyparallel.planner.costs"),  # from hyparallel.planner import costs
         ("hyparallel.cli", "hyparallel.planner"),  # inside a function
-        ("hyparallel.planner.api", "hyparallel.checks"),  # the planner filters its candidates by check_plan
+        ("hyparallel.planner.api", "hyparallel.graph.checks"),  # the planner filters its candidates by check_plan
         ("hyparallel.pipeline.schedule", "hyparallel.pipeline"),  # a module's package loads first
     ]
     missing = [f"{a} -> {b}" for a, b in known if not import_graph.has_edge(a, b)]
     assert not missing, f"the import graph misses known arrows: {missing}"
     assert nx.has_path(import_graph, "hyparallel.cli", "torch.distributed")
-    assert nx.has_path(import_graph, "hyparallel.planner", "hyparallel.errors")
+    assert nx.has_path(import_graph, "hyparallel.planner", "hyparallel.spec.errors")
     assert (
         not import_graph.nodes["hyparallel.planner"]["external"] and import_graph.nodes["torch.distributed"]["external"]
     )
+
+
+def folder_of(module: str) -> str | None:
+    """The layer folder a hyparallel module lives in (``cli`` for the root's CLI modules); None for the facade."""
+    parts = module.split(".")
+    if parts[0] != PACKAGE or len(parts) == 1:
+        return None
+    return "cli" if parts[1] in ("cli", "__main__") else parts[1]
+
+
+def test_the_folders_are_layers(import_graph, repo):
+    """Every folder imports only from itself and the folders below it (FOLDERS, lowest first); the root holds
+    the facade and the CLI."""
+    folders = {folder_of(m) for m in import_graph if not import_graph.nodes[m]["external"]} - {None}
+    assert folders == set(LEVEL), f"folders not in FOLDERS (or gone): {sorted(folders ^ set(LEVEL))}"
+    upward = [
+        f"  {a} -> {b} ({import_graph.edges[a, b]['where']})"
+        for a, b in import_graph.edges
+        if folder_of(a) and folder_of(b) and LEVEL[folder_of(b)] > LEVEL[folder_of(a)]
+    ]
+    assert not upward, "imports that go up a layer (tests/test_layering.py FOLDERS):\n" + "\n".join(upward)
+    root = sorted(p.name for p in (repo / PACKAGE).glob("*.py"))
+    assert root == ["__init__.py", "__main__.py", "cli.py"], f"the package root holds {root}"
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[rule.name for rule in RULES])

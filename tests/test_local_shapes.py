@@ -15,10 +15,10 @@ import pytest
 from torch import nn
 
 import hyparallel as hp
-from hyparallel.checks import check_plan
+from hyparallel.graph.checks import check_plan
 from hyparallel.graph.local_shapes import keeps_groups, local_shape_failure, local_shapes_copy, meta_copy
-from hyparallel.parity import small_spec
 from hyparallel.tensor.apply import check_local_shapes
+from hyparallel.tools.parity import small_spec
 
 LLAMA = small_spec("hf:LlamaForCausalLM")
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hyparallel as hp
-from hyparallel.errors import ConfigError
+from hyparallel.spec.errors import ConfigError
 from hyparallel.tensor.init import CHUNK_ROWS, ShardLayout, _seed, fill_, materialize_
 
 VOCAB, HIDDEN, SEQ = 32, 16, 8

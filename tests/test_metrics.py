@@ -1,4 +1,4 @@
-"""Run-time figures (hyparallel.metrics): what a step is, the derived rates, and predictions next to them."""
+"""Run-time figures (hyparallel.runtime.metrics): what a step is, the derived rates, and predictions next to them."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import hyparallel as hp
-from hyparallel import metrics
-from hyparallel.metrics import RunMetrics
+from hyparallel.runtime import metrics
+from hyparallel.runtime.metrics import RunMetrics
 
 
 def cpu_plan(**parallel) -> hp.Plan:

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import hyparallel as hp
-from hyparallel.demo import train_tiny
-from hyparallel.errors import ModelSpecError
+from hyparallel.spec.errors import ModelSpecError
+from hyparallel.tools.demo import train_tiny
 
 from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY
 

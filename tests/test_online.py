@@ -1,4 +1,4 @@
-"""Online calibration (hyparallel.online, RunMetrics.calibrate_online, `hyparallel calibrate --from-run`).
+"""Online calibration (hyparallel.planner.online, RunMetrics.calibrate_online, `hyparallel calibrate --from-run`).
 
 The fit is checked against synthetic clusters whose true figures are known: their predictions are the
 "measurements", and the fit must recover the figures. The 2-process run is in tests/test_online_run.py.
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import hyparallel as hp
-from hyparallel import metrics, online
 from hyparallel.cli import main
-from hyparallel.errors import HyparallelError
-from hyparallel.metrics import RunMetrics
+from hyparallel.planner import online
+from hyparallel.runtime import metrics
+from hyparallel.runtime.metrics import RunMetrics
+from hyparallel.spec.errors import HyparallelError
 
 SPEC = "gpt-tiny"
 
@@ -282,7 +283,7 @@ def test_scaling_the_links_scales_a_collectives_own_latency_too():
 
 def test_scaling_compute_scales_a_cpus_activation_costs():
     stock = hp.ClusterSpec.preset("cpu")
-    gelu = hp.cluster.ElementCost(forward_s=4e-9, backward_s=6e-9)
+    gelu = hp.spec.cluster.ElementCost(forward_s=4e-9, backward_s=6e-9)
     cluster = stock.model_copy(update={"device": stock.device.model_copy(update={"activation_costs": {"gelu": gelu}})})
     faster = online.scaled(cluster, 2.0).device.activation_costs["gelu"]
     assert (faster.forward_s, faster.backward_s) == pytest.approx((2e-9, 3e-9))

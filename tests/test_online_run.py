@@ -14,8 +14,8 @@ import sys
 import pytest
 
 import hyparallel as hp
-from hyparallel import online
 from hyparallel.cli import main
+from hyparallel.planner import online
 
 
 def test_a_run_on_the_stock_cpu_preset_corrects_its_cluster_and_replans(repo, tmp_path, capsys):

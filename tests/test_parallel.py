@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hyparallel as hp
-from hyparallel.errors import ConfigError
+from hyparallel.spec.errors import ConfigError
 
 from .conftest import assert_every_parameter_compared, torchrun
 
@@ -362,7 +362,7 @@ def test_recomputation_gives_the_loss_and_gradients_of_none_under_the_same_autoc
 
 def test_the_device_follows_the_plans_backend_and_a_node_needs_a_gpu_per_process(monkeypatch):
     # Note [which device a rank uses], on a pretended node of 2 GPUs.
-    from hyparallel.parallel import LaunchEnv, default_device
+    from hyparallel.runtime.parallel import LaunchEnv, default_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -380,7 +380,7 @@ def test_selective_recomputation_replays_every_random_draw():
     # Rule 3 of Note [what selective recomputation saves]: a draw the policy saved would be skipped by the recompute,
     # and the draw after it (dropout on the seq x seq probabilities, recomputed) would take other numbers than the
     # forward's. torch.native_dropout is functional, as dropout is on CUDA (the CPU's writes in place: rule 2).
-    from hyparallel.recompute import selective_context
+    from hyparallel.runtime.recompute import selective_context
 
     seq = 8
 
@@ -428,7 +428,7 @@ def test_parallelize_traces_the_model_once(world_of_one):
 def test_an_accelerator_named_without_an_index_is_this_ranks_own():
     # parallelize(model, plan, device="cuda") crashed in torch.cuda.set_device ("Expected a torch.device with a
     # specified index"), seen on an H200: it is cuda:LOCAL_RANK, as the default device is
-    from hyparallel.parallel import rank_device
+    from hyparallel.runtime.parallel import rank_device
 
     assert rank_device("cuda", 3) == torch.device("cuda", 3)
     assert rank_device(torch.device("cuda", 1), 3) == torch.device("cuda", 1)

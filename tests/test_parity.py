@@ -1,4 +1,5 @@
-"""hp.check / `hyparallel check` (Note [a parity check], hyparallel/parity.py) and a slice of the architecture sweep.
+"""hp.check / `hyparallel check` (Note [a parity check], hyparallel/tools/parity.py) and a slice of the architecture
+sweep.
 
 The check trains a small copy under a layout in local gloo processes and in one, and compares every gradient and
 loss by parameter name: it must say equal for a correct split, differs when one rank computes something else (a
@@ -17,7 +18,7 @@ import torch
 
 import hyparallel as hp
 from hyparallel.models.tiny import tiny_overrides
-from hyparallel.parity import check_layouts, small_spec
+from hyparallel.tools.parity import check_layouts, small_spec
 
 from .conftest import REPO
 
@@ -201,7 +202,7 @@ def test_a_stage_that_writes_its_received_value_in_place_trains():
 
 
 def test_rounding_is_judged_against_float64_and_a_wrong_gradient_still_differs():
-    from hyparallel.parity import _close
+    from hyparallel.tools.parity import _close
 
     exact = torch.tensor([0.045985955744981766, 0.6, -0.3], dtype=torch.float64)
     want = torch.tensor([0.045985929667949677, 0.6 + 8.3e-6, -0.3], dtype=torch.float32)  # the single device

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import hyparallel as hp
-from hyparallel.errors import ConfigError
 from hyparallel.pipeline import split_model
-from hyparallel.pipeline.runtime import PipelineRuntime
+from hyparallel.pipeline.executor import PipelineRuntime
+from hyparallel.spec.errors import ConfigError
 from hyparallel.tensor.init import materialize_
 
 from .conftest import assert_every_parameter_compared
@@ -259,7 +259,7 @@ def test_from_plan_needs_stages_and_a_group_of_pp_ranks(repo):
 
 
 def test_a_split_cuts_the_callers_trace_without_tracing_again(monkeypatch):
-    # Note [one trace] (hyparallel.parallel): with nothing swapped since, the split cuts a copy of the
+    # Note [one trace] (hyparallel.runtime.parallel): with nothing swapped since, the split cuts a copy of the
     # ModelGraph's own trace. The stages are the same as a fresh trace's, and the ModelGraph's trace is untouched.
     import hyparallel.pipeline.split as split_module
 

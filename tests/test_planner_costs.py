@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 import hyparallel as hp
-from hyparallel.cluster import LinkSpec
+from hyparallel.pipeline.schedule import lower, schedule, send_window
 from hyparallel.planner import costs
+from hyparallel.planner.inflight import backward_sends_held
 from hyparallel.planner.profile import ModelProfile
+from hyparallel.spec.cluster import LinkSpec
 
 LINK = LinkSpec(name="test", bandwidth_bytes_per_s=100e9, latency_s=10e-6)
 
@@ -60,6 +62,19 @@ def test_bubble_and_inflight_microbatches():
     assert costs.inflight_microbatches("interleaved-1f1b", 4, 8, 0, 2) == pytest.approx(11 / 2)
     assert costs.inflight_microbatches("interleaved-1f1b", 4, 8, 3, 2) == pytest.approx(5 / 2)
     assert costs.inflight_microbatches("1f1b", 1, 8, 0) == 1
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_the_memory_models_send_bound_is_the_one_the_runtime_reads_off_its_program(kind):
+    # The runtime holds at most schedule.send_window(program) gradients sent back (Note [gradients sent back]);
+    # the planner counts inflight.backward_sends_held by formula: equal for every device of every shape here.
+    for pp, m in [(2, 1), (2, 4), (4, 2), (4, 8), (8, 8)]:
+        for v in [1] if kind != "interleaved-1f1b" else [2, 3]:
+            if kind == "interleaved-1f1b" and m % pp:
+                continue
+            programs = lower(schedule(kind, pp, m, v), pp, v)
+            for rank in range(pp):
+                assert backward_sends_held(kind, pp, m, rank, v) == send_window(programs[rank]), (pp, m, v, rank)
 
 
 def test_zero_state_bytes():
@@ -279,13 +294,13 @@ DEVICE = hp.ClusterSpec.preset("a100-80g").device.model_copy(
 def test_the_planner_mirrors_the_runtimes_compression_rule():
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
-    from hyparallel import grad_compression
+    from hyparallel.runtime import compression
 
-    assert costs.MIN_COMPRESSION_RATE == grad_compression.MIN_COMPRESSION_RATE
+    assert costs.MIN_COMPRESSION_RATE == compression.MIN_COMPRESSION_RATE
     for rows, cols in [(1024, 1024), (64, 1), (10, 3), (16, 16), (17, 16), (8, 8), (4096, 64), (3, 1000)]:
         for rank in (1, 2, 4, 32):
             r = min(rows, cols, rank)
-            expected = _should_compress(rows, cols, r, grad_compression.MIN_COMPRESSION_RATE)[0]
+            expected = _should_compress(rows, cols, r, compression.MIN_COMPRESSION_RATE)[0]
             assert (costs.powersgd_factor_rank(rows, cols, rank) > 0) == expected, (rows, cols, rank)
 
 
@@ -558,8 +573,8 @@ def test_fsdp_and_the_optimizer_dispatch_per_tensor_on_a_cpu(backend):
 def _activation_times(costs_by_function: dict, tp: int = 1, micro_batch: int = 2):
     """(op, (forward, backward)) of gpt-tiny's first MLP activation (tanh-GELU, between a column and a row Linear)
     on the cpu preset without op overhead, with the given per-element activation costs."""
-    from hyparallel.cluster import ElementCost
     from hyparallel.planner.profile import _op_times
+    from hyparallel.spec.cluster import ElementCost
 
     model = hp.models.build("gpt-tiny")
     graph = hp.trace(model, model.example_inputs(1, 16))

@@ -8,9 +8,9 @@ from torch import nn
 
 import hyparallel as hp
 from hyparallel.cli import main
-from hyparallel.errors import PlanError
-from hyparallel.planner import ps, search, tables
-from hyparallel.schema import Plan
+from hyparallel.planner import search, servers, tables
+from hyparallel.spec.errors import PlanError
+from hyparallel.spec.schema import Plan
 
 A100 = hp.ClusterSpec.preset("a100-80g")
 CRITEO = ("--model", "dlrm-criteo-tb", "--gpus", "8", "--cluster", "a100-80g", "--global-batch", "65536")
@@ -50,14 +50,16 @@ def criteo():
 
 
 def test_unique_ids_are_bounded_and_grow_with_draws():
-    assert ps.expected_unique_ids(1, 50) == 1.0
-    assert ps.expected_unique_ids(1000, 0) == 0.0
-    assert ps.expected_unique_ids(1000, 1) == pytest.approx(1.0)
-    assert ps.expected_unique_ids(10**9, 8192) == pytest.approx(8192, rel=1e-4)  # a huge table: nearly all distinct
-    assert ps.expected_unique_ids(100, 10**6) == pytest.approx(100)  # a small table: every row
-    counts = [ps.expected_unique_ids(1000, n) for n in (10, 100, 1000, 10_000)]
+    assert servers.expected_unique_ids(1, 50) == 1.0
+    assert servers.expected_unique_ids(1000, 0) == 0.0
+    assert servers.expected_unique_ids(1000, 1) == pytest.approx(1.0)
+    assert servers.expected_unique_ids(10**9, 8192) == pytest.approx(
+        8192, rel=1e-4
+    )  # a huge table: nearly all distinct
+    assert servers.expected_unique_ids(100, 10**6) == pytest.approx(100)  # a small table: every row
+    counts = [servers.expected_unique_ids(1000, n) for n in (10, 100, 1000, 10_000)]
     assert counts == sorted(counts) and all(c <= 1000 for c in counts)
-    assert ps.expected_unique_ids(1000, 1000) == pytest.approx(1000 * (1 - (1 - 1 / 1000) ** 1000))
+    assert servers.expected_unique_ids(1000, 1000) == pytest.approx(1000 * (1 - (1 - 1 / 1000) ** 1000))
 
 
 def test_unique_ids_bound_a_zipf_draw():
@@ -66,56 +68,58 @@ def test_unique_ids_bound_a_zipf_draw():
     weights = [1 / (r + 1) ** 1.2 for r in range(rows)]
     total = sum(weights)
     zipf = sum(1 - (1 - w / total) ** draws for w in weights)
-    assert zipf < ps.expected_unique_ids(rows, draws)
+    assert zipf < servers.expected_unique_ids(rows, draws)
 
 
 def test_transfer_bytes_by_hand():
     # 100 rows of 16 fp32 values and 10 of 8, each with its int64 id, and 1,000 bytes of dense weights.
-    assert ps.transfer_bytes([100, 10], [16, 8], 1000) == 100 * (16 * 4 + 8) + 10 * (8 * 4 + 8) + 1000 == 8600
+    assert servers.transfer_bytes([100, 10], [16, 8], 1000) == 100 * (16 * 4 + 8) + 10 * (8 * 4 + 8) + 1000 == 8600
 
 
 def test_optimizer_state_matches_the_servers_rules():
-    assert ps.optimizer_state_bytes("sgd", 1600, 100) == 0
-    assert ps.optimizer_state_bytes("adagrad", 1600, 100) == 4 * 1600
-    assert ps.optimizer_state_bytes("rowwise-adam", 1600, 100) == 4 * 1600 + 12 * 100  # m per value; v, steps per row
+    assert servers.optimizer_state_bytes("sgd", 1600, 100) == 0
+    assert servers.optimizer_state_bytes("adagrad", 1600, 100) == 4 * 1600
+    assert (
+        servers.optimizer_state_bytes("rowwise-adam", 1600, 100) == 4 * 1600 + 12 * 100
+    )  # m per value; v, steps per row
     # the gradient read, the weights read and written, adagrad's sum read and written
-    assert ps.update_traffic_bytes("adagrad", 1600, 100) == 3 * 4 * 1600 + 2 * 4 * 1600
+    assert servers.update_traffic_bytes("adagrad", 1600, 100) == 3 * 4 * 1600 + 2 * 4 * 1600
 
 
 def test_server_memory_halves_with_twice_the_servers():
-    one = ps.server_table_memory_bytes(1000, 16, "adagrad", 2)
+    one = servers.server_table_memory_bytes(1000, 16, "adagrad", 2)
     assert one == 500 * (16 * 4 + 16 * 4)
-    assert ps.server_table_memory_bytes(1000, 16, "adagrad", 4) == one / 2
+    assert servers.server_table_memory_bytes(1000, 16, "adagrad", 4) == one / 2
     tables_only = [(1000, 16), (400, 8)]
-    assert ps.server_memory_bytes(tables_only, 0, 0, "sgd", 4, 0) * 2 == ps.server_memory_bytes(
+    assert servers.server_memory_bytes(tables_only, 0, 0, "sgd", 4, 0) * 2 == servers.server_memory_bytes(
         tables_only, 0, 0, "sgd", 2, 0
     )
 
 
 def test_dense_tensors_go_largest_first_onto_the_least_loaded():
-    # hyparallel/ps/runtime.py's dense_owners: 5 -> 0, 4 -> 1, 3 -> 1, 2 -> 0, 1 -> 0 (a tie: the lower index)
-    assert ps.dense_loads_bytes([1, 2, 3, 4, 5], 2) == [8, 7]
-    assert ps.dense_loads_bytes([10], 3) == [10, 0, 0]
+    # hyparallel/runtime/ps/roles.py's dense_owners: 5 -> 0, 4 -> 1, 3 -> 1, 2 -> 0, 1 -> 0 (a tie: the lower index)
+    assert servers.dense_loads_bytes([1, 2, 3, 4, 5], 2) == [8, 7]
+    assert servers.dense_loads_bytes([10], 3) == [10, 0, 0]
 
 
 def test_link_time_takes_the_busier_end_and_each_request():
     link = A100.inter_node
     worker, server = 1e8, 3e8
     # Each request pays an RPC's round trip, far above the link's own latency (microseconds).
-    expected = server / link.bandwidth_bytes_per_s + 5 * max(link.latency_s, ps.RPC_REQUEST_S)
-    assert ps.ps_link_s(worker, server, 5, link) == pytest.approx(expected)
-    assert ps.RPC_REQUEST_S > link.latency_s
+    expected = server / link.bandwidth_bytes_per_s + 5 * max(link.latency_s, servers.RPC_REQUEST_S)
+    assert servers.ps_link_s(worker, server, 5, link) == pytest.approx(expected)
+    assert servers.RPC_REQUEST_S > link.latency_s
     # One round trip per table (its requests to every server go together) and one for the dense weights.
-    assert ps.pull_requests([1e5, 2.0, 0.0], 8, 3) == 2 + 1
+    assert servers.pull_requests([1e5, 2.0, 0.0], 8, 3) == 2 + 1
 
 
 def test_table_wise_split_spreads_large_tables_and_sizes_the_exchange():
-    assignment = ps.table_wise_assignment([100.0, 90.0, 80.0, 1.0, 1.0, 1.0], [4] * 6, 3)
+    assignment = servers.table_wise_assignment([100.0, 90.0, 80.0, 1.0, 1.0, 1.0], [4] * 6, 3)
     assert sorted(assignment[:3]) == [0, 1, 2]  # one large table per device
     assert sorted(assignment[3:]) == [0, 1, 2]  # the small ones even out the exchange
     # 2 devices, batch 8: device 0 sends its 4 values for the other 4 samples, receives 12 for its own 4
-    assert ps.table_wise_exchange_bytes(4, 16, 8, 2) == max(8 * 0.5 * 4 * 4, 4 * 12 * 4)
-    assert ps.all_to_all_s(1e6, 1, A100.intra_node) == 0.0
+    assert servers.table_wise_exchange_bytes(4, 16, 8, 2) == max(8 * 0.5 * 4 * 4, 4 * 12 * 4)
+    assert servers.all_to_all_s(1e6, 1, A100.intra_node) == 0.0
 
 
 # ---- the pick ------------------------------------------------------------------------------------------------

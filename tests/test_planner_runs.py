@@ -1,4 +1,4 @@
-"""A plan the planner writes always runs: its candidates pass the runtime's own check_plan (hyparallel.checks).
+"""A plan the planner writes always runs: its candidates pass the runtime's own check_plan (hyparallel.graph.checks).
 
 Each test is one class of plan the planner used to write and the runtime refused: sequence parallelism without
 repeated blocks, a tied parameter split two ways, a module listed in two stages, a tp that splits nothing; and
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import hyparallel as hp
-from hyparallel.checks import check_plan
-from hyparallel.errors import ConfigError
+from hyparallel.graph.checks import check_plan
 from hyparallel.planner import PlanError, search
+from hyparallel.spec.errors import ConfigError
 
 BERT_TINY = (
     "hf:BertForMaskedLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4 intermediate_size=128 "

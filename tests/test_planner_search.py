@@ -334,8 +334,8 @@ def test_compression_defaults_are_not_listed_as_given():
 
 
 def test_a_tied_weight_on_two_stages_is_reduced_apart_uncompressed():
-    # Note [a weight several stages hold] in hyparallel/data_parallel.py: under compression, each stage's copy of
-    # gpt-tiny's tied embedding and head is all-reduced on its own, in fp32; PowerSGD compresses the rest.
+    # Note [a weight several stages hold] in hyparallel/runtime/data_parallel.py: under compression, each stage's copy
+    # of gpt-tiny's tied embedding and head is all-reduced on its own, in fp32; PowerSGD compresses the rest.
     model = hp.models.build("gpt-tiny")
     graph = hp.trace(model, model.example_inputs(1, 16))
     cluster = small_cluster("cpu", 1, 4)
@@ -356,7 +356,7 @@ def test_a_tied_weight_on_two_stages_is_reduced_apart_uncompressed():
 
 def test_a_cluster_is_also_taken_by_preset_name_or_file(tmp_path):
     # hp.plan(model, "cpu", ...) ended in a raw AttributeError ('str' object has no attribute 'num_gpus')
-    from hyparallel.cluster import preset_dir
+    from hyparallel.spec.cluster import preset_dir
 
     model = hp.models.build("gpt-tiny", device="meta")
     path = tmp_path / "cluster.yaml"

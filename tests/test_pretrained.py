@@ -22,8 +22,8 @@ import torch
 
 import hyparallel as hp
 from hyparallel.cli import main as cli
-from hyparallel.errors import ConfigError
-from hyparallel.parallel import token_cross_entropy
+from hyparallel.runtime.parallel import token_cross_entropy
+from hyparallel.spec.errors import ConfigError
 
 from .conftest import REPO, torchrun
 

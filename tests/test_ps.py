@@ -23,10 +23,10 @@ import torch
 import yaml
 
 import hyparallel as hp
-from hyparallel.errors import ConfigError
-from hyparallel.ps.dispatcher import Dispatcher
-from hyparallel.ps.optim import RowOptimizer
-from hyparallel.ps.server import Push, ServerShard
+from hyparallel.runtime.ps.dispatcher import Dispatcher
+from hyparallel.runtime.ps.optim import RowOptimizer
+from hyparallel.runtime.ps.server import Push, ServerShard
+from hyparallel.spec.errors import ConfigError
 from tests.ps import roles
 
 ROOT = Path(__file__).resolve().parent.parent

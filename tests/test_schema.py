@@ -10,7 +10,7 @@ import torch
 import yaml
 
 import hyparallel as hp
-from hyparallel.errors import ConfigError
+from hyparallel.spec.errors import ConfigError
 
 HAND = {"training": {"global_batch": 64, "seq_len": 1024}, "parallel": {"dp": 2, "tp": 4, "pp": 2}}
 
@@ -307,7 +307,7 @@ def test_merge_keys_may_still_be_overridden(tmp_path):
     path = write(tmp_path, text + "training:\n  <<: *base\n  global_batch: 16\n")
     merged = text + "training:\n  <<: *base\n  global_batch: 16\nparallel: {}\n"
     assert "unknown key 'base'" in load_error(tmp_path, merged)  # the override itself is no duplicate
-    from hyparallel._yaml import read_yaml
+    from hyparallel.spec.yaml_io import read_yaml
 
     assert read_yaml(path)["training"] == {"global_batch": 16, "seq_len": 4}
 
@@ -377,14 +377,14 @@ def test_numbers_out_of_range_give_one_line(tmp_path, data, expected):
 
 
 def test_bounds_are_the_ones_in_limits():
-    from hyparallel import limits
+    from hyparallel.spec import limits
 
     def maximum(model, name):
         return max(getattr(m, "le", None) or 0 for m in model.model_fields[name].metadata)
 
-    assert {maximum(hp.schema.ParallelConfig, axis) for axis in ("dp", "tp", "pp")} == {limits.MAX_DEVICES}
-    assert maximum(hp.schema.TrainingConfig, "seq_len") == limits.MAX_SEQ_LEN
-    assert maximum(hp.schema.TrainingConfig, "global_batch") == limits.MAX_GLOBAL_BATCH
+    assert {maximum(hp.spec.schema.ParallelConfig, axis) for axis in ("dp", "tp", "pp")} == {limits.MAX_DEVICES}
+    assert maximum(hp.spec.schema.TrainingConfig, "seq_len") == limits.MAX_SEQ_LEN
+    assert maximum(hp.spec.schema.TrainingConfig, "global_batch") == limits.MAX_GLOBAL_BATCH
     assert maximum(hp.ClusterSpec, "gpus_per_node") == limits.MAX_GPUS_PER_NODE
 
 

@@ -119,7 +119,7 @@ def test_the_vocab_parallel_function_in_place_gives_torchs_loss_and_gradient(gro
 )
 def test_a_plan_that_does_not_fit_the_model_is_refused(group, styles, message):
     import hyparallel as hp
-    from hyparallel.errors import ConfigError
+    from hyparallel.spec.errors import ConfigError
     from hyparallel.tensor import apply_tensor_parallel
 
     model = hp.models.build("gpt-tiny", device="cpu")

@@ -1,4 +1,4 @@
-"""The timed step simulation (hyparallel.pipeline.timeline), its picture, and `hyparallel simulate`."""
+"""The timed step simulation (hyparallel.planner.timeline), its picture, and `hyparallel simulate`."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 
 import hyparallel as hp
 from hyparallel.cli import main
-from hyparallel.errors import ConfigError
-from hyparallel.pictures import render_timeline
 from hyparallel.pipeline.schedule import lower, schedule
-from hyparallel.pipeline.timeline import run_timed, timeline
+from hyparallel.planner.timeline import run_timed, timeline
+from hyparallel.spec.errors import ConfigError
+from hyparallel.tools.pictures import render_timeline
 
 
 def hand_plan(schedule_kind: str, pp: int, m: int, v: int = 1) -> hp.Plan:

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import hyparallel as hp
-from hyparallel.checks import check_plan
-from hyparallel.errors import ConfigError
+from hyparallel.graph.checks import check_plan
 from hyparallel.graph.structure import fused_parts, interleave
-from hyparallel.parity import small_spec
+from hyparallel.spec.errors import ConfigError
+from hyparallel.tools.parity import small_spec
 
 from .conftest import assert_every_parameter_compared, torchrun
 from .tiny_lms import with_attention
@@ -340,7 +340,7 @@ def test_a_learned_value_entering_the_split_heads_without_a_column_keeps_the_att
     # Note [a learned value entering a split region] (hyparallel/graph/structure.py): DeepSeek's rotary key part
     # k_rot comes from the replicated kv_a_proj_with_mqa into every head; split, its gradient was one rank's share
     # (kv_a_proj_with_mqa's gradient 6e-3 off at tp 2, no error). The attention stays whole, the MLP splits.
-    from hyparallel.parity import small_spec
+    from hyparallel.tools.parity import small_spec
 
     analysis = traced(small_spec("hf:DeepseekV3ForCausalLM")).structure
     attn = "model.layers.0.self_attn"

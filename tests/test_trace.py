@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hyparallel as hp
-from hyparallel.errors import TraceError
+from hyparallel.spec.errors import TraceError
 
 from .conftest import HF_GPT2_TINY, HF_LLAMA_TINY, HF_T5_TINY
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hyparallel as hp
-from hyparallel.errors import ConfigError
+from hyparallel.spec.errors import ConfigError
 
 
 @pytest.fixture

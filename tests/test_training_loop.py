@@ -4,7 +4,7 @@ One launch of 4 gloo processes runs the matrix: dp, tp (vocab-parallel and gathe
 interleaved), mixes, ZeRO 1, one to four micro-batches, torch.fx and torch.export stages; train_step's loss and every
 gradient for the default loss, a (total, count) loss and a mean loss, accumulation over calls, eval_step on a batch
 of another size, the forward's logits, greedy generation, and Hugging Face inputs the pipeline was not traced with.
-Note [the loss a user reads] (hyparallel/loss.py) defines the numbers.
+Note [the loss a user reads] (hyparallel/runtime/loss.py) defines the numbers.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyparallel.errors import ConfigError
 from hyparallel.graph.kinds import base_forward
 from hyparallel.graph.model_graph import ModelGraph
 from hyparallel.graph.structure import TPAnalysis, fused_parts, grouping, interleave
 from hyparallel.graph.tracer import first_failure, trace
+from hyparallel.spec.errors import ConfigError
 
 # Integer attributes attention modules use for their head bookkeeping (transformers' conventions).
 HEAD_ATTRIBUTES = (

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from hyparallel.graph.kinds import GROUPED_MM, POINTWISE, REDUCTIONS, VIEW_OPS
 from hyparallel.graph.model_graph import ModelGraph, Op
-from hyparallel.schema import TPStyle
+from hyparallel.spec.schema import TPStyle
 
 
 @dataclass(frozen=True)

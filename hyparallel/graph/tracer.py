@@ -28,7 +28,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils._traceback import CapturedTraceback
 
-from hyparallel.errors import TraceError
 from hyparallel.graph.kinds import (
     EMBEDDING_BAG_OPS,
     GROUPED_MM,
@@ -44,6 +43,7 @@ from hyparallel.graph.kinds import (
 from hyparallel.graph.model_graph import Block, ModelGraph, Op, Value
 from hyparallel.graph.repeats import repeated_blocks_once
 from hyparallel.graph.trace_errors import Failure, explain, remember_source
+from hyparallel.spec.errors import TraceError
 
 Method = Literal["auto", "fx", "export"]
 

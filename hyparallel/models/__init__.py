@@ -20,14 +20,14 @@ import torch
 import yaml
 from torch import nn
 
-from hyparallel._yaml import load_yaml_text
-from hyparallel.errors import ModelSpecError
 from hyparallel.models.dlrm import DLRM, DLRMConfig, batch_for, bce_loss, synthetic_clicks
 from hyparallel.models.gpt import GPT, GPTConfig
 from hyparallel.models.hf import build_hf
 from hyparallel.models.llama import Llama, LlamaConfig
 from hyparallel.models.meta import build_on, empty_init
 from hyparallel.models.zoo import ZooEntry, build, config, entries, names
+from hyparallel.spec.errors import ModelSpecError
+from hyparallel.spec.yaml_io import load_yaml_text
 
 __all__ = [
     "DLRM",

@@ -1,4 +1,4 @@
-"""Checks of a model's shape settings against hyparallel.limits: a zoo config, a Hugging Face config.
+"""Checks of a model's shape settings against hyparallel.spec.limits: a zoo config, a Hugging Face config.
 
 Every check raises ValueError, a wrong type included: the config dataclasses and ``build_hf`` report it
 as one line (a ModelSpecError) naming the model.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hyparallel.limits import MAX_FFN_HIDDEN, MAX_HIDDEN, MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB
+from hyparallel.spec.limits import MAX_FFN_HIDDEN, MAX_HIDDEN, MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB
 
 
 def _shown(value: Any) -> str:

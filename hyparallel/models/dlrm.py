@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyparallel.limits import MAX_FFN_HIDDEN, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS
 from hyparallel.models.bounds import check_int, check_number
+from hyparallel.spec.limits import MAX_FFN_HIDDEN, MAX_HIDDEN, MAX_LAYERS, MAX_PARAMS
 
 # Rows of one table: 2^32 = 4.3 billion, a hundred times Criteo Terabyte's largest (39,979,771 under MLPerf's
 # 40M hashing); indices are int64, so nothing overflows below it.

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyparallel.kernels import bias_dropout_residual
-from hyparallel.limits import MAX_FFN_HIDDEN
 from hyparallel.models.bounds import check_bool, check_common, check_int, check_number
+from hyparallel.spec.limits import MAX_FFN_HIDDEN
 
 # Traced as one op (the kernel's Python dispatch is not traceable), like a leaf module.
 torch.fx.wrap("bias_dropout_residual")

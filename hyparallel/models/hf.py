@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from hyparallel.errors import ModelSpecError
 from hyparallel.models.bounds import check_hf_config
 from hyparallel.models.meta import build_on
+from hyparallel.spec.errors import ModelSpecError
 
 
 def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.Module:
@@ -21,7 +21,7 @@ def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.
 
     ``overrides`` are config fields (``num_hidden_layers=4``). The KV cache is turned off (``use_cache=False``,
     for configs that have one), as training and tracing want. The config's shape (layers, widths, heads,
-    vocabulary, positions) is checked against hyparallel.limits before the model is built.
+    vocabulary, positions) is checked against hyparallel.spec.limits before the model is built.
     """
     try:
         import transformers

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyparallel.kernels import swiglu
-from hyparallel.limits import MAX_FFN_HIDDEN
 from hyparallel.models.bounds import check_bool, check_common, check_int, check_number
+from hyparallel.spec.limits import MAX_FFN_HIDDEN
 
 # Traced as one op (the kernel's Python dispatch is not traceable), like a leaf module.
 torch.fx.wrap("swiglu")

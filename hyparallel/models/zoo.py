@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hyparallel.errors import ModelSpecError
 from hyparallel.models.dlrm import DLRM, DLRMConfig
 from hyparallel.models.gpt import GPT, GPTConfig
 from hyparallel.models.llama import Llama, LlamaConfig
 from hyparallel.models.meta import build_on
+from hyparallel.spec.errors import ModelSpecError
 
 ModelConfig = GPTConfig | LlamaConfig | DLRMConfig
 _MODEL_CLASS: dict[type, type[nn.Module]] = {GPTConfig: GPT, LlamaConfig: Llama, DLRMConfig: DLRM}

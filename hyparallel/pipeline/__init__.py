@@ -2,7 +2,7 @@
 
 The package does not import the runtime (torch.distributed point-to-point): ``hyparallel simulate`` needs
 only the schedule and the timeline. Import it from its module:
-``from hyparallel.pipeline.runtime import PipelineRuntime``.
+``from hyparallel.pipeline.executor import PipelineRuntime``.
 """
 
 from hyparallel.pipeline.schedule import (

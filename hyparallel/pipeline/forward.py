@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from hyparallel.errors import ConfigError
-from hyparallel.pipeline.runtime import PipelineRuntime, chunk_tree
+from hyparallel.pipeline.executor import PipelineRuntime, chunk_tree
 from hyparallel.pipeline.split import PipelineSplit, split_model
+from hyparallel.spec.errors import ConfigError
 
 MAX_CACHED = 8  # re-traced pipelines kept (each one graph per stage of this rank): generation adds one per length
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from hyparallel.schema import Schedule
+from hyparallel.spec.schema import Schedule
 
 ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
 
@@ -238,6 +238,23 @@ def p2p_order_mismatches(lowered: Mapping[int, Sequence[Action]], pp: int) -> li
     return bad
 
 
+def send_window(program: Sequence[Action]) -> int:
+    """Gradients a pipeline device keeps sent back and undelivered, at most (Note [gradients sent back] in
+    hyparallel/pipeline/executor.py): one per micro-batch chunk its program holds in flight at its peak (forwards
+    run and not yet backwarded; at least one), never more than it sends back.
+
+    Read off the device's own lowered program, so the runtime needs no formula; the planner's memory model counts
+    the same bound by formula (hyparallel.planner.inflight.backward_sends_held, checked equal in
+    tests/test_planner_costs.py).
+    """
+    sends = sum(a.kind == "SEND_B" for a in program)
+    level = peak = 0
+    for a in program:
+        level += (a.kind == "F") - (a.kind == "B")
+        peak = max(peak, level)
+    return min(sends, max(1, peak))
+
+
 def compute_only(actions: Mapping[int, Sequence[Action]]) -> dict[int, list[Action]]:
     """The F and B actions of each rank, in order: undoes :func:`lower`."""
     return {rank: [a for a in acts if a.is_compute] for rank, acts in actions.items()}
@@ -316,7 +333,7 @@ def needs(a: Action, last: int) -> tuple[tuple[int, str, int], ...]:
     """The keys ``(stage, kind, microbatch)`` of the actions ``a`` waits for; ``last`` is the last virtual stage.
 
     The one dependency rule of the IR, shared by :func:`simulate` and the timed execution
-    (:func:`hyparallel.pipeline.timeline.run_timed`): an F of stage s > 0 needs the F of s - 1 (same
+    (:func:`hyparallel.planner.timeline.run_timed`): an F of stage s > 0 needs the F of s - 1 (same
     micro-batch); a B of s needs the F of s and, unless s is last, the B of s + 1; a send needs the compute it
     sends; a receive needs the peer's matching send. F and B wait on F and B keys only (in a lowered list the
     receive before an F or B orders it), so the rule serves compute-only and lowered lists alike.

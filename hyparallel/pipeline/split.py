@@ -27,11 +27,11 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from hyparallel.checks import assign_stages, listed_stages
-from hyparallel.errors import ConfigError
+from hyparallel.graph.checks import assign_stages, listed_stages
 from hyparallel.graph.model_graph import ModelGraph
 from hyparallel.graph.tracer import Method, first_program, module_of, split_inputs, to_meta
 from hyparallel.kernels import bias_dropout_residual
+from hyparallel.spec.errors import ConfigError
 
 # Note [which stage runs a node]
 # A node whose module (the innermost module it ran in) is listed in a stage, or has a listed ancestor
@@ -437,7 +437,8 @@ def _drop_concrete_placeholders(program) -> None:
 
 
 def _assign(model: nn.Module, graph: fx.Graph, stages: list[list[str]]) -> dict[str, int]:
-    """Graph node name -> stage; see Note [which stage runs a node] (the rule: hyparallel.checks.assign_stages)."""
+    """Graph node name -> stage; see Note [which stage runs a node] (the rule:
+    hyparallel.graph.checks.assign_stages)."""
     listed = listed_stages([path for path, _ in model.named_modules() if path], stages, type(model).__name__)
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     stage_of = assign_stages(listed, [module_of(n) for n in compute], len(stages), stages)

@@ -6,11 +6,11 @@ fills what a hand-written plan leaves out; ``with_goodput(plan, mtbf_hours)`` ad
 checkpoint interval and the expected goodput.
 """
 
-from hyparallel.errors import PlanError
 from hyparallel.planner.api import Alternative, SearchResult, plan, search, to_plan
 from hyparallel.planner.complete import complete
 from hyparallel.planner.constraints import Constraints
 from hyparallel.planner.goodput import checkpoint_cost, with_goodput
+from hyparallel.spec.errors import PlanError
 
 __all__ = [
     "Alternative",

@@ -9,12 +9,9 @@ from typing import Any
 
 from torch import nn
 
-from hyparallel import limits
-from hyparallel.checks import check_plan
-from hyparallel.cluster import ClusterSpec
-from hyparallel.errors import ConfigError, PlanError
 from hyparallel.graph import ModelGraph
 from hyparallel.graph import cache as graph_cache
+from hyparallel.graph.checks import check_plan
 from hyparallel.graph.local_shapes import replicate_what_fails
 from hyparallel.planner import costs
 from hyparallel.planner.constraints import Constraints, count_message, default
@@ -24,7 +21,10 @@ from hyparallel.planner.inputs import make as make_inputs
 from hyparallel.planner.inputs import read as read_inputs
 from hyparallel.planner.profile import ModelProfile
 from hyparallel.planner.search import Evaluation, Progress, Search, axis_link, enumerate_configs, transfer_s
-from hyparallel.schema import CheckpointStorage, Plan
+from hyparallel.spec import limits
+from hyparallel.spec.cluster import ClusterSpec
+from hyparallel.spec.errors import ConfigError, PlanError
+from hyparallel.spec.schema import CheckpointStorage, Plan
 
 
 @dataclass
@@ -230,7 +230,7 @@ def search(
 
 # Note [the runtime's checks]
 # A plan the planner writes always runs: every candidate that fits is written as its Plan (to_plan) and
-# checked by the runtime's own check_plan (hyparallel.checks) on the traced graph, before it may rank. A
+# checked by the runtime's own check_plan (hyparallel.graph.checks) on the traced graph, before it may rank. A
 # refusal makes the candidate infeasible with the refusal as its reason (shown by --explain and by the
 # error when nothing is left), never a plan. Candidates differing only in what check_plan does not read
 # (micro-batch, schedule, order, timings) share one verdict.
@@ -413,7 +413,7 @@ def _check_layout(cluster: ClusterSpec, global_batch: int, constraints: dict) ->
         raise PlanError(f"global batch {global_batch} is not divisible by dp {constraints['dp']}; change either")
 
 
-# The schema's bounds (hyparallel.limits), so the planner never accepts what a plan file would refuse; the
+# The schema's bounds (hyparallel.spec.limits), so the planner never accepts what a plan file would refuse; the
 # constraints' own bounds are their fields' types (Constraints).
 _BOUNDS = {"global_batch": limits.MAX_GLOBAL_BATCH, "seq_len": limits.MAX_SEQ_LEN}
 
@@ -593,7 +593,7 @@ def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
 def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = True) -> Plan:
     """One evaluation as a Plan, not yet checked against the graph (a schema refusal is a one-line ConfigError);
     ``uncompressed``: with the prediction of the same plan uncompressed (check_plan does not read it)."""
-    from hyparallel.schema import ModelInfo
+    from hyparallel.spec.schema import ModelInfo
 
     graph, profile, c = result.graph, result.profile, evaluation.config
     segments = graph.segments()

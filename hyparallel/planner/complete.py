@@ -12,12 +12,12 @@ from typing import Any
 
 from torch import nn
 
-from hyparallel.errors import ConfigError, HyparallelError
 from hyparallel.graph.model_graph import ModelGraph
 from hyparallel.planner.api import search
 from hyparallel.planner.inputs import read as read_inputs
 from hyparallel.planner.inputs import token_ids
-from hyparallel.schema import Plan
+from hyparallel.spec.errors import ConfigError, HyparallelError
+from hyparallel.spec.schema import Plan
 
 
 def complete(plan: Plan, graph: ModelGraph, *, example_inputs: Any = None, module: nn.Module | None = None) -> Plan:

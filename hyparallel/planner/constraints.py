@@ -1,7 +1,7 @@
 """The decisions a caller fixes for the planner's search, as a frozen pydantic model.
 
 ``Constraints`` is what ``plan`` and ``search`` take as ``constraints=`` (or build from the same keyword
-arguments): each field has the plan file's type and bounds (hyparallel.schema, hyparallel.limits), so the
+arguments): each field has the plan file's type and bounds (hyparallel.spec.schema, hyparallel.spec.limits), so the
 planner never accepts what a plan file would refuse, and a field left None is searched. A bad value is a
 one-line PlanError naming it. What needs the cluster or the batch (the degrees against the GPUs, dp against
 the global batch) is checked by the planner, after this.
@@ -25,10 +25,10 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hyparallel import limits
-from hyparallel.cluster import int_in
-from hyparallel.errors import PlanError
-from hyparallel.schema import (
+from hyparallel.spec import limits
+from hyparallel.spec.cluster import int_in
+from hyparallel.spec.errors import PlanError
+from hyparallel.spec.schema import (
     DEFAULT_ORDER,
     Axis,
     Degree,

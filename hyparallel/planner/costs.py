@@ -10,9 +10,10 @@ import math
 
 import numpy as np
 
-from hyparallel.cluster import DeviceSpec, LinkSpec, MatmulCurve
-from hyparallel.inflight import backward_sends_held, inflight_microbatches  # noqa: F401  (the memory model counts them)
-from hyparallel.schema import Dtype, GradCompression
+# the memory model counts them
+from hyparallel.planner.inflight import backward_sends_held, inflight_microbatches  # noqa: F401
+from hyparallel.spec.cluster import DeviceSpec, LinkSpec, MatmulCurve
+from hyparallel.spec.schema import Dtype, GradCompression
 
 Bytes = float | np.ndarray
 
@@ -140,7 +141,7 @@ def dispatched_s(work_s: float, op_overhead_s: float, serial: bool) -> float:
 
 
 # Note [gradient compression]
-#     How each parallel.grad_compression reduces the data-parallel gradients, as hyparallel.grad_compression runs
+#     How each parallel.grad_compression reduces the data-parallel gradients, as hyparallel.runtime.compression runs
 #     them (torch's DDP communication hooks; the pipeline's all-reduce after the schedule runs the same hooks), and
 #     what the planner charges each. ``none`` keeps its price (a ring all-reduce of the fp32 gradients, its latency
 #     charged once for all buckets, plus the last bucket's); the others are priced relative to it:
@@ -159,7 +160,7 @@ def dispatched_s(work_s: float, op_overhead_s: float, serial: bool) -> float:
 #         from powersgd_start_step on; the planner prices the steady state after it.
 #     Compression's kernels are never hidden: on a GPU they run on the device beside the backward's; on a CPU
 #     (gloo) compute and communication share the cores, and hyparallel waits for each PowerSGD bucket's chain of
-#     collectives before the next (Note [compression hooks on gloo] in grad_compression.py). Each hook op pays the
+#     collectives before the next (Note [compression hooks on gloo] in runtime/compression.py). Each hook op pays the
 #     host's dispatch (Note [op overhead]): added to the work on a CPU; on a GPU the host dispatches while the
 #     device works, so the hook costs the larger of the two.
 #
@@ -179,8 +180,8 @@ def dispatched_s(work_s: float, op_overhead_s: float, serial: bool) -> float:
 
 GRAD_COMPRESSIONS: tuple[GradCompression, ...] = ("none", "bf16", "fp16", "powersgd")
 SIXTEEN_BIT: tuple[GradCompression, ...] = ("bf16", "fp16")
-# torch's default min_compression_rate, which hyparallel.grad_compression.MIN_COMPRESSION_RATE passes to PowerSGDState
-# (the planner does not import the runtime: tests/test_planner_costs.py checks the two agree).
+# torch's default min_compression_rate, which hyparallel.runtime.compression.MIN_COMPRESSION_RATE passes to
+# PowerSGDState (the planner does not import the runtime: tests/test_planner_costs.py checks the two agree).
 MIN_COMPRESSION_RATE = 2
 # PowerSGD's error feedback keeps one fp32 residual per gradient element between steps (PowerSGDState.error_dict).
 ERROR_FEEDBACK_BYTES_PER_PARAM = 4
@@ -339,7 +340,7 @@ def bubble_fraction(pp: int, num_microbatches: int, virtual_stages: int = 1) -> 
 def gathered_bytes_per_param(dtype: Dtype, grad_compression: GradCompression = "none") -> int:
     """Bytes per parameter ZeRO 1-3 all-gather: the fp32 master copies, or the training dtype's 16 bits when the plan
     compresses gradients to bf16/fp16 and trains in 16 bits (FSDP2's MixedPrecisionPolicy param_dtype, as
-    hyparallel.grad_compression.fsdp_policy sets it; Note [ZeRO stages on FSDP2] in data_parallel.py)."""
+    hyparallel.runtime.compression.fsdp_policy sets it; Note [ZeRO stages on FSDP2] in data_parallel.py)."""
     if grad_compression in SIXTEEN_BIT and dtype != "fp32":
         return DTYPE_BYTES[dtype]
     return MASTER_BYTES_PER_PARAM

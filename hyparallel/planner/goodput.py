@@ -14,7 +14,7 @@ Note [checkpoint bytes per rank]
 
     with stage_params the parameters of the busiest pipeline rank (all its virtual stages), before tensor
     splitting: the even spread DCP's balancing approaches, whatever the ZeRO stage (the same unique pieces are
-    written, only by other ranks). A memory checkpoint (Note [memory checkpoints] in hyparallel/checkpoint.py)
+    written, only by other ranks). A memory checkpoint (Note [memory checkpoints] in hyparallel/runtime/checkpoint.py)
     first snapshots every piece the rank holds, with no deduplication:
 
         held_bytes_per_rank = stage_params x 12 / tp            (ZeRO 0: the state is replicated over dp)
@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import math
 
-from hyparallel import limits
-from hyparallel.cluster import ClusterSpec
-from hyparallel.errors import PlanError
 from hyparallel.planner import costs
-from hyparallel.schema import CheckpointCost, CheckpointStorage, Plan
+from hyparallel.spec import limits
+from hyparallel.spec.cluster import ClusterSpec
+from hyparallel.spec.errors import PlanError
+from hyparallel.spec.schema import CheckpointCost, CheckpointStorage, Plan
 
 # Note [checkpoint bytes per rank]: fp32 weights (4) + AdamW m and v (8).
 CHECKPOINT_BYTES_PER_PARAM = costs.MASTER_BYTES_PER_PARAM + costs.OPTIMIZER_BYTES_PER_PARAM["fp32"]

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from hyparallel.errors import ConfigError
-from hyparallel.schema import Plan
+from hyparallel.spec.errors import ConfigError
+from hyparallel.spec.schema import Plan
 
 InputsFactory = Callable[[int, int], Any]  # (batch_size, seq_len) -> one micro-batch, as a model's example_inputs
 _SHAPE_HINT = "a tensor, a tuple of positional inputs or a dict of keyword inputs, e.g. token ids (batch, seq_len)"

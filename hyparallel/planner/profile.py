@@ -15,11 +15,11 @@ from functools import cache, cached_property
 
 import networkx as nx
 
-from hyparallel.cluster import ClusterSpec, LinkSpec
 from hyparallel.graph import ModelGraph, Op
 from hyparallel.graph.structure import TPAnalysis
 from hyparallel.planner import costs
-from hyparallel.schema import Dtype
+from hyparallel.spec.cluster import ClusterSpec, LinkSpec
+from hyparallel.spec.schema import Dtype
 
 # View-kind ops that may copy (a reshape of a transposed tensor does): their outputs count as new tensors.
 _COPYING_VIEWS = {"clone", "contiguous", "reshape", "flatten"}
@@ -356,9 +356,9 @@ class ModelProfile:
             # Note [gloo's late frees]
             #     gloo's worker thread drops a collective's work object, and with it the tensors it staged, after
             #     the caller has gone on; on busy cores that can be well into the loss's backward. Measured on the
-            #     CPU (hyparallel.peak_memory, which sees those frees): tp 2 ranks of gpt-tiny peaked at 0.95-1.06x
-            #     the prediction from run to run, the spread the logits' all-gather's input and output (1 + 1/tp
-            #     of the whole logits). The largest tensor-parallel collective's: counted beside the loss.
+            #     CPU (hyparallel.runtime.peak_memory, which sees those frees): tp 2 ranks of gpt-tiny peaked at
+            #     0.95-1.06x the prediction from run to run, the spread the logits' all-gather's input and output (1 +
+            #     1/tp of the whole logits). The largest tensor-parallel collective's: counted beside the loss.
             working += raw.logits_bytes * (1 + 1 / tp)
         weight_grads = max((self.tp_analysis.params_per_rank(op, tp) for op in raw.weight_ops), default=0.0)
         weight_bytes = self.dtype_bytes + 4 if self.dtype != "fp32" else 4

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hyparallel.cluster import ClusterSpec, LinkSpec
 from hyparallel.planner import costs
 from hyparallel.planner.constraints import default
 from hyparallel.planner.profile import GradientWork, ModelProfile, SegmentCost
+from hyparallel.spec.cluster import ClusterSpec, LinkSpec
 
 log = logging.getLogger("hyparallel.planner")
 # Called as progress(phase, done, total) while a search runs: phase "bounding" (every configuration gets a
@@ -200,7 +200,7 @@ def _orders(pp: int, dp: int, fixed: dict) -> tuple[tuple[str, ...], ...]:
 
 # Note [what needs blocks]
 # Sequence parallelism shards the activations between a block's column/row pairs, and recomputation without a
-# pipeline wraps each repeated block: both need repeated blocks (hyparallel.checks.check_blocks refuses them
+# pipeline wraps each repeated block: both need repeated blocks (hyparallel.graph.checks.check_blocks refuses them
 # otherwise), so a model without any gets no candidate with them; fixed by the caller, they leave nothing.
 
 
@@ -612,7 +612,7 @@ class Search:
 #     under autocast) on every pipeline stage; 1/t of them with sequence parallelism. Measured: gpt-tiny pp 2 on
 #     this project's CPU (benchmarks/prediction.py's memory table) was 7% over the prediction on stage 0 without it.
 #     And the gradients a stage sends back stay referenced by their isend's work until it is waited for: at most
-#     costs.backward_sends_held of them (Note [gradients sent back] in pipeline/runtime.py; they were all held until
+#     costs.backward_sends_held of them (Note [gradients sent back] in pipeline/executor.py; they were all held until
 #     the schedule's end, m per virtual stage past a device's first: 100 GiB per GPU for a 1T GPT at pp 64 with 512
 #     micro-batches). Measured: gpt-mini pp 2, 1F1B with 16 micro-batches of 1, stage 1 at 1.04 x the prediction
 #     without them (benchmarks/prediction.py).

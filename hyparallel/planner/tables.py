@@ -1,7 +1,7 @@
 """Where a model's embedding tables go: parameter servers, the workers' GPUs (the search's plans), or split.
 
 For a recommendation model (embedding tables, no repeated transformer blocks) ``choose`` prices three options
-with the cost functions of ``hyparallel.planner.ps`` and the search's own:
+with the cost functions of ``hyparallel.planner.servers`` and the search's own:
 
 * ``ps``: the tables and dense weights on parameter servers, one worker per GPU (Plan.ps), at the server count
   that is fastest (the fewest within PS_SERVERS_WITHIN of the fastest), or the count asked for;
@@ -25,18 +25,18 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from hyparallel import limits
-from hyparallel.checks import check_plan
-from hyparallel.cluster import ClusterSpec
-from hyparallel.errors import ConfigError, PlanError
 from hyparallel.graph import ModelGraph
+from hyparallel.graph.checks import check_plan
 from hyparallel.planner import costs
-from hyparallel.planner import ps as ps_costs
+from hyparallel.planner import servers as ps_costs
 from hyparallel.planner.api import SearchResult, round_figures, stage_module_lists, step_parts
 from hyparallel.planner.constraints import count_message
 from hyparallel.planner.profile import ModelProfile
 from hyparallel.planner.search import Evaluation
-from hyparallel.schema import ModelInfo, Plan, PsOptimizer
+from hyparallel.spec import limits
+from hyparallel.spec.cluster import ClusterSpec
+from hyparallel.spec.errors import ConfigError, PlanError
+from hyparallel.spec.schema import ModelInfo, Plan, PsOptimizer
 
 OptionKind = Literal["ps", "workers", "split"]
 PS_OPTIMIZER: PsOptimizer = "adagrad"  # what a planned ps section asks the servers for (PsConfig's default)
@@ -339,7 +339,7 @@ def _ps_worker(setting: _Setting) -> _Fit:
 
 
 def _ps_option(setting: _Setting, servers: int, worker: _Fit) -> Option:
-    """Parameter servers at ``servers``: Note [where the servers run] in planner/ps.py, and docs/cost-model.md."""
+    """Parameter servers at ``servers``: Note [where the servers run] in planner/servers.py, and docs/cost-model.md."""
     label = f"parameter servers ({servers})"
     usable = setting.cluster.device.usable_memory_bytes
     if not worker.fits:

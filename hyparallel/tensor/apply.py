@@ -18,9 +18,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from hyparallel.checks import check_blocks, check_styles, check_tensor_parallel_degree
-from hyparallel.errors import ConfigError
 from hyparallel.graph import ModelGraph
+from hyparallel.graph.checks import check_blocks, check_styles, check_tensor_parallel_degree
 from hyparallel.graph.kinds import base_forward
 from hyparallel.graph.local_shapes import (
     block_modules,
@@ -32,6 +31,7 @@ from hyparallel.graph.local_shapes import (
 )
 from hyparallel.graph.structure import TPAnalysis, split_region
 from hyparallel.graph.tracer import tied_names
+from hyparallel.spec.errors import ConfigError
 from hyparallel.tensor.collectives import all_reduce_, gather_from_tp, scatter_to_tp
 from hyparallel.tensor.init import retie
 from hyparallel.tensor.layers import (

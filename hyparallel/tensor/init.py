@@ -174,7 +174,7 @@ def meta_buffers(model: nn.Module, only: Collection[str] | None = None) -> dict[
 
 def refuse_unrecoverable_buffers(model: nn.Module, only: Collection[str] | None = None) -> None:
     """ConfigError naming the first meta buffer nothing can recompute (Note [buffers on meta])."""
-    from hyparallel.errors import ConfigError
+    from hyparallel.spec.errors import ConfigError
 
     for name in meta_buffers(model, only):
         owner_path, _, _ = name.rpartition(".")
@@ -200,7 +200,7 @@ def _recompute(model: nn.Module, module: nn.Module):
 
 def _recompute_buffers(model: nn.Module, lost: dict[str, torch.Tensor]) -> None:
     """Recompute the buffers that were on meta (now allocated, empty), refusing any left unwritten."""
-    from hyparallel.errors import ConfigError
+    from hyparallel.spec.errors import ConfigError
 
     owners: dict[str, list[str]] = {}
     for name in lost:
@@ -253,7 +253,7 @@ def _allocate(model: nn.Module, device: torch.device, names: set[str]) -> set[in
 
 def retie(model: nn.Module, ties: Sequence[Sequence[str]]) -> None:
     """Tied weights (embedding and head) stay one parameter; both must have been split the same way."""
-    from hyparallel.errors import ConfigError
+    from hyparallel.spec.errors import ConfigError
 
     for names in ties:
         first, *others = names

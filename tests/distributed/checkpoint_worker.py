@@ -17,7 +17,7 @@ from parallel_worker import GLOBAL_BATCH, GPT, LR, SEED, SEQ, batch, expected_sl
 
 import hyparallel as hp
 from hyparallel import checkpoint
-from hyparallel.parallel import token_cross_entropy
+from hyparallel.runtime.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
 
 PLANS = {

@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hyparallel as hp
 from hyparallel import checkpoint
-from hyparallel.parallel import token_cross_entropy
-from hyparallel.parity import expected_slice  # the slice of a full tensor a tensor-parallel module holds
+from hyparallel.runtime.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
+from hyparallel.tools.parity import expected_slice  # the slice of a full tensor a tensor-parallel module holds
 
 GPT = "gpt-tiny num_layers=2 bias=false"
 SEQ, GLOBAL_BATCH, SEED, LR = 16, 8, 23, 1e-3
@@ -90,7 +90,7 @@ def run_compile_case(name: str) -> dict:
 
 
 def _compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward was replaced by torch.compile's wrapper (hyparallel.compile)."""
+    """Whether ``module``'s forward was replaced by torch.compile's wrapper (hyparallel.runtime.compile)."""
     return "forward" in vars(module) and hasattr(vars(module)["forward"], "_torchdynamo_orig_callable")
 
 

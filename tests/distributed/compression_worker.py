@@ -29,8 +29,8 @@ from parallel_worker import GLOBAL_BATCH, GPT, LR, SEED, SEQ, batch, full, refer
 
 import hyparallel as hp
 from hyparallel import checkpoint
-from hyparallel.parity import expected_slice
-from hyparallel.schema import Plan
+from hyparallel.spec.schema import Plan
+from hyparallel.tools.parity import expected_slice
 
 STEPS, RESUME_AT, START, EF_STEPS, FIT_LR = 12, 6, 2, 20, 1e-2
 LAYOUTS = {
@@ -111,7 +111,7 @@ def train(pmodel, optimizer, steps: range, same_batch: bool = False) -> list[flo
 @functools.cache
 def memorised_losses() -> list[float]:
     """One device learning one batch by heart (FIT_LR): the losses PowerSGD's training is held against."""
-    from hyparallel.parallel import token_cross_entropy
+    from hyparallel.runtime.parallel import token_cross_entropy
     from hyparallel.tensor.init import materialize_
 
     model = materialize_(hp.models.load(GPT).module, "cpu", seed=SEED)
@@ -204,17 +204,17 @@ def cuda_present() -> dict:
 
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    from hyparallel import grad_compression
+    from hyparallel.runtime import compression
 
     torch.manual_seed(0)
     grads = [("w", torch.randn(64, 32)), ("b", torch.randn(64))]  # the matrix is compressed at rank 4
     outcome = {}
     for hook in ("hyparallel", "torch"):
-        compressor = grad_compression.Compressor("powersgd", None, {}, rank=4, start_step=2)
+        compressor = compression.Compressor("powersgd", None, {}, rank=4, start_step=2)
         compressor.state.iter = 2  # past the warm-up: compressed
-        run = grad_compression._CPU_POWERSGD if hook == "hyparallel" else powerSGD_hook.powerSGD_hook
+        run = compression._CPU_POWERSGD if hook == "hyparallel" else powerSGD_hook.powerSGD_hook
         with mock.patch.object(torch.cuda, "is_available", lambda: True):
-            with mock.patch.object(grad_compression, "_CPU_POWERSGD", run):
+            with mock.patch.object(compression, "_CPU_POWERSGD", run):
                 try:
                     compressor.reduce([(name, g.clone()) for name, g in grads])
                     outcome[hook] = "reduced"

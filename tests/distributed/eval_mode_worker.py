@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import hyparallel as hp
-from hyparallel.parallel import token_cross_entropy
+from hyparallel.runtime.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
 
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -25,7 +25,7 @@ import uuid
 
 # Modules every worker imports: the tracer's torch.export machinery (torch._dynamo) is imported at a rank's first
 # trace. Not transformers: measured, preloading it saved nothing (a Hugging Face case's time is its work).
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.export", "hyparallel", "hyparallel.parallel"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.export", "hyparallel", "hyparallel.runtime.parallel"]
 
 
 def worker(script: str, args: list[str]) -> None:

@@ -2,8 +2,8 @@
 
 Each case plans the layout in fp16 and takes a loss small enough (1e-5 x token cross-entropy) that its gradients
 flush to zero in fp16's backward without scaling. It compares one train_step's gradients with the same plan in fp32,
-with the scaler on and off (Note [fp16 loss scaling], hyparallel/parallel.py); then makes one rank alone see an inf
-(a hook on a parameter of the first pipeline stage): every rank must skip the optimizer step and halve the scale.
+with the scaler on and off (Note [fp16 loss scaling], hyparallel/runtime/parallel.py); then makes one rank alone see an
+inf (a hook on a parameter of the first pipeline stage): every rank must skip the optimizer step and halve the scale.
 Last, the scaler's state must come back from a checkpoint into a new model. Rank 0 writes one JSON line per case.
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hyparallel as hp
-from hyparallel.parallel import token_cross_entropy
+from hyparallel.runtime.parallel import token_cross_entropy
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 SEQ, GLOBAL_BATCH, SEED = 16, 8, 31

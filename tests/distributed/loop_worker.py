@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from parallel_worker import compare  # every gradient slice this rank holds against the single device's
 
 import hyparallel as hp
-from hyparallel.parallel import _logits as logits_of
-from hyparallel.parallel import token_cross_entropy
+from hyparallel.runtime.parallel import _logits as logits_of
+from hyparallel.runtime.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
 
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -1,7 +1,7 @@
 """A real training step's peak memory against the planner's: `torchrun --nproc_per_node 2 memory_worker.py OUT CASE...`.
 
 Each case plans gpt-tiny for two processes with the cpu preset, counts this rank's tensor bytes from before the
-model is materialised (hyparallel.peak_memory, Note [measuring a CPU peak]), and runs two steps as
+model is materialised (hyparallel.runtime.peak_memory, Note [measuring a CPU peak]), and runs two steps as
 examples/train_gpt.py does (train_step, clip_grad_norm_, AdamW, zero_grad). Each rank reports its peak over the
 steps, the plan's prediction for its stage (without the preset's reserve) and the bytes of its weights, gradients
 and optimizer state. Rank 0 writes one JSON line per case.
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import hyparallel as hp
-from hyparallel.peak_memory import PeakMemory
+from hyparallel.runtime.peak_memory import PeakMemory
 
 SEQ, BATCH = 64, 8
 CASES = {

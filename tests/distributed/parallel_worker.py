@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 import hyparallel as hp
-from hyparallel.errors import ConfigError
-from hyparallel.parallel import _logits as logits_of  # output.logits, or the output itself
-from hyparallel.parallel import token_cross_entropy
-from hyparallel.parity import expected_slice  # the slice of a full tensor a tensor-parallel module holds
+from hyparallel.runtime.parallel import _logits as logits_of  # output.logits, or the output itself
+from hyparallel.runtime.parallel import token_cross_entropy
+from hyparallel.spec.errors import ConfigError
 from hyparallel.tensor.init import materialize_
+from hyparallel.tools.parity import expected_slice  # the slice of a full tensor a tensor-parallel module holds
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 RTOL, GRAD_ATOL, PARAM_ATOL, STEPS, LR = 1e-5, 1e-6, 1e-4, 3, 1e-3

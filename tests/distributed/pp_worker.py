@@ -24,7 +24,7 @@ from torch import nn
 
 import hyparallel as hp
 from hyparallel.pipeline import lower, schedule, simulate, split_model
-from hyparallel.pipeline.runtime import PipelineRuntime
+from hyparallel.pipeline.executor import PipelineRuntime
 from hyparallel.planner import costs
 from hyparallel.tensor.init import materialize_
 

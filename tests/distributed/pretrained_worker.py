@@ -22,7 +22,7 @@ import harness  # tests/distributed/harness.py, beside this script
 import torch
 
 import hyparallel as hp
-from hyparallel.checkpoint import state_entries
+from hyparallel.runtime.checkpoint import state_entries
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 # 2 layers of width 384 (6 query heads, 2 key/value heads) and a 1,021-token vocabulary (odd: tp pads it): 15 MiB of

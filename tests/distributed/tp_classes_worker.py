@@ -16,7 +16,7 @@ import torch.distributed as dist
 from parallel_worker import compare  # the same slice-by-slice comparison as the parallelize parity tests
 
 import hyparallel as hp
-from hyparallel.parallel import token_cross_entropy
+from hyparallel.runtime.parallel import token_cross_entropy
 from hyparallel.tensor.init import materialize_
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
