@@ -90,16 +90,10 @@ def _gib(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:,.1f}"
 
 
-def _count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return str(int(n))
-
-
 def cmd_models(args: argparse.Namespace, out: Console) -> None:
     """List the model zoo."""
     from hyparallel import models
+    from hyparallel.tools import views
 
     rows = models.entries()
     if args.json:
@@ -117,7 +111,7 @@ def cmd_models(args: argparse.Namespace, out: Console) -> None:
             str(row.hidden_size),
             heads,
             str(row.vocab_size),
-            _count(row.num_params),
+            views.count(row.num_params),
         )
     out.print(table)
 
@@ -183,7 +177,8 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
     )
     if plan.model:
         out.print(
-            f"model    {plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers",
+            f"model    {plan.model.name}: {views.count(plan.model.num_params)} parameters, "
+            f"{plan.model.num_layers} layers",
             markup=False,
         )
     if plan.cluster:
@@ -260,6 +255,7 @@ def cmd_trace(args: argparse.Namespace, out: Console) -> None:
     """Trace a model on the meta device and print its graph summary."""
     from hyparallel import models
     from hyparallel.graph import trace
+    from hyparallel.tools import views
 
     loaded = models.load(args.model)
     seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
@@ -298,7 +294,7 @@ def cmd_trace(args: argparse.Namespace, out: Console) -> None:
             str(first) if first == last else f"{first}-{last}",
             label,
             str(len(s.ops)),
-            _count(s.param_count),
+            views.count(s.param_count),
             f"{s.flops / 1e9:,.2f}",
             f"{s.activation_bytes / 2**20:,.1f}",
             f"{s.output_bytes / 2**20:,.2f}",
@@ -343,7 +339,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     restart_s, storage = DEFAULT_RESTART_S if args.restart_s is None else args.restart_s, args.checkpoint or "disk"
     if args.mtbf is not None:  # before the search, as the output path
         check_goodput_request(args.mtbf, restart_s, storage, cluster)
-    compression = _compression_constraints(args)
+    compression = _compression_from_args(args)
     with _logged(args.verbose), _progress(sys.stderr.isatty() and not args.json and not args.verbose) as progress:
         loaded = models.load(args.model)
         make_inputs = models.load_callable(args.example_inputs, "example inputs") if args.example_inputs else None
@@ -390,7 +386,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     )
 
 
-def _compression_constraints(args: argparse.Namespace) -> dict:
+def _compression_from_args(args: argparse.Namespace) -> dict:
     """--grad-compression and PowerSGD's flags as the planner's constraints; PowerSGD's flags need it allowed."""
     from hyparallel.planner import PlanError
 
@@ -465,7 +461,7 @@ def _print_plan(plan, out: Console) -> None:
 
     par, cluster = plan.parallel, plan.cluster
     out.print(
-        f"{plan.model.name}: {_count(plan.model.num_params)} parameters, {plan.model.num_layers} layers, on "
+        f"{plan.model.name}: {views.count(plan.model.num_params)} parameters, {plan.model.num_layers} layers, on "
         f"{cluster.num_nodes} x {cluster.gpus_per_node} {cluster.device.name} ({cluster.name})",
         markup=False,
     )
@@ -602,6 +598,7 @@ def cmd_checkpoint(args: argparse.Namespace, out: Console) -> None:
 
 def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
     """Measure this machine's matmul, memory and collective speeds; print them and write a ClusterSpec."""
+    from hyparallel.spec.files import check_writable
     from hyparallel.tools import calibrate
 
     if args.from_run is not None:
@@ -610,7 +607,7 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
     if args.model or args.cluster or args.switch_gain is not None:
         raise UsageError("hyparallel calibrate", "--model, --cluster and --switch-gain go with --from-run FILE")
     if args.out:
-        calibrate.check_writable(args.out)
+        check_writable(args.out)  # before minutes of measuring
     spec, measured = calibrate.calibrate(
         nproc=args.nproc,
         base=args.base,

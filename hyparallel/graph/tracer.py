@@ -255,6 +255,12 @@ def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
+def call_with(module: Any, inputs: Any) -> Any:
+    """``module`` called on ``inputs`` by the one rule of :func:`split_inputs` (what the trace called it with)."""
+    args, kwargs = split_inputs(inputs)
+    return module(*args, **kwargs)
+
+
 def to_meta(value: Any) -> Any:
     """A tensor moved to the meta device (shape and dtype kept, no memory); any other value unchanged."""
     from torch._subclasses.fake_tensor import FakeTensor

@@ -17,7 +17,7 @@ import pickle
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -332,7 +332,7 @@ class PipelineRuntime:
 
     # ---- compute ---------------------------------------------------------------------------------
 
-    def _f(self, step: _Step, a: Action) -> None:
+    def _forward(self, step: _Step, a: Action) -> None:
         stage = self.stages[a.stage]
         received = ()
         if a.stage > 0:
@@ -350,7 +350,7 @@ class PipelineRuntime:
         self._specs.setdefault((a.stage, step.key), spec)
         step.outputs[a.stage, a.microbatch] = leaves
 
-    def _b(self, step: _Step, a: Action) -> None:
+    def _backward(self, step: _Step, a: Action) -> None:
         key = (a.stage, a.microbatch)
         outputs = step.outputs.pop(key)
         if self.before_backward is not None:
@@ -383,7 +383,7 @@ class PipelineRuntime:
             step.received[key] = [_leaf(v) for v in step.outputs[a.stage - 1, a.microbatch]]
         return step.received[key]
 
-    def _send_f(self, step: _Step, a: Action) -> None:
+    def _send_activation(self, step: _Step, a: Action) -> None:
         values = step.outputs[a.stage, a.microbatch]
         entries = [
             _Entry(tuple(v.shape), v.dtype, v.requires_grad)
@@ -405,7 +405,7 @@ class PipelineRuntime:
         tensors = [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
         step.sends[a.stage, "F", a.microbatch] = self._isend(tensors, a)
 
-    def _recv_f(self, step: _Step, a: Action) -> None:
+    def _receive_activation(self, step: _Step, a: Action) -> None:
         header_key = (a.stage - 1, step.key)
         if header_key not in self._headers:
             self._specs[header_key], self._headers[header_key] = self._recv_header(a)
@@ -435,7 +435,7 @@ class PipelineRuntime:
             work.wait()
         return buffers
 
-    def _send_b(self, step: _Step, a: Action) -> None:
+    def _send_gradient(self, step: _Step, a: Action) -> None:
         grads = [g.contiguous() for g in step.input_grads.pop((a.stage, a.microbatch))]
         step.sends[a.stage, "B", a.microbatch] = self._isend(grads, a)
         step.sent_back.append((a.stage, "B", a.microbatch))
@@ -456,7 +456,7 @@ class PipelineRuntime:
                 work.wait()  # the oldest beyond the window; else done already (raises if the send failed)
         self.peak_backward_sends = max(self.peak_backward_sends, len(held))
 
-    def _recv_b(self, step: _Step, a: Action) -> None:
+    def _receive_gradient(self, step: _Step, a: Action) -> None:
         step.grads[a.stage, a.microbatch] = self._wait_recv(step, a)
 
     def _peer(self, a: Action) -> int:
@@ -563,9 +563,9 @@ class PipelineRuntime:
 _Handler = Callable[[PipelineRuntime, _Step, Action], None]
 
 
-def _covering(handlers: Mapping[str, _Handler]) -> dict[str, _Handler]:
+def _covering(handlers: Mapping[ActionKind, _Handler]) -> dict[ActionKind, _Handler]:
     """``handlers``, checked to have one entry for each kind in ``ActionKind`` and no other."""
-    kinds = get_args(ActionKind)
+    kinds = list(ActionKind)
     missing = [kind for kind in kinds if kind not in handlers]
     unknown = [kind for kind in handlers if kind not in kinds]
     if missing or unknown:
@@ -575,12 +575,12 @@ def _covering(handlers: Mapping[str, _Handler]) -> dict[str, _Handler]:
 
 _HANDLERS = _covering(
     {
-        "F": PipelineRuntime._f,
-        "B": PipelineRuntime._b,
-        "SEND_F": PipelineRuntime._send_f,
-        "RECV_F": PipelineRuntime._recv_f,
-        "SEND_B": PipelineRuntime._send_b,
-        "RECV_B": PipelineRuntime._recv_b,
+        ActionKind.F: PipelineRuntime._forward,
+        ActionKind.B: PipelineRuntime._backward,
+        ActionKind.SEND_F: PipelineRuntime._send_activation,
+        ActionKind.RECV_F: PipelineRuntime._receive_activation,
+        ActionKind.SEND_B: PipelineRuntime._send_gradient,
+        ActionKind.RECV_B: PipelineRuntime._receive_gradient,
     }
 )
 

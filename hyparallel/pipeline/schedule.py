@@ -20,11 +20,29 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Literal, get_args
 
 from hyparallel.spec.schema import Schedule
 
-ActionKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+
+class ActionKind(str, Enum):
+    """What a pipeline action does. Each prints as its name, the form schedules are written in (``"1SEND_F0"``),
+    and equals that string; hyparallel.pipeline.executor has one named handler for each."""
+
+    F = "F"  # a stage's forward of one micro-batch
+    B = "B"  # its backward
+    SEND_F = "SEND_F"  # the forward's output sent to the next stage
+    RECV_F = "RECV_F"  # the previous stage's output received
+    SEND_B = "SEND_B"  # the input's gradient sent back to the previous stage
+    RECV_B = "RECV_B"  # the next stage's gradient received
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 
 COMPUTE_KINDS = ("F", "B")
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
@@ -39,8 +57,9 @@ class Action:
     microbatch: int
 
     def __post_init__(self) -> None:
-        if self.kind not in get_args(ActionKind):
-            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {get_args(ActionKind)}")
+        if self.kind not in ActionKind.__members__:
+            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {tuple(ActionKind.__members__)}")
+        object.__setattr__(self, "kind", ActionKind(self.kind))  # a string given: its member
         if self.stage < 0 or self.microbatch < 0:
             raise ValueError(f"stage ({self.stage}) and microbatch ({self.microbatch}) must be >= 0")
 

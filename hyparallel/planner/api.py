@@ -96,10 +96,30 @@ def plan(
 ) -> Plan:
     """The fastest plan that fits memory for ``model`` on ``cluster``; constraints fix any decision.
 
-    ``model`` may be a (meta-device) module or a ModelGraph traced at batch 1 x ``seq_len``. ``example_inputs``
-    is one micro-batch for tracing, as ``parallelize`` takes it (a tensor, a tuple of args or a dict of kwargs;
-    it fixes micro_batch to its rows and gives seq_len), or a function ``(batch_size, seq_len) -> inputs`` used
-    as a model's ``example_inputs`` method is (Note [example inputs]). The constraints are
+    Args:
+        model: a (meta-device) module, or a ModelGraph traced at batch 1 x ``seq_len``.
+        cluster: a ClusterSpec, or a preset name or cluster YAML path as ``--cluster`` takes it.
+        global_batch: sequences (samples) per optimizer step.
+        seq_len: tokens per sequence (default: the model's, or ``example_inputs``').
+        dtype: the training dtype (bf16, fp16, fp32).
+        example_inputs, name, constraints, mtbf_hours, restart_s, checkpoint_storage, ps_servers, fixed: below.
+
+    Returns:
+        The :class:`~hyparallel.spec.schema.Plan`, with its predictions; ``plan.save("plan.yaml")`` writes it.
+
+    Raises:
+        PlanError: nothing fits (the message names the smallest plan found and what it needs) or the
+            constraints leave no plan.
+        ConfigError: a constraint or an input out of range, in one line.
+
+    Example::
+
+        plan = hp.plan(hp.models.build("gpt-175b"), "a100-80g", global_batch=1536, seq_len=2048, tp=8)
+        plan.save("gpt-175b.yaml")
+
+    ``example_inputs`` is one micro-batch for tracing, as ``parallelize`` takes it (a tensor, a tuple of args or a
+    dict of kwargs; it fixes micro_batch to its rows and gives seq_len), or a function ``(batch_size, seq_len) ->
+    inputs`` used as a model's ``example_inputs`` method is (Note [example inputs]). The constraints are
     ``constraints=Constraints(...)`` or the same names as keyword arguments: tp, pp, dp, micro_batch, schedule,
     virtual_stages, recompute, zero, sequence_parallel, vocab_parallel_loss (False: the logits gathered for a
     loss_fn of your own), order (placement.order, outermost axis first), and
@@ -160,6 +180,24 @@ def search(
     **fixed: Any,
 ) -> SearchResult:
     """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost).
+
+    Args:
+        model, cluster, global_batch, seq_len, dtype, example_inputs, name, constraints, ps_servers, fixed: as
+            :func:`plan` takes them.
+        top: how many of the best evaluations to keep; ``alternatives``: also the best of each losing choice.
+        progress, traced_rows, module, module_inputs, cache: below.
+
+    Returns:
+        A SearchResult: ``best``, the ``top`` evaluations fastest first (``step_time_s``, stages, memory),
+        ``alternatives``, and ``plan()``, the best as a Plan.
+
+    Raises:
+        PlanError: as :func:`plan`.
+
+    Example::
+
+        result = hp.search(hp.models.build("llama-7b"), "h100-sxm", global_batch=512, seq_len=4096, top=3)
+        print([e.step_time_s for e in result.best]); plan = result.plan()
 
     ``model``, ``example_inputs`` and the constraints are as ``plan`` takes them. ``progress(phase, done,
     total)`` is called as the search goes (a progress bar); the search logs to the ``hyparallel.planner``

@@ -75,7 +75,7 @@ def complete(plan: Plan, graph: ModelGraph, *, example_inputs: Any = None, modul
             sequence_parallel=par.sequence_parallel,
             vocab_parallel_loss=par.vocab_parallel_loss,
             order=plan.placement.order,
-            **_compression(plan),
+            **compression_constraints(plan),
         ).plan()
     except HyparallelError:
         if needs_stages or needs_tp:
@@ -84,7 +84,7 @@ def complete(plan: Plan, graph: ModelGraph, *, example_inputs: Any = None, modul
     return _merged(plan, fixed, needs_tp)
 
 
-def _compression(plan: Plan) -> dict[str, Any]:
+def compression_constraints(plan: Plan) -> dict[str, Any]:
     """The plan's gradient compression as the search's constraints (PowerSGD's settings only under PowerSGD)."""
     par = plan.parallel
     if par.grad_compression != "powersgd":

@@ -15,7 +15,9 @@ from hyparallel.planner.inflight import backward_sends_held, inflight_microbatch
 from hyparallel.spec.cluster import DeviceSpec, LinkSpec, MatmulCurve
 from hyparallel.spec.schema import Dtype, GradCompression
 
-Bytes = float | np.ndarray
+# A figure (bytes, seconds, counts) for one configuration, or an array of them, one per candidate the search
+# costs at once.
+Figure = float | np.ndarray
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -46,7 +48,7 @@ DP_BUCKET_BYTES = 25 * 2**20
 # candidate stage at once); nothing to send costs nothing.
 
 
-def _ring_s(num_bytes: Bytes, steps: int, group_size: int, link: LinkSpec) -> Bytes:
+def _ring_s(num_bytes: Figure, steps: int, group_size: int, link: LinkSpec) -> Figure:
     if isinstance(num_bytes, (int, float)):  # one byte count: the same float64 arithmetic, without numpy's overhead
         if not num_bytes > 0:
             return 0.0
@@ -59,12 +61,12 @@ def _ring_s(num_bytes: Bytes, steps: int, group_size: int, link: LinkSpec) -> By
     return float(result) if np.ndim(result) == 0 else result
 
 
-def ring_allreduce_s(num_bytes: Bytes, group_size: int, link: LinkSpec) -> Bytes:
+def ring_allreduce_s(num_bytes: Figure, group_size: int, link: LinkSpec) -> Figure:
     """Ring all-reduce of ``num_bytes`` per rank: 2(n-1) steps of bytes/n each (Patarasuk & Yuan 2009)."""
     return _ring_s(num_bytes, 2 * (group_size - 1), group_size, link) if group_size > 1 else 0.0 * np.asarray(num_bytes)
 
 
-def ring_allgather_s(gathered_bytes: Bytes, group_size: int, link: LinkSpec) -> Bytes:
+def ring_allgather_s(gathered_bytes: Figure, group_size: int, link: LinkSpec) -> Figure:
     """Ring all-gather producing ``gathered_bytes`` on every rank: (n-1) steps of bytes/n."""
     return (
         _ring_s(gathered_bytes, group_size - 1, group_size, link)
@@ -73,7 +75,7 @@ def ring_allgather_s(gathered_bytes: Bytes, group_size: int, link: LinkSpec) -> 
     )
 
 
-def ring_reduce_scatter_s(input_bytes: Bytes, group_size: int, link: LinkSpec) -> Bytes:
+def ring_reduce_scatter_s(input_bytes: Figure, group_size: int, link: LinkSpec) -> Figure:
     """Ring reduce-scatter of ``input_bytes`` per rank: the mirror of all-gather, same cost."""
     return ring_allgather_s(input_bytes, group_size, link)
 
@@ -250,7 +252,7 @@ def powersgd_elementwise_s(elements: float, uncompressed: float, device: DeviceS
     return traffic / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
 
 
-def dp_buckets(grad_bytes: Bytes) -> Bytes:
+def dp_buckets(grad_bytes: Figure) -> Figure:
     """Gradient buckets of ``grad_bytes`` of fp32 gradients (DP_BUCKET_BYTES each, the last one partial)."""
     return np.ceil(np.asarray(grad_bytes, dtype=float) / DP_BUCKET_BYTES)
 
@@ -261,8 +263,8 @@ def collectives_per_bucket(grad_compression: GradCompression) -> int:
 
 
 def grad_wire_bytes(
-    grad_compression: GradCompression, params: Bytes, powersgd_elements: Bytes, serial: bool = False
-) -> Bytes:
+    grad_compression: GradCompression, params: Figure, powersgd_elements: Figure, serial: bool = False
+) -> Figure:
     """Bytes per rank a ZeRO-0 gradient all-reduce sends for ``params`` gradients: fp32 (``none``), 16-bit, or
     PowerSGD's fp32 factors and uncompressed tensors (``powersgd_elements`` of them: Note [PowerSGD's wire]); on
     gloo (``serial``) a 16-bit sum's fp32-equivalent bytes (Note [16-bit sums on gloo])."""
@@ -272,8 +274,8 @@ def grad_wire_bytes(
 
 
 def dp_allreduce_s(
-    grad_compression: GradCompression, grad_bytes: Bytes, wire_bytes: Bytes, group_size: int, link: LinkSpec
-) -> tuple[Bytes, Bytes]:
+    grad_compression: GradCompression, grad_bytes: Figure, wire_bytes: Figure, group_size: int, link: LinkSpec
+) -> tuple[Figure, Figure]:
     """(all buckets, the last bucket) seconds of the ZeRO-0 gradient all-reduce: ``grad_bytes`` of fp32 gradients
     in DP_BUCKET_BYTES buckets, ``wire_bytes`` of them on the wire.
 
@@ -294,12 +296,12 @@ def dp_allreduce_s(
 
 def compression_compute_s(
     grad_compression: GradCompression,
-    params: Bytes,
-    powersgd_work_s: Bytes,
-    powersgd_ops: Bytes,
+    params: Figure,
+    powersgd_work_s: Figure,
+    powersgd_ops: Figure,
     device: DeviceSpec,
     serial: bool,
-) -> Bytes:
+) -> Figure:
     """Seconds a ZeRO-0 compression hook adds to the step for ``params`` gradients, with dispatch (Note [gradient
     compression]); PowerSGD's per-matrix kernel seconds and ops come from ``ModelProfile.powersgd_work``."""
     params = np.asarray(params, dtype=float)
@@ -322,7 +324,7 @@ def compression_compute_s(
     return (work + dispatch) * (GLOO_POWERSGD_IN_STEP if grad_compression == "powersgd" else 1.0)
 
 
-def powersgd_buffer_bytes(grad_bytes: Bytes, powersgd_elements: Bytes) -> Bytes:
+def powersgd_buffer_bytes(grad_bytes: Figure, powersgd_elements: Figure) -> Figure:
     """Bytes PowerSGD holds beyond its residuals (in ``state_bytes_per_param``): the P and Q factors, kept between steps
     for the warm start, and the flat copy of the uncompressed tensors (4 bytes per element sent), and the clone of
     one bucket while it is reduced."""
@@ -450,8 +452,8 @@ CLIP_TRANSIENT_BYTES_PER_ELEMENT = 16
 
 
 def after_backward_bytes(
-    params: Bytes, largest: Bytes, dtype: Dtype, zero: int, dp: int, grad_compression: GradCompression = "none"
-) -> Bytes:
+    params: Figure, largest: Figure, dtype: Dtype, zero: int, dp: int, grad_compression: GradCompression = "none"
+) -> Figure:
     """A stage's memory in the optimizer step and gradient clipping (Note [memory after the backward]).
 
     ``params``: the parameters a rank holds; ``largest``: the most any one of its segments holds (a bound on its
@@ -532,7 +534,7 @@ def model_flops_per_step(forward_flops_per_sequence: float, global_batch: int) -
     return 3 * forward_flops_per_sequence * global_batch
 
 
-def overlapped_s(comm_s: Bytes, compute_s: Bytes, serial: bool = False) -> Bytes:
+def overlapped_s(comm_s: Figure, compute_s: Figure, serial: bool = False) -> Figure:
     """Time communication adds when it runs beside ``compute_s`` of computation: what does not fit, plus contention.
 
     ``serial``: a CPU cluster (backend gloo), whose collectives run on the cores that compute: nothing hides.

@@ -188,18 +188,18 @@ def scaled(cluster: ClusterSpec, factor: float, links: bool = False) -> ClusterS
     data = cluster.model_dump()
     flops_up = max(1.0, device.matmul_efficiency * factor, device.attention_efficiency * factor)
     data["device"].update(
-        peak_flops={k: _significant(v * flops_up) for k, v in device.peak_flops.model_dump().items()},
-        matmul_efficiency=_fraction(device.matmul_efficiency * factor / flops_up),
-        attention_efficiency=_fraction(device.attention_efficiency * factor / flops_up),
-        memory_bandwidth_bytes_per_s=_significant(
+        peak_flops={k: _six_digits(v * flops_up) for k, v in device.peak_flops.model_dump().items()},
+        matmul_efficiency=_clamped_efficiency(device.matmul_efficiency * factor / flops_up),
+        attention_efficiency=_clamped_efficiency(device.attention_efficiency * factor / flops_up),
+        memory_bandwidth_bytes_per_s=_six_digits(
             device.memory_bandwidth_bytes_per_s * max(1.0, device.memory_efficiency * factor)
         ),
-        memory_efficiency=_fraction(min(1.0, device.memory_efficiency * factor)),
-        op_overhead_s=_significant(min(device.op_overhead_s / factor, limits.MAX_LATENCY_S)),
+        memory_efficiency=_clamped_efficiency(min(1.0, device.memory_efficiency * factor)),
+        op_overhead_s=_six_digits(min(device.op_overhead_s / factor, limits.MAX_LATENCY_S)),
         activation_costs={
             name: {
-                "forward_s": _significant(cost.forward_s / factor),
-                "backward_s": _significant(cost.backward_s / factor),
+                "forward_s": _six_digits(cost.forward_s / factor),
+                "backward_s": _six_digits(cost.backward_s / factor),
             }
             for name, cost in device.activation_costs.items()
         },
@@ -208,18 +208,18 @@ def scaled(cluster: ClusterSpec, factor: float, links: bool = False) -> ClusterS
         for name in ("intra_node", "inter_node"):
             link = data[name]
             bandwidth = min(link["bandwidth_bytes_per_s"] * factor, limits.MAX_BYTES_PER_S)
-            link["bandwidth_bytes_per_s"] = _significant(bandwidth)
-            link["latency_s"] = _significant(link["latency_s"] / factor)
+            link["bandwidth_bytes_per_s"] = _six_digits(bandwidth)
+            link["latency_s"] = _six_digits(link["latency_s"] / factor)
             if link.get("collective_latency_s") is not None:
-                link["collective_latency_s"] = _significant(link["collective_latency_s"] / factor)
+                link["collective_latency_s"] = _six_digits(link["collective_latency_s"] / factor)
     return validate(ClusterSpec, data, f"cluster '{cluster.name}' scaled by {factor:.3g}")
 
 
-def _fraction(value: float) -> float:
-    return min(1.0, max(limits.MIN_EFFICIENCY, _significant(value)))
+def _clamped_efficiency(value: float) -> float:
+    return min(1.0, max(limits.MIN_EFFICIENCY, _six_digits(value)))
 
 
-def _significant(value: float) -> float:
+def _six_digits(value: float) -> float:
     """6 significant digits: a readable file, and far below the fit's tolerance."""
     return float(f"{value:.6g}")
 
@@ -270,7 +270,7 @@ class Planner:
 
 def fixed(plan: Plan) -> dict[str, Any]:
     """Every decision of ``plan`` as the planner's constraints: the search then costs that one configuration."""
-    from hyparallel.planner.complete import _compression
+    from hyparallel.planner.complete import compression_constraints
 
     par = plan.parallel
     return {
@@ -285,16 +285,16 @@ def fixed(plan: Plan) -> dict[str, Any]:
         "sequence_parallel": par.sequence_parallel,
         "vocab_parallel_loss": par.vocab_parallel_loss,
         "order": plan.placement.order,
-        **_compression(plan),
+        **compression_constraints(plan),
     }
 
 
 def asked(plan: Plan) -> dict[str, Any]:
     """What the re-plan keeps of the plan beyond batch, length and dtype: its gradient compression, if any (the
     planner compresses only when asked, Note [gradient compression is asked for]; a plan that compresses was)."""
-    from hyparallel.planner.complete import _compression
+    from hyparallel.planner.complete import compression_constraints
 
-    kept = _compression(plan) if plan.parallel.grad_compression != "none" else {}
+    kept = compression_constraints(plan) if plan.parallel.grad_compression != "none" else {}
     if plan.parallel.tp > 1 and not plan.parallel.vocab_parallel_loss:  # its logits gathered: a loss_fn of its own
         kept["vocab_parallel_loss"] = False
     return kept

@@ -88,12 +88,29 @@ def save(
     optimizer: torch.optim.Optimizer | None,
     directory: str | Path,
     step: int,
+    *,
     extra: dict[str, Any] | None = None,
     asynchronous: bool = False,
     storage: str = "disk",
     keep: int | None = None,
 ) -> Path | PendingSave:
     """Write a checkpoint of ``pmodel`` (and the optimizer's state) for ``step``; every rank calls it.
+
+    Args:
+        pmodel: the ParallelModel (any plan; the checkpoint loads under any other).
+        optimizer: its optimizer, or None.
+        directory: the checkpoint root; the step's folder is made under it.
+        step: the step saved. ``extra``, ``asynchronous``, ``storage``, ``keep``: below.
+
+    Returns:
+        The checkpoint folder, or a PendingSave (``asynchronous``).
+
+    Raises:
+        ConfigError: a bad ``storage`` or ``keep``, or an unwritable folder, in one line.
+
+    Example::
+
+        hp.checkpoint.save(pmodel, optimizer, "ckpt", step, extra={"epoch": epoch}, storage="memory", keep=2)
 
     ``extra`` (JSON-able: anything the loop needs) comes back from :func:`load`; the data position of
     ``pmodel.sampler(...)``'s training sampler is saved with it on its own (hyparallel/runtime/data.py).
@@ -461,9 +478,26 @@ def latest(directory: str | Path) -> Path | None:
 
 
 def load(
-    pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path, missing_ok: bool = False
+    pmodel, optimizer: torch.optim.Optimizer | None, directory: str | Path, *, missing_ok: bool = False
 ) -> dict[str, Any] | None:
     """Load the newest complete checkpoint under ``directory`` into ``pmodel`` (any plan) and the optimizer.
+
+    Args:
+        pmodel: the ParallelModel to load into, under any plan (the pieces are resharded).
+        optimizer: its optimizer, or None.
+        directory: the checkpoint root ``save`` wrote to.
+        missing_ok: return None when there is no complete checkpoint, instead of refusing.
+
+    Returns:
+        ``{"step", "extra", "path", "storage"}`` of the checkpoint loaded, or None (``missing_ok``).
+
+    Raises:
+        ConfigError: no complete checkpoint, or one made for another model, in one line.
+
+    Example::
+
+        resumed = hp.checkpoint.load(pmodel, optimizer, "ckpt", missing_ok=True)
+        start = resumed["step"] + 1 if resumed else 0
 
     Returns ``{"step": ..., "extra": {...}, "path": ..., "storage": "disk" | "memory"}``: a memory checkpoint
     of this run is read when every rank has one at least as new as the directory's (Note [memory checkpoints]).
@@ -558,8 +592,22 @@ def _load_from(pmodel, optimizer, path: Path, no_dist: bool) -> dict[str, Any]:
     return {"step": meta["step"], "extra": meta["extra"], "path": path, "storage": "memory" if no_dist else "disk"}
 
 
-def export(directory: str | Path, out: str | Path, format: str = "auto", max_shard_size: int | str = "5GB") -> Path:
+def export(directory: str | Path, out: str | Path, *, format: str = "auto", max_shard_size: int | str = "5GB") -> Path:
     """Consolidate the newest checkpoint under ``directory`` into one single-device state dict file, or a folder.
+
+    Args:
+        directory: the checkpoint root.
+        out: the file or folder to write. ``format``, ``max_shard_size``: below.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ConfigError: no complete checkpoint, or ``out`` cannot be written, in one line (before reading gigabytes).
+
+    Example::
+
+        hp.checkpoint.export("ckpt", "model.safetensors")  # or "hf-folder/" for from_pretrained
 
     Keys are the model's parameter names (tied weights under their first name), values full tensors; ``format``
     ``auto`` follows OUT's name (hyparallel.runtime.pretrained.export_format): ``.safetensors`` (transformers' and
@@ -882,13 +930,14 @@ def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, 
 
 def _rank_state(pmodel) -> dict[str, Any]:
     """What only this rank holds and resumes when the world size is the same: random streams, PowerSGD's state."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "grad_compression": _compression(pmodel)}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state["grad_compression"] = _compression_state(pmodel)
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _compression(pmodel) -> dict[str, Any] | None:
+def _compression_state(pmodel) -> dict[str, Any] | None:
     data_parallel = getattr(pmodel, "data_parallel", None)
     return data_parallel.compression_state() if data_parallel is not None else None
 

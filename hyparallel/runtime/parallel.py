@@ -31,7 +31,7 @@ from torch import nn
 from hyparallel.graph import ModelGraph, trace
 from hyparallel.graph.checks import batch_statistics, batch_statistics_warning, check_plan, check_world_size
 from hyparallel.graph.local_shapes import block_modules
-from hyparallel.graph.tracer import tracing_device
+from hyparallel.graph.tracer import call_with, tracing_device
 from hyparallel.pipeline.executor import PipelineRuntime, chunk_tree
 from hyparallel.pipeline.forward import ForwardPipelines, sequence_divides
 from hyparallel.pipeline.split import split_model
@@ -123,16 +123,43 @@ def parallelize(
 ) -> ParallelModel:
     """Run ``model`` as ``plan`` says, in every process of a torchrun launch; see Note [what parallelize does].
 
-    ``model`` is best built on the meta device (``hp.models.build(name)``): then no rank allocates more
-    than its share, initialised deterministically from ``seed``. ``example_inputs`` is one micro-batch
-    for tracing (default: token ids of the plan's ``micro_batch x seq_len``). ``device`` defaults to the
-    CPU for a gloo cluster's plan, else cuda:LOCAL_RANK when there is a GPU (Note [which device a rank
-    uses]). Under a plan with ``parallel.vocab_parallel_loss`` (the planner's default wherever tp splits the
-    head) the head keeps each rank's slice of the logits in training and ``train_step``'s default loss is token
-    cross-entropy computed without ever gathering them; otherwise the logits are gathered and any ``loss_fn``
-    works. Calling the model (``pmodel(inputs)``) returns the whole logits either way. ``compile_backend``: the
-    torch.compile backend of a plan with ``parallel.compile`` (default ``$HYPARALLEL_COMPILE_BACKEND``, else
-    inductor; hyparallel.runtime.compile).
+    Every check runs before the first collective (a plan that does not fit the model or the launch is refused
+    in one line); then tensor parallelism, pipeline stages, recomputation, compilation and data parallelism are
+    applied in turn. Under a plan with ``parallel.vocab_parallel_loss`` (the planner's default wherever tp splits
+    the head) ``train_step``'s default loss is token cross-entropy computed without gathering the logits;
+    calling the model (``pmodel(inputs)``) returns the whole logits either way.
+
+    Args:
+        model: the model, best built on the meta device (``hp.models.build(name)``): no rank then allocates more
+            than its share, initialised deterministically from ``seed``.
+        plan: a :class:`~hyparallel.spec.schema.Plan` (``hp.plan(...)``, or ``Plan.load("plan.yaml")``); one
+            with only ``training`` and ``parallel`` is completed by the planner.
+        example_inputs: one micro-batch for tracing: a tensor, a tuple of args or a dict of kwargs (default:
+            token ids of the plan's ``micro_batch x seq_len``).
+        seed: the seed of every parameter's random stream: any plan of the same model starts from the same
+            weights.
+        device: the rank's device; default the CPU for a gloo cluster's plan, else cuda:LOCAL_RANK when there is
+            a GPU (Note [which device a rank uses]).
+        compile_backend: the torch.compile backend of a plan with ``parallel.compile`` (default
+            ``$HYPARALLEL_COMPILE_BACKEND``, else inductor; hyparallel.runtime.compile).
+
+    Returns:
+        The :class:`ParallelModel` of this rank: ``train_step``, ``eval_step``, ``pmodel(inputs)``, ``sampler``,
+        ``state_dict`` and the checkpoint functions take it.
+
+    Raises:
+        ConfigError: the plan and the launch or the model disagree (world size, dimensions that do not divide,
+            a split the analysis cannot prove), in one line naming what and where, before any collective.
+
+    Example::
+
+        model = hp.models.build("gpt-tiny")  # meta device
+        pmodel = hp.parallelize(model, hp.Plan.load("configs/plans/cpu-dp2-tp2-pp2.yaml"))
+        optimizer = torch.optim.AdamW(pmodel.parameters(), lr=3e-4)
+        sampler = pmodel.sampler(dataset)  # this rank's rows of each global batch
+        for inputs, targets in DataLoader(dataset, batch_size=sampler.share, sampler=sampler):
+            loss = pmodel.train_step(inputs, targets)  # the single device's loss
+            optimizer.step(); optimizer.zero_grad()
     """
     env = LaunchEnv.from_environ()
     check_world_size(plan, env.world_size)  # before the trace: a launch of the wrong size is refused at once
@@ -142,67 +169,62 @@ def parallelize(
         return parallelize_ps(model, plan, env.rank, env.world_size)
     device = rank_device(device, env.local_rank) if device is not None else default_device(env, plan)
     with tracing_device(device):  # Note [exported for the device it runs on] (hyparallel.graph.tracer)
-        return _parallelize(model, plan, env, device, example_inputs, seed, compile_backend)
+        return _parallelize(
+            model,
+            plan,
+            env=env,
+            device=device,
+            example_inputs=example_inputs,
+            seed=seed,
+            compile_backend=compile_backend,
+        )
 
 
 def _parallelize(
     model: nn.Module,
     plan: Plan,
+    *,
     env: LaunchEnv,
     device: torch.device,
     example_inputs: Any,
     seed: int,
     compile_backend: str | None = None,
 ) -> ParallelModel:
+    """The line of passes (Note [what parallelize does]): one trace, every check, then each ``apply_*`` in turn."""
     backend = compile_backend_of(plan.parallel.compile, compile_backend)  # a bad name: refused before the trace
     example = example_inputs if example_inputs is not None else token_ids(plan)
     graph = trace(model, example)  # Note [one trace]
-    check_plan(plan, graph, env.world_size)  # what the plan states, before anything is planned
-    plan = complete(plan, graph, example_inputs=example_inputs, module=model)
-    checked = check_plan(plan, graph, env.world_size)  # the completed plan: its split modules and stages
+    plan, styles = check_before_launch(
+        model, plan, graph, env=env, device=device, example=example, example_inputs=example_inputs
+    )
     par = plan.parallel
-    check_local_shapes(model, graph, checked.styles, par.tp, example)  # Note [one rank's sizes, run on meta]
-    if message := batch_statistics_warning(plan, training_batch_statistics(model, graph)):
-        warnings.warn(message, UserWarning, stacklevel=2)  # Note [batch statistics] (hyparallel.graph.checks)
-    check_sync_batchnorm(plan, device)
-    refuse_unrecoverable_buffers(model)  # a meta buffer with no value: refused before any collective
     mesh = init_mesh(plan, env, device)  # the first collective
-    vocab_parallel_loss = par.vocab_parallel_loss  # tp > 1 and a vocab-parallel head: check_plan saw to both
     tp_info = None
     if par.tp > 1:
         tp_info = apply_tensor_parallel(
             model,
-            checked.styles,
+            styles,
             mesh["tp"].get_group(),
             graph,
             sequence_parallel=par.sequence_parallel,
-            gather_logits=not vocab_parallel_loss,
+            gather_logits=not par.vocab_parallel_loss,
             fused_kernels=par.fused_kernels,
         )
     autocast = Autocast(device, _DTYPES[plan.training.dtype])
-    pipeline = None
-    if par.pp > 1:
-        pipeline = _pipeline(model, plan, mesh, example, graph if tp_info is None else None, device, seed, autocast)
-        modules = [stage.body for stage in pipeline.stages.values()]
-        apply_recompute(modules, par.recompute, plan.training.seq_len)
-        blocks = []
-    else:
-        materialize(model, device, seed)
-        if par.sync_batchnorm:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=mesh["dp"].get_group())
-        modules = [model]
-        blocks = [module for block in graph.blocks for module in block_modules(model, block.path)]
-        apply_recompute(blocks, par.recompute, plan.training.seq_len)
+    model, modules, blocks, pipeline = apply_stages(
+        model,
+        plan,
+        mesh=mesh,
+        example=example,
+        graph=graph,
+        swapped=tp_info is not None,
+        device=device,
+        seed=seed,
+        autocast=autocast,
+    )
+    apply_recompute(modules if pipeline is not None else blocks, par.recompute, plan.training.seq_len)
     if backend is not None:  # the recomputed regions, each with its checkpoint (hyparallel.runtime.compile)
         apply_compile(blocks or modules, backend)
-    read = {name for op in graph.ops for name in op.params}  # what the traced forward uses, and reaches the output
-    first = {id(p): name for name, p in model.named_parameters()}  # the trace names a tied tensor by its first name
-    unused = [  # every name of it: DDP collects a module's own parameters by name (Luke's entity decoder, tied to
-        # its unused entity embeddings, was waited for forever)
-        name
-        for name, p in model.named_parameters(remove_duplicate=False)
-        if first[id(p)] not in read or first[id(p)] in graph.unused_params
-    ]
     data_parallel = apply_data_parallel(
         modules,
         plan,
@@ -210,13 +232,87 @@ def _parallelize(
         device,
         blocks=blocks,
         pipelined=pipeline is not None,
-        unused=unused,
+        unused=unused_parameters(model, graph),
         find_unused=bool(graph.params_outside_logits),
     )
     return ParallelModel(
-        model, plan, env, device, mesh, graph, example, modules, tp_info, pipeline, data_parallel, autocast,
-        vocab_parallel_loss,
-    )  # fmt: skip
+        model=model,
+        plan=plan,
+        env=env,
+        device=device,
+        mesh=mesh,
+        graph=graph,
+        example=example,
+        modules=modules,
+        tp_info=tp_info,
+        pipeline=pipeline,
+        data_parallel=data_parallel,
+        autocast=autocast,
+        vocab_parallel_loss=par.vocab_parallel_loss,  # tp > 1 and a vocab-parallel head: check_plan saw to both
+    )
+
+
+def check_before_launch(
+    model: nn.Module,
+    plan: Plan,
+    graph: ModelGraph,
+    *,
+    env: LaunchEnv,
+    device: torch.device,
+    example: Any,
+    example_inputs: Any,
+) -> tuple[Plan, dict]:
+    """Every refusal parallelize makes, before the first collective: the plan as stated and as completed against
+    the trace (check_plan), one rank's sizes run on meta, SyncBatchNorm's device, buffers with no value; warns
+    of batch statistics a split changes. Returns the completed plan and its tensor-parallel styles."""
+    check_plan(plan, graph, env.world_size)  # what the plan states, before anything is planned
+    plan = complete(plan, graph, example_inputs=example_inputs, module=model)
+    checked = check_plan(plan, graph, env.world_size)  # the completed plan: its split modules and stages
+    check_local_shapes(model, graph, checked.styles, plan.parallel.tp, example)  # Note [one rank's sizes, run on meta]
+    if message := batch_statistics_warning(plan, training_batch_statistics(model, graph)):
+        warnings.warn(message, UserWarning, stacklevel=3)  # Note [batch statistics] (hyparallel.graph.checks)
+    check_sync_batchnorm(plan, device)
+    refuse_unrecoverable_buffers(model)  # a meta buffer with no value: refused before any collective
+    return plan, checked.styles
+
+
+def apply_stages(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    mesh,
+    example: Any,
+    graph: ModelGraph,
+    swapped: bool,
+    device: torch.device,
+    seed: int,
+    autocast: Autocast,
+) -> tuple[nn.Module, list[nn.Module], list[nn.Module], PipelineRuntime | None]:
+    """This rank's share of the model, materialised on ``device``: its pipeline stages (pp > 1; ``swapped``: tensor
+    parallelism swapped modules, so the stages are cut from a new trace), else the whole model (SyncBatchNorm
+    converted when the plan asks). Returns the model, the modules that train here, the repeated blocks (pp = 1)
+    and the pipeline engine (or None)."""
+    if plan.parallel.pp > 1:
+        pipeline = _pipeline(model, plan, mesh, example, None if swapped else graph, device, seed, autocast)
+        return model, [stage.body for stage in pipeline.stages.values()], [], pipeline
+    materialize(model, device, seed)
+    if plan.parallel.sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=mesh["dp"].get_group())
+    blocks = [module for block in graph.blocks for module in block_modules(model, block.path)]
+    return model, [model], blocks, None
+
+
+def unused_parameters(model: nn.Module, graph: ModelGraph) -> list[str]:
+    """Every name of each parameter the traced forward does not use or that does not reach its output: DDP
+    collects a module's own parameters by name (Luke's entity decoder, tied to its unused entity embeddings, was
+    waited for forever)."""
+    read = {name for op in graph.ops for name in op.params}
+    first = {id(p): name for name, p in model.named_parameters()}  # the trace names a tied tensor by its first name
+    return [
+        name
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if first[id(p)] not in read or first[id(p)] in graph.unused_params
+    ]
 
 
 def training_batch_statistics(model: nn.Module, graph: ModelGraph) -> list[str]:
@@ -310,6 +406,7 @@ class ParallelModel:
 
     def __init__(
         self,
+        *,
         model: nn.Module,
         plan: Plan,
         env: LaunchEnv,
@@ -451,6 +548,24 @@ class ParallelModel:
         ``accumulate=k`` divides this call's by k, so that k calls before the optimizer step train on the mean of the
         k batches' losses. fp16 plans scale the loss dynamically (Note [fp16 loss scaling]); the gradients left after
         train_step are unscaled, and an optimizer step after an inf or NaN is skipped.
+
+        Args:
+            inputs: this data-parallel rank's rows: a tensor, a tuple of args or a dict of kwargs.
+            targets: their targets (token ids, -100 for targets not counted, under the default loss).
+            loss_fn: ``loss_fn(output, targets)`` -> a micro-batch's mean, or ``(total, count)``; default token
+                cross-entropy.
+            accumulate: batches per optimizer step (this call's gradients are divided by it).
+
+        Returns:
+            The global batch's loss, a scalar with no backward left to run, equal on every rank and to one device's.
+
+        Raises:
+            ConfigError: rows that do not split into the plan's micro-batches, or a bad ``accumulate``.
+
+        Example::
+
+            loss = pmodel.train_step(inputs, targets)
+            optimizer.step(); optimizer.zero_grad()
         """
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ConfigError(f"train_step(accumulate={accumulate!r}): the number of batches per optimizer step, >= 1")
@@ -532,7 +647,7 @@ class ParallelModel:
             if self.pipeline is None:
                 rule = self._loss_rule(loss_fn, targets, 1, sliced=self._vocab_parallel_loss and not whole)
                 with self._autocast(), self._whole_sequences_unless_divides(inputs):
-                    rule(_call(self._ddp or self.module, inputs), targets)
+                    rule(call_with(self._ddp or self.module, inputs), targets)
             else:
                 runtime, m, gathered = self._forwards.select(inputs, self._whole_logits, gather=whole)
                 rule = self._loss_rule(loss_fn, targets, m, sliced=self._vocab_parallel_loss and not gathered)
@@ -637,7 +752,7 @@ class ParallelModel:
         for index, (piece, goal) in enumerate(zip(pieces, goals)):
             with self.data_parallel.micro_batch(self.module, last=index == m - 1):
                 with self._autocast():
-                    loss = loss_fn(_call(runner, piece), goal)
+                    loss = loss_fn(call_with(runner, piece), goal)
                 (loss / m).backward()
 
     def _loss_rule(self, loss_fn: LossFn | None, targets: Any, m: int, sliced: bool) -> MicroBatchLoss:
@@ -866,13 +981,6 @@ def _token_count(inputs: Any) -> int:
         if not leaf.is_floating_point() and not leaf.is_complex() and leaf.dtype != torch.bool:
             return leaf.numel()
     return math.prod(leaves[0].shape[:2]) if leaves else 0
-
-
-def _call(module: Any, inputs: Any) -> Any:
-    """``module`` on inputs given as the pipeline takes them: a tensor, a tuple of args or a dict of kwargs."""
-    if isinstance(inputs, dict):
-        return module(**inputs)
-    return module(*inputs) if isinstance(inputs, (tuple, list)) else module(inputs)
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -354,8 +354,8 @@ def _fit_halves(output, k, rates: list[float]) -> MatmulCurve:
     error[log_factor[:, :, largest] < math.log(MIN_LARGEST_FACTOR)] = np.inf
     i, j = np.unravel_index(np.argmin(error), error.shape)
     return MatmulCurve(
-        half_output_elements=_significant(float(halves_output[i, 0, 0])),
-        half_k=_significant(float(halves_k[0, j, 0])),
+        half_output_elements=_four_digits(float(halves_output[i, 0, 0])),
+        half_k=_four_digits(float(halves_k[0, j, 0])),
     )
 
 
@@ -397,7 +397,7 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
     reference = _REFERENCE_DTYPE[measured.device_kind]
     curve = fit_matmul_curve(measured.matmul_flops[reference], reference, bandwidth)
     rates = {
-        dtype: _significant(
+        dtype: _four_digits(
             matmul_plateau(measured.matmul_flops.get(dtype) or measured.matmul_flops["fp32"], dtype, bandwidth, curve)
         )
         for dtype in DTYPES
@@ -414,9 +414,9 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
             peak_flops=peaks,
             memory_bytes=base.device.memory_bytes,
             memory_bandwidth_bytes_per_s=base.device.memory_bandwidth_bytes_per_s,
-            matmul_efficiency=_fraction(rates["bf16"], peaks.bf16),
+            matmul_efficiency=_efficiency_of(rates["bf16"], peaks.bf16),
             matmul_curve=curve,
-            attention_efficiency=_fraction(
+            attention_efficiency=_efficiency_of(
                 attention_plateau
                 if attention_curve is not None
                 else measured.attention_flops / _attention_factor(measured, base.device.attention_curve),
@@ -424,11 +424,11 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
             ),
             attention_curve=attention_curve or base.device.attention_curve,
             kernel_floor_s=base.device.kernel_floor_s,
-            memory_efficiency=_fraction(
+            memory_efficiency=_efficiency_of(
                 measured.memory_bandwidth_bytes_per_s, base.device.memory_bandwidth_bytes_per_s
             ),
             reserved_bytes=max(base.device.reserved_bytes, reserved),
-            op_overhead_s=_significant(measured.op_overhead_s),
+            op_overhead_s=_four_digits(measured.op_overhead_s),
             activation_costs=_activation_specs(measured),
         )
     else:
@@ -442,16 +442,16 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
         up = max(1.0, attention_plateau / rates[measured.attention_dtype])
         device = DeviceSpec(
             name=device_name,
-            peak_flops=PeakFlops(**{dtype: _significant(rate * up) for dtype, rate in rates.items()}),
+            peak_flops=PeakFlops(**{dtype: _four_digits(rate * up) for dtype, rate in rates.items()}),
             memory_bytes=measured.memory_bytes,
-            memory_bandwidth_bytes_per_s=_significant(measured.memory_bandwidth_bytes_per_s),
-            matmul_efficiency=_fraction(1.0, up),
+            memory_bandwidth_bytes_per_s=_four_digits(measured.memory_bandwidth_bytes_per_s),
+            matmul_efficiency=_efficiency_of(1.0, up),
             matmul_curve=curve,
-            attention_efficiency=_fraction(attention_plateau, rates[measured.attention_dtype] * up),
+            attention_efficiency=_efficiency_of(attention_plateau, rates[measured.attention_dtype] * up),
             attention_curve=attention_curve,
             memory_efficiency=1.0,
             reserved_bytes=reserved,
-            op_overhead_s=_significant(measured.op_overhead_s),
+            op_overhead_s=_four_digits(measured.op_overhead_s),
             activation_costs=_activation_specs(measured),
         )
     intra_node, inter_node, links_from = _links(measured, base)
@@ -476,7 +476,7 @@ def to_cluster_spec(measured: Measurements, base: ClusterSpec | None = None, nam
 def _activation_specs(measured: Measurements) -> dict[str, ElementCost]:
     """The measured activations as the cluster file carries them."""
     return {
-        name: ElementCost(forward_s=_significant(forward), backward_s=_significant(backward))
+        name: ElementCost(forward_s=_four_digits(forward), backward_s=_four_digits(backward))
         for name, (forward, backward) in measured.activation_s.items()
     }
 
@@ -496,11 +496,11 @@ def _links(measured: Measurements, base: ClusterSpec | None) -> tuple[LinkSpec, 
         return source.intra_node, source.inter_node, f"links from preset {source.name} (one process: none measured)"
     intra = LinkSpec(
         name=f"{measured.backend} between {measured.nproc} local processes (measured)",
-        bandwidth_bytes_per_s=_significant(measured.allreduce_bus_bytes_per_s),
-        latency_s=_significant(measured.latency_s),
+        bandwidth_bytes_per_s=_four_digits(measured.allreduce_bus_bytes_per_s),
+        latency_s=_four_digits(measured.latency_s),
         collective_latency_s=None
         if measured.collective_latency_s is None
-        else _significant(min(measured.collective_latency_s, limits.MAX_LATENCY_S)),
+        else _four_digits(min(measured.collective_latency_s, limits.MAX_LATENCY_S)),
     )
     if source is not None:
         return intra, source.inter_node, f"intra-node link measured, inter-node from preset {source.name}"
@@ -513,12 +513,12 @@ def _links(measured: Measurements, base: ClusterSpec | None) -> tuple[LinkSpec, 
     return intra, inter, "intra-node link measured, inter-node not measurable here (same figures)"
 
 
-def _significant(value: float) -> float:
+def _four_digits(value: float) -> float:
     """``value`` to 4 significant digits: measurements are not better than that."""
     return float(f"{value:.4g}")
 
 
-def _fraction(measured: float, peak: float) -> float:
+def _efficiency_of(measured: float, peak: float) -> float:
     """measured / peak as an efficiency in (0, 1], 3 decimals."""
     return min(1.0, max(0.001, round(measured / peak, 3)))
 
@@ -631,11 +631,6 @@ def _curve_line(curve: MatmulCurve | None, measured: Measurements) -> str:
         f"  curve fitted on {reference} (Note [fitting the curve] in hyparallel/tools/calibrate.py): efficiency x "
         f"output / (output + {curve.half_output_elements:.4g}) x K / (K + {curve.half_k:.4g})"
     )
-
-
-def check_writable(path: str | Path) -> None:
-    """Fail early, in one line, when ``path`` cannot be written (before minutes of measuring)."""
-    files.check_writable(path)
 
 
 def write(spec: ClusterSpec, measured: Measurements, path: str | Path) -> None:

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from hyparallel.graph.kinds import logits_of
+from hyparallel.graph.tracer import call_with
 from hyparallel.spec.errors import ConfigError, HyparallelError
 
 __all__ = ["CheckReport", "GroupVerdict", "check", "expected_slice", "small_spec"]
@@ -192,11 +193,30 @@ def check(
     loss: str | None = None,
     **constraints: Any,
 ) -> CheckReport:
-    """Train a small copy of ``model`` (a MODEL spec) under dp x tp x pp in local gloo processes and compare its
-    losses and gradients with one process's (Note [a parity check]). ``constraints`` fix more of the plan
-    (schedule, zero, sequence_parallel, recompute...). ``loss``: the loss you train with, a ``package.module:fn``
-    spec of ``fn(output, targets) -> scalar`` (Note [the loss a check trains]); token cross-entropy by default.
-    Returns the report; nothing is raised for a verdict.
+    """Train a small copy of ``model`` under dp x tp x pp in local gloo processes and compare its losses and
+    every gradient with one process's (Note [a parity check]).
+
+    Args:
+        model: a MODEL spec: a zoo name, ``hf:Class key=value ...`` or ``package.module:fn``.
+        tp, pp, dp: the layout (dp x tp x pp processes are launched on this machine).
+        steps, seq_len, micro_batch, seed: the training compared (3 SGD steps of 2 x 16 tokens by default).
+        shrink: build a small copy of the model's config (layers, widths, vocabulary), its structure kept.
+        timeout: seconds the launch may take.
+        loss: the loss you train with, a ``package.module:fn`` spec of ``fn(output, targets) -> scalar`` (Note
+            [the loss a check trains]); token cross-entropy by default.
+        constraints: more of the plan (schedule, zero, sequence_parallel, recompute...).
+
+    Returns:
+        A CheckReport: ``verdict`` (equal, differs, refused, crashed), ``table()`` the comparison group by group,
+        ``summary()`` one line. Nothing is raised for a verdict.
+
+    Raises:
+        ConfigError: a bad spec or layout, in one line, before anything is launched.
+
+    Example::
+
+        report = hp.check("hf:LlamaForCausalLM", tp=2, pp=2)
+        assert report.verdict == "equal", report.table()
     """
     layout = {"dp": dp, "tp": tp, "pp": pp, **constraints}
     return check_layouts(
@@ -431,7 +451,7 @@ def _batches(
     target_shape, classes = (rows, seq_len), vocab  # a model meta tensors cannot run: a language model's targets
     try:  # the targets: one class per row of the output's last dimension (token ids for a language model)
         with torch.no_grad():
-            output = _call(model, _to_meta(example))
+            output = call_with(model, _to_meta(example))
     except Exception:  # noqa: BLE001 -- judged when it runs for real
         output = None
     if output is not None:
@@ -510,7 +530,7 @@ def _samples(spec: str, inputs: Any, seed: int) -> str | None:
     model = materialize_(hp.models.load(spec).module, "cpu", seed=seed)
     try:
         with torch.no_grad(), Draws() as draws:
-            _call(model, inputs)
+            call_with(model, inputs)
     except Exception:  # noqa: BLE001 -- a forward the dispatch mode cannot follow: compared as it trains; a
         return None  # model that draws then shows as differs, never as equal
     if not draws.names:
@@ -543,7 +563,7 @@ def _reference(spec: str, batches, seed: int, eval_mode: bool = False, loss_fn=N
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads, unused = [], None, set()
     for inputs, targets in batches:
-        loss = loss_fn(_call(model, inputs), targets)
+        loss = loss_fn(call_with(model, inputs), targets)
         loss.backward()
         if grads is None:
             unused = {n for n, p in model.named_parameters(remove_duplicate=False) if p.grad is None}
@@ -581,21 +601,13 @@ def _exact_gradients(
             lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch[0]
         )
         targets = batch[1].double() if batch[1].is_floating_point() else batch[1]
-        (loss_fn or token_cross_entropy)(_call(model, inputs), targets).backward()
+        (loss_fn or token_cross_entropy)(call_with(model, inputs), targets).backward()
     except Exception:  # noqa: BLE001 -- float64 is a sharper ruler where it runs; the fp32 tolerance stands alone
         return None
     return {
         n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
         for n, p in model.named_parameters(remove_duplicate=False)
     }
-
-
-def _call(module: Any, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return module(**inputs)
-    if isinstance(inputs, tuple):
-        return module(*inputs)
-    return module(inputs)
 
 
 def _groups(tied: list[list[str]]) -> dict[str, list[list[str]]]:

@@ -63,10 +63,6 @@ class RowOptimizer:
             v_hat = v / (1 - beta2 ** steps.to(v.dtype))
             view[index] -= self.lr * m_hat / (v_hat.sqrt() + ADAM_EPS).unsqueeze(1)
 
-    def take_rows(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The state of some rows (for re-sharding a checkpoint by row)."""
-        return {key: value[rows] for key, value in self.state.items()}
-
 
 def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
     """A (rows, width) view: a 1-D tensor or a scalar is one row."""

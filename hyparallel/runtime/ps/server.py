@@ -27,11 +27,6 @@ import torch
 from hyparallel.runtime.ps.optim import RowOptimizer, Rule
 
 
-def local_rows(num_rows: int, index: int, servers: int) -> int:
-    """How many rows of a ``num_rows`` table server ``index`` of ``servers`` holds."""
-    return max(0, (num_rows - index + servers - 1) // servers)
-
-
 def assemble(shards: list[dict]) -> dict[str, torch.Tensor]:
     """The whole model's weights from every server's ``tables`` and ``dense`` (``index``-ed, ``servers`` of them):
     each table as ``<module path>.weight`` with its rows back in order, the dense weights by name."""
