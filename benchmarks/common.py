@@ -1,4 +1,5 @@
-"""What the peer benchmarks share: timing a step, checking two runs agree, and alternating the two."""
+"""What the peer benchmarks share: timing a step, checking two runs agree, and alternating the
+two."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 
-def timed(run: Callable[[], torch.Tensor], before: Callable[[], None] | None = None) -> tuple[float, torch.Tensor]:
+def timed(
+    run: Callable[[], torch.Tensor], before: Callable[[], None] | None = None
+) -> tuple[float, torch.Tensor]:
     """Seconds for one ``run`` (returning its loss) on this rank, the ranks starting together."""
     if before is not None:
         before()
@@ -20,8 +23,11 @@ def timed(run: Callable[[], torch.Tensor], before: Callable[[], None] | None = N
     return time.perf_counter() - start, loss
 
 
-def agreement(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], rtol: float, atol: float) -> torch.Tensor:
-    """(tensors that differ, tensors compared, largest absolute difference) over every rank's pairs."""
+def agreement(
+    pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], rtol: float, atol: float
+) -> torch.Tensor:
+    """(tensors that differ, tensors compared, largest absolute difference) over every rank's
+    pairs."""
     pairs = list(pairs)
     summary = torch.tensor(
         [
@@ -37,9 +43,12 @@ def agreement(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], rtol: float, a
 
 
 def alternate(
-    runs: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], None] | None]], steps: int, warmup: int
+    runs: dict[str, tuple[Callable[[], torch.Tensor], Callable[[], None] | None]],
+    steps: int,
+    warmup: int,
 ) -> dict[str, float]:
-    """Median milliseconds per step of each run, taken in turn; a step ends when the slowest rank finishes."""
+    """Median milliseconds per step of each run, taken in turn; a step ends when the slowest rank
+    finishes."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(warmup + steps):
         for name, (run, before) in runs.items():

@@ -1,23 +1,29 @@
-"""Gradient compression on the dp axis: each parallel.grad_compression mode against uncompressed torch DDP.
+"""Gradient compression on the dp axis: each parallel.grad_compression mode against uncompressed
+torch DDP.
 
-Run: python benchmarks/dp_compression.py [--worlds 2,4 --model "gpt-tiny num_layers=4 hidden_size=256
-     num_heads=8 vocab_size=1024 max_seq_len=128" --seq 128 --batch 16 --steps 10 --rank 4] [--json FILE]
-It launches itself under torchrun (gloo on the CPU, OMP_NUM_THREADS=1) once per world size in --worlds
-(dp = world); ``torchrun --nproc_per_node N benchmarks/dp_compression.py ...`` runs one world directly.
+Run: python benchmarks/dp_compression.py [--worlds 2,4 --model "gpt-tiny num_layers=4
+hidden_size=256
+     num_heads=8 vocab_size=1024 max_seq_len=128" --seq 128 --batch 16 --steps 10 --rank 4] [--json
+     FILE]
+It launches itself under torchrun (gloo on the CPU, OMP_NUM_THREADS=1) once per world size in
+--worlds (dp = world); ``torchrun --nproc_per_node N benchmarks/dp_compression.py ...`` runs one
+world directly.
 
 Every side holds the same zoo model materialised from the same seed. The peer is torch's
-DistributedDataParallel without a hook (fp32 all-reduce); hyparallel runs ``hp.parallelize`` under a plan of
-dp = world, ZeRO 0, for each mode: none, bf16, fp16, powersgd (rank --rank, compressing from step 2). A
-further DDP runs every step under ``no_sync`` (no gradient reduction at all): the step time without dp
-communication, so each side's measured dp seconds are its step time minus that one. The sides alternate step by
-step after warm-up (PowerSGD past its uncompressed warm-up steps); rank 0 prints the median step (the slowest
-rank's) of each, its ratio to DDP, the bytes each rank handed to all-reduce in one step (counted by wrapping
-torch.distributed.all_reduce, which the compression hooks call; DDP's own reducer, which mode none is too, is
-counted through torch's allreduce_hook, which sends what the reducer sends), and the planner's predicted
-comm_s.dp for the same plan (less its AdamW step) next to the measured dp seconds. Plans are made for a cluster
-calibrated here for each world size (`hyparallel calibrate --quick --nproc N`: a CPU "device" is one process, and
-its share of the cores depends on how many run), or for --cluster. Finally the planner chooses among every mode
-(grad_compression="any"): its choice should be the mode measured fastest, or one within the measurement's noise.
+DistributedDataParallel without a hook (fp32 all-reduce); hyparallel runs ``hp.parallelize`` under a
+plan of dp = world, ZeRO 0, for each mode: none, bf16, fp16, powersgd (rank --rank, compressing from
+step 2). A further DDP runs every step under ``no_sync`` (no gradient reduction at all): the step
+time without dp communication, so each side's measured dp seconds are its step time minus that one.
+The sides alternate step by step after warm-up (PowerSGD past its uncompressed warm-up steps); rank
+0 prints the median step (the slowest rank's) of each, its ratio to DDP, the bytes each rank handed
+to all-reduce in one step (counted by wrapping torch.distributed.all_reduce, which the compression
+hooks call; DDP's own reducer, which mode none is too, is counted through torch's allreduce_hook,
+which sends what the reducer sends), and the planner's predicted comm_s.dp for the same plan (less
+its AdamW step) next to the measured dp seconds. Plans are made for a cluster calibrated here for
+each world size (`hyparallel calibrate --quick --nproc N`: a CPU "device" is one process, and its
+share of the cores depends on how many run), or for --cluster. Finally the planner chooses among
+every mode (grad_compression="any"): its choice should be the mode measured fastest, or one within
+the measurement's noise.
 ``--json FILE``: the figures of every world (under torchrun: rank 0's of its world).
 """
 
@@ -49,37 +55,68 @@ from hyparallel.tensor.init import materialize_
 MODEL = "gpt-tiny num_layers=4 hidden_size=256 num_heads=8 vocab_size=1024 max_seq_len=128"
 MODES = ("none", "bf16", "fp16", "powersgd")
 SEED, LR, START = 0, 1e-3, 2
-NOISE = 0.02  # a judgement: step-time medians closer than 2% are a tie (the pick must not be measured slower)
+# a judgement: step-time medians closer than 2% are a tie (the pick must not be measured slower)
+NOISE = 0.02
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=MODEL)
     for name, default in (("seq", 128), ("batch", 16), ("steps", 10), ("rank", 4)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--worlds", default="2,4", help="dp sizes to launch (without torchrun)")
-    parser.add_argument("--cluster", help="cluster YAML to plan with (default: `hyparallel calibrate --quick` here)")
+    parser.add_argument(
+        "--cluster", help="cluster YAML to plan with (default: `hyparallel calibrate --quick` here)"
+    )
     parser.add_argument("--json", help="rank 0 writes the figures here")
     return parser.parse_args()
 
 
 def launch_each_world(args: argparse.Namespace) -> None:
-    """Run this script under torchrun once per world size; print each, merge their figures into --json."""
+    """Run this script under torchrun once per world size; print each, merge their figures into
+    --json."""
     worlds, merged = [int(w) for w in args.worlds.split(",")], {"cases": [], "worlds": []}
-    forwarded = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("json", "worlds", "cluster") and v]
+    forwarded = [
+        f"--{k}={v}" for k, v in vars(args).items() if k not in ("json", "worlds", "cluster") and v
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for world in worlds:
         with tempfile.TemporaryDirectory() as folder:
-            out, cluster = Path(folder) / "figures.json", args.cluster or str(Path(folder) / "cluster.yaml")
-            if not args.cluster:  # this machine's figures for `world` processes (a CPU "device" is a process)
-                calibrate = [sys.executable, "-m", "hyparallel", "calibrate", "--quick", "--nproc", str(world)]
-                done = subprocess.run([*calibrate, "--out", cluster], env=env, text=True, capture_output=True)
+            out, cluster = (
+                Path(folder) / "figures.json",
+                args.cluster or str(Path(folder) / "cluster.yaml"),
+            )
+            # this machine's figures for `world` processes (a CPU "device" is a process)
+            if not args.cluster:
+                calibrate = [
+                    sys.executable,
+                    "-m",
+                    "hyparallel",
+                    "calibrate",
+                    "--quick",
+                    "--nproc",
+                    str(world),
+                ]
+                done = subprocess.run(
+                    [*calibrate, "--out", cluster], env=env, text=True, capture_output=True
+                )
                 if done.returncode != 0:
                     sys.exit(f"calibrate --nproc {world} failed:\n{done.stderr[-3000:]}")
             forwarded_here = [*forwarded, f"--cluster={cluster}"]
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
-            proc = subprocess.run([*command, __file__, *forwarded_here, "--json", str(out)], env=env, text=True,
-                                  capture_output=True)  # fmt: skip
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(world),
+            ]
+            proc = subprocess.run(
+                [*command, __file__, *forwarded_here, "--json", str(out)],
+                env=env,
+                text=True,
+                capture_output=True,
+            )
             print(proc.stdout, end="", flush=True)
             if proc.returncode != 0 and not out.exists():
                 sys.exit(f"dp={world} failed:\n{proc.stderr[-3000:]}")
@@ -114,14 +151,25 @@ def plan_for(model, args, world: int, mode: str) -> Plan:
         cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world)
     extra = dict(powersgd_rank=args.rank, powersgd_start_step=START) if mode == "powersgd" else {}
     return hp.plan(
-        model, cluster, args.batch, args.seq, "fp32", dp=world, tp=1, pp=1, zero=0,
-        micro_batch=args.batch // world, grad_compression=mode, **extra,
-    )  # fmt: skip
+        model,
+        cluster,
+        args.batch,
+        args.seq,
+        "fp32",
+        dp=world,
+        tp=1,
+        pp=1,
+        zero=0,
+        micro_batch=args.batch // world,
+        grad_compression=mode,
+        **extra,
+    )
 
 
 def predicted_dp_s(plan: Plan) -> float:
-    """The plan's predicted dp seconds without the optimizer step: ``comm_s.dp`` ends the step with AdamW's update,
-    which the measured side (step time minus the no_sync step's, which updates too) leaves out."""
+    """The plan's predicted dp seconds without the optimizer step: ``comm_s.dp`` ends the step with
+    AdamW's update, which the measured side (step time minus the no_sync step's, which updates too)
+    leaves out."""
     device = plan.cluster.device
     adam_s = (
         plan.model.num_params
@@ -157,7 +205,8 @@ def main() -> None:
             optimizer.zero_grad()
             return loss
 
-        for _ in range(START):  # PowerSGD's uncompressed warm-up (and DDP's bucket rebuild) out of the way
+        # PowerSGD's uncompressed warm-up (and DDP's bucket rebuild) out of the way
+        for _ in range(START):
             step()
         with counted() as count:
             step()
@@ -186,23 +235,27 @@ def main() -> None:
     with counted() as count:
         counting_ddp()
     sent["DDP"] = count[0]
-    sent["none"] = sent["DDP"]  # hyparallel's none is DDP without a hook: its reducer sends what the peer's does
+    # hyparallel's none is DDP without a hook: its reducer sends what the peer's does
+    sent["none"] = sent["DDP"]
     runs["DDP"] = (ddp_side(False), None)
     runs["no dp communication"] = (ddp_side(True), None)
     medians = alternate(runs, args.steps, warmup=2)
-    chosen = plan_for(hp.models.load(args.model).module, args, world, "any").parallel.grad_compression
+    chosen = plan_for(
+        hp.models.load(args.model).module, args, world, "any"
+    ).parallel.grad_compression
 
     if rank == 0:
         params = sum(p.numel() for p in hp.models.load(args.model).module.parameters())
         ddp_ms, bare_ms = medians["DDP"], medians["no dp communication"]
         print(
-            f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-            f"{torch.get_num_threads()} torch threads per rank; torch {torch.__version__}; dp={world} gloo CPU"
+            f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs,"
+            f" {torch.get_num_threads()} torch threads per rank; torch {torch.__version__};"
+            f" dp={world} gloo CPU"
         )
         print(
-            f"model: {args.model} ({params:,} parameters), fp32; global batch {args.batch} x seq {args.seq}; AdamW; "
-            f"median of {args.steps} steps; PowerSGD rank {args.rank}; a step without dp communication: "
-            f"{bare_ms:.1f} ms"
+            f"model: {args.model} ({params:,} parameters), fp32; global batch {args.batch} x seq"
+            f" {args.seq}; AdamW; median of {args.steps} steps; PowerSGD rank {args.rank}; a step"
+            f" without dp communication: {bare_ms:.1f} ms"
         )
         cases = []
         for name in (*MODES, "DDP"):
@@ -220,8 +273,9 @@ def main() -> None:
             }
             cases.append(case)
             print(
-                f"{name:>9}: {ms:7.1f} ms/step, x{ms / ddp_ms:.3f} of DDP; {sent[name] / 1e6:6.2f} MB to all-reduce "
-                f"per rank (x{sent[name] / sent['DDP']:.3f}); dp seconds measured {measured_dp_s:.4f}"
+                f"{name:>9}: {ms:7.1f} ms/step, x{ms / ddp_ms:.3f} of DDP; {sent[name] / 1e6:6.2f}"
+                f" MB to all-reduce per rank (x{sent[name] / sent['DDP']:.3f}); dp seconds measured"
+                f" {measured_dp_s:.4f}"
                 + (f", predicted {predicted:.4f}" if predicted is not None else "")
             )
         fastest = min(MODES, key=medians.__getitem__)

@@ -1,18 +1,23 @@
 """hyparallel's data parallelism against plain PyTorch DDP, one training step each.
 
-Run: torchrun --nproc_per_node 2 benchmarks/dp_vs_ddp.py [--model "gpt-tiny num_layers=4 hidden_size=256
-     num_heads=8 vocab_size=1024 max_seq_len=128" --seq 128 --batch 16 --microbatches 1 --steps 10] [--json FILE]
+Run: torchrun --nproc_per_node 2 benchmarks/dp_vs_ddp.py [--model "gpt-tiny num_layers=4
+hidden_size=256
+     num_heads=8 vocab_size=1024 max_seq_len=128" --seq 128 --batch 16 --microbatches 1 --steps 10]
+     [--json FILE]
 (gloo on the CPU; torchrun sets OMP_NUM_THREADS=1.)
 
-Both sides hold the same zoo model (built on meta, materialised from the same seed, so the same weights),
-each its own copy. hyparallel runs ``hp.parallelize(model, plan)`` under a plan of dp = world, tp = pp = 1,
-ZeRO 0, then ``pmodel.train_step(pmodel.shard(x), pmodel.shard(y))``; PyTorch wraps its copy in
-``DistributedDataParallel`` on the default group and runs forward, ``token_cross_entropy`` and backward
-on the same rows (``no_sync`` on all but the last micro-batch, as hyparallel accumulates), then AdamW
-steps and zeroes the gradients on both. ``--batch`` is global, split over the ranks, then into
-``--microbatches``. The sides first check they agree after one step (global mean loss, every parameter),
-then alternate step by step after two warm-up steps each; rank 0 prints the median step time (the
-slowest rank's) of each and their ratio (target <= 1.05). hyparallel also all-reduces the scalar loss.
+Both sides hold the same zoo model (built on meta, materialised from the same seed, so the same
+weights), each its own copy. hyparallel runs ``hp.parallelize(model, plan)`` under a plan of dp =
+world, tp = pp = 1, ZeRO 0, then ``pmodel.train_step(pmodel.shard(x), pmodel.shard(y))``; PyTorch
+wraps its copy in
+``DistributedDataParallel`` on the default group and runs forward, ``token_cross_entropy`` and
+backward on the same rows (``no_sync`` on all but the last micro-batch, as hyparallel accumulates),
+then AdamW steps and zeroes the gradients on both. ``--batch`` is global, split over the ranks, then
+into
+``--microbatches``. The sides first check they agree after one step (global mean loss, every
+parameter), then alternate step by step after two warm-up steps each; rank 0 prints the median step
+time (the slowest rank's) of each and their ratio (target <= 1.05). hyparallel also all-reduces the
+scalar loss.
 ``--json FILE``: rank 0 also writes the figures there.
 """
 
@@ -40,7 +45,7 @@ WARMUP, SEED, LR = 2, 0, 1e-3
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=MODEL)
     for name, default in (("seq", 128), ("batch", 16), ("microbatches", 1), ("steps", 10)):
         parser.add_argument(f"--{name}", type=int, default=default)
@@ -96,24 +101,28 @@ def main() -> None:
         theirs_opt.zero_grad()
         return total / m
 
-    # Agreement: one step each from the same weights, then the loss and every parameter under its name.
+    # Agreement: one step each from the same weights, then the loss and every parameter under its
+    # name.
     (_, ours_loss), (_, theirs_loss) = timed(ours), timed(theirs)
     dist.all_reduce(theirs_loss)  # hyparallel returns the global mean loss; DDP's is this rank's
     theirs_loss /= world
-    summary = agreement(((p, reference.get_parameter(name)) for name, p in pmodel.named_parameters()), RTOL, ATOL)
+    summary = agreement(
+        ((p, reference.get_parameter(name)) for name, p in pmodel.named_parameters()), RTOL, ATOL
+    )
     loss_ok = torch.allclose(ours_loss, theirs_loss, rtol=RTOL, atol=ATOL)
 
     medians = alternate({"hyparallel": (ours, None), "DDP": (theirs, None)}, args.steps, WARMUP)
     ours_ms, theirs_ms = medians["hyparallel"], medians["DDP"]
     if rank == 0:
         print(
-            f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-            f"{torch.get_num_threads()} torch threads per rank; torch {torch.__version__}; dp={world} gloo CPU"
+            f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs,"
+            f" {torch.get_num_threads()} torch threads per rank; torch {torch.__version__};"
+            f" dp={world} gloo CPU"
         )
         print(
-            f"model: {args.model} ({sum(p.numel() for p in reference.parameters()):,} parameters), fp32; "
-            f"global batch {args.batch} x seq {args.seq}, {m} micro-batch(es) per rank; AdamW; "
-            f"median of {args.steps} steps after {WARMUP} warm-up"
+            f"model: {args.model} ({sum(p.numel() for p in reference.parameters()):,} parameters),"
+            f" fp32; global batch {args.batch} x seq {args.seq}, {m} micro-batch(es) per rank;"
+            f" AdamW; median of {args.steps} steps after {WARMUP} warm-up"
         )
         ok = "OK" if loss_ok and summary[0] == 0 else "MISMATCH"
         print(
@@ -123,8 +132,8 @@ def main() -> None:
         )
         ratio = ours_ms / theirs_ms
         print(
-            f"hyparallel / DDP step time ratio: {ratio:.3f} (hyparallel {ours_ms:.1f} ms, DDP {theirs_ms:.1f} ms; "
-            f"target <= 1.05: {'met' if ratio <= 1.05 else 'MISSED'})"
+            f"hyparallel / DDP step time ratio: {ratio:.3f} (hyparallel {ours_ms:.1f} ms, DDP"
+            f" {theirs_ms:.1f} ms; target <= 1.05: {'met' if ratio <= 1.05 else 'MISSED'})"
         )
         if args.json:
             case = {
@@ -137,7 +146,11 @@ def main() -> None:
             }
             Path(args.json).write_text(
                 json.dumps(
-                    {"peer": "torch DistributedDataParallel", "config": {**vars(args), "dp": world}, "cases": [case]},
+                    {
+                        "peer": "torch DistributedDataParallel",
+                        "config": {**vars(args), "dp": world},
+                        "cases": [case],
+                    },
                     indent=1,
                 )
             )

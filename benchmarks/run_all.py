@@ -1,12 +1,15 @@
-"""Run every benchmark and write benchmarks/RESULTS.md: each figure with the machine, its peer and their ratio.
+"""Run every benchmark and write benchmarks/RESULTS.md: each figure with the machine, its peer and
+their ratio.
 
-Run: .venv/bin/python benchmarks/run_all.py [--quick] [--only planner_speed,tp_vs_dtensor] [--out FILE]
-(or `make bench`). Each benchmark runs as a subprocess, with a timeout, and hands back its figures through
-``--json FILE``; the torchrun ones run 2 gloo processes with OMP_NUM_THREADS=1. The peers (torch DTensor,
-torch.distributed.pipelining, DDP) are measured in the same run, step by step alternating with hyparallel.
-A benchmark that fails, times out or is missing gets a line saying so, with the end of its stderr: none is
-dropped. GPU checks: with CUDA here, benchmarks/gpu_check.sh runs; elsewhere the results committed under
-benchmarks/results/gpu/ are folded in, marked with their date as not re-run.
+Run: .venv/bin/python benchmarks/run_all.py [--quick] [--only planner_speed,tp_vs_dtensor] [--out
+FILE] (or `make bench`). Each benchmark runs as a subprocess, with a timeout, and hands back its
+figures through
+``--json FILE``; the torchrun ones run 2 gloo processes with OMP_NUM_THREADS=1. The peers (torch
+DTensor, torch.distributed.pipelining, DDP) are measured in the same run, step by step alternating
+with hyparallel. A benchmark that fails, times out or is missing gets a line saying so, with the end
+of its stderr: none is dropped. GPU checks: with CUDA here, benchmarks/gpu_check.sh runs; elsewhere
+the results committed under benchmarks/results/gpu/ are folded in, marked with their date as not
+re-run.
 """
 
 from __future__ import annotations
@@ -81,7 +84,11 @@ def _row(cells: list) -> str:
 
 def _table(header: list[str], align: str, rows: list[list]) -> list[str]:
     """A markdown table; ``align`` has one letter per column: l(eft) or r(ight)."""
-    return [_row(header), _row(["---:" if a == "r" else "---" for a in align]), *(_row(r) for r in rows)]
+    return [
+        _row(header),
+        _row(["---:" if a == "r" else "---" for a in align]),
+        *(_row(r) for r in rows),
+    ]
 
 
 def _config(figures: dict) -> str:
@@ -94,9 +101,15 @@ def render_planner(outcome: Outcome) -> tuple[str, list[str]]:
     rows, summary = [], []
     for c in cases:
         target = c.get("target_s")
-        ratio = f"{c['search_s'] / target:.2f} ({'met' if c['search_s'] <= target else 'MISSED'})" if target else ""
+        ratio = (
+            f"{c['search_s'] / target:.2f} ({'met' if c['search_s'] <= target else 'MISSED'})"
+            if target
+            else ""
+        )
         if target:
-            summary.append(f"{c['model']} on {c['gpus']:,}: {c['search_s']:.2f} s / {target:g} s = {ratio}")
+            summary.append(
+                f"{c['model']} on {c['gpus']:,}: {c['search_s']:.2f} s / {target:g} s = {ratio}"
+            )
         rows.append(
             [
                 c["group"],
@@ -133,17 +146,25 @@ def render_planner(outcome: Outcome) -> tuple[str, list[str]]:
     )
     lines += [
         "",
-        "Peer: the targets the Planner issue set (GPT-3 175B on 1,024 A100s in at most 1 s, a 1T GPT on "
-        "3,072 GPUs in at most 5 s, one core); search / target <= 1 meets one. Tracing is timed apart: one "
-        "trace serves every plan of a model.",
+        (
+            "Peer: the targets the Planner issue set (GPT-3 175B on 1,024 A100s in at most 1 s, a"
+            " 1T GPT on 3,072 GPUs in at most 5 s, one core); search / target <= 1 meets one."
+            " Tracing is timed apart: one trace serves every plan of a model."
+        ),
     ]
     commands = outcome.figures.get("commands", [])
     for c in commands:
         verdict = "met" if c["wall_s"] <= c["target_s"] else "MISSED"
         how = "cached" if c.get("cached") else "first"
-        summary.append(f"{c['model']} command ({how}) {c['wall_s']:.2f} s / {c['target_s']:g} s ({verdict})")
+        summary.append(
+            f"{c['model']} command ({how}) {c['wall_s']:.2f} s / {c['target_s']:g} s ({verdict})"
+        )
     if commands:
-        lines += ["", "The whole command, in a fresh process as a user runs it (median of the runs):", ""]
+        lines += [
+            "",
+            "The whole command, in a fresh process as a user runs it (median of the runs):",
+            "",
+        ]
         lines += _table(
             ["command", "trace", "runs", "wall s", "CPU s", "target s", "wall / target"],
             "llrrrrr",
@@ -155,18 +176,24 @@ def render_planner(outcome: Outcome) -> tuple[str, list[str]]:
                     f"{c['wall_s']:.2f}",
                     f"{c['cpu_s']:.2f}",
                     f"{c['target_s']:g}",
-                    f"{c['wall_s'] / c['target_s']:.2f} ({'met' if c['wall_s'] <= c['target_s'] else 'MISSED'})",
+                    (
+                        f"{c['wall_s'] / c['target_s']:.2f}"
+                        f" ({'met' if c['wall_s'] <= c['target_s'] else 'MISSED'})"
+                    ),
                 ]
                 for c in commands
             ],
         )
         lines += [
             "",
-            "Targets (issue 19): GPT-3 175B's whole command in at most 3 s wall time; the 1T one is held to its 5 s. "
-            "A first run traces the model and dry runs its splits at one rank's sizes; later ones read that graph "
-            "from the cache (hyparallel.graph.cache), as a user re-planning the model for other GPUs or batches does. "
-            "CPU s is the process's user + sys time: on a machine shared with other work the wall time is the "
-            "noisier figure.",
+            (
+                "Targets (issue 19): GPT-3 175B's whole command in at most 3 s wall time; the 1T"
+                " one is held to its 5 s. A first run traces the model and dry runs its splits at"
+                " one rank's sizes; later ones read that graph from the cache"
+                " (hyparallel.graph.cache), as a user re-planning the model for other GPUs or"
+                " batches does. CPU s is the process's user + sys time: on a machine shared with"
+                " other work the wall time is the noisier figure."
+            ),
         ]
     return "; ".join(summary), lines
 
@@ -188,18 +215,27 @@ def render_trace(outcome: Outcome) -> tuple[str, list[str]]:
         for c in cases
     ]
     slowest = max(cases, key=lambda c: c["trace_s"])
-    lines = _table(["model", "params", "seq", "build s", "trace s", "method", "ops", "blocks"], "lrrrrlrr", rows)
+    lines = _table(
+        ["model", "params", "seq", "build s", "trace s", "method", "ops", "blocks"],
+        "lrrrrlrr",
+        rows,
+    )
     lines += ["", "Peer: none (absolute times; the planner's figures above exclude the trace)."]
     return f"slowest trace {slowest['trace_s']:.2f} s ({slowest['model']})", lines
 
 
 def render_peer(outcome: Outcome) -> tuple[str, list[str]]:
-    """hyparallel against its torch peer: median step milliseconds of each and their ratio, per case."""
+    """hyparallel against its torch peer: median step milliseconds of each and their ratio, per
+    case."""
     figures = outcome.figures
     rows, summary = [], []
     for c in figures["cases"]:
         target = c.get("target")
-        verdict = f" (target <= {target:g}: {'met' if c['ratio'] <= target else 'MISSED'})" if target else ""
+        verdict = (
+            f" (target <= {target:g}: {'met' if c['ratio'] <= target else 'MISSED'})"
+            if target
+            else ""
+        )
         summary.append(f"{c['case']} {c['ratio']:.2f}{verdict}")
         rows.append(
             [
@@ -211,24 +247,37 @@ def render_peer(outcome: Outcome) -> tuple[str, list[str]]:
                 c["check"],
             ]
         )
-    lines = [f"Config: {_config(figures)}.", "", f"Peer: {figures['peer']}, measured in the same run.", ""]
+    lines = [
+        f"Config: {_config(figures)}.",
+        "",
+        f"Peer: {figures['peer']}, measured in the same run.",
+        "",
+    ]
     lines += _table(
-        ["case", "hyparallel ms", "peer ms", "hyparallel / peer", "target", "agreement check"], "lrrrll", rows
+        ["case", "hyparallel ms", "peer ms", "hyparallel / peer", "target", "agreement check"],
+        "lrrrll",
+        rows,
     )
-    lines += ["", f"Median step times, the slowest rank's, the two sides alternating step by step; {FASTER}."]
+    lines += [
+        "",
+        f"Median step times, the slowest rank's, the two sides alternating step by step; {FASTER}.",
+    ]
     return ", ".join(summary) + " (hyparallel / peer)", lines
 
 
 def render_recovery(outcome: Outcome) -> tuple[str, list[str]]:
-    """Memory vs disk save blocking time, and kill-to-first-resumed-step under torchrun and dlrover-run."""
+    """Memory vs disk save blocking time, and kill-to-first-resumed-step under torchrun and
+    dlrover-run."""
     saves, runs = outcome.figures["saves"], outcome.figures["recovery"]
     summary = f"memory / disk save {saves['ratio']:.2f}; " + ", ".join(
         f"{r['launcher']} {r['storage']} {r['kill_to_first_step_s']:.1f} s" for r in runs
     )
     lines = [
-        f"Saves: {saves['model']}, dp 2 (each rank {saves['bytes_per_rank'] / 2**20:,.0f} MiB of weights and AdamW "
-        "state), the slowest rank's blocking time, median of "
-        f"{len(saves['times']['disk'])} alternating saves of each kind.",
+        (
+            f"Saves: {saves['model']}, dp 2 (each rank {saves['bytes_per_rank'] / 2**20:,.0f} MiB"
+            " of weights and AdamW state), the slowest rank's blocking time, median of"
+            f" {len(saves['times']['disk'])} alternating saves of each kind."
+        ),
         "",
         *_table(
             ["save", "blocking s", "memory / disk"],
@@ -239,10 +288,19 @@ def render_recovery(outcome: Outcome) -> tuple[str, list[str]]:
             ],
         ),
         "",
-        "Recovery: examples/train_gpt.py, gpt-tiny on 4 processes, one worker SIGKILLed after the second checkpoint.",
+        (
+            "Recovery: examples/train_gpt.py, gpt-tiny on 4 processes, one worker SIGKILLed after"
+            " the second checkpoint."
+        ),
         "",
         *_table(
-            ["launcher", "checkpoints", "kill to first resumed step s", "loaded from", "steps redone"],
+            [
+                "launcher",
+                "checkpoints",
+                "kill to first resumed step s",
+                "loaded from",
+                "steps redone",
+            ],
             "llrlr",
             [
                 [
@@ -256,14 +314,18 @@ def render_recovery(outcome: Outcome) -> tuple[str, list[str]]:
             ],
         ),
         "",
-        "Steps redone: the last step rank 0 had logged at the kill minus the step the group resumed after; with "
-        "memory checkpoints at most the step in flight (logged, its save not yet complete on every rank).",
+        (
+            "Steps redone: the last step rank 0 had logged at the kill minus the step the group"
+            " resumed after; with memory checkpoints at most the step in flight (logged, its save"
+            " not yet complete on every rank)."
+        ),
     ]
     return summary, lines
 
 
 def render_compression(outcome: Outcome) -> tuple[str, list[str]]:
-    """Each grad_compression mode against DDP: step time, bytes to all-reduce, dp seconds measured and predicted."""
+    """Each grad_compression mode against DDP: step time, bytes to all-reduce, dp seconds measured
+    and predicted."""
     figures = outcome.figures
     rows = []
     for c in figures["cases"]:
@@ -280,13 +342,14 @@ def render_compression(outcome: Outcome) -> tuple[str, list[str]]:
             ]
         )
     choices = [
-        f"dp={w['config']['dp']}: planner chose {w['planner_choice']}, fastest measured {w['fastest']} "
-        f"({'agrees' if w['agrees'] else 'DISAGREES'})"
+        f"dp={w['config']['dp']}: planner chose {w['planner_choice']}, fastest measured"
+        f" {w['fastest']} ({'agrees' if w['agrees'] else 'DISAGREES'})"
         for w in figures["worlds"]
     ]
     config = figures["worlds"][0]["config"] if figures["worlds"] else {}
+    shown_apart = ("json", "dp", "worlds", "cluster")
     lines = [
-        f"Config: {', '.join(f'{k} {v}' for k, v in config.items() if k not in ('json', 'dp', 'worlds', 'cluster'))}.",
+        "Config: " + ", ".join(f"{k} {v}" for k, v in config.items() if k not in shown_apart) + ".",
         "",
         f"Peer: {figures['peer']}, measured in the same run.",
         "",
@@ -302,23 +365,29 @@ def render_compression(outcome: Outcome) -> tuple[str, list[str]]:
             ],
             "lrrrrrr",
             rows,
-        ),  # fmt: skip
+        ),
         "",
-        "dp ms measured: the step's time minus that of the same DDP step under `no_sync` (no gradient reduction); "
-        "predicted: the plan's `predicted.comm_s.dp` less its AdamW step (which both sides run), planned for this "
-        "machine calibrated per world size (`hyparallel calibrate --quick --nproc N`). "
-        f"Median step times, the slowest rank's, every side alternating step by step. {'; '.join(choices)}.",
+        (
+            "dp ms measured: the step's time minus that of the same DDP step under `no_sync` (no"
+            " gradient reduction); predicted: the plan's `predicted.comm_s.dp` less its AdamW step"
+            " (which both sides run), planned for this machine calibrated per world size"
+            " (`hyparallel calibrate --quick --nproc N`). Median step times, the slowest rank's,"
+            f" every side alternating step by step. {'; '.join(choices)}."
+        ),
     ]
     return "; ".join(choices), lines
 
 
 def _demoted(markdown: str, levels: int) -> list[str]:
     """The lines of ``markdown`` with its headings ``levels`` deeper, to sit inside a section."""
-    return [("#" * levels + line) if line.startswith("#") else line for line in markdown.splitlines()]
+    return [
+        ("#" * levels + line) if line.startswith("#") else line for line in markdown.splitlines()
+    ]
 
 
 def render_prediction(outcome: Outcome) -> tuple[str, list[str]]:
-    """prediction.py's markdown as it prints it (its headings one level down), else its JSON's report lines."""
+    """prediction.py's markdown as it prints it (its headings one level down), else its JSON's
+    report lines."""
     text = outcome.stdout.strip()
     if text:
         lines = _demoted(text, 1)
@@ -330,29 +399,48 @@ def render_prediction(outcome: Outcome) -> tuple[str, list[str]]:
             for line in [*figures.get(key, []), ""]
         ]
     spearman = next((line for line in lines if line.startswith("Spearman")), "")
-    lines = ["Peer: the measurement; measured / predicted near 1 means the cost model is right.", "", *lines]
+    lines = [
+        "Peer: the measurement; measured / predicted near 1 means the cost model is right.",
+        "",
+        *lines,
+    ]
     return spearman, lines
 
 
 def render_ps(outcome: Outcome) -> tuple[str, list[str]]:
-    """ps_vs_dp.py's table as it printed it; the summary: each ps configuration's samples/s over dp's."""
+    """ps_vs_dp.py's table as it printed it; the summary: each ps configuration's samples/s over
+    dp's."""
     rows = outcome.figures
-    summary = "; ".join(f"{r['model']} {r['config']} x{r['vs_dp']:.2f}" for r in rows if r["config"].startswith("ps"))
-    lines = ["Peer: plain data parallelism (DDP) in the same run; / dp above 1 means parameter servers are faster.", ""]
+    summary = "; ".join(
+        f"{r['model']} {r['config']} x{r['vs_dp']:.2f}"
+        for r in rows
+        if r["config"].startswith("ps")
+    )
+    lines = [
+        (
+            "Peer: plain data parallelism (DDP) in the same run; / dp above 1 means parameter"
+            " servers are faster."
+        ),
+        "",
+    ]
     return summary + " (samples/s, ps / dp)", [*lines, *outcome.stdout.strip().splitlines()]
 
 
 def render_published(outcome: Outcome) -> tuple[str, list[str]]:
-    """published.py's markdown as it printed it (every row, the summary, what was left out), and its summary."""
+    """published.py's markdown as it printed it (every row, the summary, what was left out), and its
+    summary."""
     stats = outcome.figures["summary"]
     if not stats.get("rows"):
         return "no rows", ["No published configuration was costed.", ""]
     summary = (
-        f"{stats['rows']} rows: median abs error {stats['median_abs_error']:.1%}, max {stats['max_abs_error']:.1%}, "
-        f"{stats['over']} over / {stats['under']} under (targets <= 5% and <= 15%, both signs: "
-        f"{'met' if all(stats['targets'].values()) else 'MISSED'})"
+        f"{stats['rows']} rows: median abs error {stats['median_abs_error']:.1%}, max"
+        f" {stats['max_abs_error']:.1%}, {stats['over']} over / {stats['under']} under (targets <="
+        f" 5% and <= 15%, both signs: {'met' if all(stats['targets'].values()) else 'MISSED'})"
     )
-    peer = "Peer: the published measurement; error = predicted / measured - 1 (negative: the planner is optimistic)."
+    peer = (
+        "Peer: the published measurement; error = predicted / measured - 1 (negative: the planner"
+        " is optimistic)."
+    )
     return summary, [peer, "", *outcome.figures["markdown"]]
 
 
@@ -371,8 +459,8 @@ BENCHMARKS = [
     Benchmark(
         "planner_speed",
         "Planner search time",
-        "How long the planner takes to trace a model and search its plans, for the two targets and as "
-        "GPUs and layers grow.",
+        "How long the planner takes to trace a model and search its plans, for the two targets and"
+        " as GPUs and layers grow.",
         render_planner,
         quick_args=("--quick",),
         timeout_s=600,
@@ -380,15 +468,17 @@ BENCHMARKS = [
     Benchmark(
         "trace_speed",
         "Model build and trace time",
-        "Building each zoo and Hugging Face model on the meta device and tracing it to a ModelGraph.",
+        "Building each zoo and Hugging Face model on the meta device and tracing it to a"
+        " ModelGraph.",
         render_trace,
         timeout_s=600,
     ),
     Benchmark(
         "tp_vs_dtensor",
         "Tensor parallelism: hyparallel vs torch DTensor",
-        "One training step (forward, cross-entropy, backward) of the same GPT split Megatron-style over tp = 2 "
-        "gloo processes, by `apply_tensor_parallel` and by DTensor's `parallelize_module`.",
+        "One training step (forward, cross-entropy, backward) of the same GPT split Megatron-style"
+        " over tp = 2 gloo processes, by `apply_tensor_parallel` and by DTensor's"
+        " `parallelize_module`.",
         render_peer,
         quick_args=(
             "--layers",
@@ -410,8 +500,8 @@ BENCHMARKS = [
     Benchmark(
         "pp_vs_torch",
         "Pipeline parallelism: hyparallel vs torch.distributed.pipelining",
-        "One training step over all micro-batches of the same GPT cut into pp = 2 stages, by hyparallel's "
-        "`PipelineRuntime` and by torch's `PipelineStage` under GPipe and 1F1B.",
+        "One training step over all micro-batches of the same GPT cut into pp = 2 stages, by"
+        " hyparallel's `PipelineRuntime` and by torch's `PipelineStage` under GPipe and 1F1B.",
         render_peer,
         quick_args=(
             "--layers",
@@ -433,8 +523,8 @@ BENCHMARKS = [
     Benchmark(
         "dp_vs_ddp",
         "Data parallelism: hp.parallelize vs torch DDP",
-        "One AdamW training step of the same GPT over dp = 2 gloo processes, through `hp.parallelize` and "
-        "through `DistributedDataParallel`.",
+        "One AdamW training step of the same GPT over dp = 2 gloo processes, through"
+        " `hp.parallelize` and through `DistributedDataParallel`.",
         render_peer,
         quick_args=SMALL_DP_STEP,
         distributed=True,
@@ -443,9 +533,9 @@ BENCHMARKS = [
     Benchmark(
         "prediction",
         "Predicted vs measured step time and memory, this machine",
-        "The planner's predicted step time, with the cluster calibrated here, against training steps measured "
-        "with `examples/train_gpt.py` over a grid of plans; every rank's state bytes, and the activation bytes a "
-        "micro-batch saves, against the planner's.",
+        "The planner's predicted step time, with the cluster calibrated here, against training"
+        " steps measured with `examples/train_gpt.py` over a grid of plans; every rank's state"
+        " bytes, and the activation bytes a micro-batch saves, against the planner's.",
         render_prediction,
         quick_args=("--quick", "--worlds", "2"),
         timeout_s=3600,
@@ -455,9 +545,9 @@ BENCHMARKS.append(
     Benchmark(
         "elastic_recovery",
         "What a failure costs: memory vs disk checkpoints, restarts",
-        'The blocking time of `hp.checkpoint.save(..., storage="memory")` against a disk save of the same model '
-        "in the same run, and the time from SIGKILL of a worker to the first step its restarted group completes, "
-        "under torchrun and dlrover-run.",
+        'The blocking time of `hp.checkpoint.save(..., storage="memory")` against a disk save of'
+        " the same model in the same run, and the time from SIGKILL of a worker to the first step"
+        " its restarted group completes, under torchrun and dlrover-run.",
         render_recovery,
         quick_args=("--quick",),
         timeout_s=1500,
@@ -467,10 +557,10 @@ BENCHMARKS.append(
     Benchmark(
         "dp_compression",
         "Gradient compression on the dp axis: each mode vs uncompressed DDP",
-        "One AdamW step of the same GPT over dp = 2 and 4 gloo processes under each `parallel.grad_compression` "
-        "(none, bf16, fp16, powersgd) against torch DDP without a hook: step time, the bytes each rank hands to "
-        "all-reduce, the dp seconds measured against the planner's `comm_s.dp`, and the mode the planner picks "
-        "when any is allowed.",
+        "One AdamW step of the same GPT over dp = 2 and 4 gloo processes under each"
+        " `parallel.grad_compression` (none, bf16, fp16, powersgd) against torch DDP without a"
+        " hook: step time, the bytes each rank hands to all-reduce, the dp seconds measured against"
+        " the planner's `comm_s.dp`, and the mode the planner picks when any is allowed.",
         render_compression,
         quick_args=("--worlds", "2", *SMALL_DP_STEP),
         timeout_s=1200,
@@ -480,10 +570,11 @@ BENCHMARKS.append(
     Benchmark(
         "published",
         "The cost model against published large-scale measurements",
-        "The planner's predicted step time on exactly the configurations that published Megatron-LM measurements "
-        "ran (Narayanan et al. 2021, Table 1: 1.7B-1T on up to 3,072 A100s; Korthikanti et al. 2022, Table 5: "
-        "22B-1T, full recomputation against sequence parallelism with selective recomputation), with the stock "
-        "`a100-80g` preset and nothing fitted per row, against the figure each publication reports.",
+        "The planner's predicted step time on exactly the configurations that published Megatron-LM"
+        " measurements ran (Narayanan et al. 2021, Table 1: 1.7B-1T on up to 3,072 A100s;"
+        " Korthikanti et al. 2022, Table 5: 22B-1T, full recomputation against sequence parallelism"
+        " with selective recomputation), with the stock `a100-80g` preset and nothing fitted per"
+        " row, against the figure each publication reports.",
         render_published,
         quick_args=("--quick",),
         timeout_s=600,
@@ -493,9 +584,10 @@ BENCHMARKS.append(
     Benchmark(
         "ps_vs_dp",
         "Parameter-server mode against plain data parallelism",
-        "examples/train_recsys.py under torchrun on this machine for dlrm-tiny and dlrm-mid: data parallelism over 2 "
-        "processes (DDP, the tables replicated) against 1 parameter server and 2 workers at staleness 0 and 4, in "
-        "turns: samples/s, the bytes a worker moves per step, and the planner's prediction on the `cpu` preset.",
+        "examples/train_recsys.py under torchrun on this machine for dlrm-tiny and dlrm-mid: data"
+        " parallelism over 2 processes (DDP, the tables replicated) against 1 parameter server and"
+        " 2 workers at staleness 0 and 4, in turns: samples/s, the bytes a worker moves per step,"
+        " and the planner's prediction on the `cpu` preset.",
         render_ps,
         quick_args=("--quick",),
         timeout_s=2400,
@@ -540,7 +632,8 @@ def run(bench: Benchmark, quick: bool, folder: Path) -> Outcome:
     try:
         stdout, stderr = proc.communicate(timeout=bench.timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too: the session holds only this run
+        # torchrun's workers too: the session holds only this run
+        os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         return Outcome(
             bench.name,
@@ -552,8 +645,9 @@ def run(bench: Benchmark, quick: bool, folder: Path) -> Outcome:
         )
     seconds = time.perf_counter() - start
     figures = _load_json(json_path)
-    # Note: gloo sometimes aborts while the processes tear their groups down ("terminate called ..."), after
-    # rank 0 wrote its figures (after the last collective): the figures stand, with a note (as tests/conftest.py).
+    # Note: gloo sometimes aborts while the processes tear their groups down ("terminate called
+    # ..."), after rank 0 wrote its figures (after the last collective): the figures stand, with a
+    # note (as tests/conftest.py).
     if proc.returncode == 0 and figures is not None:
         return Outcome(bench.name, command, "ok", seconds, figures, stdout)
     if figures is not None and "terminate called" in stderr:
@@ -599,15 +693,21 @@ def machine() -> list[str]:
     import torch
 
     mem_kib = _proc_field("/proc/meminfo", "MemTotal").split()
+    cpu = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = " + uncommitted changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    dirty = (
+        " + uncommitted changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    )
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return [
         f"- Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
-        f"- CPU: {_proc_field('/proc/cpuinfo', 'model name') or platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores (load average {load} at the start; the machine may be shared)",
+        f"- CPU: {cpu}, {os.cpu_count()} cores (load average {load} at the start; the machine"
+        " may be shared)",
         f"- RAM: {int(mem_kib[0]) / 2**20:.1f} GiB" if mem_kib else "- RAM: unknown",
-        f"- OS: {_proc_field('/etc/os-release', 'PRETTY_NAME') or platform.system()}, kernel {platform.release()}",
+        (
+            f"- OS: {_proc_field('/etc/os-release', 'PRETTY_NAME') or platform.system()}, kernel"
+            f" {platform.release()}"
+        ),
         f"- Python {platform.python_version()}, torch {torch.__version__}"
         + (f", CUDA {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),
         f"- hyparallel at git commit {commit}{dirty}",
@@ -621,23 +721,33 @@ def section(bench: Benchmark, outcome: Outcome) -> tuple[str, str, list[str]]:
         "",
         bench.about,
         "",
-        f"Command: `{outcome.command}`" + (f" ({outcome.seconds:.0f} s here)" if outcome.seconds else ""),
+        f"Command: `{outcome.command}`"
+        + (f" ({outcome.seconds:.0f} s here)" if outcome.seconds else ""),
         "",
     ]
     if outcome.status == "missing":
-        return "missing", "not found", lines + [f"**NOT RUN**: benchmarks/{bench.name}.py was not found.", ""]
+        return (
+            "missing",
+            "not found",
+            lines + [f"**NOT RUN**: benchmarks/{bench.name}.py was not found.", ""],
+        )
     failure = outcome.failure
     if outcome.status == "ok":
         try:
             summary, body = bench.render(outcome)
-        except (KeyError, TypeError, ValueError) as exc:  # the script's JSON changed shape: say so, keep going
+        # the script's JSON changed shape: say so, keep going
+        except (KeyError, TypeError, ValueError) as exc:
             failure = (
                 f"its JSON could not be rendered ({type(exc).__name__}: {exc}); the JSON:\n"
                 + json.dumps(outcome.figures, indent=1)[:2000]
             )
     if failure:
         reason, *rest = failure.splitlines()
-        return "failed", reason.split(";")[0], lines + ["**FAILED**: " + reason, "", "```text", *rest, "```", ""]
+        return (
+            "failed",
+            reason.split(";")[0],
+            lines + ["**FAILED**: " + reason, "", "```text", *rest, "```", ""],
+        )
     note = [f"Note: {outcome.note}.", ""] if outcome.note else []
     return "ok", summary, lines + note + body + [""]
 
@@ -685,7 +795,8 @@ def _gpu_step_table(rows: dict) -> list[str]:
 
 
 def _profiled(profile: str) -> list[str]:
-    """One bullet per variant of gpu_step.py --profile's log: its kernel launches (printed before its header)."""
+    """One bullet per variant of gpu_step.py --profile's log: its kernel launches (printed before
+    its header)."""
     bullets, pending = [], ""
     for line in profile.splitlines():
         if line.startswith("profile"):
@@ -697,12 +808,17 @@ def _profiled(profile: str) -> list[str]:
 
 
 def gpu_lines(folder: Path) -> tuple[str, list[str]]:
-    """(summary, lines) from gpu_check.sh's folder: device, step tables, kernels, calibration, profile, activations."""
+    """(summary, lines) from gpu_check.sh's folder: device, step tables, kernels, calibration,
+    profile, activations."""
     lines = ["Device: " + "; ".join(_read(folder, "device.txt").splitlines()), ""]
     summary = []
     for name, preset, title in (
         ("step", "h200 preset", "gpt-1.3b training steps against the h200 preset's prediction"),
-        ("step-calibrated", "calibrated", "the planner's pick predicted with the figures calibrated on the device"),
+        (
+            "step-calibrated",
+            "calibrated",
+            "the planner's pick predicted with the figures calibrated on the device",
+        ),
     ):
         if (folder / f"{name}.json").exists():
             rows = json.loads(_read(folder, f"{name}.json"))
@@ -714,7 +830,10 @@ def gpu_lines(folder: Path) -> tuple[str, list[str]]:
             lines += [
                 f"### {title}",
                 "",
-                "Peer: the planner's prediction; measured / predicted near 1 means the cost model is right.",
+                (
+                    "Peer: the planner's prediction; measured / predicted near 1 means the cost"
+                    " model is right."
+                ),
                 "",
                 *_gpu_step_table(rows),
                 "",
@@ -756,21 +875,33 @@ def gpu_lines(folder: Path) -> tuple[str, list[str]]:
             f"The profiler's top kernels per variant: {_shown(folder)}/profile.txt.",
             "",
         ]
-    if activations := _read(folder, "activations.txt"):  # prediction.py's markdown, after any library warnings
+    # prediction.py's markdown, after any library warnings
+    if activations := _read(folder, "activations.txt"):
         heading = activations.find("\n#") + 1 if not activations.startswith("#") else 0
         lines += _demoted(activations[heading:], 1) + [""]
-    if notes := _read(folder, "README.md"):  # how the device run was set up, kept beside its results
-        lines += ["### Device notes (from README.md beside the results)", "", *_demoted(notes, 2), ""]
+    # how the device run was set up, kept beside its results
+    if notes := _read(folder, "README.md"):
+        lines += [
+            "### Device notes (from README.md beside the results)",
+            "",
+            *_demoted(notes, 2),
+            "",
+        ]
     return "planner's pick measured / predicted " + ", ".join(summary) if summary else "", lines
 
 
 def gpu_section(run_here: bool) -> tuple[str, str, list[str]]:
-    """(status, summary, lines): gpu_check.sh run here when there is CUDA, else the lent GPU's committed results."""
+    """(status, summary, lines): gpu_check.sh run here when there is CUDA, else the lent GPU's
+    committed results."""
     head = ["## GPU checks (`gpu_check.sh`)", ""]
     if run_here:
         start = time.perf_counter()
         proc = subprocess.run(
-            ["bash", "benchmarks/gpu_check.sh", str(GPU_OUT)], cwd=REPO, capture_output=True, text=True, timeout=1200
+            ["bash", "benchmarks/gpu_check.sh", str(GPU_OUT)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=1200,
         )
         status = "ok" if proc.returncode == 0 else "failed"
         summary, lines = gpu_lines(GPU_OUT)
@@ -791,7 +922,10 @@ def gpu_section(run_here: bool) -> tuple[str, str, list[str]]:
             summary,
             head
             + [
-                f"Run here: `bash benchmarks/gpu_check.sh {_shown(GPU_OUT)}` ({time.perf_counter() - start:.0f} s).",
+                (
+                    f"Run here: `bash benchmarks/gpu_check.sh {_shown(GPU_OUT)}`"
+                    f" ({time.perf_counter() - start:.0f} s)."
+                ),
                 "",
                 *failure,
                 *lines,
@@ -801,16 +935,20 @@ def gpu_section(run_here: bool) -> tuple[str, str, list[str]]:
         return (
             "missing",
             "no GPU here, and no GPU results committed",
-            head + [f"**NOT AVAILABLE**: no GPU here, and no results under {_shown(GPU_RESULTS)}/.", ""],
+            head
+            + [f"**NOT AVAILABLE**: no GPU here, and no results under {_shown(GPU_RESULTS)}/.", ""],
         )
     date = _git("log", "-1", "--format=%cs", "--", str(GPU_RESULTS))
     if not date:
-        date = f"{datetime.date.fromtimestamp((GPU_RESULTS / 'device.txt').stat().st_mtime)} (files not yet committed)"
+        date = (
+            f"{datetime.date.fromtimestamp((GPU_RESULTS / 'device.txt').stat().st_mtime)} (files"
+            " not yet committed)"
+        )
     device = _read(GPU_RESULTS, "device.txt").split(",")[0]
     summary, lines = gpu_lines(GPU_RESULTS)
     provenance = (
-        f"Measured on a lent GPU ({device}) on {date}, not re-run: no GPU here. The logs and JSON are "
-        f"committed under {_shown(GPU_RESULTS)}/."
+        f"Measured on a lent GPU ({device}) on {date}, not re-run: no GPU here. The logs and JSON"
+        f" are committed under {_shown(GPU_RESULTS)}/."
     )
     return "not re-run", f"{device}, {date}: {summary}", head + [provenance, "", *lines]
 
@@ -822,15 +960,19 @@ def results_markdown(
     only: list[str] | None,
     total_s: float,
 ) -> str:
-    """RESULTS.md from (name, status, summary, lines) per benchmark: the machine, a summary table, the sections."""
+    """RESULTS.md from (name, status, summary, lines) per benchmark: the machine, a summary table,
+    the sections."""
     head = [
         "# Benchmark results",
         "",
         "Written by `benchmarks/run_all.py`"
-        + (" --quick (smaller sizes, fewer steps: a smoke test, not figures to quote)" if quick else "")
-        + f" in {total_s / 60:.1f} min. Each figure was "
-        "measured on the machine below, its peer in the same run; ratios are hyparallel / peer unless a "
-        "table says otherwise.",
+        + (
+            " --quick (smaller sizes, fewer steps: a smoke test, not figures to quote)"
+            if quick
+            else ""
+        )
+        + f" in {total_s / 60:.1f} min. Each figure was measured on the machine below, its peer in"
+        " the same run; ratios are hyparallel / peer unless a table says otherwise.",
         "",
     ]
     if only:
@@ -850,9 +992,14 @@ def results_markdown(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer steps: a smoke test")
-    parser.add_argument("--only", help="comma-separated, from: " + ", ".join(NAMES) + " (--out then holds only these)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="smaller sizes and fewer steps: a smoke test"
+    )
+    parser.add_argument(
+        "--only",
+        help="comma-separated, from: " + ", ".join(NAMES) + " (--out then holds only these)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
     args = parser.parse_args()
     only = args.only.split(",") if args.only else None
@@ -867,10 +1014,16 @@ def main() -> int:
                 print(f"run_all: {bench.name} ...", file=sys.stderr, flush=True)
                 outcome = run(bench, args.quick, Path(folder))
                 sections.append((bench.name, *section(bench, outcome)))
-                print(f"run_all: {bench.name} {sections[-1][1]} ({outcome.seconds:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"run_all: {bench.name} {sections[-1][1]} ({outcome.seconds:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if only is None or "gpu" in only:
         sections.append(("gpu", *gpu_section(run_here=torch.cuda.is_available())))
-    args.out.write_text(results_markdown(sections, machine_lines, args.quick, only, time.perf_counter() - start))
+    args.out.write_text(
+        results_markdown(sections, machine_lines, args.quick, only, time.perf_counter() - start)
+    )
     print(f"run_all: wrote {args.out}", file=sys.stderr)
     for name, status, *_ in sections:
         if status in ("failed", "missing"):

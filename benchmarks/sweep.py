@@ -1,20 +1,23 @@
-"""The architecture sweep: transformers' classes and more, under tp 2, pp 2, tp 2 x pp 2, dp 2, the planner's pick.
+"""The architecture sweep: transformers' classes and more, under tp 2, pp 2, tp 2 x pp 2, dp 2, the
+planner's pick.
 
-`python benchmarks/sweep.py` (or `make sweep`; hours on 2 cores) builds each class of transformers' causal-LM,
-masked-LM, encoder-decoder, image-classification and speech (seq2seq and audio-classification) auto mappings, and a
-few text classifiers, from its own config class shrunk (hyparallel.models.tiny; ``SIZES`` adds overrides for the
-vision configs it does not shrink), plus models built from torch.nn, diffusers' UNet2DModel, torchtitan's
-Llama3Model (the ``sweep`` extra: ``pip install -e ".[sweep]"``, torchtitan ``--no-deps``) and the hand-written
-models of benchmarks/sweep_models.py (``--families`` picks; ``FAMILIES`` says what each is), and runs
-``hyparallel.tools.parity.check_layouts`` for each: the layout in local gloo processes against one process, 3 SGD steps,
-every gradient and loss compared (Note [a parity check], hyparallel/tools/parity.py), trained with token cross-entropy
-(one class per row for a classifier) or, where the output has no logits, the loss ``LOSSES`` names (Note [the loss a
-check trains]). Results go to benchmarks/results/sweep.jsonl (one line per architecture; ``--resume`` keeps the
-lines already there) and the table to docs/supported-models.md (``--render`` only rewrites the table from the
-results).
+`python benchmarks/sweep.py` (or `make sweep`; hours on 2 cores) builds each class of transformers'
+causal-LM, masked-LM, encoder-decoder, image-classification and speech (seq2seq and
+audio-classification) auto mappings, and a few text classifiers, from its own config class shrunk
+(hyparallel.models.tiny; ``SIZES`` adds overrides for the vision configs it does not shrink), plus
+models built from torch.nn, diffusers' UNet2DModel, torchtitan's Llama3Model (the ``sweep`` extra:
+``pip install -e ".[sweep]"``, torchtitan ``--no-deps``) and the hand-written models of
+benchmarks/sweep_models.py (``--families`` picks; ``FAMILIES`` says what each is), and runs
+``hyparallel.tools.parity.check_layouts`` for each: the layout in local gloo processes against one
+process, 3 SGD steps, every gradient and loss compared (Note [a parity check],
+hyparallel/tools/parity.py), trained with token cross-entropy (one class per row for a classifier)
+or, where the output has no logits, the loss ``LOSSES`` names (Note [the loss a check trains]).
+Results go to benchmarks/results/sweep.jsonl (one line per architecture; ``--resume`` keeps the
+lines already there) and the table to docs/supported-models.md (``--render`` only rewrites the table
+from the results).
 
-An architecture that cannot be built from a config (or whose small copy does not run one forward and backward
-on one process) is listed with why; its layouts are not run.
+An architecture that cannot be built from a config (or whose small copy does not run one forward and
+backward on one process) is listed with why; its layouts are not run.
 """
 
 from __future__ import annotations
@@ -51,20 +54,29 @@ TORCH_NN = {  # torch's own layers, as a user assembles them
     "one block at every depth (shared weights)": "benchmarks.sweep_models:shared_block_lm",
 }
 DIFFUSION = {"diffusers UNet2DModel": "benchmarks.sweep_models:unet2d"}  # pip install -e ".[sweep]"
-TORCHTITAN = {"torchtitan Llama3Model": "benchmarks.sweep_models:titan_llama3"}  # pip install -e ".[sweep]"
-TEXT_CLASSIFICATION = [  # a handful, not the whole mapping (~50 classes, most the encoders masked-lm already runs)
+# pip install -e ".[sweep]"
+TORCHTITAN = {"torchtitan Llama3Model": "benchmarks.sweep_models:titan_llama3"}
+# a handful, not the whole mapping (~50 classes, most the encoders masked-lm already runs)
+TEXT_CLASSIFICATION = [
     "BertForSequenceClassification",
     "RobertaForSequenceClassification",
     "DistilBertForSequenceClassification",
     "CLIPTextModel",  # CLIP's text tower, no head: trained with hidden_mse
 ]
-SIZES = {  # overrides on top of hyparallel.models.tiny's for vision configs it does not shrink (stage lists)
-    "ConvNextForImageClassification": "image_size=32 num_stages=2 hidden_sizes=[16,32] depths=[2,2]",
-    "SwinForImageClassification": "image_size=32 embed_dim=32 depths=[2,2] num_heads=[2,4] window_size=4",
+# overrides on top of hyparallel.models.tiny's for vision configs it does not shrink (stage lists)
+SIZES = {
+    "ConvNextForImageClassification": (
+        "image_size=32 num_stages=2 hidden_sizes=[16,32] depths=[2,2]"
+    ),
+    "SwinForImageClassification": (
+        "image_size=32 embed_dim=32 depths=[2,2] num_heads=[2,4] window_size=4"
+    ),
     "MobileNetV2ForImageClassification": "image_size=32",
     "ResNetForImageClassification": "embedding_size=16 hidden_sizes=[16,32] depths=[1,1]",
 }
-LOSSES = {  # Note [the loss a check trains]: architectures whose output the default token cross-entropy cannot read
+# Note [the loss a check trains]: architectures whose output the default token cross-entropy cannot
+# read
+LOSSES = {
     "CLIPTextModel": "benchmarks.sweep_models:hidden_mse",
     "diffusers UNet2DModel": "benchmarks.sweep_models:sample_mse",
 }
@@ -72,17 +84,30 @@ FAMILIES = {  # --families name -> what the doc says it is
     "causal-lm": "transformers' causal-LM auto mapping",
     "masked-lm": "transformers' masked-LM auto mapping",
     "seq2seq": "transformers' encoder-decoder (seq2seq LM) auto mapping",
-    "vision": "transformers' image-classification auto mapping (ViT, ConvNeXt, Swin...): pixel_values in, class"
-    " logits (batch, classes) out, trained with cross-entropy against one class per image",
-    "speech": "transformers' speech seq2seq (Whisper...) and audio-classification auto mappings: input_features"
-    " or raw audio in",
-    "text-classification": "a handful of sequence classifiers (BERT, RoBERTa, DistilBERT: cross-entropy against"
-    " one class per sequence) and CLIP's text tower (no head: MSE of its last hidden state)",
-    "torch.nn": "models built from torch's own layers: nn.TransformerEncoder, nn.LSTM, one block reused at every depth",
-    "diffusion": "diffusers' UNet2DModel (small: 32/64 channels, 4 attention heads), trained with the MSE of"
-    " its sample against float targets",
-    "torchtitan": "torchtitan's Llama3Model (its own Linear/Embedding/RMSNorm classes, fused wqkv, grouped-query"
-    " attention; SDPA as the inner attention), small",
+    "vision": (
+        "transformers' image-classification auto mapping (ViT, ConvNeXt, Swin...): pixel_values in,"
+        " class logits (batch, classes) out, trained with cross-entropy against one class per image"
+    ),
+    "speech": (
+        "transformers' speech seq2seq (Whisper...) and audio-classification auto mappings:"
+        " input_features or raw audio in"
+    ),
+    "text-classification": (
+        "a handful of sequence classifiers (BERT, RoBERTa, DistilBERT: cross-entropy against"
+        " one class per sequence) and CLIP's text tower (no head: MSE of its last hidden state)"
+    ),
+    "torch.nn": (
+        "models built from torch's own layers: nn.TransformerEncoder, nn.LSTM, one block reused at"
+        " every depth"
+    ),
+    "diffusion": (
+        "diffusers' UNet2DModel (small: 32/64 channels, 4 attention heads), trained with the MSE of"
+        " its sample against float targets"
+    ),
+    "torchtitan": (
+        "torchtitan's Llama3Model (its own Linear/Embedding/RMSNorm classes, fused wqkv,"
+        " grouped-query attention; SDPA as the inner attention), small"
+    ),
     "hand-written": "the hand-written models of benchmarks/sweep_models.py",
 }
 RESULTS = ROOT / "benchmarks" / "results" / "sweep.jsonl"
@@ -91,7 +116,8 @@ DOC = ROOT / "docs" / "supported-models.md"
 
 
 def architectures(families: list[str]) -> list[tuple[str, str, str]]:
-    """(name, family, spec) for every class of the chosen auto mappings (each class once) and the hand-written."""
+    """(name, family, spec) for every class of the chosen auto mappings (each class once) and the
+    hand-written."""
     from transformers.models.auto import modeling_auto
 
     mappings = {
@@ -114,11 +140,16 @@ def architectures(families: list[str]) -> list[tuple[str, str, str]]:
             out += [(name, label, spec) for name, spec in specs.items()]
             continue
         if family not in mappings:
-            raise SystemExit(f"--families: no family {family!r}; the families: {', '.join([*mappings, *own])}")
+            raise SystemExit(
+                f"--families: no family {family!r}; the families: {', '.join([*mappings, *own])}"
+            )
         classes = set()
-        for mapping in mappings[family]:  # a value may be a tuple of classes (DeiT: with and without a teacher)
+        # a value may be a tuple of classes (DeiT: with and without a teacher)
+        for mapping in mappings[family]:
             classes.update(
-                name for value in mapping.values() for name in ([value] if isinstance(value, str) else value)
+                name
+                for value in mapping.values()
+                for name in ([value] if isinstance(value, str) else value)
             )
         for cls in sorted(classes):
             if cls not in seen:
@@ -136,7 +167,8 @@ def _alarm(*_):
 
 
 def builds(spec: str, loss: str | None = None) -> str | None:
-    """None when the small copy builds and runs one forward and backward on one process (with ``loss``, a
+    """None when the small copy builds and runs one forward and backward on one process (with
+    ``loss``, a
     ``package.module:fn`` spec, else token cross-entropy), else why not."""
     import torch
 
@@ -150,10 +182,16 @@ def builds(spec: str, loss: str | None = None) -> str | None:
     try:
         small = small_spec(spec)
         count = sum(p.numel() for p in hp.models.load(small).module.parameters())
-        if count > MAX_PARAMETERS:  # sub-configs tiny.py does not shrink: gigabytes of reference gradients
-            return f"its small copy still has {count:,} parameters (over {MAX_PARAMETERS:,}: a sub-config not shrunk)"
+        # sub-configs tiny.py does not shrink: gigabytes of reference gradients
+        if count > MAX_PARAMETERS:
+            return (
+                f"its small copy still has {count:,} parameters (over {MAX_PARAMETERS:,}: a"
+                " sub-config not shrunk)"
+            )
         model = materialize_(hp.models.load(small).module, "cpu", seed=0)
-        [(inputs, targets)] = _batches(hp.models.load(small).module, 2, 16, 1, 0, own_loss=loss is not None)
+        [(inputs, targets)] = _batches(
+            hp.models.load(small).module, 2, 16, 1, 0, own_loss=loss is not None
+        )
         loss_fn = hp.models.load_callable(loss, "loss function") if loss else token_cross_entropy
         loss_fn(_call(model, inputs), targets).backward()
         return None
@@ -173,10 +211,12 @@ def sweep(
     redo: set[str],
     columns: list[str] | None = None,
 ) -> None:
-    """Run the layouts of each architecture of ``names`` not in ``out`` yet (``resume``) and append its row.
+    """Run the layouts of each architecture of ``names`` not in ``out`` yet (``resume``) and append
+    its row.
 
-    ``columns``: only these layouts, for the architectures already in ``out``, whose cells they replace (a pass
-    over the layouts a change touches); each replaced cell records it in ``rerun``."""
+    ``columns``: only these layouts, for the architectures already in ``out``, whose cells they
+    replace (a pass over the layouts a change touches); each replaced cell records it in
+    ``rerun``."""
     import torch
 
     from hyparallel.tools.parity import check_layouts
@@ -197,32 +237,55 @@ def sweep(
             continue
         started = time.perf_counter()
         torch.set_grad_enabled(True)  # whatever the last architecture's failure left
-        row = {"arch": name, "family": family, "spec": spec, **({"loss": LOSSES[name]} if name in LOSSES else {})}
+        row = {
+            "arch": name,
+            "family": family,
+            "spec": spec,
+            **({"loss": LOSSES[name]} if name in LOSSES else {}),
+        }
         why = builds(spec, LOSSES.get(name))
         if why is not None:
             row["cannot_build"] = why
         else:
             try:
-                reports = check_layouts(spec, list(LAYOUTS.values()), timeout=timeout, loss=LOSSES.get(name))
+                reports = check_layouts(
+                    spec, list(LAYOUTS.values()), timeout=timeout, loss=LOSSES.get(name)
+                )
                 row["layouts"] = {
-                    column: {"verdict": r.verdict, "reason": r.reason, "plan": r.plan, "mode": r.mode}
+                    column: {
+                        "verdict": r.verdict,
+                        "reason": r.reason,
+                        "plan": r.plan,
+                        "mode": r.mode,
+                    }
                     for column, r in zip(LAYOUTS, reports)
                 }
             except Exception as exc:  # noqa: BLE001 -- a bug of the check itself: every layout failed, with why
                 why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-                row["layouts"] = {column: {"verdict": "failed", "reason": f"the check: {why}"} for column in LAYOUTS}
+                row["layouts"] = {
+                    column: {"verdict": "failed", "reason": f"the check: {why}"}
+                    for column in LAYOUTS
+                }
         row["seconds"] = round(time.perf_counter() - started, 1)
         with out.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
         cells = row.get("layouts", {})
-        shown = ", ".join(f"{c}: {v['verdict']}" for c, v in cells.items()) or f"cannot build ({why[:80]})"
+        shown = (
+            ", ".join(f"{c}: {v['verdict']}" for c, v in cells.items())
+            or f"cannot build ({why[:80]})"
+        )
         print(f"[{index + 1}/{len(names)}] {name}: {shown} ({row['seconds']} s)", flush=True)
 
 
 def _rerun_columns(
-    names: list[tuple[str, str, str]], done: dict[str, dict], out: Path, columns: list[str], timeout: float
+    names: list[tuple[str, str, str]],
+    done: dict[str, dict],
+    out: Path,
+    columns: list[str],
+    timeout: float,
 ) -> None:
-    """The ``columns`` layouts again for every architecture of ``names`` that built; ``out`` rewritten after each."""
+    """The ``columns`` layouts again for every architecture of ``names`` that built; ``out``
+    rewritten after each."""
     import torch
 
     from hyparallel.tools.parity import check_layouts
@@ -234,18 +297,32 @@ def _rerun_columns(
         started = time.perf_counter()
         torch.set_grad_enabled(True)
         try:
-            reports = check_layouts(spec, [LAYOUTS[c] for c in columns], timeout=timeout, loss=LOSSES.get(name))
+            reports = check_layouts(
+                spec, [LAYOUTS[c] for c in columns], timeout=timeout, loss=LOSSES.get(name)
+            )
             cells = {
-                c: {"verdict": r.verdict, "reason": r.reason, "plan": r.plan, "mode": r.mode, "rerun": True}
+                c: {
+                    "verdict": r.verdict,
+                    "reason": r.reason,
+                    "plan": r.plan,
+                    "mode": r.mode,
+                    "rerun": True,
+                }
                 for c, r in zip(columns, reports)
             }
         except Exception as exc:  # noqa: BLE001 -- a bug of the check itself
             why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-            cells = {c: {"verdict": "failed", "reason": f"the check: {why}", "rerun": True} for c in columns}
+            cells = {
+                c: {"verdict": "failed", "reason": f"the check: {why}", "rerun": True}
+                for c in columns
+            }
         row["layouts"].update(cells)
         out.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
         shown = ", ".join(f"{c}: {v['verdict']}" for c, v in cells.items())
-        print(f"[{index + 1}/{len(names)}] {name}: {shown} ({time.perf_counter() - started:.1f} s)", flush=True)
+        print(
+            f"[{index + 1}/{len(names)}] {name}: {shown} ({time.perf_counter() - started:.1f} s)",
+            flush=True,
+        )
 
 
 def _cell(result: dict, notes: dict[str, int]) -> str:
@@ -262,7 +339,8 @@ def _cell(result: dict, notes: dict[str, int]) -> str:
 
 
 def _family_lines(built: list[dict]) -> list[str]:
-    """Per family: how many architectures are equal under every layout, and the planner's picks that ran."""
+    """Per family: how many architectures are equal under every layout, and the planner's picks that
+    ran."""
     lines = []
     for family in dict.fromkeys(r["family"] for r in built):
         mine = [r for r in built if r["family"] == family]
@@ -270,8 +348,8 @@ def _family_lines(built: list[dict]) -> list[str]:
         picks = [r["layouts"].get("planner's pick, 4 processes") for r in mine]
         ran = sum(1 for p in picks if p and p["verdict"] == "equal")
         lines.append(
-            f"- {family}: {len(mine)} built; {every} equal under every layout; the planner's own pick for 4"
-            f" processes ran equal for {ran} of {len(mine)}"
+            f"- {family}: {len(mine)} built; {every} equal under every layout; the planner's own"
+            f" pick for 4 processes ran equal for {ran} of {len(mine)}"
         )
     return lines
 
@@ -281,39 +359,56 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
     import torch
     import transformers
 
-    order = {family: index for index, family in enumerate(FAMILIES)}  # passes append: the table sorts
+    # passes append: the table sorts
+    order = {family: index for index, family in enumerate(FAMILIES)}
     rows = sorted(rows, key=lambda r: (order.get(r["family"], 9), r["arch"].lower()))
     built = [r for r in rows if "layouts" in r]
     causal = [r for r in built if r["family"] == "causal-lm"]
-    passing = [r for r in causal if all(r["layouts"][c]["verdict"] == "equal" for c in SPLIT_LAYOUTS)]
-    differs = [(r["arch"], c) for r in built for c, v in r["layouts"].items() if v["verdict"] == "differs"]
-    failed = [(r["arch"], c) for r in built for c, v in r["layouts"].items() if v["verdict"] == "failed"]
+    passing = [
+        r for r in causal if all(r["layouts"][c]["verdict"] == "equal" for c in SPLIT_LAYOUTS)
+    ]
+    differs = [
+        (r["arch"], c) for r in built for c, v in r["layouts"].items() if v["verdict"] == "differs"
+    ]
+    failed = [
+        (r["arch"], c) for r in built for c, v in r["layouts"].items() if v["verdict"] == "failed"
+    ]
     share = 100 * len(passing) / max(1, len(causal))
     lines = [
         "# Supported models",
         "",
         "<!-- generated by benchmarks/sweep.py (`make sweep`); do not edit by hand -->",
         "",
-        f"Every architecture below was built small from its own config class (transformers {transformers.__version__},"
-        f" torch {torch.__version__}): 2 layers, width 64, 4 query heads (multi-query and grouped-query kept),"
-        " 128 tokens, 4 experts where it has experts (hyparallel/models/tiny.py; the vision configs whose stage lists"
-        " it does not shrink with the sizes of SIZES in benchmarks/sweep.py); the models that are not transformers"
-        " classes at the sizes their factories in benchmarks/sweep_models.py give. Each layout ran in local gloo"
-        " processes against one process on the same weights and batches, 3 SGD steps, fp32: every parameter's"
-        " gradient and every loss within rtol 1e-5 / atol 1e-6 is **equal**. **refused** is hyparallel saying no"
-        " before the first collective (the line it printed is in the notes); **failed** is a crash, a bug;"
-        " **differs** would be a wrong result, and is a failing test wherever it shows.",
+        (
+            "Every architecture below was built small from its own config class (transformers"
+            f" {transformers.__version__}, torch {torch.__version__}): 2 layers, width 64, 4 query"
+            " heads (multi-query and grouped-query kept), 128 tokens, 4 experts where it has"
+            " experts (hyparallel/models/tiny.py; the vision configs whose stage lists it does not"
+            " shrink with the sizes of SIZES in benchmarks/sweep.py); the models that are not"
+            " transformers classes at the sizes their factories in benchmarks/sweep_models.py"
+            " give. Each layout ran in local gloo processes against one process on the same"
+            " weights and batches, 3 SGD steps, fp32: every parameter's gradient and every loss"
+            " within rtol 1e-5 / atol 1e-6 is **equal**. **refused** is hyparallel saying no"
+            " before the first collective (the line it printed is in the notes); **failed** is a"
+            " crash, a bug; **differs** would be a wrong result, and is a failing test wherever it"
+            " shows."
+        ),
         "",
         "Run the same check on your own model: `hyparallel check MODEL --tp 2 --pp 2` (README).",
         "",
-        f"**Causal LMs: {len(passing)} of {len(causal)} that build from a config ({share:.0f}%) give the"
-        f" single-device numbers under tp 2, pp 2 and tp 2 x pp 2.** Layouts that differ: {len(differs)};"
-        f" that crashed: {len(failed)}. Architectures that could not be built: {len(rows) - len(built)}.",
+        (
+            f"**Causal LMs: {len(passing)} of {len(causal)} that build from a config ({share:.0f}%)"
+            " give the single-device numbers under tp 2, pp 2 and tp 2 x pp 2.** Layouts that"
+            f" differ: {len(differs)}; that crashed: {len(failed)}. Architectures that could not be"
+            f" built: {len(rows) - len(built)}."
+        ),
         "",
         *_family_lines(built),
         "",
-        "The families (`benchmarks/sweep.py --families`; the classes of a transformers family are those of its auto"
-        " mapping, the architectures not run are listed at the end):",
+        (
+            "The families (`benchmarks/sweep.py --families`; the classes of a transformers family"
+            " are those of its auto mapping, the architectures not run are listed at the end):"
+        ),
         "",
         *[
             f"- {family}: {FAMILIES[family]}"
@@ -328,15 +423,26 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
     notes: dict[str, int] = {}
     for row in built:
         cells = [_cell(row["layouts"][c], notes) for c in LAYOUTS]
-        arch = row["arch"] + (f" (loss: {row['loss'].rpartition(':')[2]})" if row.get("loss") else "")
+        arch = row["arch"] + (
+            f" (loss: {row['loss'].rpartition(':')[2]})" if row.get("loss") else ""
+        )
         lines.append(f"| {arch} | {row['family']} | " + " | ".join(cells) + " |")
     if notes:
         lines += ["", "## Notes", ""]
         lines += [f"{number}. {reason}" for reason, number in notes.items()]
     unbuilt = [r for r in rows if "cannot_build" in r]
     if unbuilt:
-        lines += ["", "## Not built from a config", "", "| architecture | family | why |", "|---|---|---|"]
-        lines += [f"| {r['arch']} | {r['family']} | {r['cannot_build'].replace('|', '/')} |" for r in unbuilt]
+        lines += [
+            "",
+            "## Not built from a config",
+            "",
+            "| architecture | family | why |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {r['arch']} | {r['family']} | {r['cannot_build'].replace('|', '/')} |"
+            for r in unbuilt
+        ]
     missing = [name for name in expected if name not in {r["arch"] for r in rows}]
     if missing:
         lines += ["", "## Not run in this sweep", "", ", ".join(missing)]
@@ -345,7 +451,7 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--families",
         default="causal-lm,masked-lm,seq2seq,vision,speech,text-classification,torch.nn,diffusion,torchtitan,hand",
@@ -356,11 +462,16 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per layout launch")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--doc", type=Path, default=DOC)
-    parser.add_argument("--remark", default="", help="a paragraph for the table's header (how this run was made)")
+    parser.add_argument(
+        "--remark", default="", help="a paragraph for the table's header (how this run was made)"
+    )
     parser.add_argument(
         "--columns",
         default="",
-        help="';'-separated layout columns (or their first words: 'dp 2;planner') to run again for the rows in --out",
+        help=(
+            "';'-separated layout columns (or their first words: 'dp 2;planner') to run again for"
+            " the rows in --out"
+        ),
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -372,13 +483,23 @@ def main() -> None:
             names = [n for n in names if n[0] in wanted]
         columns = []
         for given in filter(None, (c.strip() for c in args.columns.split(";"))):
-            found = [c for c in LAYOUTS if c == given] or [c for c in LAYOUTS if c.startswith(given)]
+            found = [c for c in LAYOUTS if c == given] or [
+                c for c in LAYOUTS if c.startswith(given)
+            ]
             if len(found) != 1:
-                parser.error(f"--columns: {given!r} names no one layout; the layouts are: {'; '.join(LAYOUTS)}")
+                parser.error(
+                    f"--columns: {given!r} names no one layout; the layouts are:"
+                    f" {'; '.join(LAYOUTS)}"
+                )
             columns.append(found[0])
         sweep(names, args.out, args.resume or bool(wanted), args.timeout, wanted, columns or None)
     expected = [name for name, _, _ in architectures(args.families.split(","))]
-    render([json.loads(line) for line in args.out.read_text().splitlines()], args.doc, args.remark, expected)
+    render(
+        [json.loads(line) for line in args.out.read_text().splitlines()],
+        args.doc,
+        args.remark,
+        expected,
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""hyparallel's tensor parallelism against PyTorch's DTensor tensor parallelism, one training step each.
+"""hyparallel's tensor parallelism against PyTorch's DTensor tensor parallelism, one training step
+each.
 
-Run: torchrun --nproc_per_node 2 benchmarks/tp_vs_dtensor.py [--layers 4 --hidden 256 --seq 128 --batch 4] [--json FILE]
-(gloo on the CPU; torchrun sets OMP_NUM_THREADS=1.)
+Run: torchrun --nproc_per_node 2 benchmarks/tp_vs_dtensor.py [--layers 4 --hidden 256 --seq 128
+--batch 4] [--json FILE] (gloo on the CPU; torchrun sets OMP_NUM_THREADS=1.)
 
 Both sides start from the same zoo GPT (same seed, so the same weights) and split exactly the same
 modules: per block, qkv and mlp.fc column-wise, attn.proj and mlp.proj row-wise (Megatron's plan).
@@ -9,8 +10,8 @@ Embeddings and the output head stay replicated on both sides. hyparallel uses
 ``apply_tensor_parallel``; DTensor uses ``parallelize_module`` with ``ColwiseParallel`` and
 ``RowwiseParallel`` on a 1-D DeviceMesh. One step is forward, cross-entropy and backward (gradients
 zeroed between steps); the two sides alternate step by step on the same batch, and rank 0 prints the
-median step times and their ratio, after checking that each side's loss matches the single-device loss
-(``--json FILE``: rank 0 also writes the figures there).
+median step times and their ratio, after checking that each side's loss matches the single-device
+loss (``--json FILE``: rank 0 also writes the figures there).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ LOGITS_RTOL = 1e-5  # see the check in main
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
@@ -54,7 +55,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def interleave_qkv_for_dtensor(model: torch.nn.Module, tp: int) -> None:
-    """Reorder each fused qkv's rows from [q | k | v] to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], in place.
+    """Reorder each fused qkv's rows from [q | k | v] to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], in
+    place.
 
     ColwiseParallel gives rank r the r-th contiguous block of output rows. On the [q | k | v] layout
     rank 0 would hold all of q's first half and part of k, and the model's ``chunk(3)`` would then
@@ -66,12 +68,16 @@ def interleave_qkv_for_dtensor(model: torch.nn.Module, tp: int) -> None:
         for layer in model.layers:
             qkv = layer.attn.qkv
             hidden = qkv.in_features
-            qkv.weight.copy_(qkv.weight.view(3, tp, -1, hidden).transpose(0, 1).reshape(3 * hidden, hidden))
+            qkv.weight.copy_(
+                qkv.weight.view(3, tp, -1, hidden).transpose(0, 1).reshape(3 * hidden, hidden)
+            )
             if qkv.bias is not None:
                 qkv.bias.copy_(qkv.bias.view(3, tp, -1).transpose(0, 1).reshape(-1))
 
 
-def step(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+def step(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+) -> tuple[float, float]:
     """One forward + cross-entropy + backward; returns (seconds, loss). Ranks start together."""
     model.zero_grad(set_to_none=True)
     dist.barrier()
@@ -83,9 +89,12 @@ def step(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) ->
 
 
 @torch.no_grad()
-def logits_error(model: torch.nn.Module, inputs: torch.Tensor, reference_logits: torch.Tensor) -> float:
+def logits_error(
+    model: torch.nn.Module, inputs: torch.Tensor, reference_logits: torch.Tensor
+) -> float:
     """max |logits - reference| / max |reference|. Near initialisation the loss is about log(vocab)
-    whatever the attention computes, so the loss alone barely shows a wrong head layout; logits do."""
+    whatever the attention computes, so the loss alone barely shows a wrong head layout; logits
+    do."""
     return ((model(inputs) - reference_logits).abs().max() / reference_logits.abs().max()).item()
 
 
@@ -105,14 +114,19 @@ def main() -> None:
     ours, theirs = copy.deepcopy(reference), copy.deepcopy(reference)
 
     graph = hp.trace(ours, ours.example_inputs(1, args.seq))
-    apply_tensor_parallel(ours, STYLES, dist.group.WORLD, graph, sequence_parallel=False, gather_logits=True)
+    apply_tensor_parallel(
+        ours, STYLES, dist.group.WORLD, graph, sequence_parallel=False, gather_logits=True
+    )
 
     mesh = init_device_mesh("cpu", (tp,))
     interleave_qkv_for_dtensor(theirs, tp)
     parallelize_module(
         theirs,
         mesh,
-        {path: ColwiseParallel() if style == "column" else RowwiseParallel() for path, style in STYLES.items()},
+        {
+            path: ColwiseParallel() if style == "column" else RowwiseParallel()
+            for path, style in STYLES.items()
+        },
     )
 
     torch.manual_seed(7)  # same batch on every rank: tensor parallelism replicates the data
@@ -121,18 +135,25 @@ def main() -> None:
     with torch.no_grad():
         ref_logits = reference(inputs)
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten()).item()
-    errors = {"hyparallel": logits_error(ours, inputs, ref_logits), "DTensor": logits_error(theirs, inputs, ref_logits)}
-    # fp32: the all-reduces sum partial products in another order than one matmul, so the sides differ
-    # from the single-device model by float rounding only (about 1e-6); anything larger is a wrong split.
+    errors = {
+        "hyparallel": logits_error(ours, inputs, ref_logits),
+        "DTensor": logits_error(theirs, inputs, ref_logits),
+    }
+    # fp32: the all-reduces sum partial products in another order than one matmul, so the sides
+    # differ from the single-device model by float rounding only (about 1e-6); anything larger is a
+    # wrong split.
     if wrong := {name: error for name, error in errors.items() if error > LOGITS_RTOL}:
-        raise RuntimeError(f"logits differ from the single-device model beyond rounding ({LOGITS_RTOL:g}): {wrong}")
+        raise RuntimeError(
+            f"logits differ from the single-device model beyond rounding ({LOGITS_RTOL:g}): {wrong}"
+        )
 
     times: dict[str, list[float]] = {"hyparallel": [], "DTensor": []}
     losses: dict[str, float] = {}
     for i in range(args.warmup + args.iterations):
         for name, model in (("hyparallel", ours), ("DTensor", theirs)):
             seconds, loss = step(model, inputs, targets)
-            losses.setdefault(name, loss)  # the first step's loss: no optimizer, so every step's is the same
+            # the first step's loss: no optimizer, so every step's is the same
+            losses.setdefault(name, loss)
             if i >= args.warmup:
                 times[name].append(seconds)
 
@@ -153,8 +174,9 @@ def main() -> None:
                 f"  logits rel diff {errors[name]:.1e}"
             )
         print(
-            f"hyparallel / DTensor step time ratio: {ours_ms / theirs_ms:.2f} (hyparallel {ours_ms:.1f} ms, "
-            f"DTensor {theirs_ms:.1f} ms, median of {args.iterations}, tp={tp} gloo CPU)"
+            f"hyparallel / DTensor step time ratio: {ours_ms / theirs_ms:.2f} (hyparallel"
+            f" {ours_ms:.1f} ms, DTensor {theirs_ms:.1f} ms, median of {args.iterations}, tp={tp}"
+            " gloo CPU)"
         )
         if args.json:
             check = (

@@ -29,25 +29,32 @@ MODELS = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--json", help="write every row's figures here")
     args = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    print(f"{'model':32} {'params':>10} {'build s':>8} {'trace s':>8} {'method':>7} {'ops':>6} {'blocks':>6}")
+    print(
+        f"{'model':32} {'params':>10} {'build s':>8} {'trace s':>8} {'method':>7} {'ops':>6}"
+        f" {'blocks':>6}"
+    )
     rows = []
     for spec in MODELS:
         start = time.perf_counter()
         loaded = hp.models.load(spec)
         built = time.perf_counter()
         seq_len = min(args.seq_len, getattr(loaded.module.config, "n_positions", args.seq_len))
-        graph = hp.trace(loaded.module, hp.models.example_inputs(loaded.module, args.batch_size, seq_len), name=spec)
+        graph = hp.trace(
+            loaded.module,
+            hp.models.example_inputs(loaded.module, args.batch_size, seq_len),
+            name=spec,
+        )
         traced = time.perf_counter()
         assert graph.num_params == sum(p.numel() for p in loaded.module.parameters())
         print(
-            f"{spec:32} {graph.num_params / 1e9:>9.2f}B {built - start:>8.2f} {traced - built:>8.2f} "
-            f"{graph.method:>7} {len(graph.ops):>6} {len(graph.blocks):>6}"
+            f"{spec:32} {graph.num_params / 1e9:>9.2f}B {built - start:>8.2f}"
+            f" {traced - built:>8.2f} {graph.method:>7} {len(graph.ops):>6} {len(graph.blocks):>6}"
         )
         rows.append(
             {
@@ -62,7 +69,9 @@ def main() -> None:
             }
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": {"batch_size": args.batch_size}, "cases": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"config": {"batch_size": args.batch_size}, "cases": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

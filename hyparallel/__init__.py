@@ -14,7 +14,8 @@ from hyparallel.spec.schema import Plan
 
 __version__ = "0.1.0"
 
-# The runtime loads on first use: `hyparallel plan` and friends start without torch.distributed.checkpoint.
+# The runtime loads on first use: `hyparallel plan` and friends start without
+# torch.distributed.checkpoint.
 _LAZY = {
     "parallelize": "hyparallel.runtime.parallel",
     "ParallelModel": "hyparallel.runtime.parallel",

@@ -1,8 +1,9 @@
 """The ``hyparallel`` command line.
 
 User errors (a bad file, an unknown model, an untraceable model, a malformed command line, a number
-out of range) print one line to stderr and exit 2 with no traceback; anything else is a bug and keeps
-its traceback. Numeric flags are bounded by hyparallel.spec.limits, the same bounds the plan schema uses.
+out of range) print one line to stderr and exit 2 with no traceback; anything else is a bug and
+keeps its traceback. Numeric flags are bounded by hyparallel.spec.limits, the same bounds the plan
+schema uses.
 """
 
 from __future__ import annotations
@@ -26,62 +27,57 @@ EXAMPLES = {
     "models": "example:\n  hyparallel models\n  hyparallel models --json",
     "clusters": "example:\n  hyparallel clusters",
     "show": (
-        "examples:\n  hyparallel show plan.yaml                 # a plan from `hyparallel plan -o plan.yaml`\n"
-        "  hyparallel show configs/plans/gpt-175b-a100-1024.yaml --model gpt-175b   # a hand plan, completed\n"
-        "  hyparallel show my-plan.yaml --yaml"
+        "examples:\n  hyparallel show plan.yaml                 # a plan from `hyparallel plan -o"
+        " plan.yaml`\n  hyparallel show configs/plans/gpt-175b-a100-1024.yaml --model gpt-175b   #"
+        " a hand plan, completed\n  hyparallel show my-plan.yaml --yaml"
     ),
     "trace": (
-        "examples:\n  hyparallel trace --model gpt-175b --seq-len 2048\n"
-        "  hyparallel trace --model hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=512 --seq-len 256\n"
-        "  hyparallel trace --model mypkg.models:make_model --json"
+        "examples:\n  hyparallel trace --model gpt-175b --seq-len 2048\n  hyparallel trace --model"
+        " hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=512 --seq-len 256\n  hyparallel trace"
+        " --model mypkg.models:make_model --json"
     ),
     "demo": "example:\n  hyparallel demo",
     "check": (
-        "examples:\n  hyparallel check hf:Qwen2ForCausalLM --tp 2 --pp 2      # a small copy of its config class\n"
-        "  hyparallel check mypkg.models:make_model hidden=64 layers=2 --tp 2 --dp 2   # your factory, small\n"
-        "  hyparallel check hf:LlamaForCausalLM num_key_value_heads=1 --tp 2 --json\n"
-        "exit status: 0 equal, 1 differs or failed (a bug: please report it), 2 refused or bad input"
+        "examples:\n  hyparallel check hf:Qwen2ForCausalLM --tp 2 --pp 2      # a small copy of its"
+        " config class\n  hyparallel check mypkg.models:make_model hidden=64 layers=2 --tp 2 --dp 2"
+        "   # your factory, small\n  hyparallel check hf:LlamaForCausalLM num_key_value_heads=1"
+        " --tp 2 --json\nexit status: 0 equal, 1 differs or failed (a bug: please report it), 2"
+        " refused or bad input"
     ),
     "simulate": (
-        "examples:\n"
-        "  hyparallel simulate plan.yaml --out timeline.png   # a plan from `hyparallel plan -o plan.yaml`\n"
-        "  hyparallel simulate configs/plans/gpt-175b-a100-1024.yaml --out timeline.svg   "
-        "# a hand plan: relative units\n"
-        "  hyparallel simulate plan.yaml                       # the schedule as text, one column per time step"
+        "examples:\n  hyparallel simulate plan.yaml --out timeline.png   # a plan from `hyparallel"
+        " plan -o plan.yaml`\n  hyparallel simulate configs/plans/gpt-175b-a100-1024.yaml --out"
+        " timeline.svg   # a hand plan: relative units\n  hyparallel simulate plan.yaml            "
+        "           # the schedule as text, one column per time step"
     ),
     "checkpoint": (
-        "examples:\n"
-        "  hyparallel checkpoint export ckpt/ model.safetensors   # the newest complete checkpoint in ckpt/\n"
-        "  hyparallel checkpoint export ckpt/step-00000100 model.pt\n"
-        "  hyparallel checkpoint export ckpt/ llama-ft/           # an hf: model: a folder from_pretrained loads\n"
-        "  hyparallel checkpoint export ckpt/ Llama-3.1-8B-ft --format hf --max-shard-size 2GB"
+        "examples:\n  hyparallel checkpoint export ckpt/ model.safetensors   # the newest complete"
+        " checkpoint in ckpt/\n  hyparallel checkpoint export ckpt/step-00000100 model.pt\n "
+        " hyparallel checkpoint export ckpt/ llama-ft/           # an hf: model: a folder"
+        " from_pretrained loads\n  hyparallel checkpoint export ckpt/ Llama-3.1-8B-ft --format hf"
+        " --max-shard-size 2GB"
     ),
     "plan": (
-        "examples:\n"
-        "  hyparallel plan --model gpt-175b --gpus 1024 --cluster a100-80g --global-batch 1536 --seq-len 2048 "
-        "-o plan.yaml\n"
-        "  hyparallel plan --model llama-70b --gpus 64 --cluster h100-sxm --tp 8 --top 5\n"
-        "  hyparallel plan --model hf:LlamaForCausalLM num_hidden_layers=8 --gpus 8 --json\n"
-        "  hyparallel plan --model mypkg.gpt:make_model --example-inputs mypkg.gpt:make_inputs --gpus 8 --seq-len 1024"
-        "\n"
-        "  hyparallel plan --model gpt-13b --gpus 64 --cluster h100-sxm --mtbf 24 --checkpoint memory   "
-        "# + checkpoint interval, goodput\n"
-        "  hyparallel plan --model gpt-13b --gpus 64 --cluster a100-80g --grad-compression any --top 5   "
-        "# may compress dp gradients\n"
-        "  hyparallel plan --model dlrm-criteo-tb --gpus 8 --global-batch 65536 --top 3   "
-        "# embedding tables: parameter servers or GPUs\n"
-        "  hyparallel plan --model dlrm-tiny --gpus 2 --global-batch 64 --ps-servers 2 -o ps.yaml"
+        "examples:\n  hyparallel plan --model gpt-175b --gpus 1024 --cluster a100-80g"
+        " --global-batch 1536 --seq-len 2048 -o plan.yaml\n  hyparallel plan --model llama-70b"
+        " --gpus 64 --cluster h100-sxm --tp 8 --top 5\n  hyparallel plan --model"
+        " hf:LlamaForCausalLM num_hidden_layers=8 --gpus 8 --json\n  hyparallel plan --model"
+        " mypkg.gpt:make_model --example-inputs mypkg.gpt:make_inputs --gpus 8 --seq-len 1024\n "
+        " hyparallel plan --model gpt-13b --gpus 64 --cluster h100-sxm --mtbf 24 --checkpoint"
+        " memory   # + checkpoint interval, goodput\n  hyparallel plan --model gpt-13b --gpus 64"
+        " --cluster a100-80g --grad-compression any --top 5   # may compress dp gradients\n "
+        " hyparallel plan --model dlrm-criteo-tb --gpus 8 --global-batch 65536 --top 3   #"
+        " embedding tables: parameter servers or GPUs\n  hyparallel plan --model dlrm-tiny --gpus 2"
+        " --global-batch 64 --ps-servers 2 -o ps.yaml"
     ),
     "calibrate": (
-        "examples:\n"
-        "  hyparallel calibrate --out my-cluster.yaml              # 8 gloo processes on a CPU; one per GPU on CUDA\n"
-        "  hyparallel plan --model gpt-tiny --gpus 8 --cluster my-cluster.yaml --dtype fp32\n"
-        "  hyparallel calibrate --base h200 --out my-h200.yaml      "
-        "# datasheet peaks kept; efficiencies and links measured\n"
-        "  torchrun --nproc_per_node 4 -m hyparallel calibrate --quick --out my-cluster.yaml   "
-        "# inside a launch: its world\n"
-        "  hyparallel calibrate --from-run metrics.json --out corrected.yaml   "
-        "# fit to a run's measured steps, then re-plan"
+        "examples:\n  hyparallel calibrate --out my-cluster.yaml              # 8 gloo processes on"
+        " a CPU; one per GPU on CUDA\n  hyparallel plan --model gpt-tiny --gpus 8 --cluster"
+        " my-cluster.yaml --dtype fp32\n  hyparallel calibrate --base h200 --out my-h200.yaml     "
+        " # datasheet peaks kept; efficiencies and links measured\n  torchrun --nproc_per_node 4 -m"
+        " hyparallel calibrate --quick --out my-cluster.yaml   # inside a launch: its world\n "
+        " hyparallel calibrate --from-run metrics.json --out corrected.yaml   # fit to a run's"
+        " measured steps, then re-plan"
     ),
 }
 
@@ -124,7 +120,9 @@ def cmd_clusters(args: argparse.Namespace, out: Console) -> None:
     if args.json:
         print(json.dumps([spec.model_dump(mode="json") for spec in specs], indent=2))
         return
-    table = Table(title="hyparallel clusters (figures per device; --cluster also takes a YAML file)")
+    table = Table(
+        title="hyparallel clusters (figures per device; --cluster also takes a YAML file)"
+    )
     for column in (
         "name",
         "device",
@@ -135,7 +133,9 @@ def cmd_clusters(args: argparse.Namespace, out: Console) -> None:
         "inter-node GB/s",
         "backend",
     ):
-        table.add_column(column, justify="left" if column in ("name", "device", "backend") else "right")
+        table.add_column(
+            column, justify="left" if column in ("name", "device", "backend") else "right"
+        )
     for spec in specs:
         table.add_row(
             spec.name,
@@ -151,12 +151,14 @@ def cmd_clusters(args: argparse.Namespace, out: Console) -> None:
 
 
 def cmd_show(args: argparse.Namespace, out: Console) -> None:
-    """Check a plan file and print it, completed: mesh and device map, stages and memory, predicted time."""
+    """Check a plan file and print it, completed: mesh and device map, stages and memory, predicted
+    time."""
     from hyparallel.spec.schema import Plan
     from hyparallel.tools import views
 
     plan = Plan.load(args.plan)
-    if args.model:  # as parallelize reads it: one trace, the plan checked against it, then completed
+    # as parallelize reads it: one trace, the plan checked against it, then completed
+    if args.model:
         from hyparallel import models
         from hyparallel.graph import trace
         from hyparallel.graph.checks import check_plan
@@ -184,21 +186,30 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
     if plan.cluster:
         c = plan.cluster
         out.print(
-            f"cluster  {c.name}: {c.num_nodes} node(s) x {c.gpus_per_node} {c.device.name} = {c.num_gpus} devices",
+            f"cluster  {c.name}: {c.num_nodes} node(s) x {c.gpus_per_node} {c.device.name} ="
+            f" {c.num_gpus} devices",
             markup=False,
         )
     out.print(
-        f"training global batch {train.global_batch} = dp {par.dp} x {plan.num_microbatches} micro-batches x "
-        f"{train.micro_batch}, "
-        f"seq_len {train.seq_len}, {train.dtype}"
+        f"training global batch {train.global_batch} = dp {par.dp} x {plan.num_microbatches}"
+        f" micro-batches x {train.micro_batch}, seq_len {train.seq_len}, {train.dtype}"
     )
     mesh = " x ".join(f"{axis} {size}" for axis, size in plan.mesh_shape().items())
     out.print(
         f"parallel {mesh} = {plan.world_size} processes; schedule {par.schedule}"
         + (f" ({par.virtual_stages} virtual stages)" if par.virtual_stages > 1 else "")
-        + f", recompute {par.recompute}, ZeRO {par.zero}, sequence parallel {'on' if par.sequence_parallel else 'off'}"
-        + (f", loss {'vocab-parallel' if par.vocab_parallel_loss else 'on gathered logits'}" if par.tp > 1 else "")
-        + (f", gradient compression {views.compression(plan)}" if par.dp > 1 and plan.ps is None else ""),
+        + f", recompute {par.recompute}, ZeRO {par.zero}, sequence parallel"
+        f" {'on' if par.sequence_parallel else 'off'}"
+        + (
+            f", loss {'vocab-parallel' if par.vocab_parallel_loss else 'on gathered logits'}"
+            if par.tp > 1
+            else ""
+        )
+        + (
+            f", gradient compression {views.compression(plan)}"
+            if par.dp > 1 and plan.ps is None
+            else ""
+        ),
         markup=False,
     )
     if plan.ps is not None:
@@ -208,7 +219,9 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
         groups.add_column(column)
     for axis in ("tp", "dp", "pp"):
         size = getattr(par, axis)
-        groups.add_row(axis, str(plan.world_size // size), _ranks(_first_group(plan, axis)), _link(plan, axis))
+        groups.add_row(
+            axis, str(plan.world_size // size), _ranks(_first_group(plan, axis)), _link(plan, axis)
+        )
     out.print(groups)
     out.print(views.device_map(plan))
     out.print(views.stage_table(plan))
@@ -218,15 +231,16 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
             out.print(line, markup=False, highlight=False)
     else:
         out.print(
-            "no predictions in this plan (stages, tensor-parallel styles and predictions come from the planner: "
-            "`hyparallel plan`)"
+            "no predictions in this plan (stages, tensor-parallel styles and predictions come from"
+            " the planner: `hyparallel plan`)"
         )
     for line in views.checkpoint_lines(plan) if plan.checkpoint else ():
         out.print(line, markup=False, highlight=False)
 
 
 def _first_group(plan, axis: str) -> range:
-    """The ranks of the first process group along ``axis`` (the others' coordinates 0), without listing every rank."""
+    """The ranks of the first process group along ``axis`` (the others' coordinates 0), without
+    listing every rank."""
     shape = plan.mesh_shape()
     axes = list(shape)
     stride = 1
@@ -237,12 +251,17 @@ def _first_group(plan, axis: str) -> range:
 
 def _ranks(ranks: range) -> str:
     if len(ranks) > 2:
-        return f"{ranks[0]}..{ranks[-1]}" + (f" step {ranks.step}" if ranks.step > 1 else "") + f" ({len(ranks)})"
+        return (
+            f"{ranks[0]}..{ranks[-1]}"
+            + (f" step {ranks.step}" if ranks.step > 1 else "")
+            + f" ({len(ranks)})"
+        )
     return str(list(ranks))
 
 
 def _link(plan, axis: str) -> str:
-    """Whether the groups along ``axis`` stay inside a node (the planner's rule) and the link they use."""
+    """Whether the groups along ``axis`` stay inside a node (the planner's rule) and the link they
+    use."""
     from hyparallel.planner.search import axis_link
 
     if plan.cluster is None or getattr(plan.parallel, axis) == 1:
@@ -259,7 +278,11 @@ def cmd_trace(args: argparse.Namespace, out: Console) -> None:
 
     loaded = models.load(args.model)
     seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
-    graph = trace(loaded.module, models.example_inputs(loaded.module, args.batch_size, seq_len), name=loaded.name)
+    graph = trace(
+        loaded.module,
+        models.example_inputs(loaded.module, args.batch_size, seq_len),
+        name=loaded.name,
+    )
     if args.json:
         segments = [s.__dict__ for s in graph.segments()]
         print(
@@ -281,15 +304,28 @@ def cmd_trace(args: argparse.Namespace, out: Console) -> None:
         return
     out.print(
         graph.summary()
-        + f"\n  inputs          batch {args.batch_size} x seq_len {seq_len}; fingerprint {graph.fingerprint}",
+        + f"\n  inputs          batch {args.batch_size} x seq_len {seq_len}; fingerprint"
+        f" {graph.fingerprint}",
         markup=False,
         highlight=False,
     )
     table = Table(title="segments (the units pipeline stages are made of)")
-    for column in ("#", "segment", "ops", "parameters", "forward GFLOPs", "activations MiB", "sent onward MiB"):
+    for column in (
+        "#",
+        "segment",
+        "ops",
+        "parameters",
+        "forward GFLOPs",
+        "activations MiB",
+        "sent onward MiB",
+    ):
         table.add_column(column, justify="left" if column == "segment" else "right")
     for first, last, s in _runs(graph.segments()):
-        label = s.name if first == last else f"{s.name} .. {graph.segments()[last].name} (x{last - first + 1}, each)"
+        label = (
+            s.name
+            if first == last
+            else f"{s.name} .. {graph.segments()[last].name} (x{last - first + 1}, each)"
+        )
         table.add_row(
             str(first) if first == last else f"{first}-{last}",
             label,
@@ -303,7 +339,8 @@ def cmd_trace(args: argparse.Namespace, out: Console) -> None:
 
 
 def _runs(segments):
-    """(first index, last index, segment) for runs of identical consecutive blocks; other segments alone."""
+    """(first index, last index, segment) for runs of identical consecutive blocks; other segments
+    alone."""
 
     def cost(s):
         return (s.is_block, len(s.ops), s.flops, s.param_count, s.activation_bytes, s.output_bytes)
@@ -332,20 +369,36 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     base = ClusterSpec.resolve(args.cluster)
     per_node = per_node or min(base.gpus_per_node, args.gpus)
     if args.gpus % per_node:
-        raise PlanError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {per_node}; use whole nodes")
+        raise PlanError(
+            f"--gpus {args.gpus} is not a multiple of --gpus-per-node {per_node}; use whole nodes"
+        )
     cluster = base.resized(num_nodes=args.gpus // per_node, gpus_per_node=per_node)
     if args.mtbf is None and (args.restart_s is not None or args.checkpoint is not None):
-        raise PlanError("--restart-s and --checkpoint describe the checkpoint cost; add --mtbf HOURS to have it")
-    restart_s, storage = DEFAULT_RESTART_S if args.restart_s is None else args.restart_s, args.checkpoint or "disk"
+        raise PlanError(
+            "--restart-s and --checkpoint describe the checkpoint cost; add --mtbf HOURS to have it"
+        )
+    restart_s, storage = (
+        (DEFAULT_RESTART_S if args.restart_s is None else args.restart_s),
+        args.checkpoint or "disk",
+    )
     if args.mtbf is not None:  # before the search, as the output path
         check_goodput_request(args.mtbf, restart_s, storage, cluster)
     compression = _compression_from_args(args)
-    with _logged(args.verbose), _progress(sys.stderr.isatty() and not args.json and not args.verbose) as progress:
+    with (
+        _logged(args.verbose),
+        _progress(sys.stderr.isatty() and not args.json and not args.verbose) as progress,
+    ):
         loaded = models.load(args.model)
-        make_inputs = models.load_callable(args.example_inputs, "example inputs") if args.example_inputs else None
+        make_inputs = (
+            models.load_callable(args.example_inputs, "example inputs")
+            if args.example_inputs
+            else None
+        )
         seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
         progress("tracing", 0, 0)
-        constraints = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
+        constraints = {
+            k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None
+        }
         constraints.update(compression)
         if args.no_vocab_parallel_loss:
             constraints["vocab_parallel_loss"] = False
@@ -380,14 +433,16 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
     if args.top > 1 and result.tables is not None:
         out.print(views.table_options(result.tables))
     out.print(
-        f"searched {result.considered:,} configurations ({result.evaluated:,} costed exactly) in {result.search_s:.2f}s"
+        f"searched {result.considered:,} configurations ({result.evaluated:,} costed exactly) in"
+        f" {result.search_s:.2f}s"
         + (f"; wrote {args.output}" if args.output else "; pass -o plan.yaml to save it"),
         markup=False,
     )
 
 
 def _compression_from_args(args: argparse.Namespace) -> dict:
-    """--grad-compression and PowerSGD's flags as the planner's constraints; PowerSGD's flags need it allowed."""
+    """--grad-compression and PowerSGD's flags as the planner's constraints; PowerSGD's flags need
+    it allowed."""
     from hyparallel.planner import PlanError
 
     shaped = [
@@ -400,9 +455,9 @@ def _compression_from_args(args: argparse.Namespace) -> dict:
     ]
     if shaped and args.grad_compression not in ("powersgd", "any"):
         raise PlanError(
-            f"{' and '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} PowerSGD, which --grad-compression "
-            f"{args.grad_compression or 'none'} "
-            "does not allow; add --grad-compression powersgd (or any)"
+            f"{' and '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} PowerSGD, which"
+            f" --grad-compression {args.grad_compression or 'none'} does not allow; add"
+            " --grad-compression powersgd (or any)"
         )
     given = {
         "grad_compression": args.grad_compression,
@@ -414,7 +469,8 @@ def _compression_from_args(args: argparse.Namespace) -> dict:
 
 @contextlib.contextmanager
 def _logged(verbose: bool):
-    """With ``verbose``, hyparallel's loggers print on stderr at DEBUG level while the block runs."""
+    """With ``verbose``, hyparallel's loggers print on stderr at DEBUG level while the block
+    runs."""
     if not verbose:
         yield
         return
@@ -432,11 +488,19 @@ def _logged(verbose: bool):
 
 @contextlib.contextmanager
 def _progress(enabled: bool):
-    """A progress(phase, done, total) callback: a transient bar on stderr when it is a terminal, else a no-op."""
+    """A progress(phase, done, total) callback: a transient bar on stderr when it is a terminal,
+    else a no-op."""
     if not enabled:
         yield lambda phase, done, total: None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     columns = (
         SpinnerColumn(),
@@ -461,17 +525,28 @@ def _print_plan(plan, out: Console) -> None:
 
     par, cluster = plan.parallel, plan.cluster
     out.print(
-        f"{plan.model.name}: {views.count(plan.model.num_params)} parameters, {plan.model.num_layers} layers, on "
-        f"{cluster.num_nodes} x {cluster.gpus_per_node} {cluster.device.name} ({cluster.name})",
+        f"{plan.model.name}: {views.count(plan.model.num_params)} parameters,"
+        f" {plan.model.num_layers} layers, on {cluster.num_nodes} x {cluster.gpus_per_node}"
+        f" {cluster.device.name} ({cluster.name})",
         markup=False,
     )
     mesh = " x ".join(f"{axis} {size}" for axis, size in plan.mesh_shape().items())
     out.print(
-        f"mesh {mesh}; micro-batch {plan.training.micro_batch} x {plan.num_microbatches}; schedule {par.schedule}"
+        f"mesh {mesh}; micro-batch {plan.training.micro_batch} x {plan.num_microbatches}; schedule"
+        f" {par.schedule}"
         + (f" (v={par.virtual_stages})" if par.virtual_stages > 1 else "")
-        + f"; recompute {par.recompute}; ZeRO {par.zero}; sequence parallel {'on' if par.sequence_parallel else 'off'}"
-        + (f"; loss {'vocab-parallel' if par.vocab_parallel_loss else 'on gathered logits'}" if par.tp > 1 else "")
-        + (f"; gradient compression {views.compression(plan)}" if par.dp > 1 and plan.ps is None else ""),
+        + f"; recompute {par.recompute}; ZeRO {par.zero}; sequence parallel"
+        f" {'on' if par.sequence_parallel else 'off'}"
+        + (
+            f"; loss {'vocab-parallel' if par.vocab_parallel_loss else 'on gathered logits'}"
+            if par.tp > 1
+            else ""
+        )
+        + (
+            f"; gradient compression {views.compression(plan)}"
+            if par.dp > 1 and plan.ps is None
+            else ""
+        ),
         markup=False,
     )
     if plan.ps is not None:
@@ -511,7 +586,11 @@ def _print_top(result, to_plan, out: Console) -> None:
     for rank, evaluation in enumerate(result.best):
         c, pred = evaluation.config, to_plan(result, evaluation).predicted
         schedule = c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "")
-        saved = f"{pred.uncompressed.step_time_s - evaluation.step_time_s:.3f}" if pred.uncompressed else "-"
+        saved = (
+            f"{pred.uncompressed.step_time_s - evaluation.step_time_s:.3f}"
+            if pred.uncompressed
+            else "-"
+        )
         table.add_row(
             str(rank + 1),
             str(c.tp),
@@ -536,12 +615,17 @@ def _print_top(result, to_plan, out: Console) -> None:
         why.add_column(column)
     for alt in result.alternatives:
         c = alt.evaluation.config if alt.evaluation else None
-        why.add_row(alt.label, *(str(x) if c else "-" for x in ((c.tp, c.pp, c.dp) if c else (0, 0, 0))), alt.why)
+        why.add_row(
+            alt.label,
+            *(str(x) if c else "-" for x in ((c.tp, c.pp, c.dp) if c else (0, 0, 0))),
+            alt.why,
+        )
     out.print(why)
 
 
 def _max_seq_len(model) -> int | None:
-    """The model's context (at most 2048), else its example_inputs' own default seq_len (1 for DLRM's samples)."""
+    """The model's context (at most 2048), else its example_inputs' own default seq_len (1 for
+    DLRM's samples)."""
     from hyparallel.planner.inputs import default_seq_len
 
     config = getattr(model, "config", None)
@@ -571,33 +655,45 @@ def cmd_check(args: argparse.Namespace, out: Console) -> None:
     elif report.verdict != "refused":
         out.print(report.table(), markup=False, highlight=False)
     if report.verdict == "refused":
-        raise HyparallelError(f"{' x '.join(f'{k} {v}' for k, v in report.layout.items())}: refused: {report.reason}")
+        raise HyparallelError(
+            f"{' x '.join(f'{k} {v}' for k, v in report.layout.items())}: refused: {report.reason}"
+        )
     if report.verdict != "equal":
         raise SystemExit(1)
 
 
 def cmd_demo(args: argparse.Namespace, out: Console) -> None:
-    """Run the embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU."""
+    """Run the embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the
+    CPU."""
     from hyparallel.tools import demo
 
     demo.run(
-        log=lambda text: out.print(text, markup=False, highlight=False), show_plan=lambda plan: _print_plan(plan, out)
+        log=lambda text: out.print(text, markup=False, highlight=False),
+        show_plan=lambda plan: _print_plan(plan, out),
     )
 
 
 def cmd_checkpoint(args: argparse.Namespace, out: Console) -> None:
-    """Consolidate a sharded checkpoint (saved under any plan) into one single-device state dict file."""
+    """Consolidate a sharded checkpoint (saved under any plan) into one single-device state dict
+    file."""
     from hyparallel.runtime import checkpoint
 
-    written = checkpoint.export(args.path, args.out, format=args.format, max_shard_size=args.max_shard_size)
+    written = checkpoint.export(
+        args.path, args.out, format=args.format, max_shard_size=args.max_shard_size
+    )
     files = sorted(written.iterdir()) if written.is_dir() else [written]
     size = sum(f.stat().st_size for f in files) / 2**20
-    what = f"{written}/ ({len(files)} files, {size:.1f} MiB)" if written.is_dir() else f"{written} ({size:.1f} MiB)"
+    what = (
+        f"{written}/ ({len(files)} files, {size:.1f} MiB)"
+        if written.is_dir()
+        else f"{written} ({size:.1f} MiB)"
+    )
     out.print(f"wrote {what}", markup=False, highlight=False)
 
 
 def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
-    """Measure this machine's matmul, memory and collective speeds; print them and write a ClusterSpec."""
+    """Measure this machine's matmul, memory and collective speeds; print them and write a
+    ClusterSpec."""
     from hyparallel.spec.files import check_writable
     from hyparallel.tools import calibrate
 
@@ -605,7 +701,9 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
         _calibrate_from_run(args, out)
         return
     if args.model or args.cluster or args.switch_gain is not None:
-        raise UsageError("hyparallel calibrate", "--model, --cluster and --switch-gain go with --from-run FILE")
+        raise UsageError(
+            "hyparallel calibrate", "--model, --cluster and --switch-gain go with --from-run FILE"
+        )
     if args.out:
         check_writable(args.out)  # before minutes of measuring
     spec, measured = calibrate.calibrate(
@@ -622,7 +720,8 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
     if args.out:
         calibrate.write(spec, measured, args.out)
         out.print(
-            f"wrote {args.out}; plan with it: hyparallel plan --cluster {args.out} --gpus {spec.gpus_per_node} ...",
+            f"wrote {args.out}; plan with it: hyparallel plan --cluster {args.out} --gpus"
+            f" {spec.gpus_per_node} ...",
             markup=False,
             highlight=False,
         )
@@ -631,18 +730,26 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> None:
 
 
 def _calibrate_from_run(args: argparse.Namespace, out: Console) -> None:
-    """`calibrate --from-run`: fit the run's cluster to its measured steps, write it with --out, and re-plan."""
+    """`calibrate --from-run`: fit the run's cluster to its measured steps, write it with --out, and
+    re-plan."""
     from hyparallel.planner import online
     from hyparallel.spec.files import check_writable
 
-    given = [flag for flag in ("nproc", "base", "name", "device") if getattr(args, flag) is not None]
+    given = [
+        flag for flag in ("nproc", "base", "name", "device") if getattr(args, flag) is not None
+    ]
     if given or args.quick:
         flags = ", ".join(f"--{flag}" for flag in given + (["quick"] if args.quick else []))
-        raise UsageError("hyparallel calibrate", f"{flags}: for measuring this machine, not with --from-run")
+        raise UsageError(
+            "hyparallel calibrate", f"{flags}: for measuring this machine, not with --from-run"
+        )
     if args.out:
         check_writable(args.out)
     result = online.from_run(
-        args.from_run, out=args.out, model=" ".join(args.model) if args.model else None, cluster=args.cluster
+        args.from_run,
+        out=args.out,
+        model=" ".join(args.model) if args.model else None,
+        cluster=args.cluster,
     )
     gain = online.DEFAULT_SWITCH_GAIN if args.switch_gain is None else args.switch_gain
     out.print(result.line(gain), markup=False, highlight=False, soft_wrap=True)
@@ -651,7 +758,8 @@ def _calibrate_from_run(args: argparse.Namespace, out: Console) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
-    """Simulate one training step of a plan's pipeline schedule; draw it with --out, else print it as text."""
+    """Simulate one training step of a plan's pipeline schedule; draw it with --out, else print it
+    as text."""
     from hyparallel.pipeline.schedule import format_schedule, lower, schedule, simulate
     from hyparallel.planner.timeline import timeline
     from hyparallel.spec.schema import Plan
@@ -666,9 +774,12 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
         step = f"simulated step {result.total_s:.4g}s (planner: {result.predicted_step_s:.4g}s)"
     else:
         step = (
-            f"simulated step {result.total_s:g} relative units (forward 1, backward 2: the plan has no planner timings)"
+            f"simulated step {result.total_s:g} relative units (forward 1, backward 2: the plan has"
+            " no planner timings)"
         )
-    bubbles = ", ".join(f"{rank} {fraction:.0%}" for rank, fraction in result.bubble_fraction.items())
+    bubbles = ", ".join(
+        f"{rank} {fraction:.0%}" for rank, fraction in result.bubble_fraction.items()
+    )
     summary = f"{step}; bubble per rank {bubbles}"
     if args.out:
         from hyparallel.tools.pictures import render_timeline
@@ -676,33 +787,47 @@ def cmd_simulate(args: argparse.Namespace, out: Console) -> None:
         drawn = render_timeline(result, args.out)
         out.print(summary, markup=False, highlight=False, soft_wrap=True)
         out.print(
-            f"wrote {drawn.path} ({drawn.compute_bars} forward and backward blocks)", markup=False, highlight=False
+            f"wrote {drawn.path} ({drawn.compute_bars} forward and backward blocks)",
+            markup=False,
+            highlight=False,
         )
         return
     par = plan.parallel
     steps = simulate(
-        lower(schedule(par.schedule, par.pp, plan.num_microbatches, par.virtual_stages), par.pp, par.virtual_stages),
+        lower(
+            schedule(par.schedule, par.pp, plan.num_microbatches, par.virtual_stages),
+            par.pp,
+            par.virtual_stages,
+        ),
         par.pp,
         par.virtual_stages,
     )
     lines = format_schedule(steps.timeline).splitlines()
     cut = any(len(line) > out.width for line in lines)
     out.print(
-        "\n".join(line[: out.width - 2] + " ~" if len(line) > out.width else line for line in lines),
+        "\n".join(
+            line[: out.width - 2] + " ~" if len(line) > out.width else line for line in lines
+        ),
         markup=False,
         highlight=False,
     )
     out.print(
-        f"unit steps, '.' idle ({steps.steps} steps{', cut at the console width' if cut else ''}); {summary}",
+        f"unit steps, '.' idle ({steps.steps} steps{', cut at the console width' if cut else ''});"
+        f" {summary}",
         markup=False,
         highlight=False,
         soft_wrap=True,
     )
-    out.print("pass --out timeline.png (or .svg) for the timed picture of the step", markup=False, highlight=False)
+    out.print(
+        "pass --out timeline.png (or .svg) for the timed picture of the step",
+        markup=False,
+        highlight=False,
+    )
 
 
 class UsageError(HyparallelError):
-    """A command line argparse refuses; ``prog`` is the (sub)command whose ``--help`` explains it."""
+    """A command line argparse refuses; ``prog`` is the (sub)command whose ``--help`` explains
+    it."""
 
     def __init__(self, prog: str, message: str):
         super().__init__(message)
@@ -710,15 +835,19 @@ class UsageError(HyparallelError):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (a UsageError), not its usage block on stderr and SystemExit."""
+    """An ArgumentParser whose errors are one line (a UsageError), not its usage block on stderr and
+    SystemExit."""
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(self.prog, message)
 
 
 def _int_in(high: int, low: int = 1) -> Callable[[str], int]:
-    """An argparse ``type`` for an integer flag from ``low`` to ``high`` (the bounds of hyparallel.spec.limits)."""
-    what = f"a positive integer up to {high:,}" if low == 1 else f"an integer from {low:,} to {high:,}"
+    """An argparse ``type`` for an integer flag from ``low`` to ``high`` (the bounds of
+    hyparallel.spec.limits)."""
+    what = (
+        f"a positive integer up to {high:,}" if low == 1 else f"an integer from {low:,} to {high:,}"
+    )
 
     def parse(text: str) -> int:
         try:
@@ -734,7 +863,8 @@ def _int_in(high: int, low: int = 1) -> Callable[[str], int]:
 
 
 def _float_in(high: float, unit: str, positive: bool = False) -> Callable[[str], float]:
-    """An argparse ``type`` for a number of ``unit`` from 0 (excluded when ``positive``) to ``high``."""
+    """An argparse ``type`` for a number of ``unit`` from 0 (excluded when ``positive``) to
+    ``high``."""
     what = f"a number of {unit} " + ("above 0" if positive else "from 0") + f" up to {high:g}"
 
     # Named apart from _int_in's `parse`: tests/test_fuzz_cli.py finds integer flags by that name.
@@ -757,7 +887,9 @@ SEQUENCES, SEQ_LEN = _int_in(limits.MAX_GLOBAL_BATCH), _int_in(limits.MAX_SEQ_LE
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand; its errors raise :class:`UsageError`."""
-    parser = _Parser(prog="hyparallel", description="Hybrid-parallel model partitioning for PyTorch.")
+    parser = _Parser(
+        prog="hyparallel", description="Hybrid-parallel model partitioning for PyTorch."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, func: Callable, help_text: str) -> argparse.ArgumentParser:
@@ -777,7 +909,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("clusters", cmd_clusters, "List the cluster presets.").add_argument(
         "--json", action="store_true", help="print JSON"
     )
-    show = add("show", cmd_show, "Check a plan file and print it, with the derived fields completed.")
+    show = add(
+        "show", cmd_show, "Check a plan file and print it, with the derived fields completed."
+    )
     show.add_argument("plan", help="plan YAML file")
     show.add_argument("--yaml", action="store_true", help="print the completed plan as YAML")
     show.add_argument(
@@ -785,45 +919,83 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="MODEL",
         default=None,
-        help="plan what a hand-written plan leaves open (stages, tensor-parallel map, predictions) for this "
-        "model, as parallelize does; a name, package.module:factory or hf:ARCH, then key=value overrides",
+        help=(
+            "plan what a hand-written plan leaves open (stages, tensor-parallel map, predictions)"
+            " for this model, as parallelize does; a name, package.module:factory or hf:ARCH, then"
+            " key=value overrides"
+        ),
     )
-    trace = add("trace", cmd_trace, "Trace a model on the meta device: parameters, FLOPs, blocks, cut points.")
+    trace = add(
+        "trace",
+        cmd_trace,
+        "Trace a model on the meta device: parameters, FLOPs, blocks, cut points.",
+    )
     trace.add_argument(
         "--model",
         nargs="+",
         required=True,
         metavar="MODEL",
-        help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides",
+        help=(
+            "a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value"
+            " overrides"
+        ),
     )
-    trace.add_argument("--batch-size", type=SEQUENCES, default=1, help="sequences per traced call (default 1)")
     trace.add_argument(
-        "--seq-len", type=SEQ_LEN, default=None, help="tokens per sequence (default: the model's, at most 2048)"
+        "--batch-size", type=SEQUENCES, default=1, help="sequences per traced call (default 1)"
+    )
+    trace.add_argument(
+        "--seq-len",
+        type=SEQ_LEN,
+        default=None,
+        help="tokens per sequence (default: the model's, at most 2048)",
     )
     trace.add_argument("--json", action="store_true", help="print JSON on stdout and nothing else")
     plan = add(
-        "plan", cmd_plan, "Find the fastest data x tensor x pipeline plan that fits memory, and write it as YAML."
+        "plan",
+        cmd_plan,
+        "Find the fastest data x tensor x pipeline plan that fits memory, and write it as YAML.",
     )
     plan.add_argument(
         "--model",
         nargs="+",
         required=True,
         metavar="MODEL",
-        help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides",
-    )
-    plan.add_argument("--gpus", type=DEVICES, required=True, help="number of GPUs (processes) in all")
-    plan.add_argument(
-        "--gpus-per-node", type=PER_NODE, default=None, help="GPUs per node (default: the cluster preset's)"
-    )
-    plan.add_argument(
-        "--cluster", default="a100-80g", help="a preset from `hyparallel clusters` or a YAML file (default a100-80g)"
-    )
-    plan.add_argument("--global-batch", type=SEQUENCES, default=512, help="sequences per optimizer step (default 512)")
-    plan.add_argument(
-        "--seq-len", type=SEQ_LEN, default=None, help="tokens per sequence (default: the model's, at most 2048)"
+        help=(
+            "a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value"
+            " overrides"
+        ),
     )
     plan.add_argument(
-        "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training precision (default bf16)"
+        "--gpus", type=DEVICES, required=True, help="number of GPUs (processes) in all"
+    )
+    plan.add_argument(
+        "--gpus-per-node",
+        type=PER_NODE,
+        default=None,
+        help="GPUs per node (default: the cluster preset's)",
+    )
+    plan.add_argument(
+        "--cluster",
+        default="a100-80g",
+        help="a preset from `hyparallel clusters` or a YAML file (default a100-80g)",
+    )
+    plan.add_argument(
+        "--global-batch",
+        type=SEQUENCES,
+        default=512,
+        help="sequences per optimizer step (default 512)",
+    )
+    plan.add_argument(
+        "--seq-len",
+        type=SEQ_LEN,
+        default=None,
+        help="tokens per sequence (default: the model's, at most 2048)",
+    )
+    plan.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="training precision (default bf16)",
     )
     for axis in ("tp", "pp", "dp"):
         plan.add_argument(f"--{axis}", type=DEVICES, default=None, help=f"fix the {axis} degree")
@@ -831,32 +1003,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--example-inputs",
         default=None,
         metavar="package.module:make_inputs",
-        help="for a model without an example_inputs(batch_size, seq_len, device) method: a function "
-        "make_inputs(batch_size, seq_len) returning one micro-batch of its inputs (a tensor, a "
-        "tuple of args or a dict of kwargs) with the same meaning; the planner traces "
-        "make_inputs(1, seq_len), and parallelize takes example_inputs=make_inputs(micro_batch, "
-        "seq_len); token ids must be seq_len long, other inputs (images, audio features) are taken as "
-        "they are. Hugging Face models need none: token ids, pixel_values or input_features by their config",
+        help=(
+            "for a model without an example_inputs(batch_size, seq_len, device) method: a function"
+            " make_inputs(batch_size, seq_len) returning one micro-batch of its inputs (a tensor, a"
+            " tuple of args or a dict of kwargs) with the same meaning; the planner traces"
+            " make_inputs(1, seq_len), and parallelize takes"
+            " example_inputs=make_inputs(micro_batch, seq_len); token ids must be seq_len long,"
+            " other inputs (images, audio features) are taken as they are. Hugging Face models need"
+            " none: token ids, pixel_values or input_features by their config"
+        ),
     )
     plan.add_argument(
         "--no-cache",
         action="store_true",
-        help="trace the model again instead of reading its traced graph from the cache "
-        "($HYPARALLEL_CACHE_DIR, else ~/.cache/hyparallel)",
+        help=(
+            "trace the model again instead of reading its traced graph from the cache "
+            "($HYPARALLEL_CACHE_DIR, else ~/.cache/hyparallel)"
+        ),
     )
     plan.add_argument(
         "--top",
         type=_int_in(limits.MAX_TOP),
         default=1,
-        help=f"list the K best plans (at most {limits.MAX_TOP}) and why the usual alternatives lost",
+        help=(
+            f"list the K best plans (at most {limits.MAX_TOP}) and why the usual alternatives lost"
+        ),
     )
     plan.add_argument(
         "--grad-compression",
         choices=("none", "bf16", "fp16", "powersgd", "any"),
         default=None,
-        help="how the data-parallel gradients are reduced: none (fp32, the default: compression changes the "
-        "numerics), bf16 or fp16 (16-bit reductions, and 16-bit ZeRO gathers in 16-bit training), powersgd (low-rank, "
-        "ZeRO 0 only), or any: the planner picks the fastest (docs/cost-model.md, 'Gradient compression')",
+        help=(
+            "how the data-parallel gradients are reduced: none (fp32, the default: compression"
+            " changes the numerics), bf16 or fp16 (16-bit reductions, and 16-bit ZeRO gathers in"
+            " 16-bit training), powersgd (low-rank, ZeRO 0 only), or any: the planner picks the"
+            " fastest (docs/cost-model.md, 'Gradient compression')"
+        ),
     )
     plan.add_argument(
         "--powersgd-rank",
@@ -870,91 +1052,143 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_in(limits.MAX_POWERSGD_START_STEP, low=2),
         default=None,
         metavar="N",
-        help="with --grad-compression powersgd or any: steps reduced uncompressed before PowerSGD starts "
-        "(default 1000)",
+        help=(
+            "with --grad-compression powersgd or any: steps reduced uncompressed before PowerSGD"
+            " starts (default 1000)"
+        ),
     )
     plan.add_argument(
         "--no-vocab-parallel-loss",
         action="store_true",
-        help="gather the logits for the loss (any loss_fn then works; tp times the loss's memory), instead of "
-        "the vocab-parallel cross-entropy the planner sets wherever tp splits the head",
+        help=(
+            "gather the logits for the loss (any loss_fn then works; tp times the loss's memory),"
+            " instead of the vocab-parallel cross-entropy the planner sets wherever tp splits the"
+            " head"
+        ),
     )
     plan.add_argument(
         "--compile",
         action="store_true",
-        help="write parallel.compile: true, so that parallelize runs each block under torch.compile (backend: "
-        "$HYPARALLEL_COMPILE_BACKEND, else inductor); the predicted times do not count it",
+        help=(
+            "write parallel.compile: true, so that parallelize runs each block under torch.compile"
+            " (backend: $HYPARALLEL_COMPILE_BACKEND, else inductor); the predicted times do not"
+            " count it"
+        ),
     )
     plan.add_argument(
         "--ps-servers",
         type=_int_in(limits.MAX_DEVICES, low=0),
         default=None,
         metavar="N",
-        help="plan parameter-server mode: the embedding tables and dense weights on N server processes, one worker "
-        "per GPU (tp = pp = 1); 0 keeps the tables on the GPUs; without it a recommendation model gets whichever "
-        "of servers and GPUs is faster",
+        help=(
+            "plan parameter-server mode: the embedding tables and dense weights on N server"
+            " processes, one worker per GPU (tp = pp = 1); 0 keeps the tables on the GPUs; without"
+            " it a recommendation model gets whichever of servers and GPUs is faster"
+        ),
     )
     plan.add_argument("-o", "--output", default=None, help="write the plan YAML here")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON on stdout and nothing else")
     plan.add_argument(
-        "--verbose", action="store_true", help="log the search on stderr: its phases and every configuration costed"
+        "--json", action="store_true", help="print the plan as JSON on stdout and nothing else"
+    )
+    plan.add_argument(
+        "--verbose",
+        action="store_true",
+        help="log the search on stderr: its phases and every configuration costed",
     )
     plan.add_argument(
         "--mtbf",
         type=_float_in(limits.MAX_MTBF_HOURS, "hours", positive=True),
         default=None,
         metavar="HOURS",
-        help="the job's mean time between failures: add the checkpoint cost, the checkpoint interval that "
-        "maximises goodput and the expected goodput to the plan (docs/cost-model.md)",
+        help=(
+            "the job's mean time between failures: add the checkpoint cost, the checkpoint interval"
+            " that maximises goodput and the expected goodput to the plan (docs/cost-model.md)"
+        ),
     )
     plan.add_argument(
         "--restart-s",
         type=_float_in(limits.MAX_RESTART_S, "seconds"),
         default=None,
         metavar="S",
-        help="with --mtbf: seconds from a failure to training again, the checkpoint's load included (default 60)",
+        help=(
+            "with --mtbf: seconds from a failure to training again, the checkpoint's load included"
+            " (default 60)"
+        ),
     )
     plan.add_argument(
         "--checkpoint",
         choices=("memory", "disk"),
         default=None,
-        help="with --mtbf: how hp.checkpoint.save stores checkpoints: memory (blocks for the host copy; written to "
-        "disk in the background) or disk (blocks for the write; the default)",
+        help=(
+            "with --mtbf: how hp.checkpoint.save stores checkpoints: memory (blocks for the host"
+            " copy; written to disk in the background) or disk (blocks for the write; the default)"
+        ),
     )
     check = add(
         "check",
         cmd_check,
-        "Check that a layout gives the single-device numbers for a model: a small copy, trained a few steps in "
-        "local gloo processes and in one, every gradient and loss compared.",
+        "Check that a layout gives the single-device numbers for a model: a small copy, trained a"
+        " few steps in local gloo processes and in one, every gradient and loss compared.",
     )
     check.add_argument(
         "model",
         nargs="+",
         metavar="MODEL",
-        help="a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value overrides "
-        "(hf: the config class shrunk, your overrides on top; others: pass small sizes)",
+        help=(
+            "a name from `hyparallel models`, package.module:factory, or hf:ARCH, then key=value"
+            " overrides (hf: the config class shrunk, your overrides on top; others: pass small"
+            " sizes)"
+        ),
     )
     for axis, default in (("tp", 2), ("pp", 2), ("dp", 1)):
-        check.add_argument(f"--{axis}", type=PER_NODE, default=default, help=f"the {axis} degree (default {default})")
-    check.add_argument("--steps", type=_int_in(100), default=3, help="SGD steps compared (default 3)")
-    check.add_argument("--as-given", action="store_true", help="build hf: models as given, not shrunk")
+        check.add_argument(
+            f"--{axis}",
+            type=PER_NODE,
+            default=default,
+            help=f"the {axis} degree (default {default})",
+        )
+    check.add_argument(
+        "--steps", type=_int_in(100), default=3, help="SGD steps compared (default 3)"
+    )
+    check.add_argument(
+        "--as-given", action="store_true", help="build hf: models as given, not shrunk"
+    )
     check.add_argument(
         "--loss",
         default=None,
         metavar="package.module:fn",
-        help="the loss you train with, fn(output, targets) -> a scalar mean (targets: class ids over the logits' "
-        "last dim, else floats shaped like the output's first tensor); default token cross-entropy on the logits",
+        help=(
+            "the loss you train with, fn(output, targets) -> a scalar mean (targets: class ids over"
+            " the logits' last dim, else floats shaped like the output's first tensor); default"
+            " token cross-entropy on the logits"
+        ),
     )
-    check.add_argument("--timeout", type=_int_in(3600), default=600, help="seconds for the launch (default 600)")
+    check.add_argument(
+        "--timeout", type=_int_in(3600), default=600, help="seconds for the launch (default 600)"
+    )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
-    add("demo", cmd_demo, "The embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the CPU.")
-    ckpt = add("checkpoint", cmd_checkpoint, "Consolidate a sharded checkpoint into one single-device state dict.")
+    add(
+        "demo",
+        cmd_demo,
+        "The embedded default: plan GPT-3 175B for 1,024 A100s, then train a tiny model on the"
+        " CPU.",
+    )
+    ckpt = add(
+        "checkpoint",
+        cmd_checkpoint,
+        "Consolidate a sharded checkpoint into one single-device state dict.",
+    )
     ckpt.add_argument("action", choices=("export",), help="what to do (export)")
-    ckpt.add_argument("path", help="a checkpoint directory (its newest complete checkpoint) or one step-* folder")
+    ckpt.add_argument(
+        "path", help="a checkpoint directory (its newest complete checkpoint) or one step-* folder"
+    )
     ckpt.add_argument(
         "out",
-        help="output: a .safetensors file; a folder (a name without suffix, ending in /, or an existing folder) "
-        "for a Hugging Face folder of an hf: model; any other name a torch.save file",
+        help=(
+            "output: a .safetensors file; a folder (a name without suffix, ending in /, or an"
+            " existing folder) for a Hugging Face folder of an hf: model; any other name a"
+            " torch.save file"
+        ),
     )
     ckpt.add_argument(
         "--format",
@@ -969,41 +1203,61 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face folder's largest safetensors file (default 5GB; e.g. 500MB)",
     )
     calibrate = add(
-        "calibrate", cmd_calibrate, "Measure this machine (matmul, memory, collectives) and write a ClusterSpec."
+        "calibrate",
+        cmd_calibrate,
+        "Measure this machine (matmul, memory, collectives) and write a ClusterSpec.",
     )
     calibrate.add_argument(
-        "--out", default=None, metavar="FILE", help="write the ClusterSpec YAML here (default: print it)"
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="write the ClusterSpec YAML here (default: print it)",
     )
     calibrate.add_argument(
         "--nproc",
         type=PER_NODE,
         default=None,
         metavar="N",
-        help="local processes to measure with "
-        "(default: the GPU count on CUDA, else 8; torchrun's world inside a launch)",
+        help=(
+            "local processes to measure with "
+            "(default: the GPU count on CUDA, else 8; torchrun's world inside a launch)"
+        ),
     )
     calibrate.add_argument(
         "--base",
         default=None,
         metavar="PRESET",
-        help="keep this preset's (or YAML file's) datasheet peaks and memory; set efficiencies from the measurements",
+        help=(
+            "keep this preset's (or YAML file's) datasheet peaks and memory; set efficiencies from"
+            " the measurements"
+        ),
     )
     calibrate.add_argument(
-        "--quick", action="store_true", help="fewer sizes and shorter timings: seconds, less accurate"
+        "--quick",
+        action="store_true",
+        help="fewer sizes and shorter timings: seconds, less accurate",
     )
-    calibrate.add_argument("--name", default=None, help="the cluster's name (default calibrated-<hostname>)")
+    calibrate.add_argument(
+        "--name", default=None, help="the cluster's name (default calibrated-<hostname>)"
+    )
     calibrate.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default=None,
-        help="what to measure: the GPUs (nccl) or the CPU (gloo processes); default cuda when torch sees a GPU",
+        help=(
+            "what to measure: the GPUs (nccl) or the CPU (gloo processes); default cuda when torch"
+            " sees a GPU"
+        ),
     )
     calibrate.add_argument(
         "--from-run",
         default=None,
         metavar="METRICS.json",
-        help="measure nothing: fit the cluster of a run's plan to its measured steps (the file examples/train_gpt.py "
-        "--metrics-out writes), write it with --out, and re-plan under it (docs/cost-model.md, 'Online calibration')",
+        help=(
+            "measure nothing: fit the cluster of a run's plan to its measured steps (the file"
+            " examples/train_gpt.py --metrics-out writes), write it with --out, and re-plan under"
+            " it (docs/cost-model.md, 'Online calibration')"
+        ),
     )
     calibrate.add_argument(
         "--model",
@@ -1016,19 +1270,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster",
         default=None,
         metavar="PRESET|FILE",
-        help="with --from-run: the cluster to correct (default: the run's plan's; the same devices and backend)",
+        help=(
+            "with --from-run: the cluster to correct (default: the run's plan's; the same devices"
+            " and backend)"
+        ),
     )
     calibrate.add_argument(
         "--switch-gain",
         type=_float_in(1.0, "fraction"),
         default=None,
         metavar="FRACTION",
-        help="with --from-run: suggest another plan when it is predicted faster by more than this (default 0.05)",
+        help=(
+            "with --from-run: suggest another plan when it is predicted faster by more than this"
+            " (default 0.05)"
+        ),
     )
-    simulate = add("simulate", cmd_simulate, "Simulate one training step of a plan's pipeline schedule and draw it.")
+    simulate = add(
+        "simulate",
+        cmd_simulate,
+        "Simulate one training step of a plan's pipeline schedule and draw it.",
+    )
     simulate.add_argument(
         "plan",
-        help="plan YAML file (from `hyparallel plan`, for seconds and GiB; a hand plan is drawn in relative units)",
+        help=(
+            "plan YAML file (from `hyparallel plan`, for seconds and GiB; a hand plan is drawn in"
+            " relative units)"
+        ),
     )
     simulate.add_argument(
         "--out",
@@ -1040,16 +1307,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hyparallel`` console script; returns the exit status (2 for a user error)."""
+    """Entry point of the ``hyparallel`` console script; returns the exit status (2 for a user
+    error)."""
     try:
         args, extra = build_parser().parse_known_args(argv)
-        if extra:  # named here, not by the top-level parser, so the message points at the subcommand's --help
-            raise UsageError(f"hyparallel {args.command}", f"unrecognized arguments: {' '.join(extra)}")
+        # named here, not by the top-level parser, so the message points at the subcommand's --help
+        if extra:
+            raise UsageError(
+                f"hyparallel {args.command}", f"unrecognized arguments: {' '.join(extra)}"
+            )
     except UsageError as exc:
         print(f"{exc.prog}: error: {exc}; see {exc.prog} --help", file=sys.stderr)
         return 2
     try:
-        # Piped output gets a wide console: tables are read in logs and files, not wrapped at 80 columns.
+        # Piped output gets a wide console: tables are read in logs and files, not wrapped at 80
+        # columns.
         args.func(args, Console(width=None if sys.stdout.isatty() else 160))
     except HyparallelError as exc:
         print(f"hyparallel: error: {exc}", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""Batch-statistics layers under data parallelism and micro-batches (issue 16): warned about, sync_batchnorm refused
-on the CPU and with tp or pp; see Note [batch statistics] in hyparallel.graph.checks."""
+"""Batch-statistics layers under data parallelism and micro-batches (issue 16): warned about,
+sync_batchnorm refused on the CPU and with tp or pp; see Note [batch statistics] in
+hyparallel.graph.checks."""
 
 from __future__ import annotations
 
@@ -19,15 +20,26 @@ def tiny_cnn(norm: type[nn.Module] = nn.BatchNorm2d) -> nn.Module:
     """Conv -> norm -> ReLU -> pooled linear head: 5 classes from 3 x 8 x 8 images."""
     layer = norm(4) if norm is not nn.GroupNorm else nn.GroupNorm(2, 4)
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), layer, nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5)
+        nn.Conv2d(3, 4, 3, padding=1),
+        layer,
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 5),
     )
 
 
 def cnn_plan(dp: int = 1, micro_batches: int = 1, **parallel) -> hp.Plan:
-    """A hand-written plan for the tiny CNN: 4 images per replica in ``micro_batches`` (no cluster, no predictions)."""
+    """A hand-written plan for the tiny CNN: 4 images per replica in ``micro_batches`` (no cluster,
+    no predictions)."""
     return hp.Plan.from_dict(
         {
-            "training": {"global_batch": 4 * dp, "micro_batch": 4 // micro_batches, "seq_len": 1, "dtype": "fp32"},
+            "training": {
+                "global_batch": 4 * dp,
+                "micro_batch": 4 // micro_batches,
+                "seq_len": 1,
+                "dtype": "fp32",
+            },
             "parallel": {"dp": dp, "tp": 1, "pp": 1, **parallel},
         }
     )
@@ -50,11 +62,15 @@ def test_the_graph_finds_batch_norms_and_not_other_norms():
 def test_two_micro_batches_warn_once_naming_the_module(world_of_one):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hp.parallelize(tiny_cnn(), cnn_plan(micro_batches=2), example_inputs=images(2), device="cpu")
+        hp.parallelize(
+            tiny_cnn(), cnn_plan(micro_batches=2), example_inputs=images(2), device="cpu"
+        )
     messages = batch_norm_warnings(caught)
     assert len(messages) == 1 and "\n" not in messages[0]
     assert "1 batch-statistics module(s) in training mode, first '1'" in messages[0]
-    assert "each of 2 micro-batches" in messages[0] and "parallel.sync_batchnorm: true" in messages[0]
+    assert (
+        "each of 2 micro-batches" in messages[0] and "parallel.sync_batchnorm: true" in messages[0]
+    )
     assert all(w.category is UserWarning for w in caught if "batch-statistics" in str(w.message))
 
 
@@ -66,7 +82,9 @@ def test_no_warning_when_the_statistics_are_the_single_devices(world_of_one, cas
     micro = 1 if case == "one micro-batch" else 2
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hp.parallelize(model, cnn_plan(micro_batches=micro), example_inputs=images(micro), device="cpu")
+        hp.parallelize(
+            model, cnn_plan(micro_batches=micro), example_inputs=images(micro), device="cpu"
+        )
     assert batch_norm_warnings(caught) == []
 
 
@@ -76,13 +94,21 @@ def test_the_warning_names_dp_and_what_sync_batchnorm_leaves():
     assert "each of dp = 2 ranks" in dp2 and "micro-batches" not in dp2
     assert batch_statistics_warning(cnn_plan(dp=2, sync_batchnorm=True), ["bn"]) is None
     synced = batch_statistics_warning(cnn_plan(dp=2, micro_batches=2, sync_batchnorm=True), ["bn"])
-    assert "each of 2 micro-batches" in synced and "dp = 2" not in synced and "num_microbatches: 1" in synced
+    assert (
+        "each of 2 micro-batches" in synced
+        and "dp = 2" not in synced
+        and "num_microbatches: 1" in synced
+    )
 
 
 def test_sync_batchnorm_is_refused_on_the_cpu_before_any_collective(world_of_one):
     # torch 2.13's SyncBatchNorm raises "expected input tensor to be on GPU or XPU" on CPU tensors
-    with pytest.raises(ConfigError, match=r"parallel.sync_batchnorm: torch.nn.SyncBatchNorm runs only on CUDA"):
-        hp.parallelize(tiny_cnn(), cnn_plan(sync_batchnorm=True), example_inputs=images(), device="cpu")
+    with pytest.raises(
+        ConfigError, match=r"parallel.sync_batchnorm: torch.nn.SyncBatchNorm runs only on CUDA"
+    ):
+        hp.parallelize(
+            tiny_cnn(), cnn_plan(sync_batchnorm=True), example_inputs=images(), device="cpu"
+        )
     assert not dist.is_initialized()
 
 
@@ -96,7 +122,9 @@ def test_sync_batchnorm_with_tp_or_pp_is_refused(degrees):
         }
     )
     graph = hp.trace(hp.models.build("gpt-tiny"), torch.zeros(2, 16, dtype=torch.long))
-    with pytest.raises(ConfigError, match=r"parallel.sync_batchnorm with tp = \d and pp = \d is not supported"):
+    with pytest.raises(
+        ConfigError, match=r"parallel.sync_batchnorm with tp = \d and pp = \d is not supported"
+    ):
         check_plan(plan, graph, 2)
 
 

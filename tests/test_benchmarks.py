@@ -1,5 +1,5 @@
-"""benchmarks/run_all.py: RESULTS.md from canned results (figures, failures, missing scripts, GPU results),
-and one real quick run of the planner benchmark."""
+"""benchmarks/run_all.py: RESULTS.md from canned results (figures, failures, missing scripts, GPU
+results), and one real quick run of the planner benchmark."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _load_run_all():
     """benchmarks/ is not a package: load run_all.py by path."""
-    spec = importlib.util.spec_from_file_location("benchmarks_run_all", REPO / "benchmarks" / "run_all.py")
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_run_all", REPO / "benchmarks" / "run_all.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -95,11 +97,16 @@ def markdown(*outcomes) -> str:
 
 def test_figures_are_rendered_with_peer_ratio_and_targets():
     text = markdown(
-        run_all.Outcome("planner_speed", "python benchmarks/planner_speed.py --json FILE", "ok", 12, PLANNER),
+        run_all.Outcome(
+            "planner_speed", "python benchmarks/planner_speed.py --json FILE", "ok", 12, PLANNER
+        ),
         run_all.Outcome("dp_vs_ddp", "python -m torch.distributed.run ...", "ok", 30, DDP),
     )
     assert "- CPU: canned" in text and "in 1.5 min" in text
-    assert "gpt-175b on 1,024: 0.80 s / 1 s = 0.80 (met); gpt-1t on 3,072: 6.00 s / 5 s = 1.20 (MISSED)" in text
+    assert (
+        "gpt-175b on 1,024: 0.80 s / 1 s = 0.80 (met); gpt-1t on 3,072: 6.00 s / 5 s = 1.20"
+        " (MISSED)" in text
+    )
     assert "| growth with GPUs | gpt-175b | 96 | 64 | 1,536 | 0.60 | 1.20 |  |  |" in text
     assert "| dp=2 | 20.0 | 16.0 | **1.25** | <= 1.05 |" in text
     assert "dp=2 1.25 (target <= 1.05: MISSED) (hyparallel / peer)" in text
@@ -109,18 +116,37 @@ def test_figures_are_rendered_with_peer_ratio_and_targets():
 
 
 def test_the_whole_command_is_rendered_against_its_target():
-    command = {"group": "command", "model": "gpt-175b", "gpus": 1024, "global_batch": 1536, "runs": 3,
-               "command": "hyparallel plan --model gpt-175b --gpus 1024", "wall_s": 3.6, "cpu_s": 2.9,
-               "wall_runs": [3.5, 3.6, 4.0], "cpu_runs": [2.8, 2.9, 3.0], "target_s": 3.0}  # fmt: skip
-    outcome = run_all.Outcome("planner_speed", "python benchmarks/planner_speed.py --json FILE", "ok", 12,
-                              {**PLANNER, "commands": [command, {**command, "model": "gpt-1t", "wall_s": 4.5,
-                                                                 "target_s": 5.0}]})  # fmt: skip
+    command = {
+        "group": "command",
+        "model": "gpt-175b",
+        "gpus": 1024,
+        "global_batch": 1536,
+        "runs": 3,
+        "command": "hyparallel plan --model gpt-175b --gpus 1024",
+        "wall_s": 3.6,
+        "cpu_s": 2.9,
+        "wall_runs": [3.5, 3.6, 4.0],
+        "cpu_runs": [2.8, 2.9, 3.0],
+        "target_s": 3.0,
+    }
+    outcome = run_all.Outcome(
+        "planner_speed",
+        "python benchmarks/planner_speed.py --json FILE",
+        "ok",
+        12,
+        {
+            **PLANNER,
+            "commands": [command, {**command, "model": "gpt-1t", "wall_s": 4.5, "target_s": 5.0}],
+        },
+    )
     summary, lines = run_all.render_planner(outcome)
-    assert summary.endswith("gpt-175b command (first) 3.60 s / 3 s (MISSED); gpt-1t command (first) 4.50 s / 5 s (met)")
+    assert summary.endswith(
+        "gpt-175b command (first) 3.60 s / 3 s (MISSED); gpt-1t command (first) 4.50 s / 5 s (met)"
+    )
     text = "\n".join(lines)
     assert (
-        "| `hyparallel plan --model gpt-175b --gpus 1024` | first run (--no-cache) | 3 | 3.60 | 2.90 | 3 "
-        "| 1.20 (MISSED) |" in text
+        "| `hyparallel plan --model gpt-175b --gpus 1024` | first run (--no-cache) | 3 | 3.60 |"
+        " 2.90 | 3 | 1.20 (MISSED) |" in text
     )
     assert "| 3 | 4.50 | 2.90 | 5 | 0.90 (met) |" in text
     cached = run_all.render_planner(
@@ -130,18 +156,28 @@ def test_the_whole_command_is_rendered_against_its_target():
             "ok",
             12,
             {**PLANNER, "commands": [{**command, "cached": True, "wall_s": 2.5}]},
-        )  # fmt: skip
+        )
     )
     assert cached[0].endswith("gpt-175b command (cached) 2.50 s / 3 s (met)")
     assert "| cached | 3 | 2.50 |" in "\n".join(cached[1])
-    assert "commands" not in PLANNER and "whole command" not in "\n".join(run_all.render_planner(
-        run_all.Outcome("planner_speed", "python benchmarks/planner_speed.py", "ok", 12, PLANNER))[1])  # fmt: skip
+    assert "commands" not in PLANNER and "whole command" not in "\n".join(
+        run_all.render_planner(
+            run_all.Outcome(
+                "planner_speed", "python benchmarks/planner_speed.py", "ok", 12, PLANNER
+            )
+        )[1]
+    )
 
 
 def test_failed_benchmark_shows_its_failure_and_stderr():
-    failure = "exit 1 after 3 s; end of stderr:\nTraceback (most recent call last):\nRuntimeError: gloo boom"
+    failure = (
+        "exit 1 after 3 s; end of stderr:\nTraceback (most recent call last):\nRuntimeError: gloo"
+        " boom"
+    )
     text = markdown(
-        run_all.Outcome("tp_vs_dtensor", "python -m torch.distributed.run ...", "failed", 3, failure=failure)
+        run_all.Outcome(
+            "tp_vs_dtensor", "python -m torch.distributed.run ...", "failed", 3, failure=failure
+        )
     )
     assert "| `tp_vs_dtensor` | failed | exit 1 after 3 s |" in text
     assert "**FAILED**: exit 1 after 3 s; end of stderr:" in text
@@ -164,16 +200,29 @@ def test_run_reports_a_crash_and_kills_a_hung_benchmark(monkeypatch, tmp_path):
     )
     (tmp_path / "benchmarks" / "hang.py").write_text("import time\ntime.sleep(60)\n")
     monkeypatch.setattr(run_all, "REPO", tmp_path)
-    crashed = run_all.run(run_all.Benchmark("boom", "Boom", "", run_all.render_peer), quick=False, folder=tmp_path)
-    assert crashed.status == "failed" and crashed.failure.startswith("exit 3 after") and "partial" in crashed.failure
-    hung = run_all.run(
-        run_all.Benchmark("hang", "Hang", "", run_all.render_peer, timeout_s=1), quick=False, folder=tmp_path
+    crashed = run_all.run(
+        run_all.Benchmark("boom", "Boom", "", run_all.render_peer), quick=False, folder=tmp_path
     )
-    assert hung.status == "failed" and hung.failure.startswith("timed out after 1 s")  # killed, not waited for
+    assert (
+        crashed.status == "failed"
+        and crashed.failure.startswith("exit 3 after")
+        and "partial" in crashed.failure
+    )
+    hung = run_all.run(
+        run_all.Benchmark("hang", "Hang", "", run_all.render_peer, timeout_s=1),
+        quick=False,
+        folder=tmp_path,
+    )
+    # killed, not waited for
+    assert hung.status == "failed" and hung.failure.startswith("timed out after 1 s")
 
 
 def test_unexpected_json_is_a_failure_not_a_crash():
-    text = markdown(run_all.Outcome("pp_vs_torch", "python -m torch.distributed.run ...", "ok", 9, {"cases": [{}]}))
+    text = markdown(
+        run_all.Outcome(
+            "pp_vs_torch", "python -m torch.distributed.run ...", "ok", 9, {"cases": [{}]}
+        )
+    )
     assert "| `pp_vs_torch` | failed | its JSON could not be rendered (KeyError: 'case') |" in text
 
 
@@ -193,13 +242,18 @@ def test_prediction_markdown_is_embedded_as_printed():
         )
     )
     assert "### Step time: predicted vs measured\n\n| N | plan |\n|---|---|\n| 2 | dp 2 |" in text
-    assert "| `prediction` | ok | Spearman rank correlation, predicted vs measured, all 5 runs: 0.90 |" in text
+    assert (
+        "| `prediction` | ok | Spearman rank correlation, predicted vs measured, all 5 runs: 0.90 |"
+        in text
+    )
 
 
 def test_committed_gpu_results_are_folded_in(monkeypatch, tmp_path):
     monkeypatch.setattr(run_all, "GPU_RESULTS", tmp_path)
     assert run_all.gpu_section(run_here=False)[0] == "missing"
-    (tmp_path / "device.txt").write_text("NVIDIA H200, 143771 MiB, 570.1\ntorch 2.13.0 triton 3.5.0\n")
+    (tmp_path / "device.txt").write_text(
+        "NVIDIA H200, 143771 MiB, 570.1\ntorch 2.13.0 triton 3.5.0\n"
+    )
     row = {
         "config": "micro-batch 2 x 8, recompute none",
         "measured_step_s": 1.1,
@@ -211,27 +265,46 @@ def test_committed_gpu_results_are_folded_in(monkeypatch, tmp_path):
         "predicted_peak_without_reserved_gib": 31.0,
     }
     (tmp_path / "step.json").write_text(json.dumps({"planner's pick": row}))
-    kernels = "  rmsnorm (4096, 2048)\ntimes in ms (median)\nrmsnorm 0.1 0.2 2.0\nall checks passed\n"
+    kernels = (
+        "  rmsnorm (4096, 2048)\ntimes in ms (median)\nrmsnorm 0.1 0.2 2.0\nall checks passed\n"
+    )
     (tmp_path / "kernels.txt").write_text(kernels)
     (tmp_path / "profile.txt").write_text(
         "CUDA torch\nprofile: 1885 kernel launches in the step\n| kernel table |\n"
         "\n== planner's pick: micro-batch 16 x 1 (loss 10.8)\nstep  measured 566.4 ms\n"
     )
-    (tmp_path / "activations.txt").write_text("[transformers] a warning\n## Activations: bytes\n\n| model |\n|---|\n")
+    (tmp_path / "activations.txt").write_text(
+        "[transformers] a warning\n## Activations: bytes\n\n| model |\n|---|\n"
+    )
     status, summary, lines = run_all.gpu_section(run_here=False)
     text = "\n".join(lines)
-    assert status == "not re-run" and summary.endswith(": planner's pick measured / predicted 1.10 (h200 preset)")
+    assert status == "not re-run" and summary.endswith(
+        ": planner's pick measured / predicted 1.10 (h200 preset)"
+    )
     assert "Measured on a lent GPU (NVIDIA H200) on " in text and "not re-run" in text
-    assert "| planner's pick | micro-batch 2 x 8, recompute none | 1100.0 | 1000.0 | **1.10** |" in text
+    assert (
+        "| planner's pick | micro-batch 2 x 8, recompute none | 1100.0 | 1000.0 | **1.10** |"
+        in text
+    )
     assert "```text\ntimes in ms (median)\nrmsnorm 0.1 0.2 2.0\nall checks passed\n```" in text
-    assert "- planner's pick: micro-batch 16 x 1 (loss 10.8): 1885 kernel launches in the step" in text
+    assert (
+        "- planner's pick: micro-batch 16 x 1 (loss 10.8): 1885 kernel launches in the step" in text
+    )
     assert "### Activations: bytes\n\n| model |" in text and "[transformers]" not in text
 
 
 def test_quick_planner_run_writes_results(tmp_path):
     out = tmp_path / "RESULTS.md"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/run_all.py", "--quick", "--only", "planner_speed", "--out", str(out)],
+        [
+            sys.executable,
+            "benchmarks/run_all.py",
+            "--quick",
+            "--only",
+            "planner_speed",
+            "--out",
+            str(out),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -241,23 +314,51 @@ def test_quick_planner_run_writes_results(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert "- CPU: " in text and "- Python " in text and "hyparallel at git commit " in text
-    assert "## Planner search time (`planner_speed`)" in text and "| target | gpt-175b | 96 | 1,024 | 1,536 |" in text
-    assert "| `hyparallel plan --model gpt-175b --cluster a100-80g --gpus 1024 --global-batch 1536" in text
+    assert (
+        "## Planner search time (`planner_speed`)" in text
+        and "| target | gpt-175b | 96 | 1,024 | 1,536 |" in text
+    )
+    assert (
+        "| `hyparallel plan --model gpt-175b --cluster a100-80g --gpus 1024 --global-batch 1536"
+        in text
+    )
     assert "Run with `--only planner_speed`: the other benchmarks were not run." in text
 
 
 def test_the_recovery_section_shows_both_saves_and_every_restart():
     figures = {
-        "saves": {"model": "gpt-125m", "bytes_per_rank": 800 * 2**20, "times": {"disk": [4.0], "memory": [1.0]},
-                  "disk_s": 4.0, "memory_s": 1.0, "ratio": 0.25},
+        "saves": {
+            "model": "gpt-125m",
+            "bytes_per_rank": 800 * 2**20,
+            "times": {"disk": [4.0], "memory": [1.0]},
+            "disk_s": 4.0,
+            "memory_s": 1.0,
+            "ratio": 0.25,
+        },
         "recovery": [
-            {"launcher": "torchrun", "storage": "disk", "every": 4, "kill_to_first_step_s": 8.5,
-             "resumed_after": 8, "loaded_from": "disk", "steps_lost": 3},
-            {"launcher": "dlrover-run", "storage": "memory", "every": 1, "kill_to_first_step_s": 7.0,
-             "resumed_after": 11, "loaded_from": "memory", "steps_lost": 0},
+            {
+                "launcher": "torchrun",
+                "storage": "disk",
+                "every": 4,
+                "kill_to_first_step_s": 8.5,
+                "resumed_after": 8,
+                "loaded_from": "disk",
+                "steps_lost": 3,
+            },
+            {
+                "launcher": "dlrover-run",
+                "storage": "memory",
+                "every": 1,
+                "kill_to_first_step_s": 7.0,
+                "resumed_after": 11,
+                "loaded_from": "memory",
+                "steps_lost": 0,
+            },
         ],
-    }  # fmt: skip
-    outcome = run_all.Outcome("elastic_recovery", "python benchmarks/elastic_recovery.py --json FILE", "ok", 1, figures)
+    }
+    outcome = run_all.Outcome(
+        "elastic_recovery", "python benchmarks/elastic_recovery.py --json FILE", "ok", 1, figures
+    )
     summary, lines = run_all.render_recovery(outcome)
     assert summary == "memory / disk save 0.25; torchrun disk 8.5 s, dlrover-run memory 7.0 s"
     text = "\n".join(lines)
@@ -266,8 +367,11 @@ def test_the_recovery_section_shows_both_saves_and_every_restart():
 
 
 def _load_published():
-    sys.path.insert(0, str(REPO / "benchmarks"))  # published.py imports megatron_gpt.py from beside it
-    spec = importlib.util.spec_from_file_location("benchmarks_published", REPO / "benchmarks" / "published.py")
+    # published.py imports megatron_gpt.py from beside it
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_published", REPO / "benchmarks" / "published.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -275,10 +379,34 @@ def _load_published():
 
 
 CONFIG_FIELDS = (
-    "source", "url", "config_source", "layers", "hidden", "heads", "vocab", "model_vocab", "seq_len", "ffn", "tp", "pp",
-    "dp", "gpus", "micro_batch", "global_batch", "schedule", "virtual_stages", "recompute", "sequence_parallel",
-    "precision", "grad_compression", "gpu", "preset", "measured_s", "predicted_s", "error",
-)  # fmt: skip
+    "source",
+    "url",
+    "config_source",
+    "layers",
+    "hidden",
+    "heads",
+    "vocab",
+    "model_vocab",
+    "seq_len",
+    "ffn",
+    "tp",
+    "pp",
+    "dp",
+    "gpus",
+    "micro_batch",
+    "global_batch",
+    "schedule",
+    "virtual_stages",
+    "recompute",
+    "sequence_parallel",
+    "precision",
+    "grad_compression",
+    "gpu",
+    "preset",
+    "measured_s",
+    "predicted_s",
+    "error",
+)
 
 
 def test_quick_published_run_records_every_configuration_and_its_error(tmp_path):
@@ -300,25 +428,49 @@ def test_quick_published_run_records_every_configuration_and_its_error(tmp_path)
         assert r["tp"] * r["pp"] * r["dp"] == r["gpus"] and r["ffn"] == 4 * r["hidden"]
         assert r["error"] == r["predicted_s"] / r["measured_s"] - 1 and r["predicted_s"] > 0
         if r["published_s"] is None:  # converted from TFLOP/s per GPU with Narayanan et al.'s eq. 3
-            b, s, layers, h, v = r["global_batch"], r["seq_len"], r["layers"], r["hidden"], r["vocab"]
+            b, s, layers, h, v = (
+                r["global_batch"],
+                r["seq_len"],
+                r["layers"],
+                r["hidden"],
+                r["vocab"],
+            )
             flops = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
-            assert abs(r["measured_s"] * r["measured_tflops_per_gpu"] * 1e12 * r["gpus"] / flops - 1) < 1e-9
+            assert (
+                abs(r["measured_s"] * r["measured_tflops_per_gpu"] * 1e12 * r["gpus"] / flops - 1)
+                < 1e-9
+            )
         else:
             assert r["measured_s"] == r["published_s"]
     narayanan = figures["rows"][0]  # 1.7B: 1.52e16 FLOPs per iteration at 137 TFLOP/s on 32 GPUs
-    assert narayanan["measured_tflops_per_gpu"] == 137 and abs(narayanan["measured_s"] - 3.528) < 0.01
+    assert (
+        narayanan["measured_tflops_per_gpu"] == 137 and abs(narayanan["measured_s"] - 3.528) < 0.01
+    )
     errors = sorted(abs(r["error"]) for r in figures["rows"])
-    assert figures["summary"]["median_abs_error"] == errors[1] and figures["summary"]["max_abs_error"] == errors[-1]
-    assert figures["left_out"] and all(item["source"] and item["reason"] for item in figures["left_out"])
-    assert "median |error|" in proc.stdout and "Left out:" in proc.stdout and "Targets (issue 19):" in proc.stdout
+    assert (
+        figures["summary"]["median_abs_error"] == errors[1]
+        and figures["summary"]["max_abs_error"] == errors[-1]
+    )
+    assert figures["left_out"] and all(
+        item["source"] and item["reason"] for item in figures["left_out"]
+    )
+    assert (
+        "median |error|" in proc.stdout
+        and "Left out:" in proc.stdout
+        and "Targets (issue 19):" in proc.stdout
+    )
     assert [c["id"] for c in figures["cross_checks"]] == ["korthikanti-22b-sp-selective"]
     assert "\n".join(figures["markdown"]) in proc.stdout  # what run_all embeds is what it printed
-    assert "| narayanan-1.7b | Narayanan et al. 2021 (arXiv 2104.04473), Table 1 | GPT 1.7B |" in proc.stdout
+    assert (
+        "| narayanan-1.7b | Narayanan et al. 2021 (arXiv 2104.04473), Table 1 | GPT 1.7B |"
+        in proc.stdout
+    )
 
 
 def test_the_transcribed_korthikanti_times_agree_with_the_readme_mfu():
     checks = _load_published().cross_checks(_load_published().ROWS)
-    assert len(checks) == 4  # 22B, 175B, 530B, 1T with sequence parallelism and selective recomputation
+    # 22B, 175B, 530B, 1T with sequence parallelism and selective recomputation
+    assert len(checks) == 4
     assert all(abs(c["difference"]) < 0.005 for c in checks), checks
 
 
@@ -327,30 +479,62 @@ def test_a_configuration_the_planner_says_does_not_fit_is_still_timed_and_flagge
     base = published.ROWS[0]
     import dataclasses
 
-    row = dataclasses.replace(base, id="too-big", layers=2, hidden=16384, heads=128, tp=1, pp=1, dp=1, global_batch=1,
-                              micro_batch=1)  # fmt: skip
+    row = dataclasses.replace(
+        base,
+        id="too-big",
+        layers=2,
+        hidden=16384,
+        heads=128,
+        tp=1,
+        pp=1,
+        dp=1,
+        global_batch=1,
+        micro_batch=1,
+    )
     records, refused = published.evaluate([row])
     assert not refused and records[0]["planner_oom"]
-    assert records[0]["memory_gib"] > records[0]["usable_gib"] and 0 < records[0]["predicted_s"] < float("inf")
+    assert records[0]["memory_gib"] > records[0]["usable_gib"] and 0 < records[0][
+        "predicted_s"
+    ] < float("inf")
 
 
 def test_the_published_section_embeds_the_printed_markdown_under_its_summary():
-    stats = {"rows": 2, "median_abs_error": 0.179, "max_abs_error": 0.257, "mean_signed_error": -0.0785, "over": 1,
-             "under": 1, "targets": {"median_abs_error <= 5%": False, "max_abs_error <= 15%": False,
-                                     "errors of both signs": True}}  # fmt: skip
-    lines = ["| id | source |", "| --- | --- |", "| narayanan-1.7b | Narayanan et al. 2021 |", "", "Left out:"]
+    stats = {
+        "rows": 2,
+        "median_abs_error": 0.179,
+        "max_abs_error": 0.257,
+        "mean_signed_error": -0.0785,
+        "over": 1,
+        "under": 1,
+        "targets": {
+            "median_abs_error <= 5%": False,
+            "max_abs_error <= 15%": False,
+            "errors of both signs": True,
+        },
+    }
+    lines = [
+        "| id | source |",
+        "| --- | --- |",
+        "| narayanan-1.7b | Narayanan et al. 2021 |",
+        "",
+        "Left out:",
+    ]
     figures = {"rows": [], "left_out": [], "summary": stats, "cross_checks": [], "markdown": lines}
-    outcome = run_all.Outcome("published", "python benchmarks/published.py --json FILE", "ok", 20, figures)
+    outcome = run_all.Outcome(
+        "published", "python benchmarks/published.py --json FILE", "ok", 20, figures
+    )
     summary, body = run_all.render_published(outcome)
     assert (
         summary
-        == "2 rows: median abs error 17.9%, max 25.7%, 1 over / 1 under (targets <= 5% and <= 15%, both signs: MISSED)"
+        == "2 rows: median abs error 17.9%, max 25.7%, 1 over / 1 under (targets <= 5% and <= 15%,"
+        " both signs: MISSED)"
     )
     assert "|" not in summary  # it sits in RESULTS.md's summary table
     assert body[2:] == lines and body[0].startswith("Peer: the published measurement")
     text = markdown(outcome)
     assert "## The cost model against published large-scale measurements (`published`)" in text
-    assert "| `published` | ok | 2 rows: median abs error 17.9%, max 25.7%" in text  # its row of the summary table
+    # its row of the summary table
+    assert "| `published` | ok | 2 rows: median abs error 17.9%, max 25.7%" in text
     assert "| narayanan-1.7b | Narayanan et al. 2021 |" in text
 
 
@@ -365,7 +549,9 @@ def _tiny_megatron_and_zoo(device: str, dropout: float = 0.1):
     from hyparallel.models.gpt import GPT, GPTConfig
 
     megatron_gpt = _megatron_gpt()
-    config = GPTConfig(num_layers=2, hidden_size=64, num_heads=8, vocab_size=256, max_seq_len=32, dropout=dropout)
+    config = GPTConfig(
+        num_layers=2, hidden_size=64, num_heads=8, vocab_size=256, max_seq_len=32, dropout=dropout
+    )
     with torch.device(device):
         return megatron_gpt.MegatronGPT(config), GPT(config)
 
@@ -382,7 +568,8 @@ def test_megatrons_gpt_computes_the_zoo_gpt_with_its_qkv_laid_out_per_head():
             state[name] = value.unflatten(0, (3, heads, head_dim)).transpose(0, 1).flatten(0, 2)
     megatron.load_state_dict(state)
     tokens = torch.randint(0, 256, (2, 32))
-    torch.testing.assert_close(megatron(tokens), zoo(tokens), rtol=1e-5, atol=1e-5)  # float32 sums reordered
+    # float32 sums reordered
+    torch.testing.assert_close(megatron(tokens), zoo(tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_megatrons_gpt_splits_as_the_zoo_gpt_and_selective_recomputes_its_scores():
@@ -392,19 +579,49 @@ def test_megatrons_gpt_splits_as_the_zoo_gpt_and_selective_recomputes_its_scores
     megatron, zoo = _tiny_megatron_and_zoo("meta")
     graphs = [hp.trace(m, m.example_inputs(1, 32)) for m in (megatron, zoo)]
     analyses = [g.structure for g in graphs]
-    assert analyses[0].styles == analyses[1].styles and analyses[0].head_groups == analyses[1].head_groups
-    assert sorted(analyses[0].attention_heads.values()) == sorted(analyses[1].attention_heads.values()) == [8, 8]
-    assert all(a.check(8, g) is None and a.whole_sequence(g) is None for a, g in zip(analyses, graphs))
-    assert analyses[0].styles["layers.0.attn.qkv"] == "column" and analyses[0].styles["layers.0.attn.proj"] == "row"
+    assert (
+        analyses[0].styles == analyses[1].styles
+        and analyses[0].head_groups == analyses[1].head_groups
+    )
+    assert (
+        sorted(analyses[0].attention_heads.values())
+        == sorted(analyses[1].attention_heads.values())
+        == [8, 8]
+    )
+    assert all(
+        a.check(8, g) is None and a.whole_sequence(g) is None for a, g in zip(analyses, graphs)
+    )
+    assert (
+        analyses[0].styles["layers.0.attn.qkv"] == "column"
+        and analyses[0].styles["layers.0.attn.proj"] == "row"
+    )
     cluster = hp.ClusterSpec.preset("a100-80g", num_nodes=1)
     quadratic = ModelProfile(graphs[0], cluster, "fp16", 32).quadratic
-    assert sorted(graphs[0].op(n).target for n in quadratic) == ["Dropout", "Dropout", "baddbmm", "baddbmm",
-                                                                  "softmax", "softmax"]  # fmt: skip
+    assert sorted(graphs[0].op(n).target for n in quadratic) == [
+        "Dropout",
+        "Dropout",
+        "baddbmm",
+        "baddbmm",
+        "softmax",
+        "softmax",
+    ]
     assert not ModelProfile(graphs[1], cluster, "fp16", 32).quadratic  # fused: no scores held
 
     def costed(recompute):
-        best = hp.search(graphs[0], cluster, 8, 32, "fp16", tp=8, pp=1, dp=1, micro_batch=8, recompute=recompute,
-                         zero=0, sequence_parallel=True).best[0]  # fmt: skip
+        best = hp.search(
+            graphs[0],
+            cluster,
+            8,
+            32,
+            "fp16",
+            tp=8,
+            pp=1,
+            dp=1,
+            micro_batch=8,
+            recompute=recompute,
+            zero=0,
+            sequence_parallel=True,
+        ).best[0]
         return best.step_time_s, best.peak_memory_bytes
 
     (none_s, none_bytes), (selective_s, selective_bytes) = costed("none"), costed("selective")
@@ -417,15 +634,17 @@ def test_megatrons_vocabulary_padding_per_tensor_parallel_degree():
 
 
 def _prediction_module():
-    spec = importlib.util.spec_from_file_location("benchmarks_prediction", REPO / "benchmarks" / "prediction.py")
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_prediction", REPO / "benchmarks" / "prediction.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_prediction_runs_a_world_sizes_plans_in_turns_and_pools_their_steps(monkeypatch, tmp_path):
-    # Note [rounds of runs]: A B A B, not A A B B; a plan's figure is the median of its steps over both rounds, each
-    # rank's peak the largest of its runs.
+    # Note [rounds of runs]: A B A B, not A A B B; a plan's figure is the median of its steps over
+    # both rounds, each rank's peak the largest of its runs.
     import argparse
 
     import hyparallel as hp
@@ -436,7 +655,9 @@ def test_prediction_runs_a_world_sizes_plans_in_turns_and_pools_their_steps(monk
     def measure(n, plan, args, folder):
         order.append(prediction.describe(plan))
         peak = 100 + len(order)  # grows run by run: the merged peak is the last run's
-        return next(steps), [{"rank": 0, "coords": plan.coords(0), "peak_bytes": peak, "predicted_bytes": 1e9}]
+        return next(steps), [
+            {"rank": 0, "coords": plan.coords(0), "peak_bytes": peak, "predicted_bytes": 1e9}
+        ]
 
     monkeypatch.setattr(prediction, "measure", measure)
     calibrations = []
@@ -446,20 +667,31 @@ def test_prediction_runs_a_world_sizes_plans_in_turns_and_pools_their_steps(monk
         return hp.ClusterSpec.preset("cpu")
 
     monkeypatch.setattr(prediction, "calibrated", calibrated)
-    monkeypatch.setattr(prediction, "predict", lambda plan, cluster, args: 2 * plan.predicted.step_time_s)
+    monkeypatch.setattr(
+        prediction, "predict", lambda plan, cluster, args: 2 * plan.predicted.step_time_s
+    )
     monkeypatch.setitem(prediction.GRID, 2, [{"tp": 2}])
-    args = argparse.Namespace(worlds=[2], model="gpt-tiny", global_batch=8, seq_len=32, quick=True, rounds=2)
+    args = argparse.Namespace(
+        worlds=[2], model="gpt-tiny", global_batch=8, seq_len=32, quick=True, rounds=2
+    )
     rows = prediction.step_times(args, tmp_path)
     assert len(rows) == 2 and len(order) == 4
     assert order[0] == order[2] and order[1] == order[3] and order[0] != order[1]  # taking turns
     first, second = rows
-    assert first["measured_s"] == pytest.approx(0.13) and first["round_medians_s"] == pytest.approx([0.11, 0.15])
-    assert second["measured_s"] == pytest.approx(0.32) and second["round_medians_s"] == pytest.approx([0.305, 0.34])
-    assert [p["peak_bytes"] for p in first["peaks"]] == [103] and [p["peak_bytes"] for p in second["peaks"]] == [104]
-    # calibrated again before the second round; the prediction the mean of both rounds' (here: the first's, doubled)
+    assert first["measured_s"] == pytest.approx(0.13) and first["round_medians_s"] == pytest.approx(
+        [0.11, 0.15]
+    )
+    assert second["measured_s"] == pytest.approx(0.32) and second[
+        "round_medians_s"
+    ] == pytest.approx([0.305, 0.34])
+    assert [p["peak_bytes"] for p in first["peaks"]] == [103] and [
+        p["peak_bytes"] for p in second["peaks"]
+    ] == [104]
+    # calibrated again before the second round; the prediction the mean of both rounds' (here: the
+    # first's, doubled)
     assert calibrations == [0, 2]
     for row in rows:
         once = row["round_predicted_s"][0]
-        assert row["round_predicted_s"] == pytest.approx([once, 2 * once]) and row["predicted_s"] == pytest.approx(
-            1.5 * once
-        )
+        assert row["round_predicted_s"] == pytest.approx([once, 2 * once]) and row[
+            "predicted_s"
+        ] == pytest.approx(1.5 * once)

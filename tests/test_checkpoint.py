@@ -1,9 +1,10 @@
-"""Checkpoints: saved under one plan, loaded under another (4 gloo processes), in one process, and exported.
+"""Checkpoints: saved under one plan, loaded under another (4 gloo processes), in one process, and
+exported.
 
-tests/distributed/checkpoint_worker.py saves after 2 AdamW steps under dp 2 x tp 2 with ZeRO 1 and loads into
-tp 2 x pp 2; here the same checkpoint loads into a single process and exports to one state dict. Every
-comparison is with single-device training to the step saved; relative (norm) error 1e-5, the bound the
-parallel parity tests use after AdamW steps.
+tests/distributed/checkpoint_worker.py saves after 2 AdamW steps under dp 2 x tp 2 with ZeRO 1 and
+loads into tp 2 x pp 2; here the same checkpoint loads into a single process and exports to one
+state dict. Every comparison is with single-device training to the step saved; relative (norm) error
+1e-5, the bound the parallel parity tests use after AdamW steps.
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ def saved(tmp_path_factory, repo):
 
 def test_saved_under_one_plan_loads_under_another_and_training_continues(saved):
     _, ranks = saved
-    # Weights and AdamW moments after 2-3 steps, ||parallel - single|| / ||single||: Adam's division by the
-    # gradients' root mean square amplifies tp's rounding (the vocab-parallel loss's split softmax among it), as in
-    # tests/distributed/parallel_worker.py's PARAM_RTOL: measured up to 1.006e-5 here, bounded at 2e-5.
+    # Weights and AdamW moments after 2-3 steps, ||parallel - single|| / ||single||: Adam's division
+    # by the gradients' root mean square amplifies tp's rounding (the vocab-parallel loss's split
+    # softmax among it), as in tests/distributed/parallel_worker.py's PARAM_RTOL: measured up to
+    # 1.006e-5 here, bounded at 2e-5.
     for rank in ranks:
         assert rank["saved_error"] <= 2e-5  # dp2 x tp2 ZeRO 1 after 2 steps
         assert rank["loaded_error"] <= 2e-5  # tp2 x pp2: weights and both moments
-        assert rank["continued_error"] <= 2e-5  # step 3 under the new plan = the single device's step 3
+        # step 3 under the new plan = the single device's step 3
+        assert rank["continued_error"] <= 2e-5
         assert rank["step"] == 2 and rank["extra"] == {"samples_seen": 2 * GLOBAL_BATCH}
     loaded = {0: {name for rank in ranks for name in rank["loaded_checked"]}}  # dp 1: one replica
     assert_every_parameter_compared(ranks[0]["parameter_groups"], loaded)
@@ -49,7 +52,8 @@ def test_saved_under_one_plan_loads_under_another_and_training_continues(saved):
 
 @pytest.fixture
 def one_process(world_of_one):
-    """parallelize in this process (a world of one, no torchrun) for a model spec; the group goes afterwards."""
+    """parallelize in this process (a world of one, no torchrun) for a model spec; the group goes
+    afterwards."""
 
     def start(spec: str, global_batch: int, seed: int = 0):
         model = hp.models.load(spec).module
@@ -74,7 +78,8 @@ def test_loads_into_one_process(saved, one_process):
     pmodel = one_process(GPT, GLOBAL_BATCH, seed=SEED + 7)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1))
-    pmodel.train_step(tokens[:, :-1], tokens[:, 1:])  # gradients but no optimizer state yet: it is made to load into
+    # gradients but no optimizer state yet: it is made to load into
+    pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
     assert checkpoint.load(pmodel, optimizer, directory)["step"] == 2
     ref_model, ref_optimizer = reference(2)
     ref = dict(ref_model.named_parameters())
@@ -91,7 +96,8 @@ def test_export_gives_a_single_device_state_dict(saved, tmp_path, capsys):
     assert cli(["checkpoint", "export", str(directory), str(tmp_path / "model.pt")]) == 0
     assert "wrote" in capsys.readouterr().out
     model = hp.models.load(GPT, device="cpu").module
-    model.load_state_dict(torch.load(tmp_path / "model.pt"))  # strict: every name, the tied head included
+    # strict: every name, the tied head included
+    model.load_state_dict(torch.load(tmp_path / "model.pt"))
     ref = dict(reference(2)[0].named_parameters())
     for name, param in model.named_parameters():
         assert ((param - ref[name]).norm() / ref[name].norm()).item() <= 1e-5, name
@@ -147,11 +153,16 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path, one_process):
         pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
         optimizer.step()
         checkpoint.save(pmodel, optimizer, directory, step=step, keep=2)
-    assert sorted(p.name for p in directory.iterdir()) == ["latest", "step-00000003", "step-00000004"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "latest",
+        "step-00000003",
+        "step-00000004",
+    ]
     assert checkpoint.load(pmodel, optimizer, directory)["step"] == 4
     with pytest.raises(ConfigError, match="keep=0: the number of checkpoints to keep"):
         checkpoint.save(pmodel, optimizer, directory, step=5, keep=0)
-    assert checkpoint.latest(directory).name == "step-00000004"  # refused before anything was written
+    # refused before anything was written
+    assert checkpoint.latest(directory).name == "step-00000004"
 
 
 def test_a_memory_checkpoint_that_cannot_be_written_is_one_line(tmp_path, one_process, monkeypatch):
@@ -160,14 +171,17 @@ def test_a_memory_checkpoint_that_cannot_be_written_is_one_line(tmp_path, one_pr
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("")  # the memory folder's parent is a file: nothing can be written under it
     monkeypatch.setenv(checkpoint.MEMORY_ENV, str(blocked))
-    with pytest.raises(ConfigError, match="a memory checkpoint of step 1 failed .*HYPARALLEL_MEMORY_DIR") as info:
+    with pytest.raises(
+        ConfigError, match="a memory checkpoint of step 1 failed .*HYPARALLEL_MEMORY_DIR"
+    ) as info:
         checkpoint.save(pmodel, optimizer, tmp_path / "ck", step=1, storage="memory")
     assert "\n" not in str(info.value)
     assert checkpoint.latest(tmp_path / "ck") is None
 
 
 def test_memory_checkpoints_resume_only_their_own_run(tmp_path, one_process, monkeypatch):
-    """Note [memory checkpoints]: memory wins when it is this run's and as new as disk; else disk, else nothing."""
+    """Note [memory checkpoints]: memory wins when it is this run's and as new as disk; else disk,
+    else nothing."""
     monkeypatch.setenv(checkpoint.MEMORY_ENV, str(tmp_path / "shm"))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
     pmodel = one_process("gpt-tiny", 2)
@@ -177,14 +191,20 @@ def test_memory_checkpoints_resume_only_their_own_run(tmp_path, one_process, mon
     for step in (1, 2):
         pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
         optimizer.step()
-        checkpoint.save(pmodel, optimizer, directory, step=step, storage="memory", extra={"seen": step})
+        checkpoint.save(
+            pmodel, optimizer, directory, step=step, storage="memory", extra={"seen": step}
+        )
     pmodel._checkpoint_writer.wait_idle()
     snapshots = sorted(p.name for p in (checkpoint.memory_dir(directory) / "rank-0").glob("step-*"))
     assert snapshots == ["step-00000002"]  # the previous one went once the new one was complete
     assert checkpoint.load(pmodel, optimizer, directory) | {"path": None} == {
-        "step": 2, "extra": {"seen": 2}, "path": None, "storage": "memory"
-    }  # fmt: skip
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-b")  # another launch: its memory is not this run's
+        "step": 2,
+        "extra": {"seen": 2},
+        "path": None,
+        "storage": "memory",
+    }
+    # another launch: its memory is not this run's
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-b")
     assert checkpoint.load(pmodel, optimizer, directory)["storage"] == "disk"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
     shutil.rmtree(directory)  # the directory removed: a fresh start, whatever memory holds

@@ -1,4 +1,5 @@
-"""check_plan: every plan error from the trace alone, before a process group exists (hyparallel.graph.checks)."""
+"""check_plan: every plan error from the trace alone, before a process group exists
+(hyparallel.graph.checks)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ def gpt_graph():
 
 
 def plan(**parallel) -> hp.Plan:
-    data = {"training": {"global_batch": 8, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"}, "parallel": parallel}
+    data = {
+        "training": {"global_batch": 8, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"},
+        "parallel": parallel,
+    }
     stages = parallel.pop("stages", None)
     tensor_parallel = parallel.pop("tensor_parallel", None)
     if stages is not None:
@@ -32,15 +36,35 @@ def plan(**parallel) -> hp.Plan:
 @pytest.mark.parametrize(
     ("parallel", "message"),
     [
-        ({"pp": 2, "stages": [["layers.1", "norm", "output"], ["tok_embeddings", "pos_embeddings", "layers.0"]]},
-         r"module 'layers.1' \(stage 0\) runs after 'layers.0' \(stage 1\)"),
-        ({"pp": 2, "stages": [GPT_STAGES[0], ["layers.7"]]}, r"stages\[1\]: 'layers.7' is not a module of GPT"),
-        ({"tp": 2, "tensor_parallel": {"layers.*.attn.qkv": "row"}}, r"cannot split layers.0.attn.qkv \(row"),
-        ({"tp": 2, "tensor_parallel": {"layers.*.attn.qkv": "column"}}, r"layers.0.attn.proj must be split too"),
-        ({"tp": 2, "tensor_parallel": {"layers.*.nope": "column"}}, r"'layers.\*.nope' matches no module of GPT"),
+        (
+            {
+                "pp": 2,
+                "stages": [
+                    ["layers.1", "norm", "output"],
+                    ["tok_embeddings", "pos_embeddings", "layers.0"],
+                ],
+            },
+            r"module 'layers.1' \(stage 0\) runs after 'layers.0' \(stage 1\)",
+        ),
+        (
+            {"pp": 2, "stages": [GPT_STAGES[0], ["layers.7"]]},
+            r"stages\[1\]: 'layers.7' is not a module of GPT",
+        ),
+        (
+            {"tp": 2, "tensor_parallel": {"layers.*.attn.qkv": "row"}},
+            r"cannot split layers.0.attn.qkv \(row",
+        ),
+        (
+            {"tp": 2, "tensor_parallel": {"layers.*.attn.qkv": "column"}},
+            r"layers.0.attn.proj must be split too",
+        ),
+        (
+            {"tp": 2, "tensor_parallel": {"layers.*.nope": "column"}},
+            r"'layers.\*.nope' matches no module of GPT",
+        ),
         ({"tp": 3}, r"tp = 3 does not fit GPT: tp 3 does not divide the 4 attention heads"),
     ],
-)  # fmt: skip
+)
 def test_plan_errors_come_from_the_trace_alone(parallel, message):
     with pytest.raises(ConfigError, match=message):
         check_plan(plan(**parallel), gpt_graph(), plan(**parallel).world_size)
@@ -49,9 +73,12 @@ def test_plan_errors_come_from_the_trace_alone(parallel, message):
 
 def test_a_vocab_parallel_loss_needs_a_head_split_by_vocabulary():
     gpt, pairs = gpt_graph(), {"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row"}
-    with pytest.raises(ConfigError, match=r"keeps the output head output replicate, not vocab; split it"):
+    with pytest.raises(
+        ConfigError, match=r"keeps the output head output replicate, not vocab; split it"
+    ):
         check_plan(plan(tp=2, vocab_parallel_loss=True, tensor_parallel=pairs), gpt)
-    vocab = {**pairs, "output": "vocab", "tok_embeddings": "vocab"}  # tied: both split by vocabulary
+    # tied: both split by vocabulary
+    vocab = {**pairs, "output": "vocab", "tok_embeddings": "vocab"}
     checked = check_plan(plan(tp=2, vocab_parallel_loss=True, tensor_parallel=vocab), gpt)
     assert checked.styles["output"] == "vocab"
     check_plan(plan(tp=2, vocab_parallel_loss=True), gpt)  # no map yet: the planner splits the head
@@ -60,7 +87,9 @@ def test_a_vocab_parallel_loss_needs_a_head_split_by_vocabulary():
         "intermediate_size=64 vocab_size=64"
     ).module  # its classifier's logits are no vocabulary's
     graph = hp.trace(bert, hp.models.example_inputs(bert, 1, 16))
-    with pytest.raises(ConfigError, match=r"has no output head tensor parallelism can split by vocabulary") as error:
+    with pytest.raises(
+        ConfigError, match=r"has no output head tensor parallelism can split by vocabulary"
+    ) as error:
         check_plan(plan(tp=2, vocab_parallel_loss=True), graph)
     assert "\n" not in str(error.value)
     check_plan(plan(tp=2), graph)  # the same plan without it runs
@@ -70,7 +99,10 @@ def test_a_vocab_parallel_loss_needs_a_head_split_by_vocabulary():
 def test_a_checked_plan_has_its_styles_expanded_and_its_stages_mapped():
     checked = check_plan(
         plan(
-            tp=2, pp=2, stages=GPT_STAGES, tensor_parallel={"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row"}
+            tp=2,
+            pp=2,
+            stages=GPT_STAGES,
+            tensor_parallel={"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row"},
         ),
         gpt_graph(),
     )

@@ -87,7 +87,9 @@ def test_trace_zoo_model(capsys):
 
 
 def test_trace_hugging_face_model(capsys):
-    code, out, _ = run(capsys, "trace", "--model", *HF_LLAMA_TINY.split(), "--seq-len", "16", "--json")
+    code, out, _ = run(
+        capsys, "trace", "--model", *HF_LLAMA_TINY.split(), "--seq-len", "16", "--json"
+    )
     assert code == 0 and json.loads(out)["method"] == "export"
 
 
@@ -134,9 +136,14 @@ def test_untraceable_factory_model_is_one_line(tmp_path):
 def test_console_script_has_no_traceback(tmp_path):
     bad = tmp_path / "plan.yaml"
     bad.write_text("training: {global_batch: 8, seq_len: 4}\nparallel: {tp: eight}\n")
-    result = subprocess.run([sys.executable, "-m", "hyparallel", "show", str(bad)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "hyparallel", "show", str(bad)], capture_output=True, text=True
+    )
     assert result.returncode == 2
-    assert result.stderr == f"hyparallel: error: {bad}: parallel.tp: expected a positive integer, got 'eight'\n"
+    assert (
+        result.stderr
+        == f"hyparallel: error: {bad}: parallel.tp: expected a positive integer, got 'eight'\n"
+    )
     assert "Traceback" not in result.stderr
 
 
@@ -151,7 +158,8 @@ def test_every_command_has_an_example_in_help(capsys):
 def test_demo_prints_the_plan_and_trains(capsys, monkeypatch):
     from hyparallel.tools import demo
 
-    monkeypatch.setattr(demo, "train_parallel", lambda log: [5.0, 2.0])  # the run itself: test_example_trains
+    # the run itself: test_example_trains
+    monkeypatch.setattr(demo, "train_parallel", lambda log: [5.0, 2.0])
     code, out, _ = run(capsys, "demo")
     assert code == 0
     assert (
@@ -213,11 +221,24 @@ def test_plan_json_is_the_only_stdout(capsys):
     assert code == 0
     data = json.loads(out)
     assert data["parallel"]["tp"] == 2 and data["version"] == 1
-    assert data["parallel"]["vocab_parallel_loss"]  # the planner's default wherever tp splits the head
+    # the planner's default wherever tp splits the head
+    assert data["parallel"]["vocab_parallel_loss"]
 
 
 def test_plan_gathers_the_logits_when_asked_and_says_so(capsys):
-    argv = ["plan", "--model", "gpt-mini", "--gpus", "2", "--cluster", "cpu", "--global-batch", "8", "--seq-len", "32"]
+    argv = [
+        "plan",
+        "--model",
+        "gpt-mini",
+        "--gpus",
+        "2",
+        "--cluster",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "32",
+    ]
     code, out, _ = run(capsys, *argv, "--tp", "2", "--no-vocab-parallel-loss")
     assert code == 0 and "loss on gathered logits" in out
     code, out, _ = run(capsys, *argv, "--tp", "2")
@@ -242,21 +263,44 @@ def test_plan_top_lists_candidates_and_alternatives(capsys):
         "3",
     )
     assert code == 0
-    assert "the 3 best plans" in out and "pure data parallel" in out and "most pipeline parallel" in out
-    assert "the pick" in out and out.count("slower (") >= 2  # a why-not for each loser: how much slower, from what
+    assert (
+        "the 3 best plans" in out
+        and "pure data parallel" in out
+        and "most pipeline parallel" in out
+    )
+    # a why-not for each loser: how much slower, from what
+    assert "the pick" in out and out.count("slower (") >= 2
 
 
-CPU_PLAN = ["plan", "--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--global-batch", "16", "--seq-len", "32"]
+CPU_PLAN = [
+    "plan",
+    "--model",
+    "gpt-mini",
+    "--gpus",
+    "8",
+    "--cluster",
+    "cpu",
+    "--global-batch",
+    "16",
+    "--seq-len",
+    "32",
+]
 
 
 def test_plan_compresses_gradients_only_when_asked_and_says_what_it_saved(capsys, tmp_path):
     plan_file = tmp_path / "plan.yaml"
-    code, out, err = run(capsys, *CPU_PLAN, "--dp", "8", "--grad-compression", "bf16", "-o", str(plan_file))
+    code, out, err = run(
+        capsys, *CPU_PLAN, "--dp", "8", "--grad-compression", "bf16", "-o", str(plan_file)
+    )
     assert code == 0, err
     data = yaml.safe_load(plan_file.read_text())
     assert data["parallel"]["grad_compression"] == "bf16"
     saved = data["predicted"]["uncompressed"]["step_time_s"] - data["predicted"]["step_time_s"]
-    assert "gradient compression bf16: " in out and " s uncompressed, " in out and "dp sync + optimizer" in out
+    assert (
+        "gradient compression bf16: " in out
+        and " s uncompressed, " in out
+        and "dp sync + optimizer" in out
+    )
     code, shown, _ = run(capsys, "show", str(plan_file))
     assert code == 0 and "gradient compression bf16" in shown and f"{abs(saved):.3g} s" in shown
     code, out, err = run(capsys, *CPU_PLAN, "--dp", "8", "--json")  # the default: fp32 gradients
@@ -267,7 +311,16 @@ def test_plan_compresses_gradients_only_when_asked_and_says_what_it_saved(capsys
 def test_plan_top_says_each_candidates_compression_and_saving(capsys):
     # dp fixed, so the top candidates differ in how they reduce gradients (not only in layout)
     code, out, err = run(
-        capsys, *CPU_PLAN, "--dp", "8", "--grad-compression", "any", "--powersgd-rank", "2", "--top", "4"
+        capsys,
+        *CPU_PLAN,
+        "--dp",
+        "8",
+        "--grad-compression",
+        "any",
+        "--powersgd-rank",
+        "2",
+        "--top",
+        "4",
     )
     assert code == 0, err
     assert "gradients" in out and "saved s" in out and "bf16" in out
@@ -276,16 +329,25 @@ def test_plan_top_says_each_candidates_compression_and_saving(capsys):
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        (["--powersgd-rank", "8"], "--powersgd-rank shapes PowerSGD, which --grad-compression none does not allow"),
+        (
+            ["--powersgd-rank", "8"],
+            "--powersgd-rank shapes PowerSGD, which --grad-compression none does not allow",
+        ),
         (
             ["--grad-compression", "bf16", "--powersgd-rank", "8", "--powersgd-start-step", "10"],
-            "--powersgd-rank and --powersgd-start-step shape PowerSGD, which --grad-compression bf16 does not allow",
+            (
+                "--powersgd-rank and --powersgd-start-step shape PowerSGD, which --grad-compression"
+                " bf16 does not allow"
+            ),
         ),
     ],
 )
 def test_powersgd_flags_need_powersgd_allowed(capsys, flags, expected):
     line = one_line_error(capsys, *CPU_PLAN, *flags)
-    assert line.startswith("hyparallel: error: " + expected) and "add --grad-compression powersgd" in line
+    assert (
+        line.startswith("hyparallel: error: " + expected)
+        and "add --grad-compression powersgd" in line
+    )
 
 
 def test_why_slower_names_the_part_that_grew():
@@ -293,7 +355,9 @@ def test_why_slower_names_the_part_that_grew():
     from hyparallel.planner import search
     from hyparallel.planner.api import step_parts, why_slower
 
-    result = search(hp.models.build("gpt-mini"), hp.ClusterSpec.preset("cpu"), 16, 32, "fp32", top=1)
+    result = search(
+        hp.models.build("gpt-mini"), hp.ClusterSpec.preset("cpu"), 16, 32, "fp32", top=1
+    )
     winner = result.best[0]
     gpipe = search(
         hp.models.build("gpt-mini"),
@@ -311,7 +375,10 @@ def test_why_slower_names_the_part_that_grew():
     assert parts["bubble"] == pytest.approx(parts["compute"] * gpipe.bubble_fraction)
     line = why_slower(gpipe, winner)
     part = max(parts, key=lambda k: parts[k] - step_parts(winner)[k])
-    assert line.startswith(f"{gpipe.step_time_s / winner.step_time_s - 1:.1%} slower") and f"mostly {part} +" in line
+    assert (
+        line.startswith(f"{gpipe.step_time_s / winner.step_time_s - 1:.1%} slower")
+        and f"mostly {part} +" in line
+    )
     assert why_slower(winner, winner) == "as fast as the winner (within 0.1%)"
 
 
@@ -333,7 +400,12 @@ def test_plan_verbose_logs_the_search_on_stderr(capsys):
         "--json",
     )
     assert code == 0 and json.loads(out)["version"] == 1  # stdout stays the JSON
-    assert "configurations" in err and "may fit in memory" in err and "recompute" in err and "stopped:" in err
+    assert (
+        "configurations" in err
+        and "may fit in memory" in err
+        and "recompute" in err
+        and "stopped:" in err
+    )
 
 
 def test_show_draws_the_device_map_stages_and_time_breakdown(capsys, tmp_path):
@@ -363,14 +435,17 @@ def test_show_draws_the_device_map_stages_and_time_breakdown(capsys, tmp_path):
     )
     code, out, _ = run(capsys, "show", str(plan_file))
     assert code == 0
-    assert "device map" in out and "pp1 dp1 tp1" in out and "rank 7" in out  # every GPU's coordinates
+    # every GPU's coordinates
+    assert "device map" in out and "pp1 dp1 tp1" in out and "rank 7" in out
     assert "█" in out and "/ 3 GiB" in out  # memory against the device's 3 GiB (cpu preset)
     assert "taken apart" in out and "pipeline bubble and stage imbalance" in out and "MFU" in out
     assert "link" in out and "gloo over loopback TCP" in out
 
 
 def test_show_completes_a_hand_plan_for_a_model(capsys, repo):
-    code, out, _ = run(capsys, "show", str(repo / "configs/plans/cpu-dp2-tp2-pp2.yaml"), "--model", "gpt-tiny")
+    code, out, _ = run(
+        capsys, "show", str(repo / "configs/plans/cpu-dp2-tp2-pp2.yaml"), "--model", "gpt-tiny"
+    )
     assert code == 0
     assert "completed for the model" in out and "tok_embeddings" in out and "taken apart" in out
 
@@ -386,8 +461,14 @@ def test_show_completes_a_hand_plan_for_a_model(capsys, repo):
             ["--model", "gpt-mini", "--gpus", "8", "--cluster", "cpu", "--tp", "3"],
             "tp(3) = 3 does not divide the 8 GPUs",
         ),
-        (["--model", "gpt-175b", "--gpus", "8", "--global-batch", "64"], "nothing fits in 77.0 GiB per GPU"),
-        (["--model", "gpt-mini", "--gpus", "8", "--cluster", "tpu-v9"], "unknown cluster preset 'tpu-v9'"),
+        (
+            ["--model", "gpt-175b", "--gpus", "8", "--global-batch", "64"],
+            "nothing fits in 77.0 GiB per GPU",
+        ),
+        (
+            ["--model", "gpt-mini", "--gpus", "8", "--cluster", "tpu-v9"],
+            "unknown cluster preset 'tpu-v9'",
+        ),
     ],
 )
 def test_plan_user_errors_exit_2(capsys, argv, expected):
@@ -397,16 +478,20 @@ def test_plan_user_errors_exit_2(capsys, argv, expected):
 
 def test_show_lays_out_a_plan_without_a_cluster_in_rows_of_eight(capsys, tmp_path):
     path = tmp_path / "plan.yaml"
-    path.write_text("training: {global_batch: 64, micro_batch: 1, seq_len: 128}\nparallel: {dp: 4, tp: 2, pp: 2}\n")
+    path.write_text(
+        "training: {global_batch: 64, micro_batch: 1, seq_len: 128}\nparallel: {dp: 4, tp: 2, pp:"
+        " 2}\n"
+    )
     code, out, _ = run(capsys, "show", str(path))
     assert code == 0 and "rows of 8 ranks" in out and "rank 15" in out and "GPU 8" not in out
 
 
-# ---- every bad input refused with one line (issue 14) ---------------------------------------------------
+# ---- every bad input refused with one line (issue 14) --------------------------------------------
 
 
 def one_line_error(capsys, *argv) -> str:
-    """Run the CLI expecting a user error: exit 2, nothing on stdout, one line on stderr; returns that line."""
+    """Run the CLI expecting a user error: exit 2, nothing on stdout, one line on stderr; returns
+    that line."""
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "", (code, out, err)
     assert err.count("\n") == 1 and err.endswith("\n") and "Traceback" not in err, err
@@ -416,19 +501,34 @@ def one_line_error(capsys, *argv) -> str:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        ([], "hyparallel: error: the following arguments are required: COMMAND; see hyparallel --help"),
+        (
+            [],
+            (
+                "hyparallel: error: the following arguments are required: COMMAND; see hyparallel"
+                " --help"
+            ),
+        ),
         (["bogus"], "hyparallel: error: argument COMMAND: invalid choice: 'bogus'"),
         (
             ["plan", "--gpus", "8"],
-            "hyparallel plan: error: the following arguments are required: --model; see hyparallel plan --help",
+            (
+                "hyparallel plan: error: the following arguments are required: --model; see"
+                " hyparallel plan --help"
+            ),
         ),
-        (["plan", "--model"], "hyparallel plan: error: argument --model: expected at least one argument"),
+        (
+            ["plan", "--model"],
+            "hyparallel plan: error: argument --model: expected at least one argument",
+        ),
         (
             ["show", "plan.yaml", "--bogus"],
             "hyparallel show: error: unrecognized arguments: --bogus; see hyparallel show --help",
         ),
         (["simulate"], "hyparallel simulate: error: the following arguments are required: plan"),
-        (["checkpoint", "import", "a", "b"], "hyparallel checkpoint: error: argument action: invalid choice: 'import'"),
+        (
+            ["checkpoint", "import", "a", "b"],
+            "hyparallel checkpoint: error: argument action: invalid choice: 'import'",
+        ),
         (
             ["plan", "--model", "gpt-tiny", "--gpus", "8", "--dtype", "fp8"],
             "hyparallel plan: error: argument --dtype: invalid choice",
@@ -439,7 +539,10 @@ def one_line_error(capsys, *argv) -> str:
         ),
         (
             ["plan", "--model", "gpt-tiny", "--gpus", "8", "--powersgd-start-step", "1"],
-            "hyparallel plan: error: argument --powersgd-start-step: expected an integer from 2 to 1,000,000,000, got",
+            (
+                "hyparallel plan: error: argument --powersgd-start-step: expected an integer from 2"
+                " to 1,000,000,000, got"
+            ),
         ),
     ],
 )
@@ -484,16 +587,23 @@ def test_bounds_of_flags_are_the_schemas():
     assert cli.PER_NODE(str(limits.MAX_GPUS_PER_NODE)) == limits.MAX_GPUS_PER_NODE
     from hyparallel.spec.schema import ParallelConfig
 
-    assert ParallelConfig(powersgd_rank=limits.MAX_POWERSGD_RANK, powersgd_start_step=limits.MAX_POWERSGD_START_STEP)
+    assert ParallelConfig(
+        powersgd_rank=limits.MAX_POWERSGD_RANK, powersgd_start_step=limits.MAX_POWERSGD_START_STEP
+    )
 
 
 BAD_FILES = {  # name -> (bytes, what the line says)
     "binary": (b"\x89PNG\r\n\x1a\n\x00\xff", "not UTF-8 text (byte 0x89 at offset 0)"),
-    "duplicate key": (b"name: a\nname: b\n", ":2:1: invalid YAML: duplicate key 'name' (first on line 1)"),
+    "duplicate key": (
+        b"name: a\nname: b\n",
+        ":2:1: invalid YAML: duplicate key 'name' (first on line 1)",
+    ),
     "deep nesting": (b"[" * 100_000, ":1:65: invalid YAML: nested more than 64 levels deep"),
     "alias bomb": (
         b"a: &a [x, x, x, x, x, x, x, x, x, x]\n"
-        + b"".join(f"{k}: &{k} [{', '.join([f'*{j}'] * 10)}]\n".encode() for j, k in zip("abcde", "bcdef")),
+        + b"".join(
+            f"{k}: &{k} [{', '.join([f'*{j}'] * 10)}]\n".encode() for j, k in zip("abcde", "bcdef")
+        ),
         "invalid YAML: this value holds more than 1,000,000 values",
     ),
     "a list": (b"- 1\n", "expected a mapping of keys at the top level, got list [1]"),
@@ -519,18 +629,26 @@ def test_every_file_the_cli_reads_refuses_bad_contents(capsys, tmp_path, reader,
 
 @pytest.mark.parametrize("reader", list(READERS))
 def test_every_file_the_cli_reads_may_be_missing_or_a_folder(capsys, tmp_path, reader):
-    assert one_line_error(capsys, *READERS[reader](str(tmp_path / "none.yaml"))).endswith("none.yaml: no such file")
+    assert one_line_error(capsys, *READERS[reader](str(tmp_path / "none.yaml"))).endswith(
+        "none.yaml: no such file"
+    )
     folder = tmp_path / "folder"
     folder.mkdir()
-    assert one_line_error(capsys, *READERS[reader](str(folder))).endswith(f"{folder}: is a folder; give a YAML file")
+    assert one_line_error(capsys, *READERS[reader](str(folder))).endswith(
+        f"{folder}: is a folder; give a YAML file"
+    )
 
 
 def test_a_failing_plan_leaves_an_existing_plan_file_untouched(capsys, tmp_path):
     target = tmp_path / "plan.yaml"
     target.write_text("my plan\n")
-    assert "tp(3) = 3 does not divide" in one_line_error(capsys, *PLAN, "--tp", "3", "-o", str(target))
+    assert "tp(3) = 3 does not divide" in one_line_error(
+        capsys, *PLAN, "--tp", "3", "-o", str(target)
+    )
     assert one_line_error(capsys, *PLAN, "--gpus", "0", "-o", str(target))
-    assert target.read_text() == "my plan\n" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]
+    assert target.read_text() == "my plan\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "plan.yaml"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -541,11 +659,23 @@ def test_a_failing_plan_leaves_an_existing_plan_file_untouched(capsys, tmp_path)
             "cannot write {tmp}/missing/plan.yaml: no folder {tmp}/missing; create it first",
         ),
         ([*PLAN, "-o", "{tmp}"], "cannot write {tmp}: it is a folder; give a file name"),
-        (["simulate", "{plan}", "--out", "{tmp}/t.jpg"], "cannot draw '{tmp}/t.jpg': unknown picture extension '.jpg'"),
-        (["simulate", "{plan}", "--out", "{tmp}/missing/t.png"], "cannot write {tmp}/missing/t.png: no folder"),
+        (
+            ["simulate", "{plan}", "--out", "{tmp}/t.jpg"],
+            "cannot draw '{tmp}/t.jpg': unknown picture extension '.jpg'",
+        ),
+        (
+            ["simulate", "{plan}", "--out", "{tmp}/missing/t.png"],
+            "cannot write {tmp}/missing/t.png: no folder",
+        ),
         (["checkpoint", "export", "{tmp}", "{tmp}/model.pt"], "{tmp}: no complete checkpoint"),
-        (["checkpoint", "export", "{fake}", "{tmp}/model.pt"], "{fake}: not a hyparallel checkpoint of format 1"),
-        (["checkpoint", "export", "{tmp}", "{tmp}/missing/model.pt"], "cannot write {tmp}/missing/model.pt: no folder"),
+        (
+            ["checkpoint", "export", "{fake}", "{tmp}/model.pt"],
+            "{fake}: not a hyparallel checkpoint of format 1",
+        ),
+        (
+            ["checkpoint", "export", "{tmp}", "{tmp}/missing/model.pt"],
+            "cannot write {tmp}/missing/model.pt: no folder",
+        ),
         (["calibrate", "--out", "{tmp}"], "cannot write {tmp}: it is a folder"),
     ],
 )
@@ -565,7 +695,8 @@ def test_bad_output_paths_are_one_line_and_write_nothing(capsys, tmp_path, argv,
 
 @pytest.mark.parametrize("parallel", ["{dp: 1048576}", "{pp: 1048576}", "{dp: 1024, tp: 1024}"])
 def test_show_at_the_largest_world_size_visits_no_rank_by_rank(capsys, tmp_path, parallel):
-    # A hang detector, not a timing: at 2^20 ranks, anything rank by rank (or stage by stage) ran for minutes.
+    # A hang detector, not a timing: at 2^20 ranks, anything rank by rank (or stage by stage) ran
+    # for minutes.
     path = tmp_path / "plan.yaml"
     path.write_text(f"training: {{global_batch: 1048576, seq_len: 4}}\nparallel: {parallel}\n")
     code, out, err = run(capsys, "show", str(path))
@@ -573,7 +704,9 @@ def test_show_at_the_largest_world_size_visits_no_rank_by_rank(capsys, tmp_path,
     assert "= 1048576 processes" in out and "rank 7" in out
     if "pp" in parallel:
         assert "(1048544 more stages)" in out
-        assert "simulate draws one row per pipeline rank, at most 256" in one_line_error(capsys, "simulate", str(path))
+        assert "simulate draws one row per pipeline rank, at most 256" in one_line_error(
+            capsys, "simulate", str(path)
+        )
 
 
 def test_simulate_refuses_a_schedule_too_long_to_time(capsys, tmp_path):
@@ -586,13 +719,19 @@ def test_simulate_refuses_a_schedule_too_long_to_time(capsys, tmp_path):
 @pytest.mark.parametrize(
     ("model", "expected"),
     [
-        (["gpt-tiny", "num_layers=-1"], "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got -1"),
+        (
+            ["gpt-tiny", "num_layers=-1"],
+            "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got -1",
+        ),
         (["gpt-tiny", "num_layers=abc"], "got 'abc'"),
         (["gpt-tiny", "num_layers=10**12"], "got '10**12'"),
         (["gpt-tiny", "num_layers=1000000000000"], "got 1000000000000"),
         (["gpt-tiny", "hidden_size=" + "9" * 5000], "hidden_size must be an integer"),
         (["gpt-tiny", "nmu_layers=2"], "model 'gpt-tiny' has no setting 'nmu_layers'"),
-        (["hf:gpt2", "n_layer=-1"], "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1"),
+        (
+            ["hf:gpt2", "n_layer=-1"],
+            "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1",
+        ),
         (["hf:gpt2", "n_layr=2"], "hf:gpt2: no transformers config has a setting 'n_layr'"),
     ],
 )
@@ -603,9 +742,10 @@ def test_bad_model_specs_are_one_line(capsys, model, expected):
 
 def test_seq_len_past_a_zoo_models_positions_is_one_line(capsys):
     line = one_line_error(capsys, *PLAN, "--seq-len", "4096")
-    assert line == (
-        "hyparallel: error: seq_len 4096 is longer than the model's max_seq_len (128); pass a shorter "
-        "--seq-len, or build the model with max_seq_len=4096"
+    assert (
+        line
+        == "hyparallel: error: seq_len 4096 is longer than the model's max_seq_len (128); pass a"
+        " shorter --seq-len, or build the model with max_seq_len=4096"
     )
 
 
@@ -625,20 +765,41 @@ def test_paths_the_system_cannot_look_up_are_one_line(capsys, tmp_path):
 
 
 def test_model_factories_are_checked_before_they_are_called(capsys):
-    line = one_line_error(capsys, "trace", "--model", "os:system")  # never called: it needs an argument
-    assert "model factory 'os:system' cannot be called with no arguments: missing a required argument" in line
-    assert "':make' is not package.module:name" in one_line_error(capsys, "trace", "--model", ":make")
-    assert "No closing quotation" in one_line_error(capsys, "trace", "--model", "gpt-tiny", "num_layers='2")
+    # never called: it needs an argument
+    line = one_line_error(capsys, "trace", "--model", "os:system")
+    assert (
+        "model factory 'os:system' cannot be called with no arguments: missing a required argument"
+        in line
+    )
+    assert "':make' is not package.module:name" in one_line_error(
+        capsys, "trace", "--model", ":make"
+    )
+    assert "No closing quotation" in one_line_error(
+        capsys, "trace", "--model", "gpt-tiny", "num_layers='2"
+    )
 
 
 def test_a_model_too_large_to_trace_is_one_line_on_the_real_stderr():
-    # torch's fake tensors log each failing op with a traceback through a handler holding the process's stderr;
-    # only a subprocess sees that stream.
-    argv = ["trace", "--model", "gpt-tiny", "max_seq_len=16777216", "--batch-size", "16777216", "--seq-len", "16777216"]
-    result = subprocess.run([sys.executable, "-m", "hyparallel", *argv], capture_output=True, text=True)
+    # torch's fake tensors log each failing op with a traceback through a handler holding the
+    # process's stderr; only a subprocess sees that stream.
+    argv = [
+        "trace",
+        "--model",
+        "gpt-tiny",
+        "max_seq_len=16777216",
+        "--batch-size",
+        "16777216",
+        "--seq-len",
+        "16777216",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "hyparallel", *argv], capture_output=True, text=True
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("hyparallel: error: cannot trace GPT: torch.fx: RuntimeError: Storage size")
+    assert result.stderr.startswith(
+        "hyparallel: error: cannot trace GPT: torch.fx: RuntimeError: Storage size"
+    )
 
 
 def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path, monkeypatch):
@@ -650,7 +811,8 @@ def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path,
     folder = tmp_path / "read-only"
     folder.mkdir()
     folder.chmod(0o500)
-    if os.geteuid() == 0:  # root reads and writes whatever the mode: the system answers as it would anyone else
+    # root reads and writes whatever the mode: the system answers as it would anyone else
+    if os.geteuid() == 0:
         real_open, real_access = open, os.access
 
         def denied_open(path, *args, **kwargs):
@@ -658,10 +820,17 @@ def test_unreadable_inputs_and_unwritable_outputs_are_one_line(capsys, tmp_path,
                 raise PermissionError(13, "Permission denied", str(path))
             return real_open(path, *args, **kwargs)
 
-        monkeypatch.setattr(files, "open", denied_open, raising=False)  # the module's open, not the builtin
-        monkeypatch.setattr(files.os, "access", lambda path, mode: Path(path) != folder and real_access(path, mode))
-    assert one_line_error(capsys, "show", str(locked)).endswith("plan.yaml: cannot read: Permission denied")
-    assert one_line_error(capsys, *PLAN, "-o", str(folder / "plan.yaml")).endswith("permission denied")
+        # the module's open, not the builtin
+        monkeypatch.setattr(files, "open", denied_open, raising=False)
+        monkeypatch.setattr(
+            files.os, "access", lambda path, mode: Path(path) != folder and real_access(path, mode)
+        )
+    assert one_line_error(capsys, "show", str(locked)).endswith(
+        "plan.yaml: cannot read: Permission denied"
+    )
+    assert one_line_error(capsys, *PLAN, "-o", str(folder / "plan.yaml")).endswith(
+        "permission denied"
+    )
     assert not (folder / "plan.yaml").exists()
 
 
@@ -683,7 +852,7 @@ def test_show_model_refuses_a_hand_map_naming_modules_the_model_lacks(capsys, tm
     assert "tensor_parallel: 'layers.*.attn.qkvx' matches no module of GPT" in line
 
 
-# ---- a trace failure says its cause (issue 16) ------------------------------------------------------------
+# ---- a trace failure says its cause (issue 16) ---------------------------------------------------
 
 
 class _NeedsMask(torch.nn.Linear):
@@ -719,14 +888,24 @@ TRACED = {"trace": ["trace"], "plan": ["plan", "--gpus", "1", "--cluster", "cpu"
 
 @pytest.mark.parametrize("command", sorted(TRACED))
 def test_a_model_missing_an_input_is_one_line_naming_it(capsys, command):
-    line = one_line_error(capsys, *TRACED[command], "--model", "tests.test_cli:make_needs_mask", "--seq-len", "4")
-    assert line.startswith("hyparallel: error: cannot trace _NeedsMask: torch.fx: TypeError: missing a required")
+    line = one_line_error(
+        capsys, *TRACED[command], "--model", "tests.test_cli:make_needs_mask", "--seq-len", "4"
+    )
+    assert line.startswith(
+        "hyparallel: error: cannot trace _NeedsMask: torch.fx: TypeError: missing a required"
+    )
     assert "_NeedsMask.forward needs mask, which the example inputs (giving x) leave out" in line
     assert "--example-inputs package.module:make_inputs" in line and "torch.where" not in line
 
 
 def test_a_shape_error_is_one_line_naming_the_users_line(capsys):
-    line = one_line_error(capsys, *TRACED["plan"], "--model", "tests.test_cli:make_wrong_heads", "--seq-len", "4")
-    number = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "# 8 features are" in text)
+    line = one_line_error(
+        capsys, *TRACED["plan"], "--model", "tests.test_cli:make_wrong_heads", "--seq-len", "4"
+    )
+    number = next(
+        i
+        for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+        if "# 8 features are" in text
+    )
     assert f"(in module '(root)', test_cli.py:{number}: return super().forward(x).view(" in line
     assert "shape mismatch" in line and "torch.where" not in line and "<string>" not in line

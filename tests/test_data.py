@@ -1,6 +1,6 @@
-"""The data sampler (hyparallel/runtime/data.py): global batches that do not depend on dp, a position that counts what
-was consumed and resumes under another dp, in one process; tests/test_compile_and_data.py resumes a checkpoint saved
-under dp 2 into dp 4 in 4 gloo processes.
+"""The data sampler (hyparallel/runtime/data.py): global batches that do not depend on dp, a
+position that counts what was consumed and resumes under another dp, in one process;
+tests/test_compile_and_data.py resumes a checkpoint saved under dp 2 into dp 4 in 4 gloo processes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def sampler(dp: int, rank: int, **options) -> DataSampler:
 
 
 def global_batches(dp: int, **options) -> list[list[int]]:
-    """Each global batch as dp samplers hand it out: rank 0's share, then rank 1's, ... (what shard() cuts)."""
+    """Each global batch as dp samplers hand it out: rank 0's share, then rank 1's, ... (what
+    shard() cuts)."""
     shares = [list(sampler(dp, rank, **options)) for rank in range(dp)]
     share = GLOBAL // dp
     return [
@@ -33,7 +34,8 @@ def global_batches(dp: int, **options) -> list[list[int]]:
 
 @pytest.mark.parametrize("dp", [1, 2, 4, 8])
 def test_global_batches_are_the_same_under_any_dp(dp):
-    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(7)).tolist()  # seed + epoch 0
+    # seed + epoch 0
+    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(7)).tolist()
     expected = [order[s * GLOBAL : (s + 1) * GLOBAL] for s in range(ROWS // GLOBAL)]
     assert global_batches(dp, seed=7) == expected
     assert len(sampler(dp, 0)) == (ROWS // GLOBAL) * (GLOBAL // dp)
@@ -41,19 +43,27 @@ def test_global_batches_are_the_same_under_any_dp(dp):
 
 def test_a_rank_takes_the_rows_shard_gives_it():
     everything = torch.arange(ROWS)
-    first = sampler(4, 0, seed=3).global_rows(0, 0, 1)[0].flatten()  # the first global batch, in dp order
+    # the first global batch, in dp order
+    first = sampler(4, 0, seed=3).global_rows(0, 0, 1)[0].flatten()
     for rank in range(4):
         mine = list(sampler(4, rank, seed=3))[: GLOBAL // 4]
-        assert mine == everything[first].chunk(4)[rank].tolist()  # pmodel.shard's cut: chunk r of dim 0
+        # pmodel.shard's cut: chunk r of dim 0
+        assert mine == everything[first].chunk(4)[rank].tolist()
 
 
 def test_the_position_counts_consumed_batches_not_prefetched_ones():
     made = sampler(2, 1, seed=1)
     loader = iter(DataLoader(range(ROWS), batch_size=made.share, sampler=made))
-    drawn = [next(loader).tolist() for _ in range(3)]  # a prefetching loader draws ahead of the loop
+    # a prefetching loader draws ahead of the loop
+    drawn = [next(loader).tolist() for _ in range(3)]
     made.step_consumed()  # the loop trained on one
-    assert made.position() == DataPosition(epoch=0, consumed=GLOBAL, seed=1, shuffle=True, dataset_rows=ROWS)
-    assert next(iter(DataLoader(range(ROWS), batch_size=made.share, sampler=made))).tolist() == drawn[1]
+    assert made.position() == DataPosition(
+        epoch=0, consumed=GLOBAL, seed=1, shuffle=True, dataset_rows=ROWS
+    )
+    assert (
+        next(iter(DataLoader(range(ROWS), batch_size=made.share, sampler=made))).tolist()
+        == drawn[1]
+    )
 
 
 def test_epochs_roll_over_after_the_last_full_batch():
@@ -63,7 +73,8 @@ def test_epochs_roll_over_after_the_last_full_batch():
         made.step_consumed()
     assert (made.epoch, made.consumed) == (1, 0)
     second_epoch = list(made)
-    assert len(second_epoch) == len(first_epoch) and second_epoch != first_epoch  # seed + 1: another order
+    # seed + 1: another order
+    assert len(second_epoch) == len(first_epoch) and second_epoch != first_epoch
     made.set_epoch(1)  # DistributedSampler's habit: the current epoch keeps its place
     made.step_consumed()
     made.set_epoch(1)
@@ -89,13 +100,16 @@ def test_a_position_resumes_under_another_dp(new_dp):
     saved = sampler(2, 0, seed=9)
     for _ in range(2):
         saved.step_consumed()
-    state = saved.state_dict()  # as a checkpoint's marker holds it: JSON-able, the same on every rank
+    # as a checkpoint's marker holds it: JSON-able, the same on every rank
+    state = saved.state_dict()
     resumed_batches = []
     for rank in range(new_dp):
         resumed = sampler(new_dp, rank, seed=0)  # another seed: the saved order wins
         resumed.load_state_dict(state)
         resumed_batches.append(list(resumed))
-    assert [row for rows in resumed_batches for row in rows[: GLOBAL // new_dp]] == global_batches(2, seed=9)[2]
+    assert [row for rows in resumed_batches for row in rows[: GLOBAL // new_dp]] == global_batches(
+        2, seed=9
+    )[2]
 
 
 def test_an_evaluation_sampler_is_never_advanced():
@@ -114,7 +128,8 @@ def test_bad_inputs_are_one_line_each():
         DataPosition.from_dict({"epoch": 1}, "ckpt/hyparallel.json: data")
     with pytest.raises(ConfigError, match="consumed=-8 is not a valid int"):
         DataPosition.from_dict(
-            {"epoch": 0, "consumed": -8, "seed": 0, "shuffle": True, "dataset_rows": 30}, "ckpt/hyparallel.json: data"
+            {"epoch": 0, "consumed": -8, "seed": 0, "shuffle": True, "dataset_rows": 30},
+            "ckpt/hyparallel.json: data",
         )
     other = sampler(1, 0, rows=40)
     with pytest.warns(UserWarning, match="dataset of 30 rows, this one has 40"):
@@ -144,7 +159,8 @@ def test_a_checkpoint_saves_the_position_and_a_later_sampler_takes_it(one_proces
     made = pmodel.sampler(dataset, seed=2)
     assert pmodel.data_sampler is made
     for (batch,) in DataLoader(dataset, batch_size=made.share, sampler=made):
-        pmodel.train_step(batch[:, :-1], batch[:, 1:])  # counts each batch (DataSampler.step_consumed)
+        # counts each batch (DataSampler.step_consumed)
+        pmodel.train_step(batch[:, :-1], batch[:, 1:])
         if made.consumed == 12:
             break
     checkpoint.save(pmodel, None, tmp_path, step=3)
@@ -152,7 +168,8 @@ def test_a_checkpoint_saves_the_position_and_a_later_sampler_takes_it(one_proces
 
     fresh = one_process(seed=1)
     checkpoint.load(fresh, None, tmp_path)
-    assert fresh.data_sampler is None and fresh.data_position() == made.position()  # kept until a sampler is made
+    # kept until a sampler is made
+    assert fresh.data_sampler is None and fresh.data_position() == made.position()
     later = fresh.sampler(dataset)  # seed 0 asked, the checkpoint's 2 resumes
     assert later.position() == made.position() and list(later) == list(made)
     later.step_consumed()

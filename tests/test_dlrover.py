@@ -1,8 +1,10 @@
-"""examples/train_gpt.py under DLRover's elastic agent: a killed worker, a lost node (dp 2 -> 1), and the one fix.
+"""examples/train_gpt.py under DLRover's elastic agent: a killed worker, a lost node (dp 2 -> 1),
+and the one fix.
 
-Uses the helpers and tolerances of tests/test_elastic.py (Note [how close a resumed run stays]). The reference is
-an uninterrupted 2-process torchrun run of the same example. Skipped, with the reason, where dlrover (the
-`elastic` extra: pip install -e ".[elastic]") is not installed; `make test` installs it.
+Uses the helpers and tolerances of tests/test_elastic.py (Note [how close a resumed run stays]). The
+reference is an uninterrupted 2-process torchrun run of the same example. Skipped, with the reason,
+where dlrover (the `elastic` extra: pip install -e ".[elastic]") is not installed; `make test`
+installs it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from tests.test_elastic import (
     workers_of,
 )
 
-pytest.importorskip("dlrover.trainer.torch.elastic_run", reason="dlrover is not installed: pip install -e '.[elastic]'")
+pytest.importorskip(
+    "dlrover.trainer.torch.elastic_run",
+    reason="dlrover is not installed: pip install -e '.[elastic]'",
+)
 
 PROCESSES = 2
 
@@ -40,9 +45,20 @@ PROCESSES = 2
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, repo):
     directory = tmp_path_factory.mktemp("dlrover") / "reference"
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(PROCESSES)]
+    run = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(PROCESSES),
+    ]
     proc = subprocess.run(
-        [*run, *example(repo, directory)], capture_output=True, text=True, env=environ(repo), timeout=600
+        [*run, *example(repo, directory)],
+        capture_output=True,
+        text=True,
+        env=environ(repo),
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return directory, losses(directory, proc.stdout)
@@ -69,19 +85,22 @@ def kill_tree(pid: int) -> None:
 
 
 def test_the_fix_is_still_needed():
-    """Note [the dlrover fix]: fails once the installed dlrover starts its local master on this torch by itself."""
+    """Note [the dlrover fix]: fails once the installed dlrover starts its local master on this
+    torch by itself."""
     import dlrover
 
     from hyparallel.tools import dlrover_run
 
     assert dlrover_run.needs_fix(), (
-        f"dlrover {getattr(dlrover, '__version__', '?')} no longer needs hyparallel.tools.dlrover_run's fix: "
-        "delete the module and its console script, and use dlrover-run"
+        f"dlrover {getattr(dlrover, '__version__', '?')} no longer needs"
+        " hyparallel.tools.dlrover_run's fix: delete the module and its console script, and use"
+        " dlrover-run"
     )
 
 
 def test_a_killed_worker_under_dlrover_run(reference, tmp_path, repo):
-    """dlrover-run --standalone restarts the group; it resumes from the checkpoint and trains as the reference."""
+    """dlrover-run --standalone restarts the group; it resumes from the checkpoint and trains as the
+    reference."""
     ref_dir, ref_losses = reference
     directory = tmp_path / "standalone"
     args = ["--standalone", "--nproc_per_node", str(PROCESSES), "--max-restarts", "1"]
@@ -95,7 +114,11 @@ def test_a_killed_worker_under_dlrover_run(reference, tmp_path, repo):
     )
     try:
         marker = directory / f"step-{2 * EVERY:08d}" / checkpoint.MARKER
-        wait_for(lambda: marker.exists() and len(training_workers(proc.pid)) == PROCESSES, proc, "a checkpoint")
+        wait_for(
+            lambda: marker.exists() and len(training_workers(proc.pid)) == PROCESSES,
+            proc,
+            "a checkpoint",
+        )
         os.kill(training_workers(proc.pid)[-1], signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=600)
     finally:
@@ -108,10 +131,12 @@ def test_a_killed_worker_under_dlrover_run(reference, tmp_path, repo):
 
 
 def test_a_lost_node_replans_and_keeps_the_data_position(reference, tmp_path, repo):
-    """A local DLRover master, two agents (--nnodes 1:2) of one worker each; one agent is killed with its worker.
+    """A local DLRover master, two agents (--nnodes 1:2) of one worker each; one agent is killed
+    with its worker.
 
-    The survivor's group restarts as one process: it re-plans (dp 2 -> 1), loads the checkpoint resharded and
-    trains on the batches the reference trained on, from the next one (none skipped or repeated).
+    The survivor's group restarts as one process: it re-plans (dp 2 -> 1), loads the checkpoint
+    resharded and trains on the batches the reference trained on, from the next one (none skipped or
+    repeated).
     """
     ref_dir, ref_losses = reference
     directory = tmp_path / "nodes"
@@ -132,7 +157,8 @@ def test_a_lost_node_replans_and_keeps_the_data_position(reference, tmp_path, re
         for node in range(2):
             agent_env = {**env, "DLROVER_MASTER_ADDR": f"127.0.0.1:{port}", "NODE_ID": str(node)}
             agent_env["NODE_RANK"] = str(node)
-            # lastcall_timeout: how long the master waits for a lost node before a smaller round (default 60 s).
+            # lastcall_timeout: how long the master waits for a lost node before a smaller round
+            # (default 60 s).
             args = ["--nnodes", "1:2", "--nproc_per_node", "1", "--max-restarts", "2"]
             args += ["--rdzv-conf", "lastcall_timeout=5"]
             agents.append(
@@ -159,6 +185,9 @@ def test_a_lost_node_replans_and_keeps_the_data_position(reference, tmp_path, re
     start = int(resumed[1])
     records = [json.loads(line) for line in log_of(directory).read_text().splitlines()]
     assert {r["world_size"] for r in records if r["step"] > start and r["restart"] > 0} == {1}
-    assert_same_training(losses(directory, stdout, restart=max(r["restart"] for r in records)), ref_losses, start)
-    checkpoint.export(directory, tmp_path / "final.pt")  # the last checkpoint (dp 1) is complete and readable
+    assert_same_training(
+        losses(directory, stdout, restart=max(r["restart"] for r in records)), ref_losses, start
+    )
+    # the last checkpoint (dp 1) is complete and readable
+    checkpoint.export(directory, tmp_path / "final.pt")
     final_weights_match(directory, ref_dir, tmp_path)

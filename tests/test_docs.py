@@ -30,7 +30,9 @@ def _models(module) -> list[type[BaseModel]]:
     return [
         obj
         for name, obj in inspect.getmembers(module, inspect.isclass)
-        if issubclass(obj, BaseModel) and obj.__module__ == module.__name__ and not name.startswith("_")
+        if issubclass(obj, BaseModel)
+        and obj.__module__ == module.__name__
+        and not name.startswith("_")
     ]
 
 
@@ -41,12 +43,14 @@ def _section(text: str, model: type[BaseModel]) -> str:
     return text[start : following if following != -1 else len(text)]
 
 
-# ---- the generated pages ----------------------------------------------------------------------------
+# ---- the generated pages -------------------------------------------------------------------------
 
 
 def test_generated_pages_are_current(rendered):
     outdated = [str(path.relative_to(ROOT)) for path in docgen.stale(DOCS, rendered)]
-    assert not outdated, f"{', '.join(outdated)}: not what the schema and presets generate now; {REGENERATE}"
+    assert not outdated, (
+        f"{', '.join(outdated)}: not what the schema and presets generate now; {REGENERATE}"
+    )
 
 
 @pytest.mark.parametrize("model", _models(schema), ids=lambda m: m.__name__)
@@ -78,7 +82,9 @@ def test_every_preset_figure_has_a_source(name):
     """Each preset gives the source of each of its figures in a comment."""
     _, figures = docgen.preset_figures((cluster.preset_dir() / f"{name}.yaml").read_text())
     numbers = [
-        f for f in figures if re.fullmatch(r"[-+0-9.e]+", f.value) and f.key not in ("num_nodes", "gpus_per_node")
+        f
+        for f in figures
+        if re.fullmatch(r"[-+0-9.e]+", f.value) and f.key not in ("num_nodes", "gpus_per_node")
     ]
     assert numbers
     unsourced = [f.key for f in numbers if not (f.source or f.note)]
@@ -98,7 +104,9 @@ def test_preset_figures_match_the_loaded_spec():
 
 
 def test_example_plan_in_reference_is_a_valid_plan(rendered):
-    block = re.search(r"## A complete plan.*?```yaml\n(.*?)```", rendered["plan-reference.md"], re.S)[1]
+    block = re.search(
+        r"## A complete plan.*?```yaml\n(.*?)```", rendered["plan-reference.md"], re.S
+    )[1]
     plan = schema.Plan.from_dict(yaml.safe_load(block), source="plan-reference.md example")
     assert plan.parallel.tp == 2 and plan.parallel.pp == 2 and plan.world_size == 8
     assert plan.stages and plan.tensor_parallel and plan.predicted
@@ -110,7 +118,7 @@ def test_validation_rules_show_current_errors(rendered):
     assert "each module belongs to one stage" in text
 
 
-# ---- the generator ------------------------------------------------------------------------------------
+# ---- the generator -------------------------------------------------------------------------------
 
 
 def test_type_text_reads_like_words():
@@ -121,14 +129,15 @@ def test_type_text_reads_like_words():
     assert docgen.type_text(cluster.Fraction) == "number in [0.001, 1]"
     assert docgen.type_text(schema.Degree) == "integer from 1 to 1,048,576"
     assert (
-        docgen.type_text(dict[str, schema.TPStyle]) == "map of string to one of `column`, `row`, `vocab`, `replicate`"
+        docgen.type_text(dict[str, schema.TPStyle])
+        == "map of string to one of `column`, `row`, `vocab`, `replicate`"
     )
 
 
 def test_preset_comment_parser():
     text = (
-        "# header\nname: x\ndevice:\n  peak:\n    # datasheet\n    a: 1.0e+12  # A\n    b: 2.0e+12\n"
-        "  # measured\n  memory_bytes: 8\n"
+        "# header\nname: x\ndevice:\n  peak:\n    # datasheet\n    a: 1.0e+12  # A\n    b:"
+        " 2.0e+12\n  # measured\n  memory_bytes: 8\n"
     )
     header, figures = docgen.preset_figures(text)
     assert header == "header"
@@ -143,7 +152,10 @@ def test_check_names_stale_pages_and_write_fixes_them(tmp_path, monkeypatch, cap
     monkeypatch.setattr(docgen, "pages", lambda: rendered)
     assert docgen.main(["--check", "--docs-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "plan-reference.md: not current; run `python -m hyparallel.tools.docgen`" in err and "clusters.md" in err
+    assert (
+        "plan-reference.md: not current; run `python -m hyparallel.tools.docgen`" in err
+        and "clusters.md" in err
+    )
     assert docgen.main(["--docs-dir", str(tmp_path)]) == 0
     assert docgen.main(["--check", "--docs-dir", str(tmp_path)]) == 0
     (tmp_path / "clusters.md").write_text("edited by hand\n")
@@ -151,7 +163,7 @@ def test_check_names_stale_pages_and_write_fixes_them(tmp_path, monkeypatch, cap
     assert "clusters.md" in capsys.readouterr().err
 
 
-# ---- links ----------------------------------------------------------------------------------------------
+# ---- links ---------------------------------------------------------------------------------------
 
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -162,7 +174,8 @@ def _slug(heading: str) -> str:
 
 
 def _anchors(path: Path) -> set[str]:
-    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)  # headings keep their `code`
+    # headings keep their `code`
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
     headings = {_slug(h) for h in re.findall(r"^#+\s+(.*)$", text, re.M)}
     return headings | set(re.findall(r'<a id="([^"]+)"', text))
 

@@ -1,9 +1,11 @@
-"""hp.plan, hp.search and `hyparallel plan --example-inputs` on a user's own GPT (tests/user_gpt.py: forward(idx)).
+"""hp.plan, hp.search and `hyparallel plan --example-inputs` on a user's own GPT (tests/user_gpt.py:
+forward(idx)).
 
-example_inputs are one micro-batch, as parallelize takes them (Note [example inputs] in hyparallel/planner/api.py):
-the planner traces with them, divides the graph's figures by their rows, fixes micro_batch to them and reads
-seq_len from the token ids; a function (batch_size, seq_len) -> inputs is used as a model's example_inputs
-method is. A plan made so runs under parallelize with the same inputs, loss and gradients those of the model.
+example_inputs are one micro-batch, as parallelize takes them (Note [example inputs] in
+hyparallel/planner/api.py): the planner traces with them, divides the graph's figures by their rows,
+fixes micro_batch to them and reads seq_len from the token ids; a function (batch_size, seq_len) ->
+inputs is used as a model's example_inputs method is. A plan made so runs under parallelize with the
+same inputs, loss and gradients those of the model.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def tokens(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
 
 
-# ---- what example_inputs say ------------------------------------------------------------------------
+# ---- what example_inputs say ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -47,13 +49,19 @@ def tokens(rows: int, seed: int = 0) -> torch.Tensor:
         (torch.zeros(3, 7, dtype=torch.long), 3, 7, 1),
         ((torch.zeros(2, 5, dtype=torch.long), None, 0.5), 2, 5, 1),  # non-tensor leaves
         (
-            {"mask": torch.ones(4, 9, dtype=torch.bool), "idx": torch.zeros(4, 9, dtype=torch.int32), "flag": True},
+            {
+                "mask": torch.ones(4, 9, dtype=torch.bool),
+                "idx": torch.zeros(4, 9, dtype=torch.int32),
+                "flag": True,
+            },
             4,
             9,
             1,
         ),
-        ({"embeds": torch.zeros(2, 6, 8)}, 2, None, 6),  # no token ids: a length only when none is given
-        (torch.zeros(2, 3, 32, 32), 2, None, 1),  # images: dim 1 is channels, the figures per sample
+        # no token ids: a length only when none is given
+        ({"embeds": torch.zeros(2, 6, 8)}, 2, None, 6),
+        # images: dim 1 is channels, the figures per sample
+        (torch.zeros(2, 3, 32, 32), 2, None, 1),
         ((torch.zeros(5),), 5, None, 1),  # no sequence dim
     ],
 )
@@ -77,7 +85,10 @@ def test_inputs_without_a_batch_are_refused(example, message):
 
 def test_a_graph_traced_with_b_rows_costs_one_sequence_as_at_batch_one():
     model = hp.models.build("gpt-tiny")
-    one, three = hp.trace(model, model.example_inputs(1, SEQ)), hp.trace(model, model.example_inputs(3, SEQ))
+    one, three = (
+        hp.trace(model, model.example_inputs(1, SEQ)),
+        hp.trace(model, model.example_inputs(3, SEQ)),
+    )
     cluster = hp.ClusterSpec.preset("a100-80g", num_nodes=1)
     reference = ModelProfile(one, cluster, "bf16", SEQ)
     profile = ModelProfile(three, cluster, "bf16", SEQ, traced_rows=3)
@@ -94,20 +105,28 @@ def test_a_graph_traced_with_b_rows_costs_one_sequence_as_at_batch_one():
         ]
 
     assert figures(profile) == pytest.approx(figures(reference), rel=1e-9)
-    assert figures(undivided)[:2] == pytest.approx([3 * x for x in figures(reference)[:2]])  # what dividing corrects
-    # Bytes ops read and write: the position ids and embeddings, (seq,) and (seq, hidden), have no batch dim, so one
-    # sequence's share of them is a third at 3 rows. Only those differ: the saved activations above agree.
-    moved = [sum(op.in_bytes + op.out_bytes for raw in p.raw for op in raw.ops) for p in (profile, reference)]
+    # what dividing corrects
+    assert figures(undivided)[:2] == pytest.approx([3 * x for x in figures(reference)[:2]])
+    # Bytes ops read and write: the position ids and embeddings, (seq,) and (seq, hidden), have no
+    # batch dim, so one sequence's share of them is a third at 3 rows. Only those differ: the saved
+    # activations above agree.
+    moved = [
+        sum(op.in_bytes + op.out_bytes for raw in p.raw for op in raw.ops)
+        for p in (profile, reference)
+    ]
     assert moved[0] == pytest.approx(moved[1], rel=0.02) and moved[0] < moved[1]
-    # The backward's transient (Note [backward's own] in profile.py) counts the largest op's input gradients, the
-    # position embeddings' among them: the same third, so the 3-row trace's figure is a little lower, never higher
-    # (2.0% here: the activation gradients are counted whole across tp ranks, Note [what sequence parallelism shards]).
-    working = [sum(s.working_bytes for s in p.segment_costs(2, True, 3, "selective", cluster.intra_node))
-               for p in (profile, reference)]  # fmt: skip
+    # The backward's transient (Note [backward's own] in profile.py) counts the largest op's input
+    # gradients, the position embeddings' among them: the same third, so the 3-row trace's figure is
+    # a little lower, never higher (2.0% here: the activation gradients are counted whole across tp
+    # ranks, Note [what sequence parallelism shards]).
+    working = [
+        sum(s.working_bytes for s in p.segment_costs(2, True, 3, "selective", cluster.intra_node))
+        for p in (profile, reference)
+    ]
     assert working[0] == pytest.approx(working[1], rel=0.03) and working[0] <= working[1]
 
 
-# ---- hp.plan and hp.search ------------------------------------------------------------------------
+# ---- hp.plan and hp.search -----------------------------------------------------------------------
 
 
 def test_a_module_without_inputs_names_example_inputs_in_one_line():
@@ -132,7 +151,9 @@ def test_a_module_without_inputs_names_example_inputs_in_one_line():
 def test_example_inputs_fix_the_micro_batch_and_give_seq_len(example):
     plan = hp.plan(user_gpt(), cpu(4), 8, dtype="fp32", example_inputs=example)
     assert plan.training.micro_batch == 2 and plan.training.seq_len == SEQ
-    assert plan.model.name == "UserGPT" and plan.model.num_params == sum(p.numel() for p in user_gpt().parameters())
+    assert plan.model.name == "UserGPT" and plan.model.num_params == sum(
+        p.numel() for p in user_gpt().parameters()
+    )
 
 
 def test_search_takes_example_inputs_and_keeps_their_micro_batch():
@@ -148,28 +169,46 @@ def test_search_takes_example_inputs_and_keeps_their_micro_batch():
         alternatives=True,
     )
     assert len(result.best) > 1 and {e.config.micro_batch for e in result.best} == {4}
-    assert all(alt.evaluation is None or alt.evaluation.config.micro_batch == 4 for alt in result.alternatives)
+    assert all(
+        alt.evaluation is None or alt.evaluation.config.micro_batch == 4
+        for alt in result.alternatives
+    )
 
 
 def test_a_function_of_batch_and_length_lets_the_search_pick_the_micro_batch():
     result = hp.search(user_gpt(), cpu(2), 16, SEQ, "fp32", example_inputs=make_inputs, top=20)
     assert len({e.config.micro_batch for e in result.best}) > 1
-    fixed = hp.plan(user_gpt(), cpu(2), 16, SEQ, "fp32", example_inputs=make_inputs, micro_batch=2, dp=2)
-    traced_at_two = hp.plan(user_gpt(), cpu(2), 16, dtype="fp32", example_inputs=make_inputs(2, SEQ), dp=2)
-    # Traced at 1 and scaled, or traced at 2 and divided: the position embedding alone does not scale with the batch.
-    assert traced_at_two.predicted.step_time_s == pytest.approx(fixed.predicted.step_time_s, rel=0.01)
-    flops = [p.predicted.tflops_per_gpu * p.predicted.step_time_s for p in (traced_at_two, fixed)]  # per GPU
+    fixed = hp.plan(
+        user_gpt(), cpu(2), 16, SEQ, "fp32", example_inputs=make_inputs, micro_batch=2, dp=2
+    )
+    traced_at_two = hp.plan(
+        user_gpt(), cpu(2), 16, dtype="fp32", example_inputs=make_inputs(2, SEQ), dp=2
+    )
+    # Traced at 1 and scaled, or traced at 2 and divided: the position embedding alone does not
+    # scale with the batch.
+    assert traced_at_two.predicted.step_time_s == pytest.approx(
+        fixed.predicted.step_time_s, rel=0.01
+    )
+    # per GPU
+    flops = [p.predicted.tflops_per_gpu * p.predicted.step_time_s for p in (traced_at_two, fixed)]
     assert flops[0] == pytest.approx(flops[1], rel=1e-5)  # the figures are rounded to 6 digits
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"seq_len": 32}, ConfigError, r"seq_len=32 but example_inputs hold sequences of 16 tokens; make them agree"),
+        (
+            {"seq_len": 32},
+            ConfigError,
+            r"seq_len=32 but example_inputs hold sequences of 16 tokens; make them agree",
+        ),
         (
             {"micro_batch": 4},
             ConfigError,
-            r"micro_batch=4 but example_inputs are one micro-batch of 2 rows; pass example_inputs of 4 rows, or leave",
+            (
+                r"micro_batch=4 but example_inputs are one micro-batch of 2 rows; pass"
+                r" example_inputs of 4 rows, or leave"
+            ),
         ),
         (
             {"global_batch": 7},
@@ -181,7 +220,12 @@ def test_a_function_of_batch_and_length_lets_the_search_pick_the_micro_batch():
     ],
 )
 def test_example_inputs_that_disagree_fail_in_one_line(kwargs, error, message):
-    request = {"global_batch": 8, "dtype": "fp32", "example_inputs": torch.zeros(2, SEQ, dtype=torch.long), **kwargs}
+    request = {
+        "global_batch": 8,
+        "dtype": "fp32",
+        "example_inputs": torch.zeros(2, SEQ, dtype=torch.long),
+        **kwargs,
+    }
     with pytest.raises(error, match=message) as info:
         hp.plan(user_gpt(), cpu(), **request)
     assert "\n" not in str(info.value)
@@ -194,10 +238,16 @@ def test_example_inputs_that_disagree_fail_in_one_line(kwargs, error, message):
             lambda batch_size: torch.zeros(batch_size, SEQ),
             r"example inputs .*<lambda> must take \(batch_size, seq_len\)",
         ),
-        (lambda batch_size, seq_len: [1, 2], r"example inputs .*<lambda>\(1, 16\) hold no tensor with a batch dim"),
+        (
+            lambda batch_size, seq_len: [1, 2],
+            r"example inputs .*<lambda>\(1, 16\) hold no tensor with a batch dim",
+        ),
         (
             lambda batch_size, seq_len: torch.zeros(4, seq_len, dtype=torch.long),
-            r"<lambda>\(1, 16\) returned 4 rows of 16 tokens; it must return batch_size rows of seq_len tokens",
+            (
+                r"<lambda>\(1, 16\) returned 4 rows of 16 tokens; it must return batch_size rows of"
+                r" seq_len tokens"
+            ),
         ),
     ],
 )
@@ -209,13 +259,17 @@ def test_a_bad_inputs_function_fails_in_one_line(factory, message):
 def test_a_model_graph_is_planned_as_one_sequence():
     model = hp.models.build("gpt-tiny")
     graph = hp.trace(model, model.example_inputs(2, SEQ))
-    with pytest.raises(PlanError, match=r"the ModelGraph was traced with 2 rows.*trace it at batch 1"):
+    with pytest.raises(
+        PlanError, match=r"the ModelGraph was traced with 2 rows.*trace it at batch 1"
+    ):
         hp.plan(graph, cpu(), 8, SEQ, "fp32")
-    with pytest.raises(PlanError, match=r"this ModelGraph is traced already; pass the module itself"):
+    with pytest.raises(
+        PlanError, match=r"this ModelGraph is traced already; pass the module itself"
+    ):
         hp.plan(graph, cpu(), 8, SEQ, "fp32", example_inputs=model.example_inputs(2, SEQ))
 
 
-# ---- the command line ------------------------------------------------------------------------------
+# ---- the command line ----------------------------------------------------------------------------
 
 
 def test_cli_plans_a_factory_model_with_its_inputs_function(capsys, tmp_path):
@@ -253,21 +307,36 @@ def test_cli_help_explains_example_inputs(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--example-inputs package.module:make_inputs" in text and "make_inputs(batch_size, seq_len)" in text
-    assert "hyparallel plan --model mypkg.gpt:make_model --example-inputs mypkg.gpt:make_inputs" in text
+    assert (
+        "--example-inputs package.module:make_inputs" in text
+        and "make_inputs(batch_size, seq_len)" in text
+    )
+    assert (
+        "hyparallel plan --model mypkg.gpt:make_model --example-inputs mypkg.gpt:make_inputs"
+        in text
+    )
 
 
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        ("tests.no_such_module:make_inputs", "example inputs 'tests.no_such_module:make_inputs': cannot import"),
+        (
+            "tests.no_such_module:make_inputs",
+            "example inputs 'tests.no_such_module:make_inputs': cannot import",
+        ),
         (
             "tests.user_gpt:NOT_CALLABLE",
             "example inputs 'tests.user_gpt:NOT_CALLABLE': 'tests.user_gpt' has no callable",
         ),
         ("tests.user_gpt", "example inputs 'tests.user_gpt' is not package.module:name"),
-        ("tests.user_gpt:make_words", "example inputs tests.user_gpt:make_words(1, 16) is a str; give one micro-batch"),
-        ("tests.user_gpt:make_fixed", "make_fixed(1, 16) returned 4 rows of 8 tokens; it must return batch_size rows"),
+        (
+            "tests.user_gpt:make_words",
+            "example inputs tests.user_gpt:make_words(1, 16) is a str; give one micro-batch",
+        ),
+        (
+            "tests.user_gpt:make_fixed",
+            "make_fixed(1, 16) returned 4 rows of 8 tokens; it must return batch_size rows",
+        ),
     ],
 )
 def test_cli_bad_example_inputs_exit_2_in_one_line(capsys, spec, expected):
@@ -287,21 +356,29 @@ def test_cli_bad_example_inputs_exit_2_in_one_line(capsys, spec, expected):
         ]
     )
     captured = capsys.readouterr()
-    assert code == 2 and captured.out == "" and captured.err.count("\n") == 1 and expected in captured.err
+    assert (
+        code == 2
+        and captured.out == ""
+        and captured.err.count("\n") == 1
+        and expected in captured.err
+    )
 
 
-# ---- the plan runs under parallelize with the same inputs ---------------------------------------------
+# ---- the plan runs under parallelize with the same inputs ----------------------------------------
 
 
 def _plan(how: str, micro_batch: int, tmp_path) -> tuple[hp.Plan, object]:
-    """A plan for 1 process and global batch 4, and the example inputs parallelize gets: made as ``how`` says."""
+    """A plan for 1 process and global batch 4, and the example inputs parallelize gets: made as
+    ``how`` says."""
     ids = torch.zeros(micro_batch, SEQ, dtype=torch.long)
     if how == "plan":
         return hp.plan(user_gpt(), cpu(), 4, dtype="fp32", example_inputs=ids), ids
     if how == "plan-kwargs":
         return hp.plan(user_gpt(), cpu(), 4, SEQ, "fp32", example_inputs={"idx": ids}), {"idx": ids}
     if how == "search":
-        return hp.search(user_gpt(), cpu(), 4, dtype="fp32", example_inputs=(ids,), top=2).plan(), (ids,)
+        return hp.search(user_gpt(), cpu(), 4, dtype="fp32", example_inputs=(ids,), top=2).plan(), (
+            ids,
+        )
     out = tmp_path / "plan.yaml"
     assert (
         main(
@@ -351,11 +428,14 @@ def test_the_plan_runs_under_parallelize_with_the_same_inputs(one_process, tmp_p
     pmodel = hp.parallelize(user_gpt(), plan, example_inputs=example, seed=3, device="cpu")
     batch = tokens(4)
     ids, targets = batch[:, :-1], batch[:, 1:]
-    wrapped = {"idx": ids} if isinstance(example, dict) else (ids,) if isinstance(example, tuple) else ids
+    wrapped = (
+        {"idx": ids} if isinstance(example, dict) else (ids,) if isinstance(example, tuple) else ids
+    )
     loss = pmodel.train_step(wrapped, targets)
     expected = F.cross_entropy(reference(ids).flatten(0, 1), targets.flatten())
     expected.backward()
-    # fp32, one process: the same sums, grouped by micro-batch (the mean of per-micro-batch means) instead of once.
+    # fp32, one process: the same sums, grouped by micro-batch (the mean of per-micro-batch means)
+    # instead of once.
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
     grads = {name: p.grad for name, p in pmodel.named_parameters()}
     want = {name: p.grad for name, p in reference.named_parameters()}
@@ -373,49 +453,91 @@ def test_parallelize_completes_a_hand_plan_with_its_example_inputs(one_process):
         }
     )
     assert hand.predicted is None
-    pmodel = hp.parallelize(user_gpt(), hand, example_inputs=torch.zeros(2, SEQ, dtype=torch.long), device="cpu")
-    assert pmodel.plan.predicted is not None and pmodel.plan.model.name == "UserGPT"  # planned with those inputs
+    pmodel = hp.parallelize(
+        user_gpt(), hand, example_inputs=torch.zeros(2, SEQ, dtype=torch.long), device="cpu"
+    )
+    # planned with those inputs
+    assert pmodel.plan.predicted is not None and pmodel.plan.model.name == "UserGPT"
 
 
 VIT = (
-    "hf:ViTForImageClassification hidden_size=64 num_hidden_layers=2 num_attention_heads=4 intermediate_size=128 "
-    "image_size=32 patch_size=8"
+    "hf:ViTForImageClassification hidden_size=64 num_hidden_layers=2 num_attention_heads=4"
+    " intermediate_size=128 image_size=32 patch_size=8"
 )
 WHISPER = (
-    "hf:WhisperForConditionalGeneration d_model=64 encoder_layers=2 decoder_layers=2 encoder_attention_heads=4 "
-    "decoder_attention_heads=4 encoder_ffn_dim=128 decoder_ffn_dim=128 num_mel_bins=16 max_source_positions=32 "
-    "max_target_positions=64 vocab_size=128 pad_token_id=0 bos_token_id=1 eos_token_id=2 decoder_start_token_id=1"
+    "hf:WhisperForConditionalGeneration d_model=64 encoder_layers=2 decoder_layers=2"
+    " encoder_attention_heads=4 decoder_attention_heads=4 encoder_ffn_dim=128 decoder_ffn_dim=128"
+    " num_mel_bins=16 max_source_positions=32 max_target_positions=64 vocab_size=128 pad_token_id=0"
+    " bos_token_id=1 eos_token_id=2 decoder_start_token_id=1"
 )
 
 
 def test_cli_plans_an_image_model_from_an_inputs_function_whatever_the_seq_len(capsys, tmp_path):
     # Dim 1 of pixels is their channels, not a length: only token ids are checked against --seq-len
     out = tmp_path / "plan.yaml"
-    argv = ["plan", "--model", VIT.split()[0], *VIT.split()[1:], "--example-inputs", "tests.user_gpt:make_pixels"]
-    code = main([*argv, "--gpus", "2", "--cluster", "cpu", "--global-batch", "8", "--dtype", "fp32", "-o", str(out)])
+    argv = [
+        "plan",
+        "--model",
+        VIT.split()[0],
+        *VIT.split()[1:],
+        "--example-inputs",
+        "tests.user_gpt:make_pixels",
+    ]
+    code = main(
+        [
+            *argv,
+            "--gpus",
+            "2",
+            "--cluster",
+            "cpu",
+            "--global-batch",
+            "8",
+            "--dtype",
+            "fp32",
+            "-o",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert hp.Plan.load(out).parallel.world_size == 2
 
 
-@pytest.mark.parametrize(("spec", "shapes"), [(VIT, {"pixel_values": (2, 3, 32, 32)}), (WHISPER, None)])
+@pytest.mark.parametrize(
+    ("spec", "shapes"), [(VIT, {"pixel_values": (2, 3, 32, 32)}), (WHISPER, None)]
+)
 def test_hugging_face_image_and_audio_models_get_their_own_inputs(spec, shapes):
     model = hp.models.load(spec).module
     example = hp.models.example_inputs(model, 2, 16)
     shapes = shapes or {"input_features": (2, 16, 64), "decoder_input_ids": (2, 16)}
     assert {name: tuple(t.shape) for name, t in example.items()} == shapes
     plan = hp.plan(model, cpu(2), 4, None, "fp32", tp=2, pp=1, example_inputs=example)
-    assert plan.training.seq_len == (16 if "decoder_input_ids" in shapes else 1)  # per sample for images
+    # per sample for images
+    assert plan.training.seq_len == (16 if "decoder_input_ids" in shapes else 1)
     assert any(style == "column" for style in plan.tensor_parallel.values())
 
 
 def test_a_sequence_tp_does_not_divide_is_planned_without_sequence_parallelism():
-    # ViT's blocks read 16 patches and the class token: 17 positions. The planner chose sequence parallelism at
-    # tp 2 and the run refused it ("sequence length 17 is not divisible by tp 2"); Dinov2's 257 too.
+    # ViT's blocks read 16 patches and the class token: 17 positions. The planner chose sequence
+    # parallelism at tp 2 and the run refused it ("sequence length 17 is not divisible by tp 2");
+    # Dinov2's 257 too.
     model = hp.models.load(VIT).module
     example = hp.models.example_inputs(model, 2, 16)
     plan = hp.plan(model, cpu(2), 4, None, "fp32", tp=2, pp=1, example_inputs=example)
     assert not plan.parallel.sequence_parallel
-    uneven = r"^sequence_parallel: vit\.layers\.0 reads a sequence of 17 positions, which tp 2 does not divide"
+    uneven = (
+        r"^sequence_parallel: vit\.layers\.0 reads a sequence of 17 positions, which tp 2 does not"
+        r" divide"
+    )
     with pytest.raises(hp.PlanError, match=uneven):
-        hp.plan(model, cpu(2), 4, None, "fp32", tp=2, pp=1, sequence_parallel=True, example_inputs=example)
+        hp.plan(
+            model,
+            cpu(2),
+            4,
+            None,
+            "fp32",
+            tp=2,
+            pp=1,
+            sequence_parallel=True,
+            example_inputs=example,
+        )

@@ -1,8 +1,10 @@
-"""fp16 plans scale the loss dynamically (Note [fp16 loss scaling] in hyparallel/runtime/parallel.py; fp16_worker.py).
+"""fp16 plans scale the loss dynamically (Note [fp16 loss scaling] in
+hyparallel/runtime/parallel.py; fp16_worker.py).
 
-Without scaling, a small loss's gradients flush to zero in fp16's backward and training degrades without an error;
-with it, one train_step's gradients are fp32's within fp16's rounding. An inf on one rank skips the optimizer step on
-every rank of the tp, pp and dp axes and halves the scale; the scaler's state comes back from a checkpoint.
+Without scaling, a small loss's gradients flush to zero in fp16's backward and training degrades
+without an error; with it, one train_step's gradients are fp32's within fp16's rounding. An inf on
+one rank skips the optimizer step on every rank of the tp, pp and dp axes and halves the scale; the
+scaler's state comes back from a checkpoint.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from hyparallel.runtime.loss import LossScaler, scale_grad
 from .conftest import torchrun
 
 CASES = ("dp2-pp2", "tp2-pp2")
-# fp16 autocast rounds each matmul's inputs to 11 significant bits: the scaled gradients differ from fp32's by about
-# 1e-3 relative (measured, worst parameter per rank: 0.7-1.5e-3), bounded at 2e-2. Unscaled, 92-95% of the gradient
-# elements are zero against fp32's 0-17% (the embedding rows of tokens absent from the batch), and the worst
-# parameter's gradient is off by 100%.
+# fp16 autocast rounds each matmul's inputs to 11 significant bits: the scaled gradients differ from
+# fp32's by about 1e-3 relative (measured, worst parameter per rank: 0.7-1.5e-3), bounded at 2e-2.
+# Unscaled, 92-95% of the gradient elements are zero against fp32's 0-17% (the embedding rows of
+# tokens absent from the batch), and the worst parameter's gradient is off by 100%.
 SCALED_RTOL = 2e-2
 
 
@@ -34,7 +36,8 @@ def test_scaling_keeps_the_gradients_that_plain_fp16_flushes_to_zero(results, ca
         zeros = rank["zero_fraction"]
         assert rank["scaled_rel"] <= SCALED_RTOL
         assert zeros["scaled"] <= zeros["fp32"] + 0.01
-        assert zeros["plain"] >= zeros["fp32"] + 0.5 and rank["plain_rel"] > 0.5  # what the scaler prevents
+        # what the scaler prevents
+        assert zeros["plain"] >= zeros["fp32"] + 0.5 and rank["plain_rel"] > 0.5
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -50,7 +53,10 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(results, case):
 def test_the_scaler_survives_a_checkpoint(results, case):
     for rank in results[case]:
         assert rank["resumed_scaler"] == rank["saved_scaler"]
-        assert rank["saved_scaler"]["growth_tracker"] == 1 and rank["saved_scaler"]["skipped_steps"] == 1
+        assert (
+            rank["saved_scaler"]["growth_tracker"] == 1
+            and rank["saved_scaler"]["skipped_steps"] == 1
+        )
 
 
 def test_the_scaler_backs_off_and_grows_as_grad_scaler_does():
@@ -62,7 +68,8 @@ def test_the_scaler_backs_off_and_grows_as_grad_scaler_does():
     scaler.update(False)
     assert scaler.scale == 8.0 and scaler.growth_tracker == 0
     reference = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
-    assert (reference.get_growth_factor(), reference.get_backoff_factor()) == (2.0, 0.5)  # the same defaults
+    # the same defaults
+    assert (reference.get_growth_factor(), reference.get_backoff_factor()) == (2.0, 0.5)
 
 
 def test_scale_grad_leaves_the_value_and_scales_the_gradient():

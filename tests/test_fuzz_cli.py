@@ -1,13 +1,14 @@
-"""Property-based fuzzing of the CLI with bad input (issue 14): every defect is refused with one line.
+"""Property-based fuzzing of the CLI with bad input (issue 14): every defect is refused with one
+line.
 
-Each example starts from a valid input (a plan the planner wrote, a cluster preset, a command line that
-works) and injects exactly one defect chosen by hypothesis: a wrong type, a number out of range (zero,
-negative, past the bound, huge, inf/nan), deep nesting, an unknown key, a duplicate key in the YAML text,
-bytes that are not UTF-8, an alias bomb, a non-mapping file; on the command line an unknown command or
-flag, a missing argument, a bad numeric flag, a bad model spec, a bad output path. The CLI runs in
-process and must exit 2 with at most three lines on stderr, no traceback, nothing on stdout, nothing
-written to its output path, and return within a watchdog's 20 seconds (a hang detector, not a timing).
-The examples are derandomized: the same few hundred run every time.
+Each example starts from a valid input (a plan the planner wrote, a cluster preset, a command line
+that works) and injects exactly one defect chosen by hypothesis: a wrong type, a number out of range
+(zero, negative, past the bound, huge, inf/nan), deep nesting, an unknown key, a duplicate key in
+the YAML text, bytes that are not UTF-8, an alias bomb, a non-mapping file; on the command line an
+unknown command or flag, a missing argument, a bad numeric flag, a bad model spec, a bad output
+path. The CLI runs in process and must exit 2 with at most three lines on stderr, no traceback,
+nothing on stdout, nothing written to its output path, and return within a watchdog's 20 seconds (a
+hang detector, not a timing). The examples are derandomized: the same few hundred run every time.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from hyparallel.cli import main
 from hyparallel.spec import limits
 from hyparallel.spec.yaml_io import dump_yaml
 
-FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 WATCHDOG_S = 20
 SENTINEL = "an existing file the failed command must leave alone\n"
 
@@ -41,7 +44,8 @@ class Hang(Exception):
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    """``hyparallel.cli.main(argv)`` in this process: (exit status, stdout, stderr), under a SIGALRM watchdog."""
+    """``hyparallel.cli.main(argv)`` in this process: (exit status, stdout, stderr), under a SIGALRM
+    watchdog."""
 
     def hang(signum, frame):
         raise Hang(f"hyparallel {' '.join(argv)[:200]} ran past {WATCHDOG_S} s")
@@ -62,7 +66,8 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 
 
 def assert_refused(argv: list[str], output: Path | None = None, existed: bool = False) -> None:
-    """Exit 2, one short error on stderr, no traceback, nothing on stdout, nothing written to ``output``."""
+    """Exit 2, one short error on stderr, no traceback, nothing on stdout, nothing written to
+    ``output``."""
     code, out, err = run_cli(argv)
     assert code == 2, (argv, code, out[-2000:], err[-2000:])
     assert out == "", (argv, out[-2000:])
@@ -78,10 +83,10 @@ def assert_refused(argv: list[str], output: Path | None = None, existed: bool = 
         assert not leftovers, (argv, leftovers)  # no temporary file left behind
 
 
-# ---- values, by what a field holds --------------------------------------------------------------------
+# ---- values, by what a field holds ---------------------------------------------------------------
 
-# Strict int fields refuse floats, bools and strings; float fields are lax (a numeric string or a bool would
-# pass), so they get only values no reading turns into a finite number.
+# Strict int fields refuse floats, bools and strings; float fields are lax (a numeric string or a
+# bool would pass), so they get only values no reading turns into a finite number.
 KEYS = st.text(string.ascii_letters, min_size=1, max_size=4)
 SMALL_JSON = st.recursive(
     st.integers(-5, 5) | st.text(string.ascii_letters, max_size=4),
@@ -91,22 +96,37 @@ SMALL_JSON = st.recursive(
 CONTAINERS = st.lists(SMALL_JSON, max_size=3) | st.dictionaries(KEYS, SMALL_JSON, max_size=3)
 WORDS = st.text(string.ascii_letters + "-_", min_size=1, max_size=12)
 WRONG_TYPE = {
-    "int": st.floats(allow_nan=False, allow_infinity=False) | st.booleans() | st.text(max_size=12) | CONTAINERS,
-    "float": WORDS.filter(lambda w: w.lower().lstrip("-+") not in ("inf", "infinity", "nan")) | CONTAINERS,
-    "bool": st.sampled_from(["maybe", "sometimes", "2"]) | st.integers().filter(lambda i: i not in (0, 1)) | CONTAINERS,
+    "int": (
+        st.floats(allow_nan=False, allow_infinity=False)
+        | st.booleans()
+        | st.text(max_size=12)
+        | CONTAINERS
+    ),
+    "float": (
+        WORDS.filter(lambda w: w.lower().lstrip("-+") not in ("inf", "infinity", "nan"))
+        | CONTAINERS
+    ),
+    "bool": (
+        st.sampled_from(["maybe", "sometimes", "2"])
+        | st.integers().filter(lambda i: i not in (0, 1))
+        | CONTAINERS
+    ),
     "str": st.integers() | st.floats(allow_nan=False) | st.booleans() | CONTAINERS,
 }
 
 
 def out_of_range(kind: str, low: float, high: float | None) -> st.SearchStrategy:
-    """Numbers outside [low, high]: below, above (up to 1,000 digits), and for floats inf and nan."""
+    """Numbers outside [low, high]: below, above (up to 1,000 digits), and for floats inf and
+    nan."""
     if kind == "int":
         huge = st.integers(30, 999).map(lambda k: 10**k)
         above = st.integers(min_value=int(high) + 1, max_value=int(high) + 10**6) | huge
         return st.integers(max_value=int(low) - 1) | above
     below = st.floats(max_value=low, exclude_max=True, allow_nan=False, allow_infinity=False)
     above = (
-        below if high is None else st.floats(min_value=high, exclude_min=True, allow_nan=False, allow_infinity=False)
+        below
+        if high is None
+        else st.floats(min_value=high, exclude_min=True, allow_nan=False, allow_infinity=False)
     )
     return below | above | st.sampled_from([float("nan"), float("inf"), float("-inf")])
 
@@ -117,7 +137,7 @@ def wrong_choice(choices: tuple) -> st.SearchStrategy:
     return st.text(max_size=12).filter(lambda t: t not in choices) | st.integers() | CONTAINERS
 
 
-# ---- the fields of a plan and of a cluster file -------------------------------------------------------
+# ---- the fields of a plan and of a cluster file --------------------------------------------------
 
 CLUSTER_FIELDS = [  # (path, kind, low, high): the bounds are hyparallel.spec.limits'
     (("num_nodes",), "int", 1, limits.MAX_DEVICES),
@@ -160,7 +180,11 @@ PLAN_FIELDS = [
     (("predicted", "step_time_s"), "float", 0.0, None),
     (("predicted", "memory_gib", 1), "float", 0.0, None),
     (("predicted", "comm_s", "dp"), "float", 0.0, None),
-    *((("cluster", *path), kind, low, high) for path, kind, low, high in CLUSTER_FIELDS if path != ("num_nodes",)),
+    *(
+        (("cluster", *path), kind, low, high)
+        for path, kind, low, high in CLUSTER_FIELDS
+        if path != ("num_nodes",)
+    ),
 ]
 CLUSTER_MAPPINGS = [(), ("device",), ("device", "peak_flops"), ("intra_node",), ("inter_node",)]
 # Not tensor_parallel: it maps any module path (so any key) to a style.
@@ -181,7 +205,9 @@ PLAN_MAPPINGS = [
 def base_plan() -> dict:
     """A plan the planner wrote (pp 2, every section filled), as plain data."""
     model = hp.models.build("gpt-tiny")
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu"), global_batch=16, seq_len=32, dtype="fp32", pp=2)
+    plan = hp.plan(
+        model, hp.ClusterSpec.preset("cpu"), global_batch=16, seq_len=32, dtype="fp32", pp=2
+    )
     return plan.to_dict()
 
 
@@ -226,7 +252,11 @@ def defective_yaml(draw, base: dict, fields: list, mappings: list) -> bytes:
         _set(data, path, draw(WRONG_TYPE[kind] if isinstance(kind, str) else wrong_choice(kind)))
     elif defect == "out of range":
         if isinstance(kind, tuple) or low is None:
-            _set(data, path, draw(wrong_choice(kind) if isinstance(kind, tuple) else WRONG_TYPE[kind]))
+            _set(
+                data,
+                path,
+                draw(wrong_choice(kind) if isinstance(kind, tuple) else WRONG_TYPE[kind]),
+            )
         else:
             _set(data, path, draw(out_of_range(kind, low, high)))
     elif defect == "unknown key":
@@ -239,7 +269,9 @@ def defective_yaml(draw, base: dict, fields: list, mappings: list) -> bytes:
         opened, closed = draw(st.sampled_from([("[", "]"), ("{a: ", "}")]))
         text = text.replace(PLACEHOLDER, opened * depth + "1" + closed * depth)
     elif defect == "long number":
-        text = text.replace(PLACEHOLDER, draw(st.sampled_from("123456789")) * draw(st.integers(1001, 5000)))
+        text = text.replace(
+            PLACEHOLDER, draw(st.sampled_from("123456789")) * draw(st.integers(1001, 5000))
+        )
     elif defect == "duplicate key":
         lines = text.splitlines(keepends=True)
         keys = [i for i, line in enumerate(lines) if re.match(r"\s*[A-Za-z_][\w.*-]*:( |$)", line)]
@@ -247,7 +279,11 @@ def defective_yaml(draw, base: dict, fields: list, mappings: list) -> bytes:
         text = "".join(lines[: i + 1] + [lines[i]] + lines[i + 1 :])
     elif defect == "control character":
         at = draw(st.integers(0, len(text)))
-        text = text[:at] + draw(st.sampled_from(["\x00", "\x01", "\x1b", "\x7f", "\ufffe"])) + text[at:]
+        text = (
+            text[:at]
+            + draw(st.sampled_from(["\x00", "\x01", "\x1b", "\x7f", "\ufffe"]))
+            + text[at:]
+        )
     elif defect == "alias bomb":
         fanout = draw(st.integers(10, 30))
         levels = draw(st.integers(6, 9))
@@ -255,7 +291,9 @@ def defective_yaml(draw, base: dict, fields: list, mappings: list) -> bytes:
             "a0: &a0 ["
             + ", ".join(["x"] * fanout)
             + "]\n"
-            + "".join(f"a{j + 1}: &a{j + 1} [{', '.join([f'*a{j}'] * fanout)}]\n" for j in range(levels))
+            + "".join(
+                f"a{j + 1}: &a{j + 1} [{', '.join([f'*a{j}'] * fanout)}]\n" for j in range(levels)
+            )
         )
     elif defect == "not a mapping":
         text = draw(
@@ -281,7 +319,7 @@ def defective_yaml(draw, base: dict, fields: list, mappings: list) -> bytes:
     return raw
 
 
-# ---- plan files and cluster files ----------------------------------------------------------------------
+# ---- plan files and cluster files ----------------------------------------------------------------
 
 PLAN_COMMANDS = [
     lambda plan, out: ["show", plan],
@@ -324,7 +362,18 @@ CLUSTER_COMMANDS = [
         "-o",
         out,
     ],
-    lambda cluster, out: ["calibrate", "--quick", "--device", "cpu", "--nproc", "2", "--base", cluster, "--out", out],
+    lambda cluster, out: [
+        "calibrate",
+        "--quick",
+        "--device",
+        "cpu",
+        "--nproc",
+        "2",
+        "--base",
+        cluster,
+        "--out",
+        out,
+    ],
 ]
 
 
@@ -344,7 +393,7 @@ def test_bad_cluster_files_are_refused_in_one_line(content, command, existed):
         assert_refused(command(str(cluster), str(out)), out, existed)
 
 
-# ---- command lines -------------------------------------------------------------------------------------
+# ---- command lines -------------------------------------------------------------------------------
 
 
 def plan_argv(folder: Path) -> list[str]:
@@ -379,7 +428,8 @@ NUMERIC_FLAGS = [  # (command, flag, bound): hyparallel.spec.limits'
     ("plan", "--dp", limits.MAX_DEVICES),
     ("plan", "--top", limits.MAX_TOP),
     ("plan", "--powersgd-rank", limits.MAX_POWERSGD_RANK),
-    ("plan", "--powersgd-start-step", limits.MAX_POWERSGD_START_STEP),  # from 2: "1" is never drawn as bad
+    # from 2: "1" is never drawn as bad
+    ("plan", "--powersgd-start-step", limits.MAX_POWERSGD_START_STEP),
     ("plan", "--ps-servers", limits.MAX_DEVICES),
     ("trace", "--batch-size", limits.MAX_GLOBAL_BATCH),
     ("trace", "--seq-len", limits.MAX_SEQ_LEN),
@@ -387,7 +437,18 @@ NUMERIC_FLAGS = [  # (command, flag, bound): hyparallel.spec.limits'
     ("check", "--steps", 100),
     ("check", "--timeout", 3600),
 ]
-COMMANDS = ("models", "clusters", "show", "trace", "plan", "demo", "checkpoint", "calibrate", "simulate", "check")
+COMMANDS = (
+    "models",
+    "clusters",
+    "show",
+    "trace",
+    "plan",
+    "demo",
+    "checkpoint",
+    "calibrate",
+    "simulate",
+    "check",
+)
 
 
 def _int_in_range(text: str, bound: int) -> bool:
@@ -409,12 +470,18 @@ def bad_number(draw, bound: int) -> str:
             st.sampled_from(["", " ", "1e3", "0x10", "８", "1_0", "--", "-"]),
         )
     )
-    return "1" * 5000 if _int_in_range(value, bound) else value  # "８" and "1_0" are ints to Python; keep it bad
+    # "８" and "1_0" are ints to Python; keep it bad
+    return "1" * 5000 if _int_in_range(value, bound) else value
 
 
-GPT_SETTINGS = {  # setting -> strategy of values out of its range or of the wrong type (gpt-tiny: hidden 64)
-    "num_layers": st.sampled_from(["0", "-1", str(limits.MAX_LAYERS + 1), "10**12", "1e3", "abc", "2.0", "true"]),
-    "hidden_size": st.sampled_from(["0", "-64", str(limits.MAX_HIDDEN + 1), "9" * 2000, "{a: 1}", "null"]),
+# setting -> strategy of values out of its range or of the wrong type (gpt-tiny: hidden 64)
+GPT_SETTINGS = {
+    "num_layers": st.sampled_from(
+        ["0", "-1", str(limits.MAX_LAYERS + 1), "10**12", "1e3", "abc", "2.0", "true"]
+    ),
+    "hidden_size": st.sampled_from(
+        ["0", "-64", str(limits.MAX_HIDDEN + 1), "9" * 2000, "{a: 1}", "null"]
+    ),
     "num_heads": st.sampled_from(["0", "65", "-4", "four", "[" * 100]),
     "vocab_size": st.sampled_from(["0", str(limits.MAX_VOCAB + 1), "1.5"]),
     "max_seq_len": st.sampled_from(["0", str(limits.MAX_SEQ_LEN + 1), "~x"]),
@@ -427,7 +494,8 @@ GPT_SETTINGS = {  # setting -> strategy of values out of its range or of the wro
 
 @st.composite
 def defective_argv(draw, folder: Path) -> tuple[list[str], Path | None]:
-    """A working command line with one defect, and the output path it must not write (if it has one)."""
+    """A working command line with one defect, and the output path it must not write (if it has
+    one)."""
     defect = draw(
         st.sampled_from(
             [
@@ -452,7 +520,14 @@ def defective_argv(draw, folder: Path) -> tuple[list[str], Path | None]:
         base = {
             "plan": plan_argv(folder),
             "trace": trace_argv(folder),
-            "calibrate": ["calibrate", "--quick", "--device", "cpu", "--out", str(folder / "out" / "c.yaml")],
+            "calibrate": [
+                "calibrate",
+                "--quick",
+                "--device",
+                "cpu",
+                "--out",
+                str(folder / "out" / "c.yaml"),
+            ],
             "check": ["check", "gpt-tiny", "--tp", "2", "--pp", "1"],
         }[command]
         value = draw(bad_number(bound))
@@ -462,11 +537,19 @@ def defective_argv(draw, folder: Path) -> tuple[list[str], Path | None]:
             argv = [*base, flag, value]
         return argv, plan_out if command == "plan" else None
     if defect == "unknown flag":
-        base = draw(st.sampled_from([plan_argv(folder), trace_argv(folder), ["models"], ["clusters", "--json"]]))
+        base = draw(
+            st.sampled_from(
+                [plan_argv(folder), trace_argv(folder), ["models"], ["clusters", "--json"]]
+            )
+        )
         at = draw(st.integers(0, len(base)))
-        return [*base[:at], "--no-such-" + draw(WORDS), *base[at:]], plan_out if base[0] == "plan" else None
+        return [*base[:at], "--no-such-" + draw(WORDS), *base[at:]], (
+            plan_out if base[0] == "plan" else None
+        )
     if defect == "unknown command":
-        word = draw(st.text(max_size=12).filter(lambda w: w not in COMMANDS and not w.startswith("-")))
+        word = draw(
+            st.text(max_size=12).filter(lambda w: w not in COMMANDS and not w.startswith("-"))
+        )
         return [word, *draw(st.sampled_from([[], ["--gpus", "8"], ["x.yaml"]]))], None
     if defect == "missing argument":
         base = plan_argv(folder)
@@ -482,16 +565,25 @@ def defective_argv(draw, folder: Path) -> tuple[list[str], Path | None]:
         spec = [name, f"{setting}={value}"] if name == "gpt-tiny" else [name]
         return [*base[:at], *spec, *base[at + 1 :]], plan_out if base[0] == "plan" else None
     if defect == "output path":
-        bad = draw(st.sampled_from([folder / "missing" / "plan.yaml", folder, folder / "out" / "x" / "y.yaml"]))
+        bad = draw(
+            st.sampled_from(
+                [folder / "missing" / "plan.yaml", folder, folder / "out" / "x" / "y.yaml"]
+            )
+        )
         base = plan_argv(folder)
         return [*base[:-1], str(bad)], None
     if defect == "cluster":
-        return [*plan_argv(folder)[:6], "no-such-preset-" + draw(WORDS), *plan_argv(folder)[7:]], plan_out
+        return [
+            *plan_argv(folder)[:6],
+            "no-such-preset-" + draw(WORDS),
+            *plan_argv(folder)[7:],
+        ], plan_out
     if defect == "dtype":
         dtype = draw(st.text(max_size=6).filter(lambda t: t not in ("bf16", "fp16", "fp32")))
         return [*plan_argv(folder), "--dtype", dtype], plan_out
     checkpoint_out = folder / "out" / "model.pt"
-    source = folder / draw(st.sampled_from(["", "no-such-dir"]))  # a folder with no checkpoint, or none at all
+    # a folder with no checkpoint, or none at all
+    source = folder / draw(st.sampled_from(["", "no-such-dir"]))
     return ["checkpoint", "export", str(source), str(checkpoint_out)], checkpoint_out
 
 
@@ -507,7 +599,7 @@ def test_bad_command_lines_are_refused_in_one_line(data, existed):
         assert_refused(argv, output, existed and output is not None)
 
 
-# ---- the starting points are valid: each defect alone is what the CLI refuses --------------------------
+# ---- the starting points are valid: each defect alone is what the CLI refuses --------------------
 
 
 def test_the_starting_points_are_valid(tmp_path):
@@ -530,7 +622,8 @@ def test_the_starting_points_are_valid(tmp_path):
 def test_every_numeric_flag_is_fuzzed(flag):
     from hyparallel.cli import build_parser
 
-    commands = build_parser()._subparsers._group_actions[0].choices  # argparse keeps its subcommands there
+    # argparse keeps its subcommands there
+    commands = build_parser()._subparsers._group_actions[0].choices
     options = {
         option
         for command in commands.values()
@@ -539,7 +632,8 @@ def test_every_numeric_flag_is_fuzzed(flag):
         if getattr(action.type, "__name__", "") == "parse"
     }
     assert flag in options
-    assert options <= {f for _, f, _ in NUMERIC_FLAGS}  # a numeric flag added later must join NUMERIC_FLAGS
+    # a numeric flag added later must join NUMERIC_FLAGS
+    assert options <= {f for _, f, _ in NUMERIC_FLAGS}
     unbounded = [
         option
         for command in commands.values()
@@ -547,4 +641,5 @@ def test_every_numeric_flag_is_fuzzed(flag):
         for option in action.option_strings
         if action.type in (int, float)
     ]
-    assert not unbounded  # every numeric flag takes a bounded type (cli._int_in), never a bare int or float
+    # every numeric flag takes a bounded type (cli._int_in), never a bare int or float
+    assert not unbounded

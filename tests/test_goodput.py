@@ -1,5 +1,6 @@
-"""Checkpoint cost and goodput (hyparallel/planner/goodput.py): the formulas against hand-computed numbers, the
-plan's `checkpoint` section from the API and `hyparallel plan --mtbf`, and `hyparallel show` printing it."""
+"""Checkpoint cost and goodput (hyparallel/planner/goodput.py): the formulas against hand-computed
+numbers, the plan's `checkpoint` section from the API and `hyparallel plan --mtbf`, and `hyparallel
+show` printing it."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def run(capsys, *argv):
 
 
 def hand_plan(num_params: int = 2_000_000_000, step_time_s: float = 2.0, **parallel) -> Plan:
-    """A plan on the cpu preset (8 processes, 0.17 GB/s memory checkpoint each, 0.7 GB/s disk per node), dp 8 by
-    default."""
+    """A plan on the cpu preset (8 processes, 0.17 GB/s memory checkpoint each, 0.7 GB/s disk per
+    node), dp 8 by default."""
     parallel = parallel or {"dp": 8}
     pp = parallel.get("pp", 1)
     return Plan.from_dict(
@@ -54,7 +55,7 @@ def hand_plan(num_params: int = 2_000_000_000, step_time_s: float = 2.0, **paral
     )
 
 
-# ---- the formulas -------------------------------------------------------------------------------------
+# ---- the formulas --------------------------------------------------------------------------------
 
 
 def test_young_daly_interval_and_goodput_by_hand():
@@ -63,13 +64,16 @@ def test_young_daly_interval_and_goodput_by_hand():
     assert interval == pytest.approx(1314.534, abs=1e-3)
     # waste = 10 / 1,314.53 + (657.27 + 60) / 86,400 = 0.0076073 + 0.0083017.
     assert goodput.waste_fraction(interval, 10.0, DAY_S, 60.0) == pytest.approx(0.015909, abs=1e-6)
-    assert goodput.goodput_fraction(interval, 10.0, DAY_S, 60.0) == pytest.approx(0.984091, abs=1e-6)
+    assert goodput.goodput_fraction(interval, 10.0, DAY_S, 60.0) == pytest.approx(
+        0.984091, abs=1e-6
+    )
     # A job failing more often than it can save does no useful work: clipped at 0, not negative.
     assert goodput.goodput_fraction(10.0, 100.0, 60.0, 60.0) == 0.0
 
 
 @pytest.mark.parametrize(
-    ("save_s", "mtbf_s", "restart_s"), [(10.0, DAY_S, 60.0), (0.05, 2 * HOUR_S, 0.0), (300.0, 7 * DAY_S, 600.0)]
+    ("save_s", "mtbf_s", "restart_s"),
+    [(10.0, DAY_S, 60.0), (0.05, 2 * HOUR_S, 0.0), (300.0, 7 * DAY_S, 600.0)],
 )
 def test_the_interval_maximises_goodput(save_s, mtbf_s, restart_s):
     best = goodput.young_daly_interval_s(save_s, mtbf_s)
@@ -86,7 +90,8 @@ def test_save_times_by_hand():
     # 3 GB per rank, 8 ranks per node: 1 s to host memory at 3 GB/s, 24 GB / 0.7 GB/s to disk.
     assert goodput.host_copy_s(3e9, 3e9) == pytest.approx(1.0)
     assert goodput.disk_write_s(3e9, 8, 0.7e9) == pytest.approx(34.285714)
-    assert goodput.blocking_save_s(1.0, 34.285714, "memory") == pytest.approx(1.0)  # the write in the background
+    # the write in the background
+    assert goodput.blocking_save_s(1.0, 34.285714, "memory") == pytest.approx(1.0)
     assert goodput.blocking_save_s(1.0, 34.285714, "disk") == pytest.approx(34.285714)
 
 
@@ -95,25 +100,33 @@ def test_interval_in_whole_steps():
     save_s, mtbf_s, restart_s = 1.0, 3.125, 0.0
     assert goodput.young_daly_interval_s(save_s, mtbf_s) == pytest.approx(2.5)
     steps = goodput.interval_steps(1.0, save_s, mtbf_s, restart_s)
-    assert steps == max((2, 3), key=lambda n: goodput.goodput_fraction(n, save_s, mtbf_s, restart_s))
+    assert steps == max(
+        (2, 3), key=lambda n: goodput.goodput_fraction(n, save_s, mtbf_s, restart_s)
+    )
     # Never less than one step, however cheap the save; never less than asked.
     assert goodput.interval_steps(1e4, 0.001, DAY_S, 60.0) == 1
     assert goodput.interval_steps(1e4, 0.0, DAY_S, 60.0) == 1
     assert goodput.interval_steps(1.0, 1.0, DAY_S, 0.0, fewest_steps=5000) == 5000
 
 
-# ---- bytes per rank -------------------------------------------------------------------------------------
+# ---- bytes per rank ------------------------------------------------------------------------------
 
 
 def test_bytes_per_rank_spread_over_tp_and_dp():
-    # 12 bytes per parameter (fp32 weights + AdamW m, v), the stage's pieces written once over tp x dp ranks.
+    # 12 bytes per parameter (fp32 weights + AdamW m, v), the stage's pieces written once over tp x
+    # dp ranks.
     assert goodput.CHECKPOINT_BYTES_PER_PARAM == 12
     plan = hand_plan(num_params=2_000_000_000)  # dp 8
     assert goodput.checkpoint_bytes_per_rank(plan) == pytest.approx(2e9 * 12 / 8)
-    # A memory checkpoint snapshots what each rank holds: everything under DDP, a 1/dp shard under ZeRO.
+    # A memory checkpoint snapshots what each rank holds: everything under DDP, a 1/dp shard under
+    # ZeRO.
     assert goodput.held_bytes_per_rank(plan) == pytest.approx(2e9 * 12)
     zero = hand_plan(num_params=2_000_000_000, dp=8, zero=1)
-    assert goodput.held_bytes_per_rank(zero) == goodput.checkpoint_bytes_per_rank(zero) == pytest.approx(2e9 * 12 / 8)
+    assert (
+        goodput.held_bytes_per_rank(zero)
+        == goodput.checkpoint_bytes_per_rank(zero)
+        == pytest.approx(2e9 * 12 / 8)
+    )
     plan = hand_plan(num_params=1_000_000, dp=2, tp=2, pp=2)  # no stages: split evenly over pp
     assert goodput.checkpoint_bytes_per_rank(plan) == pytest.approx(1e6 / 2 * 12 / 4)
     with_stages = Plan.from_dict(
@@ -125,15 +138,23 @@ def test_bytes_per_rank_spread_over_tp_and_dp():
             ],
         }
     )
-    assert goodput.checkpoint_bytes_per_rank(with_stages) == pytest.approx(3000 * 12 / 4)  # the busiest stage
-    assert goodput.held_bytes_per_rank(with_stages) == pytest.approx(3000 * 12 / 2)  # ZeRO 0: over tp only
+    # the busiest stage
+    assert goodput.checkpoint_bytes_per_rank(with_stages) == pytest.approx(3000 * 12 / 4)
+    # ZeRO 0: over tp only
+    assert goodput.held_bytes_per_rank(with_stages) == pytest.approx(3000 * 12 / 2)
 
 
 def test_bytes_per_rank_sums_the_virtual_stages_of_a_device():
-    plan = hand_plan(num_params=850, dp=2, tp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2)
-    stages = [{"index": i, "modules": [f"m{i}"], "num_params": n} for i, n in enumerate([100, 400, 300, 50])]
+    plan = hand_plan(
+        num_params=850, dp=2, tp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2
+    )
+    stages = [
+        {"index": i, "modules": [f"m{i}"], "num_params": n}
+        for i, n in enumerate([100, 400, 300, 50])
+    ]
     plan = Plan.from_dict({**plan.to_dict(), "stages": stages})
-    assert goodput.checkpoint_bytes_per_rank(plan) == pytest.approx((400 + 50) * 12 / 4)  # device 1: stages 1, 3
+    # device 1: stages 1, 3
+    assert goodput.checkpoint_bytes_per_rank(plan) == pytest.approx((400 + 50) * 12 / 4)
 
 
 def test_bytes_per_rank_needs_parameter_counts():
@@ -142,22 +163,34 @@ def test_bytes_per_rank_needs_parameter_counts():
         goodput.checkpoint_bytes_per_rank(plan)
 
 
-# ---- the plan section -----------------------------------------------------------------------------------
+# ---- the plan section ----------------------------------------------------------------------------
 
 
 def test_checkpoint_cost_by_hand():
-    plan = hand_plan(zero=1, dp=8)  # 2e9 parameters, ZeRO 1 over dp 8: 3 GB per rank, held and written; step 2 s
+    # 2e9 parameters, ZeRO 1 over dp 8: 3 GB per rank, held and written; step 2 s
+    plan = hand_plan(zero=1, dp=8)
     disk = goodput.checkpoint_cost(plan, 24)
     save_s = 3e9 * 8 / 0.7e9  # the node's 24 GB at 0.7 GB/s: 34.29 s
-    assert disk.checkpoint_gib == pytest.approx(3e9 / 2**30, rel=1e-5) and disk.host_copy_gib == disk.checkpoint_gib
-    assert disk.disk_write_s == pytest.approx(save_s, rel=1e-5) and disk.save_time_s == disk.disk_write_s
-    assert disk.host_copy_s == pytest.approx(3e9 / 0.17e9, rel=1e-5)  # what a memory checkpoint would take
+    assert (
+        disk.checkpoint_gib == pytest.approx(3e9 / 2**30, rel=1e-5)
+        and disk.host_copy_gib == disk.checkpoint_gib
+    )
+    assert (
+        disk.disk_write_s == pytest.approx(save_s, rel=1e-5)
+        and disk.save_time_s == disk.disk_write_s
+    )
+    # what a memory checkpoint would take
+    assert disk.host_copy_s == pytest.approx(3e9 / 0.17e9, rel=1e-5)
     ideal_steps = math.sqrt(2 * save_s * DAY_S) / 2.0  # 1,217.1
     assert disk.interval_steps in (math.floor(ideal_steps), math.ceil(ideal_steps))
     assert disk.interval_s == pytest.approx(disk.interval_steps * 2.0)
     expected = 1 - save_s / disk.interval_s - (disk.interval_s / 2 + 60) / DAY_S
     assert disk.goodput == pytest.approx(expected, rel=1e-5)
-    assert (disk.storage, disk.mtbf_hours, disk.restart_s) == ("disk", 24, goodput.DEFAULT_RESTART_S)
+    assert (disk.storage, disk.mtbf_hours, disk.restart_s) == (
+        "disk",
+        24,
+        goodput.DEFAULT_RESTART_S,
+    )
 
     memory = goodput.checkpoint_cost(plan, 24, storage="memory", restart_s=0)
     copy_s = 3e9 / 0.17e9  # 17.65 s; the disk write runs in the background
@@ -168,7 +201,8 @@ def test_checkpoint_cost_by_hand():
 
 
 def test_a_memory_checkpoint_under_ddp_copies_the_whole_replica():
-    plan = hand_plan()  # ZeRO 0, dp 8: each rank holds all 24 GB of state, and writes 3 GB of it to disk
+    # ZeRO 0, dp 8: each rank holds all 24 GB of state, and writes 3 GB of it to disk
+    plan = hand_plan()
     memory = goodput.checkpoint_cost(plan, 24, storage="memory")
     assert memory.host_copy_gib == pytest.approx(24e9 / 2**30, rel=1e-5)
     assert memory.save_time_s == pytest.approx(24e9 / 0.17e9, rel=1e-5)
@@ -176,10 +210,12 @@ def test_a_memory_checkpoint_under_ddp_copies_the_whole_replica():
 
 
 def test_a_memory_checkpoint_waits_for_its_background_write():
-    # MTBF 0.01 h = 36 s: Young/Daly says sqrt(2 x C x 36) with C = 1 s (at 3 GB/s), 4 steps of 2 s, but the
-    # disk write takes 34.3 s (18 steps): every checkpoint reaches the disk only at 18 steps, and the job makes
-    # no progress.
-    cluster = hp.ClusterSpec.preset("cpu").model_copy(update={"host_memory_bandwidth_bytes_per_s": 3e9})
+    # MTBF 0.01 h = 36 s: Young/Daly says sqrt(2 x C x 36) with C = 1 s (at 3 GB/s), 4 steps of 2 s,
+    # but the disk write takes 34.3 s (18 steps): every checkpoint reaches the disk only at 18
+    # steps, and the job makes no progress.
+    cluster = hp.ClusterSpec.preset("cpu").model_copy(
+        update={"host_memory_bandwidth_bytes_per_s": 3e9}
+    )
     cost = goodput.checkpoint_cost(hand_plan(zero=1, dp=8), 0.01, storage="memory", cluster=cluster)
     assert cost.save_time_s == pytest.approx(1.0)
     assert cost.interval_steps == 18 and cost.goodput == 0.0
@@ -204,8 +240,13 @@ def test_hp_plan_takes_mtbf_hours():
     kwargs = {"global_batch": 16, "seq_len": 32, "dtype": "fp32"}
     bare = hp.plan(model, cluster, **kwargs)
     assert bare.checkpoint is None
-    planned = hp.plan(model, cluster, **kwargs, mtbf_hours=12, restart_s=30, checkpoint_storage="memory")
-    assert planned.checkpoint == hp.planner.with_goodput(bare, 12, restart_s=30, storage="memory").checkpoint
+    planned = hp.plan(
+        model, cluster, **kwargs, mtbf_hours=12, restart_s=30, checkpoint_storage="memory"
+    )
+    assert (
+        planned.checkpoint
+        == hp.planner.with_goodput(bare, 12, restart_s=30, storage="memory").checkpoint
+    )
     assert planned.checkpoint.interval_steps >= 1 and 0 < planned.checkpoint.goodput < 1
 
 
@@ -256,10 +297,12 @@ def test_a_cluster_file_without_the_figures_still_loads(tmp_path):
     assert hp.ClusterSpec.load(tmp_path / "old.yaml") == spec
     for name in hp.ClusterSpec.presets():  # every preset gives both
         preset = hp.ClusterSpec.preset(name)
-        assert preset.host_memory_bandwidth_bytes_per_s > 0 and preset.disk_bandwidth_bytes_per_s > 0
+        assert (
+            preset.host_memory_bandwidth_bytes_per_s > 0 and preset.disk_bandwidth_bytes_per_s > 0
+        )
 
 
-# ---- the command line -----------------------------------------------------------------------------------
+# ---- the command line ----------------------------------------------------------------------------
 
 PLAN_ARGV = (
     "plan",
@@ -279,18 +322,33 @@ PLAN_ARGV = (
 def test_plan_mtbf_writes_the_section_and_show_prints_it(capsys, tmp_path):
     out_file = tmp_path / "plan.yaml"
     code, out, err = run(
-        capsys, *PLAN_ARGV, "--mtbf", "24", "--restart-s", "90", "--checkpoint", "memory", "-o", str(out_file)
+        capsys,
+        *PLAN_ARGV,
+        "--mtbf",
+        "24",
+        "--restart-s",
+        "90",
+        "--checkpoint",
+        "memory",
+        "-o",
+        str(out_file),
     )
     assert code == 0, err
     section = yaml.safe_load(out_file.read_text())["checkpoint"]
-    assert section["mtbf_hours"] == 24 and section["restart_s"] == 90 and section["storage"] == "memory"
+    assert (
+        section["mtbf_hours"] == 24
+        and section["restart_s"] == 90
+        and section["storage"] == "memory"
+    )
     assert {"save_time_s", "interval_steps", "interval_s", "goodput"} <= set(section)
     assert "goodput " in out and "Young/Daly, MTBF 24 h" in out
     plan = Plan.load(out_file)
     code, out, err = run(capsys, "show", str(out_file))
     assert code == 0, err
     assert f"a checkpoint every {plan.checkpoint.interval_steps:,} steps" in out
-    assert f"{plan.checkpoint.goodput:.1%} expected" in out and "GiB per rank into host memory" in out
+    assert (
+        f"{plan.checkpoint.goodput:.1%} expected" in out and "GiB per rank into host memory" in out
+    )
     code, out, _ = run(capsys, *PLAN_ARGV, "--mtbf", "24", "--json")
     assert code == 0 and json.loads(out)["checkpoint"]["storage"] == "disk"
 
@@ -313,7 +371,10 @@ def test_plan_without_mtbf_has_no_section(capsys, tmp_path):
         (("--mtbf", "a day"), "argument --mtbf: expected a number of hours above 0"),
         (("--mtbf", "nan"), "argument --mtbf"),
         (("--mtbf", "inf"), "argument --mtbf"),
-        (("--mtbf", "24", "--restart-s", "-5"), "argument --restart-s: expected a number of seconds from 0"),
+        (
+            ("--mtbf", "24", "--restart-s", "-5"),
+            "argument --restart-s: expected a number of seconds from 0",
+        ),
         (("--mtbf", "24", "--checkpoint", "tape"), "argument --checkpoint: invalid choice"),
         (("--restart-s", "30"), "add --mtbf HOURS"),
         (("--checkpoint", "memory"), "add --mtbf HOURS"),
@@ -326,11 +387,15 @@ def test_bad_mtbf_exits_2_with_one_line(capsys, argv, expected):
 
 
 def test_plan_mtbf_on_a_cluster_without_the_figures_exits_2_before_the_search(capsys, tmp_path):
-    spec = hp.ClusterSpec.preset("cpu").model_copy(update={"host_memory_bandwidth_bytes_per_s": None})
+    spec = hp.ClusterSpec.preset("cpu").model_copy(
+        update={"host_memory_bandwidth_bytes_per_s": None}
+    )
     spec.save(tmp_path / "c.yaml")
     argv = [*PLAN_ARGV[:6], str(tmp_path / "c.yaml"), *PLAN_ARGV[7:]]
     code, _, err = run(capsys, *argv, "--mtbf", "24")
-    assert code == 2 and "gives no host_memory_bandwidth_bytes_per_s" in err and err.count("\n") == 1
+    assert (
+        code == 2 and "gives no host_memory_bandwidth_bytes_per_s" in err and err.count("\n") == 1
+    )
     assert "searched" not in err
 
 
@@ -347,12 +412,14 @@ def _not_an_mtbf(text: str) -> bool:
         st.floats(max_value=0).map(repr),
         st.floats(min_value=limits.MAX_MTBF_HOURS, exclude_min=True).map(repr),
         st.sampled_from(["nan", "-inf", "1e400", "", " ", "0x10", "24h", "1,5", "--"]),
-        st.text(st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp")), max_size=8),  # one line to show
+        # one line to show
+        st.text(st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp")), max_size=8),
     ).filter(_not_an_mtbf)
 )
 def test_any_bad_mtbf_is_one_line(value):
-    # The float flags are fuzzed here: tests/test_fuzz_cli.py's NUMERIC_FLAGS draws integers. No capsys under
-    # hypothesis (a function-scoped fixture is not reset between examples): the streams are redirected.
+    # The float flags are fuzzed here: tests/test_fuzz_cli.py's NUMERIC_FLAGS draws integers. No
+    # capsys under hypothesis (a function-scoped fixture is not reset between examples): the streams
+    # are redirected.
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = main([*PLAN_ARGV, "--mtbf", value])

@@ -1,5 +1,5 @@
-"""The disk cache of traced graphs (hyparallel.graph.cache): a hit is the graph a fresh trace gives, and anything
-that decides the trace changes the key (Note [what a cached graph is keyed by])."""
+"""The disk cache of traced graphs (hyparallel.graph.cache): a hit is the graph a fresh trace gives,
+and anything that decides the trace changes the key (Note [what a cached graph is keyed by])."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ class Attention(nn.Module):
     def forward(self, x):
         b, s, w = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, w // self.num_heads).unbind(2)
-        y = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        y = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        )
         return self.out(y.transpose(1, 2).reshape(b, s, w))
 
 
@@ -62,7 +64,10 @@ def test_a_hit_is_the_graph_a_fresh_trace_gives_and_skips_the_trace(monkeypatch)
     hit = search(model, cpus(4), 8, 16, "fp32", top=3, cache=True)
     for result in (first, hit):
         assert result.graph.ops == fresh.graph.ops and result.graph.values == fresh.graph.values
-        assert result.graph.blocks == fresh.graph.blocks and result.graph.replicated == fresh.graph.replicated
+        assert (
+            result.graph.blocks == fresh.graph.blocks
+            and result.graph.replicated == fresh.graph.replicated
+        )
         assert result.graph.fingerprint == fresh.graph.fingerprint
         assert [b.config for b in result.best] == [b.config for b in fresh.best]
         assert [b.step_time_s for b in result.best] == [b.step_time_s for b in fresh.best]
@@ -70,11 +75,14 @@ def test_a_hit_is_the_graph_a_fresh_trace_gives_and_skips_the_trace(monkeypatch)
 
 
 def test_what_fails_at_one_ranks_sizes_is_cached_with_the_graph(monkeypatch):
-    """An attention sliced with the model's constants: the dry run replicates it; a hit keeps that."""
+    """An attention sliced with the model's constants: the dry run replicates it; a hit keeps
+    that."""
     model = hp.models.load("tests.tiny_lms:config_split_lm").module
     first = search(model, cpus(2), 4, 16, "fp32", cache=True)
     assert any(".attn." in op for op in first.graph.replicated), first.graph.replicated
-    monkeypatch.setattr(api, "replicate_what_fails", lambda *a, **k: pytest.fail("dry run although cached"))
+    monkeypatch.setattr(
+        api, "replicate_what_fails", lambda *a, **k: pytest.fail("dry run although cached")
+    )
     hit = search(model, cpus(2), 4, 16, "fp32", cache=True)
     assert hit.graph.replicated == first.graph.replicated
     assert hit.plan().tensor_parallel == first.plan().tensor_parallel
@@ -102,7 +110,8 @@ def test_the_key_follows_what_decides_the_trace():
     tied.extra.weight = tied.out.weight
     others["a tie"] = cache.key(tied, (x,), "m", [2, 4])
     assert cache.key(untied, (x,), "m", [2, 4]) != others["a tie"]
-    others["eval mode"] = cache.key(Attention(32, 4).eval(), (x,), "m", [2, 4])  # dropout traced or not
+    # dropout traced or not
+    others["eval mode"] = cache.key(Attention(32, 4).eval(), (x,), "m", [2, 4])
     hooked = Attention(32, 4)
     hooked.out.register_forward_hook(lambda module, args, out: out * 2)
     others["a forward hook"] = cache.key(hooked, (x,), "m", [2, 4])
@@ -135,8 +144,8 @@ def test_an_edited_source_file_of_the_models_package_changes_the_key(tmp_path, m
     (package / "__init__.py").write_text("")
     (package / "helpers.py").write_text("SCALE = 1\n")
     (package / "net.py").write_text(
-        "from torch import nn\nfrom mymodels import helpers\n"
-        "class Net(nn.Linear):\n    def forward(self, x):\n        return super().forward(x) * helpers.SCALE\n"
+        "from torch import nn\nfrom mymodels import helpers\nclass Net(nn.Linear):\n    def"
+        " forward(self, x):\n        return super().forward(x) * helpers.SCALE\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     net = importlib.import_module("mymodels.net")
@@ -169,7 +178,19 @@ def test_a_cache_that_cannot_be_written_is_skipped(tmp_path, monkeypatch):
 
 
 def test_cli_plan_caches_unless_no_cache(capsys, tmp_path):
-    argv = ("plan", "--model", "gpt-tiny", "--cluster", "cpu", "--gpus", "2", "--global-batch", "4", "--seq-len", "16")
+    argv = (
+        "plan",
+        "--model",
+        "gpt-tiny",
+        "--cluster",
+        "cpu",
+        "--gpus",
+        "2",
+        "--global-batch",
+        "4",
+        "--seq-len",
+        "16",
+    )
     code, _, err = run(capsys, *argv, "--no-cache", "-o", str(tmp_path / "a.yaml"))
     assert code == 0, err
     assert graph_files() == []
@@ -199,8 +220,8 @@ def test_the_cache_keeps_a_bounded_number_of_graphs(monkeypatch):
 
 
 def test_the_key_is_the_same_in_every_process():
-    """A key that changed per process (a str hash, an object's id) would never hit: two fresh processes, two
-    hash seeds, one key, for a zoo model and a Hugging Face one."""
+    """A key that changed per process (a str hash, an object's id) would never hit: two fresh
+    processes, two hash seeds, one key, for a zoo model and a Hugging Face one."""
     script = (
         "import hyparallel as hp\nfrom hyparallel.graph import cache\n"
         f"for spec in ('gpt-tiny', {HF_LLAMA_TINY!r}):\n"
@@ -235,7 +256,8 @@ def pick(names):  # its code holds a comprehension's code object and a frozenset
 class Net(nn.Linear):
     def __init__(self):
         super().__init__(4, 4)
-        self.__dict__["_kernel_funcs"] = {"rotary": Rotary()}  # as transformers 5.25's kernels keep them
+        # as transformers 5.25's kernels keep them
+        self.__dict__["_kernel_funcs"] = {"rotary": Rotary()}
         self.__dict__["root"] = self  # a back-reference to a module of the model
         self.pick = pick
 
@@ -247,8 +269,9 @@ print(cache.key(Net(), (torch.zeros(1, 4),), "n", [2]))
 
 
 def test_held_modules_and_a_functions_constants_are_keyed_alike_in_every_process():
-    """A module held outside _modules (by its path when it is the model's, else by its class and state) and a
-    function's nested code and set constants (whose reprs hold an address and a str-hash order)."""
+    """A module held outside _modules (by its path when it is the model's, else by its class and
+    state) and a function's nested code and set constants (whose reprs hold an address and a
+    str-hash order)."""
     keys = [
         subprocess.run(
             [sys.executable, "-c", HELD_MODULES],

@@ -18,7 +18,8 @@ from .conftest import LAUNCH_PREFIXES, LAUNCH_VARIABLES, assert_every_parameter_
 from .distributed.harness import GROUP_TIMEOUT_S, parameter_groups
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "forked"])  # conftest.torchrun's: Note [forked workers]
+# conftest.torchrun's: Note [forked workers]
+@pytest.mark.parametrize("launcher", ["torchrun", "forked"])
 def test_a_rank_that_fails_stops_its_peers_waiting_in_a_collective(tmp_path, repo, launcher):
     out = tmp_path / "results.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
@@ -26,7 +27,8 @@ def test_a_rank_that_fails_stops_its_peers_waiting_in_a_collective(tmp_path, rep
         "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
         "forked": [str(repo / "tests" / "distributed" / "forked_torchrun.py"), "2"],
     }[launcher]
-    # A hang detector, not a speed check: without the harness rank 0 waits GROUP_TIMEOUT_S in its all-reduce.
+    # A hang detector, not a speed check: without the harness rank 0 waits GROUP_TIMEOUT_S in its
+    # all-reduce.
     proc = subprocess.run(
         [sys.executable, *run, str(repo / "tests" / "distributed" / "abort_worker.py"), str(out)],
         capture_output=True,
@@ -34,20 +36,28 @@ def test_a_rank_that_fails_stops_its_peers_waiting_in_a_collective(tmp_path, rep
         env=env,
         timeout=GROUP_TIMEOUT_S // 2,
     )
-    assert proc.returncode != 0 and not out.exists()  # no results: the launch ended before the last case
+    # no results: the launch ended before the last case
+    assert proc.returncode != 0 and not out.exists()
     report = json.loads((tmp_path / "results.jsonl.rank1").read_text())
     assert report["case"] == "fails-on-rank-1" and report["rank"] == 1
-    assert report["error"] == "ValueError: rank 1 gives up before the all-reduce" and "Traceback" in report["traceback"]
-    peer = tmp_path / "results.jsonl.rank0"  # rank 0 was stopped, or its all-reduce saw the peer go (gloo)
+    assert (
+        report["error"] == "ValueError: rank 1 gives up before the all-reduce"
+        and "Traceback" in report["traceback"]
+    )
+    # rank 0 was stopped, or its all-reduce saw the peer go (gloo)
+    peer = tmp_path / "results.jsonl.rank0"
     assert not peer.exists() or json.loads(peer.read_text())["case"] == "fails-on-rank-1"
 
 
 def test_every_parameter_is_compared_by_name_on_every_replica():
-    model = hp.models.build("gpt-tiny", num_layers=2)  # a tied head: output.weight is tok_embeddings.weight
+    # a tied head: output.weight is tok_embeddings.weight
+    model = hp.models.build("gpt-tiny", num_layers=2)
     groups = parameter_groups(model)
     names = {name for name, _ in model.named_parameters()}  # one name per tensor
     assert ["tok_embeddings.weight", "output.weight"] in groups
-    assert_every_parameter_compared(groups, {0: names, 1: names - {"tok_embeddings.weight"} | {"output.weight"}})
+    assert_every_parameter_compared(
+        groups, {0: names, 1: names - {"tok_embeddings.weight"} | {"output.weight"}}
+    )
     dropped = sorted(names)[3]
     with pytest.raises(AssertionError, match=f"replica 1 never compared .*{dropped}"):
         assert_every_parameter_compared(groups, {0: names, 1: names - {dropped}})
@@ -56,8 +66,9 @@ def test_every_parameter_is_compared_by_name_on_every_replica():
 
 
 def test_the_suite_runs_the_same_inside_an_exported_launch(repo):
-    # Note [the suite's environment]: torchrun's variables (this rank 1 of 2 would wait for a rank 0 that is not
-    # there), a Triton interpreter switch and hyparallel's kernel switch, as a user's shell may export them.
+    # Note [the suite's environment]: torchrun's variables (this rank 1 of 2 would wait for a rank 0
+    # that is not there), a Triton interpreter switch and hyparallel's kernel switch, as a user's
+    # shell may export them.
     launch = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": "29533",
@@ -69,7 +80,9 @@ def test_the_suite_runs_the_same_inside_an_exported_launch(repo):
         "TRITON_INTERPRET": "1",
         "HYPARALLEL_TRITON": "0",
     }
-    probe = "tests/test_metrics.py::test_parallel_model_measures_its_steps_against_the_plans_prediction"
+    probe = (
+        "tests/test_metrics.py::test_parallel_model_measures_its_steps_against_the_plans_prediction"
+    )
     proc = subprocess.run(
         [
             sys.executable,
@@ -95,14 +108,18 @@ def test_no_launch_variable_reaches_a_test():
         name
         for name in os.environ
         if (name in LAUNCH_VARIABLES or name.startswith(LAUNCH_PREFIXES))
-        and name != "HYPARALLEL_CACHE_DIR"  # the suite's own: each test's graph cache (conftest.own_graph_cache)
+        # the suite's own: each test's graph cache (conftest.own_graph_cache)
+        and name != "HYPARALLEL_CACHE_DIR"
     ]
     assert not left
 
 
 def test_without_triton_the_kernel_tests_skip_and_say_why(repo, tmp_path):
-    # pyproject installs triton on Linux x86-64 only: elsewhere the kernel checks skip and the rest still runs.
-    (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["triton"] = None  # as if not installed\n')
+    # pyproject installs triton on Linux x86-64 only: elsewhere the kernel checks skip and the rest
+    # still runs.
+    (tmp_path / "sitecustomize.py").write_text(
+        'import sys\nsys.modules["triton"] = None  # as if not installed\n'
+    )
     proc = subprocess.run(
         [
             sys.executable,
@@ -114,7 +131,8 @@ def test_without_triton_the_kernel_tests_skip_and_say_why(repo, tmp_path):
             "no:cacheprovider",
             "tests/test_kernels.py",
             "tests/test_tensor_layers.py",
-            "tests/test_layering.py::test_package_imports_without_triton_or_cuda",  # not the CLI's subprocesses
+            # not the CLI's subprocesses
+            "tests/test_layering.py::test_package_imports_without_triton_or_cuda",
         ],
         capture_output=True,
         text=True,
@@ -123,5 +141,8 @@ def test_without_triton_the_kernel_tests_skip_and_say_why(repo, tmp_path):
         timeout=GROUP_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "SKIPPED [1] tests/test_kernels.py" in proc.stdout and "triton is not installed" in proc.stdout
+    assert (
+        "SKIPPED [1] tests/test_kernels.py" in proc.stdout
+        and "triton is not installed" in proc.stdout
+    )
     assert " 1 skipped" in proc.stdout and "failed" not in proc.stdout

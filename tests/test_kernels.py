@@ -1,8 +1,8 @@
 """The Triton kernels against torch, on the CPU under Triton's interpreter.
 
 The checks live in tests/interpreter/kernel_checks.py and run in a pytest process of their own with
-TRITON_INTERPRET=1 set from the start: Triton reads it when first imported, and the rest of the suite
-must not run under the interpreter.
+TRITON_INTERPRET=1 set from the start: Triton reads it when first imported, and the rest of the
+suite must not run under the interpreter.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton", reason="triton is not installed: the kernel checks run under its CPU interpreter")
+pytest.importorskip(
+    "triton", reason="triton is not installed: the kernel checks run under its CPU interpreter"
+)
 
 
 def test_kernels_match_torch_under_the_interpreter(repo):

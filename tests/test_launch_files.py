@@ -1,6 +1,6 @@
-"""examples/launch/: each file is valid, runs examples/train_gpt.py with flags it and its launcher accept, and runs
-exactly the command docs/elastic.md shows, so that the files and the docs cannot drift apart. Nothing is launched:
-the scripts are only checked with `bash -n`.
+"""examples/launch/: each file is valid, runs examples/train_gpt.py with flags it and its launcher
+accept, and runs exactly the command docs/elastic.md shows, so that the files and the docs cannot
+drift apart. Nothing is launched: the scripts are only checked with `bash -n`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ SCRIPTS = [LAUNCH / "torchrun.sh", LAUNCH / "dlrover_standalone.sh", LAUNCH / "s
 MANIFEST = LAUNCH / "elasticjob.yaml"
 FILES = [*SCRIPTS, MANIFEST]
 LAUNCHERS = ("torchrun", "srun", "dlrover-run", "hyparallel-dlrover-run")
-# Variables a command reads that no script default gives: set by Slurm, by the sbatch script itself, or by DLRover in
-# each Pod of an ElasticJob.
+# Variables a command reads that no script default gives: set by Slurm, by the sbatch script itself,
+# or by DLRover in each Pod of an ElasticJob.
 EXTERNAL = {"SLURM_NNODES", "SLURM_JOB_ID", "head_node", "NODE_NUM"}
-STALE_VARIABLE = "TORCH_DISABLE_SHARE_" + "RDZV_TCP_STORE"  # split: this file is no launch file and mentions it freely
+# split: this file is no launch file and mentions it freely
+STALE_VARIABLE = "TORCH_DISABLE_SHARE_" + "RDZV_TCP_STORE"
 
 _DEFAULT = re.compile(r'^(\w+)="\$\{\1:-([^}]*)\}"', re.M)  # NPROC="${NPROC:-4}"
 _VARIABLE = re.compile(r"\$\{?(\w+)\}?")
@@ -48,23 +49,34 @@ def _defaults(path: Path) -> dict[str, str]:
 
 
 def _command(path: Path) -> list[str]:
-    """The launch a file runs, as argv: the one line running examples/train_gpt.py, each script variable replaced by
-    its default, without `exec` and without the "$@" that passes a script's own arguments on to train_gpt.py."""
+    """The launch a file runs, as argv: the one line running examples/train_gpt.py, each script
+    variable replaced by its default, without `exec` and without the "$@" that passes a script's own
+    arguments on to train_gpt.py."""
     if path == MANIFEST:
         shell, flag, line = _container(yaml.safe_load(path.read_text()))["command"]
-        assert (shell, flag) == ("/bin/bash", "-c"), "the container runs its command line with /bin/bash -c"
+        assert (shell, flag) == (
+            "/bin/bash",
+            "-c",
+        ), "the container runs its command line with /bin/bash -c"
         lines = _logical_lines(line)
     else:
-        lines = [line for line in _logical_lines(path.read_text()) if TRAIN in line and not line.startswith("#")]
+        lines = [
+            line
+            for line in _logical_lines(path.read_text())
+            if TRAIN in line and not line.startswith("#")
+        ]
     assert len(lines) == 1, f"{path.name}: expected one line running {TRAIN}, found {lines}"
     argv = shlex.split(lines[0])
     argv = argv[1:] if argv[0] == "exec" else argv
     defaults = _defaults(path)
-    return [_VARIABLE.sub(lambda m: defaults.get(m[1], f"${m[1]}"), arg) for arg in argv if arg != "$@"]
+    return [
+        _VARIABLE.sub(lambda m: defaults.get(m[1], f"${m[1]}"), arg) for arg in argv if arg != "$@"
+    ]
 
 
 def _doc_commands(text: str) -> list[list[str]]:
-    """Every line of the fenced code blocks in a Markdown text, as argv (lines that are no shell words skipped)."""
+    """Every line of the fenced code blocks in a Markdown text, as argv (lines that are no shell
+    words skipped)."""
     commands = []
     for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.M | re.S):
         for line in _logical_lines(block):
@@ -94,7 +106,8 @@ def _load_train_gpt():
 
 
 def _parse(parse, argv: list[str], capsys, what: str):
-    """``parse(argv)``, an argparse error (SystemExit) turned into a failure that shows argparse's message."""
+    """``parse(argv)``, an argparse error (SystemExit) turned into a failure that shows argparse's
+    message."""
     try:
         return parse(argv)
     except SystemExit:
@@ -104,7 +117,7 @@ def _parse(parse, argv: list[str], capsys, what: str):
 ids = [path.name for path in FILES]
 
 
-# ---- each file on its own -----------------------------------------------------------------------------------
+# ---- each file on its own ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[path.name for path in SCRIPTS])
@@ -112,7 +125,9 @@ def test_script_is_strict_executable_bash(path):
     lines = path.read_text().splitlines()
     assert lines[0] == "#!/usr/bin/env bash"
     commands = [line for line in lines if line.strip() and not line.startswith("#")]
-    assert commands[0] == "set -euo pipefail", "the first command (after any #SBATCH directives) is the strict mode"
+    assert commands[0] == "set -euo pipefail", (
+        "the first command (after any #SBATCH directives) is the strict mode"
+    )
     assert os.access(path, os.X_OK), f"chmod +x {path.relative_to(ROOT)}"
     result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
@@ -121,10 +136,14 @@ def test_script_is_strict_executable_bash(path):
 def test_slurm_directives_precede_the_first_command():
     """sbatch reads #SBATCH lines only until the first command."""
     lines = (LAUNCH / "slurm.sbatch").read_text().splitlines()
-    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+    first_command = next(
+        i for i, line in enumerate(lines) if line.strip() and not line.startswith("#")
+    )
     directives = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
     assert directives and max(directives) < first_command
-    assert {"--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8"} <= {lines[i].split()[1] for i in directives}
+    assert {"--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8"} <= {
+        lines[i].split()[1] for i in directives
+    }
 
 
 def test_manifest_is_a_dlrover_elasticjob():
@@ -139,19 +158,23 @@ def test_manifest_is_a_dlrover_elasticjob():
     assert isinstance(replicas, int) and replicas >= 1
     container = _container(manifest)
     assert container["name"] == "main" and container["image"]
-    assert _command(MANIFEST)[0] == "dlrover-run", "on Kubernetes the operator starts the master: plain dlrover-run"
+    assert _command(MANIFEST)[0] == "dlrover-run", (
+        "on Kubernetes the operator starts the master: plain dlrover-run"
+    )
 
 
 @pytest.mark.parametrize("path", FILES, ids=ids)
 def test_command_reads_only_defaulted_or_provided_variables(path):
-    """A variable the command reads has a default in the script, or Slurm, the script or DLRover sets it."""
+    """A variable the command reads has a default in the script, or Slurm, the script or DLRover
+    sets it."""
     unset = {name for arg in _command(path) for name in _VARIABLE.findall(arg)} - EXTERNAL
     assert not unset, f"{path.name} reads {sorted(unset)} without a default"
 
 
 @pytest.mark.parametrize("path", FILES, ids=ids)
 def test_no_file_needs_the_shared_store_workaround(path):
-    """hyparallel isolates each restart round in the process-group store itself: no environment variable for it."""
+    """hyparallel isolates each restart round in the process-group store itself: no environment
+    variable for it."""
     assert STALE_VARIABLE not in path.read_text()
 
 
@@ -159,7 +182,7 @@ def test_elastic_doc_does_not_mention_the_shared_store_workaround():
     assert STALE_VARIABLE not in ELASTIC_DOC.read_text()
 
 
-# ---- the flags each file passes -------------------------------------------------------------------------------
+# ---- the flags each file passes ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("path", FILES, ids=ids)
@@ -172,13 +195,16 @@ def test_train_gpt_accepts_the_flags(path, monkeypatch, capsys):
         return train_gpt.parse_args()
 
     args = _parse(parse, train_args, capsys, TRAIN)
-    assert args.checkpoint_dir and args.checkpoint_every > 0, "an elastic launch saves checkpoints to resume from"
+    assert args.checkpoint_dir and args.checkpoint_every > 0, (
+        "an elastic launch saves checkpoints to resume from"
+    )
     assert args.plan is None, "without --plan every start plans for the WORLD_SIZE it has"
 
 
 @pytest.mark.parametrize("path", FILES, ids=ids)
 def test_launcher_accepts_the_flags(path, capsys):
-    """torchrun's own parser, or DLRover's (hyparallel-dlrover-run takes dlrover-run's arguments)."""
+    """torchrun's own parser, or DLRover's (hyparallel-dlrover-run takes dlrover-run's
+    arguments)."""
     argv = _command(path)
     argv = argv[1:] if argv[0] == "srun" else argv
     assert argv[0] in LAUNCHERS and argv[0] != "srun", argv
@@ -187,7 +213,9 @@ def test_launcher_accepts_the_flags(path, capsys):
 
         parse = get_args_parser().parse_args
     else:
-        pytest.importorskip("dlrover", reason='DLRover is the optional extra: pip install -e ".[elastic]"')
+        pytest.importorskip(
+            "dlrover", reason='DLRover is the optional extra: pip install -e ".[elastic]"'
+        )
         from dlrover.trainer.torch.elastic_run import parse_args as parse
 
     args = _parse(parse, argv[1:], capsys, argv[0])
@@ -195,14 +223,15 @@ def test_launcher_accepts_the_flags(path, capsys):
     assert args.training_script_args == _train_args(argv)
 
 
-# ---- the docs show what the files run -------------------------------------------------------------------------
+# ---- the docs show what the files run ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("path", FILES, ids=ids)
 def test_elastic_doc_shows_the_command(path):
     command = _command(path)
     assert command in _doc_commands(ELASTIC_DOC.read_text()), (
-        f"docs/elastic.md does not show the command {path.name} runs (with its defaults):\n{shlex.join(command)}"
+        f"docs/elastic.md does not show the command {path.name} runs (with its"
+        f" defaults):\n{shlex.join(command)}"
     )
 
 
@@ -220,4 +249,6 @@ def test_readme_section_shows_only_commands_the_files_run():
     assert shown, "the README's launch section shows a launch command"
     runs = [_command(path) for path in FILES]
     for argv in shown:
-        assert argv in runs, f"README.md shows a command no file in examples/launch/ runs:\n{shlex.join(argv)}"
+        assert argv in runs, (
+            f"README.md shows a command no file in examples/launch/ runs:\n{shlex.join(argv)}"
+        )

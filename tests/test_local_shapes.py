@@ -1,10 +1,12 @@
-"""The planner keeps replicated what cannot run at one rank's sizes, and a replicated attention keeps its heads.
+"""The planner keeps replicated what cannot run at one rank's sizes, and a replicated attention
+keeps its heads.
 
-Note [the planner replicates what fails at one rank's sizes] (hyparallel/graph/local_shapes.py): a module that
-slices a split output with the model's constants (nanoGPT's ``split(self.n_embd)``, Phi-3's qkv slices) made the
-planner write a plan its own runtime then refused; now the planner replicates that attention (every block's) and
-still splits the MLPs. A hand-written map that replicates an attention must leave its head counts whole: dividing
-them (as for a split attention) broke the replicated projections' views.
+Note [the planner replicates what fails at one rank's sizes] (hyparallel/graph/local_shapes.py): a
+module that slices a split output with the model's constants (nanoGPT's ``split(self.n_embd)``,
+Phi-3's qkv slices) made the planner write a plan its own runtime then refused; now the planner
+replicates that attention (every block's) and still splits the MLPs. A hand-written map that
+replicates an attention must leave its head counts whole: dividing them (as for a split attention)
+broke the replicated projections' views.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from torch import nn
 
 import hyparallel as hp
 from hyparallel.graph.checks import check_plan
-from hyparallel.graph.local_shapes import keeps_groups, local_shape_failure, local_shapes_copy, meta_copy
+from hyparallel.graph.local_shapes import (
+    keeps_groups,
+    local_shape_failure,
+    local_shapes_copy,
+    meta_copy,
+)
 from hyparallel.tensor.apply import check_local_shapes
 from hyparallel.tools.parity import small_spec
 
@@ -25,15 +32,29 @@ LLAMA = small_spec("hf:LlamaForCausalLM")
 
 def planned(spec: str, tp: int = 2) -> tuple:
     model = hp.models.load(spec).module
-    plan = hp.plan(model, hp.ClusterSpec.preset("cpu", gpus_per_node=tp), 4, 16, "fp32", tp=tp, pp=1, micro_batch=2)
+    plan = hp.plan(
+        model,
+        hp.ClusterSpec.preset("cpu", gpus_per_node=tp),
+        4,
+        16,
+        "fp32",
+        tp=tp,
+        pp=1,
+        micro_batch=2,
+    )
     return model, plan
 
 
 @pytest.mark.parametrize(
     ("spec", "attention", "mlp"),
     [
-        ("tests.tiny_lms:config_split_lm", ("layers.*.attn.qkv", "layers.*.attn.o_proj"), ("layers.*.up",)),
-        (  # Nystromformer: a depthwise convolution over the value heads (no split op of its own) fails
+        (
+            "tests.tiny_lms:config_split_lm",
+            ("layers.*.attn.qkv", "layers.*.attn.o_proj"),
+            ("layers.*.up",),
+        ),
+        # Nystromformer: a depthwise convolution over the value heads (no split op of its own) fails
+        (
             "tests.tiny_lms:grouped_conv_lm",
             tuple(f"layers.*.attn.{p}_proj" for p in "qkvo"),
             ("layers.*.up",),
@@ -43,7 +64,9 @@ def planned(spec: str, tp: int = 2) -> tuple:
             ("model.layers.*.self_attn.qkv_proj", "model.layers.*.self_attn.o_proj"),
             ("model.layers.*.mlp.gate_up_proj",),
         ),
-        (  # diffusers: runs at one rank's sizes, but as 4 heads of half the size (Note [a split keeps each head whole])
+        # diffusers: runs at one rank's sizes, but as 4 heads of half the size (Note [a split keeps
+        # each head whole])
+        (
             "tests.tiny_lms:heads_attribute_lm",
             tuple(f"layers.*.attn.{p}_proj" for p in "qkvo"),
             ("layers.*.up",),
@@ -57,12 +80,14 @@ def test_the_planner_replicates_an_attention_sliced_with_the_models_constants(sp
     assert all(styles[path] == "column" for path in mlp), styles  # the MLPs still split
     example = hp.models.example_inputs(model, 2, 16)
     graph = hp.trace(model, example)
-    check_local_shapes(model, graph, check_plan(plan, graph).styles, 2, example)  # what parallelize runs: passes
+    # what parallelize runs: passes
+    check_local_shapes(model, graph, check_plan(plan, graph).styles, 2, example)
 
 
 def test_a_split_that_would_cut_heads_in_two_is_refused_in_one_line():
-    # Note [a split keeps each head whole]: diffusers' attention reads its head count from `heads`, which tp leaves
-    # whole, and its head size from the split width: every shape fits at one rank's sizes, the heads do not.
+    # Note [a split keeps each head whole]: diffusers' attention reads its head count from `heads`,
+    # which tp leaves whole, and its head size from the split width: every shape fits at one rank's
+    # sizes, the heads do not.
     model = hp.models.load("tests.tiny_lms:heads_attribute_lm").module
     example = hp.models.example_inputs(model, 2, 16)
     graph = hp.trace(model, example)
@@ -78,7 +103,8 @@ def test_a_split_that_would_cut_heads_in_two_is_refused_in_one_line():
     [
         ([(0, 16)], [4, 8], [2, 8], True),  # two whole heads of four
         ([(0, 16)], [4, 8], [4, 4], False),  # the same rows read as four half heads
-        ([(0, 8), (16, 24)], [2, 16], [2, 8], True),  # a fused [gate | up] viewed as (2, I): half of each part
+        # a fused [gate | up] viewed as (2, I): half of each part
+        ([(0, 8), (16, 24)], [2, 16], [2, 8], True),
         ([(0, 8), (16, 24)], [2, 16], [1, 16], False),  # ... read as one group
         ([(0, 48)], [4, 3, 8], [2, 3, 8], True),  # (heads, q/k/v, head size) of two whole heads
         ([(0, 48)], [4, 3, 8], [2, 6, 4], False),
@@ -96,7 +122,8 @@ def test_a_module_that_runs_at_one_ranks_sizes_stays_split():
 
 
 def test_a_replicated_attention_keeps_its_head_counts():
-    spec = small_spec("hf:Phi3ForCausalLM")  # its attention slices qkv with self.num_key_value_heads * head_dim
+    # its attention slices qkv with self.num_key_value_heads * head_dim
+    spec = small_spec("hf:Phi3ForCausalLM")
     model = hp.models.load(spec).module
     example = hp.models.example_inputs(model, 2, 16)
     graph = hp.trace(model, example)
@@ -117,7 +144,10 @@ def hand_plan(graph) -> hp.Plan:
         {
             "training": {"global_batch": 4, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"},
             "parallel": {"tp": 2, "sequence_parallel": False},
-            "tensor_parallel": {"model.layers.*.mlp.gate_up_proj": "column", "model.layers.*.mlp.down_proj": "row"},
+            "tensor_parallel": {
+                "model.layers.*.mlp.gate_up_proj": "column",
+                "model.layers.*.mlp.down_proj": "row",
+            },
         }
     )
 
@@ -138,20 +168,22 @@ def test_the_unsplit_model_runs_once_for_every_degree(monkeypatch):
     monkeypatch.setattr(local_shapes, "first_failure", counted)
     reasons = local_shapes.replicate_what_fails(model, graph, [2, 4], example)
     assert reasons  # its attention fails at one rank's sizes, and is replicated
-    # the unsplit run once, then per degree one rank's sizes until the rest runs: never the unsplit run again
+    # the unsplit run once, then per degree one rank's sizes until the rest runs: never the unsplit
+    # run again
     assert len(runs) == 1 + len(reasons) + 2
 
 
 def test_the_meta_copy_is_the_models_when_a_freed_state_comes_back_at_its_address(monkeypatch):
-    # Note [the memo keeps what it copied alive] (hyparallel/graph/local_shapes.py): CPython may give a dict freed
-    # a moment ago (a module's __getstate__, once copied) to the next dict made, at the same address. This
-    # __getstate__ always does: it hands its one dict out again whenever nothing else holds it. A memo that let
-    # the copied states go gave a module another's attributes (seen in CI: "CausalSelfAttention has no attribute
-    # `qkv`", now and then).
+    # Note [the memo keeps what it copied alive] (hyparallel/graph/local_shapes.py): CPython may
+    # give a dict freed a moment ago (a module's __getstate__, once copied) to the next dict made,
+    # at the same address. This __getstate__ always does: it hands its one dict out again whenever
+    # nothing else holds it. A memo that let the copied states go gave a module another's attributes
+    # (seen in CI: "CausalSelfAttention has no attribute `qkv`", now and then).
     plain, pool = nn.Module.__getstate__, [{}]
 
     def reused_state(module):
-        if sys.getrefcount(pool[0]) > 2:  # held by more than the pool and getrefcount's argument: make another
+        # held by more than the pool and getrefcount's argument: make another
+        if sys.getrefcount(pool[0]) > 2:
             pool[0] = {}
         pool[0].clear()
         pool[0].update(plain(module))
@@ -163,7 +195,10 @@ def test_the_meta_copy_is_the_models_when_a_freed_state_comes_back_at_its_addres
     monkeypatch.undo()
 
     def layout(module):
-        return [(name, type(m).__name__, list(m._modules), list(m._parameters)) for name, m in module.named_modules()]
+        return [
+            (name, type(m).__name__, list(m._modules), list(m._parameters))
+            for name, m in module.named_modules()
+        ]
 
     assert layout(copied) == layout(model)
     assert all(p.is_meta for p in copied.parameters())

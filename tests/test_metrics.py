@@ -1,4 +1,5 @@
-"""Run-time figures (hyparallel.runtime.metrics): what a step is, the derived rates, and predictions next to them."""
+"""Run-time figures (hyparallel.runtime.metrics): what a step is, the derived rates, and predictions
+next to them."""
 
 from __future__ import annotations
 
@@ -23,20 +24,26 @@ def cpu_plan(**parallel) -> hp.Plan:
 def test_a_step_is_the_time_from_one_train_step_to_the_next(monkeypatch):
     meter = RunMetrics(cpu_plan(), flops_per_token=1e6, device=torch.device("cpu"), pp_rank=0)
     assert meter.last() is None and meter.summary() is None
-    clock = iter([10.0, 10.2, 10.25, 10.32])  # a fake clock: what is measured is the arithmetic, not this machine
+    # a fake clock: what is measured is the arithmetic, not this machine
+    clock = iter([10.0, 10.2, 10.25, 10.32])
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
     for _ in range(3):  # steps of 0.2 s (warm-up, left out of the summary), 0.05 s and 0.07 s
         meter.step_started(tokens=1000)
     assert len(meter.steps()) == 2  # the third is still open
     summary = meter.summary()  # closes it
-    assert summary.steps == 2 and summary.step_time_s == pytest.approx(0.06)  # the median of 0.05 and 0.07
-    assert summary.tokens_per_s == pytest.approx((1000 / 0.05 + 1000 / 0.07) / 2)  # the median of the rates
+    # the median of 0.05 and 0.07
+    assert summary.steps == 2 and summary.step_time_s == pytest.approx(0.06)
+    # the median of the rates
+    assert summary.tokens_per_s == pytest.approx((1000 / 0.05 + 1000 / 0.07) / 2)
     assert summary.tflops_per_gpu == pytest.approx(3 * 1e6 * summary.tokens_per_s / 1e12)
-    assert summary.mfu == pytest.approx(summary.tflops_per_gpu * 1e12 / 36.6e9)  # the cpu preset's fp32 peak
+    # the cpu preset's fp32 peak
+    assert summary.mfu == pytest.approx(summary.tflops_per_gpu * 1e12 / 36.6e9)
     assert summary.predicted_step_time_s is None  # a plan without predictions
-    # the CPU stand-in (Note [peak memory on the CPU]): peak resident set beyond the preset's reserve
+    # the CPU stand-in (Note [peak memory on the CPU]): peak resident set beyond the preset's
+    # reserve
     assert summary.peak_memory_gib is not None and summary.peak_memory_gib >= 0
-    assert meter.last(5).steps == 3 and meter.last().step_time_s == pytest.approx(0.07)  # newest first, warm-up in
+    # newest first, warm-up in
+    assert meter.last(5).steps == 3 and meter.last().step_time_s == pytest.approx(0.07)
     assert meter.last(5).step_time_s == pytest.approx(0.07)  # the median of 0.2, 0.05 and 0.07
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: 11.0)
     meter.step_started(tokens=1000)  # training may go on after a summary: a new step opens
@@ -55,8 +62,13 @@ def test_parallel_model_measures_its_steps_against_the_plans_prediction(world_of
         pmodel.train_step(tokens[:, :-1], tokens[:, 1:])
     summary = pmodel.metrics.summary()
     assert summary.steps == 2 and summary.step_time_s > 0
-    assert summary.tflops_per_gpu == pytest.approx(3 * graph.flops / 16 * summary.tokens_per_s / 1e12, rel=1e-6)
+    assert summary.tflops_per_gpu == pytest.approx(
+        3 * graph.flops / 16 * summary.tokens_per_s / 1e12, rel=1e-6
+    )
     assert summary.predicted_step_time_s == pmodel.plan.predicted.step_time_s
-    reserve = pmodel.plan.cluster.device.reserved_bytes / 2**30  # compared with allocated memory: no reserve
-    assert summary.predicted_memory_gib == pytest.approx(pmodel.plan.predicted.memory_gib[0] - reserve)
+    # compared with allocated memory: no reserve
+    reserve = pmodel.plan.cluster.device.reserved_bytes / 2**30
+    assert summary.predicted_memory_gib == pytest.approx(
+        pmodel.plan.predicted.memory_gib[0] - reserve
+    )
     assert "predicted" in summary.line() and "tokens/s" in summary.line()

@@ -139,7 +139,9 @@ def test_spec_factory(tmp_path, monkeypatch):
     sys.modules.pop("my_models", None)
 
 
-@pytest.mark.parametrize("spec", [HF_GPT2_TINY, HF_LLAMA_TINY, "hf:gpt2 n_layer=1 n_embd=32 n_head=2"])
+@pytest.mark.parametrize(
+    "spec", [HF_GPT2_TINY, HF_LLAMA_TINY, "hf:gpt2 n_layer=1 n_embd=32 n_head=2"]
+)
 def test_spec_hugging_face(spec):
     model = hp.models.load(spec).module
     assert all(p.is_meta for p in model.parameters())
@@ -159,11 +161,21 @@ def test_spec_hugging_face(spec):
             "cannot build from config .* Padding_idx must be within num_embeddings",
         ),
         ("", "no model given"),
-        # Shapes out of range are refused before anything is built (a billion layers would build for hours).
-        ("gpt-tiny num_layers=-1", "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got -1"),
-        ("gpt-tiny num_layers=abc", "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got 'abc'"),
+        # Shapes out of range are refused before anything is built (a billion layers would build for
+        # hours).
+        (
+            "gpt-tiny num_layers=-1",
+            "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got -1",
+        ),
+        (
+            "gpt-tiny num_layers=abc",
+            "model 'gpt-tiny': num_layers must be an integer from 1 to 512, got 'abc'",
+        ),
         ("gpt-tiny num_layers=10**12", "num_layers must be an integer from 1 to 512, got '10**12'"),
-        ("gpt-tiny num_layers=1000000000000", "num_layers must be an integer from 1 to 512, got 1000000000000"),
+        (
+            "gpt-tiny num_layers=1000000000000",
+            "num_layers must be an integer from 1 to 512, got 1000000000000",
+        ),
         ("gpt-tiny num_layers=2.0", "num_layers must be an integer from 1 to 512, got 2.0"),
         ("gpt-tiny hidden_size=0", "hidden_size must be an integer from 1 to 131,072, got 0"),
         ("gpt-tiny num_heads=0", "num_heads must be an integer from 1 to 64, got 0"),
@@ -172,14 +184,29 @@ def test_spec_hugging_face(spec):
         ("gpt-tiny bias=maybe", "bias must be true or false, got 'maybe'"),
         ("llama-tiny num_kv_heads=0", "num_kv_heads must be an integer from 1 to 4, got 0"),
         ("llama-tiny rope_theta=.inf", "rope_theta must be a number in (0, 1e+12], got inf"),
-        ("hf:gpt2 n_layer=-1", "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1"),
-        ("hf:LlamaForCausalLM num_hidden_layers=100000", "hf:LlamaForCausalLM: num_hidden_layers must be an integer"),
-        ("hf:LlamaForCausalLM vocab_size=0", "hf:LlamaForCausalLM: vocab_size must be an integer from 1 to 4,194,304"),
+        (
+            "hf:gpt2 n_layer=-1",
+            "hf:gpt2: num_hidden_layers (n_layer) must be an integer from 1 to 512, got -1",
+        ),
+        (
+            "hf:LlamaForCausalLM num_hidden_layers=100000",
+            "hf:LlamaForCausalLM: num_hidden_layers must be an integer",
+        ),
+        (
+            "hf:LlamaForCausalLM vocab_size=0",
+            "hf:LlamaForCausalLM: vocab_size must be an integer from 1 to 4,194,304",
+        ),
         (
             "hf:gpt2 n_layr=2",
-            "hf:gpt2: no transformers config has a setting 'n_layr'; check the spelling against GPT2Config",
+            (
+                "hf:gpt2: no transformers config has a setting 'n_layr'; check the spelling against"
+                " GPT2Config"
+            ),
         ),
-        ("hf:llama num_attention_heads=0", "hf:llama: (cannot build from config|num_attention_heads must be)"),
+        (
+            "hf:llama num_attention_heads=0",
+            "hf:llama: (cannot build from config|num_attention_heads must be)",
+        ),
         ("hf:gpt2 n_embd=abc", "hf:gpt2: .*n_embd"),
     ],
 )
@@ -204,16 +231,21 @@ def test_example_inputs():
     assert hp.models.example_inputs(hf, 2, 5)["input_ids"].shape == (2, 5)
     with pytest.raises(ModelSpecError, match="example_inputs"):
         hp.models.example_inputs(torch.nn.Linear(2, 2), 1, 1)
-    with pytest.raises(ModelSpecError, match=r"seq_len 129 is longer than the model's max_seq_len \(128\)"):
-        hp.models.example_inputs(gpt, 1, 129)  # learned positions end at 128; planning past them was silent
+    with pytest.raises(
+        ModelSpecError, match=r"seq_len 129 is longer than the model's max_seq_len \(128\)"
+    ):
+        # learned positions end at 128; planning past them was silent
+        hp.models.example_inputs(gpt, 1, 129)
 
 
 @pytest.mark.parametrize(
     ("spec", "unread"),
     [
-        # transformers 5 folds it into rope_parameters: the config without it differs in more than the key
+        # transformers 5 folds it into rope_parameters: the config without it differs in more than
+        # the key
         ("hf:PersimmonForCausalLM num_hidden_layers=1 partial_rotary_factor=0.25", None),
-        # published configs carry them; this release's config and model read neither: kept, with a warning
+        # published configs carry them; this release's config and model read neither: kept, with a
+        # warning
         ("hf:CodeGenForCausalLM n_layer=1 pad_token_id=0", "pad_token_id"),
         ("hf:OPTForCausalLM num_hidden_layers=1 activation_dropout=0.1", "activation_dropout"),
     ],

@@ -1,7 +1,8 @@
-"""Online calibration in a real run: 2 gloo processes train gpt-tiny under the stock `cpu` preset's plan.
+"""Online calibration in a real run: 2 gloo processes train gpt-tiny under the stock `cpu` preset's
+plan.
 
-The run fits its cluster after the default warm-up and measured steps, and the re-plan it reports is the plan
-`hyparallel plan` makes with the file it wrote, by the command it printed.
+The run fits its cluster after the default warm-up and measured steps, and the re-plan it reports is
+the plan `hyparallel plan` makes with the file it wrote, by the command it printed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from hyparallel.planner import online
 
 def test_a_run_on_the_stock_cpu_preset_corrects_its_cluster_and_replans(repo, tmp_path, capsys):
     corrected, record = tmp_path / "cpu-corrected.yaml", tmp_path / "metrics.json"
-    steps = online.DEFAULT_WARMUP_STEPS + online.DEFAULT_MEASURED_STEPS + 1  # the fit runs in the step after them
+    # the fit runs in the step after them
+    steps = online.DEFAULT_WARMUP_STEPS + online.DEFAULT_MEASURED_STEPS + 1
     args = ["--steps", str(steps), "--log-every", str(steps), "--metrics-out", str(record)]
     # threshold 0: fit whatever the error, so the test does not depend on how loaded this machine is
     args += ["--calibrate-online", str(corrected), "--calibrate-threshold", "0"]
@@ -41,9 +43,12 @@ def test_a_run_on_the_stock_cpu_preset_corrects_its_cluster_and_replans(repo, tm
     fit = written["calibration"]
     plan = hp.Plan.from_dict(written["plan"])
     assert plan.cluster.name == "cpu" and fit["cluster_file"] == str(corrected)
-    measured = online.measured_step(written["step_times_s"], online.DEFAULT_WARMUP_STEPS, online.DEFAULT_MEASURED_STEPS)
+    measured = online.measured_step(
+        written["step_times_s"], online.DEFAULT_WARMUP_STEPS, online.DEFAULT_MEASURED_STEPS
+    )
     assert fit["measured_step_s"] == pytest.approx(measured)
-    # Corrected: the plan's own configuration, re-evaluated under the file from disk, takes the measured step.
+    # Corrected: the plan's own configuration, re-evaluated under the file from disk, takes the
+    # measured step.
     cluster = hp.ClusterSpec.load(corrected)
     assert online.Planner("gpt-tiny", plan).evaluate(cluster) == pytest.approx(measured, rel=1e-3)
     assert fit["predicted_step_s"] == plan.predicted.step_time_s

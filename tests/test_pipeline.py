@@ -1,8 +1,10 @@
-"""Pipeline parallelism against the single-device model: 4 gloo processes, pp = 2 and 4, one launch for every case.
+"""Pipeline parallelism against the single-device model: 4 gloo processes, pp = 2 and 4, one launch
+for every case.
 
-The worker (tests/distributed/pp_worker.py) plans each stage map with the planner, splits a meta-device model,
-materialises only each rank's stages and checks the mean loss and every gradient at fp32, rtol 1e-5 /
-atol 1e-6 (the reason is in its docstring); this module reports each case and what the runtime observed.
+The worker (tests/distributed/pp_worker.py) plans each stage map with the planner, splits a
+meta-device model, materialises only each rank's stages and checks the mean loss and every gradient
+at fp32, rtol 1e-5 / atol 1e-6 (the reason is in its docstring); this module reports each case and
+what the runtime observed.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from .conftest import assert_every_parameter_compared, torchrun
 from .expected_orders import HAND_WRITTEN, expected
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-CASES = [f"gpt-pp{pp}-{s}" for pp in (2, 4) for s in SCHEDULES] + [f"hf-gpt2-pp2-{s}" for s in SCHEDULES]
+CASES = [f"gpt-pp{pp}-{s}" for pp in (2, 4) for s in SCHEDULES] + [
+    f"hf-gpt2-pp2-{s}" for s in SCHEDULES
+]
 CASES += ["hf-llama-pp2-1f1b"]
 AWKWARD = ["awkward-pp3-gpipe", "awkward-pp3-1f1b"]
 MICROBATCHES = 4  # the worker's
 
 
 def schedule_of(case: str) -> tuple[str, int, int, int]:
-    """(kind, pp, m, v) of a worker case such as "gpt-pp2-interleaved-1f1b" (interleaved: 2 virtual stages)."""
+    """(kind, pp, m, v) of a worker case such as "gpt-pp2-interleaved-1f1b" (interleaved: 2 virtual
+    stages)."""
     pp = int(case.split("-pp")[1][0])
     kind = case.split(f"-pp{pp}-")[1]
     return kind, pp, MICROBATCHES, 2 if kind == "interleaved-1f1b" else 1
@@ -34,20 +39,28 @@ HAND_CHECKED = [case for case in CASES + AWKWARD if schedule_of(case) in HAND_WR
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, repo):
     out = tmp_path_factory.mktemp("pp") / "results.jsonl"
-    return torchrun(repo, "tests/distributed/pp_worker.py", out, 4, timeout=600)  # case -> one entry per rank
+    # case -> one entry per rank
+    return torchrun(repo, "tests/distributed/pp_worker.py", out, 4, timeout=600)
 
 
 def pipeline_ranks(results, case):
-    """The entries of the first pipeline (global ranks 0..pp-1; a failure on any rank ended the launch)."""
+    """The entries of the first pipeline (global ranks 0..pp-1; a failure on any rank ended the
+    launch)."""
     pp = int(case.split("-pp")[1][0])
     return results[case][:pp]
 
 
 def assert_every_stage_parameter_compared(results, case):
-    """Each pipeline (ranks 0..pp-1, and 2..3 for the second of two pp = 2 pipelines) compared every parameter."""
+    """Each pipeline (ranks 0..pp-1, and 2..3 for the second of two pp = 2 pipelines) compared every
+    parameter."""
     pp = int(case.split("-pp")[1][0])
-    pipelines = [results[case][start : start + pp] for start in range(0, len(results[case]) - pp + 1, pp)]
-    compared = {index: {n for rank in ranks for n in rank["params_checked"]} for index, ranks in enumerate(pipelines)}
+    pipelines = [
+        results[case][start : start + pp] for start in range(0, len(results[case]) - pp + 1, pp)
+    ]
+    compared = {
+        index: {n for rank in ranks for n in rank["params_checked"]}
+        for index, ranks in enumerate(pipelines)
+    }
     assert_every_parameter_compared(results[case][0]["parameter_groups"], compared)
 
 
@@ -63,17 +76,23 @@ def test_loss_and_every_gradient_match_single_device(results, case):
 @pytest.mark.parametrize("case", CASES)
 def test_runtime_holds_the_activations_the_simulator_and_cost_model_assume(results, case):
     for rank in pipeline_ranks(results, case):
-        assert rank["order_matches_simulator"]  # the runtime ran the lowered IR the simulator ran, action by action
-        # Most micro-batches whose activations the rank really held (saved outputs awaiting their backward)
-        # = the simulator's count = what the planner's memory model charges.
+        # the runtime ran the lowered IR the simulator ran, action by action
+        assert rank["order_matches_simulator"]
+        # Most micro-batches whose activations the rank really held (saved outputs awaiting their
+        # backward) = the simulator's count = what the planner's memory model charges.
         assert rank["peak_inflight"] == rank["simulated_peak"] == rank["cost_model_peak"]
-        # Note [gradients sent back]: the gradients a rank sent back and still held, never past the planner's count
-        assert rank["peak_backward_sends"] <= rank["backward_sends_bound"] <= rank["backward_sends_sent"]
+        # Note [gradients sent back]: the gradients a rank sent back and still held, never past the
+        # planner's count
+        assert (
+            rank["peak_backward_sends"]
+            <= rank["backward_sends_bound"]
+            <= rank["backward_sends_sent"]
+        )
 
 
 def test_a_rank_holds_fewer_gradients_sent_back_than_it_sends(results):
-    # Under 1F1B the bound binds: a rank past the first holds at most its in-flight micro-batches' gradients, not
-    # every one it sent (all of them were held to the schedule's end before).
+    # Under 1F1B the bound binds: a rank past the first holds at most its in-flight micro-batches'
+    # gradients, not every one it sent (all of them were held to the schedule's end before).
     plain = [case for case in CASES if case.endswith("-1f1b") and "interleaved" not in case]
     ranks = [r for case in plain for r in pipeline_ranks(results, case) if r["backward_sends_sent"]]
     assert ranks and all(r["backward_sends_bound"] < r["backward_sends_sent"] for r in ranks)
@@ -81,8 +100,9 @@ def test_a_rank_holds_fewer_gradients_sent_back_than_it_sends(results):
 
 @pytest.mark.parametrize("case", HAND_CHECKED)
 def test_runtime_ran_the_order_written_by_hand(results, case):
-    # The compute actions each rank executed, against tests/expected_orders.py (written from the schedules'
-    # definitions): the simulator comparison above would pass for a wrong schedule the runtime ran faithfully.
+    # The compute actions each rank executed, against tests/expected_orders.py (written from the
+    # schedules' definitions): the simulator comparison above would pass for a wrong schedule the
+    # runtime ran faithfully.
     want = expected(*schedule_of(case))
     for index, rank in enumerate(pipeline_ranks(results, case)):
         assert [a for a in rank["order"] if parse_action(a).is_compute] == want[index], index
@@ -92,12 +112,16 @@ def test_runtime_ran_the_order_written_by_hand(results, case):
 def test_awkward_boundaries_shared_weights_and_accumulation_over_two_steps(results, case):
     ranks = pipeline_ranks(results, case)
     assert ranks[-1]["loss"] == pytest.approx(ranks[-1]["ref_loss"], rel=1e-5)
-    assert [len(r["params_checked"]) for r in ranks] == [2, 3, 4]  # emb+pair | join.l1+scale | l2+scale+head(=emb)
-    assert_every_parameter_compared(ranks[0]["parameter_groups"], {0: {n for r in ranks for n in r["params_checked"]}})
+    # emb+pair | join.l1+scale | l2+scale+head(=emb)
+    assert [len(r["params_checked"]) for r in ranks] == [2, 3, 4]
+    assert_every_parameter_compared(
+        ranks[0]["parameter_groups"], {0: {n for r in ranks for n in r["params_checked"]}}
+    )
     assert all(r["worst_abs"] <= 1e-5 for r in ranks)
     assert [r["tied"] for r in ranks] == [["emb.weight"], ["scale"], ["emb.weight", "scale"]]
     first, second, _ = ranks[0]["boundaries"]
-    assert len(first) == 3  # the pair (a tuple of two tensors), the skip connection, the int from tokens.size(1)
+    # the pair (a tuple of two tensors), the skip connection, the int from tokens.size(1)
+    assert len(first) == 3
     assert len(second) == 3  # the skip connection and the int relayed through stage 1
 
 

@@ -1,9 +1,9 @@
 """Stage splitting in one process: stages chained in order compute exactly what the model computes.
 
-Every model is cut with the planner's stage map (the plan's `stages`), so the mechanism is tested on the
-maps it will be given: zoo models through torch.fx, Hugging Face ones through torch.export. The runtime
-itself runs here with one pipeline rank (pp = 1, virtual stages handed over in memory); the multi-process
-runs are in test_pipeline.py.
+Every model is cut with the planner's stage map (the plan's `stages`), so the mechanism is tested on
+the maps it will be given: zoo models through torch.fx, Hugging Face ones through torch.export. The
+runtime itself runs here with one pipeline rank (pp = 1, virtual stages handed over in memory); the
+multi-process runs are in test_pipeline.py.
 """
 
 from __future__ import annotations
@@ -35,17 +35,19 @@ MODELS = {
         "resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
     ),
     "hf-llama": (
-        f"hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 num_key_value_heads=2 "
-        f"intermediate_size=64 max_position_embeddings=32 {HF_COMMON}"
+        "hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4"
+        f" num_key_value_heads=2 intermediate_size=64 max_position_embeddings=32 {HF_COMMON}"
     ),
-    "hf-qwen2": (
-        f"hf:Qwen2ForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 num_key_value_heads=2 "
-        f"intermediate_size=64 max_position_embeddings=32 tie_word_embeddings=true {HF_COMMON}"
-    ),  # qkv biases
-    "hf-neox": (
-        f"hf:GPTNeoXForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4 intermediate_size=64 "
-        f"max_position_embeddings=32 attention_dropout=0 hidden_dropout=0 {HF_COMMON}"
-    ),  # parallel residual
+    "hf-qwen2": (  # qkv biases
+        "hf:Qwen2ForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4"
+        " num_key_value_heads=2 intermediate_size=64 max_position_embeddings=32"
+        f" tie_word_embeddings=true {HF_COMMON}"
+    ),
+    "hf-neox": (  # parallel residual
+        "hf:GPTNeoXForCausalLM num_hidden_layers=4 hidden_size=32 num_attention_heads=4"
+        " intermediate_size=64 max_position_embeddings=32 attention_dropout=0 hidden_dropout=0"
+        f" {HF_COMMON}"
+    ),
 }
 
 
@@ -66,7 +68,8 @@ def loss_fn(output, targets):
 
 
 def planned_stages(model: nn.Module, pp: int, **constraints) -> list[list[str]]:
-    """The planner's stages for ``pp`` ranks; one per rank unless the constraints ask for virtual stages."""
+    """The planner's stages for ``pp`` ranks; one per rank unless the constraints ask for virtual
+    stages."""
     constraints.setdefault("schedule", "1f1b")
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=pp)
     plan = hp.plan(
@@ -113,9 +116,10 @@ def test_chained_stages_equal_the_model_forward_and_backward(name):
     ref = reference(spec)
     ref_loss = loss_fn(ref(inputs), targets)
     ref_loss.backward()
-    # The same operations on the same values, but not always the same kernels: torch.export's decomposed ops and
-    # the CPU's vector width choose other kernels for some of them (Hugging Face Llama and Qwen2 gradients differ by
-    # 1.5e-7 relative on an AMD EPYC, not at all on an Intel Xeon). So fp32 rounding: rtol 1e-5 / atol 1e-6.
+    # The same operations on the same values, but not always the same kernels: torch.export's
+    # decomposed ops and the CPU's vector width choose other kernels for some of them (Hugging Face
+    # Llama and Qwen2 gradients differ by 1.5e-7 relative on an AMD EPYC, not at all on an Intel
+    # Xeon). So fp32 rounding: rtol 1e-5 / atol 1e-6.
     torch.testing.assert_close(logits_of(received), logits_of(ref(inputs)), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     ref_grads = dict(ref.named_parameters(remove_duplicate=False))
@@ -123,7 +127,11 @@ def test_chained_stages_equal_the_model_forward_and_backward(name):
     for module in modules:
         for pname, param in module.body.named_parameters():
             torch.testing.assert_close(
-                param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m, pname=pname: f"{pname}: {m}"
+                param.grad,
+                ref_grads[pname].grad,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, pname=pname: f"{pname}: {m}",
             )
             compared.add(pname)
     assert_every_parameter_compared(parameter_groups(ref), {"the stages": compared})
@@ -140,22 +148,27 @@ def test_boundaries_relay_values_a_later_stage_reads():
     first, middle, last = split.io
     assert first.inputs == () and last.outputs == ()
     assert first.outputs == middle.inputs and middle.outputs == last.inputs
-    relayed = set(first.outputs) & set(middle.outputs)  # the attention mask, made in stage 0, read in every stage
+    # the attention mask, made in stage 0, read in every stage
+    relayed = set(first.outputs) & set(middle.outputs)
     assert len(relayed) == 1 and len(middle.outputs) == 2
     assert split.shared_state() == {"transformer.wte.weight": (0, 2)}  # tied embedding and head
 
 
 def test_a_rank_materialises_only_its_stages_with_the_full_models_values():
     model = hp.models.load(MODELS["gpt"]).module
-    split = split_model(model, planned_stages(model, pp=2), torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"))
+    split = split_model(
+        model, planned_stages(model, pp=2), torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    )
     names = split.state_names(1)
     materialize_(model, "cpu", seed=SEED, only=names)
     ref = dict(reference(MODELS["gpt"]).named_parameters(remove_duplicate=False))
     real = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
     assert "layers.3.mlp.fc.weight" in real and "layers.0.mlp.fc.weight" not in real
-    assert {"output.weight", "tok_embeddings.weight"} <= real  # the tied head is the embedding: one tensor
+    # the tied head is the embedding: one tensor
+    assert {"output.weight", "tok_embeddings.weight"} <= real
     assert model.output.weight is model.tok_embeddings.weight
-    for pname in real:  # the same random stream, the same values: initialisation is exact (tests/test_tensor_init.py)
+    # the same random stream, the same values: initialisation is exact (tests/test_tensor_init.py)
+    for pname in real:
         assert torch.equal(model.get_parameter(pname), ref[pname]), pname
 
 
@@ -164,7 +177,8 @@ def test_runtime_with_one_rank_and_virtual_stages_matches_the_model(name):
     spec = MODELS[name]
     model = hp.models.load(spec).module
     stages = planned_stages(model, pp=1)
-    if len(stages) == 1:  # one device plans one stage; split it in two for two virtual stages on one rank
+    # one device plans one stage; split it in two for two virtual stages on one rank
+    if len(stages) == 1:
         modules = stages[0]
         cut = next(i for i, m in enumerate(modules) if "layers.2" in m)
         stages = [modules[:cut], modules[cut:]]
@@ -180,7 +194,8 @@ def test_runtime_with_one_rank_and_virtual_stages_matches_the_model(name):
         virtual_stages=2,
     )
     loss = runtime.train_step(inputs, targets, loss_fn)
-    # Both virtual stages on the one rank: the outputs of stage 0 go to stage 1 in memory, no send or receive.
+    # Both virtual stages on the one rank: the outputs of stage 0 go to stage 1 in memory, no send
+    # or receive.
     assert runtime.last_order == ["0F0", "1F0", "1B0", "0F1", "0B0", "1F1", "1B1", "0B1"]
     ref = reference(spec)
     ref_loss = loss_fn(ref(inputs), targets)
@@ -188,9 +203,14 @@ def test_runtime_with_one_rank_and_virtual_stages_matches_the_model(name):
     ref_grads = dict(ref.named_parameters(remove_duplicate=False))
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
     compared = set()
-    for pname, param in runtime.named_parameters():  # micro-batch sums vs one whole-batch reduction: rounding only
+    # micro-batch sums vs one whole-batch reduction: rounding only
+    for pname, param in runtime.named_parameters():
         torch.testing.assert_close(
-            param.grad, ref_grads[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m, pname=pname: f"{pname}: {m}"
+            param.grad,
+            ref_grads[pname].grad,
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, pname=pname: f"{pname}: {m}",
         )
         compared.add(pname)
     assert_every_parameter_compared(parameter_groups(ref), {"the runtime": compared})
@@ -205,7 +225,9 @@ def test_stage_map_errors_name_the_module_and_the_fix():
         split_model(model, [head, ["layers.9"]], example)
     with pytest.raises(ConfigError, match="module 'layers.1' is in stages 0 and 1"):
         split_model(model, [head, ["layers.1", *tail]], example)
-    with pytest.raises(ConfigError, match=r"module 'layers.1' \(stage 0\) runs after 'layers.0' \(stage 1\)"):
+    with pytest.raises(
+        ConfigError, match=r"module 'layers.1' \(stage 0\) runs after 'layers.0' \(stage 1\)"
+    ):
         split_model(model, [[*head[:2], "layers.1"], ["layers.0", *tail]], example)
     with pytest.raises(ConfigError, match=r"stages\[1\] lists no modules"):
         split_model(model, [head + tail, []], example)
@@ -227,40 +249,50 @@ def test_a_listed_module_that_never_runs_leaves_its_stage_empty():
 def test_batches_that_do_not_split_or_do_not_match_the_export_trace_are_refused():
     spec = MODELS["hf-gpt2"]
     model = hp.models.load(spec).module
-    split = split_model(model, planned_stages(model, pp=1), torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"))
+    split = split_model(
+        model, planned_stages(model, pp=1), torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    )
     materialize_(model, "cpu", seed=SEED, only=split.state_names(0))
-    runtime = PipelineRuntime(split, {0: split.stage_module(0)}, None, schedule_kind="1f1b", num_microbatches=2)
+    runtime = PipelineRuntime(
+        split, {0: split.stage_module(0)}, None, schedule_kind="1f1b", num_microbatches=2
+    )
     inputs, targets = batch(model, rows=3)
     with pytest.raises(ConfigError, match="3 rows, which do not split into 2 equal micro-batches"):
         runtime.train_step(inputs, targets, loss_fn)
     inputs, targets = batch(model, rows=4 * BATCH)
     with pytest.raises(
-        ConfigError, match=r"micro-batch input 0 has shape \(4, 12\) but the model was traced by torch.export"
+        ConfigError,
+        match=r"micro-batch input 0 has shape \(4, 12\) but the model was traced by torch.export",
     ):
         runtime.train_step(inputs, targets, loss_fn)
     with pytest.raises(TypeError, match="loss_fn must return a scalar tensor"):
         runtime.train_step(*batch(model, rows=2 * BATCH), lambda out, y: logits_of(out))
     with pytest.raises(ConfigError, match=r"pipeline rank 0 runs stages \[0\] but was given \[1\]"):
-        PipelineRuntime(split, {1: split.stage_module(0)}, None, schedule_kind="1f1b", num_microbatches=2)
+        PipelineRuntime(
+            split, {1: split.stage_module(0)}, None, schedule_kind="1f1b", num_microbatches=2
+        )
 
 
 def test_from_plan_needs_stages_and_a_group_of_pp_ranks(repo):
     model = hp.models.load(MODELS["gpt"]).module
-    hand_written = hp.Plan.load(repo / "configs" / "plans" / "cpu-dp2-tp2-pp2.yaml")  # training + parallel only
+    # training + parallel only
+    hand_written = hp.Plan.load(repo / "configs" / "plans" / "cpu-dp2-tp2-pp2.yaml")
     with pytest.raises(ConfigError, match="the plan lists no stages"):
         PipelineRuntime.from_plan(model, hand_written, None)
     cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=2)
     plan = hp.plan(model, cluster, global_batch=8, seq_len=SEQ, dtype="fp32", pp=2, tp=1, dp=1)
     with pytest.raises(
-        ConfigError, match=r"the plan has pp = 2 but the pipeline group has 1 ranks; pass a group of 2 ranks"
+        ConfigError,
+        match=r"the plan has pp = 2 but the pipeline group has 1 ranks; pass a group of 2 ranks",
     ):
         PipelineRuntime.from_plan(model, plan, None)
     assert all(p.is_meta for p in model.parameters())  # refused before anything was allocated
 
 
 def test_a_split_cuts_the_callers_trace_without_tracing_again(monkeypatch):
-    # Note [one trace] (hyparallel.runtime.parallel): with nothing swapped since, the split cuts a copy of the
-    # ModelGraph's own trace. The stages are the same as a fresh trace's, and the ModelGraph's trace is untouched.
+    # Note [one trace] (hyparallel.runtime.parallel): with nothing swapped since, the split cuts a
+    # copy of the ModelGraph's own trace. The stages are the same as a fresh trace's, and the
+    # ModelGraph's trace is untouched.
     import hyparallel.pipeline.split as split_module
 
     model = hp.models.load(MODELS["gpt"]).module
@@ -285,12 +317,14 @@ def test_a_split_cuts_the_callers_trace_without_tracing_again(monkeypatch):
         for k in range(split.num_stages):
             received = split.stage_module(k)(split.flatten_inputs(inputs), received)
         outputs.append(loss_fn(received, targets))
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)  # the same graph: same ops
+    # the same graph: same ops
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
 
 
 class NoGradScaled(nn.Module):
-    """A block that computes a scale under torch.no_grad(): torch.export keeps that region as a subgraph
-    (``wrap_with_set_grad_enabled(False, submod_1, ...)``), an attribute of the exported module, not the model."""
+    """A block that computes a scale under torch.no_grad(): torch.export keeps that region as a
+    subgraph (``wrap_with_set_grad_enabled(False, submod_1, ...)``), an attribute of the exported
+    module, not the model."""
 
     def __init__(self, width: int):
         super().__init__()
@@ -317,10 +351,13 @@ class NoGradNet(nn.Module):
 
 
 def test_a_stage_reads_the_subgraphs_torch_export_keeps_beside_the_graph():
-    # Before, the stage module resolved get_attr submod_1 in the model: AttributeError (AXK2 at pp 2).
+    # Before, the stage module resolved get_attr submod_1 in the model: AttributeError (AXK2 at pp
+    # 2).
     model = NoGradNet().to("meta")
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
-    split = split_model(model, [["embed", "layers.0"], ["layers.1", "head"]], ids.to("meta"), method="export")
+    split = split_model(
+        model, [["embed", "layers.0"], ["layers.1", "head"]], ids.to("meta"), method="export"
+    )
     assert split.subgraphs  # the no_grad region, kept by the export as a submodule
     materialize_(model, "cpu", seed=SEED)
     flat, received = split.flatten_inputs(ids), ()

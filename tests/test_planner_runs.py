@@ -1,8 +1,9 @@
-"""A plan the planner writes always runs: its candidates pass the runtime's own check_plan (hyparallel.graph.checks).
+"""A plan the planner writes always runs: its candidates pass the runtime's own check_plan
+(hyparallel.graph.checks).
 
-Each test is one class of plan the planner used to write and the runtime refused: sequence parallelism without
-repeated blocks, a tied parameter split two ways, a module listed in two stages, a tp that splits nothing; and
-a pipeline fed one micro-batch chosen while something else fits.
+Each test is one class of plan the planner used to write and the runtime refused: sequence
+parallelism without repeated blocks, a tied parameter split two ways, a module listed in two stages,
+a tp that splits nothing; and a pipeline fed one micro-batch chosen while something else fits.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from hyparallel.planner import PlanError, search
 from hyparallel.spec.errors import ConfigError
 
 BERT_TINY = (
-    "hf:BertForMaskedLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4 intermediate_size=128 "
-    "vocab_size=128 max_position_embeddings=64"
+    "hf:BertForMaskedLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4"
+    " intermediate_size=128 vocab_size=128 max_position_embeddings=64"
 )
 T5_TINY = (
-    "hf:T5ForConditionalGeneration num_layers=2 num_decoder_layers=2 d_model=64 d_kv=16 num_heads=4 d_ff=128 "
-    "vocab_size=128"
+    "hf:T5ForConditionalGeneration num_layers=2 num_decoder_layers=2 d_model=64 d_kv=16 num_heads=4"
+    " d_ff=128 vocab_size=128"
 )
 
 
@@ -31,14 +32,19 @@ class ConvNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv1, self.conv2, self.fc = nn.Conv2d(3, 16, 3), nn.Conv2d(16, 16, 3), nn.Linear(16, 10)
+        self.conv1, self.conv2, self.fc = (
+            nn.Conv2d(3, 16, 3),
+            nn.Conv2d(16, 16, 3),
+            nn.Linear(16, 10),
+        )
 
     def forward(self, x):
         return self.fc(self.conv2(self.conv1(x)).mean((2, 3)))
 
 
 class EmbedHead(nn.Module):
-    """No repeated blocks, but a vocab-parallel embedding and head: tp splits it, sequence parallelism cannot."""
+    """No repeated blocks, but a vocab-parallel embedding and head: tp splits it, sequence
+    parallelism cannot."""
 
     def __init__(self):
         super().__init__()
@@ -53,7 +59,10 @@ def cpus(n: int) -> hp.ClusterSpec:
 
 
 def hand_plan(**parallel) -> hp.Plan:
-    data = {"training": {"global_batch": 8, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"}, "parallel": parallel}
+    data = {
+        "training": {"global_batch": 8, "micro_batch": 2, "seq_len": 16, "dtype": "fp32"},
+        "parallel": parallel,
+    }
     if (stages := parallel.pop("stages", None)) is not None:
         data["stages"] = [{"index": i, "modules": m} for i, m in enumerate(stages)]
     if (tensor_parallel := parallel.pop("tensor_parallel", None)) is not None:
@@ -85,7 +94,7 @@ def one_line(error) -> str:
     return message
 
 
-# ---- (a) what needs repeated blocks -------------------------------------------------------------------------
+# ---- (a) what needs repeated blocks --------------------------------------------------------------
 
 
 def test_no_sequence_parallel_or_recompute_without_blocks():
@@ -102,7 +111,7 @@ def test_no_sequence_parallel_or_recompute_without_blocks():
         check_plan(hand_plan(tp=2, dp=2, sequence_parallel=True), graph)
 
 
-# ---- (d) a tp with nothing split ----------------------------------------------------------------------------
+# ---- (d) a tp with nothing split -----------------------------------------------------------------
 
 
 def test_nothing_splittable_is_never_planned_with_tp():
@@ -116,31 +125,39 @@ def test_nothing_splittable_is_never_planned_with_tp():
         check_plan(hand_plan(tp=2, dp=2, tensor_parallel={"fc": "replicate"}), graph)
 
 
-# ---- (d) one micro-batch through a pipeline -----------------------------------------------------------------
+# ---- (d) one micro-batch through a pipeline ------------------------------------------------------
 
 
 def test_a_pipeline_of_one_micro_batch_only_when_nothing_else_fits(bert):
     _, graph = bert
     best = search(graph, cpus(4), 8, 16, "fp32", top=5).best
-    assert not any(lone_microbatch(e.config) for e in best)  # it was pp 2 x 1 micro-batch, bubble 100%
-    only = search(graph, cpus(4), 2, 16, "fp32", pp=2, dp=2).best  # 2 sequences over dp 2: one micro-batch each
+    # it was pp 2 x 1 micro-batch, bubble 100%
+    assert not any(lone_microbatch(e.config) for e in best)
+    # 2 sequences over dp 2: one micro-batch each
+    only = search(graph, cpus(4), 2, 16, "fp32", pp=2, dp=2).best
     assert [lone_microbatch(e.config) for e in only] == [True]
 
 
-# ---- (b) a tied parameter split one way ---------------------------------------------------------------------
+# ---- (b) a tied parameter split one way ----------------------------------------------------------
 
 
 def test_a_tied_bias_is_never_split_two_ways(bert):
-    _, graph = bert  # cls.predictions.bias is cls.predictions.decoder.bias; the decoder weight is the embedding
+    # cls.predictions.bias is cls.predictions.decoder.bias; the decoder weight is the embedding
+    _, graph = bert
     plan = hp.plan(graph, cpus(4), 8, 16, "fp32", tp=2)
     styles = check_plan(plan, graph).styles
-    assert "cls.predictions.decoder" not in styles and "bert.embeddings.word_embeddings" not in styles
+    assert (
+        "cls.predictions.decoder" not in styles and "bert.embeddings.word_embeddings" not in styles
+    )
     assert styles["bert.encoder.layer.0.attention.self.query"] == "column"  # the blocks still split
     vocab = {"bert.embeddings.word_embeddings": "vocab", "cls.predictions.decoder": "vocab"}
     with pytest.raises(ConfigError) as info:
         check_plan(hand_plan(tp=2, dp=2, tensor_parallel=vocab), graph)
     message = one_line(info)
-    assert "cls.predictions (replicate) and cls.predictions.decoder (vocab) hold one tied parameter" in message
+    assert (
+        "cls.predictions (replicate) and cls.predictions.decoder (vocab) hold one tied parameter"
+        in message
+    )
 
 
 def test_a_tied_embedding_and_head_still_split_together():
@@ -151,7 +168,8 @@ def test_a_tied_embedding_and_head_still_split_together():
 
 
 def test_a_shared_embedding_read_twice_is_not_split_one_way(t5):
-    _, graph = t5  # shared.weight is encoder.embed_tokens.weight, decoder.embed_tokens.weight and lm_head.weight
+    # shared.weight is encoder.embed_tokens.weight, decoder.embed_tokens.weight and lm_head.weight
+    _, graph = t5
     assert not any(style == "vocab" for style in graph.structure.styles.values())
     with pytest.raises(PlanError) as info:
         hp.plan(graph, cpus(4), 8, 16, "fp32", tp=2)
@@ -159,8 +177,9 @@ def test_a_shared_embedding_read_twice_is_not_split_one_way(t5):
 
 
 def test_a_function_of_the_roots_own_forward_is_not_written_as_a_module():
-    # NeoMME's factorised head multiplies by a parameter in the root's forward: the plan named it '' (the root),
-    # which its own runtime refused ("'' matches no module"): every tp plan of the model was refused.
+    # NeoMME's factorised head multiplies by a parameter in the root's forward: the plan named it ''
+    # (the root), which its own runtime refused ("'' matches no module"): every tp plan of the model
+    # was refused.
     from tests.tiny_lms import root_matmul_lm
 
     model = root_matmul_lm()
@@ -171,7 +190,8 @@ def test_a_function_of_the_roots_own_forward_is_not_written_as_a_module():
 
 
 class StraightThrough(torch.autograd.Function):
-    """Rounds forward, passes the gradient through unchanged: its backward is not its forward's derivative."""
+    """Rounds forward, passes the gradient through unchanged: its backward is not its forward's
+    derivative."""
 
     @staticmethod
     def forward(ctx, x):
@@ -196,20 +216,27 @@ class Quantised(nn.Module):
 
 
 def test_a_custom_autograd_function_keeps_the_model_out_of_a_pipeline():
-    # A traced stage records the Function's forward ops and autograd differentiates those, not its own backward
-    # (Yoso's LSH cumulation, pp 2: query and key gradients 25% off, no error).
+    # A traced stage records the Function's forward ops and autograd differentiates those, not its
+    # own backward (Yoso's LSH cumulation, pp 2: query and key gradients 25% off, no error).
     model = Quantised()
     graph = hp.trace(model, torch.zeros(1, 8, dtype=torch.long))
-    assert {f for _, f in graph.custom_backwards} == {f"{StraightThrough.__module__}.StraightThrough"}
+    assert {f for _, f in graph.custom_backwards} == {
+        f"{StraightThrough.__module__}.StraightThrough"
+    }
     with pytest.raises(PlanError) as info:
         hp.plan(graph, cpus(2), 4, 8, "fp32", pp=2, micro_batch=1)
     assert "custom autograd function" in one_line(info) and "StraightThrough" in one_line(info)
     with pytest.raises(ConfigError, match="use pp: 1"):
-        check_plan(hand_plan(pp=2, stages=[["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]]), graph)
+        check_plan(
+            hand_plan(
+                pp=2, stages=[["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]]
+            ),
+            graph,
+        )
     assert hp.plan(graph, cpus(2), 4, 8, "fp32", micro_batch=1).parallel.pp == 1
 
 
-# ---- (c) a module in one stage ------------------------------------------------------------------------------
+# ---- (c) a module in one stage -------------------------------------------------------------------
 
 
 def test_a_module_called_in_two_stages_is_listed_in_none(t5):
@@ -225,11 +252,12 @@ def test_a_module_called_in_two_stages_is_listed_in_none(t5):
     assert f"module '{stages[0][0]}' is in stages 0 and 1" in one_line(info)
 
 
-# ---- the filter itself --------------------------------------------------------------------------------------
+# ---- the filter itself ---------------------------------------------------------------------------
 
 
 def test_a_candidate_the_runtime_refuses_is_infeasible_never_a_plan(monkeypatch):
-    """The search ranks only candidates check_plan accepts; a refusal is kept as the candidate's reason."""
+    """The search ranks only candidates check_plan accepts; a refusal is kept as the candidate's
+    reason."""
     import hyparallel.planner.api as api
 
     real = api.check_plan

@@ -1,4 +1,5 @@
-"""The search: exact against brute force, constraints, realistic answers at scale, and clear failures."""
+"""The search: exact against brute force, constraints, realistic answers at scale, and clear
+failures."""
 
 from __future__ import annotations
 
@@ -16,17 +17,21 @@ from .conftest import HF_GPT2_TINY
 
 
 def brute_force(engine: Search, fixed: dict | None = None) -> tuple[float, int, int]:
-    """Best step time over every configuration (that ``fixed`` allows) and every contiguous stage split; and the
-    counts of (in)feasible.
+    """Best step time over every configuration (that ``fixed`` allows) and every contiguous stage
+    split; and the counts of (in)feasible.
 
-    A pipeline fed one micro-batch is the best only when no other configuration fits (Note [one micro-batch
-    through a pipeline] in hyparallel.planner.search).
+    A pipeline fed one micro-batch is the best only when no other configuration fits (Note [one
+    micro-batch through a pipeline] in hyparallel.planner.search).
     """
     configs = enumerate_configs(engine.ctx, fixed or {})
-    preferred, feasible, infeasible = _brute_force(engine, [c for c in configs if not lone_microbatch(c)])
+    preferred, feasible, infeasible = _brute_force(
+        engine, [c for c in configs if not lone_microbatch(c)]
+    )
     if preferred < math.inf:
         return preferred, feasible, infeasible
-    lone, more_feasible, more_infeasible = _brute_force(engine, [c for c in configs if lone_microbatch(c)])
+    lone, more_feasible, more_infeasible = _brute_force(
+        engine, [c for c in configs if lone_microbatch(c)]
+    )
     return lone, feasible + more_feasible, infeasible + more_infeasible
 
 
@@ -42,7 +47,9 @@ def _brute_force(engine: Search, configs) -> tuple[float, int, int]:
             for cuts in itertools.combinations(range(1, tables.n), config.pp - 1):
                 bounds = [0, *cuts, tables.n]
                 chunks = list(zip(bounds[:-1], bounds[1:]))
-                evaluations.append(engine._finish(config, links, tables, chunks, [[r] for r in chunks]))
+                evaluations.append(
+                    engine._finish(config, links, tables, chunks, [[r] for r in chunks])
+                )
         for evaluation in evaluations:
             if evaluation.feasible:
                 feasible += 1
@@ -52,7 +59,9 @@ def _brute_force(engine: Search, configs) -> tuple[float, int, int]:
     return best, feasible, infeasible
 
 
-def small_cluster(preset: str, nodes: int, per_node: int, memory_bytes: int | None = None) -> hp.ClusterSpec:
+def small_cluster(
+    preset: str, nodes: int, per_node: int, memory_bytes: int | None = None
+) -> hp.ClusterSpec:
     spec = hp.ClusterSpec.preset(preset, num_nodes=nodes, gpus_per_node=per_node).model_dump()
     if memory_bytes is not None:
         spec["device"].update(memory_bytes=memory_bytes, reserved_bytes=0)
@@ -73,8 +82,14 @@ def small_cluster(preset: str, nodes: int, per_node: int, memory_bytes: int | No
         ("gpt-tiny", "cpu", 1, 4, 8, 0.3, {"grad_compression": "powersgd"}),
     ],
 )
-def test_search_matches_brute_force(model_name, preset, nodes, per_node, global_batch, memory_fraction, fixed):
-    model = hp.models.build(model_name, num_layers=4) if model_name != "gpt-mini" else hp.models.build(model_name)
+def test_search_matches_brute_force(
+    model_name, preset, nodes, per_node, global_batch, memory_fraction, fixed
+):
+    model = (
+        hp.models.build(model_name, num_layers=4)
+        if model_name != "gpt-mini"
+        else hp.models.build(model_name)
+    )
     seq = 32
     graph = hp.trace(model, model.example_inputs(1, seq))
     memory = None
@@ -84,14 +99,18 @@ def test_search_matches_brute_force(model_name, preset, nodes, per_node, global_
     profile = ModelProfile(graph, cluster, "bf16", seq)
     engine = Search(profile, cluster, global_batch, "bf16")
     found, _ = engine.best(fixed, top=1)
-    expected, feasible, infeasible = brute_force(Search(profile, cluster, global_batch, "bf16"), fixed)
+    expected, feasible, infeasible = brute_force(
+        Search(profile, cluster, global_batch, "bf16"), fixed
+    )
     assert feasible > 0
     if memory_fraction is not None:
         assert infeasible > 0  # the memory limit really binds
     assert found[0].step_time_s == pytest.approx(expected, rel=1e-12)
-    assert engine.evaluated < len(enumerate_configs(engine.ctx, fixed))  # the bound pruned something
+    # the bound pruned something
+    assert engine.evaluated < len(enumerate_configs(engine.ctx, fixed))
     modes = {c.grad_compression for c in enumerate_configs(engine.ctx, fixed)}
-    expected_modes = {"any": {"none", "bf16", "fp16", "powersgd"}, "powersgd": {"none", "powersgd"}}  # none: dp = 1
+    # none: dp = 1
+    expected_modes = {"any": {"none", "bf16", "fp16", "powersgd"}, "powersgd": {"none", "powersgd"}}
     assert modes == expected_modes.get(fixed.get("grad_compression"), {"none"})
 
 
@@ -116,10 +135,12 @@ def test_gpt175b_on_1024_a100s_is_realistic(gpt175b_result):
     plan = gpt175b_result.plan()
     par, predicted = plan.parallel, plan.predicted
     assert par.dp * par.tp * par.pp == 1024
-    assert par.tp <= 8 and all(len({r // 8 for r in g}) == 1 for g in plan.group_ranks("tp"))  # tp inside a node
+    # tp inside a node
+    assert par.tp <= 8 and all(len({r // 8 for r in g}) == 1 for g in plan.group_ranks("tp"))
     assert max(predicted.memory_gib) <= 80
     assert 0.35 <= predicted.mfu <= 0.60  # large GPT runs on A100 clusters reach roughly 35-55% MFU
-    assert predicted.tokens_per_s == pytest.approx(1536 * 2048 / predicted.step_time_s, rel=1e-5)  # 6 digits written
+    # 6 digits written
+    assert predicted.tokens_per_s == pytest.approx(1536 * 2048 / predicted.step_time_s, rel=1e-5)
     assert len(plan.stages) == par.pp * par.virtual_stages
     modules = [m for stage in plan.stages for m in stage.modules]
     assert modules[0] == "tok_embeddings" and modules[-1] == "output"
@@ -132,7 +153,10 @@ def test_alternatives_explain_themselves(gpt175b_result):
     labels = {alt.label: alt for alt in gpt175b_result.alternatives}
     assert set(labels) == {"pure data parallel", "most tensor parallel", "most pipeline parallel"}
     assert labels["pure data parallel"].why == "global batch 1536 is not divisible by dp 1024"
-    assert "slower" in labels["most tensor parallel"].why or "out of memory" in labels["most tensor parallel"].why
+    assert (
+        "slower" in labels["most tensor parallel"].why
+        or "out of memory" in labels["most tensor parallel"].why
+    )
     winner = gpt175b_result.best[0].step_time_s
     for alt in labels.values():
         if alt.evaluation is not None and alt.evaluation.feasible:
@@ -142,7 +166,17 @@ def test_alternatives_explain_themselves(gpt175b_result):
 def test_plan_round_trips_and_respects_constraints(tmp_path):
     model = hp.models.build("gpt-mini")
     cluster = small_cluster("cpu", 1, 8)
-    plan = hp.plan(model, cluster, global_batch=16, seq_len=32, dtype="fp32", tp=2, pp=2, schedule="1f1b", zero=1)
+    plan = hp.plan(
+        model,
+        cluster,
+        global_batch=16,
+        seq_len=32,
+        dtype="fp32",
+        tp=2,
+        pp=2,
+        schedule="1f1b",
+        zero=1,
+    )
     assert (plan.parallel.tp, plan.parallel.pp, plan.parallel.dp) == (2, 2, 2)
     assert plan.parallel.schedule == "1f1b" and plan.parallel.zero == 1
     plan.save(tmp_path / "plan.yaml")
@@ -152,7 +186,9 @@ def test_plan_round_trips_and_respects_constraints(tmp_path):
 
 def test_hugging_face_model_plans():
     model = hp.models.load(HF_GPT2_TINY).module
-    plan = hp.plan(model, small_cluster("cpu", 1, 4), global_batch=8, seq_len=32, dtype="fp32", tp=2)
+    plan = hp.plan(
+        model, small_cluster("cpu", 1, 4), global_batch=8, seq_len=32, dtype="fp32", tp=2
+    )
     assert plan.tensor_parallel["transformer.h.*.attn.c_attn"] == "column"
     assert plan.model.name == "GPT2LMHeadModel"
 
@@ -170,17 +206,26 @@ def test_hugging_face_model_plans():
         ({"global_batch": 0}, "global_batch must be a positive integer, got 0"),
         ({"global_batch": True}, "global_batch must be a positive integer, got True"),
         ({"seq_len": 0}, "seq_len must be a positive integer, got 0"),
-        ({"seq_len": 2**40}, "seq_len must be a positive integer up to 16,777,216, got 1,099,511,627,776"),
-        ({"tp": 10**100}, "tp must be a positive integer up to 1,048,576, got an integer of more than 60 digits"),
+        (
+            {"seq_len": 2**40},
+            "seq_len must be a positive integer up to 16,777,216, got 1,099,511,627,776",
+        ),
+        (
+            {"tp": 10**100},
+            "tp must be a positive integer up to 1,048,576, got an integer of more than 60 digits",
+        ),
         ({"virtual_stages": 0}, "virtual_stages must be a positive integer, got 0"),
     ],
 )
 def test_impossible_requests_fail_clearly(kwargs, message):
     model = hp.models.build("gpt-mini")
     args = {"global_batch": 16, "seq_len": 32, "dtype": "fp32", **kwargs}
-    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")) as info:
+    with pytest.raises(
+        PlanError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")
+    ) as info:
         hp.plan(model, small_cluster("cpu", 1, 8), **args)
-    assert "\n" not in str(info.value)  # one line, and a HyparallelError (PlanError), never a ZeroDivisionError
+    # one line, and a HyparallelError (PlanError), never a ZeroDivisionError
+    assert "\n" not in str(info.value)
 
 
 def test_constraints_model_plans_as_the_keywords_do():
@@ -199,10 +244,19 @@ def test_constraints_model_plans_as_the_keywords_do():
     ("kwargs", "message"),
     [
         ({"tp": 0}, "tp must be a positive integer, got 0"),
-        ({"pipeline": 2, "tensor": 1}, "unknown constraint pipeline, tensor; the planner takes tp, pp, dp,"),
-        ({"schedule": "zb-v"}, "schedule must be one of 'gpipe', '1f1b' or 'interleaved-1f1b', got 'zb-v'"),
+        (
+            {"pipeline": 2, "tensor": 1},
+            "unknown constraint pipeline, tensor; the planner takes tp, pp, dp,",
+        ),
+        (
+            {"schedule": "zb-v"},
+            "schedule must be one of 'gpipe', '1f1b' or 'interleaved-1f1b', got 'zb-v'",
+        ),
         ({"zero": 4}, "zero must be one of 0, 1, 2 or 3, got 4"),
-        ({"recompute": "some"}, "recompute must be one of 'none', 'selective' or 'full', got 'some'"),
+        (
+            {"recompute": "some"},
+            "recompute must be one of 'none', 'selective' or 'full', got 'some'",
+        ),
         ({"sequence_parallel": "maybe"}, "sequence_parallel must be True or False, got 'maybe'"),
         ({"order": ["pp", "pp", "tp"]}, "order must name pp, dp and tp once each, outermost first"),
         ({"order": "pp,dp,tp"}, "order must name pp, dp and tp once each, outermost first"),
@@ -215,8 +269,11 @@ def test_constraints_refuse_bad_values_in_one_line(kwargs, message):
 
 
 def test_indivisible_heads_fail_clearly():
-    model = hp.models.build("gpt-mini", num_heads=8, hidden_size=120)  # 8 heads; tp 16 would not divide them
-    with pytest.raises(PlanError, match="tp 16 does not divide the 8 attention heads of layers.0.attn"):
+    # 8 heads; tp 16 would not divide them
+    model = hp.models.build("gpt-mini", num_heads=8, hidden_size=120)
+    with pytest.raises(
+        PlanError, match="tp 16 does not divide the 8 attention heads of layers.0.attn"
+    ):
         hp.plan(model, small_cluster("cpu", 2, 8), global_batch=16, seq_len=32, dtype="fp32", tp=16)
 
 
@@ -225,10 +282,14 @@ def test_nothing_fits_names_the_smallest_need():
     with pytest.raises(PlanError) as info:
         hp.plan(model, hp.ClusterSpec.preset("a100-80g"), global_batch=64, seq_len=2048)
     message = str(info.value)
-    assert message.startswith("nothing fits in 77.0 GiB per GPU") and "GiB" in message and "more GPUs" in message
+    assert (
+        message.startswith("nothing fits in 77.0 GiB per GPU")
+        and "GiB" in message
+        and "more GPUs" in message
+    )
 
 
-# ---- gradient compression (Note [gradient compression is asked for] in hyparallel.planner.constraints) -----------
+# ---- gradient compression (Note [gradient compression is asked for] in hyparallel.planner.constrai
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +301,8 @@ def mini_graph():
 def test_compression_is_used_only_when_asked(mini_graph):
     cluster = small_cluster("cpu", 1, 8)
     plain = search(mini_graph, cluster, 16, 32, "fp32", top=20)
-    assert all(e.config.grad_compression == "none" for e in plain.best)  # the default: never compressed
+    # the default: never compressed
+    assert all(e.config.grad_compression == "none" for e in plain.best)
     for mode in ("bf16", "fp16", "powersgd"):
         result = search(mini_graph, cluster, 16, 32, "fp32", grad_compression=mode, top=20)
         for e in result.best:
@@ -249,7 +311,8 @@ def test_compression_is_used_only_when_asked(mini_graph):
     engine = Search(ModelProfile(mini_graph, cluster, "fp32", 32), cluster, 16, "fp32")
     configs = enumerate_configs(engine.ctx, {"grad_compression": "any"})
     assert {c.grad_compression for c in configs} == {"none", "bf16", "fp16", "powersgd"}
-    assert not any(c.grad_compression == "powersgd" and c.zero > 0 for c in configs)  # ZeRO 1-3: FSDP2, no hook
+    # ZeRO 1-3: FSDP2, no hook
+    assert not any(c.grad_compression == "powersgd" and c.zero > 0 for c in configs)
     assert all(c.grad_compression == "none" for c in configs if c.dp == 1)  # nothing to reduce
 
 
@@ -261,7 +324,8 @@ def test_bf16_wins_where_the_gradient_reduction_matters(mini_graph):
     bf16 = search(mini_graph, cluster, 64, 32, "bf16", grad_compression="bf16", **fixed).best[0]
     assert bf16.step_time_s < none.step_time_s and bf16.comm_s["dp"] < none.comm_s["dp"]
     chosen = search(mini_graph, cluster, 64, 32, "bf16", grad_compression="any", **fixed)
-    assert chosen.best[0].config.grad_compression in ("bf16", "powersgd")  # never fp16 when bf16 ties it
+    # never fp16 when bf16 ties it
+    assert chosen.best[0].config.grad_compression in ("bf16", "powersgd")
     plan = chosen.plan()
     assert plan.parallel.grad_compression == chosen.best[0].config.grad_compression
     assert plan.predicted.uncompressed.step_time_s == pytest.approx(none.step_time_s, rel=1e-5)
@@ -274,17 +338,32 @@ def test_16_bit_zero_gathers_save_memory_and_time(mini_graph):
     fixed = {"tp": 1, "pp": 1, "zero": 3, "micro_batch": 1}
     none = search(mini_graph, cluster, 64, 32, "bf16", **fixed).best[0]
     bf16 = search(mini_graph, cluster, 64, 32, "bf16", grad_compression="bf16", **fixed).best[0]
-    assert bf16.peak_memory_bytes < none.peak_memory_bytes  # 16-bit gathered weights and gradients, no copy
-    assert bf16.step_time_s < none.step_time_s  # ZeRO 3 gathers and scatters every micro-batch, in half the bytes
+    # 16-bit gathered weights and gradients, no copy
+    assert bf16.peak_memory_bytes < none.peak_memory_bytes
+    # ZeRO 3 gathers and scatters every micro-batch, in half the bytes
+    assert bf16.step_time_s < none.step_time_s
 
 
 def test_a_compressed_plan_round_trips_with_its_settings(tmp_path, mini_graph):
     cluster = small_cluster("cpu", 1, 8)
     plan = hp.plan(
-        mini_graph, cluster, 16, 32, "fp32", dp=8, grad_compression="powersgd", powersgd_rank=2, powersgd_start_step=50
+        mini_graph,
+        cluster,
+        16,
+        32,
+        "fp32",
+        dp=8,
+        grad_compression="powersgd",
+        powersgd_rank=2,
+        powersgd_start_step=50,
     )
     par = plan.parallel
-    assert (par.grad_compression, par.powersgd_rank, par.powersgd_start_step, par.zero) == ("powersgd", 2, 50, 0)
+    assert (par.grad_compression, par.powersgd_rank, par.powersgd_start_step, par.zero) == (
+        "powersgd",
+        2,
+        50,
+        0,
+    )
     assert plan.predicted.uncompressed is not None
     plan.save(tmp_path / "plan.yaml")
     assert hp.Plan.load(tmp_path / "plan.yaml") == plan
@@ -310,12 +389,27 @@ def test_a_hand_plan_keeps_its_compression_when_completed(mini_graph):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"grad_compression": "zip"}, "grad_compression must be one of 'none', 'bf16', 'fp16', 'powersgd' or 'any'"),
-        ({"grad_compression": "powersgd", "zero": 1}, "grad_compression powersgd needs zero 0: ZeRO 1 runs on FSDP2"),
+        (
+            {"grad_compression": "zip"},
+            "grad_compression must be one of 'none', 'bf16', 'fp16', 'powersgd' or 'any'",
+        ),
+        (
+            {"grad_compression": "powersgd", "zero": 1},
+            "grad_compression powersgd needs zero 0: ZeRO 1 runs on FSDP2",
+        ),
         ({"powersgd_rank": 8}, "powersgd_rank shapes PowerSGD, and grad_compression is none; pass"),
-        ({"grad_compression": "bf16", "powersgd_start_step": 9}, "powersgd_start_step shapes PowerSGD, and"),
-        ({"grad_compression": "any", "powersgd_rank": 0}, "powersgd_rank must be a positive integer, got 0"),
-        ({"grad_compression": "any", "powersgd_start_step": 1}, "powersgd_start_step must be an integer from 2 to"),
+        (
+            {"grad_compression": "bf16", "powersgd_start_step": 9},
+            "powersgd_start_step shapes PowerSGD, and",
+        ),
+        (
+            {"grad_compression": "any", "powersgd_rank": 0},
+            "powersgd_rank must be a positive integer, got 0",
+        ),
+        (
+            {"grad_compression": "any", "powersgd_start_step": 1},
+            "powersgd_start_step must be an integer from 2 to",
+        ),
     ],
 )
 def test_compression_constraints_refuse_bad_values_in_one_line(kwargs, message):
@@ -326,7 +420,9 @@ def test_compression_constraints_refuse_bad_values_in_one_line(kwargs, message):
 
 def test_compression_defaults_are_not_listed_as_given():
     assert Constraints(grad_compression="none", tp=2).given() == {"tp": 2}
-    assert Constraints(grad_compression="any", powersgd_rank=4).given() == {"grad_compression": "any"}
+    assert Constraints(grad_compression="any", powersgd_rank=4).given() == {
+        "grad_compression": "any"
+    }
     assert Constraints(grad_compression="powersgd", powersgd_rank=8).given() == {
         "grad_compression": "powersgd",
         "powersgd_rank": 8,
@@ -334,8 +430,9 @@ def test_compression_defaults_are_not_listed_as_given():
 
 
 def test_a_tied_weight_on_two_stages_is_reduced_apart_uncompressed():
-    # Note [a weight several stages hold] in hyparallel/runtime/data_parallel.py: under compression, each stage's copy
-    # of gpt-tiny's tied embedding and head is all-reduced on its own, in fp32; PowerSGD compresses the rest.
+    # Note [a weight several stages hold] in hyparallel/runtime/data_parallel.py: under compression,
+    # each stage's copy of gpt-tiny's tied embedding and head is all-reduced on its own, in fp32;
+    # PowerSGD compresses the rest.
     model = hp.models.build("gpt-tiny")
     graph = hp.trace(model, model.example_inputs(1, 16))
     cluster = small_cluster("cpu", 1, 4)
@@ -345,9 +442,12 @@ def test_a_tied_weight_on_two_stages_is_reduced_apart_uncompressed():
     tables = engine._tables(c, engine._links(c))
     n, embedding = tables.n, 256 * 64
     whole, first, last = tables.range(0, n), tables.range(0, 2), tables.range(2, n)
-    assert whole[7] == 0 and first[7] == last[7] == embedding  # (index 7: the shared weights' params)
-    assert whole[4] == first[4] + last[4] + 1280  # the embedding's P and Q (1,280 elements) only when not shared
-    assert last[2] - (tables.params[n] - tables.params[2]) == embedding  # the last stage holds a copy
+    # (index 7: the shared weights' params)
+    assert whole[7] == 0 and first[7] == last[7] == embedding
+    # the embedding's P and Q (1,280 elements) only when not shared
+    assert whole[4] == first[4] + last[4] + 1280
+    # the last stage holds a copy
+    assert last[2] - (tables.params[n] - tables.params[2]) == embedding
     arrays = tables.ranges()  # the vectorised tables say the same for every range
     for start in range(n):
         for end in range(start + 1, n + 1):
@@ -355,13 +455,17 @@ def test_a_tied_weight_on_two_stages_is_reduced_apart_uncompressed():
 
 
 def test_a_cluster_is_also_taken_by_preset_name_or_file(tmp_path):
-    # hp.plan(model, "cpu", ...) ended in a raw AttributeError ('str' object has no attribute 'num_gpus')
+    # hp.plan(model, "cpu", ...) ended in a raw AttributeError ('str' object has no attribute
+    # 'num_gpus')
     from hyparallel.spec.cluster import preset_dir
 
     model = hp.models.build("gpt-tiny", device="meta")
     path = tmp_path / "cluster.yaml"
     path.write_text((preset_dir() / "cpu.yaml").read_text())
-    plans = [hp.plan(model, cluster, 8, 64, "fp32") for cluster in ("cpu", path, hp.ClusterSpec.preset("cpu"))]
+    plans = [
+        hp.plan(model, cluster, 8, 64, "fp32")
+        for cluster in ("cpu", path, hp.ClusterSpec.preset("cpu"))
+    ]
     assert plans[0].parallel == plans[1].parallel == plans[2].parallel
     with pytest.raises(hp.ConfigError, match="unknown cluster preset 'cpux'"):
         hp.plan(model, "cpux", 8, 64, "fp32")

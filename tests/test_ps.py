@@ -1,8 +1,10 @@
-"""Parameter-server mode: the servers' update rules, the dispatcher's pacing and leases, and whole runs.
+"""Parameter-server mode: the servers' update rules, the dispatcher's pacing and leases, and whole
+runs.
 
-The runs launch one process per rank (servers first, then workers), as torchrun would, and compare with one
-process training the same batches: at staleness 0 the servers apply each step's mean gradient, so the
-weights must match single-process training over the steps the dispatcher's log records.
+The runs launch one process per rank (servers first, then workers), as torchrun would, and compare
+with one process training the same batches: at staleness 0 the servers apply each step's mean
+gradient, so the weights must match single-process training over the steps the dispatcher's log
+records.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from tests.ps import roles
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("ray", reason="parameter-server mode runs on Ray: pip install -e '.[ps]'")
 
-# fp32 tolerance: the servers sum the workers' gradients weighted by their samples, one process sums the
-# whole batch's at once; the two orders of summation differ in the last bits (measured < 2e-7 relative).
+# fp32 tolerance: the servers sum the workers' gradients weighted by their samples, one process sums
+# the whole batch's at once; the two orders of summation differ in the last bits (measured < 2e-7
+# relative).
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -71,12 +74,20 @@ def test_rowwise_adam_keeps_one_second_moment_and_one_step_count_per_row():
 
 def test_a_checkpoint_of_two_servers_loads_row_by_row_onto_three(tmp_path):
     full = torch.arange(22.0).reshape(11, 2)
-    old = [ServerShard(i, 2, {"t": full[i::2]}, {}, "adagrad", 0.1, synchronous=False) for i in range(2)]
+    old = [
+        ServerShard(i, 2, {"t": full[i::2]}, {}, "adagrad", 0.1, synchronous=False)
+        for i in range(2)
+    ]
     for i, shard in enumerate(old):
-        shard.push(Push("w", 1, batch=i, samples=1, sparse={"t": (torch.tensor([0]), torch.ones(1, 2))}))
+        shard.push(
+            Push("w", 1, batch=i, samples=1, sparse={"t": (torch.tensor([0]), torch.ones(1, 2))})
+        )
         shard.save(tmp_path / f"server-{i}.pt")
     updated = torch.cat([s.tables["t"] for s in old])  # rows 0 (server 0) and 1 (server 1) moved
-    new = [ServerShard(i, 3, {"t": torch.zeros(len(range(i, 11, 3)), 2)}, {}, "adagrad", 0.1, False) for i in range(3)]
+    new = [
+        ServerShard(i, 3, {"t": torch.zeros(len(range(i, 11, 3)), 2)}, {}, "adagrad", 0.1, False)
+        for i in range(3)
+    ]
     for shard in new:
         shard.load(sorted(tmp_path.glob("server-*.pt")))
     again = torch.empty(11, 2)
@@ -85,9 +96,11 @@ def test_a_checkpoint_of_two_servers_loads_row_by_row_onto_three(tmp_path):
     expected = full.clone()
     expected[0::2], expected[1::2] = old[0].tables["t"], old[1].tables["t"]
     torch.testing.assert_close(again, expected)
-    # Exact on purpose: the pushes moved rows 0 and 1 by a whole Adagrad step, far from any rounding.
+    # Exact on purpose: the pushes moved rows 0 and 1 by a whole Adagrad step, far from any
+    # rounding.
     assert not torch.equal(updated, torch.cat([full[0::2], full[1::2]]))
-    assert new[0].optimizers["t"].state["sum"][0].tolist() == [1.0, 1.0]  # row 0's Adagrad sum came along
+    # row 0's Adagrad sum came along
+    assert new[0].optimizers["t"].state["sum"][0].tolist() == [1.0, 1.0]
     assert all(s.applied == {0, 1} for s in new)
 
 
@@ -100,20 +113,32 @@ def test_a_push_for_a_batch_already_applied_is_dropped():
 
 def _ps_plan(**ps):
     training = {"global_batch": 12, "micro_batch": 6, "seq_len": 1, "dtype": "fp32"}
-    return hp.Plan.from_dict({"training": training, "parallel": {"dp": 2}, "ps": {"servers": 1, **ps}})
+    return hp.Plan.from_dict(
+        {"training": training, "parallel": {"dp": 2}, "ps": {"servers": 1, **ps}}
+    )
 
 
 @pytest.mark.parametrize(
     "make, ps, words",
     [
-        (lambda: torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.BatchNorm1d(2)), {}, "running statistics"),
+        (
+            lambda: torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.BatchNorm1d(2)),
+            {},
+            "running statistics",
+        ),
         (lambda: torch.nn.Sequential(torch.nn.Embedding(5, 2, max_norm=1.0)), {}, "max_norm"),
         (lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), {}, "no nn.Embedding"),
         (lambda: torch.nn.Sequential(torch.nn.Embedding(5, 2)), {"tables": ["1"]}, "not a module"),
-        (lambda: torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Linear(2, 2)), {"tables": ["1"]}, "Linear"),
+        (
+            lambda: torch.nn.Sequential(torch.nn.Embedding(5, 2), torch.nn.Linear(2, 2)),
+            {"tables": ["1"]},
+            "Linear",
+        ),
     ],
 )
-def test_what_parameter_servers_cannot_hold_is_refused_before_anything_starts(monkeypatch, make, ps, words):
+def test_what_parameter_servers_cannot_hold_is_refused_before_anything_starts(
+    monkeypatch, make, ps, words
+):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(ConfigError, match=words) as error:
@@ -123,7 +148,8 @@ def test_what_parameter_servers_cannot_hold_is_refused_before_anything_starts(mo
 
 def test_a_ps_plan_without_ray_names_the_extra_in_one_line(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
-    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ModuleNotFoundError, as when not installed
+    # `import ray` raises ModuleNotFoundError, as when not installed
+    monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(
         ConfigError, match=r"run on Ray, which is not installed: pip install 'hyparallel\[ps\]'"
     ) as error:
@@ -133,7 +159,9 @@ def test_a_ps_plan_without_ray_names_the_extra_in_one_line(monkeypatch):
 
 def test_a_launch_of_the_wrong_size_names_workers_and_servers(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"dp\(2\) workers \+ ps.servers\(1\) = 3 != WORLD_SIZE\(2\)"):
+    with pytest.raises(
+        ConfigError, match=r"dp\(2\) workers \+ ps.servers\(1\) = 3 != WORLD_SIZE\(2\)"
+    ):
         hp.parallelize(torch.nn.Embedding(5, 2), _ps_plan())
 
 
@@ -222,18 +250,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, *, servers, workers, staleness, num_batches, optimizer="adagrad", replace=False, **env_extra):
-    """One process per rank; ``replace``: a worker that dies is replaced by a new process of its rank (which joins)."""
+def _launch(
+    tmp_path,
+    *,
+    servers,
+    workers,
+    staleness,
+    num_batches,
+    optimizer="adagrad",
+    replace=False,
+    **env_extra,
+):
+    """One process per rank; ``replace``: a worker that dies is replaced by a new process of its
+    rank (which joins)."""
     plan = {
         "training": {"global_batch": 6 * workers, "micro_batch": 6, "seq_len": 1, "dtype": "fp32"},
         "parallel": {"dp": workers},
-        "ps": {"servers": servers, "staleness": staleness, "optimizer": optimizer, "lr": 0.1, "worker_timeout_s": 3},
+        "ps": {
+            "servers": servers,
+            "staleness": staleness,
+            "optimizer": optimizer,
+            "lr": 0.1,
+            "worker_timeout_s": 3,
+        },
     }
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump(plan))
     world = servers + workers
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RAY_", "GROUP_", "LOCAL_"))},
+        **{
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("TORCHELASTIC", "RAY_", "GROUP_", "LOCAL_"))
+        },
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": str(world),
@@ -243,7 +292,14 @@ def _launch(tmp_path, *, servers, workers, staleness, num_batches, optimizer="ad
 
     def start(rank: int, out: str, **extra) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "tests.ps.roles", str(plan_file), str(num_batches), str(tmp_path / out)],
+            [
+                sys.executable,
+                "-m",
+                "tests.ps.roles",
+                str(plan_file),
+                str(num_batches),
+                str(tmp_path / out),
+            ],
             env={**env, "RANK": str(rank), **extra},
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
@@ -254,7 +310,10 @@ def _launch(tmp_path, *, servers, workers, staleness, num_batches, optimizer="ad
     joined = {}
     try:
         deadline = time.monotonic() + 240
-        while any(p.poll() is None for p in [*procs.values(), *joined.values()]) and time.monotonic() < deadline:
+        while (
+            any(p.poll() is None for p in [*procs.values(), *joined.values()])
+            and time.monotonic() < deadline
+        ):
             for r, p in procs.items():
                 if replace and p.poll() == -signal.SIGKILL and r not in joined:
                     joined[r] = start(r, f"out{r}-joined", PS_TEST_KILL_WORKER="")
@@ -266,8 +325,14 @@ def _launch(tmp_path, *, servers, workers, staleness, num_batches, optimizer="ad
     for r, p in joined.items():
         assert p.returncode == 0, (tmp_path / f"err-out{r}-joined").read_text()[-2000:]
     result = torch.load(tmp_path / "out0", weights_only=False)
-    records = {r: json.loads((tmp_path / f"out{r}").read_text()) for r in range(servers, world) if codes[r] == 0}
-    records.update({f"{r}-joined": json.loads((tmp_path / f"out{r}-joined").read_text()) for r in joined})
+    records = {
+        r: json.loads((tmp_path / f"out{r}").read_text())
+        for r in range(servers, world)
+        if codes[r] == 0
+    }
+    records.update(
+        {f"{r}-joined": json.loads((tmp_path / f"out{r}-joined").read_text()) for r in joined}
+    )
     return codes, result, records
 
 
@@ -303,9 +368,12 @@ def _assert_parity(result, records):
             assert entry["loss"] == pytest.approx(losses[entry["batch"]], rel=RTOL, abs=ATOL)
 
 
-def test_a_worker_killed_after_pushing_leaves_its_batch_to_the_others_once_and_a_new_one_joins(tmp_path):
-    # Rank 1 (a worker) dies as it reports its 3rd batch: its pushes are staged on the server, its report never
-    # arrives, and it is taken for dead after worker_timeout_s (3 s). A new process of rank 1 then joins mid-run.
+def test_a_worker_killed_after_pushing_leaves_its_batch_to_the_others_once_and_a_new_one_joins(
+    tmp_path,
+):
+    # Rank 1 (a worker) dies as it reports its 3rd batch: its pushes are staged on the server, its
+    # report never arrives, and it is taken for dead after worker_timeout_s (3 s). A new process of
+    # rank 1 then joins mid-run.
     codes, result, records = _launch(
         tmp_path,
         servers=1,
@@ -321,12 +389,17 @@ def test_a_worker_killed_after_pushing_leaves_its_batch_to_the_others_once_and_a
     log = result["log"]
     assert Counter(b for b, _, _ in log) == Counter(range(60))  # every batch consumed exactly once
     by_worker = Counter(w for _, w, _ in log)
-    assert len(by_worker) == 3 and sum(n for w, n in by_worker.items() if w.startswith("worker-1-")) > 2
+    assert (
+        len(by_worker) == 3
+        and sum(n for w, n in by_worker.items() if w.startswith("worker-1-")) > 2
+    )
     assert records["1-joined"]  # the newcomer trained
     _assert_parity(result, records)  # the dead worker's staged pushes counted nowhere
 
 
-def test_staleness_2_is_stale_synchronous_and_a_killed_server_comes_back_from_its_checkpoint(tmp_path):
+def test_staleness_2_is_stale_synchronous_and_a_killed_server_comes_back_from_its_checkpoint(
+    tmp_path,
+):
     codes, result, records = _launch(
         tmp_path,
         servers=2,
@@ -349,27 +422,42 @@ def test_staleness_2_is_stale_synchronous_and_a_killed_server_comes_back_from_it
     assert all(torch.isfinite(v).all() for v in result["state"].values())
 
 
-def test_staleness_0_equals_one_process_on_two_servers_and_on_one_resumed_from_their_checkpoint(tmp_path):
-    # The parity test of the mode, on 2 servers and then on 1 (2 workers each): the second run starts from the
-    # first run's checkpoint of step 2, re-sharded by row, and the weights still match one process.
+def test_staleness_0_equals_one_process_on_two_servers_and_on_one_resumed_from_their_checkpoint(
+    tmp_path,
+):
+    # The parity test of the mode, on 2 servers and then on 1 (2 workers each): the second run
+    # starts from the first run's checkpoint of step 2, re-sharded by row, and the weights still
+    # match one process.
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
     ckpt = tmp_path / "ckpt"
     codes, before, records = _launch(
-        first, servers=2, workers=2, staleness=0, num_batches=8, PS_TEST_CHECKPOINT_AT=2, PS_TEST_CHECKPOINT_DIR=ckpt
+        first,
+        servers=2,
+        workers=2,
+        staleness=0,
+        num_batches=8,
+        PS_TEST_CHECKPOINT_AT=2,
+        PS_TEST_CHECKPOINT_DIR=ckpt,
     )
     assert codes == [0, 0, 0, 0]
     assert Counter(b for b, _, _ in before["log"]) == Counter(range(8))
     assert all(records.values())  # both workers trained
     _assert_parity(before, records)
-    codes, result, records = _launch(second, servers=1, workers=2, staleness=0, num_batches=8, PS_TEST_RESUME_DIR=ckpt)
+    codes, result, records = _launch(
+        second, servers=1, workers=2, staleness=0, num_batches=8, PS_TEST_RESUME_DIR=ckpt
+    )
     assert codes == [0, 0, 0]
     log = result["log"]
     assert Counter(b for b, _, _ in log) == Counter(range(8))
     resumed = torch.load(ckpt / "step-00000002" / "ps" / "dispatcher.pt", weights_only=False)["log"]
-    assert resumed and [tuple(e) for e in resumed] == log[: len(resumed)]  # the first run's steps, kept
-    assert all(entry["batch"] not in {b for b, _, _ in resumed} for r in records.values() for entry in r)
-    # `hyparallel checkpoint export` puts the servers' rows back in order: the model after the checkpoint's steps.
+    # the first run's steps, kept
+    assert resumed and [tuple(e) for e in resumed] == log[: len(resumed)]
+    assert all(
+        entry["batch"] not in {b for b, _, _ in resumed} for r in records.values() for entry in r
+    )
+    # `hyparallel checkpoint export` puts the servers' rows back in order: the model after the
+    # checkpoint's steps.
     exported = torch.load(hp.checkpoint.export(ckpt, tmp_path / "model.pt"), weights_only=True)
     roles.model().load_state_dict(exported, strict=True)
     for name, value in _reference(resumed)[0].items():
@@ -401,10 +489,11 @@ def _wait_for(condition, timeout_s: float, what: str):
 
 
 def test_the_example_under_torchrun_survives_a_killed_server_and_a_killed_worker(tmp_path):
-    # One torchrun of examples/train_recsys.py (1 server, 2 workers, checkpoints every 5 steps, --max-restarts 1).
-    # The server actor is SIGKILLed: Ray restarts it from the newest checkpoint, and training goes on. Then a worker
-    # is SIGKILLed: torchrun restarts the group, which resumes from the newest checkpoint. Every batch of the log is
-    # consumed once in the end (rank 0's summary of the dispatcher's log).
+    # One torchrun of examples/train_recsys.py (1 server, 2 workers, checkpoints every 5 steps,
+    # --max-restarts 1). The server actor is SIGKILLed: Ray restarts it from the newest checkpoint,
+    # and training goes on. Then a worker is SIGKILLed: torchrun restarts the group, which resumes
+    # from the newest checkpoint. Every batch of the log is consumed once in the end (rank 0's
+    # summary of the dispatcher's log).
     ckpt = tmp_path / "ckpt"
     cmd = [
         sys.executable,
@@ -416,21 +505,44 @@ def test_the_example_under_torchrun_survives_a_killed_server_and_a_killed_worker
         "--max-restarts",
         "1",
     ]
-    cmd += [str(ROOT / "examples" / "train_recsys.py"), "--mode", "ps", "--batches", "400", "--batch", "32"]
+    cmd += [
+        str(ROOT / "examples" / "train_recsys.py"),
+        "--mode",
+        "ps",
+        "--batches",
+        "400",
+        "--batch",
+        "32",
+    ]
     cmd += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RAY_", "MASTER_", "RANK"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCHELASTIC", "RAY_", "MASTER_", "RANK"))
+    }
     proc = subprocess.Popen(
-        cmd, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        cmd,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         steps = lambda: sorted(p.name for p in ckpt.glob("step-*"))  # noqa: E731
         _wait_for(steps, 120, "checkpoint")
-        (server,) = _wait_for(lambda: _processes(lambda cmd, env: cmd.startswith(b"ray::_Server")), 60, "server")
+        (server,) = _wait_for(
+            lambda: _processes(lambda cmd, env: cmd.startswith(b"ray::_Server")), 60, "server"
+        )
         os.kill(server, signal.SIGKILL)
         seen = steps()
-        _wait_for(lambda: len(steps()) > len(seen) + 1, 120, "checkpoint after the server's restart")
+        _wait_for(
+            lambda: len(steps()) > len(seen) + 1, 120, "checkpoint after the server's restart"
+        )
         worker_env = [b"RANK=2", b"TORCHELASTIC_RESTART_COUNT=0"]
-        (worker,) = _processes(lambda cmd, env: b"train_recsys.py" in cmd and all(e in env for e in worker_env))
+        (worker,) = _processes(
+            lambda cmd, env: b"train_recsys.py" in cmd and all(e in env for e in worker_env)
+        )
         os.kill(worker, signal.SIGKILL)
         stdout, _ = proc.communicate(timeout=300)
     finally:

@@ -1,4 +1,5 @@
-"""A dry run on meta runs each distinct repeated block once (Note [a repeated block runs once on meta])."""
+"""A dry run on meta runs each distinct repeated block once (Note [a repeated block runs once on
+meta])."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def test_equal_blocks_run_once_and_give_the_same_shapes():
 
 
 def test_a_block_with_other_attributes_or_real_inputs_runs():
-    assert run(Stack([4, 4, 2, 4]), torch.empty(2, 3, 8, device="meta"))[0] == 2  # width 2 is another block
+    # width 2 is another block
+    assert run(Stack([4, 4, 2, 4]), torch.empty(2, 3, 8, device="meta"))[0] == 2
     real = Stack([4] * 3).to_empty(device="cpu")
     assert run(real, torch.zeros(2, 3, 8))[0] == 3  # real tensors hold values: nothing is skipped
 

@@ -15,7 +15,7 @@ from hyparallel.pipeline.schedule import (
     simulate,
     validate,
 )
-from hyparallel.planner.costs import inflight_microbatches
+from hyparallel.planner.inflight import inflight_microbatches
 
 from .expected_orders import HAND_WRITTEN, expected
 
@@ -57,7 +57,8 @@ def test_schedules_are_complete_lower_cleanly_and_never_deadlock(case):
     assert comm.steps == plain.steps
     assert comm.peak_inflight == plain.peak_inflight
     assert comm.timeline == plain.timeline
-    # Between any two ranks, receives come in the order of the sends: what NCCL (which ignores tags) needs.
+    # Between any two ranks, receives come in the order of the sends: what NCCL (which ignores tags)
+    # needs.
     assert p2p_order_mismatches(lowered, pp) == []
 
 
@@ -66,7 +67,9 @@ def test_simulated_peak_inflight_matches_the_cost_model(case):
     kind, pp, m, v = case
     result = simulate(schedule(kind, pp, m, v), pp, v)
     for rank in range(pp):
-        assert result.peak_inflight[rank] == pytest.approx(inflight_microbatches(kind, pp, m, rank, v)), rank
+        assert result.peak_inflight[rank] == pytest.approx(
+            inflight_microbatches(kind, pp, m, rank, v)
+        ), rank
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -88,53 +91,105 @@ def test_step_counts(case):
     kind, pp, m, v = case
     steps = simulate(lower(schedule(kind, pp, m, v), pp, v), pp, v).steps
     if kind != "interleaved-1f1b":
-        # Unit-time F and B: the last micro-batch's forward leaves rank 0 at step m, reaches the last
-        # rank pp - 1 steps later, and its backward needs pp more; the other m - 1 backwards on rank 0
-        # follow back to back: m + (pp - 1) + (pp - 1) + 1 + (m - 1) = 2 (m + pp - 1), i.e. the ideal
-        # 2m plus a bubble of 2 (pp - 1) (Narayanan et al. 2021: (p - 1) / m of the ideal).
+        # Unit-time F and B: the last micro-batch's forward leaves rank 0 at step m, reaches the
+        # last rank pp - 1 steps later, and its backward needs pp more; the other m - 1 backwards on
+        # rank 0 follow back to back: m + (pp - 1) + (pp - 1) + 1 + (m - 1) = 2 (m + pp - 1), i.e.
+        # the ideal 2m plus a bubble of 2 (pp - 1) (Narayanan et al. 2021: (p - 1) / m of the
+        # ideal).
         assert steps == 2 * (m + pp - 1)
     else:
-        # Each chunk action takes one step, i.e. 1/v of a whole stage's F or B. The ideal is 2 m v chunk
-        # steps, and the fill and drain still cross pp - 1 rank boundaries each way, but now one chunk
-        # at a time: 2 m v + 2 (pp - 1) chunk steps. The same work without interleaving is
-        # 2 (m + pp - 1) whole-stage steps = 2 m v + 2 (pp - 1) v chunk steps: the bubble shrinks by v,
-        # the (p - 1) / (v m) of costs.bubble_fraction.
+        # Each chunk action takes one step, i.e. 1/v of a whole stage's F or B. The ideal is 2 m v
+        # chunk steps, and the fill and drain still cross pp - 1 rank boundaries each way, but now
+        # one chunk at a time: 2 m v + 2 (pp - 1) chunk steps. The same work without interleaving is
+        # 2 (m + pp - 1) whole-stage steps = 2 m v + 2 (pp - 1) v chunk steps: the bubble shrinks by
+        # v, the (p - 1) / (v m) of costs.bubble_fraction.
         assert steps == 2 * m * v + 2 * (pp - 1)
         assert steps < 2 * (m + pp - 1) * v or pp == 1
 
 
 @pytest.mark.parametrize("case", sorted(HAND_WRITTEN), ids=case_id)
 def test_schedules_equal_the_orders_written_by_hand(case):
-    # tests/expected_orders.py writes each order out from the schedule's definition, independently of schedule().
+    # tests/expected_orders.py writes each order out from the schedule's definition, independently
+    # of schedule().
     kind, pp, m, v = case
     compute = schedule(kind, pp, m, v)
     assert {rank: [str(a) for a in actions] for rank, actions in compute.items()} == expected(*case)
-    result = simulate(lower(compute, pp, v), pp, v)  # and the lowered program runs them in that order
+    # and the lowered program runs them in that order
+    result = simulate(lower(compute, pp, v), pp, v)
     assert not result.deadlock
-    ran = {rank: [a for a in order if parse_action(a).is_compute] for rank, order in result.order.items()}
+    ran = {
+        rank: [a for a in order if parse_action(a).is_compute]
+        for rank, order in result.order.items()
+    }
     assert ran == expected(*case)
 
 
 def test_gpipe_lowering_written_by_hand():
-    # Receive before each F of a later stage and each B of an earlier one; send after, to the other neighbour.
+    # Receive before each F of a later stage and each B of an earlier one; send after, to the other
+    # neighbour.
     lowered = lower(schedule("gpipe", pp=2, num_microbatches=2), pp=2)
-    assert [str(a) for a in lowered[0]] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
-    assert [str(a) for a in lowered[1]] == ["1RECV_F0", "1F0", "1RECV_F1", "1F1", "1B0", "1SEND_B0", "1B1", "1SEND_B1"]
+    assert [str(a) for a in lowered[0]] == [
+        "0F0",
+        "0SEND_F0",
+        "0F1",
+        "0SEND_F1",
+        "0RECV_B0",
+        "0B0",
+        "0RECV_B1",
+        "0B1",
+    ]
+    assert [str(a) for a in lowered[1]] == [
+        "1RECV_F0",
+        "1F0",
+        "1RECV_F1",
+        "1F1",
+        "1B0",
+        "1SEND_B0",
+        "1B1",
+        "1SEND_B1",
+    ]
 
 
 def test_lowering_inserts_sends_and_receives():
     lowered = lower(schedule("1f1b", pp=2, num_microbatches=2), pp=2)
-    assert [str(a) for a in lowered[0]] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
-    assert [str(a) for a in lowered[1]] == ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"]
+    assert [str(a) for a in lowered[0]] == [
+        "0F0",
+        "0SEND_F0",
+        "0F1",
+        "0SEND_F1",
+        "0RECV_B0",
+        "0B0",
+        "0RECV_B1",
+        "0B1",
+    ]
+    assert [str(a) for a in lowered[1]] == [
+        "1RECV_F0",
+        "1F0",
+        "1B0",
+        "1SEND_B0",
+        "1RECV_F1",
+        "1F1",
+        "1B1",
+        "1SEND_B1",
+    ]
     assert Action(0, "SEND_F", 1).peer == 1 and Action(1, "RECV_F", 1).peer == 0
-    assert Action(1, "SEND_B", 0).peer == 0 and Action(0, "RECV_B", 0).peer == 1 and Action(0, "F", 0).peer is None
+    assert (
+        Action(1, "SEND_B", 0).peer == 0
+        and Action(0, "RECV_B", 0).peer == 1
+        and Action(0, "F", 0).peer is None
+    )
 
 
 def test_virtual_stages_on_one_rank_hand_over_without_communication():
     compute = schedule("interleaved-1f1b", pp=1, num_microbatches=2, virtual_stages=3)
     assert lower(compute, pp=1, virtual_stages=3) == compute
-    # With pp > 1, the hop from the last rank's chunk back to rank 0's next chunk is a real transfer.
-    lowered = lower(schedule("interleaved-1f1b", pp=2, num_microbatches=2, virtual_stages=2), pp=2, virtual_stages=2)
+    # With pp > 1, the hop from the last rank's chunk back to rank 0's next chunk is a real
+    # transfer.
+    lowered = lower(
+        schedule("interleaved-1f1b", pp=2, num_microbatches=2, virtual_stages=2),
+        pp=2,
+        virtual_stages=2,
+    )
     assert Action(1, "SEND_F", 0) in lowered[1] and Action(2, "RECV_F", 0) in lowered[0]
     assert Action(2, "SEND_B", 0) in lowered[0] and Action(1, "RECV_B", 0) in lowered[1]
 
@@ -146,8 +201,9 @@ def test_lower_rejects_a_lowered_schedule():
 
 
 def test_interleaved_order_follows_megatron():
-    # pp = 2, v = 2, m = 4: rank 0 holds stages 0 and 2. Micro-batches go through chunk 0 in groups of pp,
-    # then the same group through chunk 1; warmup 2 (pp - 1) + (v - 1) pp = 4 chunk forwards on rank 0.
+    # pp = 2, v = 2, m = 4: rank 0 holds stages 0 and 2. Micro-batches go through chunk 0 in groups
+    # of pp, then the same group through chunk 1; warmup 2 (pp - 1) + (v - 1) pp = 4 chunk forwards
+    # on rank 0.
     compute = schedule("interleaved-1f1b", pp=2, num_microbatches=4, virtual_stages=2)
     assert [str(a) for a in compute[0]] == [
         "0F0",
@@ -183,7 +239,8 @@ def test_deadlock_is_reported_not_raised():
 
 def test_deadlock_on_a_receive_that_waits_for_its_own_reply():
     lowered = lower(schedule("1f1b", pp=2, num_microbatches=2), pp=2)
-    # Rank 0 waits for micro-batch 0's gradient before sending its activations: neither side can move.
+    # Rank 0 waits for micro-batch 0's gradient before sending its activations: neither side can
+    # move.
     lowered[0].remove(Action(0, "SEND_F", 0))
     lowered[0].insert(lowered[0].index(Action(0, "RECV_B", 0)) + 1, Action(0, "SEND_F", 0))
     result = simulate(lowered, pp=2)
@@ -236,16 +293,23 @@ def test_schedule_rejects_bad_arguments():
 
 def test_format_schedule_and_timeline_picture():
     compute = schedule("1f1b", pp=2, num_microbatches=3)
-    assert format_schedule(compute) == ("rank 0 | 0F0 0F1 0B0 0F2 0B1 0B2\nrank 1 | 1F0 1B0 1F1 1B1 1F2 1B2")
+    assert (
+        format_schedule(compute)
+        == "rank 0 | 0F0 0F1 0B0 0F2 0B1 0B2\nrank 1 | 1F0 1B0 1F1 1B1 1F2 1B2"
+    )
     result = simulate(lower(compute, 2), pp=2)
     assert result.steps == 8
-    assert format_schedule(result.timeline) == (
-        "rank 0 | 0F0 0F1   . 0B0 0F2 0B1   . 0B2\nrank 1 |   . 1F0 1B0 1F1 1B1 1F2 1B2   ."
+    assert (
+        format_schedule(result.timeline)
+        == "rank 0 | 0F0 0F1   . 0B0 0F2 0B1   . 0B2\nrank 1 |   . 1F0 1B0 1F1 1B1 1F2 1B2   ."
     )
 
 
 def test_p2p_order_mismatch_is_found():
     lowered = lower(schedule("gpipe", pp=2, num_microbatches=2), pp=2)
-    swapped = {0: lowered[0], 1: [lowered[1][2], lowered[1][3], lowered[1][0], lowered[1][1], *lowered[1][4:]]}
+    swapped = {
+        0: lowered[0],
+        1: [lowered[1][2], lowered[1][3], lowered[1][0], lowered[1][1], *lowered[1][4:]],
+    }
     assert [str(a) for a in swapped[1][:4]] == ["1RECV_F1", "1F1", "1RECV_F0", "1F0"]
     assert p2p_order_mismatches(swapped, pp=2) == [(0, 1)]

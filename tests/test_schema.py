@@ -41,7 +41,10 @@ def test_hand_plan_with_training_and_parallel_only_is_completed(tmp_path):
 
 
 def test_micro_batch_derived_from_num_microbatches(tmp_path):
-    data = {"training": {"global_batch": 64, "seq_len": 8}, "parallel": {"dp": 2, "num_microbatches": 8}}
+    data = {
+        "training": {"global_batch": 64, "seq_len": 8},
+        "parallel": {"dp": 2, "num_microbatches": 8},
+    }
     plan = hp.Plan.load(write(tmp_path, data))
     assert plan.training.micro_batch == 4 and plan.num_microbatches == 8
 
@@ -56,13 +59,22 @@ def test_round_trip_is_exact(tmp_path):
     plan = hp.Plan.model_validate(
         {
             **HAND,
-            "model": {"name": "gpt-tiny", "num_params": 124672, "num_layers": 2, "fingerprint": "sha256:0123"},
+            "model": {
+                "name": "gpt-tiny",
+                "num_params": 124672,
+                "num_layers": 2,
+                "fingerprint": "sha256:0123",
+            },
             "cluster": {"name": "a100-80g", "num_nodes": 2},
             "stages": [
                 {"index": 0, "modules": ["tok_embeddings", "layers.0"], "compute_s": 0.1234567891},
                 {"index": 1, "modules": ["layers.1", "norm", "output"], "memory_gib": 12.5},
             ],
-            "tensor_parallel": {"layers.*.attn.qkv": "column", "layers.*.attn.proj": "row", "tok_embeddings": "vocab"},
+            "tensor_parallel": {
+                "layers.*.attn.qkv": "column",
+                "layers.*.attn.proj": "row",
+                "tok_embeddings": "vocab",
+            },
             "predicted": {
                 "step_time_s": 1.5,
                 "tokens_per_s": 43690.67,
@@ -71,7 +83,8 @@ def test_round_trip_is_exact(tmp_path):
                 "bubble_fraction": 0.03125,
                 "memory_gib": [61.2, 58.9],
                 "comm_s": {"tp": 0.1, "dp": 1e-5, "pp": 0.0},
-                "uncompressed": {"step_time_s": 1.75, "dp_comm_s": 0.25},  # what gradient compression saved
+                # what gradient compression saved
+                "uncompressed": {"step_time_s": 1.75, "dp_comm_s": 0.25},
             },
         }
     )
@@ -86,7 +99,10 @@ def test_round_trip_is_exact(tmp_path):
 @pytest.mark.parametrize(
     ("data", "expected"),
     [
-        ({**HAND, "parallel": {"tp": "eight"}}, "parallel.tp: expected a positive integer, got 'eight'"),
+        (
+            {**HAND, "parallel": {"tp": "eight"}},
+            "parallel.tp: expected a positive integer, got 'eight'",
+        ),
         ({**HAND, "parallel": {"tp": 0}}, "parallel.tp: expected a positive integer, got 0"),
         ({**HAND, "parallel": {"tp": 2.5}}, "parallel.tp: expected a positive integer, got 2.5"),
         (
@@ -106,24 +122,40 @@ def test_round_trip_is_exact(tmp_path):
             {**HAND, "parallel": {"dp": 2, "pipeline": 4}},
             "parallel.pipeline: unknown key 'pipeline'; expected one of: dp, tp, pp",
         ),
-        ({**HAND, "extra": 1}, "extra: unknown key 'extra'; expected one of: version, model, cluster"),
+        (
+            {**HAND, "extra": 1},
+            "extra: unknown key 'extra'; expected one of: version, model, cluster",
+        ),
         (
             {
                 **HAND,
                 "predicted": {
-                    **{k: 1 for k in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "bubble_fraction")},
+                    **{
+                        k: 1
+                        for k in (
+                            "step_time_s",
+                            "tokens_per_s",
+                            "tflops_per_gpu",
+                            "mfu",
+                            "bubble_fraction",
+                        )
+                    },
                     "memory_gib": [1, 1],
                     "comm_s": {"tp": 0, "dp": 0, "pp": 0},
                     "uncompressed": {"step_time_s": 1, "dp_s": 0},
                 },
             },
-            "predicted.uncompressed.dp_comm_s: missing required key (and 1 more error)",  # a typo: dp_s
+            # a typo: dp_s
+            "predicted.uncompressed.dp_comm_s: missing required key (and 1 more error)",
         ),
         ({"parallel": {"dp": 1}}, "training: missing required key"),
         ({**HAND, "version": 2}, "version: expected 1, got 2"),
         (
             {**HAND, "tensor_parallel": {"layers.0.mlp.fc": "diagonal"}},
-            "tensor_parallel.layers.0.mlp.fc: expected one of 'column', 'row', 'vocab', 'replicate', got 'diagonal'",
+            (
+                "tensor_parallel.layers.0.mlp.fc: expected one of 'column', 'row', 'vocab',"
+                " 'replicate', got 'diagonal'"
+            ),
         ),
         (
             {**HAND, "placement": {"order": ["tp", "tp", "dp"]}},
@@ -146,7 +178,10 @@ def test_malformed_plans_give_one_line(tmp_path, data, expected):
         (
             {"dp": 2, "num_microbatches": 5},
             {"global_batch": 64, "micro_batch": 4, "seq_len": 8},
-            "parallel.num_microbatches (5) must equal global_batch (64) / (dp (2) x micro_batch (4)) = 8",
+            (
+                "parallel.num_microbatches (5) must equal global_batch (64) / (dp (2) x micro_batch"
+                " (4)) = 8"
+            ),
         ),
         (
             {"pp": 2, "virtual_stages": 2},
@@ -158,8 +193,16 @@ def test_malformed_plans_give_one_line(tmp_path, data, expected):
             {"global_batch": 6, "seq_len": 8},
             "interleaved-1f1b needs num_microbatches (6) to be a multiple of pp (4)",
         ),
-        ({"sequence_parallel": True}, {"global_batch": 8, "seq_len": 8}, "parallel.sequence_parallel needs tp > 1"),
-        ({"vocab_parallel_loss": True}, {"global_batch": 8, "seq_len": 8}, "parallel.vocab_parallel_loss needs tp > 1"),
+        (
+            {"sequence_parallel": True},
+            {"global_batch": 8, "seq_len": 8},
+            "parallel.sequence_parallel needs tp > 1",
+        ),
+        (
+            {"vocab_parallel_loss": True},
+            {"global_batch": 8, "seq_len": 8},
+            "parallel.vocab_parallel_loss needs tp > 1",
+        ),
     ],
 )
 def test_inconsistent_plans_show_the_arithmetic(tmp_path, parallel, training, expected):
@@ -168,8 +211,8 @@ def test_inconsistent_plans_show_the_arithmetic(tmp_path, parallel, training, ex
 
 def test_world_size_must_match_cluster(tmp_path):
     message = load_error(tmp_path, {**HAND, "cluster": {"name": "a100-80g", "num_nodes": 1}})
-    assert message == (
-        "dp(2) * tp(4) * pp(2) = 16 GPUs, but cluster 'a100-80g' has 1 node(s) x 8 = 8; "
+    assert (
+        message == "dp(2) * tp(4) * pp(2) = 16 GPUs, but cluster 'a100-80g' has 1 node(s) x 8 = 8; "
         "change the degrees or cluster.num_nodes"
     )
 
@@ -186,13 +229,18 @@ def test_yaml_syntax_error_names_line_and_column(tmp_path):
     path = write(tmp_path, "training:\n  global_batch: 8\n parallel: [\n")
     with pytest.raises(ConfigError) as info:
         hp.Plan.load(path)
-    assert str(info.value) == f"{path}:3:2: invalid YAML: expected <block end>, but found '<block mapping start>'"
+    assert (
+        str(info.value)
+        == f"{path}:3:2: invalid YAML: expected <block end>, but found '<block mapping start>'"
+    )
 
 
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml: no such file"):
         hp.Plan.load(tmp_path / "nope.yaml")
-    with pytest.raises(ConfigError, match="expected a mapping of keys at the top level, got an empty file"):
+    with pytest.raises(
+        ConfigError, match="expected a mapping of keys at the top level, got an empty file"
+    ):
         hp.Plan.load(write(tmp_path, ""))
 
 
@@ -207,7 +255,8 @@ def test_rank_layout_matches_device_mesh(order):
     plan = hp.Plan.model_validate({**HAND, "placement": {"order": list(order)}})
     shape = plan.mesh_shape()
     assert list(shape) == list(order)
-    # torch's init_device_mesh lays ranks out as arange(world).reshape(mesh_shape) over the named dims.
+    # torch's init_device_mesh lays ranks out as arange(world).reshape(mesh_shape) over the named
+    # dims.
     mesh = torch.arange(plan.world_size).reshape(*shape.values())
     for index in itertools.product(*(range(n) for n in shape.values())):
         coords = dict(zip(order, index))
@@ -240,7 +289,7 @@ def test_plans_are_frozen():
         plan.parallel.tp = 8  # type: ignore[misc]
 
 
-# ---- files that are not plans, and numbers out of range: one line each, naming file and place ------------
+# ---- files that are not plans, and numbers out of range: one line each, naming file and place ----
 
 
 def test_a_binary_file_is_one_line(tmp_path):
@@ -248,7 +297,9 @@ def test_a_binary_file_is_one_line(tmp_path):
     path.write_bytes(b"training:\n  seq_len: \xff\xfe\x00\x01")
     with pytest.raises(ConfigError) as info:
         hp.Plan.load(path)
-    assert str(info.value) == f"{path}: not UTF-8 text (byte 0xff at offset 21); expected a YAML file"
+    assert (
+        str(info.value) == f"{path}: not UTF-8 text (byte 0xff at offset 21); expected a YAML file"
+    )
 
 
 def test_a_folder_and_an_oversized_file_are_one_line(tmp_path):
@@ -264,7 +315,10 @@ def test_a_folder_and_an_oversized_file_are_one_line(tmp_path):
     ("text", "expected"),
     [
         (
-            "training: {global_batch: 8, seq_len: 4}\nparallel: {dp: 1}\ntraining: {global_batch: 16, seq_len: 4}\n",
+            (
+                "training: {global_batch: 8, seq_len: 4}\nparallel: {dp: 1}\ntraining:"
+                " {global_batch: 16, seq_len: 4}\n"
+            ),
             ":3:1: invalid YAML: duplicate key 'training' (first on line 1); keep one of them",
         ),
         (
@@ -272,7 +326,10 @@ def test_a_folder_and_an_oversized_file_are_one_line(tmp_path):
             ":4:3: invalid YAML: duplicate key 'global_batch' (first on line 2)",
         ),
         (
-            "training: {global_batch: 8, seq_len: 4}\nparallel: {}\nstages:\n  - {index: 0, modules: [a], index: 1}\n",
+            (
+                "training: {global_batch: 8, seq_len: 4}\nparallel: {}\nstages:\n  - {index: 0,"
+                " modules: [a], index: 1}\n"
+            ),
             ":4:30: invalid YAML: duplicate key 'index' (first on line 4)",
         ),
         ("[" * 100_000, ":1:65: invalid YAML: nested more than 64 levels deep"),
@@ -282,7 +339,10 @@ def test_a_folder_and_an_oversized_file_are_one_line(tmp_path):
                 f"{k}: &{k} [*{j}, *{j}, *{j}, *{j}, *{j}, *{j}, *{j}, *{j}, *{j}, *{j}]\n"
                 for j, k in zip("abcde", "bcdef")
             ),
-            "invalid YAML: this value holds more than 1,000,000 values once its aliases are expanded",
+            (
+                "invalid YAML: this value holds more than 1,000,000 values once its aliases are"
+                " expanded"
+            ),
         ),
         ("a: &a [*a]\n", ":1:4: invalid YAML: an alias refers to a value that contains it"),
         (
@@ -306,7 +366,8 @@ def test_merge_keys_may_still_be_overridden(tmp_path):
     text = "base: &base {global_batch: 8, seq_len: 4}\n"
     path = write(tmp_path, text + "training:\n  <<: *base\n  global_batch: 16\n")
     merged = text + "training:\n  <<: *base\n  global_batch: 16\nparallel: {}\n"
-    assert "unknown key 'base'" in load_error(tmp_path, merged)  # the override itself is no duplicate
+    # the override itself is no duplicate
+    assert "unknown key 'base'" in load_error(tmp_path, merged)
     from hyparallel.spec.yaml_io import read_yaml
 
     assert read_yaml(path)["training"] == {"global_batch": 16, "seq_len": 4}
@@ -329,7 +390,10 @@ INF_STEP = {
     [
         (
             {**HAND, "parallel": {"dp": 10**30}},
-            "parallel.dp: expected a positive integer up to 1,048,576, got 1000000000000000000000000000000",
+            (
+                "parallel.dp: expected a positive integer up to 1,048,576, got"
+                " 1000000000000000000000000000000"
+            ),
         ),
         ({**HAND, "parallel": {"pp": -1}}, "parallel.pp: expected a positive integer, got -1"),
         (
@@ -344,7 +408,10 @@ INF_STEP = {
             {"training": {**TRAIN, "global_batch": 2**24 + 1}, "parallel": {}},
             "training.global_batch: expected a positive integer up to 16,777,216",
         ),
-        ({"training": {**TRAIN, "seq_len": 0}, "parallel": {}}, "training.seq_len: expected a positive integer, got 0"),
+        (
+            {"training": {**TRAIN, "seq_len": 0}, "parallel": {}},
+            "training.seq_len: expected a positive integer, got 0",
+        ),
         (
             {"training": {**TRAIN, "seq_len": 2**24 + 1}, "parallel": {}},
             "training.seq_len: expected a positive integer up to 16,777,216",
@@ -366,10 +433,16 @@ INF_STEP = {
             "num_nodes (1,048,576) x gpus_per_node (2) = 2,097,152 devices",
         ),
         (
-            {**HAND, "model": {"name": "m", "num_params": 2**60, "num_layers": 2, "fingerprint": ""}},
+            {
+                **HAND,
+                "model": {"name": "m", "num_params": 2**60, "num_layers": 2, "fingerprint": ""},
+            },
             "model.num_params: expected a non-negative integer up to",
         ),
-        ({**HAND, "predicted": INF_STEP}, "predicted.step_time_s: expected a finite number, got .inf"),
+        (
+            {**HAND, "predicted": INF_STEP},
+            "predicted.step_time_s: expected a finite number, got .inf",
+        ),
     ],
 )
 def test_numbers_out_of_range_give_one_line(tmp_path, data, expected):
@@ -382,7 +455,9 @@ def test_bounds_are_the_ones_in_limits():
     def maximum(model, name):
         return max(getattr(m, "le", None) or 0 for m in model.model_fields[name].metadata)
 
-    assert {maximum(hp.spec.schema.ParallelConfig, axis) for axis in ("dp", "tp", "pp")} == {limits.MAX_DEVICES}
+    assert {maximum(hp.spec.schema.ParallelConfig, axis) for axis in ("dp", "tp", "pp")} == {
+        limits.MAX_DEVICES
+    }
     assert maximum(hp.spec.schema.TrainingConfig, "seq_len") == limits.MAX_SEQ_LEN
     assert maximum(hp.spec.schema.TrainingConfig, "global_batch") == limits.MAX_GLOBAL_BATCH
     assert maximum(hp.ClusterSpec, "gpus_per_node") == limits.MAX_GPUS_PER_NODE
@@ -398,7 +473,8 @@ def test_a_failed_save_leaves_the_old_plan_and_nothing_partial(tmp_path):
     target.write_text("old\n")
     plan.save(target)
     assert hp.Plan.load(target) == plan
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]  # no temporary file left behind
+    # no temporary file left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]
 
 
 def test_a_typo_in_a_preset_cluster_names_the_unknown_key():

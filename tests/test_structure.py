@@ -1,4 +1,5 @@
-"""Tensor-parallel styles found from dataflow, for fused and separate QKV, GQA, Conv1D, tied heads."""
+"""Tensor-parallel styles found from dataflow, for fused and separate QKV, GQA, Conv1D, tied
+heads."""
 
 from __future__ import annotations
 
@@ -69,34 +70,52 @@ def test_megatron_pairs_are_found_from_dataflow(spec):
 @pytest.mark.parametrize(
     "spec",
     [
-        "hf:mistral num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 "
-        "intermediate_size=256 vocab_size=1000",
-        "hf:qwen2 num_hidden_layers=2 hidden_size=128 num_attention_heads=4 num_key_value_heads=2 "
-        "intermediate_size=256 vocab_size=1000",
-        "hf:gpt_neox num_hidden_layers=2 hidden_size=128 num_attention_heads=4 intermediate_size=256 vocab_size=1000",
-        "hf:opt num_hidden_layers=2 hidden_size=128 num_attention_heads=4 ffn_dim=256 vocab_size=1000 "
-        "word_embed_proj_dim=128",
+        (
+            "hf:mistral num_hidden_layers=2 hidden_size=128 num_attention_heads=4"
+            " num_key_value_heads=2 intermediate_size=256 vocab_size=1000"
+        ),
+        (
+            "hf:qwen2 num_hidden_layers=2 hidden_size=128 num_attention_heads=4"
+            " num_key_value_heads=2 intermediate_size=256 vocab_size=1000"
+        ),
+        (
+            "hf:gpt_neox num_hidden_layers=2 hidden_size=128 num_attention_heads=4"
+            " intermediate_size=256 vocab_size=1000"
+        ),
+        (
+            "hf:opt num_hidden_layers=2 hidden_size=128 num_attention_heads=4 ffn_dim=256"
+            " vocab_size=1000 word_embed_proj_dim=128"
+        ),
     ],  # Falcon's FalconLinear has its own forward: replicated (tests/test_tp_classes.py)
 )
 def test_architectures_not_in_the_zoo(spec):
-    # Every block of these decoders splits into attention and MLP Megatron pairs, whatever the module names.
+    # Every block of these decoders splits into attention and MLP Megatron pairs, whatever the
+    # module names.
     graph = traced(spec)
     assert graph.num_params == sum(p.numel() for p in hp.models.load(spec).module.parameters())
     analysis = analyze(graph)
     for block in graph.blocks:
         styles = [analysis.styles[n] for n in block.ops if n in analysis.styles]
         assert styles.count("row") == 2 and styles.count("column") >= 2, (block.path, styles)
-    assert sorted(analysis.styles[n] for n in (analysis.vocab_embedding, analysis.vocab_head)) == ["vocab", "vocab"]
+    assert sorted(analysis.styles[n] for n in (analysis.vocab_embedding, analysis.vocab_head)) == [
+        "vocab",
+        "vocab",
+    ]
     assert set(analysis.attention_heads.values()) == {4}
 
 
 def test_heads_of_attention_written_with_batched_matmuls():
-    # Bloom computes attention with baddbmm/bmm on (batch * heads, seq, head_dim): no fused attention op.
+    # Bloom computes attention with baddbmm/bmm on (batch * heads, seq, head_dim): no fused
+    # attention op.
     graph = traced("hf:bloom n_layer=2 hidden_size=128 n_head=4 vocab_size=1000")
     analysis = analyze(graph)
     assert set(analysis.attention_heads.values()) == {4}
-    assert analysis.head_groups["transformer.h.0.self_attention.query_key_value"] == 12  # fused q, k, v of 4 heads
-    assert analysis.check(8, graph) == "tp 8 does not divide the 4 attention heads of transformer.h.0.self_attention"
+    # fused q, k, v of 4 heads
+    assert analysis.head_groups["transformer.h.0.self_attention.query_key_value"] == 12
+    assert (
+        analysis.check(8, graph)
+        == "tp 8 does not divide the 4 attention heads of transformer.h.0.self_attention"
+    )
     assert analysis.styles["transformer.h.0.self_attention.dense"] == "row"
 
 
@@ -104,7 +123,10 @@ def test_head_counts_decide_valid_degrees():
     graph = traced("llama-tiny")  # 4 query heads, 2 key/value heads
     analysis = analyze(graph)
     assert set(analysis.attention_heads.values()) == {4}
-    assert analysis.head_groups["layers.0.attn.k_proj"] == 2 and analysis.head_groups["layers.0.attn.q_proj"] == 4
+    assert (
+        analysis.head_groups["layers.0.attn.k_proj"] == 2
+        and analysis.head_groups["layers.0.attn.q_proj"] == 4
+    )
     assert analysis.check(2, graph) is None and analysis.check(4, graph) is None
     assert analysis.check(3, graph) == "tp 3 does not divide the 4 attention heads of layers.0.attn"
     # At tp=4 the 2 kv heads are replicated: each rank holds the kv head its query head needs.
@@ -163,8 +185,9 @@ def test_a_norm_over_the_split_dimension_keeps_the_pair_replicated():
 
 
 def test_fused_qkv_with_grouped_query_attention_is_checked_part_by_part():
-    # Phi-3 fuses q, k, v in one projection; with 12 query and 4 key/value heads, tp=12 holds one query head and a
-    # replicated key/value head per rank (valid), tp=8 does not divide the 12 query heads.
+    # Phi-3 fuses q, k, v in one projection; with 12 query and 4 key/value heads, tp=12 holds one
+    # query head and a replicated key/value head per rank (valid), tp=8 does not divide the 12 query
+    # heads.
     spec = (
         "hf:phi3 num_hidden_layers=2 hidden_size=96 num_attention_heads=12 num_key_value_heads=4 "
         "intermediate_size=144 vocab_size=1000 pad_token_id=0 bos_token_id=0 eos_token_id=0"

@@ -1,4 +1,5 @@
-"""Deterministic slice-by-slice initialisation: any slice equals the same slice of the full parameter."""
+"""Deterministic slice-by-slice initialisation: any slice equals the same slice of the full
+parameter."""
 
 from __future__ import annotations
 
@@ -14,16 +15,21 @@ def full(shape, name="w", std=0.5, seed=3):
     return tensor
 
 
-# Exact comparisons below are safe: a slice and the whole parameter draw the same CHUNK_ROWS-row blocks from the
-# same generators with the same kernel in this process, so the values are the very same numbers, not a rounding.
+# Exact comparisons below are safe: a slice and the whole parameter draw the same CHUNK_ROWS-row
+# blocks from the same generators with the same kernel in this process, so the values are the very
+# same numbers, not a rounding.
 def test_slices_equal_the_full_parameter():
     shape = (2 * CHUNK_ROWS + 37, 40)
     whole = full(shape)
     assert whole.std().item() == torch.tensor(0.5).item() or abs(whole.std().item() - 0.5) < 0.02
     rows = ((100, 300), (CHUNK_ROWS * 2, shape[0]))  # two ranges, like a fused [q | k | v] split
     part = torch.empty(200 + 37, 20)
-    fill_(part, ("normal", 0.5), "w", ShardLayout(full_shape=shape, rows=rows, cols=(10, 30)), seed=3)
-    torch.testing.assert_close(part, torch.cat([whole[100:300, 10:30], whole[2 * CHUNK_ROWS :, 10:30]]), rtol=0, atol=0)
+    fill_(
+        part, ("normal", 0.5), "w", ShardLayout(full_shape=shape, rows=rows, cols=(10, 30)), seed=3
+    )
+    torch.testing.assert_close(
+        part, torch.cat([whole[100:300, 10:30], whole[2 * CHUNK_ROWS :, 10:30]]), rtol=0, atol=0
+    )
 
 
 def test_vocabulary_padding_is_zero():

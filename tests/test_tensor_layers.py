@@ -1,4 +1,5 @@
-"""Tensor-parallel modules in a world of one process: exact torch equivalents, and no-op collectives."""
+"""Tensor-parallel modules in a world of one process: exact torch equivalents, and no-op
+collectives."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from hyparallel.tensor.layers import (
 
 @pytest.fixture(scope="module")
 def group():
-    # A world of one in this process, torn down after the module so nothing else sees a process group.
+    # A world of one in this process, torn down after the module so nothing else sees a process
+    # group.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
@@ -78,25 +80,29 @@ def test_vocab_parallel_cross_entropy_matches_torch(group):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_vocab_parallel_function_in_place_gives_torchs_loss_and_gradient(group, dtype):
-    # The autograd function itself on a group of one (its all-reduces the identity): padded columns past the
-    # vocabulary, an ignored target; its in-place steps (Note [the vocab-parallel loss's memory]) leave the logits
-    # as they were and give F.cross_entropy's gradient, in the logits' dtype.
+    # The autograd function itself on a group of one (its all-reduces the identity): padded columns
+    # past the vocabulary, an ignored target; its in-place steps (Note [the vocab-parallel loss's
+    # memory]) leave the logits as they were and give F.cross_entropy's gradient, in the logits'
+    # dtype.
     from hyparallel.tensor.layers import _VocabParallelCrossEntropy
 
     torch.manual_seed(0)
-    logits = torch.randn(2, 5, 12, dtype=dtype, requires_grad=True)  # vocabulary 11, one padding column
+    # vocabulary 11, one padding column
+    logits = torch.randn(2, 5, 12, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, 11, (2, 5))
     targets[1, 3] = -100
     before = logits.detach().clone()
     ours = _VocabParallelCrossEntropy.apply(logits, targets, 0, 11, group, -100)
     (grad,) = torch.autograd.grad(ours, logits)
-    # exact: no kernel ran on the logits themselves, they are compared with a copy of the very same values
+    # exact: no kernel ran on the logits themselves, they are compared with a copy of the very same
+    # values
     assert torch.equal(logits.detach(), before) and grad.dtype == dtype
     reference = logits.detach()[..., :11].float().requires_grad_()
     expected = F.cross_entropy(reference.flatten(0, 1), targets.flatten())
     expected.backward()
     torch.testing.assert_close(ours.float(), expected)
-    tolerance = {} if dtype == torch.float32 else {"rtol": 0, "atol": 2**-9}  # the gradient rounded to bf16
+    # the gradient rounded to bf16
+    tolerance = {} if dtype == torch.float32 else {"rtol": 0, "atol": 2**-9}
     torch.testing.assert_close(grad[..., :11].float(), reference.grad, **tolerance)
     assert torch.all(grad[..., 11] == 0)  # the padding column's logit gets no gradient
     twice = _VocabParallelCrossEntropy.apply(logits, targets, 0, 11, group, -100)
@@ -109,7 +115,10 @@ def test_the_vocab_parallel_function_in_place_gives_torchs_loss_and_gradient(gro
     ("styles", "message"),
     [
         ({"layers.*.attn.qkv": "column"}, "layers.0.attn.proj must be split too"),
-        ({"layers.*.attn_norm": "column"}, "cannot split layers.0.attn_norm (column; the dataflow allows replicate)"),
+        (
+            {"layers.*.attn_norm": "column"},
+            "cannot split layers.0.attn_norm (column; the dataflow allows replicate)",
+        ),
         (
             {"layers.*.attn.qkv": "row", "layers.*.attn.proj": "row"},
             "cannot split layers.0.attn.qkv (row; the dataflow allows column)",

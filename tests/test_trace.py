@@ -16,16 +16,19 @@ B, S = 2, 32
 
 
 def gpt_flops(cfg, batch, seq):
-    """Megatron-LM's forward model FLOPs: per layer 24*B*s*h^2 + 4*B*s^2*h, plus 2*B*s*h*V for the head."""
+    """Megatron-LM's forward model FLOPs: per layer 24*B*s*h^2 + 4*B*s^2*h, plus 2*B*s*h*V for the
+    head."""
     h = cfg.hidden_size
     return (
-        cfg.num_layers * (24 * batch * seq * h * h + 4 * batch * seq * seq * h) + 2 * batch * seq * h * cfg.vocab_size
+        cfg.num_layers * (24 * batch * seq * h * h + 4 * batch * seq * seq * h)
+        + 2 * batch * seq * h * cfg.vocab_size
     )
 
 
 def llama_layer_flops(hidden, heads, kv_heads, ffn, batch, seq):
     head_dim = hidden // heads
-    projections = 2 * batch * seq * hidden * (2 * hidden + 2 * kv_heads * head_dim)  # q, o and the smaller k, v
+    # q, o and the smaller k, v
+    projections = 2 * batch * seq * hidden * (2 * hidden + 2 * kv_heads * head_dim)
     mlp = 3 * 2 * batch * seq * hidden * ffn  # gate, up, down
     return projections + mlp + 4 * batch * seq * seq * hidden
 
@@ -58,7 +61,9 @@ def test_zoo_llama_matches_closed_forms(name):
     cfg = model.config
     graph = hp.trace(model, model.example_inputs(B, S))
     check_counts(model, graph)
-    layer = llama_layer_flops(cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.ffn_hidden_size, B, S)
+    layer = llama_layer_flops(
+        cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.ffn_hidden_size, B, S
+    )
     assert {block.flops for block in graph.blocks} == {layer}
     assert graph.flops == cfg.num_layers * layer + 2 * B * S * cfg.hidden_size * cfg.vocab_size
 
@@ -77,7 +82,10 @@ def test_hf_gpt2_traced_with_export():
     assert [b.path for b in graph.blocks] == ["transformer.h.0", "transformer.h.1"]
     c_attn = graph.op("transformer.h.0.attn.c_attn")  # transformers' Conv1D: a transposed Linear
     assert c_attn.kind == "linear" and c_attn.target == "Conv1D"
-    assert c_attn.params == ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias")
+    assert c_attn.params == (
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.attn.c_attn.bias",
+    )
     assert c_attn.output_shapes == ((B, S, 3 * cfg.n_embd),)
     head = graph.op("lm_head")  # tied to the token embedding: read, not owned
     assert head.params == ("transformer.wte.weight",) and head.param_count == 0
@@ -99,26 +107,43 @@ def test_hf_llama_with_grouped_query_attention():
     check_counts(model, graph)
     cfg = model.config
     layer = llama_layer_flops(
-        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, B, S
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+        B,
+        S,
     )
-    assert graph.flops == cfg.num_hidden_layers * layer + 2 * B * S * cfg.hidden_size * cfg.vocab_size
-    assert graph.op("model.layers.0.input_layernorm").kind == "norm"  # LlamaRMSNorm, grouped from its ATen ops
+    assert (
+        graph.flops == cfg.num_hidden_layers * layer + 2 * B * S * cfg.hidden_size * cfg.vocab_size
+    )
+    # LlamaRMSNorm, grouped from its ATen ops
+    assert graph.op("model.layers.0.input_layernorm").kind == "norm"
     assert graph.op("model.layers.1.self_attn.k_proj").output_shapes == ((B, S, 2 * 16),)
 
 
 def test_hf_llama_at_7b_shapes_on_meta():
-    model = hp.models.load("hf:llama num_hidden_layers=4").module  # LlamaConfig defaults are Llama-7B's shapes
+    # LlamaConfig defaults are Llama-7B's shapes
+    model = hp.models.load("hf:llama num_hidden_layers=4").module
     graph = hp.trace(model, hp.models.example_inputs(model, 1, 512))
     check_counts(model, graph)
     assert len(graph.blocks) == 4
 
 
 def test_sequential_mlp():
-    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to("meta")
+    mlp = nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+    ).to("meta")
     graph = hp.trace(mlp, torch.zeros(8, 32))
     check_counts(mlp, graph)
     assert graph.flops == 2 * 8 * (32 * 64 + 64 * 64 + 64 * 10)
-    assert [op.kind for op in graph.compute_ops()] == ["linear", "activation", "linear", "activation", "linear"]
+    assert [op.kind for op in graph.compute_ops()] == [
+        "linear",
+        "activation",
+        "linear",
+        "activation",
+        "linear",
+    ]
     assert graph.blocks == () and graph.num_layers == 3
     assert [cut.after for cut in graph.cut_points] == ["0", "2"]
     assert [cut.bytes for cut in graph.cut_points] == [8 * 64 * 4, 8 * 64 * 4]
@@ -138,7 +163,8 @@ class _Activations(nn.Module):
 
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_activations_are_named_with_their_variant(method):
-    # What a CPU's per-element activation costs are keyed by (Note [activations a CPU computes] in cluster.py).
+    # What a CPU's per-element activation costs are keyed by (Note [activations a CPU computes] in
+    # cluster.py).
     graph = hp.trace(_Activations(), torch.zeros(2, 8), method=method)
     functions = [op.function for op in graph.compute_ops() if op.kind == "activation"]
     assert functions == ["gelu", "gelu_tanh", "silu", "gelu_tanh", "gelu"], functions
@@ -155,9 +181,13 @@ def test_graph_is_a_dag_in_execution_order(gpt_tiny_graph):
     qkv = g.nodes["layers.0.attn.qkv"]
     assert qkv["kind"] == "linear" and qkv["module"] == "layers.0.attn.qkv"
     assert qkv["param_count"] == 64 * 192 + 192 and qkv["flops"] == 2 * B * 16 * 64 * 192
-    assert qkv["param_shapes"] == ((192, 64), (192,))  # the owned parameters' shapes, in params order
+    # the owned parameters' shapes, in params order
+    assert qkv["param_shapes"] == ((192, 64), (192,))
     # The tied head reads the embedding's weight and owns nothing: the embedding holds its shape.
-    assert graph.op("output").params == ("tok_embeddings.weight",) and graph.op("output").param_shapes == ()
+    assert (
+        graph.op("output").params == ("tok_embeddings.weight",)
+        and graph.op("output").param_shapes == ()
+    )
     assert graph.op("tok_embeddings").param_shapes == ((256, 64),)
     assert qkv["output_shapes"] == ((B, 16, 192),) and qkv["output_bytes"] == B * 16 * 192 * 4
     assert g.edges["layers.0.attn.qkv", "chunk"]["bytes"] == B * 16 * 192 * 4
@@ -180,10 +210,14 @@ def test_cut_points_between_layers_carry_the_hidden_state():
     inner = [
         c
         for c in graph.cut_points
-        if graph.op(c.after).module.startswith("layers.") and graph.op(c.before).module.startswith("layers.")
+        if graph.op(c.after).module.startswith("layers.")
+        and graph.op(c.before).module.startswith("layers.")
     ]
     assert len(inner) == cfg.num_layers - 1
-    assert all(c.bytes == (B * S * cfg.hidden_size + 2 * S * cfg.head_dim) * 4 and len(c.tensors) == 3 for c in inner)
+    assert all(
+        c.bytes == (B * S * cfg.hidden_size + 2 * S * cfg.head_dim) * 4 and len(c.tensors) == 3
+        for c in inner
+    )
 
 
 @pytest.mark.parametrize("spec", ["gpt-tiny", "llama-tiny", HF_GPT2_TINY, HF_LLAMA_TINY])
@@ -207,7 +241,11 @@ def test_real_model_is_traced_on_meta_and_left_untouched():
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key])
     meta_model = hp.models.build("gpt-tiny")
-    assert graph.flops == hp.trace(meta_model, meta_model.example_inputs(B, S)).flops == gpt_flops(model.config, B, S)
+    assert (
+        graph.flops
+        == hp.trace(meta_model, meta_model.example_inputs(B, S)).flops
+        == gpt_flops(model.config, B, S)
+    )
 
 
 class ShapeBranch(nn.Module):
@@ -264,8 +302,8 @@ def test_untraceable_model_names_the_construct_the_module_and_the_line():
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(
-        "cannot trace Sequential: torch.fx: TraceError: symbolically traced variables cannot be used "
-        "as inputs to control flow (in module '1', test_trace.py:"
+        "cannot trace Sequential: torch.fx: TraceError: symbolically traced variables cannot be"
+        " used as inputs to control flow (in module '1', test_trace.py:"
     )
     assert "torch.export: " in message and message.count("in module '1'") == 2
     assert "if x.sum() > 0:" in message and "torch.where or torch.cond" in message
@@ -315,7 +353,12 @@ def line_of(code: str) -> str:
 @pytest.mark.parametrize(
     ("model", "example", "error", "line"),
     [
-        (WrongReshape, torch.zeros(2, 8, 64), "shape '[2, 16, 4, 16]' is invalid for input of size 1024", "y.view(2,"),
+        (
+            WrongReshape,
+            torch.zeros(2, 8, 64),
+            "shape '[2, 16, 4, 16]' is invalid for input of size 1024",
+            "y.view(2,",
+        ),
         (TooNarrow, torch.zeros(2, 16), "[2, 16] X [32, 8]", "# 16 features in"),
     ],
 )
@@ -325,7 +368,8 @@ def test_a_shape_error_is_called_a_shape_mismatch_at_the_users_line(model, examp
     message = str(info.value)
     assert "\n" not in message and error in message and "shape mismatch" in message
     assert "control flow that depends" not in message and "torch.where" not in message
-    assert message.count(line_of(line)) == 2  # both tracers: fx from the graph node's recorded source line
+    # both tracers: fx from the graph node's recorded source line
+    assert message.count(line_of(line)) == 2
     assert "<string>" not in message and "<eval_with_key>" not in message
 
 
@@ -352,8 +396,9 @@ def test_an_encoder_decoder_traces_and_plans_and_without_decoder_inputs_is_told_
     message = str(info.value)
     assert "\n" not in message and "<string>" not in message and "torch.where" not in message
     assert "(in module 'decoder', modeling_t5.py:" in message
-    assert "forward needs decoder_input_ids or decoder_inputs_embeds, which the example inputs (giving input_ids)" in (
-        message
+    assert (
+        "forward needs decoder_input_ids or decoder_inputs_embeds, which the example inputs (giving"
+        " input_ids)" in (message)
     )
 
 
@@ -369,7 +414,9 @@ def test_keyword_and_optional_inputs():
     assert graph.method == "fx" and graph.flops == 2 * 4 * 8 * 8
     assert [op.name for op in graph.ops if op.kind == "input"] == ["x"]
     gpt = hp.models.build("gpt-tiny")
-    assert hp.trace(gpt, {"tokens": torch.zeros(B, S, dtype=torch.long)}).flops == gpt_flops(gpt.config, B, S)
+    assert hp.trace(gpt, {"tokens": torch.zeros(B, S, dtype=torch.long)}).flops == gpt_flops(
+        gpt.config, B, S
+    )
 
 
 @pytest.mark.parametrize(
@@ -377,12 +424,21 @@ def test_keyword_and_optional_inputs():
     [
         (RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x16 and 32x8)"), "shape"),
         (
-            RuntimeError("The size of tensor a (8) must match the size of tensor b (4) at non-singleton dimension 1"),
+            RuntimeError(
+                "The size of tensor a (8) must match the size of tensor b (4) at non-singleton"
+                " dimension 1"
+            ),
             "shape",
         ),
-        (ValueError("You have to specify either decoder_input_ids or decoder_inputs_embeds"), "missing_input"),
+        (
+            ValueError("You have to specify either decoder_input_ids or decoder_inputs_embeds"),
+            "missing_input",
+        ),
         (TypeError("forward() missing 1 required positional argument: 'mask'"), "missing_input"),
-        (NotImplementedError("aten::bincount: attempted to run this operator with Meta tensors"), "unsupported_op"),
+        (
+            NotImplementedError("aten::bincount: attempted to run this operator with Meta tensors"),
+            "unsupported_op",
+        ),
         (RuntimeError("Could not guard on data-dependent expression u0 > 3"), "data_dependent"),
         (KeyError("weight"), "other"),
     ],
@@ -404,19 +460,25 @@ def test_an_op_without_a_meta_kernel_is_called_unsupported():
     with pytest.raises(TraceError) as info:
         hp.trace(Unsupported(), torch.zeros(2, 8, dtype=torch.long))
     message = str(info.value)
-    assert "aten::bincount" in message and "torch.library.register_fake" in message and "torch.where" not in message
+    assert (
+        "aten::bincount" in message
+        and "torch.library.register_fake" in message
+        and "torch.where" not in message
+    )
 
 
-# ---- mixture-of-experts: grouped matrix products (Note [grouped matmul FLOPs]) --------------------------------
+# ---- mixture-of-experts: grouped matrix products (Note [grouped matmul FLOPs]) -------------------
 
 
 class GroupedExperts(nn.Module):
-    """Expert weights (experts, hidden, ffn) applied to rows grouped by expert, as MoE layers run them."""
+    """Expert weights (experts, hidden, ffn) applied to rows grouped by expert, as MoE layers run
+    them."""
 
     def __init__(self, experts: int = 4, hidden: int = 16, ffn: int = 32):
         super().__init__()
         self.up = nn.Parameter(torch.empty(experts, hidden, ffn, dtype=torch.bfloat16))
-        self.register_buffer("offs", torch.arange(2, 2 * experts + 1, 2, dtype=torch.int32))  # 2 rows an expert
+        # 2 rows an expert
+        self.register_buffer("offs", torch.arange(2, 2 * experts + 1, 2, dtype=torch.int32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch._grouped_mm(x, self.up, offs=self.offs)
@@ -432,19 +494,21 @@ def test_a_grouped_expert_matmul_counts_2mnk():
 def test_hf_mixture_of_experts_counts_its_expert_matmuls():
     hidden, ffn, experts, top_k, tokens = 64, 128, 4, 2, 16
     model = hp.models.load(
-        f"hf:MixtralForCausalLM num_hidden_layers=1 hidden_size={hidden} num_attention_heads=4 num_key_value_heads=2 "
-        f"intermediate_size={ffn} vocab_size=128 max_position_embeddings=64 num_local_experts={experts} "
-        f"num_experts_per_tok={top_k} bos_token_id=0 eos_token_id=0"
+        f"hf:MixtralForCausalLM num_hidden_layers=1 hidden_size={hidden} num_attention_heads=4"
+        f" num_key_value_heads=2 intermediate_size={ffn} vocab_size=128 max_position_embeddings=64"
+        f" num_local_experts={experts} num_experts_per_tok={top_k} bos_token_id=0 eos_token_id=0"
     ).module
     graph = hp.trace(model, {"input_ids": torch.zeros(1, tokens, dtype=torch.long, device="meta")})
-    routed = tokens * top_k  # every token runs through top_k experts: gate and up (hidden -> 2 ffn), down
+    # every token runs through top_k experts: gate and up (hidden -> 2 ffn), down
+    routed = tokens * top_k
     assert graph.flops_by_kind()["matmul"] == routed * (2 * hidden * 2 * ffn + 2 * ffn * hidden)
 
 
 def test_a_failed_trace_leaves_the_grad_mode_as_it_was():
-    # A trace that fails midway with autograd switched off (torch.export failing inside its no-grad regions did,
-    # for CpmAnt) left it off for the process: every later backward failed ("element 0 of tensors does not
-    # require grad"). Here the model's own forward switches it off and then fails, under both tracers.
+    # A trace that fails midway with autograd switched off (torch.export failing inside its no-grad
+    # regions did, for CpmAnt) left it off for the process: every later backward failed ("element 0
+    # of tensors does not require grad"). Here the model's own forward switches it off and then
+    # fails, under both tracers.
     class OffThenFails(nn.Module):
         def __init__(self):
             super().__init__()
@@ -460,7 +524,8 @@ def test_a_failed_trace_leaves_the_grad_mode_as_it_was():
 
 
 def test_parameters_whose_ops_never_reach_the_output_are_unused():
-    # BigBird's causal-LM head drops its pooler's output: DDP must ignore those parameters (no gradient ever).
+    # BigBird's causal-LM head drops its pooler's output: DDP must ignore those parameters (no
+    # gradient ever).
     class Dropped(nn.Module):
         def __init__(self):
             super().__init__()
@@ -477,24 +542,30 @@ def test_parameters_whose_ops_never_reach_the_output_are_unused():
 
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_parameters_read_without_a_gradient_path_are_unused(method):
-    # Mra's attention without its kernels returns zeros_like(query).requires_grad_(): its projections run, but no
-    # loss reaches them; DDP waited for their gradients ("Expected to have finished reduction" at the second step).
-    # Exactly the parameters one eager backward leaves without a gradient, by name.
+    # Mra's attention without its kernels returns zeros_like(query).requires_grad_(): its
+    # projections run, but no loss reaches them; DDP waited for their gradients ("Expected to have
+    # finished reduction" at the second step). Exactly the parameters one eager backward leaves
+    # without a gradient, by name.
     from tests.tiny_lms import detached_lm
 
     model = detached_lm()
     tokens = torch.randint(0, 64, (2, 8))
     model(tokens).sum().backward()
     no_grad = {name for name, p in model.named_parameters() if p.grad is None}
-    assert no_grad == {f"layers.{i}.attn.{p}_proj.{w}" for i in (0, 1) for p in "kv" for w in ("weight", "bias")}
-    graph = hp.trace(detached_lm().to("meta"), torch.zeros(2, 8, dtype=torch.long, device="meta"), method=method)
+    assert no_grad == {
+        f"layers.{i}.attn.{p}_proj.{w}" for i in (0, 1) for p in "kv" for w in ("weight", "bias")
+    }
+    graph = hp.trace(
+        detached_lm().to("meta"), torch.zeros(2, 8, dtype=torch.long, device="meta"), method=method
+    )
     assert set(graph.unused_params) == no_grad
     assert graph.params_outside_logits == ()
 
 
 class WritesInPlace(nn.Module):
-    """Projections written into a zero tensor in place (``out[:, :4] = proj(x)``, ``out.add_(proj2(x))``): the head
-    reads the tensor by its producer, the zeros, which carry no gradient."""
+    """Projections written into a zero tensor in place (``out[:, :4] = proj(x)``,
+    ``out.add_(proj2(x))``): the head reads the tensor by its producer, the zeros, which carry no
+    gradient."""
 
     def __init__(self, setitem: bool):
         super().__init__()
@@ -509,21 +580,31 @@ class WritesInPlace(nn.Module):
         return self.head(out)
 
 
-@pytest.mark.parametrize(("method", "setitem"), [("fx", False), ("export", False), ("export", True)])
+@pytest.mark.parametrize(
+    ("method", "setitem"), [("fx", False), ("export", False), ("export", True)]
+)
 def test_parameters_written_in_place_into_what_reaches_the_output_are_used(method, setitem):
-    # Listed unused, DDP would ignore them: their gradients never averaged, each rank training its own, no error.
-    graph = hp.trace(WritesInPlace(setitem).to("meta"), torch.zeros(2, 6, 8, device="meta"), method=method)
+    # Listed unused, DDP would ignore them: their gradients never averaged, each rank training its
+    # own, no error.
+    graph = hp.trace(
+        WritesInPlace(setitem).to("meta"), torch.zeros(2, 6, 8, device="meta"), method=method
+    )
     assert graph.unused_params == ()
 
 
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_parameters_only_other_outputs_reach_are_outside_the_logits(method):
-    # EncoderDecoderModel without cross-attention: the encoder's states are returned, the logits never read them.
-    # No gradient under the default loss, one under a loss of the encoder's output: not ignorable, found per step.
+    # EncoderDecoderModel without cross-attention: the encoder's states are returned, the logits
+    # never read them. No gradient under the default loss, one under a loss of the encoder's output:
+    # not ignorable, found per step.
     class TwoHeads(nn.Module):
         def __init__(self):
             super().__init__()
-            self.encoder, self.decoder, self.dead = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            self.encoder, self.decoder, self.dead = (
+                nn.Linear(8, 8),
+                nn.Linear(8, 8),
+                nn.Linear(8, 8),
+            )
 
         def forward(self, x):
             torch.zeros_like(self.dead(x))
@@ -535,11 +616,17 @@ def test_parameters_only_other_outputs_reach_are_outside_the_logits(method):
 
 
 def test_blocks_of_nested_module_lists_are_the_layers_and_do_not_overlap():
-    # Funnel keeps its layers in a ModuleList of ModuleLists: both levels repeat, and counting both as blocks
-    # counted each layer's work twice and made FSDP wrap a ModuleList, which has no forward.
+    # Funnel keeps its layers in a ModuleList of ModuleLists: both levels repeat, and counting both
+    # as blocks counted each layer's work twice and made FSDP wrap a ModuleList, which has no
+    # forward.
     model = hp.models.load("tests.tiny_lms:nested_lm").module
     graph = hp.trace(model, hp.models.example_inputs(model, 1, 16))
-    assert [b.path for b in graph.blocks] == ["layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1"]
+    assert [b.path for b in graph.blocks] == [
+        "layers.0.0",
+        "layers.0.1",
+        "layers.1.0",
+        "layers.1.1",
+    ]
     ops = [name for block in graph.blocks for name in block.ops]
     assert len(ops) == len(set(ops))
     # one layer per group: the groups (ModuleLists, no forward of their own) are the repeated blocks
@@ -549,18 +636,21 @@ def test_blocks_of_nested_module_lists_are_the_layers_and_do_not_overlap():
 
 
 def test_a_no_grad_region_is_left_to_torch_export_which_records_it():
-    # torch.fx records the ops inside `with torch.no_grad():` as ordinary ones; torch.export keeps the region.
+    # torch.fx records the ops inside `with torch.no_grad():` as ordinary ones; torch.export keeps
+    # the region.
     model = hp.models.load("tests.tiny_lms:no_grad_lm").module
     graph = hp.trace(model, hp.models.example_inputs(model, 1, 16))
     assert graph.method == "export"
-    regions = [n for n in graph.program.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)]
+    regions = [
+        n for n in graph.program.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)
+    ]
     assert len(regions) == 1 and regions[0].args[0] is False
     assert torch.is_grad_enabled()
 
 
 class VmapMasked(nn.Module):
-    """Each block builds its sliding-window mask with torch.vmap, as Hugging Face's mask functions do (a window of
-    its own width and index type: the same vmap entry, other ops inside)."""
+    """Each block builds its sliding-window mask with torch.vmap, as Hugging Face's mask functions
+    do (a window of its own width and index type: the same vmap entry, other ops inside)."""
 
     def __init__(self):
         super().__init__()
@@ -569,23 +659,29 @@ class VmapMasked(nn.Module):
     def forward(self, x):
         for i, layer in enumerate(self.layers):
             seq = torch.arange(x.shape[1], device=x.device, dtype=(torch.int64, torch.int32)[i % 2])
-            window = torch.vmap(lambda q, seq=seq, i=i: ((seq <= q) & (seq > q - 2 - i)).float())(seq)
+            window = torch.vmap(lambda q, seq=seq, i=i: ((seq <= q) & (seq > q - 2 - i)).float())(
+                seq
+            )
             x = window @ layer(x)
         return x
 
 
 def test_a_vmap_in_every_block_is_profiled_as_it_runs():
-    # The profiler replayed the second block's vmap entry from the first's (same op, same shapes): it never
-    # entered the vmap, and what ran inside failed (T5Gemma2: "batched == nullptr INTERNAL ASSERT FAILED").
+    # The profiler replayed the second block's vmap entry from the first's (same op, same shapes):
+    # it never entered the vmap, and what ran inside failed (T5Gemma2: "batched == nullptr INTERNAL
+    # ASSERT FAILED").
     graph = hp.trace(VmapMasked().to("meta"), torch.zeros(2, 4, 8, device="meta"))
     assert graph.method == "export"
-    assert [op.output_shapes for op in graph.compute_ops() if op.kind == "linear"] == [((2, 4, 8),)] * 2
+    assert [op.output_shapes for op in graph.compute_ops() if op.kind == "linear"] == [
+        ((2, 4, 8),)
+    ] * 2
     assert torch._C._functorch.get_dynamic_layer_stack_depth() == 0
 
 
 def test_a_trace_failing_inside_a_vmap_leaves_torch_as_it_was():
-    # T5Gemma2's failed export left a vmap level pushed: every later random op of the process raised "vmap:
-    # called random operation while in randomness error mode", the next model could not even be initialised.
+    # T5Gemma2's failed export left a vmap level pushed: every later random op of the process raised
+    # "vmap: called random operation while in randomness error mode", the next model could not even
+    # be initialised.
     from hyparallel.graph.tracer import kept_torch_state
 
     with pytest.raises(RuntimeError, match="midway"), kept_torch_state():
@@ -597,8 +693,9 @@ def test_a_trace_failing_inside_a_vmap_leaves_torch_as_it_was():
 
 
 def test_a_kv_cache_a_nested_config_asks_for_is_off_while_tracing():
-    # VibeVoiceAsr and MossTranscribe take use_cache only through **kwargs, their text_config on: the output held
-    # a DynamicCache, which torch.export refuses ("not a known type"); every layout was refused as untraceable.
+    # VibeVoiceAsr and MossTranscribe take use_cache only through **kwargs, their text_config on:
+    # the output held a DynamicCache, which torch.export refuses ("not a known type"); every layout
+    # was refused as untraceable.
     from transformers import DynamicCache, PretrainedConfig
 
     class WithCache(nn.Module):
@@ -621,7 +718,8 @@ def test_a_kv_cache_a_nested_config_asks_for_is_off_while_tracing():
 
 
 class WritesIntoItsScores(nn.Module):
-    """Each block writes into a tensor it computed (a gated delta rule's chunk loop: ``attn[..., i, :i] = ...``)."""
+    """Each block writes into a tensor it computed (a gated delta rule's chunk loop: ``attn[..., i,
+    :i] = ...``)."""
 
     def __init__(self):
         super().__init__()
@@ -638,16 +736,22 @@ class WritesIntoItsScores(nn.Module):
 
 
 def test_a_write_into_a_repeated_blocks_output_is_profiled():
-    # The profiler replays a repeated block's outputs as fresh tensors: requiring grad, they were leaves, and the
-    # block's in-place write into them raised "a leaf Variable that requires grad is being used in an in-place
-    # operation" (KimiLinear, OlmoHybrid, RecurrentGemma: untraceable).
-    graph = hp.trace(WritesIntoItsScores().to("meta"), torch.zeros(2, 4, 8, device="meta"), method="export")
-    assert [op.module for op in graph.compute_ops() if op.kind == "linear"] == ["layers.0", "layers.1"]
+    # The profiler replays a repeated block's outputs as fresh tensors: requiring grad, they were
+    # leaves, and the block's in-place write into them raised "a leaf Variable that requires grad is
+    # being used in an in-place operation" (KimiLinear, OlmoHybrid, RecurrentGemma: untraceable).
+    graph = hp.trace(
+        WritesIntoItsScores().to("meta"), torch.zeros(2, 4, 8, device="meta"), method="export"
+    )
+    assert [op.module for op in graph.compute_ops() if op.kind == "linear"] == [
+        "layers.0",
+        "layers.1",
+    ]
     assert graph.unused_params == ()
 
 
 class ScanLayer(nn.Module):
-    """RecurrentGemma's RG-LRU: a leaf module that writes each step's state into a zero tensor it returns."""
+    """RecurrentGemma's RG-LRU: a leaf module that writes each step's state into a zero tensor it
+    returns."""
 
     def __init__(self):
         super().__init__()
@@ -664,7 +768,9 @@ class ScanLayer(nn.Module):
 class ScanLM(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList(nn.ModuleDict({"proj": nn.Linear(8, 8), "scan": ScanLayer()}) for _ in range(2))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"proj": nn.Linear(8, 8), "scan": ScanLayer()}) for _ in range(2)
+        )
 
     def forward(self, x):
         for layer in self.layers:
@@ -673,9 +779,10 @@ class ScanLM(nn.Module):
 
 
 def test_a_leaf_module_returning_what_it_wrote_into_carries_a_gradient():
-    # Exported, the leaf module's ops are one op whose output is the zeros it wrote into: recorded as requiring no
-    # grad when created, the op cut every gradient path through it, and DDP ignored the projections and gates
-    # (RecurrentGemma dp 2: their gradients each rank's own, 1.3 relative off, no error).
+    # Exported, the leaf module's ops are one op whose output is the zeros it wrote into: recorded
+    # as requiring no grad when created, the op cut every gradient path through it, and DDP ignored
+    # the projections and gates (RecurrentGemma dp 2: their gradients each rank's own, 1.3 relative
+    # off, no error).
     model = ScanLM()
     model(torch.randn(2, 4, 8)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())

@@ -1,10 +1,11 @@
-"""A meta model is exported for the device it will run on (Note [exported for the device it runs on],
-hyparallel/graph/tracer.py): code that branches on its tensors' device takes the run device's branch, and tensor
-constants the forward creates come out real and reach the pipeline stage that reads them.
+"""A meta model is exported for the device it will run on (Note [exported for the device it runs
+on], hyparallel/graph/tracer.py): code that branches on its tensors' device takes the run device's
+branch, and tensor constants the forward creates come out real and reach the pipeline stage that
+reads them.
 
-Before, the export saw ``device.type == "meta"``: transformers' MoE took its int ``histc`` branch and failed on the
-CPU ("histogram_cpu" not implemented for 'Int'; Mixtral, Qwen-MoE, OLMoE at pp 2), and Falcon's ``torch.tensor``
-constants were refused ("a meta-device trace cannot give its value").
+Before, the export saw ``device.type == "meta"``: transformers' MoE took its int ``histc`` branch
+and failed on the CPU ("histogram_cpu" not implemented for 'Int'; Mixtral, Qwen-MoE, OLMoE at pp 2),
+and Falcon's ``torch.tensor`` constants were refused ("a meta-device trace cannot give its value").
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def test_the_export_takes_the_branch_of_the_device_it_runs_on():
     graph = hp.trace(model, example)
     assert graph.method == "export"  # torch.fx cannot branch on a Proxy's device
     assert histc_inputs(graph) == [torch.float32]  # the CPU's branch, not meta's int one
-    with tracing_device("meta"):  # what a plain meta export bakes in: the branch that fails on the CPU
+    # what a plain meta export bakes in: the branch that fails on the CPU
+    with tracing_device("meta"):
         assert histc_inputs(hp.trace(model, example)) == [torch.int32]
 
 
@@ -52,7 +54,8 @@ def test_a_pipeline_of_a_device_branching_model_with_forward_constants_equals_th
     ref = materialize_(hp.models.load(SPEC).module, "cpu", seed=3)
     ref_loss = torch.nn.functional.cross_entropy(ref(inputs).flatten(0, 1), targets.flatten())
     ref_loss.backward()
-    # The same ops on the same values through an exported graph: fp32 rounding at most (rtol 1e-5 / atol 1e-6).
+    # The same ops on the same values through an exported graph: fp32 rounding at most (rtol 1e-5 /
+    # atol 1e-6).
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     grads, compared = dict(ref.named_parameters()), set()
     for k in range(2):

@@ -1,9 +1,11 @@
-"""examples/train_loop.py end to end: a user's own loop, resumed under another plan, reads the same numbers.
+"""examples/train_loop.py end to end: a user's own loop, resumed under another plan, reads the same
+numbers.
 
-Four processes train 4 optimizer steps of 2 accumulated batches each (label-smoothed (total, count) loss, warm-up,
-clipping, evaluation after every step, TensorBoard, a checkpoint every 2 steps); two processes (another plan) then
-resume from the step-2 checkpoint. Steps 3 and 4 must print the same training and evaluation losses: the weights,
-the optimizer's moments and learning rate, the scheduler and the data position all come back, resharded.
+Four processes train 4 optimizer steps of 2 accumulated batches each (label-smoothed (total, count)
+loss, warm-up, clipping, evaluation after every step, TensorBoard, a checkpoint every 2 steps); two
+processes (another plan) then resume from the step-2 checkpoint. Steps 3 and 4 must print the same
+training and evaluation losses: the weights, the optimizer's moments and learning rate, the
+scheduler and the data position all come back, resharded.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ import pytest
 def run(repo, processes: int, folder, *extra: str) -> dict[int, tuple[float, float]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(processes),
+        ]
         + ["examples/train_loop.py", "--steps", "4", "--accumulate", "2", "--eval-every", "1"]
         + ["--checkpoint-every", "2", "--checkpoint-dir", str(folder / "ckpt"), *extra],
         capture_output=True,
@@ -47,7 +56,8 @@ def runs(tmp_path_factory, repo):
 def test_a_run_resumed_under_another_plan_reads_the_same_losses(runs):
     _, first, resumed = runs
     assert sorted(first) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
-    for step in (3, 4):  # printed to 6 decimals; 4 ranks against 2 sum in another order: rounding only
+    # printed to 6 decimals; 4 ranks against 2 sum in another order: rounding only
+    for step in (3, 4):
         for got, want in zip(resumed[step], first[step]):
             assert got == pytest.approx(want, rel=1e-5, abs=2e-6), step
     assert first[4][1] < first[1][1]  # the held-out loss falls

@@ -1,10 +1,12 @@
-"""A user's own training loop reads the single device's numbers under every plan (tests/distributed/loop_worker.py).
+"""A user's own training loop reads the single device's numbers under every plan
+(tests/distributed/loop_worker.py).
 
-One launch of 4 gloo processes runs the matrix: dp, tp (vocab-parallel and gathered logits), pp (GPipe, 1F1B,
-interleaved), mixes, ZeRO 1, one to four micro-batches, torch.fx and torch.export stages; train_step's loss and every
-gradient for the default loss, a (total, count) loss and a mean loss, accumulation over calls, eval_step on a batch
-of another size, the forward's logits, greedy generation, and Hugging Face inputs the pipeline was not traced with.
-Note [the loss a user reads] (hyparallel/runtime/loss.py) defines the numbers.
+One launch of 4 gloo processes runs the matrix: dp, tp (vocab-parallel and gathered logits), pp
+(GPipe, 1F1B, interleaved), mixes, ZeRO 1, one to four micro-batches, torch.fx and torch.export
+stages; train_step's loss and every gradient for the default loss, a (total, count) loss and a mean
+loss, accumulation over calls, eval_step on a batch of another size, the forward's logits, greedy
+generation, and Hugging Face inputs the pipeline was not traced with. Note [the loss a user reads]
+(hyparallel/runtime/loss.py) defines the numbers.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def results(tmp_path_factory, repo):
 @pytest.mark.parametrize("case", CASES)
 def test_losses_gradients_and_outputs_are_the_single_devices(results, case):
     ranks = results[case]
-    for rank in ranks:  # each loss on every rank, within rtol 1e-5 (also asserted in the worker, by name)
+    # each loss on every rank, within rtol 1e-5 (also asserted in the worker, by name)
+    for rank in ranks:
         for key, (got, want) in rank["losses"].items():
             assert got == pytest.approx(want, rel=1e-5), (key, rank["rank"])
         assert "train_step already ran the backward" in rank["backward_refused"]
@@ -52,22 +55,33 @@ def test_the_matrix_covers_one_and_several_micro_batches_and_every_loss(results)
     microbatches = {results[case][0]["microbatches"] for case in CASES}
     assert 1 in microbatches and max(microbatches) >= 4
     keys = {key for case in CASES for key in results[case][0]["losses"]}
-    assert {"train_default", "train_pair", "train_mean", "eval_default", "eval_pair", "eval_labels"} <= keys
+    assert {
+        "train_default",
+        "train_pair",
+        "train_mean",
+        "eval_default",
+        "eval_pair",
+        "eval_labels",
+    } <= keys
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "zero" in c])
 def test_an_optimizer_made_after_an_eval_under_zero_updates_the_weights(results, case):
-    # FSDP2 keeps a forward's gathered weights for its backward under ZeRO 1 and 2: an eval and a call of the model
-    # hand them back, so the parameters an optimizer then holds are the shards (compared after one SGD step)
+    # FSDP2 keeps a forward's gathered weights for its backward under ZeRO 1 and 2: an eval and a
+    # call of the model hand them back, so the parameters an optimizer then holds are the shards
+    # (compared after one SGD step)
     compared: dict[int, set[str]] = {}
     for rank in results[case]:
         compared.setdefault(rank["dp_rank"], set()).update(rank["stepped_after_eval"])
     assert_every_parameter_compared(results[case][0]["parameter_groups"], compared)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "pp" in c and c != "dp2-pp2-interleaved-m2" and "zero" not in c])
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if "pp" in c and c != "dp2-pp2-interleaved-m2" and "zero" not in c]
+)
 def test_greedy_generation_under_a_pipeline_gives_the_single_devices_tokens(results, case):
-    # exact token ids are well defined only where no greedy pick is near a tie (loop_worker: generation_margin)
+    # exact token ids are well defined only where no greedy pick is near a tie (loop_worker:
+    # generation_margin)
     assert all(rank["generation_margin"] > 100 * 1e-5 for rank in results[case])
     assert all(rank["generated_equal"] for rank in results[case])
 

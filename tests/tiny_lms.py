@@ -1,17 +1,21 @@
-"""Hand-written tiny language models for the classes of tensor parallelism the zoo does not show (issue 16).
+"""Hand-written tiny language models for the classes of tensor parallelism the zoo does not show
+(issue 16).
 
-Factories for ``hp.models.load("tests.tiny_lms:NAME key=value ...")`` (the repository root on the path):
+Factories for ``hp.models.load("tests.tiny_lms:NAME key=value ...")`` (the repository root on the
+path):
 
-* ``scaled_embedding_lm``: the token embedding is an nn.Embedding subclass with its own forward (it multiplies by
-  a scale, as Gemma's does), and the first block's MLP up projection an nn.Linear subclass with its own forward.
+* ``scaled_embedding_lm``: the token embedding is an nn.Embedding subclass with its own forward (it
+  multiplies by a scale, as Gemma's does), and the first block's MLP up projection an nn.Linear
+  subclass with its own forward.
 * ``config_split_lm``: nanoGPT's attention, its fused [q | k | v] split with the configured width.
-* ``mqa_lm``: multi-query attention, one key/value head shared by every query head; ``fused=True`` computes
-  [q | k | v] in one Linear split by sizes, otherwise q, k and v are separate Linears.
-* ``heads_attribute_lm``: diffusers' attention, its head count in ``heads`` and its head size read off the split
-  projection's width.
-* ``interleaved_lm``: a fused projection whose output interleaves q, k and v: per head (``groups=0``: viewed as
-  (..., heads, 3, head_dim) and unbound, as Bloom does) or per group of heads (CodeGen's ``mp_num`` groups, each
-  q | k | v for several heads, regrouped into heads after the cut).
+* ``mqa_lm``: multi-query attention, one key/value head shared by every query head; ``fused=True``
+  computes [q | k | v] in one Linear split by sizes, otherwise q, k and v are separate Linears.
+* ``heads_attribute_lm``: diffusers' attention, its head count in ``heads`` and its head size read
+  off the split projection's width.
+* ``interleaved_lm``: a fused projection whose output interleaves q, k and v: per head
+  (``groups=0``: viewed as (..., heads, 3, head_dim) and unbound, as Bloom does) or per group of
+  heads (CodeGen's ``mp_num`` groups, each q | k | v for several heads, regrouped into heads after
+  the cut).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from benchmarks.sweep_models import TorchEncoderLM  # the sweep's nn.Transformer
 
 
 class ScaledEmbedding(nn.Embedding):
-    """An embedding whose forward multiplies by a constant: swapped for a plain one, it would lose the scale."""
+    """An embedding whose forward multiplies by a constant: swapped for a plain one, it would lose
+    the scale."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, scale: float):
         super().__init__(num_embeddings, embedding_dim)
@@ -44,14 +49,22 @@ class ScaledLinear(nn.Linear):
 
 
 class Attention(nn.Module):
-    """Causal attention with ``kv_heads`` key/value heads (1: multi-query), fused [q | k | v] or separate.
+    """Causal attention with ``kv_heads`` key/value heads (1: multi-query), fused [q | k | v] or
+    separate.
 
     The fused split takes one key/value head of each (kv_heads = 1 when fused).
     """
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, fused: bool, by_config: bool = False):
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, fused: bool, by_config: bool = False
+    ):
         super().__init__()
-        self.head_dim, self.fused, self.by_config, self.hidden = hidden // heads, fused or by_config, by_config, hidden
+        self.head_dim, self.fused, self.by_config, self.hidden = (
+            hidden // heads,
+            fused or by_config,
+            by_config,
+            hidden,
+        )
         kv = kv_heads * self.head_dim
         if fused:
             self.qkv = nn.Linear(hidden, hidden + 2 * kv)
@@ -62,21 +75,27 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        if self.by_config:  # nanoGPT's split(self.n_embd, dim=2): the full width, whatever tp leaves this rank
+        # nanoGPT's split(self.n_embd, dim=2): the full width, whatever tp leaves this rank
+        if self.by_config:
             q, k, v = self.qkv(x).split(self.hidden, dim=-1)
-        elif self.fused:  # sizes from the tensor, not the config: the query part is what the key/value heads leave
+        # sizes from the tensor, not the config: the query part is what the key/value heads leave
+        elif self.fused:
             qkv = self.qkv(x)
-            q, k, v = qkv.split((qkv.size(-1) - 2 * self.head_dim, self.head_dim, self.head_dim), dim=-1)
+            q, k, v = qkv.split(
+                (qkv.size(-1) - 2 * self.head_dim, self.head_dim, self.head_dim), dim=-1
+            )
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        k, v = k.expand_as(q), v.expand_as(q)  # each key/value head serves every query head (one group)
+        # each key/value head serves every query head (one group)
+        k, v = k.expand_as(q), v.expand_as(q)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class QKNormAttention(Attention):
-    """Qwen3's / Kolibri's QK-norm: one norm over head_dim whose weight every head shares, inside the split heads."""
+    """Qwen3's / Kolibri's QK-norm: one norm over head_dim whose weight every head shares, inside
+    the split heads."""
 
     def __init__(self, hidden: int, heads: int):
         super().__init__(hidden, heads, heads, False)
@@ -93,9 +112,10 @@ class QKNormAttention(Attention):
 
 
 class HeadsAttributeAttention(Attention):
-    """diffusers' ``Attention``: the head count in ``heads`` (a name the analysis does not know), the head size
-    computed from the projection's width (``head_dim = key.shape[-1] // attn.heads``) and an explicit softmax scale
-    of that size. Split by heads without dividing ``heads``, each rank would run ``heads`` heads of a smaller size."""
+    """diffusers' ``Attention``: the head count in ``heads`` (a name the analysis does not know),
+    the head size computed from the projection's width (``head_dim = key.shape[-1] // attn.heads``)
+    and an explicit softmax scale of that size. Split by heads without dividing ``heads``, each rank
+    would run ``heads`` heads of a smaller size."""
 
     def __init__(self, hidden: int, heads: int):
         super().__init__(hidden, heads, heads, False)
@@ -111,7 +131,8 @@ class HeadsAttributeAttention(Attention):
 
 
 class SharedArgumentAttention(Attention):
-    """CTRL's call convention: ``attn(value, key, query)``, the block passing one normed tensor three times."""
+    """CTRL's call convention: ``attn(value, key, query)``, the block passing one normed tensor
+    three times."""
 
     def forward(self, v: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         batch, seq, _ = q.shape
@@ -137,7 +158,8 @@ class SharedArgumentBlock(nn.Module):
 
 
 class InterleavedAttention(nn.Module):
-    """Causal attention whose fused qkv interleaves q, k, v per head (``groups=0``) or per group of heads."""
+    """Causal attention whose fused qkv interleaves q, k, v per head (``groups=0``) or per group of
+    heads."""
 
     def __init__(self, hidden: int, heads: int, groups: int):
         super().__init__()
@@ -189,7 +211,9 @@ class TinyLM(nn.Module):
         self.norm, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab_size, bias=False)
         self.config = type("Config", (), {"vocab_size": vocab_size})()
 
-    def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> torch.Tensor:
+    def example_inputs(
+        self, batch_size: int, seq_len: int, device: torch.device | str = "meta"
+    ) -> torch.Tensor:
         return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -199,26 +223,40 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def scaled_embedding_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
-    """A scaled token embedding (replicated under tp) and, in layer 0, an MLP up projection with its own forward."""
-    blocks = [Block(hidden, heads, heads, False, ScaledLinear if i == 0 else nn.Linear) for i in range(layers)]
+def scaled_embedding_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
+    """A scaled token embedding (replicated under tp) and, in layer 0, an MLP up projection with its
+    own forward."""
+    blocks = [
+        Block(hidden, heads, heads, False, ScaledLinear if i == 0 else nn.Linear)
+        for i in range(layers)
+    ]
     return TinyLM(ScaledEmbedding(vocab_size, hidden, scale=hidden**0.5), blocks, vocab_size)
 
 
-def mqa_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, fused: bool = False) -> TinyLM:
+def mqa_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, fused: bool = False
+) -> TinyLM:
     """Multi-query attention: one key/value head for all ``heads`` query heads."""
     blocks = [Block(hidden, heads, 1, fused) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
 
 
-def config_split_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
-    """nanoGPT's attention: the fused [q | k | v] split by the configured width (``split(self.n_embd, dim=2)``)."""
+def config_split_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
+    """nanoGPT's attention: the fused [q | k | v] split by the configured width
+    (``split(self.n_embd, dim=2)``)."""
     blocks = [Block(hidden, heads, heads, True, by_config=True) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
 
 
-def interleaved_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, groups: int = 0) -> TinyLM:
-    """A fused qkv interleaved per head (``groups=0``, splittable by heads) or per ``groups`` groups of heads."""
+def interleaved_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, groups: int = 0
+) -> TinyLM:
+    """A fused qkv interleaved per head (``groups=0``, splittable by heads) or per ``groups`` groups
+    of heads."""
     blocks = [Block(hidden, heads, heads, True, groups=groups) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
 
@@ -231,43 +269,56 @@ def qk_norm_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: in
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
 
 
-def heads_attribute_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
-    """diffusers' attention (``HeadsAttributeAttention``): its head count in an attribute named ``heads``."""
+def heads_attribute_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
+    """diffusers' attention (``HeadsAttributeAttention``): its head count in an attribute named
+    ``heads``."""
     blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
     for block in blocks:
         block.attn = HeadsAttributeAttention(hidden, heads)
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
 
 
-def shared_argument_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+def shared_argument_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
     """An attention called as ``attn(x, x, x)`` (``SharedArgumentAttention``)."""
     blocks = [SharedArgumentBlock(hidden, heads) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
 
 
 class DeviceBranchLM(TinyLM):
-    """Counts its tokens per bucket with ``histc``, on floats on the CPU and on ints elsewhere, as transformers'
-    MoE does (``histc`` has no integer kernel on the CPU), and scales the logits by a constant it creates in forward
-    (``torch.tensor``, which torch.export lifts): traced on plain meta tensors, the int branch is baked in."""
+    """Counts its tokens per bucket with ``histc``, on floats on the CPU and on ints elsewhere, as
+    transformers' MoE does (``histc`` has no integer kernel on the CPU), and scales the logits by a
+    constant it creates in forward (``torch.tensor``, which torch.export lifts): traced on plain
+    meta tensors, the int branch is baked in."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         ids = tokens.reshape(-1)
-        counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(), bins=4, min=0, max=63)
+        counts = torch.histc(
+            ids.float() if ids.device.type == "cpu" else ids.int(), bins=4, min=0, max=63
+        )
         x = self.embed(tokens) * (1 + counts.sum() / (counts.sum() + 1e6))
         for layer in self.layers:
             x = layer(x) * torch.tensor(1.0)
         return self.head(self.norm(x))
 
 
-def device_branch_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+def device_branch_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
     """A device-dependent branch and a tensor constant made in forward (``DeviceBranchLM``)."""
     return DeviceBranchLM(
-        nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+        nn.Embedding(vocab_size, hidden),
+        [Block(hidden, heads, heads, False) for _ in range(layers)],
+        vocab_size,
     )
 
 
 class RankSkewedLM(TinyLM):
-    """Wrong on purpose: rank 1 scales its logits by 1.01, so its gradients are not the single device's."""
+    """Wrong on purpose: rank 1 scales its logits by 1.01, so its gradients are not the single
+    device's."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -276,16 +327,22 @@ class RankSkewedLM(TinyLM):
         return super().forward(tokens) * skew
 
 
-def rank_skewed_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
-    """A model whose rank 1 computes something else (``RankSkewedLM``): what a parity check must catch."""
+def rank_skewed_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
+    """A model whose rank 1 computes something else (``RankSkewedLM``): what a parity check must
+    catch."""
     return RankSkewedLM(
-        nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+        nn.Embedding(vocab_size, hidden),
+        [Block(hidden, heads, heads, False) for _ in range(layers)],
+        vocab_size,
     )
 
 
 class MixerBlock(Block):
-    """A block whose token mixer is no attention: FNet's Fourier transform over (sequence, hidden), or a running
-    mean over the sequence (``cumsum``); each mixes the whole sequence outside the split MLP."""
+    """A block whose token mixer is no attention: FNet's Fourier transform over (sequence, hidden),
+    or a running mean over the sequence (``cumsum``); each mixes the whole sequence outside the
+    split MLP."""
 
     def __init__(self, hidden: int, heads: int, mixer: str):
         super().__init__(hidden, heads, heads, False)
@@ -302,14 +359,18 @@ class MixerBlock(Block):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
-def mixer_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, mixer: str = "fft") -> TinyLM:
-    """Blocks mixing tokens without attention (``MixerBlock``): sequence parallelism must not split them."""
+def mixer_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, mixer: str = "fft"
+) -> TinyLM:
+    """Blocks mixing tokens without attention (``MixerBlock``): sequence parallelism must not split
+    them."""
     blocks = [MixerBlock(hidden, heads, mixer) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
 
 
 class ResidualMLP(nn.Module):
-    """Funnel's and XLNet's feed-forward: the residual and its norm inside the module, ``norm(x + down(up(x)))``."""
+    """Funnel's and XLNet's feed-forward: the residual and its norm inside the module, ``norm(x +
+    down(up(x)))``."""
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -333,7 +394,9 @@ class ResidualMLPBlock(Block):
         return self.mlp(x + self.attn(self.norm1(x)))
 
 
-def residual_mlp_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+def residual_mlp_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
     """Feed-forward modules that add their own input back (``ResidualMLP``)."""
     blocks = [ResidualMLPBlock(hidden, heads) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
@@ -354,15 +417,17 @@ class NestedLM(TinyLM):
         return self.head(self.norm(x))
 
 
-def nested_lm(hidden: int = 32, heads: int = 4, groups: int = 2, per_group: int = 2, vocab_size: int = 64) -> TinyLM:
+def nested_lm(
+    hidden: int = 32, heads: int = 4, groups: int = 2, per_group: int = 2, vocab_size: int = 64
+) -> TinyLM:
     """``groups`` ModuleLists of ``per_group`` blocks each (``NestedLM``)."""
     layers = [[Block(hidden, heads, heads, False) for _ in range(per_group)] for _ in range(groups)]
     return NestedLM(nn.Embedding(vocab_size, hidden), layers, vocab_size)
 
 
 class NoGradLM(TinyLM):
-    """HRM's recurrence: layer 0 runs once without gradients (``torch.no_grad()``), moved with ``.to(device)`` as
-    HRM moves its state, then again with them on the sum."""
+    """HRM's recurrence: layer 0 runs once without gradients (``torch.no_grad()``), moved with
+    ``.to(device)`` as HRM moves its state, then again with them on the sum."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -377,12 +442,15 @@ class NoGradLM(TinyLM):
 def no_grad_lm(hidden: int = 32, heads: int = 4, layers: int = 3, vocab_size: int = 64) -> TinyLM:
     """A no-grad region inside forward (``NoGradLM``)."""
     return NoGradLM(
-        nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+        nn.Embedding(vocab_size, hidden),
+        [Block(hidden, heads, heads, False) for _ in range(layers)],
+        vocab_size,
     )
 
 
 class Wrapped(nn.Module):
-    """A projection behind a wrapper module (Moshi's MoshiLinear holds its nn.Linear as ``.linear``)."""
+    """A projection behind a wrapper module (Moshi's MoshiLinear holds its nn.Linear as
+    ``.linear``)."""
 
     def __init__(self, fan_in: int, fan_out: int):
         super().__init__()
@@ -393,7 +461,8 @@ class Wrapped(nn.Module):
 
 
 class WrappedAttention(Attention):
-    """``Attention`` with q, k, v and o behind wrappers; it views by its input's (batch, seq), as HF attention does."""
+    """``Attention`` with q, k, v and o behind wrappers; it views by its input's (batch, seq), as HF
+    attention does."""
 
     def __init__(self, hidden: int, heads: int):
         super().__init__(hidden, heads, heads, False)
@@ -402,11 +471,15 @@ class WrappedAttention(Attention):
 
 
 class GatedViewMLP(nn.Module):
-    """Moshi's gated MLP: one fused [gate | up] projection viewed as (batch, seq, 2, inner) and indexed."""
+    """Moshi's gated MLP: one fused [gate | up] projection viewed as (batch, seq, 2, inner) and
+    indexed."""
 
     def __init__(self, hidden: int):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden, bias=False), nn.Linear(2 * hidden, hidden, bias=False)
+        self.fc1, self.fc2 = (
+            nn.Linear(hidden, 4 * hidden, bias=False),
+            nn.Linear(2 * hidden, hidden, bias=False),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -425,14 +498,17 @@ class MoshiLikeBlock(Block):
         return x + self.mlp(self.norm2(x))
 
 
-def moshi_like_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+def moshi_like_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
     """Wrapped projections and a fused [gate | up] indexed after a view (``MoshiLikeBlock``)."""
     blocks = [MoshiLikeBlock(hidden, heads) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
 
 
 class SamplingLM(TinyLM):
-    """Perturbs its hidden states with noise in training (as Phi-MoE's jitter and Gumbel-sampled routing do)."""
+    """Perturbs its hidden states with noise in training (as Phi-MoE's jitter and Gumbel-sampled
+    routing do)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -446,7 +522,9 @@ class SamplingLM(TinyLM):
 def sampling_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
     """A model whose training forward draws random numbers (``SamplingLM``)."""
     return SamplingLM(
-        nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+        nn.Embedding(vocab_size, hidden),
+        [Block(hidden, heads, heads, False) for _ in range(layers)],
+        vocab_size,
     )
 
 
@@ -468,12 +546,15 @@ class ListLM(TinyLM):
 def list_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
     """Blocks whose output is a list (``ListBlock``)."""
     return ListLM(
-        nn.Embedding(vocab_size, hidden), [ListBlock(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+        nn.Embedding(vocab_size, hidden),
+        [ListBlock(hidden, heads, heads, False) for _ in range(layers)],
+        vocab_size,
     )
 
 
 class InPlaceBlock(Block):
-    """Starts by writing its input in place (``x.add_(offset)``), as RoCBert's embeddings do after a Linear."""
+    """Starts by writing its input in place (``x.add_(offset)``), as RoCBert's embeddings do after a
+    Linear."""
 
     def __init__(self, hidden: int, heads: int):
         super().__init__(hidden, heads, heads, False)
@@ -484,7 +565,8 @@ class InPlaceBlock(Block):
 
 
 def in_place_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
-    """Blocks writing their input in place (``InPlaceBlock``): a pipeline stage receives that input."""
+    """Blocks writing their input in place (``InPlaceBlock``): a pipeline stage receives that
+    input."""
     blocks = [InPlaceBlock(hidden, heads) for _ in range(layers)]
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
 
@@ -498,38 +580,53 @@ def with_attention(make, hidden: int, heads: int, layers: int, vocab_size: int) 
 
 
 class StridedViewAttention(Attention):
-    """Views the attention output without ``contiguous()`` (Afmoe, Dory): the CPU's flash attention lays its output
-    out (batch, seq, heads, head_dim), so the view runs there; on meta tensors (other strides) it is refused."""
+    """Views the attention output without ``contiguous()`` (Afmoe, Dory): the CPU's flash attention
+    lays its output out (batch, seq, heads, head_dim), so the view runs there; on meta tensors
+    (other strides) it is refused."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         if seq < 1:  # Python control flow on a size: torch.fx cannot trace it, torch.export can
             raise ValueError("empty sequence")
         q, k, v = (
-            p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+            p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
         )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).view(batch, seq, -1))
 
 
-def strided_view_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+def strided_view_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
     """Attention outputs viewed as the CPU kernel's strides allow (``StridedViewAttention``)."""
-    return with_attention(lambda: StridedViewAttention(hidden, heads, heads, False), hidden, heads, layers, vocab_size)
-
-
-def unused_tied_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
-    """Luke's entity tables: an embedding and a head tied to it that the forward never reads (without entity ids)."""
-    model = TinyLM(
-        nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+    return with_attention(
+        lambda: StridedViewAttention(hidden, heads, heads, False), hidden, heads, layers, vocab_size
     )
-    model.entity_embed, model.entity_head = nn.Embedding(16, hidden), nn.Linear(hidden, 16, bias=False)
+
+
+def unused_tied_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
+    """Luke's entity tables: an embedding and a head tied to it that the forward never reads
+    (without entity ids)."""
+    model = TinyLM(
+        nn.Embedding(vocab_size, hidden),
+        [Block(hidden, heads, heads, False) for _ in range(layers)],
+        vocab_size,
+    )
+    model.entity_embed, model.entity_head = (
+        nn.Embedding(16, hidden),
+        nn.Linear(hidden, 16, bias=False),
+    )
     model.entity_head.weight = model.entity_embed.weight
     return model
 
 
 class GroupedConvAttention(Attention):
-    """Nystromformer's attention: a depthwise convolution over the value heads, its channels the model's head
-    count (``Conv2d(heads, heads, groups=heads)``): at one rank's heads under tp it cannot run."""
+    """Nystromformer's attention: a depthwise convolution over the value heads, its channels the
+    model's head count (``Conv2d(heads, heads, groups=heads)``): at one rank's heads under tp it
+    cannot run."""
 
     def __init__(self, hidden: int, heads: int):
         super().__init__(hidden, heads, heads, False)
@@ -538,38 +635,53 @@ class GroupedConvAttention(Attention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = (
-            p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+            p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
         )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True) + self.conv(v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-def grouped_conv_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
-    """Attentions with a per-head depthwise convolution sized by the head count (``GroupedConvAttention``)."""
-    return with_attention(lambda: GroupedConvAttention(hidden, heads), hidden, heads, layers, vocab_size)
+def grouped_conv_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
+    """Attentions with a per-head depthwise convolution sized by the head count
+    (``GroupedConvAttention``)."""
+    return with_attention(
+        lambda: GroupedConvAttention(hidden, heads), hidden, heads, layers, vocab_size
+    )
 
 
 class DetachedAttention(Attention):
-    """Reads its key and value projections without a gradient path: the key only for its shape (Mra's attention
-    without its kernels returns ``zeros_like(query).requires_grad_()``), the value detached."""
+    """Reads its key and value projections without a gradient path: the key only for its shape
+    (Mra's attention without its kernels returns ``zeros_like(query).requires_grad_()``), the value
+    detached."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = torch.zeros_like(self.k_proj(x)).requires_grad_().view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = (
+            torch.zeros_like(self.k_proj(x))
+            .requires_grad_()
+            .view(batch, seq, -1, self.head_dim)
+            .transpose(1, 2)
+        )
         v = self.v_proj(x).detach().view(batch, seq, -1, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 def detached_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
-    """Key and value projections the forward runs but no loss can give a gradient (``DetachedAttention``)."""
-    return with_attention(lambda: DetachedAttention(hidden, heads, heads, False), hidden, heads, layers, vocab_size)
+    """Key and value projections the forward runs but no loss can give a gradient
+    (``DetachedAttention``)."""
+    return with_attention(
+        lambda: DetachedAttention(hidden, heads, heads, False), hidden, heads, layers, vocab_size
+    )
 
 
 class RootMatmulLM(TinyLM):
-    """NeoMME's factorised head: the last hidden states multiplied by a parameter in the root module's own forward
-    (``hidden @ self.unembedding.weight``), then the vocabulary head."""
+    """NeoMME's factorised head: the last hidden states multiplied by a parameter in the root
+    module's own forward (``hidden @ self.unembedding.weight``), then the vocabulary head."""
 
     def __init__(self, hidden: int, heads: int, layers: int, vocab_size: int, rank: int):
         blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
@@ -584,18 +696,23 @@ class RootMatmulLM(TinyLM):
         return self.head(self.norm(x) @ self.unembedding.weight)
 
 
-def root_matmul_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, rank: int = 16) -> TinyLM:
+def root_matmul_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64, rank: int = 16
+) -> TinyLM:
     """A parameter multiplied in the root's forward before the head (``RootMatmulLM``)."""
     return RootMatmulLM(hidden, heads, layers, vocab_size, rank)
 
 
 class SideOutputLM(TinyLM):
-    """Returns its logits and a side branch's states no loss of the logits reads (EncoderDecoderModel's encoder,
-    when the decoder has no cross-attention): a gradient under another loss, none under the default one."""
+    """Returns its logits and a side branch's states no loss of the logits reads
+    (EncoderDecoderModel's encoder, when the decoder has no cross-attention): a gradient under
+    another loss, none under the default one."""
 
     def __init__(self, hidden: int, heads: int, layers: int, vocab_size: int):
         super().__init__(
-            nn.Embedding(vocab_size, hidden), [Block(hidden, heads, heads, False) for _ in range(layers)], vocab_size
+            nn.Embedding(vocab_size, hidden),
+            [Block(hidden, heads, heads, False) for _ in range(layers)],
+            vocab_size,
         )
         self.side = nn.Linear(hidden, hidden)
 
@@ -607,13 +724,16 @@ class SideOutputLM(TinyLM):
         return {"logits": self.head(self.norm(x)), "side_states": side}
 
 
-def side_output_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+def side_output_lm(
+    hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64
+) -> TinyLM:
     """Logits and a side output the logits do not depend on (``SideOutputLM``)."""
     return SideOutputLM(hidden, heads, layers, vocab_size)
 
 
 class ScanGate(nn.Module):
-    """RecurrentGemma's RG-LRU: a leaf module writing each step's state into a zero tensor it returns."""
+    """RecurrentGemma's RG-LRU: a leaf module writing each step's state into a zero tensor it
+    returns."""
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -633,14 +753,19 @@ class ScanBlock(Block):
         self.proj, self.scan = nn.Linear(hidden, hidden), ScanGate(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[1] < 1:  # Python control flow on a size: torch.export traces it (one op per leaf module), fx not
+        # Python control flow on a size: torch.export traces it (one op per leaf module), fx not
+        if x.shape[1] < 1:
             raise ValueError("empty sequence")
         return super().forward(x + self.scan(self.proj(x)))
 
 
 def scan_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
     """Blocks with a recurrence written step by step into a zero tensor (``ScanGate``)."""
-    return TinyLM(nn.Embedding(vocab_size, hidden), [ScanBlock(hidden, heads) for _ in range(layers)], vocab_size)
+    return TinyLM(
+        nn.Embedding(vocab_size, hidden),
+        [ScanBlock(hidden, heads) for _ in range(layers)],
+        vocab_size,
+    )
 
 
 @dataclasses.dataclass
@@ -651,7 +776,8 @@ class SampleOutput:
 
 
 class SampleLM(TinyLM):
-    """Returns its head's output as ``SampleOutput(sample=...)``: nothing for token cross-entropy to read."""
+    """Returns its head's output as ``SampleOutput(sample=...)``: nothing for token cross-entropy to
+    read."""
 
     def forward(self, tokens: torch.Tensor) -> SampleOutput:  # type: ignore[override]
         return SampleOutput(super().forward(tokens))
@@ -664,7 +790,8 @@ def sample_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int
 
 
 def sample_mse(output: SampleOutput, targets: torch.Tensor) -> torch.Tensor:
-    """A denoiser's loss: mean squared error of the output's sample against targets shaped like it."""
+    """A denoiser's loss: mean squared error of the output's sample against targets shaped like
+    it."""
     return F.mse_loss(output.sample.float(), targets)
 
 
@@ -703,7 +830,9 @@ class OwnAttention(nn.Module):
 
     def forward(self, x):
         b, t, _ = x.shape
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))
 
@@ -746,12 +875,14 @@ class DictLayersLM(nn.Module):
 
 
 def dict_layers_lm(n: int = 4) -> DictLayersLM:
-    """torchtitan's Llama layout: its own Linear and Embedding classes (not torch's), layers in a ModuleDict."""
+    """torchtitan's Llama layout: its own Linear and Embedding classes (not torch's), layers in a
+    ModuleDict."""
     return DictLayersLM(n=n)
 
 
 def torch_encoder_lm(
     hidden: int = 32, heads: int = 4, layers: int = 4, vocab_size: int = 64, norm_first: bool = True
 ) -> TorchEncoderLM:
-    """nn.TransformerEncoder (pre-norm by default, as GPT-style models are) under a token embedding and a head."""
+    """nn.TransformerEncoder (pre-norm by default, as GPT-style models are) under a token embedding
+    and a head."""
     return TorchEncoderLM(hidden, heads, layers, vocab_size, norm_first)

@@ -1,8 +1,11 @@
-"""A GPT written by hand as users write them (nanoGPT's shape): ``forward(idx)`` on token ids, no example_inputs method.
+"""A GPT written by hand as users write them (nanoGPT's shape): ``forward(idx)`` on token ids, no
+example_inputs method.
 
-nanoGPT's length check (``assert t <= block_size``) does not trace with torch.fx, so hyparallel traces it with
-torch.export, which fixes the micro-batch shape. The CLI tests load it as ``tests.user_gpt:make_model`` with
-``--example-inputs tests.user_gpt:make_inputs``; the other callables here are deliberately bad input specs.
+nanoGPT's length check (``assert t <= block_size``) does not trace with torch.fx, so hyparallel
+traces it with torch.export, which fixes the micro-batch shape. The CLI tests load it as
+``tests.user_gpt:make_model`` with
+``--example-inputs tests.user_gpt:make_inputs``; the other callables here are deliberately bad input
+specs.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        # (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
@@ -63,7 +67,9 @@ class UserGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _, t = idx.size()
-        assert t <= BLOCK_SIZE, f"cannot forward a sequence of length {t}, the block size is {BLOCK_SIZE}"
+        assert t <= BLOCK_SIZE, (
+            f"cannot forward a sequence of length {t}, the block size is {BLOCK_SIZE}"
+        )
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
@@ -77,7 +83,8 @@ def make_model(n_layer: int = 2) -> UserGPT:
 
 
 def make_inputs(batch_size: int, seq_len: int) -> torch.Tensor:
-    """Token ids of one micro-batch, (batch_size, seq_len): what `--example-inputs tests.user_gpt:make_inputs` gives."""
+    """Token ids of one micro-batch, (batch_size, seq_len): what `--example-inputs
+    tests.user_gpt:make_inputs` gives."""
     return torch.zeros(batch_size, seq_len, dtype=torch.long)
 
 

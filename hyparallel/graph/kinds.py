@@ -48,11 +48,13 @@ _MATMUL = {
     "convolution",
     "__matmul__",
 }
-# Grouped matrix products (mixture-of-experts layers): torch's, and the fallback op transformers registers for
-# CPU and fp32. torch's FLOP counter knows none of them: the tracer counts them (Note [grouped matmul FLOPs]).
+# Grouped matrix products (mixture-of-experts layers): torch's, and the fallback op transformers
+# registers for CPU and fp32. torch's FLOP counter knows none of them: the tracer counts them (Note
+# [grouped matmul FLOPs]).
 GROUPED_MM = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
 _MATMUL |= GROUPED_MM
-# The ATen ops of an embedding bag (torch.export shows them; torch's FLOP counter counts none of them).
+# The ATen ops of an embedding bag (torch.export shows them; torch's FLOP counter counts none of
+# them).
 EMBEDDING_BAG_OPS = frozenset({"embedding_bag", "_embedding_bag", "_embedding_bag_forward_only"})
 _EMBEDDING = {"embedding", *EMBEDDING_BAG_OPS}
 _NORM = {
@@ -79,7 +81,14 @@ _ACTIVATION = {
     "hardswish",
     "glu",
 }
-_DROPOUT = {"dropout", "native_dropout", "dropout_", "alpha_dropout", "feature_dropout", "bias_dropout_residual"}
+_DROPOUT = {
+    "dropout",
+    "native_dropout",
+    "dropout_",
+    "alpha_dropout",
+    "feature_dropout",
+    "bias_dropout_residual",
+}
 _LOSS = {
     "cross_entropy",
     "nll_loss",
@@ -92,7 +101,8 @@ _LOSS = {
     "l1_loss",
     "huber_loss",
 }
-# Op names that view, reshape or look up a tensor (kind "view"); the tracer runs them without its FLOP counter.
+# Op names that view, reshape or look up a tensor (kind "view"); the tracer runs them without its
+# FLOP counter.
 VIEW_OPS = {
     "view",
     "_unsafe_view",
@@ -128,49 +138,164 @@ VIEW_OPS = {
 }
 
 # Note [what acts on each token on its own]
-#     Sequence parallelism hands each tensor-parallel rank a slice of the sequence between the split regions, so
-#     every op there must compute each token from that token alone. That is proved by name, never assumed: the
-#     ops below act per element (with broadcasting; type casts and fills included), and REDUCTIONS reduce over the
-#     dims they are given, which the structure accepts only where the output keeps the (batch, seq) prefix of the
-#     input. Anything else met on the token stream between the split regions (an FFT over the sequence, a cumsum,
-#     a sort of the tokens for expert dispatch, a convolution, a softmax over an unknown dim, a custom op) refuses
+#     Sequence parallelism hands each tensor-parallel rank a slice of the sequence between the split
+#     regions, so every op there must compute each token from that token alone. That is proved by
+#     name, never assumed: the ops below act per element (with broadcasting; type casts and fills
+#     included), and REDUCTIONS reduce over the dims they are given, which the structure accepts
+#     only where the output keeps the (batch, seq) prefix of the input. Anything else met on the
+#     token stream between the split regions (an FFT over the sequence, a cumsum, a sort of the
+#     tokens for expert dispatch, a convolution, a softmax over an unknown dim, a custom op) refuses
 #     sequence parallelism for the model; tensor parallelism itself is untouched.
 POINTWISE = frozenset(
     {
-        *("add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "neg", "pow"),
-        *("exp", "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "reciprocal", "square", "abs", "sign"),
-        *("sin", "cos", "tanh", "sigmoid", "erf", "erfc", "relu", "gelu", "silu", "softplus", "hardtanh", "mish"),
-        *("clamp", "clamp_min", "clamp_max", "clip", "where", "masked_fill", "maximum", "minimum", "lerp"),
-        *("addcmul", "addcdiv", "round", "floor", "ceil", "trunc", "nan_to_num", "eq", "ne", "lt", "le", "gt"),
-        *("ge", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not"),
-        *("to", "_to_copy", "type_as", "float", "half", "bfloat16", "double", "type", "copy", "copy_", "clone"),
-        *("zeros_like", "ones_like", "empty_like", "full_like", "fill", "detach", "alias", "lift_fresh_copy"),
-        *("contiguous", "dropout", "native_dropout", "bias_dropout_residual", "__add__", "__mul__", "__sub__"),
+        *(
+            "add",
+            "sub",
+            "rsub",
+            "mul",
+            "div",
+            "true_divide",
+            "floor_divide",
+            "remainder",
+            "fmod",
+            "neg",
+            "pow",
+        ),
+        *(
+            "exp",
+            "exp2",
+            "expm1",
+            "log",
+            "log1p",
+            "log2",
+            "sqrt",
+            "rsqrt",
+            "reciprocal",
+            "square",
+            "abs",
+            "sign",
+        ),
+        *(
+            "sin",
+            "cos",
+            "tanh",
+            "sigmoid",
+            "erf",
+            "erfc",
+            "relu",
+            "gelu",
+            "silu",
+            "softplus",
+            "hardtanh",
+            "mish",
+        ),
+        *(
+            "clamp",
+            "clamp_min",
+            "clamp_max",
+            "clip",
+            "where",
+            "masked_fill",
+            "maximum",
+            "minimum",
+            "lerp",
+        ),
+        *(
+            "addcmul",
+            "addcdiv",
+            "round",
+            "floor",
+            "ceil",
+            "trunc",
+            "nan_to_num",
+            "eq",
+            "ne",
+            "lt",
+            "le",
+            "gt",
+        ),
+        *(
+            "ge",
+            "logical_and",
+            "logical_or",
+            "logical_not",
+            "bitwise_and",
+            "bitwise_or",
+            "bitwise_not",
+        ),
+        *(
+            "to",
+            "_to_copy",
+            "type_as",
+            "float",
+            "half",
+            "bfloat16",
+            "double",
+            "type",
+            "copy",
+            "copy_",
+            "clone",
+        ),
+        *(
+            "zeros_like",
+            "ones_like",
+            "empty_like",
+            "full_like",
+            "fill",
+            "detach",
+            "alias",
+            "lift_fresh_copy",
+        ),
+        *(
+            "contiguous",
+            "dropout",
+            "native_dropout",
+            "bias_dropout_residual",
+            "__add__",
+            "__mul__",
+            "__sub__",
+        ),
         *("__truediv__", "__radd__", "__rmul__", "__neg__", "iadd", "imul", "add_", "mul_"),
     }
 )
 REDUCTIONS = frozenset(
-    {"mean", "sum", "var", "std", "var_mean", "amax", "amin", "max", "min", "norm", "linalg_vector_norm", "prod"}
+    {
+        "mean",
+        "sum",
+        "var",
+        "std",
+        "var_mean",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "norm",
+        "linalg_vector_norm",
+        "prod",
+    }
 )
 
 
 # Note [embedding bag FLOPs]
-#     An embedding lookup moves rows and computes nothing (0 FLOPs, costed by its bytes). An embedding bag also
-#     pools each bag of rows: a sum, mean or max of ``bag`` rows of ``dim`` values each, one add (or compare) per
-#     gathered value into the bag's accumulator, as the kernels run it, and one multiply more with per-sample
-#     weights. So a bag op counts numel(ids) * dim FLOPs (twice that, weighted): for a (B, bag) id tensor,
-#     B * bag * dim. They are tiny beside a model's matrix products; the bytes gathered are the real cost.
+#     An embedding lookup moves rows and computes nothing (0 FLOPs, costed by its bytes). An
+#     embedding bag also pools each bag of rows: a sum, mean or max of ``bag`` rows of ``dim``
+#     values each, one add (or compare) per gathered value into the bag's accumulator, as the
+#     kernels run it, and one multiply more with per-sample weights. So a bag op counts numel(ids) *
+#     dim FLOPs (twice that, weighted): for a (B, bag) id tensor, B * bag * dim. They are tiny
+#     beside a model's matrix products; the bytes gathered are the real cost.
 
 
 def embedding_bag_flops(ids: Any, dim: int, per_sample_weights: Any = None) -> int:
-    """Forward FLOPs of pooling the bags of ``ids`` from rows of width ``dim`` (Note [embedding bag FLOPs])."""
+    """Forward FLOPs of pooling the bags of ``ids`` from rows of width ``dim`` (Note [embedding bag
+    FLOPs])."""
     if not isinstance(ids, torch.Tensor):
         return 0
     return ids.numel() * dim * (2 if per_sample_weights is not None else 1)
 
 
 def target_name(target: Any) -> str:
-    """A short name for an fx node target: 'addmm', 'scaled_dot_product_attention', 'view', 'add'."""
+    """A short name for an fx node target: 'addmm', 'scaled_dot_product_attention', 'view',
+    'add'."""
     if isinstance(target, str):
         return target
     schema = getattr(target, "_schema", None)
@@ -204,12 +329,14 @@ def function_kind(name: str) -> OpKind:
 
 
 def module_kind(module: nn.Module, inner: list[str] | None = None) -> OpKind:
-    """Kind of a leaf module call; ``inner`` are the short names of the ATen ops it ran, when known."""
+    """Kind of a leaf module call; ``inner`` are the short names of the ATen ops it ran, when
+    known."""
     inner = inner or []
     name = type(module).__name__
     if isinstance(module, nn.MultiheadAttention):
         return "attention"
-    if isinstance(module, nn.Linear) or name == "Conv1D":  # transformers' Conv1D is a transposed Linear
+    # transformers' Conv1D is a transposed Linear
+    if isinstance(module, nn.Linear) or name == "Conv1D":
         return "linear"
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         return "embedding"
@@ -218,7 +345,9 @@ def module_kind(module: nn.Module, inner: list[str] | None = None) -> OpKind:
         return "embedding" if standard == "Embedding" else "linear"
     if isinstance(module, nn.modules.dropout._DropoutNd):
         return "dropout"
-    if name.endswith("Norm") or isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)):
+    if name.endswith("Norm") or isinstance(
+        module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+    ):
         return "norm"
     if type(module).__module__ == nn.modules.activation.__name__:
         return "activation"
@@ -237,14 +366,17 @@ def module_kind(module: nn.Module, inner: list[str] | None = None) -> OpKind:
 
 
 # Note [a module replaced by type]
-#     Tensor parallelism swaps a Linear for a ColumnParallelLinear and an Embedding for a VocabParallelEmbedding:
-#     layers that reimplement nn.Linear.forward / nn.Embedding.forward on a shard. A subclass with its own forward
-#     (Gemma's scaled word embedding multiplies by embed_scale) would lose what it adds, so the tracer records,
-#     as a fact of the graph, whether a leaf module runs its standard base's forward unchanged; the structure
-#     (hyparallel.graph.structure) splits nothing else. Whether an overriding forward happens to compute the same
-#     thing is not decided here: such a layer stays replicated, which is always correct.
+#     Tensor parallelism swaps a Linear for a ColumnParallelLinear and an Embedding for a
+#     VocabParallelEmbedding: layers that reimplement nn.Linear.forward / nn.Embedding.forward on a
+#     shard. A subclass with its own forward (Gemma's scaled word embedding multiplies by
+#     embed_scale) would lose what it adds, so the tracer records, as a fact of the graph, whether a
+#     leaf module runs its standard base's forward unchanged; the structure
+#     (hyparallel.graph.structure) splits nothing else. Whether an overriding forward happens to
+#     compute the same thing is not decided here: such a layer stays replicated, which is always
+#     correct.
 def base_forward(module: nn.Module) -> str:
-    """The standard layer whose own forward ``module`` runs: "Linear", "Embedding", "Conv1D" (transformers'), or ""."""
+    """The standard layer whose own forward ``module`` runs: "Linear", "Embedding", "Conv1D"
+    (transformers'), or ""."""
     forward = type(module).forward
     if isinstance(module, nn.Linear):
         return "Linear" if forward is nn.Linear.forward else ""
@@ -257,14 +389,17 @@ def base_forward(module: nn.Module) -> str:
 
 
 # Note [a layer that computes a standard one]
-#     torchtitan's Llama (and many a user's model) brings its own Linear and Embedding classes: not subclasses of
-#     torch's, so by type nothing would split ("tp 2 splits nothing"). A module without children whose parameters
-#     are a 2-D ``weight`` (and a 1-D ``bias``) and whose forward, traced by torch.fx on its own, is exactly
-#     ``F.linear(input, self.weight[, self.bias])`` (or ``F.embedding(input, self.weight)`` with no padding_idx,
-#     max_norm or sparse gradient) computes what nn.Linear (nn.Embedding) computes: it is split as one. Anything
-#     more in its forward (a scale, a cast, another op) keeps it replicated, as for a subclass that overrides it.
+#     torchtitan's Llama (and many a user's model) brings its own Linear and Embedding classes: not
+#     subclasses of torch's, so by type nothing would split ("tp 2 splits nothing"). A module
+#     without children whose parameters are a 2-D ``weight`` (and a 1-D ``bias``) and whose forward,
+#     traced by torch.fx on its own, is exactly
+#     ``F.linear(input, self.weight[, self.bias])`` (or ``F.embedding(input, self.weight)`` with no
+#     padding_idx, max_norm or sparse gradient) computes what nn.Linear (nn.Embedding) computes: it
+#     is split as one. Anything more in its forward (a scale, a cast, another op) keeps it
+#     replicated, as for a subclass that overrides it.
 def _computes(module: nn.Module) -> str:
-    """ "Linear" or "Embedding" when ``module``'s forward is exactly that standard layer's (the Note above)."""
+    """ "Linear" or "Embedding" when ``module``'s forward is exactly that standard layer's (the Note
+    above)."""
     if next(module.children(), None) is not None or type(module).__module__.startswith("torch."):
         return ""
     params = dict(module.named_parameters(recurse=False))
@@ -306,8 +441,11 @@ def _forward_is(cls: type, has_bias: bool) -> str:
     attrs = {n: n.target for n in graph.nodes if n.op == "get_attr"}
     if len(calls) != 1 or len(inputs) != 1 or calls[0].op != "call_function":
         return ""
-    if any(_EMBEDDING_DEFAULTS.get(key, object()) != value for key, value in calls[0].kwargs.items()):
-        return ""  # a padding row, a max_norm (or anything but F.embedding's defaults): not the plain layer
+    if any(
+        _EMBEDDING_DEFAULTS.get(key, object()) != value for key, value in calls[0].kwargs.items()
+    ):
+        # a padding row, a max_norm (or anything but F.embedding's defaults): not the plain layer
+        return ""
     call, args = calls[0], tuple(calls[0].args)
     while args and args[-1] is None:  # F.linear(x, self.weight, self.bias) with bias None
         args = args[:-1]
@@ -318,13 +456,18 @@ def _forward_is(cls: type, has_bias: bool) -> str:
         and named == (["weight", "bias"] if has_bias else ["weight"])
     ):
         return "Linear"
-    if call.target in (F.embedding, torch.embedding) and args[:1] == (inputs[0],) and named == ["weight"]:
+    if (
+        call.target in (F.embedding, torch.embedding)
+        and args[:1] == (inputs[0],)
+        and named == ["weight"]
+    ):
         return "Embedding"
     return ""
 
 
 def writes_in_place(target: str) -> bool:
-    """Whether an op of this target writes into a tensor it is given (``x.add_(y)``, ``out[i] = y``, ``x += y``)."""
+    """Whether an op of this target writes into a tensor it is given (``x.add_(y)``, ``out[i] = y``,
+    ``x += y``)."""
     return (
         target == "setitem"
         or target in ("iadd", "isub", "imul", "itruediv", "ior", "iand")

@@ -8,11 +8,12 @@ them, which the planner's stage search works over.
 Note [what counts as a FLOP]
     ``flops`` are the forward floating-point operations of matrix products (mm, addmm, bmm,
     convolutions, attention, and the grouped products of mixture-of-experts layers, which the tracer
-    counts itself: Note [grouped matmul FLOPs]), counted exactly from shapes by ``torch.utils.flop_counter``: 2*M*N*K
-    for an (M, K) x (K, N) product, and 4*B*heads*Tq*Tk*head_dim for attention (causal masking
-    is not discounted, as Megatron-LM's model-FLOPs formula does not). Elementwise ops, norms and
-    softmax are memory-bound and are costed by their bytes, so they carry 0 FLOPs. The one exception is
-    an embedding bag's pooling, one add per gathered value (Note [embedding bag FLOPs] in kinds.py).
+    counts itself: Note [grouped matmul FLOPs]), counted exactly from shapes by
+    ``torch.utils.flop_counter``: 2*M*N*K for an (M, K) x (K, N) product, and
+    4*B*heads*Tq*Tk*head_dim for attention (causal masking is not discounted, as Megatron-LM's
+    model-FLOPs formula does not). Elementwise ops, norms and softmax are memory-bound and are
+    costed by their bytes, so they carry 0 FLOPs. The one exception is an embedding bag's pooling,
+    one add per gathered value (Note [embedding bag FLOPs] in kinds.py).
 
 Note [bytes]
     Byte figures are at the dtype the model was traced in (usually fp32 on the meta device); the
@@ -21,18 +22,20 @@ Note [bytes]
     order and listed in ``params`` of the others.
 
 Note [a gradient path]
-    DDP waits for a gradient of every parameter it holds, so it must be told which ones no backward gives one
-    (they stay None, as on one device). A parameter gets a gradient only along ops whose outputs require grad: the
-    profiled run (grad mode on, parameters requiring grad) records for each op whether its output did (Op.grad,
-    read as the node runs, before a later in-place requires_grad_(); a later write into the tensor or a view of
-    it, ``out[:, t] = state``, marks it as carrying one, as RecurrentGemma's recurrence returns the zeros it
-    wrote into). ``unused_params`` are those no such path leads from to the output: dropped outputs, shapes
-    (``zeros_like(q).requires_grad_()``, Mra without its kernels), ``detach``, no-grad regions, integer results;
-    ignoring them is right under any loss. A write in place counts as reaching the output (its later readers
-    name the written tensor's producer, not the write).
-    ``params_outside_logits`` reach the output but not its ``logits``: the default loss gives them nothing, a
-    user's loss over the other outputs may (EncoderDecoderModel without cross-attention returns its encoder's
-    states); DDP then finds each step's unused parameters itself (``find_unused_parameters``).
+    DDP waits for a gradient of every parameter it holds, so it must be told which ones no backward
+    gives one (they stay None, as on one device). A parameter gets a gradient only along ops whose
+    outputs require grad: the profiled run (grad mode on, parameters requiring grad) records for
+    each op whether its output did (Op.grad, read as the node runs, before a later in-place
+    requires_grad_(); a later write into the tensor or a view of it, ``out[:, t] = state``, marks it
+    as carrying one, as RecurrentGemma's recurrence returns the zeros it wrote into).
+    ``unused_params`` are those no such path leads from to the output: dropped outputs, shapes
+    (``zeros_like(q).requires_grad_()``, Mra without its kernels), ``detach``, no-grad regions,
+    integer results; ignoring them is right under any loss. A write in place counts as reaching the
+    output (its later readers name the written tensor's producer, not the write).
+    ``params_outside_logits`` reach the output but not its ``logits``: the default loss gives them
+    nothing, a user's loss over the other outputs may (EncoderDecoderModel without cross-attention
+    returns its encoder's states); DDP then finds each step's unused parameters itself
+    (``find_unused_parameters``).
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ class Op:
     target: str
     params: tuple[str, ...] = ()
     param_count: int = 0
-    # The shapes of the parameters this op owns (those param_count counts), in ``params`` order: what a gradient
-    # compressor sees of each (PowerSGD views a gradient as (shape[0], -1); Note [PowerSGD's wire] in planner/costs.py).
+    # The shapes of the parameters this op owns (those param_count counts), in ``params`` order:
+    # what a gradient compressor sees of each (PowerSGD views a gradient as (shape[0], -1); Note
+    # [PowerSGD's wire] in planner/costs.py).
     param_shapes: tuple[Shape, ...] = ()
     param_bytes: int = 0
     buffer_bytes: int = 0
@@ -72,23 +76,28 @@ class Op:
     input_shapes: tuple[Shape, ...] = ()
     output_shapes: tuple[Shape, ...] = ()
     output_bytes: int = 0
-    # The standard layer ("Linear", "Embedding", "Conv1D") whose own forward this leaf module call runs; "" for
-    # anything else: a subclass overriding forward (a scaled embedding), a custom layer, a function.
-    # Note [a module replaced by type]: only such a call may be swapped for a layer that reimplements its base.
+    # The standard layer ("Linear", "Embedding", "Conv1D") whose own forward this leaf module call
+    # runs; "" for anything else: a subclass overriding forward (a scaled embedding), a custom
+    # layer, a function. Note [a module replaced by type]: only such a call may be swapped for a
+    # layer that reimplements its base.
     base_forward: str = ""
-    # The short names of the ATen ops a leaf module call ran, where the trace shows them (torch.export); () for a
-    # functional op or an fx call_module. Lets a rule judge a custom module by what it computes.
+    # The short names of the ATen ops a leaf module call ran, where the trace shows them
+    # (torch.export); () for a functional op or an fx call_module. Lets a rule judge a custom module
+    # by what it computes.
     inner: tuple[str, ...] = ()
-    # Whether the op's output requires grad in the traced run (Note [a gradient path]): False for what no loss can
-    # differentiate through (a shape, zeros_like, detach, a no-grad region, an integer result).
+    # Whether the op's output requires grad in the traced run (Note [a gradient path]): False for
+    # what no loss can differentiate through (a shape, zeros_like, detach, a no-grad region, an
+    # integer result).
     grad: bool = True
-    # An option of the function that changes its work, where the graph can read it: GELU's approximation ("tanh");
-    # "" otherwise. Costs key a CPU's per-element activation times by it (Note [activations a CPU computes]).
+    # An option of the function that changes its work, where the graph can read it: GELU's
+    # approximation ("tanh"); "" otherwise. Costs key a CPU's per-element activation times by it
+    # (Note [activations a CPU computes]).
     variant: str = ""
 
     @property
     def function(self) -> str:
-        """The function's name as costs key it: the target lowercased, its variant appended ("gelu_tanh")."""
+        """The function's name as costs key it: the target lowercased, its variant appended
+        ("gelu_tanh")."""
         return self.target.lower() + (f"_{self.variant}" if self.variant else "")
 
 
@@ -151,21 +160,26 @@ class ModelGraph:
     values: tuple[Value, ...]
     blocks: tuple[Block, ...]
     fingerprint: str
-    program: Any = field(default=None, repr=False)  # the fx GraphModule or the torch.export ExportedProgram
-    modules: tuple[str, ...] = field(default=(), repr=False)  # every module path of the model (root left out)
-    # Parameter names sharing one tensor (a tied embedding and head, BERT's head bias), each group in the model's
-    # named_parameters order; the ops' ``params`` name each group by its first name only.
+    # the fx GraphModule or the torch.export ExportedProgram
+    program: Any = field(default=None, repr=False)
+    # every module path of the model (root left out)
+    modules: tuple[str, ...] = field(default=(), repr=False)
+    # Parameter names sharing one tensor (a tied embedding and head, BERT's head bias), each group
+    # in the model's named_parameters order; the ops' ``params`` name each group by its first name
+    # only.
     ties: tuple[tuple[str, ...], ...] = field(default=(), repr=False)
-    # The tracer's program (hyparallel.graph.tracer.Program): the pipeline splitter cuts a copy of it
-    # instead of tracing the model again.
+    # The tracer's program (hyparallel.graph.tracer.Program): the pipeline splitter cuts a copy of
+    # it instead of tracing the model again.
     traced: Any = field(default=None, repr=False, compare=False)
-    # Ops kept replicated whatever the plan, op name -> why (``replicate``: what fails at one rank's sizes).
+    # Ops kept replicated whatever the plan, op name -> why (``replicate``: what fails at one rank's
+    # sizes).
     replicated: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
-    # The ops giving the output's ``logits``, what the default loss reads; () when the output has none (then the
-    # default loss reads the whole output).
+    # The ops giving the output's ``logits``, what the default loss reads; () when the output has
+    # none (then the default loss reads the whole output).
     loss_inputs: tuple[str, ...] = field(default=(), repr=False)
-    # (module path, class) of the custom torch.autograd.Functions the forward applies: a traced pipeline stage
-    # cannot keep their backward (Note [a custom backward a traced stage cannot keep], graph/tracer.py).
+    # (module path, class) of the custom torch.autograd.Functions the forward applies: a traced
+    # pipeline stage cannot keep their backward (Note [a custom backward a traced stage cannot
+    # keep], graph/tracer.py).
     custom_backwards: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     graph: nx.DiGraph = field(init=False, repr=False)
     cut_points: tuple[CutPoint, ...] = field(init=False, repr=False)
@@ -175,8 +189,8 @@ class ModelGraph:
         self.graph = nx.DiGraph(name=self.name)
         names = [f.name for f in fields(Op)]
         for op in self.ops:
-            # An Op's fields are immutable (strings, numbers, tuples of them): the node shares them, where asdict
-            # rebuilt every tuple (a quarter of a second for GPT-3 175B's 1,835 ops).
+            # An Op's fields are immutable (strings, numbers, tuples of them): the node shares them,
+            # where asdict rebuilt every tuple (a quarter of a second for GPT-3 175B's 1,835 ops).
             self.graph.add_node(op.name, **{name: getattr(op, name) for name in names})
         for value in self.values:
             for consumer in value.consumers:
@@ -185,7 +199,9 @@ class ModelGraph:
                     edge["bytes"] += value.bytes
                     edge["tensors"] += (value.name,)
                 else:
-                    self.graph.add_edge(value.producer, consumer, bytes=value.bytes, tensors=(value.name,))
+                    self.graph.add_edge(
+                        value.producer, consumer, bytes=value.bytes, tensors=(value.name,)
+                    )
         self.cut_points = tuple(self._find_cut_points())
 
     # ---- totals -------------------------------------------------------------------------------
@@ -196,42 +212,53 @@ class ModelGraph:
 
     @cached_property
     def structure(self) -> TPAnalysis:
-        """The model's tensor-parallel structure (``hyparallel.graph.structure``), computed once per trace.
+        """The model's tensor-parallel structure (``hyparallel.graph.structure``), computed once per
+        trace.
 
-        Which Linears pair as column/row, fused [q | k | v] parts, head counts: facts of the dataflow that
-        the planner costs and the runtime splits by, read from this one object by both.
+        Which Linears pair as column/row, fused [q | k | v] parts, head counts: facts of the
+        dataflow that the planner costs and the runtime splits by, read from this one object by
+        both.
         """
         from hyparallel.graph.structure import analyze  # it reads this module's classes
 
         return analyze(self)
 
     def replicate(self, reasons: dict[str, str]) -> None:
-        """Keep these ops (op name -> why) replicated whatever the plan; ``structure`` is analysed again."""
+        """Keep these ops (op name -> why) replicated whatever the plan; ``structure`` is analysed
+        again."""
         self.replicated.update(reasons)
         self.__dict__.pop("structure", None)
 
     @cached_property
     def unused_params(self) -> tuple[str, ...]:
-        """Parameters (by first name) no loss can give a gradient (Note [a gradient path]): the forward may compute
-        with them (BigBird's pooler, which its causal-LM head drops; Mra's attention without its kernels, which
-        reads its projections for their shapes) but no path that carries a gradient leads to the output."""
+        """Parameters (by first name) no loss can give a gradient (Note [a gradient path]): the
+        forward may compute with them (BigBird's pooler, which its causal-LM head drops; Mra's
+        attention without its kernels, which reads its projections for their shapes) but no path
+        that carries a gradient leads to the output."""
         return self._without_gradient([op.name for op in self.ops if op.kind == "output"])
 
     @cached_property
     def params_outside_logits(self) -> tuple[str, ...]:
-        """Parameters a gradient path leads from to the output but not to its ``logits``: the default loss gives them
-        none, a loss over the other outputs may (an encoder-decoder whose decoder never reads the encoder)."""
+        """Parameters a gradient path leads from to the output but not to its ``logits``: the
+        default loss gives them none, a loss over the other outputs may (an encoder-decoder whose
+        decoder never reads the encoder)."""
         if not self.loss_inputs:
             return ()
         unused = set(self.unused_params)
         return tuple(p for p in self._without_gradient(list(self.loss_inputs)) if p not in unused)
 
     def _without_gradient(self, ends: list[str]) -> tuple[str, ...]:
-        # A write in place reaches whoever reads the written tensor later, an edge the graph does not hold (its
-        # readers name the tensor's producer): every such write counts as reaching the output.
-        ends = list(dict.fromkeys([*ends, *(op.name for op in self.compute_ops() if writes_in_place(op.target))]))
+        # A write in place reaches whoever reads the written tensor later, an edge the graph does
+        # not hold (its readers name the tensor's producer): every such write counts as reaching the
+        # output.
+        ends = list(
+            dict.fromkeys(
+                [*ends, *(op.name for op in self.compute_ops() if writes_in_place(op.target))]
+            )
+        )
         carrying = {op.name for op in self.ops if op.grad}
-        if not any(self.op(name).params for name in carrying):  # nothing required grad when traced: no evidence
+        # nothing required grad when traced: no evidence
+        if not any(self.op(name).params for name in carrying):
             carrying = set(self._by_name)
         paths = self.graph.subgraph(carrying | set(ends))
         live = set(ends).union(*(nx.ancestors(paths, name) for name in ends))
@@ -244,7 +271,8 @@ class ModelGraph:
 
     @property
     def num_params(self) -> int:
-        """Distinct parameters (tied ones once), as ``sum(p.numel() for p in model.parameters())``."""
+        """Distinct parameters (tied ones once), as ``sum(p.numel() for p in
+        model.parameters())``."""
         return sum(op.param_count for op in self.ops)
 
     @property
@@ -342,7 +370,11 @@ class ModelGraph:
         # Note: with repeated blocks, a cut is offered only where no more crosses than between two
         # blocks; without them every op boundary is offered and the planner prices it by its bytes.
         limit = max(at_blocks) if at_blocks else None
-        return [cut for touches_block, cut in candidates if touches_block or limit is None or cut.bytes <= limit]
+        return [
+            cut
+            for touches_block, cut in candidates
+            if touches_block or limit is None or cut.bytes <= limit
+        ]
 
     def segments(self) -> tuple[Segment, ...]:
         """The ops between consecutive cut points, with their summed costs, in execution order."""
@@ -350,8 +382,8 @@ class ModelGraph:
 
     @cached_property
     def _segments(self) -> tuple[Segment, ...]:
-        # Computed once: the ops, blocks and cut points are fixed when the graph is built, and the planner asks for
-        # every plan it writes (Note [the runtime's checks]).
+        # Computed once: the ops, blocks and cut points are fixed when the graph is built, and the
+        # planner asks for every plan it writes (Note [the runtime's checks]).
         cut_after = {cut.position: cut for cut in self.cut_points}
         block_paths = {block.path for block in self.blocks}
         segments, current = [], []
@@ -372,7 +404,11 @@ class ModelGraph:
                 modules.append(path)
         is_block = len(modules) == 1 and modules[0] in block_paths
         return Segment(
-            name=modules[0] if is_block else (ops[0].name if len(ops) == 1 else f"{ops[0].name}..{ops[-1].name}"),
+            name=(
+                modules[0]
+                if is_block
+                else (ops[0].name if len(ops) == 1 else f"{ops[0].name}..{ops[-1].name}")
+            ),
             ops=tuple(op.name for op in ops),
             modules=tuple(modules),
             flops=sum(op.flops for op in ops),
@@ -389,10 +425,18 @@ class ModelGraph:
         """A few lines: totals, blocks and cut points."""
         compute = list(self.compute_ops())
         lines = [
-            f"{self.name}: traced with torch.{self.method}, {len(compute)} ops, {self.graph.number_of_edges()} edges",
-            f"  parameters      {self.num_params:,} ({self.param_bytes / 2**30:.2f} GiB at the traced dtype)",
-            f"  forward FLOPs   {self.flops:.4g} "
-            f"({', '.join(f'{k} {v:.3g}' for k, v in sorted(self.flops_by_kind().items()))})",
+            (
+                f"{self.name}: traced with torch.{self.method}, {len(compute)} ops,"
+                f" {self.graph.number_of_edges()} edges"
+            ),
+            (
+                f"  parameters      {self.num_params:,} ({self.param_bytes / 2**30:.2f} GiB at the"
+                " traced dtype)"
+            ),
+            (
+                f"  forward FLOPs   {self.flops:.4g} "
+                f"({', '.join(f'{k} {v:.3g}' for k, v in sorted(self.flops_by_kind().items()))})"
+            ),
             f"  repeated blocks {len(self.blocks)}"
             + (f" ({self.blocks[0].path} .. {self.blocks[-1].path})" if self.blocks else ""),
             f"  cut points      {len(self.cut_points)}; segments {len(self.segments())}",

@@ -1,7 +1,7 @@
 """A dry run on meta that runs each distinct repeated block once: ``repeated_blocks_once(model)``.
 
-Used by ``first_failure`` (the tensor-parallel dry runs of hyparallel.graph.local_shapes); nothing here touches
-torch.distributed.
+Used by ``first_failure`` (the tensor-parallel dry runs of hyparallel.graph.local_shapes); nothing
+here touches torch.distributed.
 """
 
 from __future__ import annotations
@@ -16,22 +16,35 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 # Note [a repeated block runs once on meta]
-#     The dry runs of Note [one rank's sizes, run on meta] run the model's own forward eagerly on meta tensors, a
-#     few times per `hyparallel plan` (the unsplit model, then one rank's sizes under each tp degree), and torch
-#     runs each meta op through its Python reference implementation: GPT-3 175B's 96 layers took about 0.8 s of
-#     CPU a run, most of the command. On meta an op's outputs are a function of its inputs' shapes, dtypes and
-#     strides and of the module's own state, so a block of a ModuleList (or Sequential) called with the same
-#     input shapes as an equal block before it gives outputs of the same shapes: the repeat returns fresh meta
-#     tensors of those shapes instead of running again. "Equal" is checked, never assumed: the same classes
-#     module for module, parameters and buffers of the same shapes, dtypes and strides, all on meta, the same
-#     plain attribute values (numbers, strings, dtypes, functions by identity; a layer index differs, and then
-#     the block runs), and no hook of its own (a hook could size something per layer). Anything else (an
-#     attribute holding an object, a real tensor among the inputs or parameters, an output that is neither a
-#     meta tensor nor a plain value, a hook anywhere in the process) runs the block as before. A block that
-#     fails raises as before: only a block that ran is ever skipped.
+#     The dry runs of Note [one rank's sizes, run on meta] run the model's own forward eagerly on
+#     meta tensors, a few times per `hyparallel plan` (the unsplit model, then one rank's sizes
+#     under each tp degree), and torch runs each meta op through its Python reference
+#     implementation: GPT-3 175B's 96 layers took about 0.8 s of CPU a run, most of the command. On
+#     meta an op's outputs are a function of its inputs' shapes, dtypes and strides and of the
+#     module's own state, so a block of a ModuleList (or Sequential) called with the same input
+#     shapes as an equal block before it gives outputs of the same shapes: the repeat returns fresh
+#     meta tensors of those shapes instead of running again. "Equal" is checked, never assumed: the
+#     same classes module for module, parameters and buffers of the same shapes, dtypes and strides,
+#     all on meta, the same plain attribute values (numbers, strings, dtypes, functions by identity;
+#     a layer index differs, and then the block runs), and no hook of its own (a hook could size
+#     something per layer). Anything else (an attribute holding an object, a real tensor among the
+#     inputs or parameters, an output that is neither a meta tensor nor a plain value, a hook
+#     anywhere in the process) runs the block as before. A block that fails raises as before: only a
+#     block that ran is ever skipped.
 
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
-_PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+_PLAIN = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType)
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
@@ -48,9 +61,10 @@ class _Unkeyable(Exception):
 
 @contextlib.contextmanager
 def repeated_blocks_once(model: nn.Module) -> Iterator[None]:
-    """Within it, an eager run of ``model`` on meta runs each distinct block of its ModuleLists and Sequentials
-    once per input shapes; an equal block called the same way gets fresh meta outputs of the same shapes (Note [a
-    repeated block runs once on meta]). Enter it before registering hooks of your own on ``model``."""
+    """Within it, an eager run of ``model`` on meta runs each distinct block of its ModuleLists and
+    Sequentials once per input shapes; an equal block called the same way gets fresh meta outputs of
+    the same shapes (Note [a repeated block runs once on meta]). Enter it before registering hooks
+    of your own on ``model``."""
     if any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS):
         yield
         return
@@ -98,13 +112,15 @@ def _once(block: nn.Module, forward: Callable, outputs: dict) -> Callable:
 
 
 def _state_key(block: nn.Module) -> tuple:
-    """Everything of ``block`` its forward can read on meta: classes, attributes, parameter and buffer shapes."""
+    """Everything of ``block`` its forward can read on meta: classes, attributes, parameter and
+    buffer shapes."""
     key: list = []
     for path, module in block.named_modules(remove_duplicate=False):
         attributes = tuple(
             (name, _plain(value))
             for name, value in module.__dict__.items()
-            if name not in _MODULE_INTERNALS and not getattr(value, "_runs_once", False)  # our own forward
+            # our own forward
+            if name not in _MODULE_INTERNALS and not getattr(value, "_runs_once", False)
         )
         tensors = tuple(
             (kind, name, _tensor_key(tensor))
@@ -117,7 +133,9 @@ def _state_key(block: nn.Module) -> tuple:
 
 def _inputs_key(args: tuple, kwargs: dict) -> tuple:
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    return spec, tuple(_tensor_key(leaf) if isinstance(leaf, torch.Tensor) else _plain(leaf) for leaf in leaves)
+    return spec, tuple(
+        _tensor_key(leaf) if isinstance(leaf, torch.Tensor) else _plain(leaf) for leaf in leaves
+    )
 
 
 def _tensor_key(tensor: torch.Tensor | None) -> tuple | None:

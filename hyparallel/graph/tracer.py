@@ -56,15 +56,18 @@ class Program:
     method: Literal["fx", "export"]
     run_args: list[Any]
     user_inputs: list[fx.Node]
-    state_of: dict[fx.Node, str] = field(default_factory=dict)  # get_attr / lifted placeholder -> state name
+    # get_attr / lifted placeholder -> state name
+    state_of: dict[fx.Node, str] = field(default_factory=dict)
     artifact: Any = None
-    # (module path, class) of each custom torch.autograd.Function the traced forward applied (Note [a custom
-    # backward a traced stage cannot keep])
+    # (module path, class) of each custom torch.autograd.Function the traced forward applied (Note
+    # [a custom backward a traced stage cannot keep])
     custom_backwards: tuple[tuple[str, str], ...] = ()
 
     def copy(self) -> Program:
-        """This program over a copy of its graph, to edit (the pipeline splitter's) without changing this one."""
-        graph = copy.deepcopy(self.gm.graph)  # node for node, under the same names (a fresh graph has no clashes)
+        """This program over a copy of its graph, to edit (the pipeline splitter's) without changing
+        this one."""
+        # node for node, under the same names (a fresh graph has no clashes)
+        graph = copy.deepcopy(self.gm.graph)
         by_name = {node.name: node for node in graph.nodes}
         return dataclasses.replace(
             self,
@@ -75,22 +78,33 @@ class Program:
         )
 
 
-def trace(model: nn.Module, example_inputs: Any, *, name: str | None = None, method: Method = "auto") -> ModelGraph:
-    """Trace ``model`` called on ``example_inputs`` (a tensor, a tuple of args, or a dict of kwargs).
+def trace(
+    model: nn.Module, example_inputs: Any, *, name: str | None = None, method: Method = "auto"
+) -> ModelGraph:
+    """Trace ``model`` called on ``example_inputs`` (a tensor, a tuple of args, or a dict of
+    kwargs).
 
     Runs on meta tensors only, so meta-device models of any size trace in seconds. ``method``
     forces one tracer; by default torch.fx is tried first and torch.export (``strict=False``)
     when symbolic tracing fails, as it does for Hugging Face models.
     """
     args, kwargs = split_inputs(example_inputs)
-    args, kwargs = tree_map(to_meta, (args, kwargs))  # only shapes and dtypes matter: no real memory
+    # only shapes and dtypes matter: no real memory
+    args, kwargs = tree_map(to_meta, (args, kwargs))
     return first_program(
-        model, args, kwargs, method, lambda program: _build(model, program, name or type(model).__name__)
+        model,
+        args,
+        kwargs,
+        method,
+        lambda program: _build(model, program, name or type(model).__name__),
     )
 
 
-def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, finish: Any = None) -> Any:
-    """``finish(program)`` for the first tracer (fx, then export) that traces ``model`` and finishes.
+def first_program(
+    model: nn.Module, args: tuple, kwargs: dict, method: Method, finish: Any = None
+) -> Any:
+    """``finish(program)`` for the first tracer (fx, then export) that traces ``model`` and
+    finishes.
 
     A failure in either tracing or ``finish`` moves on to the next tracer; when all fail, one
     TraceError names the construct, module and source line for each. ``finish`` defaults to
@@ -119,17 +133,18 @@ def first_program(model: nn.Module, args: tuple, kwargs: dict, method: Method, f
 
 
 # Note [a custom backward a traced stage cannot keep]
-#     A torch.autograd.Function with its own backward (Yoso's LSH cumulation: an approximate gradient) runs as
-#     written in eager, tensor and data parallel layouts; a pipeline stage runs the traced graph, in which the
-#     tracers record the Function's forward ops and autograd then differentiates those instead (Yoso pp 2: query
-#     and key gradients 25% off, no error). The tracer records each such Function applied outside torch itself;
-#     check_plan refuses pp > 1 for the model in one line, so the planner keeps it to pp 1.
+#     A torch.autograd.Function with its own backward (Yoso's LSH cumulation: an approximate
+#     gradient) runs as written in eager, tensor and data parallel layouts; a pipeline stage runs
+#     the traced graph, in which the tracers record the Function's forward ops and autograd then
+#     differentiates those instead (Yoso pp 2: query and key gradients 25% off, no error). The
+#     tracer records each such Function applied outside torch itself; check_plan refuses pp > 1 for
+#     the model in one line, so the planner keeps it to pp 1.
 
 
 @contextlib.contextmanager
 def _custom_functions(calls: ModuleStack, found: list[tuple[str, str]]) -> Iterator[None]:
-    """Record (innermost module, class) of each torch.autograd.Function applied in this block, torch's own
-    left out (Note [a custom backward a traced stage cannot keep])."""
+    """Record (innermost module, class) of each torch.autograd.Function applied in this block,
+    torch's own left out (Note [a custom backward a traced stage cannot keep])."""
     original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
@@ -145,17 +160,18 @@ def _custom_functions(calls: ModuleStack, found: list[tuple[str, str]]) -> Itera
 
 
 # Note [a failed trace leaves torch as it found it]
-#     A tracer or meta run that fails midway skips the cleanup of what it entered: torch.export failing inside a
-#     no-grad region leaves the grad mode off (HRM), and failing inside a torch.vmap (Hugging Face's mask functions;
-#     T5Gemma2's export) leaves functorch's vmap level pushed, after which every random op of the process raises
-#     "vmap: called random operation while in randomness error mode": the user's next model cannot even be
-#     initialised. Each attempt restores the grad mode and functorch's layer stack depth as torch.compile does.
+#     A tracer or meta run that fails midway skips the cleanup of what it entered: torch.export
+#     failing inside a no-grad region leaves the grad mode off (HRM), and failing inside a
+#     torch.vmap (Hugging Face's mask functions; T5Gemma2's export) leaves functorch's vmap level
+#     pushed, after which every random op of the process raises "vmap: called random operation while
+#     in randomness error mode": the user's next model cannot even be initialised. Each attempt
+#     restores the grad mode and functorch's layer stack depth as torch.compile does.
 
 
 @contextlib.contextmanager
 def kept_torch_state() -> Iterator[None]:
-    """Restore the grad mode and functorch's transform stack on leaving, however the block ended (Note [a failed
-    trace leaves torch as it found it])."""
+    """Restore the grad mode and functorch's transform stack on leaving, however the block ended
+    (Note [a failed trace leaves torch as it found it])."""
     depth = torch._C._functorch.get_dynamic_layer_stack_depth()
     try:
         with torch.set_grad_enabled(torch.is_grad_enabled()):
@@ -166,7 +182,8 @@ def kept_torch_state() -> Iterator[None]:
 
 
 def _given(model: nn.Module, args: tuple, kwargs: dict) -> set[str]:
-    """Names of the forward arguments ``args`` and ``kwargs`` bind (what the example inputs give)."""
+    """Names of the forward arguments ``args`` and ``kwargs`` bind (what the example inputs
+    give)."""
     try:
         return set(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)
     except (TypeError, ValueError):
@@ -176,9 +193,10 @@ def _given(model: nn.Module, args: tuple, kwargs: dict) -> set[str]:
 class ModuleStack:
     """Follows module calls with hooks so that a failure can name the module it happened in.
 
-    ``eager``: the block only runs the model eagerly (a dry run), so two process-wide module hooks follow it,
-    instead of two hooks on each of its modules (GPT-3 175B's 967: most of a dry run's own time, which runs each
-    distinct block once). Tracers keep hooks on the modules: a process-wide hook is not theirs to meet.
+    ``eager``: the block only runs the model eagerly (a dry run), so two process-wide module hooks
+    follow it, instead of two hooks on each of its modules (GPT-3 175B's 967: most of a dry run's
+    own time, which runs each distinct block once). Tracers keep hooks on the modules: a
+    process-wide hook is not theirs to meet.
     """
 
     def __init__(self, model: nn.Module, eager: bool = False):
@@ -203,8 +221,12 @@ class ModuleStack:
             self.handles.append(nn.modules.module.register_module_forward_hook(leave))
             return self
         for path, module in self.model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(lambda _m, _a, path=path: self.stack.append(path)))
-            self.handles.append(module.register_forward_hook(lambda _m, _a, _o, path=path: self._leave(path)))
+            self.handles.append(
+                module.register_forward_pre_hook(lambda _m, _a, path=path: self.stack.append(path))
+            )
+            self.handles.append(
+                module.register_forward_hook(lambda _m, _a, _o, path=path: self._leave(path))
+            )
         return self
 
     def _leave(self, path: str) -> None:
@@ -221,13 +243,15 @@ class ModuleStack:
             handle.remove()
 
 
-def first_failure(model: nn.Module, example_inputs: Any, method: str) -> tuple[str, BaseException] | None:
-    """Where ``model`` fails first when run on meta at the shapes of ``example_inputs``: (the innermost module
-    running, the exception), or None when it runs.
+def first_failure(
+    model: nn.Module, example_inputs: Any, method: str
+) -> tuple[str, BaseException] | None:
+    """Where ``model`` fails first when run on meta at the shapes of ``example_inputs``: (the
+    innermost module running, the exception), or None when it runs.
 
-    ``method`` is how its graph was traced: after "export" it is exported again (torch.export takes the
-    data-dependent Python an eager run on meta cannot, such as Hugging Face's mask checks); after "fx" it runs
-    eagerly on meta.
+    ``method`` is how its graph was traced: after "export" it is exported again (torch.export takes
+    the data-dependent Python an eager run on meta cannot, such as Hugging Face's mask checks);
+    after "fx" it runs eagerly on meta.
     """
     args, kwargs = split_inputs(example_inputs)
     args, kwargs = tree_map(to_meta, (args, kwargs))
@@ -246,8 +270,8 @@ def first_failure(model: nn.Module, example_inputs: Any, method: str) -> tuple[s
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` for calling a model on ``example_inputs``: a mapping is keyword arguments, a tuple or
-    list positional ones, anything else (a tensor) the single positional argument."""
+    """``(args, kwargs)`` for calling a model on ``example_inputs``: a mapping is keyword arguments,
+    a tuple or list positional ones, anything else (a tensor) the single positional argument."""
     if isinstance(example_inputs, Mapping):
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
@@ -256,18 +280,22 @@ def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
 
 
 def call_with(module: Any, inputs: Any) -> Any:
-    """``module`` called on ``inputs`` by the one rule of :func:`split_inputs` (what the trace called it with)."""
+    """``module`` called on ``inputs`` by the one rule of :func:`split_inputs` (what the trace
+    called it with)."""
     args, kwargs = split_inputs(inputs)
     return module(*args, **kwargs)
 
 
 def to_meta(value: Any) -> Any:
-    """A tensor moved to the meta device (shape and dtype kept, no memory); any other value unchanged."""
+    """A tensor moved to the meta device (shape and dtype kept, no memory); any other value
+    unchanged."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if isinstance(value, FakeTensor):  # an exported program's state (Note [exported for the device it runs on])
+    # an exported program's state (Note [exported for the device it runs on])
+    if isinstance(value, FakeTensor):
         meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-        return meta.requires_grad_(value.requires_grad)  # a parameter stays one (Note [a gradient path])
+        # a parameter stays one (Note [a gradient path])
+        return meta.requires_grad_(value.requires_grad)
     return value.to("meta") if isinstance(value, torch.Tensor) else value
 
 
@@ -275,24 +303,28 @@ def to_meta(value: Any) -> Any:
 
 
 # Note [stack traces made when asked]
-#     An error raised while the profiler runs a node names the user's line that traced it (remember_source), from
-#     the stack recorded with the node. fx's own ``record_stack_traces`` formats every node's stack as it traces,
-#     and its first filtering imports torch.export._trace and torch._inductor (0.3 s and more of a `hyparallel plan`
-#     on top of formatting some 2,000 stacks). So the tracer records each node's stack in fx's fast raw form
-#     (``CapturedTraceback.extract``) and formats it as fx would, filtered alike, only for a node that fails.
+#     An error raised while the profiler runs a node names the user's line that traced it
+#     (remember_source), from the stack recorded with the node. fx's own ``record_stack_traces``
+#     formats every node's stack as it traces, and its first filtering imports torch.export._trace
+#     and torch._inductor (0.3 s and more of a `hyparallel plan` on top of formatting some 2,000
+#     stacks). So the tracer records each node's stack in fx's fast raw form
+#     (``CapturedTraceback.extract``) and formats it as fx would, filtered alike, only for a node
+#     that fails.
 _TRACEBACK = "hyparallel_traceback"  # node.meta key: the node's CapturedTraceback
 
 
 # Note [torch's own layers with children are traced into]
-#     fx keeps every torch.nn module as one call_module node, so nn.TransformerEncoder was one opaque op: tensor
-#     parallelism split only the embedding and head around it, and no pipeline could cut between its layers. A
-#     torch.nn module with children is traced into like a user's own (its children are then the ops and its
-#     ModuleList the blocks), except nn.MultiheadAttention, whose forward reads out_proj's weight without calling
-#     it (F.multi_head_attention_forward): it stays one op, kept whole by tensor parallelism. The encoder layer's
-#     forward branches on its tensors' dtypes and devices, which fx cannot record, so such a model is traced by
-#     torch.export. Once split, the encoder layer's fused inference path (torch._transformer_encoder_layer_fwd,
-#     taken in eval under no_grad) would read the split weights as whole; tensor parallelism turns it off
-#     (Note [torch's fused encoder path], hyparallel/tensor/apply.py).
+#     fx keeps every torch.nn module as one call_module node, so nn.TransformerEncoder was one
+#     opaque op: tensor parallelism split only the embedding and head around it, and no pipeline
+#     could cut between its layers. A torch.nn module with children is traced into like a user's own
+#     (its children are then the ops and its ModuleList the blocks), except nn.MultiheadAttention,
+#     whose forward reads out_proj's weight without calling it (F.multi_head_attention_forward): it
+#     stays one op, kept whole by tensor parallelism. The encoder layer's forward branches on its
+#     tensors' dtypes and devices, which fx cannot record, so such a model is traced by
+#     torch.export. Once split, the encoder layer's fused inference path
+#     (torch._transformer_encoder_layer_fwd, taken in eval under no_grad) would read the split
+#     weights as whole; tensor parallelism turns it off (Note [torch's fused encoder path],
+#     hyparallel/tensor/apply.py).
 
 
 class _LeafTracer(fx.Tracer):
@@ -304,26 +336,32 @@ class _LeafTracer(fx.Tracer):
             return False
         if next(m.children(), None) is None or isinstance(m, nn.MultiheadAttention):
             return True
-        return super().is_leaf_module(m, module_qualified_name) and not type(m).__module__.startswith("torch.nn.")
+        return super().is_leaf_module(m, module_qualified_name) and not type(
+            m
+        ).__module__.startswith("torch.nn.")
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         self.grad_mode = torch.is_grad_enabled()
         return super().trace(root, concrete_args)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        # torch.fx runs forward's Python, so a `with torch.no_grad():` is in force while its ops are recorded, but
-        # the graph keeps no trace of it: run again, those ops would build gradients (HRM's no-grad cycles). Such
-        # a forward is left to torch.export, which records the region (wrap_with_set_grad_enabled).
+        # torch.fx runs forward's Python, so a `with torch.no_grad():` is in force while its ops are
+        # recorded, but the graph keeps no trace of it: run again, those ops would build gradients
+        # (HRM's no-grad cycles). Such a forward is left to torch.export, which records the region
+        # (wrap_with_set_grad_enabled).
         if torch.is_grad_enabled() != self.grad_mode:
-            raise RuntimeError("torch.fx cannot record a grad-mode change (torch.no_grad() or enable_grad in forward)")
+            raise RuntimeError(
+                "torch.fx cannot record a grad-mode change (torch.no_grad() or enable_grad in"
+                " forward)"
+            )
         node = super().create_node(*args, **kwargs)
         node.meta[_TRACEBACK] = CapturedTraceback.extract()  # Note [stack traces made when asked]
         return node
 
 
 def stack_trace(node: fx.Node) -> str | None:
-    """Where in the user's forward ``node`` was traced, as fx's ``record_stack_traces`` would have recorded it
-    (Note [stack traces made when asked]); torch.export's nodes carry their own."""
+    """Where in the user's forward ``node`` was traced, as fx's ``record_stack_traces`` would have
+    recorded it (Note [stack traces made when asked]); torch.export's nodes carry their own."""
     captured = node.meta.get(_TRACEBACK)
     if node.stack_trace or captured is None:
         return node.stack_trace
@@ -335,7 +373,8 @@ def stack_trace(node: fx.Node) -> str | None:
 
 def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
     signature = inspect.signature(model.forward)
-    bound = signature.bind(*args, **kwargs).arguments  # a required argument left out: TypeError naming it
+    # a required argument left out: TypeError naming it
+    bound = signature.bind(*args, **kwargs).arguments
     concrete = {
         p.name: p.default
         for p in signature.parameters.values()
@@ -353,32 +392,42 @@ def _fx_program(model: nn.Module, args: tuple, kwargs: dict) -> Program:
         else:
             run_args.append(concrete[param.name])
     state_of = {n: n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    return Program(gm=gm, method="fx", run_args=run_args, user_inputs=user_inputs, state_of=state_of, artifact=gm)
+    return Program(
+        gm=gm,
+        method="fx",
+        run_args=run_args,
+        user_inputs=user_inputs,
+        state_of=state_of,
+        artifact=gm,
+    )
 
 
 # ---- torch.export --------------------------------------------------------------------------------
 
 
 # Note [exported for the device it runs on]
-#     A meta-device model exported as it is sees ``device.type == "meta"`` wherever its code asks, and code that
-#     branches on the device bakes the wrong branch into the graph the pipeline then runs: transformers' MoE
-#     counts tokens per expert with ``histc`` on floats on the CPU and on ints elsewhere, and the int branch,
-#     traced on meta, fails on the CPU ("histogram_cpu" not implemented for 'Int'). So a meta model is exported
-#     on fake tensors of the device it will run on (``tracing_device``, the CPU unless parallelize says cuda):
-#     the same meta storage, nothing allocated, but the device its code sees is the real one. Device arguments
-#     baked into the graph are then moved back to meta (the tracer runs the graph on meta; the pipeline splitter
-#     makes device constants follow its inputs). Tensor constants the forward creates from Python values
-#     (``torch.tensor(0)``) come out real, so the splitter can give them to the stage that uses them. Kernels lay
-#     out their outputs per device: a program exported for the CPU may drop a ``.contiguous()`` the meta kernel's
-#     strides need (nanoGPT's attention output), and a device branch may view what meta lays out otherwise
-#     (Afmoe). A model whose device export fails, or whose program then does not run on meta, is exported on
-#     plain meta tensors as before (``_exported``).
+#     A meta-device model exported as it is sees ``device.type == "meta"`` wherever its code asks,
+#     and code that branches on the device bakes the wrong branch into the graph the pipeline then
+#     runs: transformers' MoE counts tokens per expert with ``histc`` on floats on the CPU and on
+#     ints elsewhere, and the int branch, traced on meta, fails on the CPU ("histogram_cpu" not
+#     implemented for 'Int'). So a meta model is exported on fake tensors of the device it will run
+#     on (``tracing_device``, the CPU unless parallelize says cuda): the same meta storage, nothing
+#     allocated, but the device its code sees is the real one. Device arguments baked into the graph
+#     are then moved back to meta (the tracer runs the graph on meta; the pipeline splitter makes
+#     device constants follow its inputs). Tensor constants the forward creates from Python values
+#     (``torch.tensor(0)``) come out real, so the splitter can give them to the stage that uses
+#     them. Kernels lay out their outputs per device: a program exported for the CPU may drop a
+#     ``.contiguous()`` the meta kernel's strides need (nanoGPT's attention output), and a device
+#     branch may view what meta lays out otherwise (Afmoe). A model whose device export fails, or
+#     whose program then does not run on meta, is exported on plain meta tensors as before
+#     (``_exported``).
 _TRACE_DEVICE: contextvars.ContextVar[str] = contextvars.ContextVar("trace_device", default="cpu")
 
 
 @contextlib.contextmanager
 def tracing_device(device: torch.device | str) -> Iterator[None]:
-    """Export meta models as if on ``device`` inside this block (Note [exported for the device it runs on])."""
+    """Export meta models as if on ``device`` inside this block (Note [exported for the device it
+    runs on])."""
     token = _TRACE_DEVICE.set(str(torch.device(device)))
     try:
         yield
@@ -387,10 +436,13 @@ def tracing_device(device: torch.device | str) -> Iterator[None]:
 
 
 def _exported(model: nn.Module, args: tuple, kwargs: dict, finish: Any) -> Any:
-    """``finish`` of the export for the run device, or of the plain meta export when that one fails or does not
-    run on meta (Note [exported for the device it runs on])."""
-    try:  # torch restored after it: a failure inside a no_grad region (a higher-order op's body run on meta)
-        # leaves the grad mode off, and the next export would then not see that region (HRM's no-grad cycles, 1.1e-4)
+    """``finish`` of the export for the run device, or of the plain meta export when that one fails
+    or does not run on meta (Note [exported for the device it runs on])."""
+    # torch restored after it: a failure inside a no_grad region (a higher-order op's body run on
+    # meta)
+    try:
+        # leaves the grad mode off, and the next export would then not see that region (HRM's
+        # no-grad cycles, 1.1e-4)
         with kept_torch_state():
             program = _export_program(model, args, kwargs)
             return finish(program) if finish is not None else program
@@ -403,19 +455,28 @@ def _exported(model: nn.Module, args: tuple, kwargs: dict, finish: Any) -> Any:
 
 def _export_program(model: nn.Module, args: tuple, kwargs: dict, on_device: bool = True) -> Program:
     if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs:
-        kwargs = {**kwargs, "use_cache": False}  # Hugging Face: no KV cache while tracing for training
+        # Hugging Face: no KV cache while tracing for training
+        kwargs = {**kwargs, "use_cache": False}
     device = next((p.device for p in model.parameters()), torch.device("meta"))
-    if device.type != "meta":  # torch.export wants inputs beside the weights; it runs nothing for real
+    # torch.export wants inputs beside the weights; it runs nothing for real
+    if device.type != "meta":
         args, kwargs = tree_map(
-            lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+            lambda t: torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) else t,
+            (args, kwargs),
         )
         with _quiet_torch_logs(), _no_kv_cache(model):
-            exported = torch.export.export(model, args, kwargs, strict=False)  # a failure is reported as one line
+            # a failure is reported as one line
+            exported = torch.export.export(model, args, kwargs, strict=False)
     elif on_device:
         on = torch.device(_TRACE_DEVICE.get())
-        if on.type == "cuda" and not torch.cuda.is_available():  # fake CUDA tensors without CUDA abort in C++
+        # fake CUDA tensors without CUDA abort in C++
+        if on.type == "cuda" and not torch.cuda.is_available():
             on = torch.device("cpu")
-        with _quiet_torch_logs(), _no_kv_cache(model), _on_fake_device(model, on, (args, kwargs)) as (fargs, fkwargs):
+        with (
+            _quiet_torch_logs(),
+            _no_kv_cache(model),
+            _on_fake_device(model, on, (args, kwargs)) as (fargs, fkwargs),
+        ):
             exported = torch.export.export(model, fargs, fkwargs, strict=False)
         _device_arguments_to_meta(exported.graph_module)
     else:
@@ -447,9 +508,10 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict, on_device: bool
 
 @contextlib.contextmanager
 def _no_kv_cache(model: nn.Module) -> Iterator[None]:
-    """Every Hugging Face config of the model (nested ones too: a multimodal model's text_config) with ``use_cache``
-    off while tracing: a forward taking ``use_cache`` only through ``**kwargs`` (VibeVoiceAsr, MossTranscribe)
-    returned a DynamicCache, which torch.export cannot take as an output."""
+    """Every Hugging Face config of the model (nested ones too: a multimodal model's text_config)
+    with ``use_cache`` off while tracing: a forward taking ``use_cache`` only through ``**kwargs``
+    (VibeVoiceAsr, MossTranscribe) returned a DynamicCache, which torch.export cannot take as an
+    output."""
     changed: list[Any] = []
     seen: set[int] = set()
 
@@ -474,10 +536,16 @@ def _no_kv_cache(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _buffers_on_meta(model: nn.Module) -> Iterator[None]:
-    """Meta copies of the model's real buffers while it is exported beside meta parameters and inputs: a meta
-    build keeps its buffers real (Note [parameters on meta, buffers real]), and fake tensors refuse to mix devices.
+    """Meta copies of the model's real buffers while it is exported beside meta parameters and
+    inputs: a meta build keeps its buffers real (Note [parameters on meta, buffers real]), and fake
+    tensors refuse to mix devices.
     """
-    saved = [(m, leaf, t) for m in model.modules() for leaf, t in m._buffers.items() if t is not None and not t.is_meta]
+    saved = [
+        (m, leaf, t)
+        for m in model.modules()
+        for leaf, t in m._buffers.items()
+        if t is not None and not t.is_meta
+    ]
     copies: dict[int, torch.Tensor] = {}
     for module, leaf, tensor in saved:
         module._buffers[leaf] = copies.setdefault(id(tensor), tensor.to("meta"))
@@ -490,8 +558,10 @@ def _buffers_on_meta(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _on_fake_device(model: nn.Module, device: torch.device, inputs: Any) -> Iterator[Any]:
-    """The model's parameters, buffers and ``inputs`` as fake tensors on ``device`` (meta storage) inside the
-    block: what torch.export traces a meta model with (Note [exported for the device it runs on])."""
+    """The model's parameters, buffers and ``inputs`` as fake tensors on ``device`` (meta storage)
+    inside the
+    block: what torch.export traces a meta model with (Note [exported for the device it runs
+    on])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -510,13 +580,18 @@ def _on_fake_device(model: nn.Module, device: torch.device, inputs: Any) -> Iter
 
 
 def _device_arguments_to_meta(gm: fx.GraphModule) -> None:
-    """Device arguments the export baked in (``arange(..., device=cpu)``) moved to meta, where the graph is run."""
+    """Device arguments the export baked in (``arange(..., device=cpu)``) moved to meta, where the
+    graph is run."""
     meta = torch.device("meta")
-    for module in gm.modules():  # the graph and the bodies of its higher-order ops (a no_grad region)
+    # the graph and the bodies of its higher-order ops (a no_grad region)
+    for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
         for node in module.graph.nodes:
-            if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type != "meta":
+            if (
+                isinstance(node.kwargs.get("device"), torch.device)
+                and node.kwargs["device"].type != "meta"
+            ):
                 node.update_kwarg("device", meta)
         module.recompile()
 
@@ -525,8 +600,9 @@ def _device_arguments_to_meta(gm: fx.GraphModule) -> None:
 def _quiet_torch_logs():
     """Silence torch's logs and stderr: a failed torch.export prints its partial graph to stderr.
 
-    CRITICAL, not ERROR: fake tensors log each op that fails on meta (a shape overflow, say) with its
-    traceback at ERROR, through a handler holding the original stderr; the failure is reported as one line.
+    CRITICAL, not ERROR: fake tensors log each op that fails on meta (a shape overflow, say) with
+    its traceback at ERROR, through a handler holding the original stderr; the failure is reported
+    as one line.
     """
     logger = logging.getLogger("torch")
     level = logger.level
@@ -619,7 +695,9 @@ class _MetaSpec:
 
 def _to_meta_spec(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return _MetaSpec(tuple(value.shape), tuple(value.stride()), value.dtype, value.requires_grad)
+        return _MetaSpec(
+            tuple(value.shape), tuple(value.stride()), value.dtype, value.requires_grad
+        )
     return value
 
 
@@ -630,27 +708,29 @@ def _meta_device(value: Any) -> Any:
 def _from_meta(value: Any) -> Any:
     if isinstance(value, _MetaSpec):
         meta = torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta")
-        # An op's output, not a leaf: a later op may write into it in place (a gated delta rule's chunk loop),
-        # which autograd refuses on a leaf that requires grad.
+        # An op's output, not a leaf: a later op may write into it in place (a gated delta rule's
+        # chunk loop), which autograd refuses on a leaf that requires grad.
         return meta.requires_grad_().clone() if value.requires_grad else meta
     return value
 
 
 # Note [a view the run device's strides allow]
-#     A program exported for the device it runs on (Note [exported for the device it runs on]) is profiled on
-#     meta tensors, whose kernels may lay out an output with other strides than that device's: the CPU flash
-#     attention returns (batch, seq, heads, head_dim)-strided output, its meta kernel a contiguous
-#     (batch, heads, seq, head_dim) one, so Afmoe's `output.transpose(1, 2).view(batch, seq, -1)` runs on the CPU
-#     and is refused on meta. Only the shapes are profiled: such a view is profiled as the reshape it equals in
-#     shape. A pipeline stage runs its graph's views as reshapes too (PipelineSplit.stage_module): the strides the
-#     export saw are one kernel's, and another may run (at a rank's head count under tp x pp, Afmoe's view failed
-#     on the CPU). A reshape is the view wherever the view is possible, the same values and the same aliasing;
-#     where it is not, a copy instead of an error.
+#     A program exported for the device it runs on (Note [exported for the device it runs on]) is
+#     profiled on meta tensors, whose kernels may lay out an output with other strides than that
+#     device's: the CPU flash attention returns (batch, seq, heads, head_dim)-strided output, its
+#     meta kernel a contiguous (batch, heads, seq, head_dim) one, so Afmoe's `output.transpose(1,
+#     2).view(batch, seq, -1)` runs on the CPU and is refused on meta. Only the shapes are profiled:
+#     such a view is profiled as the reshape it equals in shape. A pipeline stage runs its graph's
+#     views as reshapes too (PipelineSplit.stage_module): the strides the export saw are one
+#     kernel's, and another may run (at a rank's head count under tp x pp, Afmoe's view failed on
+#     the CPU). A reshape is the view wherever the view is possible, the same values and the same
+#     aliasing; where it is not, a copy instead of an error.
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _STRIDES = "view size is not compatible with input tensor's size and stride"
 
 
-# In-place ops that give a tensor no gradient path from their inputs: requires_grad_() makes a new leaf of it.
+# In-place ops that give a tensor no gradient path from their inputs: requires_grad_() makes a new
+# leaf of it.
 _NO_GRADIENT_WRITES = {"requires_grad_", "detach_", "zero_"}
 
 
@@ -661,7 +741,8 @@ class _Profiler(fx.Interpreter):
         super().__init__(gm)
         self.counter = counter
         self.outputs: dict[fx.Node, Any] = {}
-        self.grad: dict[fx.Node, bool] = {}  # whether the node's output required grad when it ran (or written)
+        # whether the node's output required grad when it ran (or written)
+        self.grad: dict[fx.Node, bool] = {}
         self.producer: dict[int, fx.Node] = {}  # id of each output tensor -> the node that gave it
         self.flops: dict[fx.Node, int] = {}
         self.cache: dict[tuple, tuple[int, Any]] = {}
@@ -669,7 +750,8 @@ class _Profiler(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         try:
             return self._run_node(n)
-        except Exception as exc:  # a shape error, say: its traceback is generated graph code; name the user's line
+        # a shape error, say: its traceback is generated graph code; name the user's line
+        except Exception as exc:
             remember_source(exc, stack_trace(n))
             raise
 
@@ -678,7 +760,8 @@ class _Profiler(fx.Interpreter):
             out = super().run_node(n)
         else:
             key = self._key(n)
-            if key is not None and key in self.cache:  # a repeated layer: same op on the same shapes
+            # a repeated layer: same op on the same shapes
+            if key is not None and key in self.cache:
                 flops, meta = self.cache[key]
                 out = tree_map(_from_meta, meta)
             else:
@@ -688,7 +771,8 @@ class _Profiler(fx.Interpreter):
             if flops:
                 self.flops[n] = flops
         self.outputs[n] = out
-        # Read now: a later in-place requires_grad_() would change the answer (Note [a gradient path]).
+        # Read now: a later in-place requires_grad_() would change the answer (Note [a gradient
+        # path]).
         self.grad[n] = any(t.requires_grad for t in _tensors(out))
         for t in _tensors(out):
             self.producer.setdefault(id(t), n)
@@ -697,8 +781,9 @@ class _Profiler(fx.Interpreter):
         return out
 
     def _written(self, n: fx.Node) -> None:
-        """A write in place into a tensor that now requires grad (``out[:, t] = state``, ``out.add_(y)``): the
-        nodes giving that tensor and its base carry a gradient from here on (Note [a gradient path])."""
+        """A write in place into a tensor that now requires grad (``out[:, t] = state``,
+        ``out.add_(y)``): the nodes giving that tensor and its base carry a gradient from here on
+        (Note [a gradient path])."""
         if target_name(n.target) in _NO_GRADIENT_WRITES or not n.args:
             return
         written = self.env.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
@@ -715,7 +800,8 @@ class _Profiler(fx.Interpreter):
         try:
             return super().call_function(target, args, kwargs)
         except RuntimeError as exc:
-            if target in _VIEWS and _STRIDES in str(exc):  # Note [a view the run device's strides allow]
+            # Note [a view the run device's strides allow]
+            if target in _VIEWS and _STRIDES in str(exc):
                 return torch.ops.aten.reshape.default(*args, **kwargs)
             raise
 
@@ -724,7 +810,8 @@ class _Profiler(fx.Interpreter):
         try:
             return super().call_method(target, args, kwargs)
         except RuntimeError as exc:
-            if target == "view" and _STRIDES in str(exc):  # Note [a view the run device's strides allow]
+            # Note [a view the run device's strides allow]
+            if target == "view" and _STRIDES in str(exc):
                 return super().call_method("reshape", args, kwargs)
             raise
 
@@ -737,35 +824,52 @@ class _Profiler(fx.Interpreter):
         return flops or self._uncounted_flops(n, out), out
 
     def _uncounted_flops(self, n: fx.Node, out: Any) -> int:
-        """FLOPs torch's counter does not know: grouped matrix products (Note [grouped matmul FLOPs]) and embedding
-        bags' pooling (Note [embedding bag FLOPs]), from a leaf EmbeddingBag call or its ATen op."""
+        """FLOPs torch's counter does not know: grouped matrix products (Note [grouped matmul
+        FLOPs]) and embedding bags' pooling (Note [embedding bag FLOPs]), from a leaf EmbeddingBag
+        call or its ATen op."""
         name = target_name(n.target)
         module = self.fetch_attr(n.target) if n.op == "call_module" else None
-        if name not in GROUPED_MM and name not in EMBEDDING_BAG_OPS and not isinstance(module, nn.EmbeddingBag):
+        if (
+            name not in GROUPED_MM
+            and name not in EMBEDDING_BAG_OPS
+            and not isinstance(module, nn.EmbeddingBag)
+        ):
             return 0
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if name in GROUPED_MM:
             return grouped_mm_flops(*args[:2], out)
         if module is not None:  # EmbeddingBag.forward(input, offsets=None, per_sample_weights=None)
             weights = args[2] if len(args) > 2 else kwargs.get("per_sample_weights")
-            return embedding_bag_flops(args[0] if args else kwargs.get("input"), module.embedding_dim, weights)
-        # aten embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, ...)
+            return embedding_bag_flops(
+                args[0] if args else kwargs.get("input"), module.embedding_dim, weights
+            )
+        # aten embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
+        # per_sample_weights, ...)
         weights = args[6] if len(args) > 6 else kwargs.get("per_sample_weights")
         return embedding_bag_flops(args[1], args[0].shape[-1], weights) if len(args) > 1 else 0
 
     def _key(self, n: fx.Node) -> tuple | None:
-        """What determines a node's output shapes and FLOPs; None when it cannot be told (then no caching)."""
+        """What determines a node's output shapes and FLOPs; None when it cannot be told (then no
+        caching)."""
         if writes_in_place(target_name(n.target)):
-            return None  # a write changes its input: it runs each time (Note [a gradient path] reads its effect)
-        if torch._C._functorch.get_dynamic_layer_stack_depth() or "_functorch" in getattr(n.target, "__module__", ""):
-            # A torch.vmap the exported graph runs (Hugging Face's masks): entering and leaving it changes
-            # functorch's state, and the outputs inside are batched wrappers; each runs, none is replayed.
+            # a write changes its input: it runs each time (Note [a gradient path] reads its effect)
+            return None
+        if torch._C._functorch.get_dynamic_layer_stack_depth() or "_functorch" in getattr(
+            n.target, "__module__", ""
+        ):
+            # A torch.vmap the exported graph runs (Hugging Face's masks): entering and leaving it
+            # changes functorch's state, and the outputs inside are batched wrappers; each runs,
+            # none is replayed.
             return None
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if n.op == "call_module":
             module = self.fetch_attr(n.target)
             settings = tuple(
-                sorted((k, v) for k, v in vars(module).items() if isinstance(v, (int, float, str, bool, tuple)))
+                sorted(
+                    (k, v)
+                    for k, v in vars(module).items()
+                    if isinstance(v, (int, float, str, bool, tuple))
+                )
             )
             target = (
                 type(module),
@@ -783,15 +887,17 @@ class _Profiler(fx.Interpreter):
 
 
 # Note [grouped matmul FLOPs]
-#     A grouped matrix product (``torch._grouped_mm(a, b, offs)``, the op a mixture-of-experts layer runs its
-#     experts with) multiplies each group of rows of ``a`` by its group's matrix of ``b``: every output element
-#     is one dot product over the contracted dimension, ``a``'s last, so it costs 2 * numel(out) * K, as an
-#     (M, K) x (K, N) product costs 2*M*N*K. The one exception: two 2-D operands group the contracted dimension
-#     itself (out is (groups, M, N), the groups' K summing to ``a``'s): 2 * M * K * N in all.
+#     A grouped matrix product (``torch._grouped_mm(a, b, offs)``, the op a mixture-of-experts layer
+#     runs its experts with) multiplies each group of rows of ``a`` by its group's matrix of ``b``:
+#     every output element is one dot product over the contracted dimension, ``a``'s last, so it
+#     costs 2 * numel(out) * K, as an (M, K) x (K, N) product costs 2*M*N*K. The one exception: two
+#     2-D operands group the contracted dimension itself (out is (groups, M, N), the groups' K
+#     summing to ``a``'s): 2 * M * K * N in all.
 
 
 def grouped_mm_flops(a: Any, b: Any, out: Any) -> int:
-    """Forward FLOPs of a grouped matrix product of ``a`` and ``b`` giving ``out`` (Note [grouped matmul FLOPs])."""
+    """Forward FLOPs of a grouped matrix product of ``a`` and ``b`` giving ``out`` (Note [grouped
+    matmul FLOPs])."""
     if not all(isinstance(t, torch.Tensor) for t in (a, b, out)):
         return 0
     if a.dim() == 2 and b.dim() == 2:
@@ -807,7 +913,8 @@ class _Runner(nn.Module):
         self.gm = gm
 
     def forward(self, args: list[Any]) -> _Profiler:
-        # Imported here: torch.utils.flop_counter pulls in triton, which `import hyparallel` must not.
+        # Imported here: torch.utils.flop_counter pulls in triton, which `import hyparallel` must
+        # not.
         from torch.utils.flop_counter import FlopCounterMode
 
         profiler = _Profiler(self.gm, FlopCounterMode(display=False))
@@ -821,10 +928,13 @@ def _profile(program: Program) -> _Profiler:
     if program.method == "export":  # state arrives as (meta) graph inputs
         return runner(program.run_args)
     # fx: the graph module shares the user's modules; run them with meta copies of their state.
-    # One entry per tensor: tied weights (embedding and head) appear once, so functional_call keeps them tied.
+    # One entry per tensor: tied weights (embedding and head) appear once, so functional_call keeps
+    # them tied.
     state = itertools.chain(program.gm.named_parameters(), program.gm.named_buffers())
     meta_state = {f"gm.{k}": to_meta(v) for k, v in state}
-    return torch.func.functional_call(runner, meta_state, (program.run_args,), tie_weights=True, strict=False)
+    return torch.func.functional_call(
+        runner, meta_state, (program.run_args,), tie_weights=True, strict=False
+    )
 
 
 # ---- grouping nodes into ops ---------------------------------------------------------------------
@@ -839,8 +949,8 @@ def _bytes(value: Any) -> int:
 
 
 def module_of(node: fx.Node) -> str:
-    """The innermost module path a traced node ran in ('' for the root): its target for a call_module node,
-    otherwise the last entry of its ``nn_module_stack``."""
+    """The innermost module path a traced node ran in ('' for the root): its target for a
+    call_module node, otherwise the last entry of its ``nn_module_stack``."""
     if node.op == "call_module":
         return str(node.target)
     stack = node.meta.get("nn_module_stack") or {}
@@ -852,7 +962,8 @@ _OUTPUT = "<output>"
 
 @dataclass
 class _State:
-    """The model's parameters and buffers under canonical names (tied aliases map to the first name)."""
+    """The model's parameters and buffers under canonical names (tied aliases map to the first
+    name)."""
 
     alias: dict[str, str]
     params: dict[str, torch.Tensor]
@@ -869,7 +980,12 @@ class _State:
                 alias[name] = first.setdefault(id(tensor), name)
                 table.setdefault(alias[name], tensor)
         params, buffers = tables
-        return cls(alias=alias, params=params, buffers=buffers, order={name: i for i, name in enumerate(params)})
+        return cls(
+            alias=alias,
+            params=params,
+            buffers=buffers,
+            order={name: i for i, name in enumerate(params)},
+        )
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -926,7 +1042,8 @@ class _OpBuilder:
         return ops, values
 
     def _loss_inputs(self) -> tuple[str, ...]:
-        """The ops giving the output's ``logits`` (what the default loss reads); () when it has none."""
+        """The ops giving the output's ``logits`` (what the default loss reads); () when it has
+        none."""
         node = next(n for n in self.program.gm.graph.nodes if n.op == "output")
         value = self.profiler.outputs.get(node)
         if self.program.method == "export" and isinstance(value, (tuple, list)):
@@ -941,15 +1058,23 @@ class _OpBuilder:
         return tuple(dict.fromkeys(self.group_of[n] for n in found if n in self.group_of))
 
     def _group_nodes(self) -> None:
-        """Assign every live compute node to an op: its own, its leaf module call's, or its tuple source's."""
+        """Assign every live compute node to an op: its own, its leaf module call's, or its tuple
+        source's."""
         program, outputs = self.program, self.profiler.outputs
         live = _live_nodes(list(program.gm.graph.nodes), outputs, program)
         used_names = set(self.group_of.values()) | {_OUTPUT}
-        previous: tuple[str, str] | None = None  # (leaf module path, op name) of the last exported leaf call
-        ran = {path for n in program.gm.graph.nodes for path, _ in (n.meta.get("nn_module_stack") or {}).values()}
+        # (leaf module path, op name) of the last exported leaf call
+        previous: tuple[str, str] | None = None
+        ran = {
+            path
+            for n in program.gm.graph.nodes
+            for path, _ in (n.meta.get("nn_module_stack") or {}).values()
+        }
 
-        def is_leaf(path: str) -> bool:  # no children, or a torch.nn layer none of whose children's forward ran
-            module, prefix = self.modules.get(path), f"{path}." if path else ""  # (Note [torch's own layers ...])
+        # no children, or a torch.nn layer none of whose children's forward ran
+        def is_leaf(path: str) -> bool:
+            # (Note [torch's own layers ...])
+            module, prefix = self.modules.get(path), f"{path}." if path else ""
             if module is None or next(module.children(), None) is None:
                 return module is not None
             own = type(module).__module__.startswith("torch.nn.")
@@ -958,13 +1083,28 @@ class _OpBuilder:
         for node in program.gm.graph.nodes:
             if node not in live or node in program.state_of or node.op in ("output", "placeholder"):
                 continue
-            source = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
-            if source in self.groups.get(self.group_of.get(source), ()) and isinstance(outputs[source], (tuple, list)):
+            source = (
+                node.args[0]
+                if node.op == "call_function" and node.target is operator.getitem
+                else None
+            )
+            if source in self.groups.get(self.group_of.get(source), ()) and isinstance(
+                outputs[source], (tuple, list)
+            ):
                 key = self.group_of[source]  # unpacking a multi-output op stays part of that op
             else:
                 owner = module_of(node)
-                leaf = owner if node.op == "call_module" or (program.method == "export" and is_leaf(owner)) else None
-                if leaf is not None and node.op != "call_module" and previous and previous[0] == leaf:
+                leaf = (
+                    owner
+                    if node.op == "call_module" or (program.method == "export" and is_leaf(owner))
+                    else None
+                )
+                if (
+                    leaf is not None
+                    and node.op != "call_module"
+                    and previous
+                    and previous[0] == leaf
+                ):
                     key = previous[1]  # the next ATen op of the same leaf module call
                 else:
                     key = _unique(leaf if leaf is not None else node.name, used_names)
@@ -975,19 +1115,26 @@ class _OpBuilder:
             self.groups[key].append(node)
 
     def _dataflow(self) -> None:
-        """Which ops read each node's output, and which state (parameters, buffers) each op reads."""
+        """Which ops read each node's output, and which state (parameters, buffers) each op
+        reads."""
         state_of = self.program.state_of
         for key, members in self.groups.items():
             reads = self.reads.setdefault(key, [])
             for node in members:
                 if node.op == "call_module":
                     module, prefix = self.modules[node.target], f"{node.target}."
-                    reads.extend(prefix + n for n, _ in module.named_parameters(remove_duplicate=False))
-                    reads.extend(prefix + n for n, _ in module.named_buffers(remove_duplicate=False))
+                    reads.extend(
+                        prefix + n for n, _ in module.named_parameters(remove_duplicate=False)
+                    )
+                    reads.extend(
+                        prefix + n for n, _ in module.named_buffers(remove_duplicate=False)
+                    )
                 for source in node.all_input_nodes:
                     if source in state_of:
                         reads.append(state_of[source])
-                    elif self.group_of.get(source, key) != key and key not in self.consumers.setdefault(source, []):
+                    elif self.group_of.get(
+                        source, key
+                    ) != key and key not in self.consumers.setdefault(source, []):
                         self.consumers[source].append(key)
         output_node = next(n for n in self.program.gm.graph.nodes if n.op == "output")
         for source in output_node.all_input_nodes:
@@ -995,24 +1142,36 @@ class _OpBuilder:
                 self.consumers.setdefault(source, []).append(_OUTPUT)
 
     def _make_op(self, key: str, index: int) -> Op:
-        """Summarise one group of fx nodes as an Op (kind, parameters owned, FLOPs, shapes, bytes)."""
-        members, module, outputs, state = self.groups[key], self.group_module[key], self.profiler.outputs, self.state
+        """Summarise one group of fx nodes as an Op (kind, parameters owned, FLOPs, shapes,
+        bytes)."""
+        members, module, outputs, state = (
+            self.groups[key],
+            self.group_module[key],
+            self.profiler.outputs,
+            self.state,
+        )
         read = list(dict.fromkeys(state.alias.get(r, r) for r in self.reads[key]))
-        params = sorted((r for r in read if r in state.params), key=state.order.__getitem__)  # the model's own order
+        # the model's own order
+        params = sorted((r for r in read if r in state.params), key=state.order.__getitem__)
         new = [p for p in params if p not in self.owned]
         self.owned.update(new)
         head = members[0]
         inner: tuple[str, ...] = ()
         if module is not None:
             target = type(module).__name__
-            inner = () if head.op == "call_module" else tuple(target_name(n.target) for n in members)
+            inner = (
+                () if head.op == "call_module" else tuple(target_name(n.target) for n in members)
+            )
             kind = module_kind(module, list(inner) or None)
         else:
             target = target_name(head.target)
             kind = function_kind(target)
             if kind == "matmul" and params and not target.startswith("conv"):
-                kind = "linear"  # F.linear / matmul against a parameter (a convolution mixes positions: not one)
-        inputs = dict.fromkeys(s for n in members for s in n.all_input_nodes if self.group_of.get(s, key) != key)
+                # F.linear / matmul against a parameter (a convolution mixes positions: not one)
+                kind = "linear"
+        inputs = dict.fromkeys(
+            s for n in members for s in n.all_input_nodes if self.group_of.get(s, key) != key
+        )
         leaving = [n for n in members if n in self.consumers] or [members[-1]]
         exits = [outputs[n] for n in leaving]  # what leaves the op
         return Op(
@@ -1038,7 +1197,8 @@ class _OpBuilder:
 
 
 def _variant(module: nn.Module | None, members: list[fx.Node]) -> str:
-    """GELU's approximation ("tanh"), from the module or the call's keyword; "" for the exact form and others."""
+    """GELU's approximation ("tanh"), from the module or the call's keyword; "" for the exact form
+    and others."""
     approximate = getattr(module, "approximate", None) if module is not None else None
     for node in members if approximate is None else ():
         approximate = node.kwargs.get("approximate", approximate)
@@ -1046,7 +1206,8 @@ def _variant(module: nn.Module | None, members: list[fx.Node]) -> str:
 
 
 def _build(model: nn.Module, program: Program, name: str) -> ModelGraph:
-    from hyparallel.models import fingerprint  # models import this package's users; keep the import one-way at load
+    # models import this package's users; keep the import one-way at load
+    from hyparallel.models import fingerprint
 
     builder = _OpBuilder(model, program)
     ops, values = builder.build()
@@ -1067,7 +1228,8 @@ def _build(model: nn.Module, program: Program, name: str) -> ModelGraph:
 
 
 def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
-    """Groups of parameter names that share one tensor (tied weights), in ``named_parameters`` order."""
+    """Groups of parameter names that share one tensor (tied weights), in ``named_parameters``
+    order."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -1083,18 +1245,25 @@ def _unique(base: str, used: set[str]) -> str:
     return name
 
 
-def _live_nodes(nodes: list[fx.Node], outputs: dict[fx.Node, Any], program: Program) -> set[fx.Node]:
+def _live_nodes(
+    nodes: list[fx.Node], outputs: dict[fx.Node, Any], program: Program
+) -> set[fx.Node]:
     """Nodes that produce a tensor or feed one that does; drops asserts and other dead checks."""
     live: set[fx.Node] = set()
     for node in reversed(nodes):
-        keep = node.op in ("output", "placeholder") or node in program.state_of or _tensors(outputs.get(node))
+        keep = (
+            node.op in ("output", "placeholder")
+            or node in program.state_of
+            or _tensors(outputs.get(node))
+        )
         if keep or any(user in live for user in node.users):
             live.add(node)
     return live
 
 
 def _find_blocks(model: nn.Module, ops: list[Op]) -> tuple[Block, ...]:
-    """Children of ModuleList/Sequential/ModuleDict containers that have children and share one structure (a
+    """Children of ModuleList/Sequential/ModuleDict containers that have children and share one
+    structure (a
     ModuleDict: torchtitan keeps its layers in one, by their indices as strings)."""
     candidates: list[str] = []
     for path, container in model.named_modules():
@@ -1105,18 +1274,28 @@ def _find_blocks(model: nn.Module, ops: list[Op]) -> tuple[Block, ...]:
         for child_path, child in children:
             if next(child.children(), None) is None:
                 continue
-            shape = (type(child).__name__, tuple((n, tuple(p.shape)) for n, p in child.named_parameters()))
+            shape = (
+                type(child).__name__,
+                tuple((n, tuple(p.shape)) for n, p in child.named_parameters()),
+            )
             by_shape.setdefault(shape, []).append(child_path)
         for paths in by_shape.values():
             if len(paths) >= 2:
                 candidates.extend(paths)
     blocks = []
     modules = dict(model.named_modules())
-    for path in candidates:  # a ModuleList of repeated layers that is itself repeated (Funnel's blocks of layers):
+    # a ModuleList of repeated layers that is itself repeated (Funnel's blocks of layers):
+    for path in candidates:
         # its layers are the blocks; counting both would count their work twice
-        if type(modules[path]).forward is nn.Module.forward and any(c.startswith(path + ".") for c in candidates):
+        if type(modules[path]).forward is nn.Module.forward and any(
+            c.startswith(path + ".") for c in candidates
+        ):
             continue
-        members = [op for op in ops if op.module == path or op.module.startswith(path + ".") or op.name == path]
+        members = [
+            op
+            for op in ops
+            if op.module == path or op.module.startswith(path + ".") or op.name == path
+        ]
         if members:
             blocks.append(
                 Block(

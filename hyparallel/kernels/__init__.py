@@ -1,7 +1,9 @@
-"""Fused Triton kernels with plain torch fallbacks, used by the model zoo and the tensor-parallel layers.
+"""Fused Triton kernels with plain torch fallbacks, used by the model zoo and the tensor-parallel
+layers.
 
-A leaf package: it imports torch and nothing else of hyparallel, and triton only on the first kernel launch,
-so importing it (or hyparallel) needs neither triton nor a GPU. The code is in ``hyparallel.kernels.fused``.
+A leaf package: it imports torch and nothing else of hyparallel, and triton only on the first kernel
+launch, so importing it (or hyparallel) needs neither triton nor a GPU. The code is in
+``hyparallel.kernels.fused``.
 """
 
 from hyparallel.kernels.fused import (

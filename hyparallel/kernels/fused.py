@@ -1,34 +1,38 @@
 """Fused Triton kernels for tensor-parallel layers, each with a plain torch fallback.
 
-- ``linear_act``: ``act(x @ weight.T + bias)``, a matmul whose epilogue adds the bias and applies the activation.
+- ``linear_act``: ``act(x @ weight.T + bias)``, a matmul whose epilogue adds the bias and applies
+  the activation.
 - ``swiglu``: ``silu(gate) * up``, elementwise forward and backward.
-- ``swiglu_linear``: ``silu(x @ gate_weight.T) * (x @ up_weight.T)``, both products in one pass over ``x``.
-- ``bias_dropout_residual``: ``residual + dropout(x + bias)``, the mask regenerated from a seed in backward.
+- ``swiglu_linear``: ``silu(x @ gate_weight.T) * (x @ up_weight.T)``, both products in one pass over
+  ``x``.
+- ``bias_dropout_residual``: ``residual + dropout(x + bias)``, the mask regenerated from a seed in
+  backward.
 
-The kernels run when ``kernels_enabled`` says so (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``
-for the tests); otherwise every function computes the same thing with torch. Triton is imported on the first
-kernel launch, never at module import: importing hyparallel must work, and stay fast, on machines without
-triton or a GPU.
+The kernels run when ``kernels_enabled`` says so (CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1`` for the tests); otherwise every function computes the same thing with torch.
+Triton is imported on the first kernel launch, never at module import: importing hyparallel must
+work, and stay fast, on machines without triton or a GPU.
 
 # Note [what backward saves]
-- ``linear_act`` saves ``x`` (reshaped to (M, K), a view when its strides allow) and ``weight`` and, for an
-  activation other than "none", the pre-activation ``x @ weight.T + bias`` in the input dtype: the forward
-  kernel writes it beside the output in the same epilogue. Recomputing it would cost a second matmul in
-  backward; storing it costs one (M, N) tensor, which is what torch itself keeps for ``F.linear`` followed
-  by an activation. It is only written when a gradient is needed.
+- ``linear_act`` saves ``x`` (reshaped to (M, K), a view when its strides allow) and ``weight`` and,
+  for an activation other than "none", the pre-activation ``x @ weight.T + bias`` in the input
+  dtype: the forward kernel writes it beside the output in the same epilogue. Recomputing it would
+  cost a second matmul in backward; storing it costs one (M, N) tensor, which is what torch itself
+  keeps for ``F.linear`` followed by an activation. It is only written when a gradient is needed.
 - ``swiglu_linear`` saves ``x``, both weights and the two pre-activations ``x @ gate_weight.T`` and
   ``x @ up_weight.T`` (again only when a gradient is needed), for the same reason.
 - ``swiglu`` saves its two inputs.
-- ``bias_dropout_residual`` saves no tensor: backward regenerates the keep mask from (seed, element offset)
-  with ``tl.rand``, exactly as the forward drew it.
-All backward passes use torch matmuls for the weight and input gradients and a Triton elementwise kernel
-for the activation derivative. They are once-differentiable (no double backward).
+- ``bias_dropout_residual`` saves no tensor: backward regenerates the keep mask from (seed, element
+  offset) with ``tl.rand``, exactly as the forward drew it.
+All backward passes use torch matmuls for the weight and input gradients and a Triton elementwise
+kernel for the activation derivative. They are once-differentiable (no double backward).
 
 # Note [bf16 dot under the interpreter]
-Triton's CPU interpreter stores bf16 as uint16 and its ``tl.dot`` multiplies those integers, so under
-``TRITON_INTERPRET=1`` bf16 tiles are upcast to fp32 before the dot (``UPCAST_DOT``). The products of bf16
-values are exact in fp32, which is what the tensor cores compute on a GPU, so the numbers do not change;
-on a GPU the flag is off and the dot takes bf16 operands.
+Triton's CPU interpreter stores bf16 as uint16 and its ``tl.dot`` multiplies those integers, so
+under
+``TRITON_INTERPRET=1`` bf16 tiles are upcast to fp32 before the dot (``UPCAST_DOT``). The products
+of bf16 values are exact in fp32, which is what the tensor cores compute on a GPU, so the numbers do
+not change; on a GPU the flag is off and the dot takes bf16 operands.
 """
 
 from __future__ import annotations
@@ -60,13 +64,14 @@ ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------
 # When the kernels run
-# ---------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------
 
 
 def interpreting() -> bool:
-    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter (the values Triton's own getenv_bool accepts)."""
+    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter (the values Triton's own
+    getenv_bool accepts)."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
 
 
@@ -80,15 +85,18 @@ def _triton_importable() -> bool:
 
 
 def kernels_enabled(*tensors: Tensor | None) -> bool:
-    """Whether the Triton path runs for these tensors (``None`` entries, e.g. a missing bias, are ignored).
+    """Whether the Triton path runs for these tensors (``None`` entries, e.g. a missing bias, are
+    ignored).
 
-    True when HYPARALLEL_TRITON is not "0", every tensor is on CUDA (or on the CPU with TRITON_INTERPRET=1),
-    all share one device and one dtype among float16, bfloat16 and float32, and triton imports.
+    True when HYPARALLEL_TRITON is not "0", every tensor is on CUDA (or on the CPU with
+    TRITON_INTERPRET=1), all share one device and one dtype among float16, bfloat16 and float32, and
+    triton imports.
     """
     if os.environ.get("HYPARALLEL_TRITON", "").strip() == "0":
         return False
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return False  # being traced (torch.compile, torch.export): the torch reference is what gets captured
+        # being traced (torch.compile, torch.export): the torch reference is what gets captured
+        return False
     present = [t for t in tensors if t is not None]
     if not present:
         return False
@@ -102,8 +110,8 @@ def kernels_enabled(*tensors: Tensor | None) -> bool:
 
 
 def _use_kernels(*tensors: Tensor | None) -> bool:
-    """kernels_enabled, plus what the launchers need: no empty tensor, and no autocast region (there the
-    torch fallback runs so that autocast's casting rules apply)."""
+    """kernels_enabled, plus what the launchers need: no empty tensor, and no autocast region (there
+    the torch fallback runs so that autocast's casting rules apply)."""
     present = [t for t in tensors if t is not None]
     if not kernels_enabled(*present) or any(t.numel() == 0 for t in present):
         return False
@@ -128,17 +136,18 @@ def _cdiv(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------
 # Kernels
 #
 # Note [kernels are module-level functions jitted on first use]
-# The device functions and kernels below are plain Python functions until _kernels() runs. It imports
-# triton, binds `tl`, replaces each device function in this module's globals with its triton.jit version,
-# and wraps the kernels with autotune. They are not built as closures inside a builder function because
-# Triton's interpreter (TRITON_INTERPRET=1) re-executes a kernel's source in the function's __globals__
-# and ignores closures: every name a kernel uses must be a module global. So Triton is imported on first
-# use only (never when hyparallel is imported), and the kernels read as ordinary module-level Triton.
-# ---------------------------------------------------------------------------------------------------------
+# The device functions and kernels below are plain Python functions until _kernels() runs. It
+# imports triton, binds `tl`, replaces each device function in this module's globals with its
+# triton.jit version, and wraps the kernels with autotune. They are not built as closures inside a
+# builder function because Triton's interpreter (TRITON_INTERPRET=1) re-executes a kernel's source
+# in the function's __globals__ and ignores closures: every name a kernel uses must be a module
+# global. So Triton is imported on first use only (never when hyparallel is imported), and the
+# kernels read as ordinary module-level Triton.
+# ----------------------------------------------------------------------------
 
 tl: Any = None  # triton.language, bound by _kernels()
 
@@ -177,7 +186,8 @@ def _swiglu_grads(gate, up, grad):
 
 
 def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped order: GROUP_M row tiles walk the column tiles together, so weight tiles are reused from L2.
+    # Grouped order: GROUP_M row tiles walk the column tiles together, so weight tiles are reused
+    # from L2.
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_in_group = GROUP_M * tiles_n
@@ -198,7 +208,9 @@ def _dot(a, b, acc, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
 def _store_tile(ptr, values, offs_m, offs_n, M, N):
     # Output tiles go to a contiguous (M, N) tensor.
     ptrs = ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    tl.store(ptrs, values.to(ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    tl.store(
+        ptrs, values.to(ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N)
+    )
 
 
 def _dropout_keep(seed, offs, p, WIDE_RNG: tl.constexpr):
@@ -250,7 +262,8 @@ def _linear_act_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # Rows and columns past the edge wrap to valid ones (their results are never stored): loads mask only K.
+    # Rows and columns past the edge wrap to valid ones (their results are never stored): loads mask
+    # only K.
     x_ptrs = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -296,7 +309,8 @@ def _swiglu_linear_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    # As _linear_act_kernel, with two weights (N, K) sharing each x tile: two accumulators per program.
+    # As _linear_act_kernel, with two weights (N, K) sharing each x tile: two accumulators per
+    # program.
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -349,7 +363,9 @@ def _swiglu_forward_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.cons
     tl.store(out_ptr + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _swiglu_backward_kernel(gate_ptr, up_ptr, grad_ptr, grad_gate_ptr, grad_up_ptr, n_elements, BLOCK: tl.constexpr):
+def _swiglu_backward_kernel(
+    gate_ptr, up_ptr, grad_ptr, grad_gate_ptr, grad_up_ptr, n_elements, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -403,9 +419,13 @@ def _matmul_configs(interpret: bool, two_accumulators: bool) -> list:
         sizes = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8}
         return triton.Config(sizes, num_warps=warps, num_stages=stages)
 
-    if interpret:  # one small config: the tests stay fast, and M=37, N=45, K=29 cross every tile edge
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=1)]
-    if two_accumulators:  # twice the accumulator registers and weight tiles per program: smaller tiles
+    # one small config: the tests stay fast, and M=37, N=45, K=29 cross every tile edge
+    if interpret:
+        return [
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=1)
+        ]
+    # twice the accumulator registers and weight tiles per program: smaller tiles
+    if two_accumulators:
         return [
             config(128, 128, 64, 8, 3),
             config(128, 128, 64, 8, 4),
@@ -413,7 +433,8 @@ def _matmul_configs(interpret: bool, two_accumulators: bool) -> list:
             config(64, 128, 64, 4, 4),
             config(64, 64, 64, 4, 4),
         ]
-    # Shared memory of the largest in bf16: (128*64 + 64*256) * 2 B * 3 stages = 144 KiB (Hopper has 227 KiB).
+    # Shared memory of the largest in bf16: (128*64 + 64*256) * 2 B * 3 stages = 144 KiB (Hopper has
+    # 227 KiB).
     return [
         config(128, 256, 64, 8, 3),
         config(256, 128, 64, 8, 3),
@@ -467,22 +488,29 @@ def _kernels() -> SimpleNamespace:
         activation_backward=elementwise(_activation_backward_kernel),
         swiglu_forward=elementwise(_swiglu_forward_kernel),
         swiglu_backward=elementwise(_swiglu_backward_kernel),
-        # A seed is an ordinary value: no recompilation for seeds that happen to be 1 or divisible by 16.
-        bias_dropout_residual=elementwise(_bias_dropout_residual_kernel, do_not_specialize=["seed"]),
+        # A seed is an ordinary value: no recompilation for seeds that happen to be 1 or divisible
+        # by 16.
+        bias_dropout_residual=elementwise(
+            _bias_dropout_residual_kernel, do_not_specialize=["seed"]
+        ),
         dropout_backward=elementwise(_dropout_backward_kernel, do_not_specialize=["seed"]),
     )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Launchers: allocate outputs, pick the grid, pass strides. Outputs are contiguous, in the input dtype.
-# ---------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------
+# Launchers: allocate outputs, pick the grid, pass strides. Outputs are contiguous, in the input
+# dtype. ----------------------------------------------------------------------------
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
     interpret = _kernels().interpret
-    # fp32 inputs follow torch's matmul precision setting (TF32 unless "highest"); 16-bit inputs ignore it.
+    # fp32 inputs follow torch's matmul precision setting (TF32 unless "highest"); 16-bit inputs
+    # ignore it.
     tf32 = dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest"
-    return {"UPCAST_DOT": interpret and dtype == torch.bfloat16, "DOT_PRECISION": "tf32" if tf32 else "ieee"}
+    return {
+        "UPCAST_DOT": interpret and dtype == torch.bfloat16,
+        "DOT_PRECISION": "tf32" if tf32 else "ieee",
+    }
 
 
 def _matmul_grid(M: int, N: int):
@@ -566,18 +594,22 @@ def _launch_swiglu_backward(gate: Tensor, up: Tensor, grad: Tensor) -> tuple[Ten
     grad = grad.contiguous()
     grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
     with _device_guard(grad):
-        _kernels().swiglu_backward[_elementwise_grid(grad.numel())](gate, up, grad, grad_gate, grad_up, grad.numel())
+        _kernels().swiglu_backward[_elementwise_grid(grad.numel())](
+            gate, up, grad, grad_gate, grad_up, grad.numel()
+        )
     return grad_gate, grad_up
 
 
-# ---------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------
 # Autograd functions (Note [what backward saves])
-# ---------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------
 
 
 class _LinearAct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, needs_grad: bool) -> Tensor:
+    def forward(
+        ctx, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, needs_grad: bool
+    ) -> Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # (M, K), a view when the strides allow
         store_preact = needs_grad and activation != "none"
         out, preact = _launch_linear_act(x2d, weight, bias, activation, store_preact)
@@ -612,9 +644,14 @@ class _SwiGLULinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         x2d, gate_weight, up_weight, gate, up = ctx.saved_tensors
-        grad_gate, grad_up = _launch_swiglu_backward(gate, up, grad_out.reshape(gate.shape))  # (M, N) each
+        # (M, N) each
+        grad_gate, grad_up = _launch_swiglu_backward(gate, up, grad_out.reshape(gate.shape))
         needs_x, needs_gate_weight, needs_up_weight = ctx.needs_input_grad[:3]
-        grad_x = torch.addmm(grad_gate @ gate_weight, grad_up, up_weight).view(ctx.x_shape) if needs_x else None
+        grad_x = (
+            torch.addmm(grad_gate @ gate_weight, grad_up, up_weight).view(ctx.x_shape)
+            if needs_x
+            else None
+        )
         grad_gate_weight = grad_gate.t() @ x2d if needs_gate_weight else None
         grad_up_weight = grad_up.t() @ x2d if needs_up_weight else None
         return grad_x, grad_gate_weight, grad_up_weight, None
@@ -639,7 +676,9 @@ class _SwiGLU(torch.autograd.Function):
 
 class _BiasDropoutResidual(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, bias: Tensor | None, residual: Tensor, p: float, seed: int) -> Tensor:
+    def forward(
+        ctx, x: Tensor, bias: Tensor | None, residual: Tensor, p: float, seed: int
+    ) -> Tensor:
         # p == 0 means no dropout; the caller folds `training` into p.
         x, residual = x.contiguous(), residual.contiguous()
         out = torch.empty_like(x)
@@ -672,20 +711,32 @@ class _BiasDropoutResidual(torch.autograd.Function):
             n_elements = grad_out.numel()
             with _device_guard(grad_out):
                 _kernels().dropout_backward[_elementwise_grid(n_elements)](
-                    grad_out, grad_x, n_elements, ctx.p, _dropout_scale(ctx.p), ctx.seed, WIDE_RNG=n_elements >= 2**31
+                    grad_out,
+                    grad_x,
+                    n_elements,
+                    ctx.p,
+                    _dropout_scale(ctx.p),
+                    ctx.seed,
+                    WIDE_RNG=n_elements >= 2**31,
                 )
         needs_x, needs_bias, needs_residual = ctx.needs_input_grad[:3]
         grad_bias = grad_x.reshape(-1, ctx.n_cols).sum(0) if needs_bias and ctx.has_bias else None
-        return grad_x if needs_x else None, grad_bias, grad_out if needs_residual else None, None, None
+        return (
+            grad_x if needs_x else None,
+            grad_bias,
+            grad_out if needs_residual else None,
+            None,
+            None,
+        )
 
 
 def _dropout_scale(p: float) -> float:
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------
 # Public functions
-# ---------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------
 
 
 def _activation_torch(z: Tensor, activation: str) -> Tensor:
@@ -698,11 +749,14 @@ def _activation_torch(z: Tensor, activation: str) -> Tensor:
     return z
 
 
-def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: Activation = "none") -> Tensor:
-    """``act(x @ weight.T + bias)`` for x (..., K), weight (N, K) as in nn.Linear, bias (N,) or None.
+def linear_act(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: Activation = "none"
+) -> Tensor:
+    """``act(x @ weight.T + bias)`` for x (..., K), weight (N, K) as in nn.Linear, bias (N,) or
+    None.
 
-    One fused Triton matmul with a bias + activation epilogue ("gelu" is the erf form, "gelu_tanh" the tanh
-    approximation); the torch fallback is ``F.linear`` followed by the activation.
+    One fused Triton matmul with a bias + activation epilogue ("gelu" is the erf form, "gelu_tanh"
+    the tanh approximation); the torch fallback is ``F.linear`` followed by the activation.
     """
     _check_activation(activation)
     if not _use_kernels(x, weight, bias):
@@ -715,26 +769,34 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if not _use_kernels(gate, up):
         return F.silu(gate) * up
     if gate.shape != up.shape:
-        gate, up = torch.broadcast_tensors(gate, up)  # autograd sums the gradients back over broadcast dims
+        # autograd sums the gradients back over broadcast dims
+        gate, up = torch.broadcast_tensors(gate, up)
     return _SwiGLU.apply(gate, up)
 
 
 def swiglu_linear(x: Tensor, gate_weight: Tensor, up_weight: Tensor) -> Tensor:
-    """``silu(x @ gate_weight.T) * (x @ up_weight.T)``: both products accumulate in one kernel pass over x
-    (two accumulators per program) and the SwiGLU is applied in the epilogue. Weights are (N, K)."""
+    """``silu(x @ gate_weight.T) * (x @ up_weight.T)``: both products accumulate in one kernel pass
+    over x (two accumulators per program) and the SwiGLU is applied in the epilogue. Weights are (N,
+    K)."""
     if not _use_kernels(x, gate_weight, up_weight) or gate_weight.shape != up_weight.shape:
         return F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight)
     return _SwiGLULinear.apply(x, gate_weight, up_weight, _needs_grad(x, gate_weight, up_weight))
 
 
 def bias_dropout_residual(
-    x: Tensor, bias: Tensor | None, residual: Tensor, p: float, training: bool, seed: int | None = None
+    x: Tensor,
+    bias: Tensor | None,
+    residual: Tensor,
+    p: float,
+    training: bool,
+    seed: int | None = None,
 ) -> Tensor:
     """``residual + dropout(x + bias, p)`` in one kernel; bias is (x.shape[-1],) or None.
 
     On the Triton path the keep mask is drawn in-kernel from (seed, element offset), so backward
-    regenerates it instead of storing it, and the same seed gives the same mask. ``seed=None`` draws one
-    from torch's default generator (``torch.manual_seed`` makes it reproducible). The torch fallback uses
+    regenerates it instead of storing it, and the same seed gives the same mask. ``seed=None`` draws
+    one from torch's default generator (``torch.manual_seed`` makes it reproducible). The torch
+    fallback uses
     ``F.dropout`` and ignores ``seed``.
     """
     if not 0.0 <= p <= 1.0:

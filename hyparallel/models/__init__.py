@@ -1,4 +1,5 @@
-"""Models: the built-in zoo (GPT, Llama, DLRM), Hugging Face architectures from a config, and user factories.
+"""Models: the built-in zoo (GPT, Llama, DLRM), Hugging Face architectures from a config, and user
+factories.
 
 ``build(name)`` builds a zoo model (on the meta device by default); ``load(spec)`` resolves any
 MODEL spec the CLI accepts: a zoo name, ``package.module:factory`` or ``hf:ARCH``, each optionally
@@ -64,17 +65,28 @@ class LoadedModel:
 
 
 def load(spec: str | Sequence[str], device: torch.device | str = "meta") -> LoadedModel:
-    """Resolve a MODEL spec: ``gpt-175b``, ``mypkg.models:make_model``, ``hf:LlamaForCausalLM num_hidden_layers=4``.
+    """Resolve a MODEL spec: ``gpt-175b``, ``mypkg.models:make_model``, ``hf:LlamaForCausalLM
+    num_hidden_layers=4``.
 
     The spec may be one string (words separated by spaces) or a list of words; every word after
-    the first is a ``key=value`` override, its value read as YAML (``4`` is an int, ``true`` a bool).
+    the first is a ``key=value`` override, its value read as YAML (``4`` is an int, ``true`` a
+    bool).
     """
     try:
-        words = shlex.split(spec) if isinstance(spec, str) else [w for part in spec for w in shlex.split(part)]
+        words = (
+            shlex.split(spec)
+            if isinstance(spec, str)
+            else [w for part in spec for w in shlex.split(part)]
+        )
     except ValueError as exc:  # an unclosed quote
-        raise ModelSpecError(f"model spec {spec!r:.80}: {exc}; quote each key=value whole") from None
+        raise ModelSpecError(
+            f"model spec {spec!r:.80}: {exc}; quote each key=value whole"
+        ) from None
     if not words:
-        raise ModelSpecError("no model given; pass a name from `hyparallel models`, package.module:factory or hf:ARCH")
+        raise ModelSpecError(
+            "no model given; pass a name from `hyparallel models`, package.module:factory or"
+            " hf:ARCH"
+        )
     head, overrides = words[0], _parse_overrides(words[1:])
     suffix = "".join(f" {w}" for w in words[1:])
     if head in names():
@@ -84,7 +96,8 @@ def load(spec: str | Sequence[str], device: torch.device | str = "meta") -> Load
     if ":" in head:
         return LoadedModel(head + suffix, _from_factory(head, device, overrides))
     raise ModelSpecError(
-        f"unknown model '{head}'; run `hyparallel models` for built-in names, or pass package.module:factory or hf:ARCH"
+        f"unknown model '{head}'; run `hyparallel models` for built-in names, or pass"
+        " package.module:factory or hf:ARCH"
     )
 
 
@@ -94,7 +107,8 @@ def _parse_overrides(words: Sequence[str]) -> dict[str, Any]:
         key, sep, value = word.partition("=")
         if not sep or not key.isidentifier():
             raise ModelSpecError(f"model override '{word}' is not key=value (e.g. num_layers=4)")
-        if value[:1] in "{[":  # JSON first: YAML 1.1 reads {"a":1} (no space after the colon) as a key "a:1"
+        # JSON first: YAML 1.1 reads {"a":1} (no space after the colon) as a key "a:1"
+        if value[:1] in "{[":
             try:
                 overrides[key] = json.loads(value)
                 continue
@@ -112,18 +126,24 @@ def _from_factory(spec: str, device: torch.device | str, overrides: dict[str, An
     _check_call(spec, factory, overrides)
     model = build_on(device, lambda: factory(**overrides))
     if not isinstance(model, nn.Module):
-        raise ModelSpecError(f"model factory '{spec}' returned {type(model).__name__}, expected a torch.nn.Module")
+        raise ModelSpecError(
+            f"model factory '{spec}' returned {type(model).__name__}, expected a torch.nn.Module"
+        )
     return model
 
 
 def load_callable(spec: str, what: str) -> Callable[..., Any]:
-    """The callable a ``package.module:name`` spec names; ``what`` (e.g. "model factory") words the errors."""
+    """The callable a ``package.module:name`` spec names; ``what`` (e.g. "model factory") words the
+    errors."""
     module_name, colon, attr = spec.partition(":")
     if not (colon and module_name and attr):
-        raise ModelSpecError(f"{what} '{spec}' is not package.module:name (e.g. mypkg.models:make_model)")
+        raise ModelSpecError(
+            f"{what} '{spec}' is not package.module:name (e.g. mypkg.models:make_model)"
+        )
     try:
         module = importlib.import_module(module_name)
-    except (ImportError, ValueError, TypeError) as exc:  # ValueError, TypeError: an empty or relative module name
+    # ValueError, TypeError: an empty or relative module name
+    except (ImportError, ValueError, TypeError) as exc:
         raise ModelSpecError(f"{what} '{spec}': cannot import '{module_name}': {exc}") from None
     found = getattr(module, attr, None)
     if not callable(found):
@@ -132,10 +152,12 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
 
 
 def _check_call(spec: str, factory: Any, overrides: dict[str, Any]) -> None:
-    """Refuse overrides the factory's signature does not take (before calling it, so nothing runs)."""
+    """Refuse overrides the factory's signature does not take (before calling it, so nothing
+    runs)."""
     try:
         signature = inspect.signature(factory)
-    except (TypeError, ValueError):  # no signature to check (some builtins): the call itself will say
+    # no signature to check (some builtins): the call itself will say
+    except (TypeError, ValueError):
         return
     try:
         signature.bind(**overrides)
@@ -146,14 +168,17 @@ def _check_call(spec: str, factory: Any, overrides: dict[str, Any]) -> None:
         ) from None
 
 
-def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> Any:
+def example_inputs(
+    model: nn.Module, batch_size: int, seq_len: int, device: torch.device | str = "meta"
+) -> Any:
     """Inputs of the given batch and sequence length for tracing ``model``.
 
     Uses ``model.example_inputs(batch_size, seq_len, device)`` when the model defines it (the zoo
-    does), token ids under ``model.main_input_name`` for Hugging Face models (and ``decoder_input_ids``
-    of the same shape for an encoder-decoder such as T5, whose decoder needs them); for anything else
-    the caller passes its own (``hp.plan(..., example_inputs=)``) or the model defines that method. A
-    zoo model refuses a ``seq_len`` past its position table (``max_seq_len``).
+    does), token ids under ``model.main_input_name`` for Hugging Face models (and
+    ``decoder_input_ids`` of the same shape for an encoder-decoder such as T5, whose decoder needs
+    them); for anything else the caller passes its own (``hp.plan(..., example_inputs=)``) or the
+    model defines that method. A zoo model refuses a ``seq_len`` past its position table
+    (``max_seq_len``).
     """
     limit = getattr(getattr(model, "config", None), "max_seq_len", None)
     if isinstance(limit, int) and seq_len > limit:
@@ -167,37 +192,48 @@ def example_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torc
     config = getattr(model, "config", None)
     inputs = _hf_main_input(main_input, config, batch_size, seq_len, device)
     if inputs is not None:
-        if getattr(config, "is_encoder_decoder", False):  # T5, BART, Whisper: the decoder's tokens too
-            inputs["decoder_input_ids"] = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        # T5, BART, Whisper: the decoder's tokens too
+        if getattr(config, "is_encoder_decoder", False):
+            inputs["decoder_input_ids"] = torch.zeros(
+                batch_size, seq_len, dtype=torch.long, device=device
+            )
         return inputs
     raise ModelSpecError(
-        f"cannot tell what inputs {type(model).__name__} takes; pass example_inputs= (one micro-batch: a tensor, "
-        "a tuple of args or a dict of kwargs; `hyparallel plan --example-inputs package.module:make_inputs`), or "
-        "give the model a method example_inputs(batch_size, seq_len, device) returning them"
+        f"cannot tell what inputs {type(model).__name__} takes; pass example_inputs= (one"
+        " micro-batch: a tensor, a tuple of args or a dict of kwargs; `hyparallel plan"
+        " --example-inputs package.module:make_inputs`), or give the model a method"
+        " example_inputs(batch_size, seq_len, device) returning them"
     )
 
 
 def fingerprint(model: nn.Module) -> str:
-    """A short hash of the parameter names and shapes: plans refuse a model whose fingerprint differs."""
+    """A short hash of the parameter names and shapes: plans refuse a model whose fingerprint
+    differs."""
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         digest.update(f"{name}:{tuple(param.shape)};".encode())
     return "sha256:" + digest.hexdigest()[:16]
 
 
-def _hf_main_input(name: str | None, config: Any, batch_size: int, seq_len: int, device) -> dict | None:
-    """A Hugging Face model's main input by its ``main_input_name``: token ids (batch, seq_len), images
-    (batch, num_channels, image_size, image_size) or log-mel features (batch, num_mel_bins, 2 x
-    max_source_positions, Whisper's); None for another input or a config without those sizes."""
+def _hf_main_input(
+    name: str | None, config: Any, batch_size: int, seq_len: int, device
+) -> dict | None:
+    """A Hugging Face model's main input by its ``main_input_name``: token ids (batch, seq_len),
+    images (batch, num_channels, image_size, image_size) or log-mel features (batch, num_mel_bins, 2
+    x max_source_positions, Whisper's); None for another input or a config without those sizes."""
     if name == "input_ids":
         return {name: torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)}
     sizes = getattr(config, "vision_config", None) or config  # a vision tower's own config (CLIP's)
-    if name == "pixel_values" and isinstance(getattr(sizes, "image_size", None), (int, list, tuple)):
+    if name == "pixel_values" and isinstance(
+        getattr(sizes, "image_size", None), (int, list, tuple)
+    ):
         side = sizes.image_size
         height, width = (side, side) if isinstance(side, int) else tuple(side)[:2]
         channels = getattr(sizes, "num_channels", 3)
         return {name: torch.zeros(batch_size, channels, height, width, device=device)}
-    if name == "input_features" and all(hasattr(config, a) for a in ("num_mel_bins", "max_source_positions")):
+    if name == "input_features" and all(
+        hasattr(config, a) for a in ("num_mel_bins", "max_source_positions")
+    ):
         frames = 2 * config.max_source_positions  # the encoder's two convolutions halve them once
         return {name: torch.zeros(batch_size, config.num_mel_bins, frames, device=device)}
     return None

@@ -29,7 +29,8 @@ class GPTConfig:
     num_layers: int
     hidden_size: int
     num_heads: int
-    vocab_size: int = 50304  # GPT-2's 50257 BPE tokens padded to a multiple of 128 (as Megatron-LM and nanoGPT do)
+    # GPT-2's 50257 BPE tokens padded to a multiple of 128 (as Megatron-LM and nanoGPT do)
+    vocab_size: int = 50304
     max_seq_len: int = 2048
     ffn_hidden_size: int | None = None
     tie_embeddings: bool = True
@@ -38,7 +39,9 @@ class GPTConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        check_common(self.num_layers, self.hidden_size, self.num_heads, self.vocab_size, self.max_seq_len)
+        check_common(
+            self.num_layers, self.hidden_size, self.num_heads, self.vocab_size, self.max_seq_len
+        )
         if self.ffn_hidden_size is not None:
             check_int("ffn_hidden_size", self.ffn_hidden_size, 1, MAX_FFN_HIDDEN)
         check_bool("tie_embeddings", self.tie_embeddings)
@@ -46,7 +49,10 @@ class GPTConfig:
         check_number("dropout", self.dropout, 0.0, 1.0, open_high=True)
         check_number("norm_eps", self.norm_eps, 0.0, 1.0, open_low=True)
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads"
+                f" ({self.num_heads})"
+            )
 
     @property
     def ffn_size(self) -> int:
@@ -81,8 +87,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # each (B, T, n_head * head_dim)
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in (q, k, v))  # (B, n_head, T, head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        # (B, n_head, T, head_dim)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
         return self.proj(y.transpose(1, 2).flatten(2))
 
 
@@ -100,7 +109,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block; dropout and residual add after each projection run as one kernel."""
+    """Pre-LayerNorm transformer block; dropout and residual add after each projection run as one
+    kernel."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -111,8 +121,12 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = bias_dropout_residual(self.attn(self.attn_norm(x)), None, x, self.dropout, self.training)
-        return bias_dropout_residual(self.mlp(self.mlp_norm(x)), None, x, self.dropout, self.training)
+        x = bias_dropout_residual(
+            self.attn(self.attn_norm(x)), None, x, self.dropout, self.training
+        )
+        return bias_dropout_residual(
+            self.mlp(self.mlp_norm(x)), None, x, self.dropout, self.training
+        )
 
 
 class GPT(nn.Module):
@@ -133,14 +147,16 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.size(1), device=tokens.device)
-        x = self.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(positions))  # (B, T, hidden)
+        # (B, T, hidden)
+        x = self.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(positions))
         for layer in self.layers:
             x = layer(x)
         return self.output(self.norm(x))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """GPT-2 initialisation: N(0, std), residual projections scaled by 1/sqrt(2 * num_layers)."""
+        """GPT-2 initialisation: N(0, std), residual projections scaled by 1/sqrt(2 *
+        num_layers)."""
         residual_std = std / math.sqrt(2 * self.config.num_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
@@ -153,10 +169,13 @@ class GPT(nn.Module):
                 module.reset_parameters()
 
     def init_std(self, name: str, std: float = 0.02) -> float:
-        """Standard deviation of parameter ``name``'s normal init (residual projections scaled by 1/sqrt(2L))."""
+        """Standard deviation of parameter ``name``'s normal init (residual projections scaled by
+        1/sqrt(2L))."""
         residual = name.removesuffix(".weight").endswith(".proj")
         return std / math.sqrt(2 * self.config.num_layers) if residual else std
 
-    def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> tuple[torch.Tensor]:
+    def example_inputs(
+        self, batch_size: int, seq_len: int, device: torch.device | str = "meta"
+    ) -> tuple[torch.Tensor]:
         """Token ids of the given shape, for tracing and planning."""
         return (torch.zeros(batch_size, seq_len, dtype=torch.long, device=device),)

@@ -37,7 +37,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        check_common(self.num_layers, self.hidden_size, self.num_heads, self.vocab_size, self.max_seq_len)
+        check_common(
+            self.num_layers, self.hidden_size, self.num_heads, self.vocab_size, self.max_seq_len
+        )
         check_int("ffn_hidden_size", self.ffn_hidden_size, 1, MAX_FFN_HIDDEN)
         if self.num_kv_heads is not None:
             check_int("num_kv_heads", self.num_kv_heads, 1, self.num_heads)
@@ -45,9 +47,14 @@ class LlamaConfig:
         check_number("norm_eps", self.norm_eps, 0.0, 1.0, open_low=True)
         check_bool("tie_embeddings", self.tie_embeddings)
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads"
+                f" ({self.num_heads})"
+            )
         if self.num_heads % self.kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads})"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -85,7 +92,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / self.theta ** (
             torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
         )
-        angles = torch.outer(torch.arange(self.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+        angles = torch.outer(
+            torch.arange(self.max_seq_len, device=device, dtype=torch.float32), inv_freq
+        )
         angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, head_dim)
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
@@ -113,8 +122,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, n_head, T, head_dim)
-        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+        # (B, n_head, T, head_dim)
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        # (B, n_kv_head, T, head_dim)
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         group = q.size(1) // k.size(1)  # query heads per key/value head
@@ -133,7 +144,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))  # silu(gate) * up, one kernel on CUDA
+        # silu(gate) * up, one kernel on CUDA
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaBlock(nn.Module):
@@ -175,21 +187,29 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """N(0, std) weights, output projections scaled by 1/sqrt(2 * num_layers), rotary tables recomputed."""
+        """N(0, std) weights, output projections scaled by 1/sqrt(2 * num_layers), rotary tables
+        recomputed."""
         residual_std = std / math.sqrt(2 * self.config.num_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, residual_std if name.endswith(("o_proj", "down_proj")) else std)
+                nn.init.normal_(
+                    module.weight,
+                    0.0,
+                    residual_std if name.endswith(("o_proj", "down_proj")) else std,
+                )
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
             elif isinstance(module, (nn.RMSNorm, RotaryEmbedding)):
                 module.reset_parameters()
 
     def init_std(self, name: str, std: float = 0.02) -> float:
-        """Standard deviation of parameter ``name``'s normal init (residual projections scaled by 1/sqrt(2L))."""
+        """Standard deviation of parameter ``name``'s normal init (residual projections scaled by
+        1/sqrt(2L))."""
         residual = name.removesuffix(".weight").endswith(("o_proj", "down_proj"))
         return std / math.sqrt(2 * self.config.num_layers) if residual else std
 
-    def example_inputs(self, batch_size: int, seq_len: int, device: torch.device | str = "meta") -> tuple[torch.Tensor]:
+    def example_inputs(
+        self, batch_size: int, seq_len: int, device: torch.device | str = "meta"
+    ) -> tuple[torch.Tensor]:
         """Token ids of the given shape, for tracing and planning."""
         return (torch.zeros(batch_size, seq_len, dtype=torch.long, device=device),)

@@ -2,14 +2,16 @@
 
 ``tiny_overrides(config_cls)`` returns the config fields that make a model of a few hundred thousand
 parameters out of any config class: 2 layers, width 64, 4 query heads of 16, a vocabulary of 128, 64
-positions, 4 experts of which 2 are routed. What makes the architecture what it is stays: multi-query stays
-multi-query (one key/value head), grouped-query stays grouped (2 key/value heads for 4 query heads), tied or
-untied embeddings, biases, partial rotary (the rotary share of a head kept), the layer pattern (recomputed by
-the config from the new depth). Dropout is switched off (a parity check compares two runs draw for draw,
-which no other layout reproduces). Sub-configs (``text_config``, ``vision_config``, ...) are shrunk the same way.
+positions, 4 experts of which 2 are routed. What makes the architecture what it is stays:
+multi-query stays multi-query (one key/value head), grouped-query stays grouped (2 key/value heads
+for 4 query heads), tied or untied embeddings, biases, partial rotary (the rotary share of a head
+kept), the layer pattern (recomputed by the config from the new depth). Dropout is switched off (a
+parity check compares two runs draw for draw, which no other layout reproduces). Sub-configs
+(``text_config``, ``vision_config``, ...) are shrunk the same way.
 
-A field is recognised by its name (the names transformers' configs use, across families); what the heuristics
-do not know is left at its default. ``hyparallel check`` and the sweep (benchmarks/sweep.py) build from these.
+A field is recognised by its name (the names transformers' configs use, across families); what the
+heuristics do not know is left at its default. ``hyparallel check`` and the sweep
+(benchmarks/sweep.py) build from these.
 """
 
 from __future__ import annotations
@@ -20,30 +22,88 @@ LAYERS, HIDDEN, HEADS, HEAD_DIM, FFN, VOCAB, POSITIONS = 2, 64, 4, 16, 128, 128,
 EXPERTS, EXPERTS_PER_TOKEN, EXPERT_FFN = 4, 2, 32
 
 _LAYERS = {
-    "num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "decoder_layers",
-    "encoder_layers", "num_encoder_layers", "n_layers_per_block",
-}  # fmt: skip
-_HIDDEN = {"hidden_size", "n_embd", "d_model", "n_embed", "embed_dim", "dim", "model_dim", "d_embed"}
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "n_layers",
+    "num_decoder_layers",
+    "decoder_layers",
+    "encoder_layers",
+    "num_encoder_layers",
+    "n_layers_per_block",
+}
+_HIDDEN = {
+    "hidden_size",
+    "n_embd",
+    "d_model",
+    "n_embed",
+    "embed_dim",
+    "dim",
+    "model_dim",
+    "d_embed",
+}
 _HEADS = {
-    "num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads", "decoder_attention_heads",
-}  # fmt: skip
-_KV_HEADS = {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv"}
+    "num_attention_heads",
+    "n_head",
+    "num_heads",
+    "n_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+}
+_KV_HEADS = {
+    "num_key_value_heads",
+    "n_kv_heads",
+    "num_kv_heads",
+    "multi_query_group_num",
+    "n_head_kv",
+}
 _HEAD_DIM = {"head_dim", "attention_head_dim", "d_head", "d_kv", "kv_channels", "v_head_dim"}
 _FFN = {
-    "intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size", "decoder_ffn_dim", "encoder_ffn_dim",
-    "dim_ff", "inner_hidden_size", "mlp_dim",
-}  # fmt: skip
+    "intermediate_size",
+    "n_inner",
+    "ffn_dim",
+    "d_ff",
+    "ffn_hidden_size",
+    "decoder_ffn_dim",
+    "encoder_ffn_dim",
+    "dim_ff",
+    "inner_hidden_size",
+    "mlp_dim",
+}
 _EXPERT_FFN = {
-    "moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
-    "moe_shared_expert_intermediate_size", "ffn_hidden_size_moe",
-}  # fmt: skip
-_EXPERTS = {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts"}
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "expert_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+    "ffn_hidden_size_moe",
+}
+_EXPERTS = {
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "num_routed_experts",
+}
 _EXPERTS_PER_TOKEN = {"num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k"}
-_POSITIONS = {"max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length"}
+_POSITIONS = {
+    "max_position_embeddings",
+    "n_positions",
+    "n_ctx",
+    "max_seq_len",
+    "max_sequence_length",
+}
 _TOKEN_IDS = {
-    "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
-    "mask_token_id", "unk_token_id", "forced_bos_token_id", "forced_eos_token_id",
-}  # fmt: skip
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "mask_token_id",
+    "unk_token_id",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+}
 _LORA = {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8}
 
 
@@ -52,7 +112,8 @@ def _is_int(value: Any) -> bool:
 
 
 def tiny_overrides(config_cls: type, **keep: Any) -> dict[str, Any]:
-    """Config fields that shrink ``config_cls``'s default model (see the module docstring); ``keep`` wins."""
+    """Config fields that shrink ``config_cls``'s default model (see the module docstring); ``keep``
+    wins."""
     from transformers import PretrainedConfig
 
     default = config_cls()
@@ -63,7 +124,8 @@ def tiny_overrides(config_cls: type, **keep: Any) -> dict[str, Any]:
         if key in keep:
             continue
         if isinstance(value, dict) and isinstance(getattr(default, key, None), PretrainedConfig):
-            sub = tiny_overrides(type(getattr(default, key)))  # text_config, vision_config: shrunk the same way
+            # text_config, vision_config: shrunk the same way
+            sub = tiny_overrides(type(getattr(default, key)))
             if sub:  # only what changes: the sub-config class fills in its own defaults
                 out[key] = sub
             continue
@@ -75,7 +137,9 @@ def tiny_overrides(config_cls: type, **keep: Any) -> dict[str, Any]:
 
 def _shrink(key: str, value: Any, heads: int | None, fields: dict[str, Any]) -> Any:
     lowered = key.lower()
-    if isinstance(value, float) and ("dropout" in lowered or "pdrop" in lowered or "drop_rate" in lowered):
+    if isinstance(value, float) and (
+        "dropout" in lowered or "pdrop" in lowered or "drop_rate" in lowered
+    ):
         return 0.0
     if "layerdrop" in lowered and isinstance(value, float):
         return 0.0
@@ -85,8 +149,14 @@ def _shrink(key: str, value: Any, heads: int | None, fields: dict[str, Any]) -> 
         if isinstance(value, list) and value and all(_is_int(v) for v in value):
             return [v if v < VOCAB else VOCAB - 1 for v in value]
         return None
-    if isinstance(value, list) and value and all(_is_int(v) for v in value) and key in _FFN | _EXPERT_FFN:
-        return [_shrink(key, v, heads, fields) for v in value[:LAYERS]]  # per-layer widths, one per layer kept
+    if (
+        isinstance(value, list)
+        and value
+        and all(_is_int(v) for v in value)
+        and key in _FFN | _EXPERT_FFN
+    ):
+        # per-layer widths, one per layer kept
+        return [_shrink(key, v, heads, fields) for v in value[:LAYERS]]
     if not _is_int(value):
         return None
     if key in _LAYERS:
@@ -113,9 +183,11 @@ def _shrink(key: str, value: Any, heads: int | None, fields: dict[str, Any]) -> 
         return min(value, EXPERTS_PER_TOKEN)
     if key in _POSITIONS:
         return POSITIONS
-    if key == "vocab_size" or key.startswith("vocab_size_"):  # per-layer input vocabularies too (Gemma 3n, 4)
+    # per-layer input vocabularies too (Gemma 3n, 4)
+    if key == "vocab_size" or key.startswith("vocab_size_"):
         return VOCAB
-    if key.endswith("_vocab_size"):  # side tables: Luke's 500k entities shrunk, BERT's 2 token types kept
+    # side tables: Luke's 500k entities shrunk, BERT's 2 token types kept
+    if key.endswith("_vocab_size"):
         return min(value, VOCAB)
     if key in _LORA:
         return _LORA[key]

@@ -17,24 +17,53 @@ from hyparallel.spec.errors import ModelSpecError
 ModelConfig = GPTConfig | LlamaConfig | DLRMConfig
 _MODEL_CLASS: dict[type, type[nn.Module]] = {GPTConfig: GPT, LlamaConfig: Llama, DLRMConfig: DLRM}
 
-# GPT-3 shapes from Brown et al. 2020, Table 2.1 (context 2048). Where the table's head count does not
-# divide d_model (XL: 24 heads of 128 for d_model 2048; 13B: d_model 5140) we use the shapes Megatron-LM
-# and later replications train: 16 heads for 1.3B, d_model 5120 for 13B.
+# GPT-3 shapes from Brown et al. 2020, Table 2.1 (context 2048). Where the table's head count does
+# not divide d_model (XL: 24 heads of 128 for d_model 2048; 13B: d_model 5140) we use the shapes
+# Megatron-LM and later replications train: 16 heads for 1.3B, d_model 5120 for 13B.
 # gpt-1t: the 1T-parameter configuration of Narayanan et al. 2021 (Megatron-LM), Table 1.
 # Llama shapes from Touvron et al. 2023 (Llama 2; 70B uses grouped-query attention with 8 KV heads).
-# dlrm-tiny trains in seconds on a CPU (tests/test_dlrm.py); dlrm-mid (12.4M parameters, 386K rows) is a CPU
-# benchmark's size. dlrm-criteo-tb is MLPerf Training's DLRM on Criteo Terabyte (the reference's
-# --arch-mlp-bot=13-512-256-128 --arch-mlp-top=1024-1024-512-256-1 --arch-sparse-feature-size=128, one id per
-# feature): its table sizes are the day_fea_count of the 24 days with --max-ind-range=40000000 (github.com/
-# mlcommons/training, recommendation/dlrm; facebookresearch/dlrm's data_utils.py hashes each feature's ids
-# into at most that many rows). 187.8M rows x 128 x 4 bytes = 96 GB of fp32 tables: build it on meta only.
+# dlrm-tiny trains in seconds on a CPU (tests/test_dlrm.py); dlrm-mid (12.4M parameters, 386K rows)
+# is a CPU benchmark's size. dlrm-criteo-tb is MLPerf Training's DLRM on Criteo Terabyte (the
+# reference's --arch-mlp-bot=13-512-256-128 --arch-mlp-top=1024-1024-512-256-1
+# --arch-sparse-feature-size=128, one id per feature): its table sizes are the day_fea_count of the
+# 24 days with --max-ind-range=40000000 (github.com/ mlcommons/training, recommendation/dlrm;
+# facebookresearch/dlrm's data_utils.py hashes each feature's ids into at most that many rows).
+# 187.8M rows x 128 x 4 bytes = 96 GB of fp32 tables: build it on meta only.
 CRITEO_TB_ROWS = (
-    39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10,
-    2208, 11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36,
-)  # fmt: skip
+    39884406,
+    39043,
+    17289,
+    7420,
+    20263,
+    3,
+    7120,
+    1543,
+    63,
+    38532951,
+    2953546,
+    403346,
+    10,
+    2208,
+    11938,
+    155,
+    4,
+    976,
+    14,
+    39979771,
+    25641295,
+    39664984,
+    585935,
+    12972,
+    108,
+    36,
+)
 PRESETS: dict[str, ModelConfig] = {
-    "gpt-tiny": GPTConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=256, max_seq_len=128),
-    "gpt-mini": GPTConfig(num_layers=4, hidden_size=128, num_heads=8, vocab_size=512, max_seq_len=256),
+    "gpt-tiny": GPTConfig(
+        num_layers=2, hidden_size=64, num_heads=4, vocab_size=256, max_seq_len=128
+    ),
+    "gpt-mini": GPTConfig(
+        num_layers=4, hidden_size=128, num_heads=8, vocab_size=512, max_seq_len=256
+    ),
     "gpt-125m": GPTConfig(num_layers=12, hidden_size=768, num_heads=12),
     "gpt-350m": GPTConfig(num_layers=24, hidden_size=1024, num_heads=16),
     "gpt-760m": GPTConfig(num_layers=24, hidden_size=1536, num_heads=16),
@@ -45,12 +74,22 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt-175b": GPTConfig(num_layers=96, hidden_size=12288, num_heads=96),
     "gpt-1t": GPTConfig(num_layers=128, hidden_size=25600, num_heads=160),
     "llama-tiny": LlamaConfig(
-        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=160, vocab_size=256, max_seq_len=128
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=160,
+        vocab_size=256,
+        max_seq_len=128,
     ),
     "llama-7b": LlamaConfig(num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=11008),
     "llama-13b": LlamaConfig(num_layers=40, hidden_size=5120, num_heads=40, ffn_hidden_size=13824),
-    "llama-70b": LlamaConfig(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672),
-    "dlrm-tiny": DLRMConfig(num_dense=4, table_rows=(200, 100, 50, 30), dim=8, bottom=(16,), top=(16,), bag=2),
+    "llama-70b": LlamaConfig(
+        num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672
+    ),
+    "dlrm-tiny": DLRMConfig(
+        num_dense=4, table_rows=(200, 100, 50, 30), dim=8, bottom=(16,), top=(16,), bag=2
+    ),
     "dlrm-mid": DLRMConfig(
         num_dense=13,
         table_rows=(200_000, 100_000, 50_000, 20_000, 10_000, 5_000, 1_000, 100),
@@ -60,15 +99,21 @@ PRESETS: dict[str, ModelConfig] = {
         bag=4,
     ),
     "dlrm-criteo-tb": DLRMConfig(
-        num_dense=13, table_rows=CRITEO_TB_ROWS, dim=128, bottom=(512, 256), top=(1024, 1024, 512, 256), bag=1
+        num_dense=13,
+        table_rows=CRITEO_TB_ROWS,
+        dim=128,
+        bottom=(512, 256),
+        top=(1024, 1024, 512, 256),
+        bag=1,
     ),
 }
 
 
 # Note [a DLRM in the zoo's table]
-#     ``hyparallel models`` has a transformer's columns. A DLRM row reads them as: layers, its Linear layers
-#     (bottom and top MLPs); hidden, the embedding dim; heads 0 (it has no attention); vocab, the rows of all its
-#     embedding tables together (what a vocabulary is to a language model: rows looked up by id).
+#     ``hyparallel models`` has a transformer's columns. A DLRM row reads them as: layers, its
+#     Linear layers (bottom and top MLPs); hidden, the embedding dim; heads 0 (it has no attention);
+#     vocab, the rows of all its embedding tables together (what a vocabulary is to a language
+#     model: rows looked up by id).
 @dataclass(frozen=True)
 class ZooEntry:
     """One row of ``hyparallel models`` (a DLRM's: Note [a DLRM in the zoo's table])."""
@@ -91,13 +136,16 @@ def names() -> list[str]:
 def config(name: str, **overrides) -> ModelConfig:
     """The preset's config dataclass, with fields replaced by ``overrides``."""
     if name not in PRESETS:
-        raise ModelSpecError(f"unknown model '{name}'; run `hyparallel models` for the built-in names")
+        raise ModelSpecError(
+            f"unknown model '{name}'; run `hyparallel models` for the built-in names"
+        )
     base = PRESETS[name]
     fields = {f.name for f in dataclasses.fields(base)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ModelSpecError(
-            f"model '{name}' has no setting {', '.join(map(repr, unknown))}; settings: {', '.join(sorted(fields))}"
+            f"model '{name}' has no setting {', '.join(map(repr, unknown))}; settings:"
+            f" {', '.join(sorted(fields))}"
         )
     try:
         return dataclasses.replace(base, **overrides)
@@ -106,7 +154,8 @@ def config(name: str, **overrides) -> ModelConfig:
 
 
 def build(name: str, device: torch.device | str = "meta", **overrides) -> nn.Module:
-    """Build a zoo model; on ``device="meta"`` (the default) it allocates no memory, even at 175B."""
+    """Build a zoo model; on ``device="meta"`` (the default) it allocates no memory, even at
+    175B."""
     cfg = config(name, **overrides)
     cls = _MODEL_CLASS[type(cfg)]
     return build_on(device, lambda: cls(cfg))

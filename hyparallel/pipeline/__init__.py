@@ -1,7 +1,8 @@
-"""Pipeline parallelism: stage splitting (``split``), the schedule IR (``schedule``), the engine (``executor``).
+"""Pipeline parallelism: stage splitting (``split``), the schedule IR (``schedule``), the engine
+(``executor``).
 
-The package does not import the engine (torch.distributed point-to-point): ``hyparallel simulate`` needs
-only the schedule and the planner's timeline. Import it from its module:
+The package does not import the engine (torch.distributed point-to-point): ``hyparallel simulate``
+needs only the schedule and the planner's timeline. Import it from its module:
 ``from hyparallel.pipeline.executor import PipelineRuntime``.
 """
 

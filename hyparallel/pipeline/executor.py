@@ -3,7 +3,8 @@
     split = split_model(model, stage_map, example_microbatch)
     runtime = PipelineRuntime(split, {s: split.stage_module(s) for s in my_stages}, pp_group,
                               schedule="1f1b", num_microbatches=8)
-    loss = runtime.train_step(inputs, targets, loss_fn)     # every rank of the pipeline: same batch, same mean loss
+    # every rank of the pipeline: same batch, same mean loss
+    loss = runtime.train_step(inputs, targets, loss_fn)
 
 The runtime walks exactly the list of actions ``lower(schedule(...))`` gives this rank (the list the
 simulator runs; ``last_order`` records what ran). Sends are non-blocking and buffered (gloo), which
@@ -22,7 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
+from torch.utils._pytree import (
+    TreeSpec,
+    tree_flatten,
+    tree_unflatten,
+    treespec_dumps,
+    treespec_loads,
+)
 
 from hyparallel.pipeline.schedule import Action, ActionKind, lower, schedule, send_window
 from hyparallel.pipeline.split import PipelineSplit, Stage, split_model
@@ -33,17 +40,18 @@ StageCall = Callable[[Stage, Any, Any], Any]  # (stage, micro-batch inputs, rece
 BeforeBackward = Callable[[Stage, bool], None]  # (stage, is this its last backward of the step)
 
 # Note [transfers]
-# A stage hands the next one a tuple of values (PipelineSplit.io): activations, masks, the odd Python
-# int an fx trace computes from a shape. Shapes, dtypes, requires_grad flags and the non-tensor values
-# are negotiated once per (stage, micro-batch input shapes): the first send carries a small pickled
-# header (its length, then its bytes); both ends cache it under the same key, since every rank of a
-# pipeline is handed the same batch and so knows the shapes. After that only tensors travel, batched
-# with batch_isend_irecv. Gradients travel back for exactly the tensors flagged requires_grad.
-# Every message has a tag naming (sending stage, direction, micro-batch, slot), so gloo matches a
-# receive to its send whatever else is in flight between the two ranks; the schedules also receive in
-# the order of the sends between every pair of ranks (schedule.p2p_order_mismatches, tested), which is
-# how NCCL, ignoring tags, matches them. Before each F or B the next receive of the list is posted, so
-# its data lands while the rank computes instead of after.
+# A stage hands the next one a tuple of values (PipelineSplit.io): activations, masks, the odd
+# Python int an fx trace computes from a shape. Shapes, dtypes, requires_grad flags and the
+# non-tensor values are negotiated once per (stage, micro-batch input shapes): the first send
+# carries a small pickled header (its length, then its bytes); both ends cache it under the same
+# key, since every rank of a pipeline is handed the same batch and so knows the shapes. After that
+# only tensors travel, batched with batch_isend_irecv. Gradients travel back for exactly the tensors
+# flagged requires_grad. Every message has a tag naming (sending stage, direction, micro-batch,
+# slot), so gloo matches a receive to its send whatever else is in flight between the two ranks; the
+# schedules also receive in the order of the sends between every pair of ranks
+# (schedule.p2p_order_mismatches, tested), which is how NCCL, ignoring tags, matches them. Before
+# each F or B the next receive of the list is posted, so its data lands while the rank computes
+# instead of after.
 
 
 @dataclass(frozen=True)
@@ -61,35 +69,53 @@ class _Entry:
 
 
 # Note [one step's state]
-# What a step builds (its micro-batches, what each stage received and produced, gradients on their way,
-# the sends and receives in flight) lives in one _Step: _run creates it and hands it to each action's
-# handler, so none of it outlives the step. What the runtime keeps across steps is only what steps share:
-# the negotiated headers and tree specs (Note [transfers]), last_order and peak_inflight. A failing
-# step's traceback still holds its _Step, so _run drops its tensors on the way out, even then.
+# What a step builds (its micro-batches, what each stage received and produced, gradients on their
+# way, the sends and receives in flight) lives in one _Step: _run creates it and hands it to each
+# action's handler, so none of it outlives the step. What the runtime keeps across steps is only
+# what steps share: the negotiated headers and tree specs (Note [transfers]), last_order and
+# peak_inflight. A failing step's traceback still holds its _Step, so _run drops its tensors on the
+# way out, even then.
 
 
 @dataclass
 class _Step:
-    """One step's state (Note [one step's state]); keys ``(stage, micro-batch)`` unless said otherwise."""
+    """One step's state (Note [one step's state]); keys ``(stage, micro-batch)`` unless said
+    otherwise."""
 
     inputs: list[list[Any]]  # per micro-batch, the flat user inputs
     targets: list[Any]  # per micro-batch
-    key: tuple[Any, bool]  # (input shapes, grad mode): eval_step's forwards carry no requires_grad, their own header
+    # (input shapes, grad mode): eval_step's forwards carry no requires_grad, their own header
+    key: tuple[Any, bool]
     loss_fn: LossFn | None  # None: a forward, the last stage keeps its outputs (``results``)
     m: int  # micro-batches of this step
-    received: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # flat leaves of what a stage received
-    outputs: dict[tuple[int, int], list[Any]] = field(default_factory=dict)  # what it produced (the last: its loss)
+    # flat leaves of what a stage received
+    received: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    # what it produced (the last: its loss)
+    outputs: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # of its outputs
-    input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # of what it received
-    losses: list[torch.Tensor] = field(default_factory=list)  # detached, in the order the last stage ran
-    results: dict[int, Any] = field(default_factory=dict)  # a forward's model outputs, by micro-batch (last stage)
-    sends: dict[tuple[int, str, int], list[Any]] = field(default_factory=dict)  # (stage, F/B, micro-batch)
-    sent_back: deque[tuple[int, str, int]] = field(default_factory=deque)  # sends' keys of gradients, oldest first
-    posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = field(default_factory=dict)  # early receives
+    # of what it received
+    input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    # detached, in the order the last stage ran
+    losses: list[torch.Tensor] = field(default_factory=list)
+    # a forward's model outputs, by micro-batch (last stage)
+    results: dict[int, Any] = field(default_factory=dict)
+    # (stage, F/B, micro-batch)
+    sends: dict[tuple[int, str, int], list[Any]] = field(default_factory=dict)
+    # sends' keys of gradients, oldest first
+    sent_back: deque[tuple[int, str, int]] = field(default_factory=deque)
+    # early receives
+    posted: dict[Action, tuple[list[torch.Tensor], list[Any]]] = field(default_factory=dict)
 
     def release(self) -> None:
         """Drop every tensor of the step but its (detached) losses."""
-        for part in (self.inputs, self.targets, self.received, self.outputs, self.grads, self.input_grads):
+        for part in (
+            self.inputs,
+            self.targets,
+            self.received,
+            self.outputs,
+            self.grads,
+            self.input_grads,
+        ):
             part.clear()
         self.sends.clear()  # a failed step's sends and early receives: dropped, not waited for
         self.sent_back.clear()
@@ -112,8 +138,9 @@ class PipelineRuntime:
         before_backward: BeforeBackward | None = None,
     ):
         self.split, self.group = split, group
-        # How a stage's forward runs (autocast, recomputation: hyparallel.parallelize sets it), and what runs
-        # before each backward (FSDP: reduce gradients at a stage's last micro-batch only).
+        # How a stage's forward runs (autocast, recomputation: hyparallel.parallelize sets it), and
+        # what runs before each backward (FSDP: reduce gradients at a stage's last micro-batch
+        # only).
         self.stage_call = stage_call or (lambda stage, inputs, received: stage(inputs, received))
         self.before_backward = before_backward
         self.pp = dist.get_world_size(group) if group is not None else 1
@@ -122,32 +149,47 @@ class PipelineRuntime:
         self.num_stages = split.num_stages
         if self.num_stages != self.pp * virtual_stages:
             raise ConfigError(
-                f"the split has {self.num_stages} stages but pp ({self.pp}) x virtual_stages "
-                f"({virtual_stages}) = {self.pp * virtual_stages}; split into one stage per (virtual) stage"
+                f"the split has {self.num_stages} stages but pp ({self.pp}) x virtual_stages"
+                f" ({virtual_stages}) = {self.pp * virtual_stages}; split into one stage per"
+                " (virtual) stage"
             )
         mine = [s for s in range(self.num_stages) if s % self.pp == self.rank]
         if sorted(stages) != mine:
-            raise ConfigError(f"pipeline rank {self.rank} runs stages {mine} but was given {sorted(stages)}")
+            raise ConfigError(
+                f"pipeline rank {self.rank} runs stages {mine} but was given {sorted(stages)}"
+            )
         self.stages = dict(stages)
-        self.peak_backward_sends = 0  # the most gradients sent back this rank held at once (over its steps)
+        # the most gradients sent back this rank held at once (over its steps)
+        self.peak_backward_sends = 0
         self.program = lower(
-            schedule(schedule_kind, self.pp, num_microbatches, virtual_stages), self.pp, virtual_stages
+            schedule(schedule_kind, self.pp, num_microbatches, virtual_stages),
+            self.pp,
+            virtual_stages,
         )[self.rank]
         self._send_window = send_window(self.program)  # Note [gradients sent back]
-        self.device = next((p.device for st in self.stages.values() for p in st.parameters()), torch.device("cpu"))
+        self.device = next(
+            (p.device for st in self.stages.values() for p in st.parameters()), torch.device("cpu")
+        )
         shared = sorted(split.shared_state().items())
-        self._tied_index = {name: index for index, (name, _) in enumerate(shared)}  # the same on every rank: tags
+        # the same on every rank: tags
+        self._tied_index = {name: index for index, (name, _) in enumerate(shared)}
         self._tied = {name: sorted({s % self.pp for s in readers}) for name, readers in shared}
-        self._tied = {name: ranks for name, ranks in self._tied.items() if len(ranks) > 1 and self.rank in ranks}
+        self._tied = {
+            name: ranks
+            for name, ranks in self._tied.items()
+            if len(ranks) > 1 and self.rank in ranks
+        }
         by_tensor: dict[int, list[str]] = {}
         for name, param in split.model.named_parameters(remove_duplicate=False):
             by_tensor.setdefault(id(param), []).append(name)
-        self._aliases = {names[0]: names for names in by_tensor.values()}  # tied head: "output.weight" too
+        # tied head: "output.weight" too
+        self._aliases = {names[0]: names for names in by_tensor.values()}
         self.canonical = {alias: names[0] for names in by_tensor.values() for alias in names}
         self._headers: dict[tuple[int, Any], list[_Entry]] = {}
         self._specs: dict[tuple[int, Any], TreeSpec] = {}
         self._last_backward = {a.stage: a for a in self.program if a.kind == "B"}
-        self._slots = max((len(io.inputs) for io in split.io), default=0) + 2  # + header length and bytes
+        # + header length and bytes
+        self._slots = max((len(io.inputs) for io in split.io), default=0) + 2
         self.last_order: list[str] = []
         self.peak_inflight = 0.0
 
@@ -163,7 +205,8 @@ class PipelineRuntime:
         seed: int = 0,
         **options: Any,
     ) -> PipelineRuntime:
-        """This rank's pipeline for ``plan``: its ``stages`` split out of ``model``, the plan's schedule.
+        """This rank's pipeline for ``plan``: its ``stages`` split out of ``model``, the plan's
+        schedule.
 
         ``options`` go to the constructor (``stage_call``, ``before_backward``).
         A meta-device model is materialised stage by stage: this rank allocates and initialises only
@@ -175,13 +218,14 @@ class PipelineRuntime:
         par = plan.parallel
         if plan.stages is None:
             raise ConfigError(
-                "the plan lists no stages; complete it with `hyparallel plan` (or list each stage's "
-                "modules under stages:) before running a pipeline"
+                "the plan lists no stages; complete it with `hyparallel plan` (or list each stage's"
+                " modules under stages:) before running a pipeline"
             )
         size = dist.get_world_size(group) if group is not None else 1
         if size != par.pp:
             raise ConfigError(
-                f"the plan has pp = {par.pp} but the pipeline group has {size} ranks; pass a group of {par.pp} ranks"
+                f"the plan has pp = {par.pp} but the pipeline group has {size} ranks; pass a group"
+                f" of {par.pp} ranks"
             )
         if example_inputs is None:
             example_inputs = torch.zeros(
@@ -193,13 +237,21 @@ class PipelineRuntime:
         names = split.state_names(mine)
         if any(t.is_meta for name, t in _state(model) if name in names):
             materialize_(model, device, seed=seed, only=names)
-        return cls.for_plan(plan, split, {s: split.stage_module(s, device) for s in mine}, group, **options)
+        return cls.for_plan(
+            plan, split, {s: split.stage_module(s, device) for s in mine}, group, **options
+        )
 
     @classmethod
     def for_plan(
-        cls, plan: Plan, split: PipelineSplit, stages: Mapping[int, Stage], group: ProcessGroup | None, **options: Any
+        cls,
+        plan: Plan,
+        split: PipelineSplit,
+        stages: Mapping[int, Stage],
+        group: ProcessGroup | None,
+        **options: Any,
     ) -> PipelineRuntime:
-        """A runtime of this rank's ``stages`` (already split and materialised) under ``plan``'s schedule."""
+        """A runtime of this rank's ``stages`` (already split and materialised) under ``plan``'s
+        schedule."""
         par = plan.parallel
         return cls(
             split,
@@ -232,26 +284,32 @@ class PipelineRuntime:
                     yield name, param
 
     def first_holder(self, name: str) -> bool:
-        """Whether this rank is the first of the pipeline ranks holding weight ``name`` (under any alias).
+        """Whether this rank is the first of the pipeline ranks holding weight ``name`` (under any
+        alias).
 
-        A weight several stages read (a tied embedding and head) has a copy on each of their ranks; sums over
-        the model, such as a gradient norm, count it on the first one only.
+        A weight several stages read (a tied embedding and head) has a copy on each of their ranks;
+        sums over the model, such as a gradient norm, count it on the first one only.
         """
         holders = self._tied.get(self.canonical.get(name, name))
         return not holders or self.rank == min(holders)
 
     def shared_parameters(self) -> list[torch.nn.Parameter]:
-        """This rank's copies of the weights several pipeline ranks hold (a tied embedding and head)."""
+        """This rank's copies of the weights several pipeline ranks hold (a tied embedding and
+        head)."""
         return [self._tied_parameter(name) for name in self._tied]
 
-    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn, *, broadcast: bool = True) -> Any:
-        """Forward and backward of one batch over the pipeline; gradients accumulate into the parameters.
+    def train_step(
+        self, inputs: Any, targets: Any, loss_fn: LossFn, *, broadcast: bool = True
+    ) -> Any:
+        """Forward and backward of one batch over the pipeline; gradients accumulate into the
+        parameters.
 
         Every rank of the pipeline passes the same ``inputs`` and ``targets``; they are split along
-        dim 0 into micro-batches. ``loss_fn(output, targets)`` returns a micro-batch's mean loss on the
-        last stage; gradients are those of the mean over micro-batches (the full batch's mean for equal
-        micro-batches), and every rank gets that mean loss back (``broadcast=False``: the last stage's
-        micro-batch losses, none on other ranks, for a caller that reduces them itself).
+        dim 0 into micro-batches. ``loss_fn(output, targets)`` returns a micro-batch's mean loss on
+        the last stage; gradients are those of the mean over micro-batches (the full batch's mean
+        for equal micro-batches), and every rank gets that mean loss back (``broadcast=False``: the
+        last stage's micro-batch losses, none on other ranks, for a caller that reduces them
+        itself).
         """
         tied_before = self._tied_grads_before()
         losses = self._run(self.program, inputs, targets, loss_fn)
@@ -260,11 +318,19 @@ class PipelineRuntime:
 
     @torch.no_grad()
     def eval_step(
-        self, inputs: Any, targets: Any, loss_fn: LossFn, num_microbatches: int | None = None, *, broadcast: bool = True
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: LossFn,
+        num_microbatches: int | None = None,
+        *,
+        broadcast: bool = True,
     ) -> Any:
-        """The mean loss of a batch without gradients: forwards only, on every rank (``broadcast`` as train_step's).
+        """The mean loss of a batch without gradients: forwards only, on every rank (``broadcast``
+        as train_step's).
 
-        ``num_microbatches`` (default the schedule's) may differ from training's: an evaluation batch of its own size.
+        ``num_microbatches`` (default the schedule's) may differ from training's: an evaluation
+        batch of its own size.
         """
         m = num_microbatches or self.num_microbatches
         losses = self._run(self._forwards(m), inputs, targets, loss_fn, m)
@@ -272,21 +338,31 @@ class PipelineRuntime:
 
     @torch.no_grad()
     def forward(self, inputs: Any, num_microbatches: int = 1) -> list[Any] | None:
-        """The model's outputs for ``inputs``, one per micro-batch, on the last stage's rank (None on the others).
+        """The model's outputs for ``inputs``, one per micro-batch, on the last stage's rank (None
+        on the others).
 
-        Every rank of the pipeline passes the same ``inputs``; they split along dim 0 into ``num_microbatches``.
+        Every rank of the pipeline passes the same ``inputs``; they split along dim 0 into
+        ``num_microbatches``.
         """
-        step = self._run(self._forwards(num_microbatches), inputs, None, None, num_microbatches, keep_step=True)
+        step = self._run(
+            self._forwards(num_microbatches), inputs, None, None, num_microbatches, keep_step=True
+        )
         if not self.stages.get(self.num_stages - 1):
             return None
         return [step.results[mb] for mb in range(num_microbatches)]
 
     def _forwards(self, m: int) -> list[Action]:
-        """This rank's forward-only program for ``m`` micro-batches: each of its stages over every micro-batch in
-        turn, stage by stage (every pair of ranks receives in the order sent; sends do not wait)."""
+        """This rank's forward-only program for ``m`` micro-batches: each of its stages over every
+        micro-batch in turn, stage by stage (every pair of ranks receives in the order sent; sends
+        do not wait)."""
         ranks = range(self.pp)
         order = {
-            r: [Action(c * self.pp + r, "F", mb) for c in range(self.virtual_stages) for mb in range(m)] for r in ranks
+            r: [
+                Action(c * self.pp + r, "F", mb)
+                for c in range(self.virtual_stages)
+                for mb in range(m)
+            ]
+            for r in ranks
         }
         return lower(order, self.pp, self.virtual_stages)[self.rank]
 
@@ -299,20 +375,27 @@ class PipelineRuntime:
         m: int | None = None,
         keep_step: bool = False,
     ) -> Any:
-        """Execute ``program`` over one batch of ``m`` micro-batches (default the schedule's); the last stage's
-        micro-batch losses (none on other ranks), or with ``keep_step`` the step itself (a forward's results)."""
+        """Execute ``program`` over one batch of ``m`` micro-batches (default the schedule's); the
+        last stage's micro-batch losses (none on other ranks), or with ``keep_step`` the step itself
+        (a forward's results)."""
         step = self._new_step(inputs, targets, loss_fn, m or self.num_microbatches)
         self.last_order, self.peak_inflight, peak = [], 0.0, 0
         upcoming_receive = _next_receives(program)
         try:
             for index, action in enumerate(program):
-                if action.is_compute:  # let the next receive land while this computes (Note [transfers])
+                # let the next receive land while this computes (Note [transfers])
+                if action.is_compute:
                     upcoming = upcoming_receive[index]
-                    if upcoming is not None and upcoming not in step.posted and self._header_known(step, upcoming):
+                    if (
+                        upcoming is not None
+                        and upcoming not in step.posted
+                        and self._header_known(step, upcoming)
+                    ):
                         step.posted[upcoming] = self._post_recv(step, upcoming)
                 _HANDLERS[action.kind](self, step, action)
                 self.last_order.append(str(action))
-                peak = max(peak, len(step.outputs))  # micro-batches whose activations this rank holds
+                # micro-batches whose activations this rank holds
+                peak = max(peak, len(step.outputs))
             for works in step.sends.values():
                 for work in works:
                     work.wait()
@@ -322,12 +405,15 @@ class PipelineRuntime:
         return step if keep_step else step.losses
 
     def _new_step(self, inputs: Any, targets: Any, loss_fn: LossFn | None, m: int) -> _Step:
-        """A step's state: ``inputs`` and ``targets`` cut into micro-batches, the first checked against the split."""
+        """A step's state: ``inputs`` and ``targets`` cut into micro-batches, the first checked
+        against the split."""
         flat = self.split.flatten_inputs(inputs)
         chunks = _chunk_each(flat, m, "inputs")
         self.split.check_microbatch(chunks[0])
         targets_per_microbatch = chunk_tree(targets, m)
-        shapes = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in chunks[0])
+        shapes = tuple(
+            (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in chunks[0]
+        )
         return _Step(chunks, targets_per_microbatch, (shapes, torch.is_grad_enabled()), loss_fn, m)
 
     # ---- compute ---------------------------------------------------------------------------------
@@ -336,7 +422,9 @@ class PipelineRuntime:
         stage = self.stages[a.stage]
         received = ()
         if a.stage > 0:
-            received = tree_unflatten(self._take_forward(step, a), self._specs[a.stage - 1, step.key])
+            received = tree_unflatten(
+                self._take_forward(step, a), self._specs[a.stage - 1, step.key]
+            )
         output = self.stage_call(stage, step.inputs[a.microbatch], received)
         if stage.is_last and step.loss_fn is None:  # a forward: the model's output is the result
             step.results[a.microbatch] = output
@@ -346,7 +434,8 @@ class PipelineRuntime:
             step.losses.append(loss.detach())
             step.outputs[a.stage, a.microbatch] = [loss / step.m]
             return
-        leaves, spec = tree_flatten(output)  # a tuple of values, some of them tuples of tensors themselves
+        # a tuple of values, some of them tuples of tensors themselves
+        leaves, spec = tree_flatten(output)
         self._specs.setdefault((a.stage, step.key), spec)
         step.outputs[a.stage, a.microbatch] = leaves
 
@@ -356,7 +445,8 @@ class PipelineRuntime:
         if self.before_backward is not None:
             self.before_backward(self.stages[a.stage], a == self._last_backward[a.stage])
         for work in step.sends.pop((a.stage, "F", a.microbatch), ()):
-            work.wait()  # long done (its gradient came back): drop the reference to the sent activation
+            # long done (its gradient came back): drop the reference to the sent activation
+            work.wait()
         if a.stage == self.num_stages - 1:
             outputs[0].backward()
         else:
@@ -370,7 +460,8 @@ class PipelineRuntime:
             for t in received
             if isinstance(t, torch.Tensor) and t.requires_grad
         ]
-        if a.stage > 0 and (a.stage - 1) % self.pp == self.rank:  # previous stage on this rank: hand over in memory
+        # previous stage on this rank: hand over in memory
+        if a.stage > 0 and (a.stage - 1) % self.pp == self.rank:
             step.grads[a.stage - 1, a.microbatch] = input_grads
         elif a.stage > 0:
             step.input_grads[key] = input_grads
@@ -379,16 +470,19 @@ class PipelineRuntime:
 
     def _take_forward(self, step: _Step, a: Action) -> list[Any]:
         key = (a.stage, a.microbatch)
-        if key not in step.received:  # previous stage on this rank (pp == 1): its outputs, cut from its graph
+        # previous stage on this rank (pp == 1): its outputs, cut from its graph
+        if key not in step.received:
             step.received[key] = [_leaf(v) for v in step.outputs[a.stage - 1, a.microbatch]]
         return step.received[key]
 
     def _send_activation(self, step: _Step, a: Action) -> None:
         values = step.outputs[a.stage, a.microbatch]
         entries = [
-            _Entry(tuple(v.shape), v.dtype, v.requires_grad)
-            if isinstance(v, torch.Tensor)
-            else _Entry(None, None, value=v)
+            (
+                _Entry(tuple(v.shape), v.dtype, v.requires_grad)
+                if isinstance(v, torch.Tensor)
+                else _Entry(None, None, value=v)
+            )
             for v in values
         ]
         header_key = (a.stage, step.key)
@@ -397,10 +491,11 @@ class PipelineRuntime:
             self._send_header((self._specs[header_key], entries), a)
         elif entries != self._headers[header_key]:
             raise RuntimeError(
-                f"stage {a.stage} now hands on {_describe(entries)} but negotiated "
-                f"{_describe(self._headers[header_key])} on the first step with these input shapes: a value between "
-                "stages changed with the data, or parameters were frozen or unfrozen after the first step (set "
-                "requires_grad before it, or build a new runtime)"
+                f"stage {a.stage} now hands on {_describe(entries)} but negotiated"
+                f" {_describe(self._headers[header_key])} on the first step with these input"
+                " shapes: a value between stages changed with the data, or parameters were frozen"
+                " or unfrozen after the first step (set requires_grad before it, or build a new"
+                " runtime)"
             )
         tensors = [v.detach().contiguous() for v in values if isinstance(v, torch.Tensor)]
         step.sends[a.stage, "F", a.microbatch] = self._isend(tensors, a)
@@ -419,14 +514,20 @@ class PipelineRuntime:
         return ((a.stage - 1 if a.kind == "RECV_F" else a.stage), step.key) in self._headers
 
     def _post_recv(self, step: _Step, a: Action) -> tuple[list[torch.Tensor], list[Any]]:
-        """Allocate and post the receives of ``a`` (RECV_F: the values; RECV_B: gradients of those needing one)."""
+        """Allocate and post the receives of ``a`` (RECV_F: the values; RECV_B: gradients of those
+        needing one)."""
         if a.kind == "RECV_F":
             entries = [e for e in self._headers[a.stage - 1, step.key] if e.is_tensor]
         else:
-            entries = [e for e in self._headers[a.stage, step.key] if e.is_tensor and e.requires_grad]
+            entries = [
+                e for e in self._headers[a.stage, step.key] if e.is_tensor and e.requires_grad
+            ]
         buffers = [torch.empty(e.shape, dtype=e.dtype, device=self.device) for e in entries]
         peer = self._peer(a)
-        ops = [dist.P2POp(dist.irecv, t, peer, self.group, self._tag(a, 2 + i)) for i, t in enumerate(buffers)]
+        ops = [
+            dist.P2POp(dist.irecv, t, peer, self.group, self._tag(a, 2 + i))
+            for i, t in enumerate(buffers)
+        ]
         return buffers, dist.batch_isend_irecv(ops) if ops else []
 
     def _wait_recv(self, step: _Step, a: Action) -> list[torch.Tensor]:
@@ -442,18 +543,24 @@ class PipelineRuntime:
         self._hold_fewer_sends(step)
 
     # Note [gradients sent back]
-    #     An isend's work references the tensor it sends until it is waited for. A forward's send is waited for at
-    #     that micro-batch's backward; a gradient sent back has no such point, and waiting for them all at the end
-    #     of the schedule held m per virtual stage. So each new one drops those already delivered, and beyond
-    #     schedule.send_window (one per micro-batch chunk in flight here) waits for the oldest. That cannot
-    #     deadlock: the receiving device takes this device's gradients in the order they were sent (the schedules
-    #     agree on every pair's send order, schedule.p2p_order_mismatches), so the oldest one undelivered is the next
-    #     it receives, and what it does before receiving it needs nothing from this device that is not already sent.
+    #     An isend's work references the tensor it sends until it is waited for. A forward's send is
+    #     waited for at that micro-batch's backward; a gradient sent back has no such point, and
+    #     waiting for them all at the end of the schedule held m per virtual stage. So each new one
+    #     drops those already delivered, and beyond schedule.send_window (one per micro-batch chunk
+    #     in flight here) waits for the oldest. That cannot
+    #     deadlock: the receiving device takes this device's gradients in the order they were sent
+    #     (the schedules agree on every pair's send order, schedule.p2p_order_mismatches), so the
+    #     oldest one undelivered is the next it receives, and what it does before receiving it needs
+    #     nothing from this device that is not already sent.
     def _hold_fewer_sends(self, step: _Step) -> None:
         held = step.sent_back  # delivered in the order sent: the oldest first
-        while held and (len(held) > self._send_window or all(work.is_completed() for work in step.sends[held[0]])):
+        while held and (
+            len(held) > self._send_window
+            or all(work.is_completed() for work in step.sends[held[0]])
+        ):
             for work in step.sends.pop(held.popleft()):
-                work.wait()  # the oldest beyond the window; else done already (raises if the send failed)
+                # the oldest beyond the window; else done already (raises if the send failed)
+                work.wait()
         self.peak_backward_sends = max(self.peak_backward_sends, len(held))
 
     def _receive_gradient(self, step: _Step, a: Action) -> None:
@@ -470,22 +577,31 @@ class PipelineRuntime:
 
     def _isend(self, tensors: list[torch.Tensor], a: Action, first_slot: int = 2) -> list[Any]:
         peer = self._peer(a)
-        ops = [dist.P2POp(dist.isend, t, peer, self.group, self._tag(a, first_slot + i)) for i, t in enumerate(tensors)]
+        ops = [
+            dist.P2POp(dist.isend, t, peer, self.group, self._tag(a, first_slot + i))
+            for i, t in enumerate(tensors)
+        ]
         return dist.batch_isend_irecv(ops) if ops else []
 
     def _irecv(self, buffers: list[torch.Tensor], a: Action, first_slot: int = 2) -> None:
         peer = self._peer(a)
-        ops = [dist.P2POp(dist.irecv, t, peer, self.group, self._tag(a, first_slot + i)) for i, t in enumerate(buffers)]
+        ops = [
+            dist.P2POp(dist.irecv, t, peer, self.group, self._tag(a, first_slot + i))
+            for i, t in enumerate(buffers)
+        ]
         for work in dist.batch_isend_irecv(ops) if ops else ():
             work.wait()
 
     def _send_header(self, header: tuple[TreeSpec, list[_Entry]], a: Action) -> None:
         spec, entries = header
-        payload = torch.frombuffer(bytearray(pickle.dumps((treespec_dumps(spec), entries))), dtype=torch.uint8).to(
-            self.device
-        )
+        payload = torch.frombuffer(
+            bytearray(pickle.dumps((treespec_dumps(spec), entries))), dtype=torch.uint8
+        ).to(self.device)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        for work in (*self._isend([length], a, first_slot=0), *self._isend([payload], a, first_slot=1)):
+        for work in (
+            *self._isend([length], a, first_slot=0),
+            *self._isend([payload], a, first_slot=1),
+        ):
             work.wait()  # once per shape: keeps the two small buffers alive until sent
 
     def _recv_header(self, a: Action) -> tuple[TreeSpec, list[_Entry]]:
@@ -493,13 +609,15 @@ class PipelineRuntime:
         self._irecv([length], a, first_slot=0)
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self._irecv([payload], a, first_slot=1)
-        spec, entries = pickle.loads(payload.cpu().numpy().tobytes())  # noqa: S301 -- from a rank of our own job
+        # noqa: S301 -- from a rank of our own job
+        spec, entries = pickle.loads(payload.cpu().numpy().tobytes())
         return treespec_loads(spec), entries
 
     # ---- after the schedule ----------------------------------------------------------------------
 
     def _tied_grads_before(self) -> dict[str, torch.Tensor | None]:
-        """The gradients of shared weights before this step: only the step's own part is exchanged."""
+        """The gradients of shared weights before this step: only the step's own part is
+        exchanged."""
         before = {}
         for name in self._tied:
             grad = self._tied_parameter(name).grad
@@ -507,7 +625,8 @@ class PipelineRuntime:
         return before
 
     def _tied_parameter(self, name: str) -> torch.nn.Parameter:
-        """The shared weight as this rank's stages hold it now (under any alias; FSDP may have replaced it)."""
+        """The shared weight as this rank's stages hold it now (under any alias; FSDP may have
+        replaced it)."""
         for stage in self.stages.values():
             held = dict(stage.body.named_parameters(remove_duplicate=False))
             for alias in self._aliases[name]:
@@ -516,13 +635,15 @@ class PipelineRuntime:
         raise KeyError(f"no stage on pipeline rank {self.rank} holds {name}")
 
     def _sync_tied_grads(self, before: dict[str, torch.Tensor | None]) -> None:
-        """A weight read by stages on several ranks (tied embedding and head): sum this step's gradient over them.
+        """A weight read by stages on several ranks (tied embedding and head): sum this step's
+        gradient over them.
 
-        Every holder adds the same parts in the same (rank) order to the same earlier total, so the copies
-        stay bitwise equal, as Megatron-LM's all-reduce over its embedding group keeps them. Tags come from
-        the weight's place among all shared weights, the same on every rank.
+        Every holder adds the same parts in the same (rank) order to the same earlier total, so the
+        copies stay bitwise equal, as Megatron-LM's all-reduce over its embedding group keeps them.
+        Tags come from the weight's place among all shared weights, the same on every rank.
         """
-        first_free_tag = self.num_microbatches * self.num_stages * 2 * self._slots  # above every action's tags
+        # above every action's tags
+        first_free_tag = self.num_microbatches * self.num_stages * 2 * self._slots
         for name, ranks in self._tied.items():
             param = self._tied_parameter(name)
             grad = _local(param.grad) if param.grad is not None else torch.zeros_like(_local(param))
@@ -539,7 +660,9 @@ class PipelineRuntime:
                 ops.append(dist.P2POp(dist.irecv, parts[other], peer, self.group, base + other))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            total = before[name].clone() if before[name] is not None else torch.zeros_like(step_part)
+            total = (
+                before[name].clone() if before[name] is not None else torch.zeros_like(step_part)
+            )
             for other in ranks:
                 total += parts[other]
             if param.grad is None:
@@ -548,7 +671,8 @@ class PipelineRuntime:
                 _local(param.grad).copy_(total)
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean of the last stage's micro-batch ``losses``, broadcast from its rank to the whole pipeline."""
+        """The mean of the last stage's micro-batch ``losses``, broadcast from its rank to the whole
+        pipeline."""
         last_rank = (self.num_stages - 1) % self.pp
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         if self.group is not None and self.pp > 1:
@@ -558,8 +682,9 @@ class PipelineRuntime:
 
 
 # Note [action handlers]
-# Each kind of action has one handler, (runtime, step, action) -> None, in one table built at import, where
-# it is checked to cover ActionKind exactly: a new kind of action fails the import, not a step.
+# Each kind of action has one handler, (runtime, step, action) -> None, in one table built at
+# import, where it is checked to cover ActionKind exactly: a new kind of action fails the import,
+# not a step.
 _Handler = Callable[[PipelineRuntime, _Step, Action], None]
 
 
@@ -569,7 +694,9 @@ def _covering(handlers: Mapping[ActionKind, _Handler]) -> dict[ActionKind, _Hand
     missing = [kind for kind in kinds if kind not in handlers]
     unknown = [kind for kind in handlers if kind not in kinds]
     if missing or unknown:
-        raise TypeError(f"the runtime's action handlers lack {missing} and have unknown kinds {unknown}")
+        raise TypeError(
+            f"the runtime's action handlers lack {missing} and have unknown kinds {unknown}"
+        )
     return dict(handlers)
 
 
@@ -590,7 +717,8 @@ def loss_fn_checked(loss_fn: LossFn, output: Any, targets: Any) -> torch.Tensor:
     loss = loss_fn(output, targets)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise TypeError(
-            f"loss_fn must return a scalar tensor (a micro-batch's mean loss), got {type(loss).__name__}"
+            "loss_fn must return a scalar tensor (a micro-batch's mean loss), got"
+            f" {type(loss).__name__}"
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
         )
     return loss
@@ -616,7 +744,11 @@ def _describe(entries: list[_Entry]) -> str:
     return (
         "["
         + ", ".join(
-            f"tensor{list(e.shape)}{' (grad)' if e.requires_grad else ''}" if e.is_tensor else repr(e.value)
+            (
+                f"tensor{list(e.shape)}{' (grad)' if e.requires_grad else ''}"
+                if e.is_tensor
+                else repr(e.value)
+            )
             for e in entries
         )
         + "]"
@@ -637,8 +769,8 @@ def _chunk_each(flat: list[Any], m: int, what: str) -> list[list[Any]]:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.size(0) % m:
                 raise ConfigError(
-                    f"{what}[{position}] has {value.size(0)} rows, which do not split into {m} equal "
-                    f"micro-batches; pass a batch that is a multiple of {m}"
+                    f"{what}[{position}] has {value.size(0)} rows, which do not split into {m}"
+                    f" equal micro-batches; pass a batch that is a multiple of {m}"
                 )
             pieces.append(value.chunk(m))
         else:
@@ -647,10 +779,11 @@ def _chunk_each(flat: list[Any], m: int, what: str) -> list[list[Any]]:
 
 
 def chunk_tree(tree: Any, m: int) -> list[Any]:
-    """``tree`` (a tensor, or a tuple, list or dict of them) as ``m`` micro-batches of the same structure.
+    """``tree`` (a tensor, or a tuple, list or dict of them) as ``m`` micro-batches of the same
+    structure.
 
-    Every tensor leaf with a dim 0 is split along it into ``m`` equal parts; other leaves (0-d tensors, Python
-    values) go to each micro-batch.
+    Every tensor leaf with a dim 0 is split along it into ``m`` equal parts; other leaves (0-d
+    tensors, Python values) go to each micro-batch.
     Raises ConfigError when a tensor's rows do not split evenly.
     """
     leaves, spec = tree_flatten(tree)

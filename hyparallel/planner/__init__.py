@@ -1,9 +1,9 @@
 """Cost model and exact search (pure: never imports torch.distributed).
 
 ``plan(model, cluster, global_batch, seq_len, dtype, **constraints) -> Plan`` is the entry point (or
-``constraints=Constraints(...)``); ``search`` returns the ranked candidates behind it; ``complete(plan, graph)``
-fills what a hand-written plan leaves out; ``with_goodput(plan, mtbf_hours)`` adds the checkpoint cost, the best
-checkpoint interval and the expected goodput.
+``constraints=Constraints(...)``); ``search`` returns the ranked candidates behind it;
+``complete(plan, graph)`` fills what a hand-written plan leaves out; ``with_goodput(plan,
+mtbf_hours)`` adds the checkpoint cost, the best checkpoint interval and the expected goodput.
 """
 
 from hyparallel.planner.api import Alternative, SearchResult, plan, search, to_plan

@@ -20,7 +20,14 @@ from hyparallel.planner.inputs import default_seq_len
 from hyparallel.planner.inputs import make as make_inputs
 from hyparallel.planner.inputs import read as read_inputs
 from hyparallel.planner.profile import ModelProfile
-from hyparallel.planner.search import Evaluation, Progress, Search, axis_link, enumerate_configs, transfer_s
+from hyparallel.planner.search import (
+    Evaluation,
+    Progress,
+    Search,
+    axis_link,
+    enumerate_configs,
+    transfer_s,
+)
 from hyparallel.spec import limits
 from hyparallel.spec.cluster import ClusterSpec
 from hyparallel.spec.errors import ConfigError, PlanError
@@ -29,7 +36,8 @@ from hyparallel.spec.schema import CheckpointStorage, Plan
 
 @dataclass
 class Alternative:
-    """A well-known plan shape (pure data parallel, most tensor parallel, most pipeline) and how it fared."""
+    """A well-known plan shape (pure data parallel, most tensor parallel, most pipeline) and how it
+    fared."""
 
     label: str
     evaluation: Evaluation | None
@@ -51,14 +59,18 @@ class SearchResult:
     evaluated: int = 0
     search_s: float = 0.0
     profile: ModelProfile | None = None
-    refused: list[Evaluation] = field(default_factory=list)  # fitted, but check_plan refused them (their reason)
-    powersgd_start_step: int = field(default_factory=lambda: default("powersgd_start_step"))  # written into plans
-    tables: Any = None  # a planner.tables.TableChoice: where a recommendation model's tables go (ps_servers=)
-    compile: bool = False  # parallel.compile, written into plans as asked (the costs do not model it)
+    # fitted, but check_plan refused them (their reason)
+    refused: list[Evaluation] = field(default_factory=list)
+    # written into plans
+    powersgd_start_step: int = field(default_factory=lambda: default("powersgd_start_step"))
+    # a planner.tables.TableChoice: where a recommendation model's tables go (ps_servers=)
+    tables: Any = None
+    # parallel.compile, written into plans as asked (the costs do not model it)
+    compile: bool = False
 
     def plan(self, rank: int = 0) -> Plan:
-        """The ``rank``-th best evaluation as a Plan; rank 0 is the tables' pick when they were compared (a ps
-        plan when parameter servers won)."""
+        """The ``rank``-th best evaluation as a Plan; rank 0 is the tables' pick when they were
+        compared (a ps plan when parameter servers won)."""
         if rank == 0 and self.tables is not None and self.tables.pick.kind == "ps":
             from hyparallel.planner.tables import write_plan  # it imports this module
 
@@ -68,14 +80,15 @@ class SearchResult:
 
 # Note [example inputs]
 # The planner costs everything per sequence and scales it to the micro-batch it considers. With no
-# example_inputs (or a function making them) it traces one sequence, batch 1 x seq_len, from the model's
-# example_inputs(batch_size, seq_len, device) method, Hugging Face's main_input_name, or the function given,
-# and searches the micro-batch. example_inputs themselves are one micro-batch, as parallelize takes them:
-# the graph is traced with them (on the meta device, dtypes kept), its figures are divided by their rows b
-# into per-sequence ones, and the micro-batch is fixed to b. So the costs at micro-batch b are the traced
-# graph's own, and the plan runs under parallelize with the same example_inputs (a torch.export trace, which
-# the pipeline uses for models torch.fx cannot trace, fixes the micro-batch shape). seq_len may then be
-# left out: dim 1 of the token ids gives it.
+# example_inputs (or a function making them) it traces one sequence, batch 1 x seq_len, from the
+# model's example_inputs(batch_size, seq_len, device) method, Hugging Face's main_input_name, or the
+# function given, and searches the micro-batch. example_inputs themselves are one micro-batch, as
+# parallelize takes them: the graph is traced with them (on the meta device, dtypes kept), its
+# figures are divided by their rows b into per-sequence ones, and the micro-batch is fixed to b. So
+# the costs at micro-batch b are the traced graph's own, and the plan runs under parallelize with
+# the same example_inputs (a torch.export trace, which the pipeline uses for models torch.fx cannot
+# trace, fixes the micro-batch shape). seq_len may then be left out: dim 1 of the token ids gives
+# it.
 
 
 def plan(
@@ -102,10 +115,12 @@ def plan(
         global_batch: sequences (samples) per optimizer step.
         seq_len: tokens per sequence (default: the model's, or ``example_inputs``').
         dtype: the training dtype (bf16, fp16, fp32).
-        example_inputs, name, constraints, mtbf_hours, restart_s, checkpoint_storage, ps_servers, fixed: below.
+        example_inputs, name, constraints, mtbf_hours, restart_s, checkpoint_storage, ps_servers,
+        fixed: below.
 
     Returns:
-        The :class:`~hyparallel.spec.schema.Plan`, with its predictions; ``plan.save("plan.yaml")`` writes it.
+        The :class:`~hyparallel.spec.schema.Plan`, with its predictions; ``plan.save("plan.yaml")``
+        writes it.
 
     Raises:
         PlanError: nothing fits (the message names the smallest plan found and what it needs) or the
@@ -114,28 +129,33 @@ def plan(
 
     Example::
 
-        plan = hp.plan(hp.models.build("gpt-175b"), "a100-80g", global_batch=1536, seq_len=2048, tp=8)
+        model = hp.models.build("gpt-175b")
+        plan = hp.plan(model, "a100-80g", global_batch=1536, seq_len=2048, tp=8)
         plan.save("gpt-175b.yaml")
 
-    ``example_inputs`` is one micro-batch for tracing, as ``parallelize`` takes it (a tensor, a tuple of args or a
-    dict of kwargs; it fixes micro_batch to its rows and gives seq_len), or a function ``(batch_size, seq_len) ->
-    inputs`` used as a model's ``example_inputs`` method is (Note [example inputs]). The constraints are
-    ``constraints=Constraints(...)`` or the same names as keyword arguments: tp, pp, dp, micro_batch, schedule,
-    virtual_stages, recompute, zero, sequence_parallel, vocab_parallel_loss (False: the logits gathered for a
-    loss_fn of your own), order (placement.order, outermost axis first), and
-    grad_compression (none, bf16, fp16, powersgd, or any: searched), powersgd_rank, powersgd_start_step:
-    gradients are compressed only when asked (Note [gradient compression is asked for] in constraints.py), and
-    compile (parallel.compile: torch.compile at run time; written as asked, not costed).
+    ``example_inputs`` is one micro-batch for tracing, as ``parallelize`` takes it (a tensor, a
+    tuple of args or a dict of kwargs; it fixes micro_batch to its rows and gives seq_len), or a
+    function ``(batch_size, seq_len) -> inputs`` used as a model's ``example_inputs`` method is
+    (Note [example inputs]). The constraints are
+    ``constraints=Constraints(...)`` or the same names as keyword arguments: tp, pp, dp,
+    micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel, vocab_parallel_loss
+    (False: the logits gathered for a loss_fn of your own), order (placement.order, outermost axis
+    first), and grad_compression (none, bf16, fp16, powersgd, or any: searched), powersgd_rank,
+    powersgd_start_step: gradients are compressed only when asked (Note [gradient compression is
+    asked for] in constraints.py), and compile (parallel.compile: torch.compile at run time; written
+    as asked, not costed).
 
-    ``mtbf_hours`` (the whole job's mean time between failures) adds the plan's ``checkpoint`` section: the save
-    time per checkpoint, the interval that maximises goodput and the goodput expected, with ``restart_s``
-    seconds per restart and checkpoints saved as ``hp.checkpoint.save(storage=checkpoint_storage)``
-    (``hyparallel.planner.with_goodput``, which adds it to any plan; docs/cost-model.md).
+    ``mtbf_hours`` (the whole job's mean time between failures) adds the plan's ``checkpoint``
+    section: the save time per checkpoint, the interval that maximises goodput and the goodput
+    expected, with ``restart_s`` seconds per restart and checkpoints saved as
+    ``hp.checkpoint.save(storage=checkpoint_storage)`` (``hyparallel.planner.with_goodput``, which
+    adds it to any plan; docs/cost-model.md).
 
-    ``ps_servers=N`` plans parameter-server mode with N servers (tp = pp = 1, one worker per GPU, every embedding
-    table on the servers: the plan's ``ps`` section). Left out, a recommendation model (embedding tables, no
-    transformer blocks) gets whichever is fastest of parameter servers (their count searched) and the tables on
-    the GPUs (hyparallel.planner.tables; docs/cost-model.md, "Embedding tables: parameter servers or GPUs").
+    ``ps_servers=N`` plans parameter-server mode with N servers (tp = pp = 1, one worker per GPU,
+    every embedding table on the servers: the plan's ``ps`` section). Left out, a recommendation
+    model (embedding tables, no transformer blocks) gets whichever is fastest of parameter servers
+    (their count searched) and the tables on the GPUs (hyparallel.planner.tables;
+    docs/cost-model.md, "Embedding tables: parameter servers or GPUs").
     ``cluster`` is a ClusterSpec, or a preset name or cluster YAML path as ``--cluster`` takes it.
     """
     if isinstance(cluster, (str, os.PathLike)):
@@ -156,7 +176,9 @@ def plan(
     ).plan()
     if mtbf_hours is None:
         return best
-    return with_goodput(best, mtbf_hours, restart_s=restart_s, storage=checkpoint_storage, cluster=cluster)
+    return with_goodput(
+        best, mtbf_hours, restart_s=restart_s, storage=checkpoint_storage, cluster=cluster
+    )
 
 
 def search(
@@ -179,16 +201,20 @@ def search(
     ps_servers: int | None = None,
     **fixed: Any,
 ) -> SearchResult:
-    """Run the exact search and return the ``top`` best evaluations (and, optionally, the alternatives that lost).
+    """Run the exact search and return the ``top`` best evaluations (and, optionally, the
+    alternatives that lost).
 
     Args:
-        model, cluster, global_batch, seq_len, dtype, example_inputs, name, constraints, ps_servers, fixed: as
+        model, cluster, global_batch, seq_len, dtype, example_inputs, name, constraints, ps_servers,
+        fixed: as
             :func:`plan` takes them.
-        top: how many of the best evaluations to keep; ``alternatives``: also the best of each losing choice.
+        top: how many of the best evaluations to keep; ``alternatives``: also the best of each
+            losing choice.
         progress, traced_rows, module, module_inputs, cache: below.
 
     Returns:
-        A SearchResult: ``best``, the ``top`` evaluations fastest first (``step_time_s``, stages, memory),
+        A SearchResult: ``best``, the ``top`` evaluations fastest first (``step_time_s``, stages,
+        memory),
         ``alternatives``, and ``plan()``, the best as a Plan.
 
     Raises:
@@ -196,20 +222,23 @@ def search(
 
     Example::
 
-        result = hp.search(hp.models.build("llama-7b"), "h100-sxm", global_batch=512, seq_len=4096, top=3)
+        model = hp.models.build("llama-7b")
+        result = hp.search(model, "h100-sxm", global_batch=512, seq_len=4096, top=3)
         print([e.step_time_s for e in result.best]); plan = result.plan()
 
-    ``model``, ``example_inputs`` and the constraints are as ``plan`` takes them. ``progress(phase, done,
-    total)`` is called as the search goes (a progress bar); the search logs to the ``hyparallel.planner``
-    logger (INFO: its phases, DEBUG: every configuration costed). ``traced_rows``: ``model`` is a ModelGraph
-    traced with one micro-batch of that many rows (as ``parallelize`` traces it), not one sequence; it fixes
-    micro_batch, as example_inputs of that many rows would (Note [example inputs]). ``module``: the module
-    a ModelGraph ``model`` was traced from with ``module_inputs`` (parallelize's), so that splits its forward
-    cannot run at one rank's sizes stay replicated (Note [the planner replicates what fails at one rank's sizes]);
-    a module ``model`` is its own. ``cache``: a module ``model`` traced (and dry run) before with the same key is
-    read from the disk cache instead (``hyparallel.graph.cache``; ``hyparallel plan`` does so unless --no-cache).
-    ``ps_servers``: as ``plan`` takes it; the result's ``tables`` then holds the options compared (also for a
-    recommendation model without it), and ``plan()`` the pick.
+    ``model``, ``example_inputs`` and the constraints are as ``plan`` takes them. ``progress(phase,
+    done, total)`` is called as the search goes (a progress bar); the search logs to the
+    ``hyparallel.planner`` logger (INFO: its phases, DEBUG: every configuration costed).
+    ``traced_rows``: ``model`` is a ModelGraph traced with one micro-batch of that many rows (as
+    ``parallelize`` traces it), not one sequence; it fixes micro_batch, as example_inputs of that
+    many rows would (Note [example inputs]). ``module``: the module a ModelGraph ``model`` was
+    traced from with ``module_inputs`` (parallelize's), so that splits its forward cannot run at one
+    rank's sizes stay replicated (Note [the planner replicates what fails at one rank's sizes]); a
+    module ``model`` is its own. ``cache``: a module ``model`` traced (and dry run) before with the
+    same key is read from the disk cache instead (``hyparallel.graph.cache``; ``hyparallel plan``
+    does so unless --no-cache).
+    ``ps_servers``: as ``plan`` takes it; the result's ``tables`` then holds the options compared
+    (also for a recommendation model without it), and ``plan()`` the pick.
     """
     from hyparallel.planner import tables  # it imports this module
 
@@ -235,8 +264,11 @@ def search(
         replicate_what_fails(module, graph, degrees, inputs)
         graph_cache.store(cache_key, graph)
     start = time.perf_counter()
-    vocab_loss = given.get("vocab_parallel_loss", True)  # not searched: on wherever tp splits the head, unless asked
-    profile = ModelProfile(graph, cluster, dtype, seq_len, traced_rows=rows or 1, vocab_parallel_loss=vocab_loss)
+    # not searched: on wherever tp splits the head, unless asked
+    vocab_loss = given.get("vocab_parallel_loss", True)
+    profile = ModelProfile(
+        graph, cluster, dtype, seq_len, traced_rows=rows or 1, vocab_parallel_loss=vocab_loss
+    )
     result = SearchResult(
         graph=graph,
         cluster=cluster,
@@ -250,7 +282,8 @@ def search(
     )
     engine = Search(profile, cluster, global_batch, dtype, progress, admit=Admission(result))
     compare = tables.applies(graph, given, ps_servers)
-    searched = not ps_servers or alternatives  # ps_servers N > 0 decides: the search only for comparison
+    # ps_servers N > 0 decides: the search only for comparison
+    searched = not ps_servers or alternatives
     best, frugal = engine.best(given, top=top) if searched else ([], None)
     if compare:
         result.tables = tables.choose(
@@ -261,21 +294,26 @@ def search(
     result.best = best
     if alternatives and best:
         result.alternatives = _alternatives(engine, profile, cluster, best[0], given)
-    result.considered, result.evaluated, result.refused = engine.considered, engine.evaluated, engine.refused
+    result.considered, result.evaluated, result.refused = (
+        engine.considered,
+        engine.evaluated,
+        engine.refused,
+    )
     result.search_s = time.perf_counter() - start
     return result
 
 
 # Note [the runtime's checks]
-# A plan the planner writes always runs: every candidate that fits is written as its Plan (to_plan) and
-# checked by the runtime's own check_plan (hyparallel.graph.checks) on the traced graph, before it may rank. A
-# refusal makes the candidate infeasible with the refusal as its reason (shown by --explain and by the
-# error when nothing is left), never a plan. Candidates differing only in what check_plan does not read
-# (micro-batch, schedule, order, timings) share one verdict.
+# A plan the planner writes always runs: every candidate that fits is written as its Plan (to_plan)
+# and checked by the runtime's own check_plan (hyparallel.graph.checks) on the traced graph, before
+# it may rank. A refusal makes the candidate infeasible with the refusal as its reason (shown by
+# --explain and by the error when nothing is left), never a plan. Candidates differing only in what
+# check_plan does not read (micro-batch, schedule, order, timings) share one verdict.
 
 
 class Admission:
-    """``admit(evaluation)``: why the runtime would refuse the plan of ``evaluation`` (None: it runs)."""
+    """``admit(evaluation)``: why the runtime would refuse the plan of ``evaluation`` (None: it
+    runs)."""
 
     def __init__(self, result: SearchResult):
         self.result = result
@@ -301,7 +339,8 @@ class Admission:
 
 
 def refusal(result: SearchResult, evaluation: Evaluation) -> str | None:
-    """Why the runtime refuses ``evaluation`` written as a plan, in one line (None: check_plan accepts it)."""
+    """Why the runtime refuses ``evaluation`` written as a plan, in one line (None: check_plan
+    accepts it)."""
     try:
         check_plan(_written(result, evaluation, uncompressed=False), result.graph)
     except ConfigError as error:
@@ -319,9 +358,10 @@ def _graph(
     traced_rows: int | None = None,
     cache_degrees: list[int] | None = None,
 ) -> tuple[ModelGraph, int, int | None, Any, str | None]:
-    """The graph to plan, its seq_len, the micro-batch example_inputs fix (None: searched; sets that constraint),
-    the inputs it was traced with (None: a graph given traced, or read from the cache) and the key to cache it
-    under (None: not cached). ``cache_degrees``: read a module's graph from the cache, keyed with these degrees."""
+    """The graph to plan, its seq_len, the micro-batch example_inputs fix (None: searched; sets that
+    constraint), the inputs it was traced with (None: a graph given traced, or read from the cache)
+    and the key to cache it under (None: not cached). ``cache_degrees``: read a module's graph from
+    the cache, keyed with these degrees."""
     from hyparallel import models
     from hyparallel.graph import trace
 
@@ -329,8 +369,8 @@ def _graph(
     if isinstance(model, ModelGraph):
         if example_inputs is not None:
             raise PlanError(
-                "example_inputs= are for tracing a module, and this ModelGraph is traced already; pass the "
-                "module itself, or plan the graph without example_inputs="
+                "example_inputs= are for tracing a module, and this ModelGraph is traced already;"
+                " pass the module itself, or plan the graph without example_inputs="
             )
         if traced_rows is not None:  # one micro-batch, as parallelize traced it
             _fix_micro_batch(constraints, traced_rows, global_batch)
@@ -338,13 +378,19 @@ def _graph(
         _batch_one(model)
         return model, _needed(seq_len), None, None, None
     if example_inputs is None or callable(example_inputs):
-        seq_len = _needed(seq_len if seq_len is not None or example_inputs else default_seq_len(model))
+        seq_len = _needed(
+            seq_len if seq_len is not None or example_inputs else default_seq_len(model)
+        )
         batch = (
             make_inputs(example_inputs, 1, seq_len).inputs
             if example_inputs is not None
             else models.example_inputs(model, 1, seq_len)
         )
-        cache_key = graph_cache.key(model, batch, name, cache_degrees) if cache_degrees is not None else None
+        cache_key = (
+            graph_cache.key(model, batch, name, cache_degrees)
+            if cache_degrees is not None
+            else None
+        )
         cached = graph_cache.load(cache_key)
         if cached is not None:
             return cached, seq_len, None, None, None
@@ -361,7 +407,8 @@ def _graph(
 
 
 def _tp_degrees(cluster: ClusterSpec, constraints: dict) -> list[int]:
-    """The tensor-parallel degrees the search may pick: the fixed one, or every divisor of the GPUs in a node."""
+    """The tensor-parallel degrees the search may pick: the fixed one, or every divisor of the GPUs
+    in a node."""
     if "tp" in constraints:
         return [constraints["tp"]]
     per_node = min(cluster.gpus_per_node, cluster.num_gpus)
@@ -371,22 +418,29 @@ def _tp_degrees(cluster: ClusterSpec, constraints: dict) -> list[int]:
 def _needed(seq_len: int | None) -> int:
     if seq_len is None:
         raise PlanError(
-            "seq_len is not given: pass seq_len=, or example_inputs= whose token ids (batch, seq_len) give it"
+            "seq_len is not given: pass seq_len=, or example_inputs= whose token ids (batch,"
+            " seq_len) give it"
         )
     _check_count("seq_len", seq_len)  # also when example_inputs gave it
     return seq_len
 
 
 def _batch_one(graph: ModelGraph) -> None:
-    """Refuse a graph traced with more than one row: its figures would be taken for one sequence's."""
+    """Refuse a graph traced with more than one row: its figures would be taken for one
+    sequence's."""
     rows = next(
-        (op.output_shapes[0][0] for op in graph.ops if op.kind == "input" and op.output_shapes and op.output_shapes[0]),
+        (
+            op.output_shapes[0][0]
+            for op in graph.ops
+            if op.kind == "input" and op.output_shapes and op.output_shapes[0]
+        ),
         1,
     )
     if rows != 1:
         raise PlanError(
-            f"the ModelGraph was traced with {rows} rows, and the planner reads a graph as one sequence; "
-            "trace it at batch 1, or pass the module with example_inputs= of one micro-batch"
+            f"the ModelGraph was traced with {rows} rows, and the planner reads a graph as one"
+            " sequence; trace it at batch 1, or pass the module with example_inputs= of one"
+            " micro-batch"
         )
 
 
@@ -407,23 +461,28 @@ def _fix_micro_batch(constraints: dict, rows: int, global_batch: int) -> None:
 
 
 def _given(constraints: Constraints | None, fixed: dict[str, Any]) -> dict[str, Any]:
-    """The constraints the caller fixed, by name: ``constraints=`` or the keyword arguments, checked by Constraints."""
+    """The constraints the caller fixed, by name: ``constraints=`` or the keyword arguments, checked
+    by Constraints."""
     if constraints is None:
         return Constraints(**fixed).given()
     if not isinstance(constraints, Constraints):
         raise PlanError(
-            f"constraints= takes a hyparallel.planner.Constraints, got {type(constraints).__name__}; "
-            "or pass the constraints as keyword arguments"
+            "constraints= takes a hyparallel.planner.Constraints, got"
+            f" {type(constraints).__name__}; or pass the constraints as keyword arguments"
         )
     if fixed:
         raise PlanError(
-            f"both constraints= and keyword constraints ({', '.join(fixed)}) are given; pass them one way, not both"
+            f"both constraints= and keyword constraints ({', '.join(fixed)}) are given; pass them"
+            " one way, not both"
         )
     return constraints.given()
 
 
-def _check_request(cluster: ClusterSpec, global_batch: int, seq_len: int | None, dtype: str, constraints: dict) -> None:
-    """dtype, global_batch and seq_len, then the (already valid) constraints against the cluster and the batch."""
+def _check_request(
+    cluster: ClusterSpec, global_batch: int, seq_len: int | None, dtype: str, constraints: dict
+) -> None:
+    """dtype, global_batch and seq_len, then the (already valid) constraints against the cluster and
+    the batch."""
     if dtype not in costs.DTYPE_BYTES:
         raise PlanError(f"dtype '{dtype}' is not one of {', '.join(costs.DTYPE_BYTES)}")
     for key, value in (("global_batch", global_batch), ("seq_len", seq_len)):
@@ -441,18 +500,23 @@ def _check_layout(cluster: ClusterSpec, global_batch: int, constraints: dict) ->
         product *= value
     if len(degrees) == 3 and product != n:
         raise PlanError(
-            f"dp({degrees['dp']}) * tp({degrees['tp']}) * pp({degrees['pp']}) = {product} != {n} GPUs; "
-            "change a degree or the number of GPUs"
+            f"dp({degrees['dp']}) * tp({degrees['tp']}) * pp({degrees['pp']}) = {product} != {n}"
+            " GPUs; change a degree or the number of GPUs"
         )
     if n % product:
         fixed = " * ".join(f"{k}({v})" for k, v in degrees.items())
-        raise PlanError(f"{fixed} = {product} does not divide the {n} GPUs; pick degrees whose product divides {n}")
+        raise PlanError(
+            f"{fixed} = {product} does not divide the {n} GPUs; pick degrees whose product"
+            f" divides {n}"
+        )
     if "dp" in constraints and global_batch % constraints["dp"]:
-        raise PlanError(f"global batch {global_batch} is not divisible by dp {constraints['dp']}; change either")
+        raise PlanError(
+            f"global batch {global_batch} is not divisible by dp {constraints['dp']}; change either"
+        )
 
 
-# The schema's bounds (hyparallel.spec.limits), so the planner never accepts what a plan file would refuse; the
-# constraints' own bounds are their fields' types (Constraints).
+# The schema's bounds (hyparallel.spec.limits), so the planner never accepts what a plan file would
+# refuse; the constraints' own bounds are their fields' types (Constraints).
 _BOUNDS = {"global_batch": limits.MAX_GLOBAL_BATCH, "seq_len": limits.MAX_SEQ_LEN}
 
 
@@ -481,18 +545,20 @@ def _nothing_found(
         return reason
     if constraints.get("sequence_parallel") and (reason := analysis.whole_sequence(graph)):
         return reason
-    if constraints.get("sequence_parallel") and (reason := analysis.uneven_sequence(graph, constraints.get("tp", 1))):
+    if constraints.get("sequence_parallel") and (
+        reason := analysis.uneven_sequence(graph, constraints.get("tp", 1))
+    ):
         return reason
     if not enumerate_configs(engine.ctx, constraints):
         if not enumerate_configs(engine.ctx, {}):
             return (
-                f"no dp x tp x pp layout of {cluster.num_gpus} GPUs suits this model and global batch "
-                f"{global_batch}; use a GPU count or global batch with more divisors"
+                f"no dp x tp x pp layout of {cluster.num_gpus} GPUs suits this model and global"
+                f" batch {global_batch}; use a GPU count or global batch with more divisors"
             )
         given = ", ".join(f"{k}={v}" for k, v in constraints.items())
         return (
-            f"no configuration satisfies {given} for {cluster.num_gpus} GPUs and global batch {global_batch}; "
-            "relax a constraint"
+            f"no configuration satisfies {given} for {cluster.num_gpus} GPUs and global batch"
+            f" {global_batch}; relax a constraint"
         )
     limit = cluster.device.usable_memory_bytes / 2**30
     if frugal is not None and frugal.refused:
@@ -500,37 +566,43 @@ def _nothing_found(
     if frugal is None:
         need = engine.least_memory_bytes(constraints) or 0.0
         return (
-            f"nothing fits in {limit:.1f} GiB per GPU: even spread evenly over the stages the smallest plan needs "
-            f"{need / 2**30:.1f} GiB; use more GPUs, a smaller micro-batch or sequence length, or recomputation"
+            f"nothing fits in {limit:.1f} GiB per GPU: even spread evenly over the stages the"
+            f" smallest plan needs {need / 2**30:.1f} GiB; use more GPUs, a smaller micro-batch or"
+            " sequence length, or recomputation"
         )
     c = frugal.config
     return (
-        f"nothing fits in {limit:.1f} GiB per GPU: the smallest plan found needs "
-        f"{frugal.peak_memory_bytes / 2**30:.1f} GiB "
-        f"(tp {c.tp}, pp {c.pp}, dp {c.dp}, micro_batch {c.micro_batch}, recompute {c.recompute}, ZeRO {c.zero}); "
-        "use more GPUs, a smaller micro-batch or sequence length, or recomputation"
+        f"nothing fits in {limit:.1f} GiB per GPU: the smallest plan found needs"
+        f" {frugal.peak_memory_bytes / 2**30:.1f} GiB (tp {c.tp}, pp {c.pp}, dp {c.dp}, micro_batch"
+        f" {c.micro_batch}, recompute {c.recompute}, ZeRO {c.zero}); use more GPUs, a smaller"
+        " micro-batch or sequence length, or recomputation"
     )
 
 
 def _needs_blocks(graph: ModelGraph, constraints: dict) -> str | None:
-    """Why the fixed sequence_parallel / recompute cannot run on a model without repeated blocks (Note [what
-    needs blocks] in hyparallel.planner.search), as check_plan would say it."""
+    """Why the fixed sequence_parallel / recompute cannot run on a model without repeated blocks
+    (Note [what needs blocks] in hyparallel.planner.search), as check_plan would say it."""
     if graph.blocks:
         return None
     if constraints.get("sequence_parallel"):
         return (
-            f"sequence_parallel needs repeated blocks (transformer layers) to shard between, and {graph.name} has none"
+            "sequence_parallel needs repeated blocks (transformer layers) to shard between, and"
+            f" {graph.name} has none"
         )
     if constraints.get("recompute", "none") != "none" and constraints.get("pp", 1) == 1:
         return (
-            f"recompute: {constraints['recompute']} without a pipeline needs repeated blocks (transformer layers) "
-            f"to recompute, and {graph.name} has none; use recompute: none"
+            f"recompute: {constraints['recompute']} without a pipeline needs repeated blocks"
+            f" (transformer layers) to recompute, and {graph.name} has none; use recompute: none"
         )
     return None
 
 
 def _alternatives(
-    engine: Search, profile: ModelProfile, cluster: ClusterSpec, winner: Evaluation, constraints: dict
+    engine: Search,
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    winner: Evaluation,
+    constraints: dict,
 ) -> list[Alternative]:
     n = cluster.num_gpus
     tps = [
@@ -538,7 +610,10 @@ def _alternatives(
         for t in range(1, min(n, cluster.gpus_per_node) + 1)
         if n % t == 0 and not profile.tp_analysis.check(t, profile.graph)
     ]
-    shapes = [("pure data parallel", {"tp": 1, "pp": 1}), ("most tensor parallel", {"tp": max(tps), "pp": 1})]
+    shapes = [
+        ("pure data parallel", {"tp": 1, "pp": 1}),
+        ("most tensor parallel", {"tp": max(tps), "pp": 1}),
+    ]
     pps = [p for p in range(1, min(n, len(profile.segments)) + 1) if n % p == 0]
     shapes.append(("most pipeline parallel", {"tp": 1, "pp": max(pps)}))
     result = []
@@ -550,7 +625,10 @@ def _alternatives(
             c = e.config
             why = why_slower(e, winner)
             if e.step_time_s > winner.step_time_s * (1 + 1e-9):
-                why = f"at its best (ZeRO {c.zero}, recompute {c.recompute}, micro-batch {c.micro_batch}): {why}"
+                why = (
+                    f"at its best (ZeRO {c.zero}, recompute {c.recompute}, micro-batch"
+                    f" {c.micro_batch}): {why}"
+                )
             result.append(Alternative(label, e, why))
         elif frugal is not None:
             result.append(Alternative(label, frugal, frugal.reason))
@@ -560,19 +638,25 @@ def _alternatives(
 
 
 def step_parts(e: Evaluation) -> dict[str, float]:
-    """An evaluation's step time in parts: compute, bubble, exposed tp / pp communication, dp sync + optimizer.
+    """An evaluation's step time in parts: compute, bubble, exposed tp / pp communication, dp sync +
+    optimizer.
 
-    The comm parts are the planner's own per-step figures; the rest of the step is compute and bubble,
-    split by the bubble fraction (idle time over compute time).
+    The comm parts are the planner's own per-step figures; the rest of the step is compute and
+    bubble, split by the bubble fraction (idle time over compute time).
     """
-    comm = {"tp communication": e.comm_s["tp"], "pp sends": e.comm_s["pp"], "dp sync + optimizer": e.comm_s["dp"]}
+    comm = {
+        "tp communication": e.comm_s["tp"],
+        "pp sends": e.comm_s["pp"],
+        "dp sync + optimizer": e.comm_s["dp"],
+    }
     rest = max(e.step_time_s - sum(comm.values()), 0.0)
     compute = rest / (1 + e.bubble_fraction)
     return {"compute": compute, "bubble": rest - compute, **comm}
 
 
 def why_slower(loser: Evaluation, winner: Evaluation) -> str:
-    """One line on why ``loser`` ranks below ``winner``: out of memory, or how much slower and mostly from what."""
+    """One line on why ``loser`` ranks below ``winner``: out of memory, or how much slower and
+    mostly from what."""
     if not loser.feasible:
         return loser.reason or "does not fit in memory"
     slower = loser.step_time_s / winner.step_time_s - 1
@@ -580,7 +664,11 @@ def why_slower(loser: Evaluation, winner: Evaluation) -> str:
         return "as fast as the winner (within 0.1%)"
     ours, theirs = step_parts(loser), step_parts(winner)
     part = max(ours, key=lambda k: ours[k] - theirs[k])
-    detail = f" ({loser.bubble_fraction:.0%} vs {winner.bubble_fraction:.0%})" if part == "bubble" else ""
+    detail = (
+        f" ({loser.bubble_fraction:.0%} vs {winner.bubble_fraction:.0%})"
+        if part == "bubble"
+        else ""
+    )
     if part == "compute":
         a, b = loser.config, winner.config
         differences = [
@@ -592,8 +680,13 @@ def why_slower(loser: Evaluation, winner: Evaluation) -> str:
             )
             if x != y
         ]
-        detail = f" ({', '.join(differences) or 'uneven stages: the slowest holds more than its share'})"
-    if part == "dp sync + optimizer" and loser.config.grad_compression != winner.config.grad_compression:
+        detail = (
+            f" ({', '.join(differences) or 'uneven stages: the slowest holds more than its share'})"
+        )
+    if (
+        part == "dp sync + optimizer"
+        and loser.config.grad_compression != winner.config.grad_compression
+    ):
         detail = f" (gradients {loser.config.compression} vs {winner.config.compression})"
     return (
         f"{slower:.1%} slower ({loser.step_time_s - winner.step_time_s:.3g} s), mostly {part} "
@@ -612,25 +705,31 @@ def _why_none(engine: Search, profile: ModelProfile, cluster: ClusterSpec, shape
     need = engine.least_memory_bytes(shape)
     if need is not None:
         return (
-            f"needs at least {need / 2**30:.1f} GiB per GPU for weights, gradients, optimizer state and one "
-            f"micro-batch of activations; {cluster.device.usable_memory_bytes / 2**30:.1f} GiB are usable"
+            f"needs at least {need / 2**30:.1f} GiB per GPU for weights, gradients, optimizer state"
+            f" and one micro-batch of activations; {cluster.device.usable_memory_bytes / 2**30:.1f}"
+            " GiB are usable"
         )
     return "no configuration of this shape exists"
 
 
 def to_plan(result: SearchResult, evaluation: Evaluation) -> Plan:
-    """Write one evaluation as the Plan the runtime reads; a plan check_plan refuses is a one-line PlanError."""
+    """Write one evaluation as the Plan the runtime reads; a plan check_plan refuses is a one-line
+    PlanError."""
     plan = _written(result, evaluation)
     try:
         check_plan(plan, result.graph)  # Note [the runtime's checks]
     except ConfigError as error:
-        raise PlanError(f"the planner's plan ({evaluation.config}) is refused by the runtime: {error}") from None
+        raise PlanError(
+            f"the planner's plan ({evaluation.config}) is refused by the runtime: {error}"
+        ) from None
     return plan
 
 
 def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = True) -> Plan:
-    """One evaluation as a Plan, not yet checked against the graph (a schema refusal is a one-line ConfigError);
-    ``uncompressed``: with the prediction of the same plan uncompressed (check_plan does not read it)."""
+    """One evaluation as a Plan, not yet checked against the graph (a schema refusal is a one-line
+    ConfigError);
+    ``uncompressed``: with the prediction of the same plan uncompressed (check_plan does not read
+    it)."""
     from hyparallel.spec.schema import ModelInfo
 
     graph, profile, c = result.graph, result.profile, evaluation.config
@@ -653,7 +752,11 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
                     sum(
                         x.forward_s + x.backward_s
                         for x in profile.segment_costs(
-                            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, result.cluster.intra_node
+                            c.tp,
+                            c.sequence_parallel,
+                            c.micro_batch,
+                            c.recompute,
+                            result.cluster.intra_node,
                         )[start:end]
                     )
                 ),
@@ -664,9 +767,14 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
     tflops = model_flops / step / result.cluster.num_gpus / 1e12
     data = {
         "version": 1,
-        "model": ModelInfo(
-            name=graph.name, num_params=graph.num_params, num_layers=graph.num_layers, fingerprint=graph.fingerprint
-        ).model_dump(),
+        "model": (
+            ModelInfo(
+                name=graph.name,
+                num_params=graph.num_params,
+                num_layers=graph.num_layers,
+                fingerprint=graph.fingerprint,
+            ).model_dump()
+        ),
         "cluster": result.cluster,
         "training": {
             "global_batch": result.global_batch,
@@ -704,11 +812,14 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
             "uncompressed": _uncompressed(result, evaluation) if uncompressed else None,
         },
     }
-    return Plan.from_dict(round_figures({k: v for k, v in data.items() if v is not None}), source="the planner's plan")
+    return Plan.from_dict(
+        round_figures({k: v for k, v in data.items() if v is not None}), source="the planner's plan"
+    )
 
 
 def _uncompressed(result: SearchResult, evaluation: Evaluation) -> dict[str, float] | None:
-    """The same plan's step time and dp tail with grad_compression none (None: it compresses nothing)."""
+    """The same plan's step time and dp tail with grad_compression none (None: it compresses
+    nothing)."""
     if not evaluation.config.compressed:
         return None
     engine = Search(result.profile, result.cluster, result.global_batch, result.dtype)
@@ -719,24 +830,31 @@ def _uncompressed(result: SearchResult, evaluation: Evaluation) -> dict[str, flo
 def stage_module_lists(segments, ranges: list[tuple[int, int]]) -> list[list[str]]:
     """The module paths each (virtual) stage of segment ``ranges`` lists in a plan.
 
-    A parent whose children are listed (Hugging Face's `transformer`, running position ids and masks) is
-    left out: its own glue ops run where execution order puts them (Note [which stage runs a node]).
+    A parent whose children are listed (Hugging Face's `transformer`, running position ids and
+    masks) is left out: its own glue ops run where execution order puts them (Note [which stage runs
+    a node]).
     """
     every = {m for s in segments for m in s.modules}
-    parents = every & {m.rsplit(".", k)[0] for m in every for k in range(1, m.count(".") + 1)}  # dotted prefixes
+    # dotted prefixes
+    parents = every & {m.rsplit(".", k)[0] for m in every for k in range(1, m.count(".") + 1)}
     return _stage_modules(segments, ranges, parents)
 
 
 def _stage_modules(segments, ranges: list[tuple[int, int]], parents: set[str]) -> list[list[str]]:
-    """The module paths each (virtual) stage lists: those its segments run, parents of listed ones left out.
+    """The module paths each (virtual) stage lists: those its segments run, parents of listed ones
+    left out.
 
-    Note [a module called in several stages]: a module called in several places (T5's ``decoder.dropout``
-    before its first block and after its last) can run in two stages; listing it in either would claim all its
-    calls for that stage, so it is listed in none, and each call runs where execution order puts it, as glue
-    does (Note [which stage runs a node]). A stage left with nothing to list keeps its segments' own modules,
-    and check_plan then refuses the candidate (Note [the runtime's checks]).
+    Note [a module called in several stages]: a module called in several places (T5's
+    ``decoder.dropout`` before its first block and after its last) can run in two stages; listing it
+    in either would claim all its calls for that stage, so it is listed in none, and each call runs
+    where execution order puts it, as glue does (Note [which stage runs a node]). A stage left with
+    nothing to list keeps its segments' own modules, and check_plan then refuses the candidate (Note
+    [the runtime's checks]).
     """
-    ran = [list(dict.fromkeys(m for s in segments[start:end] for m in s.modules)) for start, end in ranges]
+    ran = [
+        list(dict.fromkeys(m for s in segments[start:end] for m in s.modules))
+        for start, end in ranges
+    ]
     stages_of: dict[str, set[int]] = {}
     for index, modules in enumerate(ran):
         for module in modules:
@@ -749,18 +867,23 @@ def _stage_modules(segments, ranges: list[tuple[int, int]], parents: set[str]) -
 
 
 def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
-    """Per (virtual) stage, the per-micro-batch figures ``hyparallel simulate`` times the schedule with.
+    """Per (virtual) stage, the per-micro-batch figures ``hyparallel simulate`` times the schedule
+    with.
 
-    Each segment's tensor-parallel all-reduces go to the direction that runs them. What the search charges a
-    device per micro-batch beyond its segments and its transfers (ZeRO-2/3's traffic, which exists only with
-    pp = 1) goes to the backward, so a device's forward_s + backward_s + 2 v p2p_s is its costed stage time.
+    Each segment's tensor-parallel all-reduces go to the direction that runs them. What the search
+    charges a device per micro-batch beyond its segments and its transfers (ZeRO-2/3's traffic,
+    which exists only with pp = 1) goes to the backward, so a device's forward_s + backward_s + 2 v
+    p2p_s is its costed stage time.
     """
     c, profile = evaluation.config, result.profile
     sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
     tp_link, pp_link = (axis_link(c.order, sizes, axis, result.cluster) for axis in ("tp", "pp"))
-    segment_costs = profile.segment_costs(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, tp_link)
+    segment_costs = profile.segment_costs(
+        c.tp, c.sequence_parallel, c.micro_batch, c.recompute, tp_link
+    )
     tp_forward_s = [
-        profile.tp_forward_comm_s(raw, c.tp, c.sequence_parallel, c.micro_batch, tp_link) for raw in profile.raw
+        profile.tp_forward_comm_s(raw, c.tp, c.sequence_parallel, c.micro_batch, tp_link)
+        for raw in profile.raw
     ]
     p2p_s = transfer_s(profile, c, pp_link)
     figures = []
@@ -775,7 +898,11 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
         )
     for device, stage_time_s in enumerate(evaluation.stage_time_s):
         chunks = figures[device :: c.pp]
-        extra = stage_time_s - 2 * c.virtual_stages * p2p_s - sum(f["forward_s"] + f["backward_s"] for f in chunks)
+        extra = (
+            stage_time_s
+            - 2 * c.virtual_stages * p2p_s
+            - sum(f["forward_s"] + f["backward_s"] for f in chunks)
+        )
         for figure in chunks:
             figure["backward_s"] += max(extra, 0.0) / len(chunks)
     for figure in figures[:-1] if c.pp > 1 else ():
@@ -784,8 +911,8 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
 
 
 def round_figures(value, digits: int = 6):
-    """Every float in ``value`` (nested dicts and lists) to ``digits`` significant digits; predictions use 6:
-    readable YAML, and nothing the model knows more precisely."""
+    """Every float in ``value`` (nested dicts and lists) to ``digits`` significant digits;
+    predictions use 6: readable YAML, and nothing the model knows more precisely."""
     if isinstance(value, float):
         return float(f"{value:.{digits}g}")
     if isinstance(value, dict):
@@ -802,7 +929,9 @@ def _tp_map(graph: ModelGraph, profile: ModelProfile) -> dict[str, str]:
     for name, style in profile.tp_analysis.styles.items():
         path = graph.op(name).module
         if not path and style == "replicate":
-            continue  # a function of the root's own forward (NeoMME's `hidden @ self.proj.weight`): no module to name
+            # a function of the root's own forward (NeoMME's `hidden @ self.proj.weight`): no module
+            # to name
+            continue
         block = block_of.get(name)
         if block and "." in block and path.startswith(block + "."):
             key = f"{block.rsplit('.', 1)[0]}.*.{path[len(block) + 1 :]}"

@@ -1,9 +1,10 @@
 """Per-segment costs of a traced model under a tensor-parallel degree: the planner's raw material.
 
-A ``ModelProfile`` reads a ModelGraph once, per sequence (its figures divided by the rows it was traced
-with), and answers, for any (tp, sequence_parallel, micro_batch, recompute), each segment's forward and
-backward seconds, its tensor-parallel communication, the parameters a rank holds and the activation
-bytes it keeps for the backward pass. Identical repeated blocks are costed once. Formulas: docs/cost-model.md.
+A ``ModelProfile`` reads a ModelGraph once, per sequence (its figures divided by the rows it was
+traced with), and answers, for any (tp, sequence_parallel, micro_batch, recompute), each segment's
+forward and backward seconds, its tensor-parallel communication, the parameters a rank holds and the
+activation bytes it keeps for the backward pass. Identical repeated blocks are costed once.
+Formulas: docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from hyparallel.planner import costs
 from hyparallel.spec.cluster import ClusterSpec, LinkSpec
 from hyparallel.spec.schema import Dtype
 
-# View-kind ops that may copy (a reshape of a transposed tensor does): their outputs count as new tensors.
+# View-kind ops that may copy (a reshape of a transposed tensor does): their outputs count as new
+# tensors.
 _COPYING_VIEWS = {"clone", "contiguous", "reshape", "flatten"}
 # Elementwise ops whose backward needs none of their inputs or outputs.
 _SAVES_NOTHING = {
@@ -62,8 +64,9 @@ _SAVES_NOTHING = {
 }
 # Elementwise ops whose backward needs their output (d softmax, d exp, d tanh, d sigmoid).
 _SAVES_OUTPUT = {"softmax", "log_softmax", "_softmax", "exp", "tanh", "sigmoid"}
-# Backward FLOPs over forward FLOPs: 2 for matrix products (input and weight gradients); 2.5 for fused
-# attention, whose backward recomputes the attention scores (Dao 2023, FlashAttention-2, Sec. 3.1).
+# Backward FLOPs over forward FLOPs: 2 for matrix products (input and weight gradients); 2.5 for
+# fused attention, whose backward recomputes the attention scores (Dao 2023, FlashAttention-2, Sec.
+# 3.1).
 _BACKWARD_RATIO = {"attention": 2.5}
 _MATMUL_KINDS = {"linear", "matmul", "attention"}
 
@@ -78,12 +81,16 @@ class _OpCost:
     out_bytes: float
     weight_bytes: float
     style: str  # column | row | vocab | replicate | split (inside a column->row region) | full
-    quadratic: bool  # its output has two sequence-length dims (attention scores): selective recomputation redoes it
-    # A product's shape for one sequence, unsplit: (batch, M, N, K) of batch x (M x K) @ (K x N) (Note [GEMM shapes]);
-    # () when it is not a product or its shape cannot be read (then its efficiency is the plateau).
+    # its output has two sequence-length dims (attention scores): selective recomputation redoes it
+    quadratic: bool
+    # A product's shape for one sequence, unsplit: (batch, M, N, K) of batch x (M x K) @ (K x N)
+    # (Note [GEMM shapes]); () when it is not a product or its shape cannot be read (then its
+    # efficiency is the plateau).
     gemm: tuple[float, float, float, float] = ()
-    tokens_in_m: bool = False  # a Linear: a micro-batch's sequences multiply M (its tokens), else the batch
-    function: str = ""  # an activation's function name (Op.function): Note [activations a CPU computes]
+    # a Linear: a micro-batch's sequences multiply M (its tokens), else the batch
+    tokens_in_m: bool = False
+    # an activation's function name (Op.function): Note [activations a CPU computes]
+    function: str = ""
     out_elements: float = 0.0  # elements of its output, one sequence
 
 
@@ -102,14 +109,19 @@ class SegmentCost:
 
 @dataclass(frozen=True)
 class GradientWork:
-    """What PowerSGD does with some gradients on one rank per step (Note [PowerSGD's wire] in costs.py)."""
+    """What PowerSGD does with some gradients on one rank per step (Note [PowerSGD's wire] in
+    costs.py)."""
 
-    elements: float = 0.0  # elements all-reduced: r (n + m) per compressed matrix, all of every other tensor
-    work_s: float = 0.0  # kernel seconds: products, orthogonalisations, error feedback, copies of what is sent whole
+    # elements all-reduced: r (n + m) per compressed matrix, all of every other tensor
+    elements: float = 0.0
+    # kernel seconds: products, orthogonalisations, error feedback, copies of what is sent whole
+    work_s: float = 0.0
     ops: float = 0.0  # ops dispatched, besides those of each bucket (costs.POWERSGD_OPS_PER_BUCKET)
 
     def __add__(self, other: GradientWork) -> GradientWork:
-        return GradientWork(self.elements + other.elements, self.work_s + other.work_s, self.ops + other.ops)
+        return GradientWork(
+            self.elements + other.elements, self.work_s + other.work_s, self.ops + other.ops
+        )
 
 
 @dataclass(frozen=True)
@@ -119,25 +131,33 @@ class _SegmentRaw:
     params_by_tp: Callable[[int], float]
     saved_split: float
     saved_full: float
-    # Note [what sequence parallelism shards]: column Linears' gathered inputs, and how much of it other ops save too
+    # Note [what sequence parallelism shards]: column Linears' gathered inputs, and how much of it
+    # other ops save too
     saved_gathered: tuple[float, float]
     saved_quadratic: tuple[float, float]  # (split by tp, whole) bytes of seq x seq tensors
     block_input_bytes: float
     is_block: bool
     comm_fwd: tuple[float, ...]
     comm_bwd: tuple[float, ...]
-    # The all-reduces sequence parallelism turns into a reduce-scatter and an all-gather (row outputs forward, column
-    # inputs backward; Note [sequence parallelism on gloo]); the vocab-parallel ones stay all-reduces.
+    # The all-reduces sequence parallelism turns into a reduce-scatter and an all-gather (row
+    # outputs forward, column inputs backward; Note [sequence parallelism on gloo]); the
+    # vocab-parallel ones stay all-reduces.
     comm_sequence: tuple[float, ...] = ()
-    # Note [the loss's memory]: the loss's saved fp32 tensor, its transients gathered and vocab-parallel (whole)
+    # Note [the loss's memory]: the loss's saved fp32 tensor, its transients gathered and
+    # vocab-parallel (whole)
     loss_saved: float = 0.0
     loss_working: float = 0.0
     loss_working_vocab: float = 0.0
-    comm_loss: tuple[float, ...] = ()  # the vocab-parallel loss's all-reduces (forward), in the head's segment
-    comm_gather: float = 0.0  # the head's logits, whole: what gathering them for the loss all-gathers
-    logits_bytes: float = 0.0  # the head's logits in the plan's dtype, whole (Note [gloo's late frees])
-    backward_working: float = 0.0  # per sequence: the largest op's output and input gradients (Note [backward's own])
-    weight_ops: tuple[Op, ...] = ()  # ops with parameters: their weight gradients' transient (Note [backward's own])
+    # the vocab-parallel loss's all-reduces (forward), in the head's segment
+    comm_loss: tuple[float, ...] = ()
+    # the head's logits, whole: what gathering them for the loss all-gathers
+    comm_gather: float = 0.0
+    # the head's logits in the plan's dtype, whole (Note [gloo's late frees])
+    logits_bytes: float = 0.0
+    # per sequence: the largest op's output and input gradients (Note [backward's own])
+    backward_working: float = 0.0
+    # ops with parameters: their weight gradients' transient (Note [backward's own])
+    weight_ops: tuple[Op, ...] = ()
     tensors: int = 0  # parameter tensors its ops read
 
 
@@ -153,9 +173,10 @@ class ModelProfile:
         traced_rows: int = 1,
         vocab_parallel_loss: bool = True,
     ):
-        """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in api.py);
-        ``vocab_parallel_loss``: the loss runs on each tp rank's slice of the logits wherever tp splits the head
-        (parallel.vocab_parallel_loss), else they are gathered for it."""
+        """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in
+        api.py);
+        ``vocab_parallel_loss``: the loss runs on each tp rank's slice of the logits wherever tp
+        splits the head (parallel.vocab_parallel_loss), else they are gathered for it."""
         self.graph, self.cluster, self.dtype, self.seq_len = graph, cluster, dtype, seq_len
         self.vocab_parallel_loss = vocab_parallel_loss
         self.traced_rows = traced_rows
@@ -165,11 +186,13 @@ class ModelProfile:
         self.quadratic = self._quadratic_ops()
         element = graph.param_bytes / graph.num_params if graph.num_params else 4
         self.scale = costs.DTYPE_BYTES[dtype] / element  # traced bytes -> plan-dtype bytes
-        self.per_sequence = self.scale / traced_rows  # traced bytes -> plan-dtype bytes of one sequence
+        # traced bytes -> plan-dtype bytes of one sequence
+        self.per_sequence = self.scale / traced_rows
         self.dtype_bytes = costs.DTYPE_BYTES[dtype]
         self.raw = [self._raw(segment) for segment in self.segments]
-        # Each segment's first twin (the first segment of the same signature): hashing the signatures once here,
-        # not per configuration costed, where it was most of segment_costs' time.
+        # Each segment's first twin (the first segment of the same signature): hashing the
+        # signatures once here, not per configuration costed, where it was most of segment_costs'
+        # time.
         first_of: dict[tuple, int] = {}
         self._twin = [first_of.setdefault(raw.signature, i) for i, raw in enumerate(self.raw)]
         self.cut_bytes = max((cut.bytes for cut in graph.cut_points), default=0) * self.per_sequence
@@ -184,21 +207,29 @@ class ModelProfile:
     # ---- per configuration ------------------------------------------------------------------
 
     def head_split(self, tp: int) -> bool:
-        """Whether ``tp`` ranks split the output head by vocabulary (each computes its slice of the logits)."""
+        """Whether ``tp`` ranks split the output head by vocabulary (each computes its slice of the
+        logits)."""
         head = self.tp_analysis.vocab_head
         return tp > 1 and head is not None and self.tp_analysis.styles.get(head) == "vocab"
 
     def vocab_split(self, tp: int) -> bool:
-        """Whether the loss runs on each of ``tp`` ranks' slice of the logits (parallel.vocab_parallel_loss)."""
+        """Whether the loss runs on each of ``tp`` ranks' slice of the logits
+        (parallel.vocab_parallel_loss)."""
         return self.vocab_parallel_loss and self.head_split(tp)
 
-    def tp_forward_comm_s(self, raw: _SegmentRaw, tp: int, sp: bool, b: int, link: LinkSpec) -> float:
-        """Seconds of one segment's tensor-parallel collectives in the forward, at micro-batch ``b``."""
+    def tp_forward_comm_s(
+        self, raw: _SegmentRaw, tp: int, sp: bool, b: int, link: LinkSpec
+    ) -> float:
+        """Seconds of one segment's tensor-parallel collectives in the forward, at micro-batch
+        ``b``."""
         seconds = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_fwd)
-        if sp and self.cluster.backend == "gloo":  # Note [sequence parallelism on gloo]: a reduce-scatter is an
-            seconds += sum(costs.ring_allgather_s(x * b, tp, link) for x in raw.comm_sequence)  # all-reduce there
+        # Note [sequence parallelism on gloo]: a reduce-scatter is an
+        if sp and self.cluster.backend == "gloo":
+            # all-reduce there
+            seconds += sum(costs.ring_allgather_s(x * b, tp, link) for x in raw.comm_sequence)
         if raw.comm_loss and self.head_split(tp):
-            if self.vocab_split(tp):  # vocab-parallel cross-entropy: max, sum of exponentials, target logit
+            # vocab-parallel cross-entropy: max, sum of exponentials, target logit
+            if self.vocab_split(tp):
                 seconds += sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_loss)
             else:  # the head's logits all-gathered for the loss
                 seconds += costs.ring_allgather_s(raw.comm_gather * b, tp, link)
@@ -213,25 +244,36 @@ class ModelProfile:
             by_twin: dict[int, SegmentCost] = {}
             for i, raw in zip(self._twin, self.raw):
                 if i not in by_twin:
-                    by_twin[i] = self._cost(raw, tp, sequence_parallel, micro_batch, recompute, tp_link)
+                    by_twin[i] = self._cost(
+                        raw, tp, sequence_parallel, micro_batch, recompute, tp_link
+                    )
             self._cache[key] = tuple(by_twin[i] for i in self._twin)
         return self._cache[key]
 
     def tied_segments(self, tp: int) -> list[tuple[int, tuple[int, ...], float]]:
-        """Weights read in several segments (tied embedding and head): (owner, readers, parameters per tp rank)."""
+        """Weights read in several segments (tied embedding and head): (owner, readers, parameters
+        per tp rank)."""
         if tp not in self._tied:
             self._tied[tp] = [
-                (owner, readers, self.tp_analysis.params_per_rank(op, tp)) for owner, readers, op in self._tied_weights
+                (owner, readers, self.tp_analysis.params_per_rank(op, tp))
+                for owner, readers, op in self._tied_weights
             ]
         return self._tied[tp]
 
-    def tied_powersgd_work(self, tp: int, rank: int) -> list[tuple[int, tuple[int, ...], GradientWork]]:
-        """``tied_segments``' weights, each with what PowerSGD does with its owner's gradients on one tp rank."""
-        return [(owner, readers, self._op_powersgd(op, tp, rank)) for owner, readers, op in self._tied_weights]
+    def tied_powersgd_work(
+        self, tp: int, rank: int
+    ) -> list[tuple[int, tuple[int, ...], GradientWork]]:
+        """``tied_segments``' weights, each with what PowerSGD does with its owner's gradients on
+        one tp rank."""
+        return [
+            (owner, readers, self._op_powersgd(op, tp, rank))
+            for owner, readers, op in self._tied_weights
+        ]
 
     @cached_property
     def _tied_weights(self) -> list[tuple[int, tuple[int, ...], Op]]:
-        """(owner segment, the other segments reading its weight, the owning op) of each weight read in several."""
+        """(owner segment, the other segments reading its weight, the owning op) of each weight read
+        in several."""
         segment_of = {name: i for i, segment in enumerate(self.segments) for name in segment.ops}
         owners = {p: op for op in self.graph.compute_ops() if op.param_count for p in op.params}
         readers: dict[str, set[int]] = {}
@@ -246,16 +288,21 @@ class ModelProfile:
         ]
 
     def powersgd_work(self, tp: int, rank: int) -> tuple[GradientWork, ...]:
-        """What PowerSGD at ``rank`` does per step with each segment's gradients on one tp rank (cached)."""
+        """What PowerSGD at ``rank`` does per step with each segment's gradients on one tp rank
+        (cached)."""
         if (tp, rank) not in self._powersgd:
             self._powersgd[tp, rank] = tuple(
-                sum((self._op_powersgd(self.graph.op(name), tp, rank) for name in segment.ops), GradientWork())
+                sum(
+                    (self._op_powersgd(self.graph.op(name), tp, rank) for name in segment.ops),
+                    GradientWork(),
+                )
                 for segment in self.segments
             )
         return self._powersgd[tp, rank]
 
     def _op_powersgd(self, op: Op, tp: int, rank: int) -> GradientWork:
-        """PowerSGD's work on the gradients of the parameters ``op`` owns, as one tp rank holds them."""
+        """PowerSGD's work on the gradients of the parameters ``op`` owns, as one tp rank holds
+        them."""
         device = self.cluster.device
         elements = work_s = ops = total = whole = 0.0
         for shape in self.local_param_shapes(op, tp):
@@ -271,16 +318,19 @@ class ModelProfile:
                 ops += 1  # its copy back from the flat buffer of uncompressed tensors
         if not total:
             return GradientWork()
-        return GradientWork(elements, work_s + costs.powersgd_elementwise_s(total, whole, device), ops)
+        return GradientWork(
+            elements, work_s + costs.powersgd_elementwise_s(total, whole, device), ops
+        )
 
     def local_param_shapes(self, op: Op, tp: int) -> tuple[tuple[float, ...], ...]:
         """The shapes of the parameters ``op`` owns as one tensor-parallel rank holds them.
 
-        As the runtime splits them (and ``TPAnalysis.params_per_rank`` counts them): a column or vocab split divides
-        dim 0 of every parameter (a column Linear's weight and bias by tp, or by the key/value head groups when they
-        are fewer; the vocabulary padded to a multiple of tp); a row split divides the weight's input dim, its bias
-        stays whole. A split Linear holds its weight as (out, in) even where the model stores (in, out)
-        (transformers' Conv1D; hyparallel.tensor.layers). Replicated parameters stay whole.
+        As the runtime splits them (and ``TPAnalysis.params_per_rank`` counts them): a column or
+        vocab split divides dim 0 of every parameter (a column Linear's weight and bias by tp, or by
+        the key/value head groups when they are fewer; the vocabulary padded to a multiple of tp); a
+        row split divides the weight's input dim, its bias stays whole. A split Linear holds its
+        weight as (out, in) even where the model stores (in, out) (transformers' Conv1D;
+        hyparallel.tensor.layers). Replicated parameters stay whole.
         """
         shapes = op.param_shapes
         style = self.tp_analysis.styles.get(op.name, "replicate") if tp > 1 else "replicate"
@@ -300,7 +350,12 @@ class ModelProfile:
         )
         result = []
         for shape in shapes:
-            if features is not None and len(shape) == 2 and tuple(shape) == features and features[0] != features[1]:
+            if (
+                features is not None
+                and len(shape) == 2
+                and tuple(shape) == features
+                and features[0] != features[1]
+            ):
                 shape = (shape[1], shape[0])  # stored (in, out): split as (out, in)
             if style == "row":
                 result.append((*shape[:-1], shape[-1] / tp) if len(shape) >= 2 else tuple(shape))
@@ -311,7 +366,8 @@ class ModelProfile:
     def totals(
         self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str, tp_link: LinkSpec
     ) -> tuple[float, float, float]:
-        """(seconds per micro-batch, parameters per rank, activation bytes) summed over all segments (cached)."""
+        """(seconds per micro-batch, parameters per rank, activation bytes) summed over all segments
+        (cached)."""
         key = (tp, sequence_parallel, micro_batch, recompute, tp_link)
         if key not in self._totals:
             segments = self.segment_costs(*key)
@@ -322,10 +378,13 @@ class ModelProfile:
             )
         return self._totals[key]
 
-    def _cost(self, raw: _SegmentRaw, tp: int, sp: bool, b: int, recompute: str, link: LinkSpec) -> SegmentCost:
+    def _cost(
+        self, raw: _SegmentRaw, tp: int, sp: bool, b: int, recompute: str, link: LinkSpec
+    ) -> SegmentCost:
         device = self.cluster.device
         peak = getattr(device.peak_flops, self.dtype)
-        serial = self.cluster.backend == "gloo"  # gloo clusters are CPU processes: Note [op overhead] in costs.py
+        # gloo clusters are CPU processes: Note [op overhead] in costs.py
+        serial = self.cluster.backend == "gloo"
         forward = backward = quadratic_forward = 0.0
         for op in raw.ops:
             t, t_backward = _op_times(op, tp, sp, b, peak, device, serial)
@@ -335,17 +394,24 @@ class ModelProfile:
         comm_fwd = self.tp_forward_comm_s(raw, tp, sp, b, link)
         comm_bwd = sum(costs.ring_allreduce_s(x * b, tp, link) for x in raw.comm_bwd)
         # Note [what sequence parallelism shards]
-        #     parallelize splits the sequence from the first block's input to the last block's output: inside
-        #     blocks, what is replicated across tp ranks without SP is a 1/tp slice of the sequence with it; a column
-        #     Linear's input is all-gathered first (enter_tp_region), and autograd saves the gathered, whole tensor
-        #     for the weight's gradient (Megatron gathers it again in the backward instead; parallelize does not).
-        #     Outside the blocks nothing is sharded: the embedding's output is scattered by the first block's
-        #     pre-hook, the last block's output gathered, so the final norm, the head and the loss hold the whole
-        #     sequence. Measured: gpt-mini tp 2 SP on the CPU peaked in the loss's backward 12% over the prediction
-        #     that divided all of these by tp.
+        #     parallelize splits the sequence from the first block's input to the last block's
+        #     output: inside blocks, what is replicated across tp ranks without SP is a 1/tp slice
+        #     of the sequence with it; a column Linear's input is all-gathered first
+        #     (enter_tp_region), and autograd saves the gathered, whole tensor for the weight's
+        #     gradient (Megatron gathers it again in the backward instead; parallelize does not).
+        #     Outside the blocks nothing is sharded: the embedding's output is scattered by the
+        #     first block's pre-hook, the last block's output gathered, so the final norm, the head
+        #     and the loss hold the whole sequence. Measured: gpt-mini tp 2 SP on the CPU peaked in
+        #     the loss's backward 12% over the prediction that divided all of these by tp.
         seq = tp if sp and raw.is_block else 1
-        gathered, also_full = raw.saved_gathered  # without SP, the gathered copy is the replicated tensor itself
-        saved = raw.saved_split / tp + raw.saved_full / seq + gathered - (also_full if seq == 1 else 0.0)
+        # without SP, the gathered copy is the replicated tensor itself
+        gathered, also_full = raw.saved_gathered
+        saved = (
+            raw.saved_split / tp
+            + raw.saved_full / seq
+            + gathered
+            - (also_full if seq == 1 else 0.0)
+        )
         if self.vocab_split(tp):
             saved += raw.loss_saved / tp
             working = raw.loss_working_vocab / tp
@@ -354,23 +420,27 @@ class ModelProfile:
             working = raw.loss_working
         if serial and tp > 1 and not self.vocab_split(tp):
             # Note [gloo's late frees]
-            #     gloo's worker thread drops a collective's work object, and with it the tensors it staged, after
-            #     the caller has gone on; on busy cores that can be well into the loss's backward. Measured on the
-            #     CPU (hyparallel.runtime.peak_memory, which sees those frees): tp 2 ranks of gpt-tiny peaked at
-            #     0.95-1.06x the prediction from run to run, the spread the logits' all-gather's input and output (1 +
-            #     1/tp of the whole logits). The largest tensor-parallel collective's: counted beside the loss.
+            #     gloo's worker thread drops a collective's work object, and with it the tensors it
+            #     staged, after the caller has gone on; on busy cores that can be well into the
+            #     loss's backward. Measured on the CPU (hyparallel.runtime.peak_memory, which sees
+            #     those frees): tp 2 ranks of gpt-tiny peaked at 0.95-1.06x the prediction from run
+            #     to run, the spread the logits' all-gather's input and output (1 + 1/tp of the
+            #     whole logits). The largest tensor-parallel collective's: counted beside the loss.
             working += raw.logits_bytes * (1 + 1 / tp)
-        weight_grads = max((self.tp_analysis.params_per_rank(op, tp) for op in raw.weight_ops), default=0.0)
+        weight_grads = max(
+            (self.tp_analysis.params_per_rank(op, tp) for op in raw.weight_ops), default=0.0
+        )
         weight_bytes = self.dtype_bytes + 4 if self.dtype != "fp32" else 4
-        # an op's activation gradients counted whole (Note [backward's own]): a column's input gradient is the
-        # gathered sequence's under SP, before its reduce-scatter
+        # an op's activation gradients counted whole (Note [backward's own]): a column's input
+        # gradient is the gathered sequence's under SP, before its reduce-scatter
         working = max(working, raw.backward_working + weight_grads * weight_bytes / b)
         if raw.is_block and recompute == "full":
             backward += forward  # the block's forward runs again before its backward
             comm_bwd += comm_fwd
             working, saved = saved + working, raw.block_input_bytes / seq
         elif raw.is_block and recompute == "selective":
-            backward += quadratic_forward  # re-run the ops producing the seq^2 tensors (Korthikanti et al. 2022)
+            # re-run the ops producing the seq^2 tensors (Korthikanti et al. 2022)
+            backward += quadratic_forward
             quadratic_split, quadratic_full = raw.saved_quadratic
             saved -= quadratic_split / tp + quadratic_full / seq
         return SegmentCost(
@@ -393,41 +463,50 @@ class ModelProfile:
         loss_saved = loss_working = loss_working_vocab = logits_bytes = 0.0
         if ops[-1].name == self.segments_last_op:
             # Note [the loss's memory]
-            # The loss (token cross-entropy in fp32, as parallelize's default computes it: log_softmax then
-            # nll_loss) keeps its fp32 log-probabilities for the backward: 4 bytes per logit saved. Its forward
-            # holds the model's logits (the plan's dtype) and their fp32 copy beside them: 2 + 4 bytes per logit
-            # in bf16/fp16 (4 in fp32, where the copy is the tensor itself). Its backward holds more:
-            # nll_loss's gradient (fp32, dense, 4 bytes per logit) and log_softmax's (4 more) beside the saved
-            # log-probabilities, before the gradient is cast back to the logits' dtype. The transient is the
-            # larger of the two, LOSS_BACKWARD_BYTES_PER_LOGIT = 8 in every dtype.
+            # The loss (token cross-entropy in fp32, as parallelize's default computes it:
+            # log_softmax then nll_loss) keeps its fp32 log-probabilities for the backward: 4 bytes
+            # per logit saved. Its forward holds the model's logits (the plan's dtype) and their
+            # fp32 copy beside them: 2 + 4 bytes per logit in bf16/fp16 (4 in fp32, where the copy
+            # is the tensor itself). Its backward holds more: nll_loss's gradient (fp32, dense, 4
+            # bytes per logit) and log_softmax's (4 more) beside the saved log-probabilities, before
+            # the gradient is cast back to the logits' dtype. The transient is the larger of the
+            # two, LOSS_BACKWARD_BYTES_PER_LOGIT = 8 in every dtype.
             outputs = [graph.op(p) for p in graph.graph.predecessors(graph.ops[-1].name)]
             numel = sum(_numel(s) for op in outputs for s in op.output_shapes)
-            #     The vocab-parallel loss (parallel.vocab_parallel_loss; Note [the vocab-parallel loss's memory] in
-            #     hyparallel/tensor/layers.py) saves one fp32 tensor of the local logits, 4 bytes per logit over tp,
-            #     and holds the logits themselves beside it (the plan's dtype) while it makes it, and the gradient
-            #     cast back to that dtype in its backward: dtype bytes per logit over tp. Gathered, each rank holds
-            #     the whole: 4 saved, the transient above.
+            #     The vocab-parallel loss (parallel.vocab_parallel_loss; Note [the vocab-parallel
+            #     loss's memory] in hyparallel/tensor/layers.py) saves one fp32 tensor of the local
+            #     logits, 4 bytes per logit over tp, and holds the logits themselves beside it (the
+            #     plan's dtype) while it makes it, and the gradient cast back to that dtype in its
+            #     backward: dtype bytes per logit over tp. Gathered, each rank holds the whole: 4
+            #     saved, the transient above.
             forward_transient = self.dtype_bytes + (4 if self.dtype != "fp32" else 0)
             loss_saved = numel * 4 / scale
-            loss_working = numel * max(forward_transient, costs.LOSS_BACKWARD_BYTES_PER_LOGIT) / scale
+            loss_working = (
+                numel * max(forward_transient, costs.LOSS_BACKWARD_BYTES_PER_LOGIT) / scale
+            )
             loss_working_vocab = numel * self.dtype_bytes / scale
             logits_bytes = numel * self.dtype_bytes / scale
         comm_fwd, comm_bwd, comm_sequence, (comm_loss, comm_gather) = self._tp_comm(ops)
         entering = self._entering_bytes(ops) if segment.is_block else 0.0
         # Note [backward's own]
-        #     While an op's backward runs, the gradient of its output and those of its inputs are alive beside every
-        #     saved activation, each in its value's dtype; a Linear's weight gradient is made in the dtype it computed
-        #     in (autocast's 16 bits) and cast to the fp32 parameter's before it is accumulated: 2 + 4 bytes per
-        #     parameter at once (4 in fp32). The planner adds the largest op's to the stage's transient (each
-        #     activation gradient counted whole across tp ranks: an upper bound). Measured: gpt-tiny pp 2 in bf16 on
-        #     the CPU peaked in a backward, 3.5% over the prediction without it (tests/test_planner_memory.py).
+        #     While an op's backward runs, the gradient of its output and those of its inputs are
+        #     alive beside every saved activation, each in its value's dtype; a Linear's weight
+        #     gradient is made in the dtype it computed in (autocast's 16 bits) and cast to the fp32
+        #     parameter's before it is accumulated: 2 + 4 bytes per parameter at once (4 in fp32).
+        #     The planner adds the largest op's to the stage's transient (each activation gradient
+        #     counted whole across tp ranks: an upper bound). Measured: gpt-tiny pp 2 in bf16 on the
+        #     CPU peaked in a backward, 3.5% over the prediction without it
+        #     (tests/test_planner_memory.py).
         g = graph.graph
         backward_working = max(
             (
                 (
                     cost.out_bytes * self._widening(op.name)
                     + sum(
-                        g.nodes[p]["output_bytes"] * self._widening(p) * self.scale / self.traced_rows
+                        g.nodes[p]["output_bytes"]
+                        * self._widening(p)
+                        * self.scale
+                        / self.traced_rows
                         for p in g.predecessors(op.name)
                         if g.nodes[p]["kind"] != "input"
                     )
@@ -463,7 +542,8 @@ class ModelProfile:
             segment.is_block,
             tuple((analysis.styles.get(op.name), op.param_count) for op in ops),
         )
-        one = self.per_sequence  # traced bytes (the graph's rows, its dtype) -> one sequence's in the plan's dtype
+        # traced bytes (the graph's rows, its dtype) -> one sequence's in the plan's dtype
+        one = self.per_sequence
         return _SegmentRaw(
             ops=op_costs,
             signature=signature,
@@ -490,7 +570,9 @@ class ModelProfile:
 
     def _op_cost(self, op: Op) -> _OpCost:
         analysis, rows = self.tp_analysis, self.traced_rows
-        style = analysis.styles.get(op.name) or ("split" if op.name in analysis.split_ops else "full")
+        style = analysis.styles.get(op.name) or (
+            "split" if op.name in analysis.split_ops else "full"
+        )
         in_bytes = sum(_numel(s) for s in op.input_shapes) * self.dtype_bytes / rows
         out_bytes = op.output_bytes * self.per_sequence
         weight = (
@@ -498,7 +580,8 @@ class ModelProfile:
             if op.kind == "linear" and op.params
             else 0
         )
-        kind = "copy" if op.kind == "view" and op.target in _COPYING_VIEWS else op.kind  # other views alias: free
+        # other views alias: free
+        kind = "copy" if op.kind == "view" and op.target in _COPYING_VIEWS else op.kind
         gemm = _gemm_shape(op, rows) if kind in _MATMUL_KINDS else ()
         return _OpCost(
             kind=kind,
@@ -515,25 +598,34 @@ class ModelProfile:
         )
 
     def _quadratic_ops(self) -> set[str]:
-        """Ops producing seq x seq tensors (attention scores and what is computed from them before the next product).
+        """Ops producing seq x seq tensors (attention scores and what is computed from them before
+        the next product).
 
-        Found from dataflow: a product of two activations whose output ends in (seq, seq), and the elementwise
-        ops after it (scale, mask, softmax, dropout) while their outputs keep that shape. A shape test alone
-        would mistake a (batch, seq, hidden) tensor for scores whenever hidden == seq.
+        Found from dataflow: a product of two activations whose output ends in (seq, seq), and the
+        elementwise ops after it (scale, mask, softmax, dropout) while their outputs keep that
+        shape. A shape test alone would mistake a (batch, seq, hidden) tensor for scores whenever
+        hidden == seq.
         """
         g, found = self.graph.graph, set()
 
         def scores(name: str) -> bool:
             shapes = g.nodes[name]["output_shapes"]
-            return bool(shapes) and len(shapes[0]) >= 2 and shapes[0][-1] == shapes[0][-2] == self.seq_len
+            return (
+                bool(shapes)
+                and len(shapes[0]) >= 2
+                and shapes[0][-1] == shapes[0][-2] == self.seq_len
+            )
 
         for op in self.graph.compute_ops():
             from_scores = any(p in found for p in g.predecessors(op.name))
-            if op.kind == "matmul":  # queries x keys makes scores; scores x values does not (whatever its shape)
+            # queries x keys makes scores; scores x values does not (whatever its shape)
+            if op.kind == "matmul":
                 if not op.params and scores(op.name) and not from_scores:
                     found.add(op.name)
             elif (
-                op.kind in ("elementwise", "activation", "dropout", "view", "copy") and scores(op.name) and from_scores
+                op.kind in ("elementwise", "activation", "dropout", "view", "copy")
+                and scores(op.name)
+                and from_scores
             ):
                 found.add(op.name)
         return found
@@ -548,22 +640,29 @@ class ModelProfile:
             name = preds[0]
         return name
 
-    def _saved(self, ops: list[Op], in_block: bool) -> tuple[float, float, tuple[float, float], tuple[float, float]]:
-        """Bytes (traced dtype and rows) the segment keeps for backward: split by tp, replicated, the gathered inputs
-        of column Linears and how much of them other ops save too (Note [what sequence parallelism shards]; only in
-        blocks), seq^2-sized (split, replicated)."""
+    def _saved(
+        self, ops: list[Op], in_block: bool
+    ) -> tuple[float, float, tuple[float, float], tuple[float, float]]:
+        """Bytes (traced dtype and rows) the segment keeps for backward: split by tp, replicated,
+        the gathered inputs of column Linears and how much of them other ops save too (Note [what
+        sequence parallelism shards]; only in blocks), seq^2-sized (split, replicated)."""
         g, split_ops = self.graph.graph, self.tp_analysis.split_ops
         styles = self.tp_analysis.styles
         saved: dict[str, float] = {}
         gathered: set[str] = set()  # read by a column Linear: saved as the gathered copy under SP
-        elsewhere: set[str] = set()  # read and saved by another op: that op keeps the (sharded) tensor itself
+        # read and saved by another op: that op keeps the (sharded) tensor itself
+        elsewhere: set[str] = set()
         for op in ops:
             sources: list[str] = []
             name = op.target
             if op.kind in ("linear", "matmul", "attention", "norm", "activation", "loss") or (
-                op.kind == "elementwise" and name not in _SAVES_NOTHING and name not in _SAVES_OUTPUT
+                op.kind == "elementwise"
+                and name not in _SAVES_NOTHING
+                and name not in _SAVES_OUTPUT
             ):
-                sources = [self._base(p) for p in g.predecessors(op.name) if g.nodes[p]["kind"] != "input"]
+                sources = [
+                    self._base(p) for p in g.predecessors(op.name) if g.nodes[p]["kind"] != "input"
+                ]
             column = in_block and styles.get(op.name) == "column"
             for source in sources:
                 (gathered if column else elsewhere).add(source)
@@ -571,15 +670,23 @@ class ModelProfile:
                 sources.append(op.name)
                 elsewhere.add(op.name)
             for source in sources:
-                if op.kind in _SIXTEEN_BIT_KINDS and source != op.name and source in self.fp32_values:
-                    # autocast casts an fp32 input to the plan's dtype first and the op saves that cast
+                if (
+                    op.kind in _SIXTEEN_BIT_KINDS
+                    and source != op.name
+                    and source in self.fp32_values
+                ):
+                    # autocast casts an fp32 input to the plan's dtype first and the op saves that
+                    # cast
                     saved[f"{source}:cast"] = g.nodes[source]["output_bytes"]
                     (gathered if column else elsewhere).add(f"{source}:cast")
                 else:
                     saved[source] = g.nodes[source]["output_bytes"] * self._widening(source)
             if op.kind == "attention":  # log-sum-exp per (head, query) in fp32
-                saved[f"{op.name}:lse"] = _numel(op.output_shapes[0]) / op.input_shapes[0][-1] * 4 / self.scale
-            if op.kind == "norm" and op.output_shapes:  # mean and reciprocal std (or rms) per row in fp32
+                saved[f"{op.name}:lse"] = (
+                    _numel(op.output_shapes[0]) / op.input_shapes[0][-1] * 4 / self.scale
+                )
+            # mean and reciprocal std (or rms) per row in fp32
+            if op.kind == "norm" and op.output_shapes:
                 rows = _numel(op.output_shapes[0]) / max(op.output_shapes[0][-1], 1)
                 saved[f"{op.name}:stats"] = rows * 2 * 4 / self.scale
             if op.kind == "dropout":  # a one-byte mask per element
@@ -587,9 +694,14 @@ class ModelProfile:
         split = full = whole = both = quadratic_split = quadratic_full = 0.0
         for source, num_bytes in saved.items():
             base = source.split(":")[0]
-            # Split by tp: what column Linears produce and what is computed from it, and the vocab-parallel
-            # head's logits; the vocab-parallel embedding's output is all-reduced, so whole.
-            is_split = base in split_ops or styles.get(base) == "column" or base == self.tp_analysis.vocab_head
+            # Split by tp: what column Linears produce and what is computed from it, and the
+            # vocab-parallel head's logits; the vocab-parallel embedding's output is all-reduced, so
+            # whole.
+            is_split = (
+                base in split_ops
+                or styles.get(base) == "column"
+                or base == self.tp_analysis.vocab_head
+            )
             if is_split:
                 split += num_bytes
             elif source in gathered:
@@ -604,17 +716,25 @@ class ModelProfile:
                 quadratic_full += 0.0 if is_split else num_bytes
         return split, full, (whole, both), (quadratic_split, quadratic_full)
 
-    def _tp_comm(self, ops: list[Op]) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple]:
-        """Bytes (traced dtype and rows) of each all-reduce forward and backward in these ops, of those among them
-        that sequence parallelism turns into a reduce-scatter and an all-gather (the row and column ones), and
-        (the vocab-parallel loss's three all-reduces, the head's whole logits) where the head is among them."""
+    def _tp_comm(
+        self, ops: list[Op]
+    ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple]:
+        """Bytes (traced dtype and rows) of each all-reduce forward and backward in these ops, of
+        those among them that sequence parallelism turns into a reduce-scatter and an all-gather
+        (the row and column ones), and (the vocab-parallel loss's three all-reduces, the head's
+        whole logits) where the head is among them."""
         analysis, g = self.tp_analysis, self.graph.graph
         names = {op.name for op in ops}
         forward = [self.graph.op(r).output_bytes for r in analysis.row_ops if r in names]
         backward = [
             sum(g.nodes[p]["output_bytes"] for p in inputs)
             for inputs in analysis.column_inputs
-            if any(c in names for p in inputs for c in g.successors(p) if analysis.styles.get(c) == "column")
+            if any(
+                c in names
+                for p in inputs
+                for c in g.successors(p)
+                if analysis.styles.get(c) == "column"
+            )
         ]
         sequence = (*forward, *backward)
         if analysis.vocab_embedding in names:
@@ -622,28 +742,40 @@ class ModelProfile:
         loss, gathered = [], 0.0
         if analysis.vocab_head in names:
             head = self.graph.op(analysis.vocab_head)
-            backward.append(sum(_numel(s) for s in head.input_shapes) * self.dtype_bytes / self.scale)
+            backward.append(
+                sum(_numel(s) for s in head.input_shapes) * self.dtype_bytes / self.scale
+            )
             tokens = _numel(head.output_shapes[0]) / head.output_shapes[0][-1]
-            loss = [tokens * 4 / self.scale] * 3  # vocab-parallel cross-entropy: max, sum of exp, target logit
+            # vocab-parallel cross-entropy: max, sum of exp, target logit
+            loss = [tokens * 4 / self.scale] * 3
             gathered = _numel(head.output_shapes[0]) * self.dtype_bytes / self.scale
         return tuple(forward), tuple(backward), sequence, (tuple(loss), gathered)
 
     def _entering_bytes(self, ops: list[Op]) -> float:
         """Bytes of the tensors that flow into these ops from outside (a block's inputs)."""
         g, names = self.graph.graph, {op.name for op in ops}
-        sources = {p for op in ops for p in g.predecessors(op.name) if p not in names and g.nodes[p]["kind"] != "input"}
+        sources = {
+            p
+            for op in ops
+            for p in g.predecessors(op.name)
+            if p not in names and g.nodes[p]["kind"] != "input"
+        }
         return sum(g.nodes[p]["output_bytes"] * self._widening(p) for p in sources)
 
     @cached_property
     def boundary_bytes(self) -> float:
-        """Bytes per sequence of the largest tensor set crossing a cut point, in the dtypes the runtime holds them
-        (Note [fp32 under autocast]): what a pipeline stage keeps of each micro-batch it has sent (Note [a pipeline
-        stage's boundary tensors] in search.py)."""
+        """Bytes per sequence of the largest tensor set crossing a cut point, in the dtypes the
+        runtime holds them (Note [fp32 under autocast]): what a pipeline stage keeps of each
+        micro-batch it has sent (Note [a pipeline stage's boundary tensors] in search.py)."""
         g = self.graph.graph
         return (
             max(
                 (
-                    sum(g.nodes[t]["output_bytes"] * self._widening(t) for t in cut.tensors if t in g)
+                    sum(
+                        g.nodes[t]["output_bytes"] * self._widening(t)
+                        for t in cut.tensors
+                        if t in g
+                    )
                     for cut in self.graph.cut_points
                 ),
                 default=0.0,
@@ -652,45 +784,59 @@ class ModelProfile:
         )
 
     def _widening(self, name: str) -> float:
-        """How much wider than the plan's dtype the value ``name`` is when the runtime computes it (Note [fp32
-        under autocast]): 4 / 2 for a value autocast leaves in fp32 in a bf16/fp16 plan, else 1."""
+        """How much wider than the plan's dtype the value ``name`` is when the runtime computes it
+        (Note [fp32 under autocast]): 4 / 2 for a value autocast leaves in fp32 in a bf16/fp16 plan,
+        else 1."""
         return 4 / self.dtype_bytes if name in self.fp32_values else 1.0
 
     @cached_property
     def fp32_values(self) -> frozenset[str]:
-        """The values a bf16/fp16 plan's runtime holds in fp32 (Note [fp32 under autocast]); none in fp32 plans."""
+        """The values a bf16/fp16 plan's runtime holds in fp32 (Note [fp32 under autocast]); none in
+        fp32 plans."""
         return autocast_fp32_values(self.graph) if self.dtype != "fp32" else frozenset()
 
 
 # Note [sequence parallelism on gloo]
-#     Sequence parallelism replaces a row Linear's all-reduce by a reduce-scatter and the next column Linear's copy
-#     by an all-gather (and mirrors them backward): a ring reduce-scatter and all-gather cost one all-reduce together
-#     (Korthikanti et al. 2022, Sec. 4.2.2). Gloo has no reduce-scatter of its own, so the runtime all-reduces the
-#     whole tensor and keeps its chunk (hyparallel.tensor.collectives._reduce_scatter): on a gloo cluster each
-#     such pair costs an all-reduce plus an all-gather. Measured with gpt-mini tp 2 SP, 2 processes on this
-#     project's 2-core machine (torch.profiler, 2026-12-02): a reduce-scatter of a 1 MiB row output took 3.9 ms, an
-#     all-gather to 1 MiB 1.8 ms (the step's collectives also wait for the other rank, which this does not price).
+#     Sequence parallelism replaces a row Linear's all-reduce by a reduce-scatter and the next
+#     column Linear's copy by an all-gather (and mirrors them backward): a ring reduce-scatter and
+#     all-gather cost one all-reduce together (Korthikanti et al. 2022, Sec. 4.2.2). Gloo has no
+#     reduce-scatter of its own, so the runtime all-reduces the whole tensor and keeps its chunk
+#     (hyparallel.tensor.collectives._reduce_scatter): on a gloo cluster each such pair costs an
+#     all-reduce plus an all-gather. Measured with gpt-mini tp 2 SP, 2 processes on this project's
+#     2-core machine (torch.profiler, 2026-12-02): a reduce-scatter of a 1 MiB row output took 3.9
+#     ms, an all-gather to 1 MiB 1.8 ms (the step's collectives also wait for the other rank, which
+#     this does not price).
 
 
 # Note [fp32 under autocast]
-#     parallelize runs a bf16/fp16 plan under torch.autocast over fp32 weights, and autocast casts only the inputs
-#     of its lower-precision ops (matrix products, attention: torch's autocast op lists, "CUDA Ops that can autocast
-#     to float16", and their CPU counterparts). Everything else computes in the dtype its inputs have: embeddings
-#     look up the fp32 table, norms, softmax and the loss run in fp32 (autocast's fp32 list), and an elementwise op
-#     with one fp32 input promotes to fp32. So a GPT's residual stream (embedding + positions, then each block's
-#     residual adds) stays fp32: the norms save it at 4 bytes per element, and full recomputation keeps each block's
-#     input at 4, where the plan's dtype says 2. The planner follows the dtypes through the traced graph the same
-#     way: a value is 16-bit when a matrix product or attention makes it, or when every value it is computed from
-#     is; fp32 when a norm, softmax, embedding, loss or explicit `float` makes it, or when any value it is computed
-#     from is fp32 (type promotion). Measured: gpt-1.3b on an H200 (benchmarks/RESULTS.md, Note [the H200 rows]
-#     in tests/test_planner_memory.py).
+#     parallelize runs a bf16/fp16 plan under torch.autocast over fp32 weights, and autocast casts
+#     only the inputs of its lower-precision ops (matrix products, attention: torch's autocast op
+#     lists, "CUDA Ops that can autocast to float16", and their CPU counterparts). Everything else
+#     computes in the dtype its inputs have: embeddings look up the fp32 table, norms, softmax and
+#     the loss run in fp32 (autocast's fp32 list), and an elementwise op with one fp32 input
+#     promotes to fp32. So a GPT's residual stream (embedding + positions, then each block's
+#     residual adds) stays fp32: the norms save it at 4 bytes per element, and full recomputation
+#     keeps each block's input at 4, where the plan's dtype says 2. The planner follows the dtypes
+#     through the traced graph the same
+#     way: a value is 16-bit when a matrix product or attention makes it, or when every value it is
+#     computed from is; fp32 when a norm, softmax, embedding, loss or explicit `float` makes it, or
+#     when any value it is computed from is fp32 (type promotion). Measured: gpt-1.3b on an H200
+#     (benchmarks/RESULTS.md, Note [the H200 rows] in tests/test_planner_memory.py).
 _SIXTEEN_BIT_KINDS = {"linear", "matmul", "attention"}
 _FP32_KINDS = {"norm", "embedding", "loss"}
-_FP32_TARGETS = _SAVES_OUTPUT | {"float", "softmax", "log_softmax", "cross_entropy", "layer_norm", "rms_norm"}
+_FP32_TARGETS = _SAVES_OUTPUT | {
+    "float",
+    "softmax",
+    "log_softmax",
+    "cross_entropy",
+    "layer_norm",
+    "rms_norm",
+}
 
 
 def autocast_fp32_values(graph: ModelGraph) -> frozenset[str]:
-    """The ops whose outputs a bf16/fp16 autocast region leaves in fp32 (Note [fp32 under autocast])."""
+    """The ops whose outputs a bf16/fp16 autocast region leaves in fp32 (Note [fp32 under
+    autocast])."""
     g, fp32 = graph.graph, set()
     for name in nx.topological_sort(g):
         kind, target = g.nodes[name]["kind"], g.nodes[name].get("target")
@@ -710,24 +856,28 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def dispatched_ops(graph: ModelGraph) -> list[Op]:
-    """The ops whose dispatch the cost model charges (Note [op overhead]): all but views that alias their input."""
+    """The ops whose dispatch the cost model charges (Note [op overhead]): all but views that alias
+    their input."""
     return [op for op in graph.compute_ops() if op.kind != "view" or op.target in _COPYING_VIEWS]
 
 
 # Note [GEMM shapes]
-#     A product's efficiency depends on its shape (Note [matmul curve] in cluster.py), read from the traced op:
-#     a Linear of input (..., K) and output (..., N) is one GEMM with M = its tokens (every leading dim: a
-#     micro-batch of b sequences has b times the tokens of one); a matmul of (..., M, K) @ (..., K, N) is a batch
-#     of GEMMs, the leading dims (b times one sequence's) the batch; fused attention of q (..., Tq, D) and k
-#     (..., Tk, D) has Tq x D outputs per batch and head, reduced over the Tk keys. Each tensor-parallel rank runs
-#     its share: a column or vocab split divides N, a row split K, a split inside a column->row region (heads)
-#     the batch; sequence parallelism shards the ops between them, not the products' shapes. The backward of
-#     C = A @ B runs two products, each costed by its own shape (costs.gemm_backward_efficiencies): dA = dC @ B^T
-#     (M x K outputs over N) and dB = A^T @ dC (K x N over M, a Linear's weight gradient reduced over the tokens).
+#     A product's efficiency depends on its shape (Note [matmul curve] in cluster.py), read from the
+#     traced op: a Linear of input (..., K) and output (..., N) is one GEMM with M = its tokens
+#     (every leading dim: a micro-batch of b sequences has b times the tokens of one); a matmul of
+#     (..., M, K) @ (..., K, N) is a batch of GEMMs, the leading dims (b times one sequence's) the
+#     batch; fused attention of q (..., Tq, D) and k (..., Tk, D) has Tq x D outputs per batch and
+#     head, reduced over the Tk keys. Each tensor-parallel rank runs its share: a column or vocab
+#     split divides N, a row split K, a split inside a column->row region (heads) the batch;
+#     sequence parallelism shards the ops between them, not the products' shapes. The backward of C
+#     = A @ B runs two products, each costed by its own shape (costs.gemm_backward_efficiencies): dA
+#     = dC @ B^T (M x K outputs over N) and dB = A^T @ dC (K x N over M, a Linear's weight gradient
+#     reduced over the tokens).
 
 
 def _gemm_shape(op: Op, rows: int) -> tuple[float, float, float, float]:
-    """(batch, M, N, K) of one sequence's product (Note [GEMM shapes]); () when the shapes do not read as one."""
+    """(batch, M, N, K) of one sequence's product (Note [GEMM shapes]); () when the shapes do not
+    read as one."""
     inputs, outputs = op.input_shapes, op.output_shapes
     if not inputs or not outputs or not inputs[0] or not outputs[0]:
         return ()
@@ -740,14 +890,16 @@ def _gemm_shape(op: Op, rows: int) -> tuple[float, float, float, float]:
         query_rows, head_dim, keys = inputs[0][-2], inputs[0][-1], inputs[1][-2]
         batch = _numel(inputs[0][:-2]) / rows
         return (batch, float(query_rows), float(head_dim), float(keys))
-    if len(inputs) < 2 or len(inputs[0]) < 2 or len(inputs[1]) < 2:  # a matrix-vector product: the plateau
+    # a matrix-vector product: the plateau
+    if len(inputs) < 2 or len(inputs[0]) < 2 or len(inputs[1]) < 2:
         return ()
     m, k, n = inputs[0][-2], inputs[0][-1], inputs[1][-1]
     return (_numel(outputs[0][:-2]) / rows, float(m), float(n), float(k))
 
 
 def _rank_gemm(op: _OpCost, tp: int, b: int) -> tuple[float, float, float, float]:
-    """(batch, M, N, K) of a micro-batch of ``b`` sequences on one tensor-parallel rank (Note [GEMM shapes])."""
+    """(batch, M, N, K) of a micro-batch of ``b`` sequences on one tensor-parallel rank (Note [GEMM
+    shapes])."""
     batch, m, n, k = op.gemm
     if op.tokens_in_m:
         m *= b
@@ -762,9 +914,11 @@ def _rank_gemm(op: _OpCost, tp: int, b: int) -> tuple[float, float, float, float
     return batch, m, n, k
 
 
-def _op_times(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, serial: bool) -> tuple[float, float]:
-    """(forward, backward) seconds of one op for a micro-batch of ``b`` on one tensor-parallel rank (``serial``: a
-    CPU), dispatch included (Note [op overhead] in costs.py)."""
+def _op_times(
+    op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, serial: bool
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one op for a micro-batch of ``b`` on one tensor-parallel rank
+    (``serial``: a CPU), dispatch included (Note [op overhead] in costs.py)."""
     if op.kind == "view":  # aliases its input: no kernel runs
         return 0.0, 0.0
     flops, weight = op.flops * b, op.weight_bytes
@@ -775,23 +929,33 @@ def _op_times(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, seria
         flops, weight, in_bytes = flops / tp, weight / tp, in_bytes / tp
     elif op.style == "split":
         flops, in_bytes, out_bytes = flops / tp, in_bytes / tp, out_bytes / tp
-    elif sp and op.style == "full":  # sequence parallelism shards norms, dropout and residuals along the sequence
+    # sequence parallelism shards norms, dropout and residuals along the sequence
+    elif sp and op.style == "full":
         in_bytes, out_bytes = in_bytes / tp, out_bytes / tp
     bandwidth, memory_efficiency = device.memory_bandwidth_bytes_per_s, device.memory_efficiency
     overhead, floor = device.op_overhead_s, device.kernel_floor_s
 
     def kernel(kernel_flops: float, num_bytes: float, efficiency: float) -> float:
-        work_s = costs.roofline_s(kernel_flops, num_bytes, peak, efficiency, bandwidth, memory_efficiency)
+        work_s = costs.roofline_s(
+            kernel_flops, num_bytes, peak, efficiency, bandwidth, memory_efficiency
+        )
         return costs.dispatched_s(costs.kernel_s(work_s, floor), overhead, serial)
 
     ratio = _BACKWARD_RATIO.get(op.kind, 2.0)
     computed = device.activation_costs.get(op.function) if op.function else None
-    if computed is not None:  # Note [activations a CPU computes] in cluster.py: the larger of compute and bytes
-        elements = op.out_elements * out_bytes / op.out_bytes if op.out_bytes else 0.0  # this rank's share, as above
+    # Note [activations a CPU computes] in cluster.py: the larger of compute and bytes
+    if computed is not None:
+        # this rank's share, as above
+        elements = op.out_elements * out_bytes / op.out_bytes if op.out_bytes else 0.0
         moved = costs.roofline_s(0.0, in_bytes + out_bytes, peak, 1.0, bandwidth, memory_efficiency)
-        forward = costs.dispatched_s(costs.kernel_s(max(moved, elements * computed.forward_s), floor), overhead, serial)
-        backward_each = max(moved, elements * computed.backward_s / ratio)  # its ops dispatched as the others' are
-        return forward, ratio * costs.dispatched_s(costs.kernel_s(backward_each, floor), overhead, serial)
+        forward = costs.dispatched_s(
+            costs.kernel_s(max(moved, elements * computed.forward_s), floor), overhead, serial
+        )
+        # its ops dispatched as the others' are
+        backward_each = max(moved, elements * computed.backward_s / ratio)
+        return forward, ratio * costs.dispatched_s(
+            costs.kernel_s(backward_each, floor), overhead, serial
+        )
     if op.kind not in _MATMUL_KINDS:
         forward = kernel(0.0, in_bytes + out_bytes, 1.0)
         return forward, forward * ratio
@@ -801,7 +965,9 @@ def _op_times(op: _OpCost, tp: int, sp: bool, b: int, peak: float, device, seria
         efficiency = device.attention_efficiency
         if shape is not None:
             batch, query_rows, head_dim, keys = shape
-            efficiency *= costs.curve_factor(device.attention_curve, batch * query_rows * head_dim, keys)
+            efficiency *= costs.curve_factor(
+                device.attention_curve, batch * query_rows * head_dim, keys
+            )
         forward = kernel(flops, num_bytes, efficiency)
         return forward, forward * ratio
     if shape is None:

@@ -33,12 +33,14 @@ import numpy as np
 
 from hyparallel.planner import costs
 from hyparallel.planner.constraints import default
+from hyparallel.planner.inflight import backward_sends_held, inflight_microbatches
 from hyparallel.planner.profile import GradientWork, ModelProfile, SegmentCost
 from hyparallel.spec.cluster import ClusterSpec, LinkSpec
 
 log = logging.getLogger("hyparallel.planner")
-# Called as progress(phase, done, total) while a search runs: phase "bounding" (every configuration gets a
-# lower bound) then "costing" (candidates evaluated exactly in bound order; most are pruned, so it ends early).
+# Called as progress(phase, done, total) while a search runs: phase "bounding" (every configuration
+# gets a lower bound) then "costing" (candidates evaluated exactly in bound order; most are pruned,
+# so it ends early).
 Progress = Callable[[str, int, int], None]
 
 ORDERS: tuple[tuple[str, str, str], ...] = (("pp", "dp", "tp"), ("dp", "pp", "tp"))
@@ -61,20 +63,22 @@ class Config:
     sequence_parallel: bool
     order: tuple[str, str, str]
     grad_compression: str = "none"  # Note [gradient compression] in costs.py
-    powersgd_rank: int = 4  # the search's (a constraint, not searched); costed under grad_compression powersgd
+    # the search's (a constraint, not searched); costed under grad_compression powersgd
+    powersgd_rank: int = 4
 
     def __str__(self) -> str:
         schedule = self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (
-            f"tp {self.tp} pp {self.pp} dp {self.dp}, micro-batch {self.micro_batch} x {self.num_microbatches}, "
-            f"{schedule}, recompute {self.recompute}, ZeRO {self.zero}, "
-            f"SP {'on' if self.sequence_parallel else 'off'}, "
-            f"order {','.join(self.order)}" + (f", gradients {self.compression}" if self.compressed else "")
+            f"tp {self.tp} pp {self.pp} dp {self.dp}, micro-batch {self.micro_batch} x"
+            f" {self.num_microbatches}, {schedule}, recompute {self.recompute}, ZeRO {self.zero},"
+            f" SP {'on' if self.sequence_parallel else 'off'}, order {','.join(self.order)}"
+            + (f", gradients {self.compression}" if self.compressed else "")
         )
 
     @property
     def compressed(self) -> bool:
-        """Whether the data-parallel gradients are compressed (a mode other than none, with dp > 1)."""
+        """Whether the data-parallel gradients are compressed (a mode other than none, with dp >
+        1)."""
         return self.grad_compression != "none" and self.dp > 1
 
     @property
@@ -91,7 +95,8 @@ class Evaluation:
     config: Config
     feasible: bool
     step_time_s: float = math.inf
-    stages: list[tuple[int, int]] = field(default_factory=list)  # segment ranges [start, end) per (virtual) stage
+    # segment ranges [start, end) per (virtual) stage
+    stages: list[tuple[int, int]] = field(default_factory=list)
     stage_time_s: list[float] = field(default_factory=list)  # per device stage, per micro-batch
     stage_memory_bytes: list[float] = field(default_factory=list)  # per device stage
     stage_params: list[float] = field(default_factory=list)
@@ -116,12 +121,15 @@ class _Context:
     dtype: str
 
 
-def axis_link(order: tuple[str, ...], sizes: dict[str, int], axis: str, cluster: ClusterSpec) -> LinkSpec:
-    """The link groups along ``axis`` talk over: intra-node only if every such group lies inside one node.
+def axis_link(
+    order: tuple[str, ...], sizes: dict[str, int], axis: str, cluster: ClusterSpec
+) -> LinkSpec:
+    """The link groups along ``axis`` talk over: intra-node only if every such group lies inside one
+    node.
 
-    A group is ``size`` ranks ``stride`` apart, all within a window of ``stride * size`` ranks that starts at
-    a multiple of it; ranks fill nodes in order, so every group stays inside a node exactly when that
-    window divides the node.
+    A group is ``size`` ranks ``stride`` apart, all within a window of ``stride * size`` ranks that
+    starts at a multiple of it; ranks fill nodes in order, so every group stays inside a node
+    exactly when that window divides the node.
     """
     stride = 1
     for name in reversed(order):
@@ -129,14 +137,19 @@ def axis_link(order: tuple[str, ...], sizes: dict[str, int], axis: str, cluster:
             break
         stride *= sizes[name]
     window = stride * sizes[axis]
-    return cluster.intra_node if sizes[axis] == 1 or cluster.gpus_per_node % window == 0 else cluster.inter_node
+    return (
+        cluster.intra_node
+        if sizes[axis] == 1 or cluster.gpus_per_node % window == 0
+        else cluster.inter_node
+    )
 
 
 def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
     """Every configuration the constraints allow and the model's dimensions admit."""
     configs = []
     rank = fixed.get("powersgd_rank", default("powersgd_rank"))
-    whole = ctx.profile.tp_analysis.whole_sequence(ctx.profile.graph)  # replicated attention: no sequence parallelism
+    # replicated attention: no sequence parallelism
+    whole = ctx.profile.tp_analysis.whole_sequence(ctx.profile.graph)
 
     def uneven(tp: int) -> str | None:  # a sequence tp does not divide (a ViT's 257 positions)
         return ctx.profile.tp_analysis.uneven_sequence(ctx.profile.graph, tp)
@@ -149,9 +162,11 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
                 schedules,
                 _recomputes(ctx.profile, pp, fixed),
                 _zeros(pp, dp, fixed),
-                (False, True)
-                if tp > 1 and ctx.profile.num_blocks and not whole and not uneven(tp)
-                else (False,),  # Note [what needs blocks]
+                (
+                    (False, True)
+                    if tp > 1 and ctx.profile.num_blocks and not whole and not uneven(tp)
+                    else (False,)
+                ),  # Note [what needs blocks]
                 _orders(pp, dp, fixed),
             )
             configs.extend(
@@ -164,9 +179,9 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
 
 
 def _compressions(dp: int, zero: int, fixed: dict) -> tuple[str, ...]:
-    """The gradient compressions of a layout (Note [gradient compression is asked for] in constraints.py): the one
-    asked for, or every one under ``any`` (in costs.GRAD_COMPRESSIONS order: the earlier wins a tie); only none with
-    dp = 1, and powersgd only at ZeRO 0."""
+    """The gradient compressions of a layout (Note [gradient compression is asked for] in
+    constraints.py): the one asked for, or every one under ``any`` (in costs.GRAD_COMPRESSIONS
+    order: the earlier wins a tie); only none with dp = 1, and powersgd only at ZeRO 0."""
     if dp == 1:
         return ("none",)
     asked = fixed.get("grad_compression", default("grad_compression"))
@@ -175,11 +190,17 @@ def _compressions(dp: int, zero: int, fixed: dict) -> tuple[str, ...]:
 
 
 def _layouts(ctx: _Context, fixed: dict):
-    """(tp, pp, dp) triples: tp valid for the model and inside a node unless fixed; dp divides the batch."""
+    """(tp, pp, dp) triples: tp valid for the model and inside a node unless fixed; dp divides the
+    batch."""
     n = ctx.cluster.num_gpus
     for tp in _divisors(n):
-        inside_node = tp <= ctx.cluster.gpus_per_node or "tp" in fixed  # tp leaves a node only when asked
-        if fixed.get("tp", tp) != tp or not inside_node or ctx.profile.tp_analysis.check(tp, ctx.profile.graph):
+        # tp leaves a node only when asked
+        inside_node = tp <= ctx.cluster.gpus_per_node or "tp" in fixed
+        if (
+            fixed.get("tp", tp) != tp
+            or not inside_node
+            or ctx.profile.tp_analysis.check(tp, ctx.profile.graph)
+        ):
             continue
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
@@ -199,9 +220,10 @@ def _orders(pp: int, dp: int, fixed: dict) -> tuple[tuple[str, ...], ...]:
 
 
 # Note [what needs blocks]
-# Sequence parallelism shards the activations between a block's column/row pairs, and recomputation without a
-# pipeline wraps each repeated block: both need repeated blocks (hyparallel.graph.checks.check_blocks refuses them
-# otherwise), so a model without any gets no candidate with them; fixed by the caller, they leave nothing.
+# Sequence parallelism shards the activations between a block's column/row pairs, and recomputation
+# without a pipeline wraps each repeated block: both need repeated blocks
+# (hyparallel.graph.checks.check_blocks refuses them otherwise), so a model without any gets no
+# candidate with them; fixed by the caller, they leave nothing.
 
 
 def _recomputes(profile: ModelProfile, pp: int, fixed: dict) -> list[str]:
@@ -236,7 +258,8 @@ def _schedules(pp: int, m: int, num_blocks: int, fixed: dict):
 
 
 def transfer_s(profile: ModelProfile, c: Config, link: LinkSpec) -> float:
-    """One pipeline boundary transfer of a micro-batch (its activations, or their gradient); 0 without a pipeline."""
+    """One pipeline boundary transfer of a micro-batch (its activations, or their gradient); 0
+    without a pipeline."""
     return costs.p2p_s(profile.cut_bytes * c.micro_batch / c.tp, link) if c.pp > 1 else 0.0
 
 
@@ -262,31 +285,37 @@ class Search:
         self.evaluated = 0
         self.considered = 0
         self.progress = progress
-        # Note [the runtime's checks]: the plan of a candidate is checked as the runtime would check it; a
-        # refusal (its one-line reason) makes the candidate infeasible, never a plan.
+        # Note [the runtime's checks]: the plan of a candidate is checked as the runtime would check
+        # it; a refusal (its one-line reason) makes the candidate infeasible, never a plan.
         self.admit = admit
         self.refused: list[Evaluation] = []
 
     def best(self, fixed: dict, top: int = 1) -> tuple[list[Evaluation], Evaluation | None]:
-        """The ``top`` fastest feasible evaluations (fastest first), and the most frugal infeasible one seen.
+        """The ``top`` fastest feasible evaluations (fastest first), and the most frugal infeasible
+        one seen.
 
-        Note [one micro-batch through a pipeline]: a pipeline fed one micro-batch idles every stage but one
-        (bubble (pp - 1) / 1 of the compute), so such configurations are ranked after every other that fits,
-        and are only costed when fewer than ``top`` others fit.
+        Note [one micro-batch through a pipeline]: a pipeline fed one micro-batch idles every stage
+        but one (bubble (pp - 1) / 1 of the compute), so such configurations are ranked after every
+        other that fits, and are only costed when fewer than ``top`` others fit.
         """
         configs = enumerate_configs(self.ctx, fixed)
         self.considered += len(configs)
         preferred = [c for c in configs if not lone_microbatch(c)]
         found, frugal = self._branch_and_bound(preferred, top)
         if len(found) < top:
-            rest, rest_frugal = self._branch_and_bound([c for c in configs if lone_microbatch(c)], top - len(found))
+            rest, rest_frugal = self._branch_and_bound(
+                [c for c in configs if lone_microbatch(c)], top - len(found)
+            )
             found += rest
             frugal = _more_frugal(frugal, rest_frugal)
         return found, frugal
 
-    def _branch_and_bound(self, configs: list[Config], top: int) -> tuple[list[Evaluation], Evaluation | None]:
-        """The ``top`` fastest feasible evaluations of ``configs`` (see the module docstring), and the most frugal
-        infeasible one seen; a candidate ``admit`` refuses counts as infeasible, with its reason."""
+    def _branch_and_bound(
+        self, configs: list[Config], top: int
+    ) -> tuple[list[Evaluation], Evaluation | None]:
+        """The ``top`` fastest feasible evaluations of ``configs`` (see the module docstring), and
+        the most frugal infeasible one seen; a candidate ``admit`` refuses counts as infeasible,
+        with its reason."""
         bounds = []
         for i, c in enumerate(configs):
             if (bound := self._lower_bound(c)) is not None:
@@ -306,8 +335,8 @@ class Search:
             bound, i = heapq.heappop(bounds)
             if len(found) >= top and bound >= found[top - 1].step_time_s:
                 log.info(
-                    "stopped: the next lower bound, %.4g s, cannot beat the top %d (the slowest of them: %.4g s); "
-                    "%d left uncosted",
+                    "stopped: the next lower bound, %.4g s, cannot beat the top %d (the slowest of"
+                    " them: %.4g s); %d left uncosted",
                     bound,
                     top,
                     found[top - 1].step_time_s,
@@ -331,7 +360,8 @@ class Search:
         return found[:top], frugal
 
     def _admitted(self, evaluation: Evaluation) -> Evaluation:
-        """``evaluation``, made infeasible (``refused``, with the reason) when ``admit`` refuses its plan."""
+        """``evaluation``, made infeasible (``refused``, with the reason) when ``admit`` refuses its
+        plan."""
         if evaluation.feasible and self.admit is not None and (reason := self.admit(evaluation)):
             evaluation.feasible, evaluation.refused = False, True
             evaluation.step_time_s, evaluation.reason = math.inf, reason
@@ -339,7 +369,8 @@ class Search:
         return evaluation
 
     def least_memory_bytes(self, fixed: dict) -> float | None:
-        """The smallest per-GPU memory lower bound over the configurations ``fixed`` allows (None: none exist)."""
+        """The smallest per-GPU memory lower bound over the configurations ``fixed`` allows (None:
+        none exist)."""
         bounds = [self._memory_bound(c) for c in enumerate_configs(self.ctx, fixed)]
         return min(bounds, default=None)
 
@@ -347,10 +378,14 @@ class Search:
 
     def _links(self, c: Config) -> dict[str, LinkSpec]:
         sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
-        return {axis: axis_link(c.order, sizes, axis, self.ctx.cluster) for axis in ("tp", "pp", "dp")}
+        return {
+            axis: axis_link(c.order, sizes, axis, self.ctx.cluster) for axis in ("tp", "pp", "dp")
+        }
 
     def _segment_costs(self, c: Config, links) -> tuple[SegmentCost, ...]:
-        return self.ctx.profile.segment_costs(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
+        return self.ctx.profile.segment_costs(
+            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"]
+        )
 
     def _tables(self, c: Config, links) -> _Tables:
         profile = self.ctx.profile
@@ -358,24 +393,31 @@ class Search:
         if c.grad_compression == "powersgd" and c.dp > 1:
             gradients = profile.powersgd_work(c.tp, c.powersgd_rank)
             tied_gradients = profile.tied_powersgd_work(c.tp, c.powersgd_rank)
-        return _Tables(self._segment_costs(c, links), profile.tied_segments(c.tp), gradients, tied_gradients)
+        return _Tables(
+            self._segment_costs(c, links), profile.tied_segments(c.tp), gradients, tied_gradients
+        )
 
     def _p2p_s(self, c: Config, links) -> float:
-        """Point-to-point seconds per micro-batch on one device: activations forward, gradients back, per chunk."""
+        """Point-to-point seconds per micro-batch on one device: activations forward, gradients
+        back, per chunk."""
         return 2 * c.virtual_stages * transfer_s(self.ctx.profile, c, links["pp"])
 
     def _lower_bound(self, c: Config) -> float | None:
-        """A step time no plan of this configuration beats (None when it cannot fit in memory at all).
+        """A step time no plan of this configuration beats (None when it cannot fit in memory at
+        all).
 
-        max_s [a_s + b_s] >= mean_s a_s + mean_s b_s, so the bound averages the stages: pipeline time
-        and optimizer step (both sums over segments), with no communication tail. Gradient compression
-        only adds to what it leaves out (the tail, ZeRO 2/3's per-micro-batch traffic), so one bound holds
-        for every mode; the memory bound counts PowerSGD's residuals, not its buffers.
+        max_s [a_s + b_s] >= mean_s a_s + mean_s b_s, so the bound averages the stages: pipeline
+        time and optimizer step (both sums over segments), with no communication tail. Gradient
+        compression only adds to what it leaves out (the tail, ZeRO 2/3's per-micro-batch traffic),
+        so one bound holds for every mode; the memory bound counts PowerSGD's residuals, not its
+        buffers.
         """
         if self._memory_bound(c) > self.ctx.cluster.device.usable_memory_bytes:
             return None
         links = self._links(c)
-        total_t, params, _ = self.ctx.profile.totals(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
+        total_t, params, _ = self.ctx.profile.totals(
+            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"]
+        )
         total_t += c.pp * self._p2p_s(c, links)
         device = self.ctx.cluster.device
         optimizer_params = params / c.dp if c.zero >= 1 else params
@@ -388,11 +430,16 @@ class Search:
         return ((c.num_microbatches - 1 / v) * total_t + optimizer_s) / c.pp + total_t / v
 
     def _memory_bound(self, c: Config) -> float:
-        """Per-GPU memory no stage boundaries go below: the stages' mean, with the fewest micro-batches in flight."""
+        """Per-GPU memory no stage boundaries go below: the stages' mean, with the fewest
+        micro-batches in flight."""
         links = self._links(c)
-        _, params, act = self.ctx.profile.totals(c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"])
+        _, params, act = self.ctx.profile.totals(
+            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"]
+        )
         state = costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp, c.grad_compression)
-        least_inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, c.pp - 1, c.virtual_stages)
+        least_inflight = inflight_microbatches(
+            c.schedule, c.pp, c.num_microbatches, c.pp - 1, c.virtual_stages
+        )
         return (params * state + least_inflight * act) / c.pp
 
     def evaluate(self, c: Config) -> Evaluation:
@@ -410,17 +457,23 @@ class Search:
         return self._finish(c, links, tables, best, [[r] for r in best])
 
     def evaluate_even(self, c: Config) -> Evaluation:
-        """``c`` with Megatron-LM's layout whatever its schedule: equal blocks per (virtual) stage, what precedes
-        and follows them with the first and the last (for comparing with runs that used it; the search balances
-        stages by time under memory instead)."""
+        """``c`` with Megatron-LM's layout whatever its schedule: equal blocks per (virtual) stage,
+        what precedes and follows them with the first and the last (for comparing with runs that
+        used it; the search balances stages by time under memory instead)."""
         links = self._links(c)
         tables = self._tables(c, links)
-        chunks = _interleaved_chunks(len(tables.segments), self.ctx.profile, c.pp * c.virtual_stages)
+        chunks = _interleaved_chunks(
+            len(tables.segments), self.ctx.profile, c.pp * c.virtual_stages
+        )
         return self._finish(c, links, tables, chunks, _devices(c, chunks))
 
-    def _stage_terms(self, c: Config, links, *quantities: np.ndarray, stage: int) -> tuple[np.ndarray, ...]:
-        """Per-micro-batch time, tail and memory of candidate stages at place ``stage`` of the pipeline;
-        ``quantities`` are ``_Tables.range``'s (arrays of any shape), as ``_stage_time`` takes them."""
+    def _stage_terms(
+        self, c: Config, links, *quantities: np.ndarray, stage: int
+    ) -> tuple[np.ndarray, ...]:
+        """Per-micro-batch time, tail and memory of candidate stages at place ``stage`` of the
+        pipeline;
+        ``quantities`` are ``_Tables.range``'s (arrays of any shape), as ``_stage_time`` takes
+        them."""
         t, tail, held = self._stage_time(c, links, *quantities)
         return t, tail, self._stage_memory(c, held, stage)
 
@@ -440,13 +493,15 @@ class Search:
         work: np.ndarray,
         largest: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, tuple]:
-        """Per-micro-batch time and tail of candidate stages, which do not depend on their place in the pipeline, and
-        what their memory needs beside that place (``_stage_memory``): the partition computes these once, not per
-        stage.
+        """Per-micro-batch time and tail of candidate stages, which do not depend on their place in
+        the pipeline, and what their memory needs beside that place (``_stage_memory``): the
+        partition computes these once, not per stage.
 
-        ``wire``, ``hook_s``, ``hook_ops``: PowerSGD's elements sent, kernel seconds and ops (``GradientWork``) of the
-        stages' gradients but the shared ones, under grad_compression powersgd (else ``wire`` is ``params``);
-        ``shared``: the params of weights other stages hold too, which a compressing plan reduces apart in fp32.
+        ``wire``, ``hook_s``, ``hook_ops``: PowerSGD's elements sent, kernel seconds and ops
+        (``GradientWork``) of the stages' gradients but the shared ones, under grad_compression
+        powersgd (else ``wire`` is ``params``);
+        ``shared``: the params of weights other stages hold too, which a compressing plan reduces
+        apart in fp32.
         """
         dtype, cluster, mode = self.ctx.dtype, self.ctx.cluster, c.grad_compression
         t = t + self._p2p_s(c, links)
@@ -454,8 +509,11 @@ class Search:
         tail = np.zeros_like(t)
         extra_memory = 0.0
         if c.dp > 1 and c.zero == 0:
-            tail, extra_memory = self._all_reduce_tail(c, links, params, bwd, wire, hook_s, hook_ops, shared, serial)
-        elif c.dp > 1:  # Note [ZeRO stages on FSDP2] in data_parallel.py: one collective per FSDP unit
+            tail, extra_memory = self._all_reduce_tail(
+                c, links, params, bwd, wire, hook_s, hook_ops, shared, serial
+            )
+        # Note [ZeRO stages on FSDP2] in data_parallel.py: one collective per FSDP unit
+        elif c.dp > 1:
             units = self.ctx.profile.num_blocks + 1 if c.pp == 1 else c.virtual_stages
             link = links["dp"]
 
@@ -466,16 +524,33 @@ class Search:
             scatter_bytes = params * costs.reduced_bytes_per_param(mode, serial)
             gather = per_unit(costs.ring_allgather_s, weight_bytes)
             scatter = per_unit(costs.ring_reduce_scatter_s, scatter_bytes)
-            # Note [what FSDP and the optimizer dispatch on a CPU]: each collective's per-tensor work, unhidden there
-            per_tensor = tensors * costs.FSDP_OPS_PER_TENSOR * cluster.device.op_overhead_s if serial else 0.0
-            if c.zero == 1:  # gradients reduce-scattered unit by unit in the last backward; weights gathered once
+            # Note [what FSDP and the optimizer dispatch on a CPU]: each collective's per-tensor
+            # work, unhidden there
+            per_tensor = (
+                tensors * costs.FSDP_OPS_PER_TENSOR * cluster.device.op_overhead_s
+                if serial
+                else 0.0
+            )
+            # gradients reduce-scattered unit by unit in the last backward; weights gathered once
+            if c.zero == 1:
                 last = costs.ring_reduce_scatter_s(scatter_bytes / units, c.dp, link)
-                tail = np.maximum(costs.overlapped_s(scatter - last, bwd, serial), 0) + last + gather + 2 * per_tensor
+                tail = (
+                    np.maximum(costs.overlapped_s(scatter - last, bwd, serial), 0)
+                    + last
+                    + gather
+                    + 2 * per_tensor
+                )
             elif c.zero == 2:  # gradients reduce-scattered after every micro-batch's backward
                 t = t + costs.overlapped_s(scatter, bwd, serial) + per_tensor
                 tail = gather + per_tensor
-            else:  # ZeRO-3: weights gathered for forward and backward, gradients scattered, every micro-batch
-                t = t + costs.overlapped_s(gather, t - bwd, serial) + costs.overlapped_s(gather + scatter, bwd, serial)
+            # ZeRO-3: weights gathered for forward and backward, gradients scattered, every
+            # micro-batch
+            else:
+                t = (
+                    t
+                    + costs.overlapped_s(gather, t - bwd, serial)
+                    + costs.overlapped_s(gather + scatter, bwd, serial)
+                )
                 t = t + 3 * per_tensor
         optimizer_params = params / c.dp if c.zero >= 1 else params
         device = cluster.device
@@ -488,7 +563,8 @@ class Search:
             tail = tail + tensors * ops * device.op_overhead_s
         state = costs.state_bytes_per_param(dtype, c.zero, c.dp, mode)
         held = params * state + work + extra_memory
-        if c.zero == 3:  # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
+        # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
+        if c.zero == 3:
             held = held + 2 * largest * sum(costs.unsharded_bytes_per_param(dtype, mode))
         floor = costs.after_backward_bytes(params, largest, dtype, c.zero, c.dp, mode)
         if c.pp > 1:  # Note [syncing a weight several stages hold] in costs.py
@@ -496,28 +572,40 @@ class Search:
         return t, tail, (held, params, act, floor)
 
     def _stage_memory(self, c: Config, held: tuple, stage: int) -> np.ndarray:
-        """The memory of candidate stages at place ``stage`` of the pipeline: what ``_stage_time`` found held, and
-        what depends on the micro-batches in flight there."""
+        """The memory of candidate stages at place ``stage`` of the pipeline: what ``_stage_time``
+        found held, and what depends on the micro-batches in flight there."""
         base, params, act, floor = held
-        inflight = costs.inflight_microbatches(c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages)
+        inflight = inflight_microbatches(
+            c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages
+        )
         memory = base + inflight * act
-        memory = memory + params * costs.recompute_copies_bytes_per_param(self.ctx.dtype, c.recompute, c.zero, inflight)
+        memory = memory + params * costs.recompute_copies_bytes_per_param(
+            self.ctx.dtype, c.recompute, c.zero, inflight
+        )
         if c.pp > 1:  # Note [a pipeline stage's boundary tensors]
-            boundary = self.ctx.profile.boundary_bytes * c.micro_batch / (c.tp if c.sequence_parallel else 1)
-            sent_back = costs.backward_sends_held(c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages)
+            boundary = (
+                self.ctx.profile.boundary_bytes
+                * c.micro_batch
+                / (c.tp if c.sequence_parallel else 1)
+            )
+            sent_back = backward_sends_held(
+                c.schedule, c.pp, c.num_microbatches, stage, c.virtual_stages
+            )
             memory = memory + (inflight * c.virtual_stages + 1 + sent_back) * boundary
         return np.maximum(memory, floor)
 
     def _all_reduce_tail(
         self, c: Config, links, params, bwd, wire, hook_s, hook_ops, shared, serial: bool
     ) -> tuple[np.ndarray, np.ndarray | float]:
-        """ZeRO 0's gradient all-reduce: the tail it adds, and the memory its compression holds (arrays of stages).
+        """ZeRO 0's gradient all-reduce: the tail it adds, and the memory its compression holds
+        (arrays of stages).
 
-        DDP reduces gradients in buckets while the last micro-batch's backward runs; the last bucket waits for
-        the end of the backward. With a pipeline the same bucketed all-reduce runs after the schedule, priced
-        alike. A compressing hook's kernels are never hidden (Note [gradient compression] in costs.py). A weight
-        several stages hold (a tied embedding and head) is all-reduced apart, in fp32, when the rest is compressed
-        (Note [a weight several stages hold] in data_parallel.py); ``none`` reduces it with the rest.
+        DDP reduces gradients in buckets while the last micro-batch's backward runs; the last bucket
+        waits for the end of the backward. With a pipeline the same bucketed all-reduce runs after
+        the schedule, priced alike. A compressing hook's kernels are never hidden (Note [gradient
+        compression] in costs.py). A weight several stages hold (a tied embedding and head) is
+        all-reduced apart, in fp32, when the rest is compressed (Note [a weight several stages hold]
+        in data_parallel.py); ``none`` reduces it with the rest.
         """
         mode, link = c.grad_compression, links["dp"]
         exact = shared if mode != "none" else 0.0 * shared
@@ -526,7 +614,9 @@ class Search:
         wire_bytes = costs.grad_wire_bytes(mode, compressed, wire, serial)
         reduce, last = costs.dp_allreduce_s(mode, grad_bytes, wire_bytes, c.dp, link)
         reduce = reduce + costs.ring_allreduce_s(exact * costs.GRAD_BYTES_PER_PARAM, c.dp, link)
-        hook = costs.compression_compute_s(mode, compressed, hook_s, hook_ops, self.ctx.cluster.device, serial)
+        hook = costs.compression_compute_s(
+            mode, compressed, hook_s, hook_ops, self.ctx.cluster.device, serial
+        )
         tail = np.maximum(costs.overlapped_s(reduce - last, bwd, serial), 0) + last + hook
         return tail, costs.powersgd_buffer_bytes(grad_bytes, wire) if mode == "powersgd" else 0.0
 
@@ -538,24 +628,34 @@ class Search:
         limit = self.ctx.cluster.device.usable_memory_bytes
         quantities = tables.ranges()
         weight = c.num_microbatches - 1 / c.virtual_stages
-        step, tail, held = self._stage_time(c, links, *quantities)  # the same at every place in the pipeline
+        # the same at every place in the pipeline
+        step, tail, held = self._stage_time(c, links, *quantities)
         cost = weight * step + tail
 
         def stage_cost(stage: int) -> np.ndarray:
-            return np.where((self._stage_memory(c, held, stage) <= limit) & tables.valid, cost, np.inf)
+            return np.where(
+                (self._stage_memory(c, held, stage) <= limit) & tables.valid, cost, np.inf
+            )
 
         return _minmax_partition(stage_cost, n, p)
 
-    def _finish(self, c: Config, links, tables: _Tables, chunks, devices, limit: float | None = None) -> Evaluation:
-        """Evaluate a fixed assignment of segment ranges to devices (``limit``: the memory a device may use; the
-        device's when None)."""
+    def _finish(
+        self, c: Config, links, tables: _Tables, chunks, devices, limit: float | None = None
+    ) -> Evaluation:
+        """Evaluate a fixed assignment of segment ranges to devices (``limit``: the memory a device
+        may use; the device's when None)."""
         limit = self.ctx.cluster.device.usable_memory_bytes if limit is None else limit
         step_times, tails, memories, params_list = [], [], [], []
         for stage, ranges in enumerate(devices):
             parts = [tables.range(*r) for r in ranges]
             totals = [np.float64(sum(part[k] for part in parts)) for k in range(_Tables.ADDITIVE)]
-            peaks = [np.float64(max(part[k] for part in parts)) for k in range(_Tables.ADDITIVE, len(parts[0]))]
-            step, tail, memory = (float(x) for x in self._stage_terms(c, links, *totals, *peaks, stage=stage))
+            peaks = [
+                np.float64(max(part[k] for part in parts))
+                for k in range(_Tables.ADDITIVE, len(parts[0]))
+            ]
+            step, tail, memory = (
+                float(x) for x in self._stage_terms(c, links, *totals, *peaks, stage=stage)
+            )
             params = float(totals[2])
             step_times.append(step)
             tails.append(tail)
@@ -575,7 +675,11 @@ class Search:
             stage_time_s=step_times,
             stage_memory_bytes=memories,
             stage_params=params_list,
-            comm_s={"tp": tp_comm, "dp": dp_tail, "pp": self._p2p_s(c, links) * (c.num_microbatches + c.pp - 1)},
+            comm_s={
+                "tp": tp_comm,
+                "dp": dp_tail,
+                "pp": self._p2p_s(c, links) * (c.num_microbatches + c.pp - 1),
+            },
             bubble_fraction=costs.bubble_fraction(c.pp, c.num_microbatches, v),
         )
         if not fits:
@@ -588,38 +692,50 @@ class Search:
         chunks = _memory_frugal_partition(tables, c.pp, state)
         evaluation = self._finish(c, links, tables, chunks, [[r] for r in chunks])
         evaluation.feasible, evaluation.step_time_s = False, math.inf
-        evaluation.reason = _oom_reason(evaluation.stage_memory_bytes, self.ctx.cluster.device.usable_memory_bytes)
+        evaluation.reason = _oom_reason(
+            evaluation.stage_memory_bytes, self.ctx.cluster.device.usable_memory_bytes
+        )
         return evaluation
 
     def uncompressed(self, evaluation: Evaluation) -> Evaluation:
-        """``evaluation``'s configuration and stages with grad_compression none: what compression saved.
+        """``evaluation``'s configuration and stages with grad_compression none: what compression
+        saved.
 
-        Timed whatever its memory (it may need more than the device has: 16-bit ZeRO gathers save some), so its
+        Timed whatever its memory (it may need more than the device has: 16-bit ZeRO gathers save
+        some), so its
         ``step_time_s`` is the step the same plan would take uncompressed.
         """
         c = replace(evaluation.config, grad_compression="none")
         links = self._links(c)
         return self._finish(
-            c, links, self._tables(c, links), evaluation.stages, _devices(c, evaluation.stages), limit=math.inf
+            c,
+            links,
+            self._tables(c, links),
+            evaluation.stages,
+            _devices(c, evaluation.stages),
+            limit=math.inf,
         )
 
 
 # Note [a pipeline stage's boundary tensors]
-#     A pipeline stage keeps the output it sent for each micro-batch in flight (the root its backward starts from
-#     when the gradient arrives) and receives that gradient into a tensor of the same size; neither is saved by an op
-#     of the stage, so the activations do not count them. The planner adds (in flight x v + 1) x the largest cut's
-#     tensors per micro-batch (profile.boundary_bytes, in the dtypes the runtime holds: the residual stream is fp32
-#     under autocast) on every pipeline stage; 1/t of them with sequence parallelism. Measured: gpt-tiny pp 2 on
-#     this project's CPU (benchmarks/prediction.py's memory table) was 7% over the prediction on stage 0 without it.
-#     And the gradients a stage sends back stay referenced by their isend's work until it is waited for: at most
-#     costs.backward_sends_held of them (Note [gradients sent back] in pipeline/executor.py; they were all held until
-#     the schedule's end, m per virtual stage past a device's first: 100 GiB per GPU for a 1T GPT at pp 64 with 512
-#     micro-batches). Measured: gpt-mini pp 2, 1F1B with 16 micro-batches of 1, stage 1 at 1.04 x the prediction
-#     without them (benchmarks/prediction.py).
+#     A pipeline stage keeps the output it sent for each micro-batch in flight (the root its
+#     backward starts from when the gradient arrives) and receives that gradient into a tensor of
+#     the same size; neither is saved by an op of the stage, so the activations do not count them.
+#     The planner adds (in flight x v + 1) x the largest cut's tensors per micro-batch
+#     (profile.boundary_bytes, in the dtypes the runtime holds: the residual stream is fp32 under
+#     autocast) on every pipeline stage; 1/t of them with sequence parallelism. Measured: gpt-tiny
+#     pp 2 on this project's CPU (benchmarks/prediction.py's memory table) was 7% over the
+#     prediction on stage 0 without it. And the gradients a stage sends back stay referenced by
+#     their isend's work until it is waited for: at most inflight.backward_sends_held of them (Note
+#     [gradients sent back] in pipeline/executor.py; they were all held until the schedule's end, m
+#     per virtual stage past a device's first: 100 GiB per GPU for a 1T GPT at pp 64 with 512
+#     micro-batches). Measured: gpt-mini pp 2, 1F1B with 16 micro-batches of 1, stage 1 at 1.04 x
+#     the prediction without them (benchmarks/prediction.py).
 
 
 def _devices(c: Config, chunks: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Each pipeline device's segment ranges: virtual stage d + k p for k < v on device d (interleaved), else one."""
+    """Each pipeline device's segment ranges: virtual stage d + k p for k < v on device d
+    (interleaved), else one."""
     return [[chunks[d + k * c.pp] for k in range(c.virtual_stages)] for d in range(c.pp)]
 
 
@@ -629,7 +745,8 @@ def lone_microbatch(c: Config) -> bool:
 
 
 def _more_frugal(a: Evaluation | None, b: Evaluation | None) -> Evaluation | None:
-    """Of two infeasible evaluations, the one out of memory by less (a refused one only when neither is short of
+    """Of two infeasible evaluations, the one out of memory by less (a refused one only when neither
+    is short of
     memory: the message then says why the runtime refuses it)."""
     if a is None or b is None:
         return a or b
@@ -644,9 +761,9 @@ def _oom_reason(memories: list[float], limit: float) -> str:
 class _Tables:
     """Prefix sums over segments, so any contiguous range's totals are two lookups."""
 
-    # Quantities summed over a range (t, backward, params, activations, PowerSGD's elements sent, kernel seconds and
-    # ops, the shared weights' params, parameter tensors); then two taken as the range's largest (working bytes, a
-    # segment's params).
+    # Quantities summed over a range (t, backward, params, activations, PowerSGD's elements sent,
+    # kernel seconds and ops, the shared weights' params, parameter tensors); then two taken as the
+    # range's largest (working bytes, a segment's params).
     ADDITIVE = 9
 
     def __init__(
@@ -656,14 +773,16 @@ class _Tables:
         gradients: tuple[GradientWork, ...] | None = None,
         tied_gradients: list[tuple[int, tuple[int, ...], GradientWork]] = (),
     ):
-        """``gradients``: PowerSGD's work on each segment's gradients (None: not compressed by PowerSGD; then the
-        elements a range sends are its params); ``tied_gradients``: the same for ``tied``'s weights, in its order."""
+        """``gradients``: PowerSGD's work on each segment's gradients (None: not compressed by
+        PowerSGD; then the elements a range sends are its params); ``tied_gradients``: the same for
+        ``tied``'s weights, in its order."""
         self.segments = segments
         self.n = len(segments)
-        # A weight read by several segments (tied embedding and head) is held by every stage that reads it:
-        # (owner segment, reader segments, parameters per rank) -> extra parameters of a range without its owner.
-        # Held by several stages, it is shared, and reduced apart, uncompressed (Note [a weight several stages
-        # hold] in data_parallel.py): a range's shared params, and PowerSGD's work on its owner taken out.
+        # A weight read by several segments (tied embedding and head) is held by every stage that
+        # reads it: (owner segment, reader segments, parameters per rank) -> extra parameters of a
+        # range without its owner. Held by several stages, it is shared, and reduced apart,
+        # uncompressed (Note [a weight several stages hold] in data_parallel.py): a range's shared
+        # params, and PowerSGD's work on its owner taken out.
         self.tied = tied
         self.powersgd = gradients is not None
         self.tied_gradients = [g for _, _, g in tied_gradients] or [GradientWork()] * len(tied)
@@ -686,8 +805,8 @@ class _Tables:
         self.valid = index[:, None] < index[None, :]
 
     def range(self, start: int, end: int) -> tuple[float, ...]:
-        """(t, backward, params, activations, PowerSGD's elements, seconds and ops, shared params, parameter tensors,
-        working, largest segment's params) of segments [start, end)."""
+        """(t, backward, params, activations, PowerSGD's elements, seconds and ops, shared params,
+        parameter tensors, working, largest segment's params) of segments [start, end)."""
         peak = lambda values: float(values[start:end].max()) if end > start else 0.0  # noqa: E731
         params, shared, taken = self.params[end] - self.params[start], 0.0, GradientWork()
         for (owner, readers, size), g in zip(self.tied, self.tied_gradients):
@@ -724,9 +843,11 @@ class _Tables:
 
         index = np.arange(self.n + 1)
 
-        def count(members: tuple[int, ...]) -> np.ndarray:  # how many of ``members`` each range holds
+        # how many of ``members`` each range holds
+        def count(members: tuple[int, ...]) -> np.ndarray:
             before = np.zeros(self.n + 1)
-            before[1:] = np.cumsum(np.isin(np.arange(self.n), members))  # members before each position
+            # members before each position
+            before[1:] = np.cumsum(np.isin(np.arange(self.n), members))
             return before[None, :] - before[:, None]
 
         params, shared = diff(self.params), np.zeros((self.n + 1, self.n + 1))
@@ -758,8 +879,8 @@ class _Tables:
 
 
 def _interleaved_chunks(n: int, profile: ModelProfile, chunks: int) -> list[tuple[int, int]]:
-    """Megatron-LM's interleaved layout: equal blocks per virtual stage; what precedes and follows the blocks
-    goes with the first and the last virtual stage."""
+    """Megatron-LM's interleaved layout: equal blocks per virtual stage; what precedes and follows
+    the blocks goes with the first and the last virtual stage."""
     block_segments = [i for i, s in enumerate(profile.segments) if s.is_block]
     first, last = block_segments[0], block_segments[-1]
     per_chunk = len(block_segments) // chunks
@@ -769,7 +890,8 @@ def _interleaved_chunks(n: int, profile: ModelProfile, chunks: int) -> list[tupl
 
 
 def _memory_frugal_partition(tables: _Tables, p: int, state_bytes: float) -> list[tuple[int, int]]:
-    """Contiguous stages minimising the largest stage's parameters + activations (for error messages)."""
+    """Contiguous stages minimising the largest stage's parameters + activations (for error
+    messages)."""
     n = tables.n
     if p >= n:
         return [(i, i + 1) for i in range(n)] if p == n else [(0, n)]
@@ -782,8 +904,9 @@ def _memory_frugal_partition(tables: _Tables, p: int, state_bytes: float) -> lis
 def _minmax_partition(stage_cost, n: int, p: int) -> list[tuple[int, int]] | None:
     """Split segments [0, n) into p contiguous stages minimising the largest stage cost.
 
-    ``stage_cost(k)`` gives stage k's cost of covering [start, end) as an (n+1) x (n+1) array (inf where
-    not allowed). best_k(i) = min_j max(best_{k-1}(j), cost_k(j, i)): exact, O(p n^2), vectorised.
+    ``stage_cost(k)`` gives stage k's cost of covering [start, end) as an (n+1) x (n+1) array (inf
+    where not allowed). best_k(i) = min_j max(best_{k-1}(j), cost_k(j, i)): exact, O(p n^2),
+    vectorised.
     """
     best = np.full(n + 1, np.inf)
     best[0] = 0.0

@@ -1,10 +1,11 @@
 """One training step of a plan, timed: the blocks ``hyparallel simulate`` draws.
 
-:func:`timeline` runs ``lower(schedule(...))`` for a plan event by event (Note [timed execution]) with
-the planner's per-stage seconds, then adds each rank's tail (data-parallel gradient sync and optimizer
-step) and its memory over time (Note [timeline memory]). :func:`~hyparallel.pipeline.schedule.simulate`
-stays the unit-step checker of the same IR (deadlocks, peak micro-batches in flight); this is its timed
-counterpart. Pure Python: no torch, no processes, no plotting (``hyparallel.tools.pictures`` draws).
+:func:`timeline` runs ``lower(schedule(...))`` for a plan event by event (Note [timed execution])
+with the planner's per-stage seconds, then adds each rank's tail (data-parallel gradient sync and
+optimizer step) and its memory over time (Note [timeline memory]).
+:func:`~hyparallel.pipeline.schedule.simulate` stays the unit-step checker of the same IR
+(deadlocks, peak micro-batches in flight); this is its timed counterpart. Pure Python: no torch, no
+processes, no plotting (``hyparallel.tools.pictures`` draws).
 
     tl = timeline(Plan.load("plan.yaml"))
     tl.total_s, tl.bubble_fraction[0], len(tl.compute_blocks())
@@ -35,9 +36,10 @@ class Block:
     """One interval on one rank's row of the picture; what it covers depends on ``kind``.
 
     F and B: the computation. SEND_*: the transfer on the wire, from the send to its arrival (the
-    sending rank does not wait for it). RECV_*: the part of a receive the rank waits for the transfer
-    itself, from the later of posting and sending to the arrival (empty when the data was already there;
-    waiting for the peer to compute is bubble, not p2p). tail: the gradient sync and the optimizer step.
+    sending rank does not wait for it). RECV_*: the part of a receive the rank waits for the
+    transfer itself, from the later of posting and sending to the arrival (empty when the data was
+    already there; waiting for the peer to compute is bubble, not p2p). tail: the gradient sync and
+    the optimizer step.
     """
 
     rank: int
@@ -55,7 +57,8 @@ class Block:
 
 @dataclass
 class Timeline:
-    """One simulated training step of a plan: what :func:`timeline` computed, everything the picture needs."""
+    """One simulated training step of a plan: what :func:`timeline` computed, everything the picture
+    needs."""
 
     schedule: str
     pp: int
@@ -67,7 +70,8 @@ class Timeline:
     blocks: list[Block]
     total_s: float  # the step: the last block's end
     bubble_fraction: dict[int, float]  # per rank: time waiting for other ranks' compute / total_s
-    memory: dict[int, list[tuple[float, float]]]  # per rank: (time, memory) points of a step function
+    # per rank: (time, memory) points of a step function
+    memory: dict[int, list[tuple[float, float]]]
     memory_units: Literal["GiB", "micro-batches"]
     memory_limit: float | None  # the device's memory, in memory_units; None when unknown
     predicted_step_s: float | None = None
@@ -80,13 +84,14 @@ class Timeline:
 
 
 # Note [timed execution]
-# Each rank runs its lowered action list in order, keeping its own clock. An F or B starts at the later of
-# the rank's clock and its inputs' completion (schedule.needs, the unit-step simulator's rule too: F of s
-# needs F of s - 1; B of s needs F of s and, unless s is last, B of s + 1) and lasts that stage's
-# forward_s or backward_s. A send costs its rank nothing (sends are buffered, as in the runtime): the data arrives
-# p2p_s after it is sent. A receive posted at t completes at max(t, arrival). Ranks are advanced in turn
-# until none can move; since every start time is a function of completed actions only, the order in which
-# ranks are advanced does not change any time. A schedule whose ranks all block is reported as a deadlock.
+# Each rank runs its lowered action list in order, keeping its own clock. An F or B starts at the
+# later of the rank's clock and its inputs' completion (schedule.needs, the unit-step simulator's
+# rule too: F of s needs F of s - 1; B of s needs F of s and, unless s is last, B of s + 1) and
+# lasts that stage's forward_s or backward_s. A send costs its rank nothing (sends are buffered, as
+# in the runtime): the data arrives p2p_s after it is sent. A receive posted at t completes at
+# max(t, arrival). Ranks are advanced in turn until none can move; since every start time is a
+# function of completed actions only, the order in which ranks are advanced does not change any
+# time. A schedule whose ranks all block is reported as a deadlock.
 
 
 def run_timed(
@@ -97,12 +102,14 @@ def run_timed(
 ) -> list[Block]:
     """Time per-rank action lists (lowered or compute-only); see Note [timed execution].
 
-    ``forward_s[s]`` and ``backward_s[s]`` are virtual stage s's seconds per micro-batch; ``p2p_s[s]`` the
-    transfer between stages s and s + 1 in either direction (0 where not given). One Block per action.
-    Raises ValueError naming each rank's blocked action if the schedule deadlocks.
+    ``forward_s[s]`` and ``backward_s[s]`` are virtual stage s's seconds per micro-batch;
+    ``p2p_s[s]`` the transfer between stages s and s + 1 in either direction (0 where not given).
+    One Block per action. Raises ValueError naming each rank's blocked action if the schedule
+    deadlocks.
     """
     last = len(forward_s) - 1
-    done: dict[tuple[int, str, int], float] = {}  # (stage, F/B, mb) -> end; (stage, SEND_x, mb) -> arrival
+    # (stage, F/B, mb) -> end; (stage, SEND_x, mb) -> arrival
+    done: dict[tuple[int, str, int], float] = {}
     sent: dict[tuple[int, str, int], float] = {}  # (stage, SEND_x, mb) -> time sent
     clock, position = dict.fromkeys(actions, 0.0), dict.fromkeys(actions, 0)
     blocks: list[Block] = []
@@ -124,7 +131,9 @@ def run_timed(
                 now = clock[rank]
                 if a.is_compute:
                     start = max(now, ready)
-                    end = clock[rank] = done[key] = start + (forward_s if a.kind == "F" else backward_s)[a.stage]
+                    end = clock[rank] = done[key] = (
+                        start + (forward_s if a.kind == "F" else backward_s)[a.stage]
+                    )
                 elif a.kind.startswith("SEND"):
                     start, end = now, now + transfer_s(a)
                     sent[key], done[key] = start, end
@@ -135,7 +144,11 @@ def run_timed(
                 blocks.append(Block(rank, a.kind, start, end, a.stage, a.microbatch))
                 position[rank] += 1
                 moved = True
-    blocked = {rank: str(acts[position[rank]]) for rank, acts in actions.items() if position[rank] < len(acts)}
+    blocked = {
+        rank: str(acts[position[rank]])
+        for rank, acts in actions.items()
+        if position[rank] < len(acts)
+    }
     if blocked:
         raise ValueError(
             "schedule deadlocks; each blocked rank's next action: "
@@ -145,7 +158,8 @@ def run_timed(
 
 
 def _ready_s(a: Action, done: Mapping[tuple[int, str, int], float], last: int) -> float | None:
-    """When ``a``'s inputs (:func:`~hyparallel.pipeline.schedule.needs`) are complete, or None if one is not yet."""
+    """When ``a``'s inputs (:func:`~hyparallel.pipeline.schedule.needs`) are complete, or None if
+    one is not yet."""
     waits_for = needs(a, last)
     if any(key not in done for key in waits_for):
         return None
@@ -154,7 +168,8 @@ def _ready_s(a: Action, done: Mapping[tuple[int, str, int], float], last: int) -
 
 @dataclass(frozen=True)
 class _Figures:
-    """Per virtual stage seconds and activations, per rank tail and peak memory, in one set of units."""
+    """Per virtual stage seconds and activations, per rank tail and peak memory, in one set of
+    units."""
 
     units: Units
     forward_s: list[float]
@@ -196,12 +211,13 @@ def _figures(plan: Plan) -> _Figures:
 
 
 # Note [timeline memory]
-# A rank's memory is static (weights, gradients, optimizer state, workspace, reserved) plus the activations
-# of its micro-batches in flight: a micro-batch's activations on a chunk are allocated when its forward
-# starts and freed when its backward ends. The static part is the planner's predicted peak less the
-# simulated peak of activations, so the curve peaks exactly at the prediction. (The planner counts a rank's
-# chunks at their mean size; the simulation knows which chunk each micro-batch is on.) Without planner
-# figures, memory counts micro-batches in flight, a chunk being 1/v of one.
+# A rank's memory is static (weights, gradients, optimizer state, workspace, reserved) plus the
+# activations of its micro-batches in flight: a micro-batch's activations on a chunk are allocated
+# when its forward starts and freed when its backward ends. The static part is the planner's
+# predicted peak less the simulated peak of activations, so the curve peaks exactly at the
+# prediction. (The planner counts a rank's chunks at their mean size; the simulation knows which
+# chunk each micro-batch is on.) Without planner figures, memory counts micro-batches in flight, a
+# chunk being 1/v of one.
 
 
 def _by_rank(blocks: Sequence[Block], pp: int) -> dict[int, list[Block]]:
@@ -218,7 +234,8 @@ def _memory(
     """Per rank, (time, memory) points of a step function; see Note [timeline memory]."""
     series = {}
     for rank, own in _by_rank(blocks, pp).items():
-        # Frees sort before allocations at the same instant: a backward ending as the next forward starts.
+        # Frees sort before allocations at the same instant: a backward ending as the next forward
+        # starts.
         events = sorted(
             [(b.start_s, 1, figures.activation[b.stage]) for b in own if b.kind == "F"]
             + [(b.end_s, 0, -figures.activation[b.stage]) for b in own if b.kind == "B"]
@@ -233,12 +250,15 @@ def _memory(
             points.append((time_s, level))
         peak = max(level for _, level in points)
         static = figures.peak_memory[rank] - peak if figures.peak_memory else 0.0
-        series[rank] = [(t, static + level) for t, level in points] + [(total_s, static + points[-1][1])]
+        series[rank] = [(t, static + level) for t, level in points] + [
+            (total_s, static + points[-1][1])
+        ]
     return series
 
 
 def _bubbles(blocks: Sequence[Block], pp: int, total_s: float) -> dict[int, float]:
-    """Per rank, the fraction of the step it neither computes, waits on a transfer, nor runs its tail."""
+    """Per rank, the fraction of the step it neither computes, waits on a transfer, nor runs its
+    tail."""
     busy = dict.fromkeys(range(pp), 0.0)
     for b in blocks:
         if not b.kind.startswith("SEND"):
@@ -247,38 +267,45 @@ def _bubbles(blocks: Sequence[Block], pp: int, total_s: float) -> dict[int, floa
 
 
 def check_simulable(plan: Plan) -> None:
-    """Refuse, in one line, a plan whose schedule is too large to simulate action by action in seconds."""
+    """Refuse, in one line, a plan whose schedule is too large to simulate action by action in
+    seconds."""
     par = plan.parallel
     actions = 2 * par.pp * par.virtual_stages * plan.num_microbatches
     if par.pp > MAX_SIMULATED_PP:
         raise ConfigError(
-            f"pp is {par.pp:,}; simulate draws one row per pipeline rank, at most {MAX_SIMULATED_PP}; "
-            "simulate a copy of the plan with a smaller pp"
+            f"pp is {par.pp:,}; simulate draws one row per pipeline rank, at most"
+            f" {MAX_SIMULATED_PP}; simulate a copy of the plan with a smaller pp"
         )
     if actions > MAX_SIMULATED_ACTIONS:
         raise ConfigError(
-            f"the schedule has 2 x pp ({par.pp}) x virtual_stages ({par.virtual_stages}) x num_microbatches "
-            f"({plan.num_microbatches:,}) = {actions:,} forwards and backwards, more than the "
-            f"{MAX_SIMULATED_ACTIONS:,} simulate times one by one; simulate a copy with fewer micro-batches "
-            "(a smaller global_batch or a larger micro_batch)"
+            f"the schedule has 2 x pp ({par.pp}) x virtual_stages ({par.virtual_stages}) x"
+            f" num_microbatches ({plan.num_microbatches:,}) = {actions:,} forwards and backwards,"
+            f" more than the {MAX_SIMULATED_ACTIONS:,} simulate times one by one; simulate a copy"
+            " with fewer micro-batches (a smaller global_batch or a larger micro_batch)"
         )
 
 
 def timeline(plan: Plan) -> Timeline:
-    """Simulate one training step of ``plan``'s pipeline schedule with the planner's per-stage times.
+    """Simulate one training step of ``plan``'s pipeline schedule with the planner's per-stage
+    times.
 
-    A plan without them (written by hand, never planned) is timed in relative units (F = 1, B = 2, free
-    transfers, no tail) and says so in ``units`` and ``notes``; nothing here fails for lack of figures.
+    A plan without them (written by hand, never planned) is timed in relative units (F = 1, B = 2,
+    free transfers, no tail) and says so in ``units`` and ``notes``; nothing here fails for lack of
+    figures.
     """
     check_simulable(plan)
     par = plan.parallel
     m, pp, v = plan.num_microbatches, par.pp, par.virtual_stages
     figures = _figures(plan)
     blocks = run_timed(
-        lower(schedule(par.schedule, pp, m, v), pp, v), figures.forward_s, figures.backward_s, figures.p2p_s
+        lower(schedule(par.schedule, pp, m, v), pp, v),
+        figures.forward_s,
+        figures.backward_s,
+        figures.p2p_s,
     )
     ends = {
-        rank: max(b.end_s for b in own if not b.kind.startswith("SEND")) for rank, own in _by_rank(blocks, pp).items()
+        rank: max(b.end_s for b in own if not b.kind.startswith("SEND"))
+        for rank, own in _by_rank(blocks, pp).items()
     }
     if figures.tail_s > 0:
         blocks += [Block(rank, "tail", end, end + figures.tail_s) for rank, end in ends.items()]
@@ -291,8 +318,8 @@ def timeline(plan: Plan) -> Timeline:
     notes = []
     if figures.units == "relative":
         notes.append(
-            f"relative units (F = {RELATIVE_FORWARD:g}, B = {RELATIVE_BACKWARD:g}, transfers free): the plan has "
-            "no planner timings; write it with `hyparallel plan` for seconds and GiB"
+            f"relative units (F = {RELATIVE_FORWARD:g}, B = {RELATIVE_BACKWARD:g}, transfers free):"
+            " the plan has no planner timings; write it with `hyparallel plan` for seconds and GiB"
         )
     device = plan.cluster.device if plan.cluster else None
     predicted = plan.predicted

@@ -1,38 +1,44 @@
-"""Run-time figures of a ParallelModel: step time, tokens/s, TFLOP/s per device, MFU and peak memory,
-next to what the plan predicted for them.
+"""Run-time figures of a ParallelModel: step time, tokens/s, TFLOP/s per device, MFU and peak
+memory, next to what the plan predicted for them.
 
 Note [what a measured step is]
-    A step is the wall time from one optimizer step's first ``train_step`` call to the next one's (calls that
-    accumulate gradients between two optimizer steps are one step, their tokens added up; before any optimizer step
-    is seen, each call is one), so it covers what a training loop really spends per step: forward, backward,
-    gradient sync, the optimizer, clipping and the data loading of the next batch. On CUDA the boundaries are CUDA
-    events on the current stream (no synchronisation is added; they are read once complete), on the CPU
-    ``time.perf_counter``. The last step closes when :meth:`RunMetrics.summary` (or ``close``) is called. The first
-    ``warmup`` steps (allocator growth, Triton autotuning, NCCL communicator set-up) are left out of the summary.
-    Model FLOPs are the planner's: 3 x the traced forward FLOPs per token x tokens (no recomputation counted), so
-    measured and predicted TFLOP/s and MFU mean the same thing.
+    A step is the wall time from one optimizer step's first ``train_step`` call to the next one's
+    (calls that accumulate gradients between two optimizer steps are one step, their tokens added
+    up; before any optimizer step is seen, each call is one), so it covers what a training loop
+    really spends per step: forward, backward, gradient sync, the optimizer, clipping and the data
+    loading of the next batch. On CUDA the boundaries are CUDA events on the current stream (no
+    synchronisation is added; they are read once complete), on the CPU
+    ``time.perf_counter``. The last step closes when :meth:`RunMetrics.summary` (or ``close``) is
+    called. The first
+    ``warmup`` steps (allocator growth, Triton autotuning, NCCL communicator set-up) are left out of
+    the summary. Model FLOPs are the planner's: 3 x the traced forward FLOPs per token x tokens (no
+    recomputation counted), so measured and predicted TFLOP/s and MFU mean the same thing.
 
 Note [peak memory on the CPU]
     :func:`measured_peak_bytes` is the one place a rank's peak is measured. On CUDA it is
-    ``torch.cuda.max_memory_allocated``, which the planner's memory figures (without the preset's reserve)
-    describe. The CPU has no allocator counter; a stand-in until an honest CPU measurement replaces this
+    ``torch.cuda.max_memory_allocated``, which the planner's memory figures (without the preset's
+    reserve) describe. The CPU has no allocator counter; a stand-in until an honest CPU measurement
+    replaces this
     function: the process's peak resident set (``VmHWM``, which never goes down) less the cluster's
-    ``reserved_bytes``, which the cpu preset sets to what a torch + gloo process holds before any model. It
-    counts what the interpreter and the allocator's caches hold beyond that too, so it reads high, not low.
+    ``reserved_bytes``, which the cpu preset sets to what a torch + gloo process holds before any
+    model. It counts what the interpreter and the allocator's caches hold beyond that too, so it
+    reads high, not low.
 
 Note [online calibration]
-    ``calibrate_online`` arms the fit of hyparallel.planner.online: after ``warmup`` steps, the median of the next
-    ``steps`` is compared with the plan's prediction on every rank (``RunMetrics.comparison``); when they
-    differ by more than ``threshold``, rank 0 alone fits the cluster (Note [what the fit changes] in
-    hyparallel/planner/online.py), writes it, re-plans and logs one line. That happens once, inside the train_step
-    call that follows the last measured step, after that step is closed and before the new one opens (so no
-    measured step contains it) and before any collective of the new step: the other ranks wait for rank 0 at
-    their first collective of that step, as long as the fit and re-plan take (measured on this project's CPU
-    machine: 0.1 s for gpt-tiny, 1.1 s for gpt-mini on 8 processes, about 25 s for GPT-3 175B, mostly its
-    trace; it must stay within the collective timeout, HYPARALLEL_TIMEOUT), and no collective is added,
-    skipped or reordered. The
-    running plan is never changed. A failure of the fit (the model spec does not load, nothing reproduces the
-    step) is logged as one line and training goes on.
+    ``calibrate_online`` arms the fit of hyparallel.planner.online: after ``warmup`` steps, the
+    median of the next
+    ``steps`` is compared with the plan's prediction on every rank (``RunMetrics.comparison``); when
+    they differ by more than ``threshold``, rank 0 alone fits the cluster (Note [what the fit
+    changes] in hyparallel/planner/online.py), writes it, re-plans and logs one line. That happens
+    once, inside the train_step call that follows the last measured step, after that step is closed
+    and before the new one opens (so no measured step contains it) and before any collective of the
+    new step: the other ranks wait for rank 0 at their first collective of that step, as long as the
+    fit and re-plan take (measured on this project's CPU
+    machine: 0.1 s for gpt-tiny, 1.1 s for gpt-mini on 8 processes, about 25 s for GPT-3 175B,
+    mostly its trace; it must stay within the collective timeout, HYPARALLEL_TIMEOUT), and no
+    collective is added, skipped or reordered. The
+    running plan is never changed. A failure of the fit (the model spec does not load, nothing
+    reproduces the step) is logged as one line and training goes on.
 """
 
 from __future__ import annotations
@@ -53,34 +59,43 @@ from hyparallel.spec.schema import Plan
 
 @dataclass(frozen=True)
 class StepFigures:
-    """One step, or the median of several: what was measured and, where the plan has them, the predictions."""
+    """One step, or the median of several: what was measured and, where the plan has them, the
+    predictions."""
 
     steps: int
     step_time_s: float
     tokens_per_s: float
     tflops_per_gpu: float
     mfu: float | None  # None: the plan names no cluster, so no peak to divide by
-    peak_memory_gib: float | None  # this rank's peak (measured_peak_bytes); None on the CPU without a cluster
+    # this rank's peak (measured_peak_bytes); None on the CPU without a cluster
+    peak_memory_gib: float | None
     predicted_step_time_s: float | None = None
     predicted_tokens_per_s: float | None = None
     predicted_mfu: float | None = None
-    predicted_memory_gib: float | None = None  # this rank's stage, without the preset's reserve: as allocated
+    # this rank's stage, without the preset's reserve: as allocated
+    predicted_memory_gib: float | None = None
 
     def line(self) -> str:
         """One log line: measured figures, with the prediction where there is one."""
         parts = [
-            f"{self.step_time_s * 1e3:,.1f} ms/step" + _vs(self.step_time_s, self.predicted_step_time_s),
+            f"{self.step_time_s * 1e3:,.1f} ms/step"
+            + _vs(self.step_time_s, self.predicted_step_time_s),
             f"{self.tokens_per_s:,.0f} tokens/s",
             f"{self.tflops_per_gpu:,.3g} TFLOP/s per device",
         ]
         if self.mfu is not None:
             parts.append(
-                f"MFU {self.mfu:.1%}" + (f" (predicted {self.predicted_mfu:.1%})" if self.predicted_mfu else "")
+                f"MFU {self.mfu:.1%}"
+                + (f" (predicted {self.predicted_mfu:.1%})" if self.predicted_mfu else "")
             )
         if self.peak_memory_gib is not None:
             parts.append(
                 f"peak {self.peak_memory_gib:.2f} GiB"
-                + (f" (predicted {self.predicted_memory_gib:.2f})" if self.predicted_memory_gib else "")
+                + (
+                    f" (predicted {self.predicted_memory_gib:.2f})"
+                    if self.predicted_memory_gib
+                    else ""
+                )
             )
         return ", ".join(parts)
 
@@ -90,8 +105,9 @@ def _vs(measured: float, predicted: float | None) -> str:
 
 
 def measured_peak_bytes(device: torch.device, cluster: ClusterSpec | None) -> int | None:
-    """This process's peak memory as the planner's figures without the reserve count it (Note [peak memory on the
-    CPU]): CUDA's max_memory_allocated; on the CPU the peak resident set less ``cluster``'s reserve (a stand-in)."""
+    """This process's peak memory as the planner's figures without the reserve count it (Note [peak
+    memory on the CPU]): CUDA's max_memory_allocated; on the CPU the peak resident set less
+    ``cluster``'s reserve (a stand-in)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     if cluster is None:
@@ -156,7 +172,13 @@ class RunMetrics:
     """Records every ``train_step`` of a ParallelModel; see Note [what a measured step is]."""
 
     def __init__(
-        self, plan: Plan, flops_per_token: float, device: torch.device, pp_rank: int, warmup: int = 1, rank: int = 0
+        self,
+        plan: Plan,
+        flops_per_token: float,
+        device: torch.device,
+        pp_rank: int,
+        warmup: int = 1,
+        rank: int = 0,
     ):
         self.plan, self.flops_per_token, self.device, self.pp_rank, self.warmup = (
             plan,
@@ -166,11 +188,14 @@ class RunMetrics:
             warmup,
         )
         self.rank = rank
-        self._open: tuple[object, int] | None = None  # the step in progress: its start mark and global tokens
-        self._pending: list[tuple[object, object, int]] = []  # closed CUDA steps whose end events may not be done
+        # the step in progress: its start mark and global tokens
+        self._open: tuple[object, int] | None = None
+        # closed CUDA steps whose end events may not be done
+        self._pending: list[tuple[object, object, int]] = []
         self._steps: list[tuple[float, int]] = []  # closed steps: seconds and global tokens
         self._online: OnlineSettings | None = None
-        self.comparison: Comparison | None = None  # set once the online warm-up and measured steps are done
+        # set once the online warm-up and measured steps are done
+        self.comparison: Comparison | None = None
         self.calibration = None  # rank 0: the hyparallel.planner.online.Calibration, once fitted
 
     def calibrate_online(
@@ -184,14 +209,17 @@ class RunMetrics:
         switch_gain: float | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
-        """Arm online calibration (Note [online calibration]); call it on every rank, before training.
+        """Arm online calibration (Note [online calibration]); call it on every rank, before
+        training.
 
-        ``out``: where rank 0 writes the corrected cluster (default ``<cluster>-corrected.yaml`` in the working
-        folder; an existing file is never replaced: a free ``-2``, ``-3``... name beside it is used). ``model``: the
-        spec ``hyparallel plan --model`` takes (default the plan's model name). ``warmup`` steps are left out, the
-        median of the next ``steps`` is the measurement, a fit follows when it is off the prediction by more than
-        ``threshold``, and another plan is suggested when it is predicted more than ``switch_gain`` faster
-        (defaults: hyparallel.planner.online's DEFAULT_*). ``log`` takes rank 0's line (default: printed).
+        ``out``: where rank 0 writes the corrected cluster (default ``<cluster>-corrected.yaml`` in
+        the working folder; an existing file is never replaced: a free ``-2``, ``-3``... name beside
+        it is used). ``model``: the spec ``hyparallel plan --model`` takes (default the plan's model
+        name). ``warmup`` steps are left out, the median of the next ``steps`` is the measurement, a
+        fit follows when it is off the prediction by more than
+        ``threshold``, and another plan is suggested when it is predicted more than ``switch_gain``
+        faster (defaults: hyparallel.planner.online's DEFAULT_*). ``log`` takes rank 0's line
+        (default: printed).
         """
         from hyparallel.planner import online
 
@@ -203,8 +231,12 @@ class RunMetrics:
         }
         for name, value in values.items():
             low = 1 if name == "steps" else 0
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low):
-                raise HyparallelError(f"calibrate_online: {name}={value!r}; give a number of at least {low}")
+            if not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
+            ):
+                raise HyparallelError(
+                    f"calibrate_online: {name}={value!r}; give a number of at least {low}"
+                )
         self._online = OnlineSettings(
             out=None if out is None else str(out),
             model=model,
@@ -213,7 +245,8 @@ class RunMetrics:
         )
 
     def step_started(self, tokens: int) -> None:
-        """Called by train_step on entry: closes the previous step, opens this one with ``tokens`` global tokens."""
+        """Called by train_step on entry: closes the previous step, opens this one with ``tokens``
+        global tokens."""
         mark = self._mark()
         if self._open is not None:
             self._pending.append((self._open[0], mark, self._open[1]))
@@ -223,12 +256,14 @@ class RunMetrics:
         self._open = (mark, tokens)
 
     def add_tokens(self, tokens: int) -> None:
-        """Called by a train_step that accumulates into the step in progress (no optimizer step since the last)."""
+        """Called by a train_step that accumulates into the step in progress (no optimizer step
+        since the last)."""
         if self._open is not None:
             self._open = (self._open[0], self._open[1] + tokens)
 
     def _check_online(self) -> bool:
-        """Compare after the warm-up; on rank 0, fit and re-plan when off by more than the threshold.
+        """Compare after the warm-up; on rank 0, fit and re-plan when off by more than the
+        threshold.
 
         Returns whether anything was done (the comparison is made once).
         """
@@ -239,18 +274,28 @@ class RunMetrics:
         if predicted is None:
             self.comparison = Comparison(measured, float("nan"), None, None)
             if self.rank == 0:
-                settings.log("online calibration: the plan has no prediction to compare the measured steps with")
+                settings.log(
+                    "online calibration: the plan has no prediction to compare the measured steps"
+                    " with"
+                )
             return True
         memory = measured_peak_bytes(self.device, self.plan.cluster)
         self.comparison = Comparison(
-            measured, predicted.step_time_s, None if memory is None else memory / 2**30, self._predicted_memory_gib()
+            measured,
+            predicted.step_time_s,
+            None if memory is None else memory / 2**30,
+            self._predicted_memory_gib(),
         )
         if self.rank != 0:
             return False
-        if abs(self.comparison.step_error) <= settings.threshold and not self.comparison.memory_under:
+        if (
+            abs(self.comparison.step_error) <= settings.threshold
+            and not self.comparison.memory_under
+        ):
             settings.log(
-                f"online calibration: step {measured * 1e3:,.4g} ms measured vs {predicted.step_time_s * 1e3:,.4g} "
-                f"predicted, within {settings.threshold:.0%}: the cluster file stands"
+                f"online calibration: step {measured * 1e3:,.4g} ms measured vs"
+                f" {predicted.step_time_s * 1e3:,.4g} predicted, within {settings.threshold:.0%}:"
+                " the cluster file stands"
             )
             return True
         self._fit(settings, measured, memory)
@@ -259,7 +304,9 @@ class RunMetrics:
     def _measured_step(self, settings: OnlineSettings) -> float | None:
         from hyparallel.planner import online
 
-        return online.measured_step([seconds for seconds, _ in self.steps()], settings.warmup, settings.steps)
+        return online.measured_step(
+            [seconds for seconds, _ in self.steps()], settings.warmup, settings.steps
+        )
 
     def _fit(self, settings: OnlineSettings, measured: float, memory: int | None) -> None:
         from hyparallel.planner import online
@@ -274,32 +321,38 @@ class RunMetrics:
                 out=online.free_path(out),
             )
         except HyparallelError as error:
-            settings.log(f"online calibration: step {measured * 1e3:,.4g} ms measured; no fit: {error}")
-            return
-        except Exception as error:  # a bug in the fit must not end a training run that does not need it
             settings.log(
-                f"online calibration failed (a bug: please report it with this line): {type(error).__name__}: "
-                f"{error}; training goes on with its plan"
+                f"online calibration: step {measured * 1e3:,.4g} ms measured; no fit: {error}"
+            )
+            return
+        # a bug in the fit must not end a training run that does not need it
+        except Exception as error:
+            settings.log(
+                "online calibration failed (a bug: please report it with this line):"
+                f" {type(error).__name__}: {error}; training goes on with its plan"
             )
             return
         settings.log(self.calibration.line(settings.switch_gain))
 
     def record(self, model: str | None = None) -> dict | None:
-        """What ``hyparallel calibrate --from-run`` reads (hyparallel.planner.online.run_record): the summary, every
-        step's seconds and the plan; None before a step closed."""
+        """What ``hyparallel calibrate --from-run`` reads (hyparallel.planner.online.run_record):
+        the summary, every step's seconds and the plan; None before a step closed."""
         from hyparallel.planner import online
 
         summary = self.summary()
         if summary is None:
             return None
         steps = [seconds for seconds, _ in self.steps()]
-        return online.run_record(summary, self.plan, model or self._model_spec(), steps, self.calibration)
+        return online.run_record(
+            summary, self.plan, model or self._model_spec(), steps, self.calibration
+        )
 
     def _model_spec(self) -> str | None:
         return self._online.model if self._online and self._online.model else None
 
     def close(self) -> None:
-        """Ends the step in progress and waits for the device; the next train_step opens a new one."""
+        """Ends the step in progress and waits for the device; the next train_step opens a new
+        one."""
         if self._open is not None:
             self._pending.append((self._open[0], self._mark(), self._open[1]))
             self._open = None
@@ -307,7 +360,8 @@ class RunMetrics:
             torch.cuda.synchronize(self.device)
 
     def steps(self) -> list[tuple[float, int]]:
-        """(seconds, global tokens) of each closed step, in order (on CUDA, those whose events have completed)."""
+        """(seconds, global tokens) of each closed step, in order (on CUDA, those whose events have
+        completed)."""
         while self._pending:
             start, end, tokens = self._pending[0]
             if isinstance(start, float):
@@ -321,15 +375,21 @@ class RunMetrics:
         return list(self._steps)
 
     def last(self, count: int = 1) -> StepFigures | None:
-        """The median of the last ``count`` closed steps (warm-up included), or None before the first closes."""
+        """The median of the last ``count`` closed steps (warm-up included), or None before the
+        first closes."""
         steps = self.steps()[-count:]
         return self._figures(steps) if steps else None
 
     def summary(self) -> StepFigures | None:
-        """Closes the step in progress and gives the median over the steps after warm-up (all if that is none)."""
+        """Closes the step in progress and gives the median over the steps after warm-up (all if
+        that is none)."""
         self.close()
         steps = self.steps()
-        return self._figures(steps[self.warmup :] if len(steps) > self.warmup else steps) if steps else None
+        return (
+            self._figures(steps[self.warmup :] if len(steps) > self.warmup else steps)
+            if steps
+            else None
+        )
 
     def _figures(self, steps: list[tuple[float, int]]) -> StepFigures:
         step_s = statistics.median(seconds for seconds, _ in steps)

@@ -1,10 +1,10 @@
 """Activation recomputation as a plan asks for it: ``apply_recompute(modules, recompute, seq_len)``.
 
-``full`` recomputes each wrapped module's forward in its backward; ``selective`` only its seq x seq ops
-(attention scores, softmax, dropout), what the planner costs. ``parallelize`` wraps each repeated block when
-pp = 1 and each pipeline stage's graph when pp > 1. The module's forward is wrapped, not its ``__call__``, so
-hooks on it (sequence-parallel scatter, FSDP's gathers) run once, outside the recomputed region, and the
-parameter names do not change.
+``full`` recomputes each wrapped module's forward in its backward; ``selective`` only its seq x seq
+ops (attention scores, softmax, dropout), what the planner costs. ``parallelize`` wraps each
+repeated block when pp = 1 and each pipeline stage's graph when pp > 1. The module's forward is
+wrapped, not its ``__call__``, so hooks on it (sequence-parallel scatter, FSDP's gathers) run once,
+outside the recomputed region, and the parameter names do not change.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from hyparallel.spec.schema import Recompute
 
 
 def apply_recompute(modules: Iterable[nn.Module], recompute: Recompute, seq_len: int) -> None:
-    """Recompute each of ``modules`` in its backward (``full``) or only its seq x seq ops (``selective``)."""
+    """Recompute each of ``modules`` in its backward (``full``) or only its seq x seq ops
+    (``selective``)."""
     if recompute == "none":
         return
     context = selective_context(seq_len) if recompute == "selective" else None
@@ -33,28 +34,32 @@ def apply_recompute(modules: Iterable[nn.Module], recompute: Recompute, seq_len:
 
 
 # Note [what selective recomputation saves]
-#     The policy below is asked about every op of a recomputed region as the forward runs it; what it saves,
-#     the recompute takes back from a cache instead of running the op again. It recomputes:
-#       1. ops whose output is seq x seq (attention scores, their scale, mask, softmax and dropout): what the
-#          planner costs as selective recomputation;
-#       2. ops that write into a tensor (in-place ops, e.g. CPU dropout's `empty_like(x).bernoulli_(1 - p)`
-#          then `div_(1 - p)`, or `masked_fill_`), and the allocations they fill (`empty_like`, `new_*`,
-#          factories without tensor inputs). A saved result is handed back as the tensor it was when saved:
-#          torch refuses one written to since ("Tensor cached during selective activation checkpoint has
-#          been mutated": what dropout did to the saved `empty_like` before this rule), and replaying the
-#          write on a saved tensor would apply it twice;
-#       3. every random op (dropout's draw). Checkpointing restores the RNG state at the start of the
-#          region's recompute, so the recompute draws the forward's numbers only if it makes every draw the
-#          forward made, in the same order; one saved (skipped) draw would shift the ones after it, and the
-#          backward would use other dropout masks than the forward did.
-#     Everything else is saved. In transformer blocks rules 2 and 3 add elementwise work only (dropout's
-#     draws, masks built in place), which the planner does not count. A model that writes in place into the
-#     result of some other op (say `relu_` on a matmul's output) still stops with torch's error in its first
+#     The policy below is asked about every op of a recomputed region as the forward runs it; what
+#     it saves, the recompute takes back from a cache instead of running the op again. It
+#     recomputes:
+#       1. ops whose output is seq x seq (attention scores, their scale, mask, softmax and dropout):
+#          what the planner costs as selective recomputation;
+#       2. ops that write into a tensor (in-place ops, e.g. CPU dropout's
+#          `empty_like(x).bernoulli_(1 - p)` then `div_(1 - p)`, or `masked_fill_`), and the
+#          allocations they fill (`empty_like`, `new_*`, factories without tensor inputs). A saved
+#          result is handed back as the tensor it was when saved: torch refuses one written to since
+#          ("Tensor cached during selective activation checkpoint has been mutated": what dropout
+#          did to the saved `empty_like` before this rule), and replaying the write on a saved
+#          tensor would apply it twice;
+#       3. every random op (dropout's draw). Checkpointing restores the RNG state at the start of
+#          the region's recompute, so the recompute draws the forward's numbers only if it makes
+#          every draw the forward made, in the same order; one saved (skipped) draw would shift the
+#          ones after it, and the backward would use other dropout masks than the forward did.
+#     Everything else is saved. In transformer blocks rules 2 and 3 add elementwise work only
+#     (dropout's draws, masks built in place), which the planner does not count. A model that writes
+#     in place into the result of some other op (say `relu_` on a matmul's output) still stops with
+#     torch's error in its first
 #     backward: loud, never wrong.
 
 
 def selective_context(seq_len: int):
-    """Selective recomputation as the planner costs it; see Note [what selective recomputation saves]."""
+    """Selective recomputation as the planner costs it; see Note [what selective recomputation
+    saves]."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     def policy(ctx, func, *args, **kwargs):
@@ -65,18 +70,24 @@ def selective_context(seq_len: int):
 
 
 def _writes_or_draws(func, args) -> bool:
-    """Rules 2 and 3 of Note [what selective recomputation saves]: writes into a tensor, allocates one, or draws."""
+    """Rules 2 and 3 of Note [what selective recomputation saves]: writes into a tensor, allocates
+    one, or draws."""
     schema = getattr(func, "_schema", None)
     if schema is None:  # not an ATen op (a higher-order op): leave it to the shape rule
         return False
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
         return True
     name = schema.name.split("::")[-1]
-    return name.endswith("_like") or name.startswith("new_") or not any(isinstance(a, torch.Tensor) for a in args)
+    return (
+        name.endswith("_like")
+        or name.startswith("new_")
+        or not any(isinstance(a, torch.Tensor) for a in args)
+    )
 
 
 def _is_seq_by_seq(func, args, seq_len: int) -> bool:
-    """Rule 1: the op's result ends in (seq_len, seq_len) (a matmul's from its operands, others' from the first)."""
+    """Rule 1: the op's result ends in (seq_len, seq_len) (a matmul's from its operands, others'
+    from the first)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors:
         return False

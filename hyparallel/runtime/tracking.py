@@ -1,19 +1,22 @@
 """Training figures to TensorBoard and Weights & Biases, from rank 0: ``hp.tracking.Tracker``.
 
-    tracker = hp.tracking.Tracker(pmodel, tensorboard_dir="runs/gpt", wandb_project="gpt")   # every rank
+    # every rank
+    tracker = hp.tracking.Tracker(pmodel, tensorboard_dir="runs/gpt", wandb_project="gpt")
     for step in range(steps):
         loss = pmodel.train_step(inputs, targets)
         opt.step(); opt.zero_grad()
         tracker.log(step, loss=loss, lr=scheduler.get_last_lr()[0])
     tracker.close()
 
-Each ``log`` writes the loss, the caller's scalars under their own names, and the figures of the step
-``pmodel.metrics`` closed last under ``perf/`` (step time, tokens/s, TFLOP/s per device, MFU, this rank's peak
-memory; Note [what a measured step is] in hyparallel/runtime/metrics.py: a measured step closes when the next one's
-first ``train_step`` starts, so at ``log(step)`` they describe the step before). ``train_step``'s loss is the
-global mean on every rank, so rank 0 alone writes, and the other ranks' trackers do nothing (no collective).
-TensorBoard needs the ``tensorboard`` package (``pip install "hyparallel[track]"``), W&B the ``wandb`` package;
-each is imported only when asked for.
+Each ``log`` writes the loss, the caller's scalars under their own names, and the figures of the
+step
+``pmodel.metrics`` closed last under ``perf/`` (step time, tokens/s, TFLOP/s per device, MFU, this
+rank's peak memory; Note [what a measured step is] in hyparallel/runtime/metrics.py: a measured step
+closes when the next one's first ``train_step`` starts, so at ``log(step)`` they describe the step
+before). ``train_step``'s loss is the global mean on every rank, so rank 0 alone writes, and the
+other ranks' trackers do nothing (no collective). TensorBoard needs the ``tensorboard`` package
+(``pip install "hyparallel[track]"``), W&B the ``wandb`` package; each is imported only when asked
+for.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from hyparallel.spec.errors import ConfigError
 
 __all__ = ["Tracker"]
 
-# StepFigures field -> the name it is logged under (None values, e.g. MFU without a cluster, are left out).
+# StepFigures field -> the name it is logged under (None values, e.g. MFU without a cluster, are
+# left out).
 FIGURES = {
     "step_time_s": "perf/step_time_s",
     "tokens_per_s": "perf/tokens_per_s",
@@ -36,12 +40,14 @@ FIGURES = {
 
 
 class Tracker:
-    """Logs the loss, the caller's scalars and each step's measured figures to TensorBoard and/or W&B on rank 0.
+    """Logs the loss, the caller's scalars and each step's measured figures to TensorBoard and/or
+    W&B on rank 0.
 
-    ``tensorboard_dir``: a folder for TensorBoard's event files; ``wandb_project``: a W&B project (``run_name``
-    names the run there; the W&B run's config is the plan's ``training`` and ``parallel`` sections plus
-    ``config``; ``WANDB_MODE=offline`` keeps it local). Neither given: nothing is written. Every rank may make
-    one; on other ranks it does nothing.
+    ``tensorboard_dir``: a folder for TensorBoard's event files; ``wandb_project``: a W&B project
+    (``run_name`` names the run there; the W&B run's config is the plan's ``training`` and
+    ``parallel`` sections plus
+    ``config``; ``WANDB_MODE=offline`` keeps it local). Neither given: nothing is written. Every
+    rank may make one; on other ranks it does nothing.
     """
 
     def __init__(
@@ -75,8 +81,8 @@ class Tracker:
             )
 
     def log(self, step: int, loss: Any = None, **scalars: Any) -> None:
-        """Write ``loss`` (a number or a one-element tensor), ``scalars`` by name and the last closed step's
-        figures (``perf/...``) for ``step``; rank 0 only."""
+        """Write ``loss`` (a number or a one-element tensor), ``scalars`` by name and the last
+        closed step's figures (``perf/...``) for ``step``; rank 0 only."""
         if not self.active or (self._tensorboard is None and self._wandb is None):
             return
         values = {name: _number(value, name) for name, value in scalars.items()}
@@ -115,8 +121,9 @@ def _summary_writer(folder: Path):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise ConfigError(
-            f"tensorboard_dir={str(folder)!r}: TensorBoard logging needs the tensorboard package; "
-            'pip install "hyparallel[track]" (or pip install tensorboard), or leave tensorboard_dir out'
+            f"tensorboard_dir={str(folder)!r}: TensorBoard logging needs the tensorboard package;"
+            ' pip install "hyparallel[track]" (or pip install tensorboard), or leave'
+            " tensorboard_dir out"
         ) from None
     return SummaryWriter(log_dir=str(folder))
 
@@ -126,8 +133,8 @@ def _import_wandb():
         import wandb
     except ImportError:
         raise ConfigError(
-            "wandb_project: Weights & Biases logging needs the wandb package; pip install wandb, or leave "
-            "wandb_project out"
+            "wandb_project: Weights & Biases logging needs the wandb package; pip install wandb, or"
+            " leave wandb_project out"
         ) from None
     return wandb
 
@@ -138,4 +145,7 @@ def _number(value: Any, name: str) -> float:
         return float(value.item())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    raise ConfigError(f"Tracker.log: {name}={value!r} is not a number; log scalars (a float, or a 1-element tensor)")
+    raise ConfigError(
+        f"Tracker.log: {name}={value!r} is not a number; log scalars (a float, or a 1-element"
+        " tensor)"
+    )

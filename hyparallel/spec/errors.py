@@ -26,4 +26,5 @@ class TraceError(HyparallelError, RuntimeError):
 
 
 class PlanError(HyparallelError, ValueError):
-    """No plan satisfies the request (impossible constraints, indivisible dimensions, nothing fits)."""
+    """No plan satisfies the request (impossible constraints, indivisible dimensions, nothing
+    fits)."""

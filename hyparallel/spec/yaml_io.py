@@ -7,10 +7,10 @@ readers load them back as floats, and pydantic validation errors turned into one
 Note [what the loader refuses]
     PyYAML's SafeLoader builds no objects, but it still lets the last of two equal keys win silently
     (a plan edited by hand could say two things), recurses once per nesting level (10^5 ``[`` is a
-    RecursionError), expands aliases without limit (a "billion laughs" bomb), and converts integers of
-    any length (quadratic for sexagesimal ``1:2:3...``, and Python refuses to print ones over 4,300
-    digits). ``_Loader`` refuses each with a ``file:line:col`` error: duplicate keys at any level
-    (merge keys ``<<`` may still be overridden), nesting deeper than MAX_YAML_DEPTH, more than
+    RecursionError), expands aliases without limit (a "billion laughs" bomb), and converts integers
+    of any length (quadratic for sexagesimal ``1:2:3...``, and Python refuses to print ones over
+    4,300 digits). ``_Loader`` refuses each with a ``file:line:col`` error: duplicate keys at any
+    level (merge keys ``<<`` may still be overridden), nesting deeper than MAX_YAML_DEPTH, more than
     MAX_YAML_NODES values once aliases are expanded (or an alias inside itself), and numbers written
     with more than MAX_NUMBER_CHARS characters.
 """
@@ -34,12 +34,14 @@ from hyparallel.spec.limits import MAX_YAML_DEPTH, MAX_YAML_NODES
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
 
-MAX_NUMBER_CHARS = 1000  # digits of a number in a file; every bound in hyparallel.spec.limits has fewer than 25
+# digits of a number in a file; every bound in hyparallel.spec.limits has fewer than 25
+MAX_NUMBER_CHARS = 1000
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader refusing duplicate keys, deep nesting, alias bombs, huge numbers (Note [what the loader refuses])."""
+    """SafeLoader refusing duplicate keys, deep nesting, alias bombs, huge numbers (Note [what the
+    loader refuses])."""
 
     def __init__(self, stream: str):
         super().__init__(stream)
@@ -50,7 +52,9 @@ class _Loader(yaml.SafeLoader):
         try:
             if self._depth > MAX_YAML_DEPTH:
                 mark = self.peek_event().start_mark
-                raise ComposerError(None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", mark)
+                raise ComposerError(
+                    None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", mark
+                )
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -111,8 +115,9 @@ def _children(node: Node) -> list[Node]:
 
 
 def _check_expansion(root: Node) -> None:
-    """Refuse a document of more than MAX_YAML_NODES values once aliases are expanded, or deeper than
-    MAX_YAML_DEPTH through them, or with an alias inside its own anchor; iterative, so no recursion."""
+    """Refuse a document of more than MAX_YAML_NODES values once aliases are expanded, or deeper
+    than MAX_YAML_DEPTH through them, or with an alias inside its own anchor; iterative, so no
+    recursion."""
     size: dict[int, int] = {}
     depth: dict[int, int] = {}
     open_nodes: set[int] = set()
@@ -136,14 +141,17 @@ def _check_expansion(root: Node) -> None:
         if key in size:
             continue
         if key in open_nodes:
-            raise ComposerError(None, None, "an alias refers to a value that contains it", node.start_mark)
+            raise ComposerError(
+                None, None, "an alias refers to a value that contains it", node.start_mark
+            )
         open_nodes.add(key)
         stack.append((node, True))
         stack.extend((child, False) for child in children if id(child) not in size)
 
 
 def load_yaml_text(text: str) -> Any:
-    """Parse YAML text with the hardened safe loader (Note [what the loader refuses]); errors are yaml.YAMLError."""
+    """Parse YAML text with the hardened safe loader (Note [what the loader refuses]); errors are
+    yaml.YAMLError."""
     loader = _Loader(text)
     try:
         return loader.get_single_data()
@@ -159,7 +167,8 @@ def _represent_float(dumper: yaml.SafeDumper, value: float) -> yaml.Node:
     if math.isnan(value) or math.isinf(value):
         return dumper.represent_float(value)
     text = repr(value)
-    # Prefer the shortest exact scientific form for large/small figures (3.12e+14, not 312000000000000.0).
+    # Prefer the shortest exact scientific form for large/small figures (3.12e+14, not
+    # 312000000000000.0).
     for digits in range(17):
         candidate = f"{value:.{digits}e}"
         if float(candidate) == value:
@@ -171,7 +180,9 @@ def _represent_float(dumper: yaml.SafeDumper, value: float) -> yaml.Node:
         mantissa += ".0"  # PyYAML reads '3e+14' as a string; '3.0e+14' as a float
     if exponent and exponent[0] not in "+-":
         exponent = "+" + exponent
-    return dumper.represent_scalar("tag:yaml.org,2002:float", f"{mantissa}e{exponent}" if exponent else mantissa)
+    return dumper.represent_scalar(
+        "tag:yaml.org,2002:float", f"{mantissa}e{exponent}" if exponent else mantissa
+    )
 
 
 def _represent_list(dumper: yaml.SafeDumper, value: list) -> yaml.Node:
@@ -191,7 +202,8 @@ def dump_yaml(data: Any) -> str:
 
 
 def read_yaml(path: str | Path) -> Any:
-    """Load a YAML file with the hardened safe loader; a missing, binary or malformed file is a one-line ConfigError."""
+    """Load a YAML file with the hardened safe loader; a missing, binary or malformed file is a
+    one-line ConfigError."""
     path = Path(path)
     text = read_text(path)
     try:
@@ -214,8 +226,11 @@ def validate(model_cls: type[ModelT], data: Any, source: str) -> ModelT:
         raise ConfigError(f"{source}: {format_validation_error(exc, model_cls)}") from None
 
 
-def format_validation_error(exc: pydantic.ValidationError, model_cls: type[pydantic.BaseModel]) -> str:
-    """One line for the first error: ``field.path: expected <what the schema says>, got <input>``."""
+def format_validation_error(
+    exc: pydantic.ValidationError, model_cls: type[pydantic.BaseModel]
+) -> str:
+    """One line for the first error: ``field.path: expected <what the schema says>, got
+    <input>``."""
     errors = exc.errors(include_url=False)
     first = errors[0]
     loc = tuple(first["loc"])
@@ -223,8 +238,13 @@ def format_validation_error(exc: pydantic.ValidationError, model_cls: type[pydan
     message = _describe_error(first, loc, schema)
     path = ".".join(str(part) for part in loc)
     if first["type"] == "value_error" and loc and message.startswith(str(loc[0])):
-        path = ""  # the check's own message already names its fields (e.g. "parallel.virtual_stages is 2 ...")
-    more = f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+        # the check's own message already names its fields (e.g. "parallel.virtual_stages is 2 ...")
+        path = ""
+    more = (
+        f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+        if len(errors) > 1
+        else ""
+    )
     return f"{path}: {message}{more}" if path else f"{message}{more}"
 
 
@@ -248,7 +268,8 @@ def _describe_error(error: dict, loc: tuple, schema: dict) -> str:
 
 
 def _bound(kind: str, ctx: dict, expected: str) -> str:
-    """The bound a number broke, where ``expected`` ("a positive integer" and the like) does not already say it."""
+    """The bound a number broke, where ``expected`` ("a positive integer" and the like) does not
+    already say it."""
 
     def number(value: float) -> str:
         return f"{value:,}" if isinstance(value, int) else f"{value:g}"
@@ -270,13 +291,19 @@ _BRIEF.maxlevel, _BRIEF.maxlist, _BRIEF.maxdict, _BRIEF.maxstring, _BRIEF.maxoth
 
 
 def _show(value: Any) -> str:
-    """The offending value, in at most 60 characters, in the file's own (YAML flow) notation where it is small."""
-    if isinstance(value, int) and value.bit_length() > 200:  # no decimal string: Python refuses past 4,300 digits
+    """The offending value, in at most 60 characters, in the file's own (YAML flow) notation where
+    it is small."""
+    # no decimal string: Python refuses past 4,300 digits
+    if isinstance(value, int) and value.bit_length() > 200:
         return f"an integer of about {int(value.bit_length() * math.log10(2)):,} digits"
     if not _small(value):
         text = _BRIEF.repr(value)
     else:
-        text = repr(value) if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True).strip()
+        text = (
+            repr(value)
+            if isinstance(value, str)
+            else yaml.safe_dump(value, default_flow_style=True).strip()
+        )
         text = text.removesuffix("\n...").removesuffix(" ...")
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -294,7 +321,9 @@ def _small(value: Any, budget: int = 32) -> bool:
             pending.extend(item.values())
         elif isinstance(item, (list, tuple, set, frozenset)):
             pending.extend(item)
-        elif (isinstance(item, str) and len(item) > 1000) or (isinstance(item, int) and item.bit_length() > 200):
+        elif (isinstance(item, str) and len(item) > 1000) or (
+            isinstance(item, int) and item.bit_length() > 200
+        ):
             return False
     return True
 

@@ -1,4 +1,5 @@
-"""Apply a plan's ``tensor_parallel`` map to a model: swap modules in place, keeping this rank's slices.
+"""Apply a plan's ``tensor_parallel`` map to a model: swap modules in place, keeping this rank's
+slices.
 
 The styles come from the plan (module path or glob -> column | row | vocab | replicate). How a
 column weight is laid out (one range, or fused parts such as [q | k | v]) and how many heads an
@@ -56,23 +57,34 @@ class TensorParallelInfo:
     styles: dict[str, str] = field(default_factory=dict)
     vocab_start: int = 0
     vocab_size: int | None = None
-    synced_params: list[str] = field(default_factory=list)  # replicated inside the SP region: partial gradients
-    shared_rows: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)  # param -> every rank's rows
+    # replicated inside the SP region: partial gradients
+    synced_params: list[str] = field(default_factory=list)
+    # param -> every rank's rows
+    shared_rows: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
 
     def partial_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
-        """Copies of the gradients ``reduce_grads`` completes, as they are now: pass them back to it as ``since``."""
+        """Copies of the gradients ``reduce_grads`` completes, as they are now: pass them back to it
+        as ``since``."""
         find = _parameter_or_none(model)
         held = {name: find(name) for name in (*self.synced_params, *self.shared_rows)}
-        return {name: None if p.grad is None else _local(p.grad).clone() for name, p in held.items() if p is not None}
+        return {
+            name: None if p.grad is None else _local(p.grad).clone()
+            for name, p in held.items()
+            if p is not None
+        }
 
-    def reduce_grads(self, model: nn.Module, since: dict[str, torch.Tensor | None] | None = None) -> None:
-        """Complete the gradients tensor parallelism leaves partial; call once per step, after the last backward.
+    def reduce_grads(
+        self, model: nn.Module, since: dict[str, torch.Tensor | None] | None = None
+    ) -> None:
+        """Complete the gradients tensor parallelism leaves partial; call once per step, after the
+        last backward.
 
-        Under sequence parallelism each rank's norm weights and row biases saw part of the sequence; key/value
-        heads held by several ranks got gradient only from each holder's own query heads. Megatron-LM does the
-        same once per step (finalize_model_grads), after gradient accumulation. ``since`` (from
-        ``partial_grads`` before the step) limits the sums to what this step added, so gradients accumulated
-        over several steps without zero_grad are not summed twice.
+        Under sequence parallelism each rank's norm weights and row biases saw part of the sequence;
+        key/value heads held by several ranks got gradient only from each holder's own query heads.
+        Megatron-LM does the same once per step (finalize_model_grads), after gradient accumulation.
+        ``since`` (from
+        ``partial_grads`` before the step) limits the sums to what this step added, so gradients
+        accumulated over several steps without zero_grad are not summed twice.
         """
         since = since or {}
         find = _parameter_or_none(model)
@@ -81,7 +93,11 @@ class TensorParallelInfo:
             before = since.get(name)
             return grad - before if before is not None else grad.clone()
 
-        held = [(name, p) for name in self.synced_params if (p := find(name)) is not None and p.grad is not None]
+        held = [
+            (name, p)
+            for name in self.synced_params
+            if (p := find(name)) is not None and p.grad is not None
+        ]
         if held and self.tp > 1:
             parts = [step_part(name, _local(p.grad)) for name, p in held]
             flat = torch.cat([part.flatten() for part in parts])  # one collective for all of them
@@ -94,7 +110,9 @@ class TensorParallelInfo:
         for name, every_rank in self.shared_rows.items():
             param = find(name)
             if param is not None and param.grad is not None:
-                summed = _sum_replicated_rows(step_part(name, param.grad), every_rank, self.rank, self.group)
+                summed = _sum_replicated_rows(
+                    step_part(name, param.grad), every_rank, self.rank, self.group
+                )
                 param.grad.copy_(summed + since[name] if since.get(name) is not None else summed)
 
 
@@ -109,7 +127,8 @@ def _parameter_or_none(model: nn.Module):
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a gradient FSDP sharded over data parallelism), else the tensor itself."""
+    """A DTensor's local shard (a gradient FSDP sharded over data parallelism), else the tensor
+    itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
@@ -123,24 +142,32 @@ def apply_tensor_parallel(
     gather_logits: bool = False,
     fused_kernels: bool = True,
 ) -> TensorParallelInfo:
-    """Swap the modules ``tensor_parallel`` names for their tensor-parallel versions on ``group``, in place.
+    """Swap the modules ``tensor_parallel`` names for their tensor-parallel versions on ``group``,
+    in place.
 
-    ``graph`` is the model traced by ``hyparallel.trace``. Each rank keeps only its slices of the split
-    weights. The vocab-parallel head returns this rank's vocabulary slice of the logits, for
-    ``vocab_parallel_cross_entropy`` (what the planner costs); with ``gather_logits`` it all-gathers the
-    full logits instead, so any loss works, at the price of full logits on every rank. With
+    ``graph`` is the model traced by ``hyparallel.trace``. Each rank keeps only its slices of the
+    split weights. The vocab-parallel head returns this rank's vocabulary slice of the logits, for
+    ``vocab_parallel_cross_entropy`` (what the planner costs); with ``gather_logits`` it all-gathers
+    the full logits instead, so any loss works, at the price of full logits on every rank. With
     ``fused_kernels`` an activation module right after a column Linear runs in that Linear's matmul
-    epilogue (a Triton kernel on CUDA; the environment variable HYPARALLEL_TRITON=0 turns it off too).
+    epilogue (a Triton kernel on CUDA; the environment variable HYPARALLEL_TRITON=0 turns it off
+    too).
     """
     tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     analysis = graph.structure
     check_tensor_parallel_degree(graph, tp)
     styles = check_styles(graph, tensor_parallel)
-    info = TensorParallelInfo(group=group, tp=tp, rank=rank, sequence_parallel=sequence_parallel, styles=styles)
+    info = TensorParallelInfo(
+        group=group, tp=tp, rank=rank, sequence_parallel=sequence_parallel, styles=styles
+    )
     ties = tied_names(model)
     by_module = {graph.op(name).module: name for name in analysis.styles}
     blocks = tuple(block.path + "." for block in graph.blocks)
-    called = {path for path, module in model.named_modules() if type(module).forward is not nn.Module.forward}
+    called = {
+        path
+        for path, module in model.named_modules()
+        if type(module).forward is not nn.Module.forward
+    }
     entries = _region_entries(graph, analysis, styles, blocks, by_module, called)
     fused = _fusable_activations(model, graph, styles, by_module) if fused_kernels else {}
     for path, style in styles.items():
@@ -169,7 +196,9 @@ def apply_tensor_parallel(
     for path in styles:
         module = model.get_submodule(path)
         every_rank = getattr(module, "every_rank_rows", None)
-        if every_rank and any(sum(r in other for other in every_rank) > 1 for r in every_rank[rank]):
+        if every_rank and any(
+            sum(r in other for other in every_rank) > 1 for r in every_rank[rank]
+        ):
             for leaf in ("weight", "bias"):
                 if getattr(module, leaf, None) is not None:
                     info.shared_rows[f"{path}.{leaf}"] = every_rank
@@ -177,29 +206,36 @@ def apply_tensor_parallel(
         set_submodule(model, act_path, nn.Identity())
     for owner in sorted(set(entries.values())):
         module = model.get_submodule(owner)
-        module.register_forward_pre_hook(_entry_hook(module, group, sequence_parallel), with_kwargs=True)
+        module.register_forward_pre_hook(
+            _entry_hook(module, group, sequence_parallel), with_kwargs=True
+        )
     patch_attention_attributes(model, graph, analysis, tp, styles)
     _off_fused_encoder_paths(model, styles)
     if sequence_parallel and tp > 1:
         info.synced_params = _enter_sequence_parallel(model, graph, styles, group)
     # Note [replicated parameters inside a split region]
-    info.synced_params = sorted(set(info.synced_params) | _region_parameters(graph, analysis, styles))
+    info.synced_params = sorted(
+        set(info.synced_params) | _region_parameters(graph, analysis, styles)
+    )
     return info
 
 
 # Note [torch's fused encoder path]
-#     nn.TransformerEncoderLayer in eval under no_grad runs one fused kernel (torch._transformer_encoder_layer_fwd)
-#     on its children's weights as whole tensors instead of calling them, and nn.TransformerEncoder first packs
-#     a padded batch into nested tensors for it. With linear1 / linear2 split, that kernel reads one rank's slices
-#     as the whole weights: eval logits 0.57 off under tp 2, no error. torch skips both paths when a forward hook
-#     is attached anywhere in the layer, and packs nothing when the encoder's use_nested_tensor is off: a layer
-#     holding a split module gets a no-op pre-hook, and its encoder that flag off. Training never took them.
+#     nn.TransformerEncoderLayer in eval under no_grad runs one fused kernel
+#     (torch._transformer_encoder_layer_fwd) on its children's weights as whole tensors instead of
+#     calling them, and nn.TransformerEncoder first packs a padded batch into nested tensors for it.
+#     With linear1 / linear2 split, that kernel reads one rank's slices as the whole weights: eval
+#     logits 0.57 off under tp 2, no error. torch skips both paths when a forward hook is attached
+#     anywhere in the layer, and packs nothing when the encoder's use_nested_tensor is off: a layer
+#     holding a split module gets a no-op pre-hook, and its encoder that flag off. Training never
+#     took them.
 def _no_op(module: nn.Module, args: tuple) -> None:
     return None
 
 
 def _off_fused_encoder_paths(model: nn.Module, styles: dict[str, str]) -> None:
-    """Turn off torch's fused encoder paths above every split module (Note [torch's fused encoder path])."""
+    """Turn off torch's fused encoder paths above every split module (Note [torch's fused encoder
+    path])."""
     split = [path for path, style in styles.items() if style != "replicate"]
     for path, module in model.named_modules():
         if path and not any(_inside(s, path) for s in split):
@@ -211,14 +247,16 @@ def _off_fused_encoder_paths(model: nn.Module, styles: dict[str, str]) -> None:
 
 
 # Note [replicated parameters inside a split region]
-#     A parameter read between a split column and its row (a per-head norm's weight, shared by every head:
-#     Qwen3's and Kolibri's q_norm / k_norm) gets from each rank the gradient of that rank's heads only. Summed over
-#     the tensor-parallel group once per step (TensorParallelInfo.reduce_grads), as the sequence-parallel norms
-#     are; before, only sequence parallelism summed them, and without it they trained on one rank's share (0.74
-#     relative, measured on Kolibri at tp 2). Only regions of columns this plan splits count: a replicated column's
-#     region computes every head on every rank, its gradients already whole.
+#     A parameter read between a split column and its row (a per-head norm's weight, shared by every
+#     head: Qwen3's and Kolibri's q_norm / k_norm) gets from each rank the gradient of that rank's
+#     heads only. Summed over the tensor-parallel group once per step
+#     (TensorParallelInfo.reduce_grads), as the sequence-parallel norms are; before, only sequence
+#     parallelism summed them, and without it they trained on one rank's share (0.74 relative,
+#     measured on Kolibri at tp 2). Only regions of columns this plan splits count: a replicated
+#     column's region computes every head on every rank, its gradients already whole.
 def _region_parameters(graph: ModelGraph, analysis: TPAnalysis, styles: dict[str, str]) -> set[str]:
-    """Parameter names read by ops inside the split regions of the columns ``styles`` splits (not the Linears')."""
+    """Parameter names read by ops inside the split regions of the columns ``styles`` splits (not
+    the Linears')."""
     linears = {name for name in analysis.styles}
     names: set[str] = set()
     for column, style in analysis.styles.items():
@@ -251,8 +289,9 @@ def _fusable_activation(module: nn.Module) -> str | None:
 def _fusable_activations(
     model: nn.Module, graph: ModelGraph, styles: dict[str, str], by_module: dict[str, str]
 ) -> dict[str, tuple[str, str]]:
-    """Column Linear path -> (activation module path, its epilogue name) for each activation module that alone
-    consumes a column Linear's output and is called nowhere else: the Linear applies it instead."""
+    """Column Linear path -> (activation module path, its epilogue name) for each activation module
+    that alone consumes a column Linear's output and is called nowhere else: the Linear applies it
+    instead."""
     fused: dict[str, tuple[str, str]] = {}
     g = graph.graph
     calls: dict[str, int] = {}
@@ -285,27 +324,37 @@ def _region_entries(
     Inside a block, the column Linears of one module (q/k/v of an attention, up/gate of an MLP) read
     the same input: that module's first input. Entering there once costs one collective for all of
     them (the planner's assumption), and lets modules that reshape by their input's shape (Hugging
-    Face attention) see the gathered sequence under sequence parallelism. Only where nothing else in the
-    module reads that input: Funnel's FFN adds its input back (``layer_norm(x + down(up(x)))``), and the residual
-    read through the entered tensor had its gradient summed over the ranks too (tp times the single device's,
-    no error); such columns enter on their own. The module entered is one whose forward runs (``called``): a
-    ModuleList of experts all reading one input qualifies but is never called, and its hook never fired (an MoE
-    layer's experts then summed no gradient over the ranks, no error).
+    Face attention) see the gathered sequence under sequence parallelism. Only where nothing else in
+    the module reads that input: Funnel's FFN adds its input back (``layer_norm(x + down(up(x)))``),
+    and the residual read through the entered tensor had its gradient summed over the ranks too (tp
+    times the single device's, no error); such columns enter on their own. The module entered is one
+    whose forward runs (``called``): a ModuleList of experts all reading one input qualifies but is
+    never called, and its hook never fired (an MoE layer's experts then summed no gradient over the
+    ranks, no error).
     """
     g, entries = graph.graph, {}
-    columns = [p for p, style in styles.items() if style == "column" and p.startswith(blocks) and "." in p]
-    source = {c: next(iter(g.predecessors(by_module[c])), None) for c in columns if g.in_degree(by_module[c]) == 1}
+    columns = [
+        p for p, style in styles.items() if style == "column" and p.startswith(blocks) and "." in p
+    ]
+    source = {
+        c: next(iter(g.predecessors(by_module[c])), None)
+        for c in columns
+        if g.in_degree(by_module[c]) == 1
+    }
     for column, read in source.items():
         block = next(b for b in blocks if column.startswith(b))
         owner, scope = None, column.rsplit(".", 1)[0]
         while (scope + ".").startswith(block):  # from the column's parent up to its block:
-            # the widest module whose first input is the column's, read inside it by columns of that input only
-            # (a wrapped projection, Moshi's q_proj.linear, enters at the attention that reshapes by its input)
+            # the widest module whose first input is the column's, read inside it by columns of that
+            # input only (a wrapped projection, Moshi's q_proj.linear, enters at the attention that
+            # reshapes by its input)
             if _owner_input(graph, scope) != read:
                 break
             inside = [n for n in g.successors(read) if _inside(graph.op(n).module, scope)]
             if not all(
-                graph.op(n).module in source and source[graph.op(n).module] == read or not graph.op(n).output_shapes
+                graph.op(n).module in source
+                and source[graph.op(n).module] == read
+                or not graph.op(n).output_shapes
                 for n in inside
             ):
                 break
@@ -322,7 +371,8 @@ def _inside(module: str, owner: str) -> bool:
 
 
 def _owner_input(graph: ModelGraph, owner: str) -> str | None:
-    """The op producing the first tensor a module receives (the input its first op reads from outside it)."""
+    """The op producing the first tensor a module receives (the input its first op reads from
+    outside it)."""
     inside = [op for op in graph.compute_ops() if _inside(op.module, owner)]
     if not inside:
         return None
@@ -335,11 +385,13 @@ def _owner_input(graph: ModelGraph, owner: str) -> str | None:
 
 
 def _entry_hook(module: nn.Module, group: ProcessGroup, sequence_parallel: bool):
-    """Pre-hook entering the tensor-parallel region on a module's first input (positional or keyword).
+    """Pre-hook entering the tensor-parallel region on a module's first input (positional or
+    keyword).
 
-    Every argument that is that same tensor enters with it: CTRL calls its attention as ``attn(x, x, x)`` (value,
-    key, query), and entering only the first would leave the key and query paths' gradients unsummed over the
-    ranks (the norm before it then trains on one rank's share) and, under sequence parallelism, ungathered.
+    Every argument that is that same tensor enters with it: CTRL calls its attention as ``attn(x, x,
+    x)`` (value, key, query), and entering only the first would leave the key and query paths'
+    gradients unsummed over the ranks (the norm before it then trains on one rank's share) and,
+    under sequence parallelism, ungathered.
     """
     first = next(iter(inspect.signature(module.forward).parameters))
 
@@ -393,7 +445,13 @@ def _parallel_module(
         width = weight.size(1) // tp
         cols = (rank * width, (rank + 1) * width)
         new = RowParallelLinear(
-            weight.size(1), weight.size(0), cols, bias is not None, group, sequence_parallel=sp, **linear_kwargs
+            weight.size(1),
+            weight.size(0),
+            cols,
+            bias is not None,
+            group,
+            sequence_parallel=sp,
+            **linear_kwargs,
         )
         _copy(new.weight, weight[:, cols[0] : cols[1]])
         if bias is not None:
@@ -411,9 +469,12 @@ def _parallel_module(
         if not weight.is_meta:
             kept = weight[rows[0] : min(rows[1], vocab)]
             padded[: kept.size(0)] = kept
-        if isinstance(old, nn.Embedding) or base_forward(old) == "Embedding":  # a layer computing one, too
+        # a layer computing one, too
+        if isinstance(old, nn.Embedding) or base_forward(old) == "Embedding":
             padding = getattr(old, "padding_idx", None)
-            new = VocabParallelEmbedding(vocab, weight.size(1), rows, group, padding_idx=padding, **kwargs)
+            new = VocabParallelEmbedding(
+                vocab, weight.size(1), rows, group, padding_idx=padding, **kwargs
+            )
         else:
             new = VocabParallelHead(
                 weight.size(1),
@@ -427,17 +488,27 @@ def _parallel_module(
             )
             if bias is not None:
                 _copy(
-                    new.bias, torch.cat([bias[rows[0] : min(rows[1], vocab)], bias.new_zeros(max(0, rows[1] - vocab))])
+                    new.bias,
+                    torch.cat(
+                        [
+                            bias[rows[0] : min(rows[1], vocab)],
+                            bias.new_zeros(max(0, rows[1] - vocab)),
+                        ]
+                    ),
                 )
         _copy(new.weight, padded)
         return new
-    raise ConfigError(f"tensor_parallel: unknown style '{style}' for {op_name}; use column, row, vocab or replicate")
+    raise ConfigError(
+        f"tensor_parallel: unknown style '{style}' for {op_name}; use column, row, vocab or"
+        " replicate"
+    )
 
 
 def _sum_replicated_rows(
     grad: torch.Tensor, every_rank: list[list[tuple[int, int]]], rank: int, group: ProcessGroup
 ) -> torch.Tensor:
-    """Each rank's gradient covers only its own query heads: add the other holders' part of a shared key/value head."""
+    """Each rank's gradient covers only its own query heads: add the other holders' part of a shared
+    key/value head."""
     parts = [torch.empty_like(grad) for _ in every_rank]
     torch.distributed.all_gather(parts, grad.contiguous(), group=group)
     total = grad.clone()
@@ -447,7 +518,9 @@ def _sum_replicated_rows(
             other_offset = 0
             for other_start, other_stop in other_rows:
                 if other != rank and (other_start, other_stop) == (start, stop):
-                    total[offset : offset + stop - start] += parts[other][other_offset : other_offset + stop - start]
+                    total[offset : offset + stop - start] += parts[other][
+                        other_offset : other_offset + stop - start
+                    ]
                 other_offset += other_stop - other_start
         offset += stop - start
     return total
@@ -462,31 +535,42 @@ def _copy(target: nn.Parameter, source: torch.Tensor) -> None:
 def _enter_sequence_parallel(
     model: nn.Module, graph: ModelGraph, styles: dict[str, str], group: ProcessGroup
 ) -> list[str]:
-    """Split the hidden state along the sequence between the first block's input and the last block's output.
+    """Split the hidden state along the sequence between the first block's input and the last
+    block's output.
 
-    Replicated parameters inside the blocks (norms, row biases) then see only part of the sequence, so
-    their gradients are all-reduced over the tensor-parallel group as they are produced.
+    Replicated parameters inside the blocks (norms, row biases) then see only part of the sequence,
+    so their gradients are all-reduced over the tensor-parallel group as they are produced.
     """
     check_blocks(graph, "sequence_parallel", "to shard between")
-    first, last = block_modules(model, graph.blocks[0].path)[0], block_modules(model, graph.blocks[-1].path)[-1]
+    first, last = (
+        block_modules(model, graph.blocks[0].path)[0],
+        block_modules(model, graph.blocks[-1].path)[-1],
+    )
     size = torch.distributed.get_world_size(group)
 
     def scatter(module, args, kwargs):
-        if not splits_sequence(True):  # Note [whole sequences for a forward] (hyparallel.tensor.layers)
+        # Note [whole sequences for a forward] (hyparallel.tensor.layers)
+        if not splits_sequence(True):
             return None
         hidden = args[0] if args else kwargs["hidden_states"]
         length = hidden.size(SEQ_DIM)  # a Proxy under torch.fx: checked when the traced graph runs
         if isinstance(length, int) and length % size:
-            raise ConfigError(f"sequence_parallel: sequence length {length} is not divisible by tp {size}")
+            raise ConfigError(
+                f"sequence_parallel: sequence length {length} is not divisible by tp {size}"
+            )
         hidden = scatter_to_tp(hidden, SEQ_DIM, group)
-        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+        return (
+            ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+        )
 
     def gather(module, args, output):
         if not splits_sequence(True):
             return None
-        if isinstance(output, (tuple, list)):  # (hidden, attention weights...): OpenAI GPT's block returns a list
+        # (hidden, attention weights...): OpenAI GPT's block returns a list
+        if isinstance(output, (tuple, list)):
             items = [gather_from_tp(output[0], SEQ_DIM, group), *output[1:]]
-            return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)  # a namedtuple too
+            # a namedtuple too
+            return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
         return gather_from_tp(output, SEQ_DIM, group)
 
     first.register_forward_pre_hook(scatter, with_kwargs=True)
@@ -499,14 +583,16 @@ def _enter_sequence_parallel(
                     isinstance(module, RowParallelLinear) and name == "weight"
                 )
                 if not split:
-                    synced.append(f"{path}.{name}")  # summed over tp by TensorParallelInfo.reduce_grads
+                    # summed over tp by TensorParallelInfo.reduce_grads
+                    synced.append(f"{path}.{name}")
     return synced
 
 
 def check_local_shapes(
     model: nn.Module, graph: ModelGraph, styles: dict[str, str], tp: int, example_inputs: Any
 ) -> None:
-    """Refuse, in one line, a split whose modules cannot run at one rank's sizes (Note [one rank's sizes, run on
-    meta], hyparallel.graph.local_shapes); ``styles`` are the checked ones, ``example_inputs`` one micro-batch."""
+    """Refuse, in one line, a split whose modules cannot run at one rank's sizes (Note [one rank's
+    sizes, run on meta], hyparallel.graph.local_shapes); ``styles`` are the checked ones,
+    ``example_inputs`` one micro-batch."""
     if failure := local_shape_failure(model, graph, styles, tp, example_inputs):
         raise ConfigError(failure[1])

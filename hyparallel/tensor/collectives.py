@@ -12,9 +12,10 @@ is a no-op for a group of one. Gloo has no reduce-scatter: there it is an all-re
 keeping the own chunk (same result, twice the traffic; gloo is for CPU tests).
 
 Eagerly they are autograd Functions. Under a tracer (torch.fx, torch.export, torch.compile) they are
-one custom op, ``hyparallel::tp_collective(x, kind, dim, group_name)``, whose backward is the same op
-with the mirror kind: the op stays opaque in the traced graph, keeps its backward, and runs the same
-collectives when a pipeline stage executes that graph (see Note [collectives in traced graphs]).
+one custom op, ``hyparallel::tp_collective(x, kind, dim, group_name)``, whose backward is the same
+op with the mirror kind: the op stays opaque in the traced graph, keeps its backward, and runs the
+same collectives when a pipeline stage executes that graph (see Note [collectives in traced
+graphs]).
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 def _own_chunk(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     size = _size(group)
     if x.size(dim) % size:
-        raise ValueError(f"dimension {dim} of size {x.size(dim)} does not split over {size} tensor-parallel ranks")
+        raise ValueError(
+            f"dimension {dim} of size {x.size(dim)} does not split over {size} tensor-parallel"
+            " ranks"
+        )
     return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
 
 
@@ -62,7 +66,8 @@ def _identity(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 
 
 def _pair(name: str, forward, backward) -> type[torch.autograd.Function]:
-    """An autograd Function running ``forward(x, dim, group)`` and, on the gradient, its mirror ``backward``."""
+    """An autograd Function running ``forward(x, dim, group)`` and, on the gradient, its mirror
+    ``backward``."""
 
     def forward_(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
@@ -72,7 +77,9 @@ def _pair(name: str, forward, backward) -> type[torch.autograd.Function]:
         return backward(grad, ctx.dim, ctx.group), None, None
 
     return type(
-        name, (torch.autograd.Function,), {"forward": staticmethod(forward_), "backward": staticmethod(backward_)}
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward_), "backward": staticmethod(backward_)},
     )
 
 
@@ -92,8 +99,8 @@ _ReduceScatterSeq = _pair("_ReduceScatterSeq", _reduce_scatter, _all_gather)
 # be traced as itself: fx would call it on proxies, export would inline its forward and drop its
 # backward. So while tracing, each collective is the custom op below, named by kind, with the group
 # passed by name (a ProcessGroup cannot sit in a graph). Its fake kernel gives the output shape; its
-# backward is the same op with the mirror kind. A custom op may not return its input, so the identity
-# and own-chunk forwards copy: that cost is paid only in traced graphs.
+# backward is the same op with the mirror kind. A custom op may not return its input, so the
+# identity and own-chunk forwards copy: that cost is paid only in traced graphs.
 _KINDS = {  # kind -> (forward, the kind its backward runs)
     "copy": (_identity, "reduce"),
     "reduce": (_reduce, "copy"),
@@ -133,7 +140,12 @@ def _setup(ctx, inputs, output) -> None:
 
 
 def _mirror(ctx, grad):
-    return tp_collective(grad.contiguous(), _KINDS[ctx.kind][1], ctx.dim, ctx.group_name), None, None, None
+    return (
+        tp_collective(grad.contiguous(), _KINDS[ctx.kind][1], ctx.dim, ctx.group_name),
+        None,
+        None,
+        None,
+    )
 
 
 tp_collective.register_autograd(_mirror, setup_context=_setup)
@@ -141,18 +153,29 @@ tp_collective.register_autograd(_mirror, setup_context=_setup)
 
 def _tracing() -> bool:
     trace = torch.fx._symbolic_trace
-    symbolic = trace.is_fx_symbolic_tracing() if hasattr(trace, "is_fx_symbolic_tracing") else trace._is_fx_tracing_flag
+    symbolic = (
+        trace.is_fx_symbolic_tracing()
+        if hasattr(trace, "is_fx_symbolic_tracing")
+        else trace._is_fx_tracing_flag
+    )
     return torch.compiler.is_compiling() or symbolic
 
 
-def _apply(function: type[torch.autograd.Function], kind: str, x: torch.Tensor, dim: int, group: ProcessGroup):
+def _apply(
+    function: type[torch.autograd.Function],
+    kind: str,
+    x: torch.Tensor,
+    dim: int,
+    group: ProcessGroup,
+):
     if _tracing():
         return tp_collective(x, kind, dim, group.group_name)
     return function.apply(x, dim, group)
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Identity forward, all-reduce of the gradient backward: where a replicated input enters split compute."""
+    """Identity forward, all-reduce of the gradient backward: where a replicated input enters split
+    compute."""
     return x if _size(group) == 1 else _apply(_CopyToTP, "copy", x, -1, group)
 
 
@@ -178,7 +201,9 @@ def all_gather_seq(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tens
 
 def reduce_scatter_seq(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """Reduce-scatter along the sequence ``dim`` forward; all-gather the gradient backward."""
-    return x if _size(group) == 1 else _apply(_ReduceScatterSeq, "reduce_scatter_seq", x, dim, group)
+    return (
+        x if _size(group) == 1 else _apply(_ReduceScatterSeq, "reduce_scatter_seq", x, dim, group)
+    )
 
 
 def all_reduce_(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:

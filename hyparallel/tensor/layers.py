@@ -30,13 +30,17 @@ from hyparallel.tensor.init import ShardLayout
 SEQ_DIM = 1
 
 # Note [whole sequences for a forward]
-#     Sequence parallelism splits the hidden state's sequence over the tp ranks between blocks, so it needs lengths
-#     that divide by tp; a forward, an evaluation or a generation step may have any length. Inside
-#     ``whole_sequences()`` every sequence-parallel split (the parallel Linears' gathers and reduce-scatters, the
-#     entry hooks, the scatter before the first block and the gather after the last: hyparallel.tensor.apply) is off,
-#     and the blocks run as plain tensor parallelism on the whole sequence: the same numbers, rounding aside. A trace
-#     made inside bakes that in; an eager forward reads it at each call. Training never runs inside it.
-_WHOLE_SEQUENCES: contextvars.ContextVar[bool] = contextvars.ContextVar("whole_sequences", default=False)
+#     Sequence parallelism splits the hidden state's sequence over the tp ranks between blocks, so
+#     it needs lengths that divide by tp; a forward, an evaluation or a generation step may have any
+#     length. Inside
+#     ``whole_sequences()`` every sequence-parallel split (the parallel Linears' gathers and
+#     reduce-scatters, the entry hooks, the scatter before the first block and the gather after the
+#     last: hyparallel.tensor.apply) is off, and the blocks run as plain tensor parallelism on the
+#     whole sequence: the same numbers, rounding aside. A trace made inside bakes that in; an eager
+#     forward reads it at each call. Training never runs inside it.
+_WHOLE_SEQUENCES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "whole_sequences", default=False
+)
 
 
 @contextlib.contextmanager
@@ -50,16 +54,18 @@ def whole_sequences() -> Iterator[None]:
 
 
 def splits_sequence(sequence_parallel: bool) -> bool:
-    """Whether a module asked for sequence parallelism splits the sequence now (not inside ``whole_sequences``)."""
+    """Whether a module asked for sequence parallelism splits the sequence now (not inside
+    ``whole_sequences``)."""
     return sequence_parallel and not _WHOLE_SEQUENCES.get()
 
 
 class ColumnParallelLinear(nn.Module):
     """y_local = x @ W_local.T + b_local: this rank holds some output rows (features) of W.
 
-    ``rows`` lists the (start, stop) ranges of the full weight's output rows held here: one range for a
-    plain split, one per part for fused projections ([q | k | v]), repeated rows for key/value heads
-    replicated across ranks. Under sequence parallelism the input is all-gathered along the sequence.
+    ``rows`` lists the (start, stop) ranges of the full weight's output rows held here: one range
+    for a plain split, one per part for fused projections ([q | k | v]), repeated rows for key/value
+    heads replicated across ranks. Under sequence parallelism the input is all-gathered along the
+    sequence.
     """
 
     def __init__(
@@ -80,15 +86,21 @@ class ColumnParallelLinear(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        # Every tp rank's ``rows``, in rank order: key/value heads several ranks hold show up in more than one
-        # (TensorParallelInfo.reduce_grads sums their gradients). None: not known (a layer built on its own).
+        # Every tp rank's ``rows``, in rank order: key/value heads several ranks hold show up in
+        # more than one (TensorParallelInfo.reduce_grads sums their gradients). None: not known (a
+        # layer built on its own).
         self.every_rank_rows = every_rank_rows
-        self.transposed_source = transposed_source  # split from a weight stored (in, out): see ShardLayout.transposed
-        # An activation that followed this Linear in the model, applied in the matmul's epilogue (Triton on
-        # CUDA, torch otherwise): see hyparallel.kernels.linear_act.
+        # split from a weight stored (in, out): see ShardLayout.transposed
+        self.transposed_source = transposed_source
+        # An activation that followed this Linear in the model, applied in the matmul's epilogue
+        # (Triton on CUDA, torch otherwise): see hyparallel.kernels.linear_act.
         self.activation = activation
         self.in_features, self.out_features, self.rows = in_features, out_features, rows
-        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        self.group, self.sequence_parallel, self.gather_output = (
+            group,
+            sequence_parallel,
+            gather_output,
+        )
         # False when the module owning several column Linears (an attention, an MLP) enters the
         # tensor-parallel region once for all of them: see enter_tp_region.
         self.enter_region = enter_region
@@ -111,12 +123,17 @@ class ColumnParallelLinear(nn.Module):
         if leaf != "weight":
             return ShardLayout(full_shape=(self.out_features,), rows=tuple(self.rows))
         return ShardLayout(
-            full_shape=(self.out_features, self.in_features), rows=tuple(self.rows), transposed=self.transposed_source
+            full_shape=(self.out_features, self.in_features),
+            rows=tuple(self.rows),
+            transposed=self.transposed_source,
         )
 
     def extra_repr(self) -> str:
         fused = f", activation={self.activation}" if self.activation != "none" else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, rows={self.rows}{fused}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features},"
+            f" rows={self.rows}{fused}"
+        )
 
 
 def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
@@ -124,15 +141,20 @@ def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: boo
 
     All-gather the sequence (SP) or copy (gradients all-reduced).
     """
-    return all_gather_seq(x, SEQ_DIM, group) if splits_sequence(sequence_parallel) else copy_to_tp(x, group)
+    return (
+        all_gather_seq(x, SEQ_DIM, group)
+        if splits_sequence(sequence_parallel)
+        else copy_to_tp(x, group)
+    )
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_local @ W_local.T, then + b: this rank holds ``cols`` of the input features.
+    """y = sum over ranks of x_local @ W_local.T, then + b: this rank holds ``cols`` of the input
+    features.
 
     The input is already split (it comes from column-split compute). The partial products are
-    all-reduced, or reduce-scattered along the sequence under sequence parallelism; the bias is added
-    once, after the reduction.
+    all-reduced, or reduce-scattered along the sequence under sequence parallelism; the bias is
+    added once, after the reduction.
     """
 
     def __init__(
@@ -149,11 +171,16 @@ class RowParallelLinear(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        self.transposed_source = transposed_source  # split from a weight stored (in, out): see ShardLayout.transposed
+        # split from a weight stored (in, out): see ShardLayout.transposed
+        self.transposed_source = transposed_source
         self.in_features, self.out_features, self.cols = in_features, out_features, cols
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_features, cols[1] - cols[0], device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, cols[1] - cols[0], device=device, dtype=dtype)
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -168,7 +195,9 @@ class RowParallelLinear(nn.Module):
         if leaf != "weight":
             return None
         return ShardLayout(
-            full_shape=(self.out_features, self.in_features), cols=self.cols, transposed=self.transposed_source
+            full_shape=(self.out_features, self.in_features),
+            cols=self.cols,
+            transposed=self.transposed_source,
         )
 
     def extra_repr(self) -> str:
@@ -178,7 +207,8 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """An embedding whose rows (the vocabulary, padded to a multiple of tp) are split across ranks.
 
-    Ids outside this rank's rows look up row 0 and are zeroed; the partial embeddings are all-reduced.
+    Ids outside this rank's rows look up row 0 and are zeroed; the partial embeddings are
+    all-reduced.
     """
 
     def __init__(
@@ -193,18 +223,29 @@ class VocabParallelEmbedding(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        self.num_embeddings, self.embedding_dim, self.rows, self.group = num_embeddings, embedding_dim, rows, group
+        self.num_embeddings, self.embedding_dim, self.rows, self.group = (
+            num_embeddings,
+            embedding_dim,
+            rows,
+            group,
+        )
         self.padding_idx = padding_idx
         # The padding row gets no gradient (nn.Embedding's padding_idx), on the rank that holds it.
         self._local_padding = (
-            padding_idx - rows[0] if padding_idx is not None and rows[0] <= padding_idx < rows[1] else None
+            padding_idx - rows[0]
+            if padding_idx is not None and rows[0] <= padding_idx < rows[1]
+            else None
         )
-        self.weight = nn.Parameter(torch.empty(rows[1] - rows[0], embedding_dim, device=device, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.empty(rows[1] - rows[0], embedding_dim, device=device, dtype=dtype)
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.rows[0]
         outside = (local < 0) | (local >= self.weight.size(0))
-        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self._local_padding)
+        out = F.embedding(
+            local.masked_fill(outside, 0), self.weight, padding_idx=self._local_padding
+        )
         return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
     def shard_layout(self, leaf: str) -> ShardLayout:
@@ -212,18 +253,29 @@ class VocabParallelEmbedding(nn.Module):
         return ShardLayout(full_shape=(self.num_embeddings, self.embedding_dim), rows=(self.rows,))
 
     def extra_repr(self) -> str:
-        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, rows={self.rows}"
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim},"
+            f" rows={self.rows}"
+        )
 
 
 class VocabParallelHead(ColumnParallelLinear):
-    """The output projection to vocab-parallel logits (this rank's vocabulary rows, padding included).
+    """The output projection to vocab-parallel logits (this rank's vocabulary rows, padding
+    included).
 
-    With ``gather_output`` the full logits (padding dropped) are returned, so any loss works; without,
-    pass the local logits to :func:`vocab_parallel_cross_entropy`, which never forms the full logits.
+    With ``gather_output`` the full logits (padding dropped) are returned, so any loss works;
+    without, pass the local logits to :func:`vocab_parallel_cross_entropy`, which never forms the
+    full logits.
     """
 
     def __init__(
-        self, in_features: int, vocab_size: int, rows: tuple[int, int], bias: bool, group: ProcessGroup, **kwargs
+        self,
+        in_features: int,
+        vocab_size: int,
+        rows: tuple[int, int],
+        bias: bool,
+        group: ProcessGroup,
+        **kwargs,
     ):
         super().__init__(in_features, vocab_size, [rows], bias, group, **kwargs)
         self.vocab_size = vocab_size
@@ -239,12 +291,15 @@ class VocabParallelHead(ColumnParallelLinear):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Megatron-LM's vocab-parallel cross-entropy: max, sum of exponentials and target logit are all-reduced.
+    """Megatron-LM's vocab-parallel cross-entropy: max, sum of exponentials and target logit are
+    all-reduced.
 
-    Note [the vocab-parallel loss's memory]: one fp32 tensor of the local logits' size, made once and worked on in
-    place (masked, shifted, exponentiated in the forward and saved; turned into the gradient in the backward,
-    as Megatron-LM's does): 4 bytes per local logit beside the logits themselves, where out-of-place steps held
-    16. The backward consumes what it saved, so it runs once (a second backward, retain_graph, is refused).
+    Note [the vocab-parallel loss's memory]: one fp32 tensor of the local logits' size, made once
+    and worked on in place (masked, shifted, exponentiated in the forward and saved; turned into the
+    gradient in the backward, as Megatron-LM's does): 4 bytes per local logit beside the logits
+    themselves, where out-of-place steps held
+    16. The backward consumes what it saved, so it runs once (a second backward, retain_graph, is
+        refused).
     """
 
     @staticmethod
@@ -262,7 +317,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = all_reduce_(exp.sum(dim=-1), group)
         valid = targets != ignore_index
         count = valid.sum().clamp(min=1)
-        loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit)).sum() / count
+        loss = (
+            torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(target_logit)).sum()
+            / count
+        )
         ctx.save_for_backward(exp, sum_exp, local_target, here & valid, valid)
         ctx.count, ctx.consumed, ctx.dtype = count, False, logits.dtype
         return loss
@@ -271,12 +329,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.consumed:
             raise RuntimeError(
-                "vocab_parallel_cross_entropy's backward ran twice: it turns its saved tensor into the gradient in "
-                "place; backward through it once (no retain_graph)"
+                "vocab_parallel_cross_entropy's backward ran twice: it turns its saved tensor into"
+                " the gradient in place; backward through it once (no retain_graph)"
             )
         ctx.consumed = True
         exp, sum_exp, local_target, hit, valid = ctx.saved_tensors
-        gradient = exp.div_(sum_exp.unsqueeze(-1)).mul_(valid.unsqueeze(-1))  # the softmax, ignored targets zero
+        # the softmax, ignored targets zero
+        gradient = exp.div_(sum_exp.unsqueeze(-1)).mul_(valid.unsqueeze(-1))
         index = local_target.clamp(0, gradient.size(-1) - 1).unsqueeze(-1)
         gradient.scatter_add_(-1, index, -hit.unsqueeze(-1).to(gradient.dtype))
         return gradient.mul_(grad / ctx.count).to(ctx.dtype), None, None, None, None, None
@@ -290,8 +349,13 @@ def vocab_parallel_cross_entropy(
     vocab_size: int,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Mean cross-entropy over tokens from this rank's slice of the logits; equals F.cross_entropy on the full ones."""
+    """Mean cross-entropy over tokens from this rank's slice of the logits; equals F.cross_entropy
+    on the full ones."""
     if torch.distributed.get_world_size(group) == 1:
         full = local_logits[..., :vocab_size]
-        return F.cross_entropy(full.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index)
-    return _VocabParallelCrossEntropy.apply(local_logits, targets, vocab_start, vocab_size, group, ignore_index)
+        return F.cross_entropy(
+            full.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index
+        )
+    return _VocabParallelCrossEntropy.apply(
+        local_logits, targets, vocab_start, vocab_size, group, ignore_index
+    )

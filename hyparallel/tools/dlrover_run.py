@@ -1,4 +1,5 @@
-"""``hyparallel-dlrover-run``: DLRover's ``dlrover-run`` (same arguments), carrying the one fix it needs on new torch.
+"""``hyparallel-dlrover-run``: DLRover's ``dlrover-run`` (same arguments), carrying the one fix it
+needs on new torch.
 
 Note [the dlrover fix]
     dlrover 0.6.1 (the release on PyPI) starts its standalone local master with
@@ -7,11 +8,11 @@ Note [the dlrover fix]
     ``torch.distributed.elastic.multiprocessing.subprocess_handler.SubprocessHandler``, so
     ``dlrover-run --standalone`` dies with ``TypeError: ... missing 1 required positional argument:
     'numa_options'`` before any worker starts. The fix: the handler dlrover's launcher builds gets
-    ``numa_options=None`` (no NUMA binding, torch's own default for its launcher) when not given. Nothing else
-    is changed; everything else runs as ``dlrover-run`` runs. On Kubernetes (a master started by the DLRover
-    operator) and with ``--nnodes`` and an external master, plain ``dlrover-run`` works: the code path is
-    only the standalone one. tests/test_dlrover.py fails once a dlrover release no longer needs the fix:
-    then delete this module and its console script.
+    ``numa_options=None`` (no NUMA binding, torch's own default for its launcher) when not given.
+    Nothing else is changed; everything else runs as ``dlrover-run`` runs. On Kubernetes (a master
+    started by the DLRover operator) and with ``--nnodes`` and an external master, plain
+    ``dlrover-run`` works: the code path is only the standalone one. tests/test_dlrover.py fails
+    once a dlrover release no longer needs the fix: then delete this module and its console script.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import sys
 
 
 def needs_fix() -> bool:
-    """Whether the installed dlrover builds torch's SubprocessHandler without an argument torch requires."""
+    """Whether the installed dlrover builds torch's SubprocessHandler without an argument torch
+    requires."""
     from dlrover.trainer.torch import elastic_run
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
@@ -32,24 +34,29 @@ def needs_fix() -> bool:
 
 
 def apply_fix() -> None:
-    """Give dlrover's launcher a SubprocessHandler whose ``numa_options`` defaults to None (Note [the dlrover fix])."""
+    """Give dlrover's launcher a SubprocessHandler whose ``numa_options`` defaults to None (Note
+    [the dlrover fix])."""
     from dlrover.trainer.torch import elastic_run
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     class _Handler(SubprocessHandler):
-        def __init__(self, entrypoint, args, env, stdout, stderr, local_rank_id=0, numa_options=None):
+        def __init__(
+            self, entrypoint, args, env, stdout, stderr, local_rank_id=0, numa_options=None
+        ):
             super().__init__(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options)
 
     elastic_run.SubprocessHandler = _Handler
 
 
 def main() -> None:
-    """Run ``dlrover-run`` with the command line given, the fix applied where the installed dlrover needs it."""
+    """Run ``dlrover-run`` with the command line given, the fix applied where the installed dlrover
+    needs it."""
     try:
         from dlrover.trainer.torch import elastic_run
     except ImportError as exc:
         print(
-            f"hyparallel-dlrover-run: dlrover is not installed ({exc}); pip install 'hyparallel[elastic]'",
+            f"hyparallel-dlrover-run: dlrover is not installed ({exc}); pip install"
+            " 'hyparallel[elastic]'",
             file=sys.stderr,
         )
         sys.exit(2)

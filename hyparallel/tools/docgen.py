@@ -1,14 +1,16 @@
 """Generate the reference pages in docs/ from the code they describe.
 
-    python -m hyparallel.tools.docgen            # rewrite docs/plan-reference.md and docs/clusters.md
-    python -m hyparallel.tools.docgen --check    # exit 1 naming the pages that differ from what would be written
+    # rewrite docs/plan-reference.md and docs/clusters.md
+    python -m hyparallel.tools.docgen
+    # exit 1 naming the pages that differ from what would be written
+    python -m hyparallel.tools.docgen --check
 
-``plan-reference.md`` is read off the pydantic models of ``hyparallel/spec/schema.py`` (every field's type,
-constraints, default and ``Field(description=...)``), with an example planned now and the validation
-errors produced now; ``clusters.md`` off ``configs/clusters/*.yaml`` (every figure with the comment that
-gives its source) and the models of ``hyparallel/spec/cluster.py``. ``tests/test_docs.py`` runs the check, so
-a schema or preset change without regenerating fails. The output is deterministic: no dates, and the
-example's predictions rounded to 3 significant digits.
+``plan-reference.md`` is read off the pydantic models of ``hyparallel/spec/schema.py`` (every
+field's type, constraints, default and ``Field(description=...)``), with an example planned now and
+the validation errors produced now; ``clusters.md`` off ``configs/clusters/*.yaml`` (every figure
+with the comment that gives its source) and the models of ``hyparallel/spec/cluster.py``.
+``tests/test_docs.py`` runs the check, so a schema or preset change without regenerating fails. The
+output is deterministic: no dates, and the example's predictions rounded to 3 significant digits.
 """
 
 from __future__ import annotations
@@ -29,13 +31,22 @@ from pydantic.fields import FieldInfo
 
 from hyparallel.planner.api import round_figures
 from hyparallel.spec import schema
-from hyparallel.spec.cluster import ClusterSpec, DeviceSpec, ElementCost, LinkSpec, MatmulCurve, PeakFlops, preset_dir
+from hyparallel.spec.cluster import (
+    ClusterSpec,
+    DeviceSpec,
+    ElementCost,
+    LinkSpec,
+    MatmulCurve,
+    PeakFlops,
+    preset_dir,
+)
 from hyparallel.spec.errors import ConfigError
 
 DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
 COMMAND = "python -m hyparallel.tools.docgen"
 
-# The plan's sections in file order: (YAML key, model). ``cluster`` is documented on the cluster page.
+# The plan's sections in file order: (YAML key, model). ``cluster`` is documented on the cluster
+# page.
 PLAN_SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("model", schema.ModelInfo),
     ("training", schema.TrainingConfig),
@@ -71,7 +82,7 @@ def _header(sources: str) -> str:
     )
 
 
-# ---- types, constraints and defaults as words -------------------------------------------------------
+# ---- types, constraints and defaults as words ----------------------------------------------------
 
 
 def _anchor(model: type[BaseModel]) -> str:
@@ -79,7 +90,8 @@ def _anchor(model: type[BaseModel]) -> str:
 
 
 def _constraints(metadata: list) -> str:
-    """``> 0``, ``in (0, 1]``, ``at least 1``: the annotated-types constraints pydantic keeps on a field."""
+    """``> 0``, ``in (0, 1]``, ``at least 1``: the annotated-types constraints pydantic keeps on a
+    field."""
     bounds: dict[str, Any] = {}
     for item in metadata:
         if isinstance(item, FieldInfo):
@@ -87,13 +99,28 @@ def _constraints(metadata: list) -> str:
             if item_bounds:
                 bounds.setdefault("text", []).append(item_bounds)
         for name in ("gt", "ge", "lt", "le", "min_length", "max_length"):
-            if getattr(item, name, None) is not None and isinstance(item, annotated_types.BaseMetadata):
+            if getattr(item, name, None) is not None and isinstance(
+                item, annotated_types.BaseMetadata
+            ):
                 bounds[name] = getattr(item, name)
     words = list(bounds.pop("text", []))
-    low = ("(", _number(bounds["gt"])) if "gt" in bounds else ("[", _number(bounds["ge"])) if "ge" in bounds else None
-    high = (")", _number(bounds["lt"])) if "lt" in bounds else ("]", _number(bounds["le"])) if "le" in bounds else None
+    low = (
+        ("(", _number(bounds["gt"]))
+        if "gt" in bounds
+        else ("[", _number(bounds["ge"]))
+        if "ge" in bounds
+        else None
+    )
+    high = (
+        (")", _number(bounds["lt"]))
+        if "lt" in bounds
+        else ("]", _number(bounds["le"]))
+        if "le" in bounds
+        else None
+    )
     if low and high and isinstance(bounds.get("ge"), int) and isinstance(bounds.get("le"), int):
-        words.append(f"from {low[1]} to {high[1]}")  # the bounds of hyparallel.spec.limits: integers, both included
+        # the bounds of hyparallel.spec.limits: integers, both included
+        words.append(f"from {low[1]} to {high[1]}")
     elif low and high:
         words.append(f"in {low[0]}{low[1]}, {high[1]}{high[0]}")
     elif low:
@@ -115,13 +142,20 @@ def _number(value: Any) -> str:
 _SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
 
 
-def type_text(annotation: Any, metadata: list = (), link=lambda model: f"[{model.__name__}](#{_anchor(model)})") -> str:
-    """A field's type in words: ``integer > 0``, ``one of `gpipe`, `1f1b```, ``list of [StageSpec](#stagespec)``."""
+def type_text(
+    annotation: Any,
+    metadata: list = (),
+    link=lambda model: f"[{model.__name__}](#{_anchor(model)})",
+) -> str:
+    """A field's type in words: ``integer > 0``, ``one of `gpipe`, `1f1b```, ``list of
+    [StageSpec](#stagespec)``."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
         return type_text(args[0], [*args[1:], *metadata], link)
     bounds = _constraints(list(metadata))
-    suffix = f" {bounds}" if bounds and not bounds.startswith("at ") else f", {bounds}" if bounds else ""
+    suffix = (
+        f" {bounds}" if bounds and not bounds.startswith("at ") else f", {bounds}" if bounds else ""
+    )
     if origin is typing.Literal:
         choices = ", ".join(f"`{_yaml_scalar(a)}`" for a in args)
         return f"`{_yaml_scalar(args[0])}`" if len(args) == 1 else f"one of {choices}"
@@ -182,37 +216,52 @@ def field_table(model: type[BaseModel], link=None) -> str:
     rows = ["| key | type | default | description |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
         kind = type_text(field.annotation, field.metadata, *(link,) if link else ())
-        rows.append(f"| `{name}` | {_cell(kind)} | {default_text(field)} | {_cell(field.description or '')} |")
+        rows.append(
+            f"| `{name}` | {_cell(kind)} | {default_text(field)} |"
+            f" {_cell(field.description or '')} |"
+        )
     return "\n".join(rows) + "\n"
 
 
 def model_section(key: str, model: type[BaseModel], link=None) -> str:
     """A heading with an explicit anchor, the model's docstring, and its field table."""
     return (
-        f'<a id="{_anchor(model)}"></a>\n\n### `{key}`: {model.__name__}\n\n{_markdown(model.__doc__)}\n\n'
-        f"{field_table(model, link)}"
+        f'<a id="{_anchor(model)}"></a>\n\n### `{key}`:'
+        f" {model.__name__}\n\n{_markdown(model.__doc__)}\n\n{field_table(model, link)}"
     )
 
 
-# ---- the plan reference -------------------------------------------------------------------------------
+# ---- the plan reference --------------------------------------------------------------------------
 
 
 def example_plan() -> schema.Plan:
-    """The example of plan-reference.md: gpt-tiny planned on the cpu preset with tp 2 x pp 2 (so dp 2)."""
+    """The example of plan-reference.md: gpt-tiny planned on the cpu preset with tp 2 x pp 2 (so dp
+    2)."""
     import hyparallel as hp
 
     return hp.plan(
-        hp.models.build("gpt-tiny"), hp.ClusterSpec.preset("cpu"), global_batch=16, seq_len=64, dtype="fp32", tp=2, pp=2
+        hp.models.build("gpt-tiny"),
+        hp.ClusterSpec.preset("cpu"),
+        global_batch=16,
+        seq_len=64,
+        dtype="fp32",
+        tp=2,
+        pp=2,
     )
 
 
 def example_yaml(plan: schema.Plan) -> str:
-    """The plan as annotated YAML: the cluster in its short form, predictions to 3 significant digits."""
+    """The plan as annotated YAML: the cluster in its short form, predictions to 3 significant
+    digits."""
     from hyparallel.spec.yaml_io import dump_yaml
 
     data = round_figures(plan.to_dict(), 3)
     cluster = plan.cluster
-    data["cluster"] = {"name": cluster.name, "num_nodes": cluster.num_nodes, "gpus_per_node": cluster.gpus_per_node}
+    data["cluster"] = {
+        "name": cluster.name,
+        "num_nodes": cluster.num_nodes,
+        "gpus_per_node": cluster.gpus_per_node,
+    }
     par, tr = plan.parallel, plan.training
     notes = {
         "version": "the file format",
@@ -221,12 +270,16 @@ def example_yaml(plan: schema.Plan) -> str:
         "training": "you write this",
         "parallel": "and this: a hand-written plan may stop here",
         "placement": "rank layout: tp innermost (consecutive ranks)",
-        "stages": f"pp x virtual_stages = {par.pp * par.virtual_stages} entries; planned when absent",
+        "stages": (
+            f"pp x virtual_stages = {par.pp * par.virtual_stages} entries; planned when absent"
+        ),
         "tensor_parallel": "module path or glob -> style; planned when absent",
         "predicted": "the planner's figures for one step; informational",
     }
     inline = {
-        "num_microbatches": f"global_batch / (dp x micro_batch) = {tr.global_batch} / ({par.dp} x {tr.micro_batch})",
+        "num_microbatches": (
+            f"global_batch / (dp x micro_batch) = {tr.global_batch} / ({par.dp} x {tr.micro_batch})"
+        ),
         "micro_batch": "sequences per micro-batch on one replica",
         "global_batch": "sequences per optimizer step, all replicas",
     }
@@ -235,7 +288,9 @@ def example_yaml(plan: schema.Plan) -> str:
         out.append(f"# {notes.get(key, key)}")
         for line in dump_yaml({key: value}).splitlines():
             name = line.strip().split(":", 1)[0]
-            out.append(f"{line}  # {inline[name]}" if line.startswith("  ") and name in inline else line)
+            out.append(
+                f"{line}  # {inline[name]}" if line.startswith("  ") and name in inline else line
+            )
     return "\n".join(out) + "\n"
 
 
@@ -246,7 +301,10 @@ _PLAN_RULES: tuple[tuple[str, dict], ...] = (
         {"training": {"global_batch": 16, "seq_len": 64, "lr": 0.001}, "parallel": {}},
     ),
     (
-        "The world size dp x tp x pp equals the cluster's GPUs (`num_nodes x gpus_per_node`), when a cluster is given.",
+        (
+            "The world size dp x tp x pp equals the cluster's GPUs (`num_nodes x gpus_per_node`),"
+            " when a cluster is given."
+        ),
         {
             "cluster": {"name": "cpu", "num_nodes": 1},
             "training": {"global_batch": 16, "seq_len": 64},
@@ -254,12 +312,17 @@ _PLAN_RULES: tuple[tuple[str, dict], ...] = (
         },
     ),
     (
-        "`global_batch` is a multiple of dp x micro_batch; the quotient is `num_microbatches`, per replica.",
+        (
+            "`global_batch` is a multiple of dp x micro_batch; the quotient is `num_microbatches`,"
+            " per replica."
+        ),
         {"training": {"global_batch": 10, "micro_batch": 4, "seq_len": 64}, "parallel": {"dp": 2}},
     ),
     (
-        "A `num_microbatches` given equals global_batch / (dp x micro_batch); given without `micro_batch`, it sets "
-        "`micro_batch`.",
+        (
+            "A `num_microbatches` given equals global_batch / (dp x micro_batch); given without"
+            " `micro_batch`, it sets `micro_batch`."
+        ),
         {
             "training": {"global_batch": 16, "micro_batch": 2, "seq_len": 64},
             "parallel": {"dp": 2, "num_microbatches": 3},
@@ -267,10 +330,16 @@ _PLAN_RULES: tuple[tuple[str, dict], ...] = (
     ),
     (
         "`interleaved-1f1b` with pp > 1 needs `virtual_stages` >= 2 ...",
-        {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {"pp": 2, "schedule": "interleaved-1f1b"}},
+        {
+            "training": {"global_batch": 16, "seq_len": 64},
+            "parallel": {"pp": 2, "schedule": "interleaved-1f1b"},
+        },
     ),
     (
-        "... and `num_microbatches` a multiple of pp (micro-batches go through the chunks in groups of pp).",
+        (
+            "... and `num_microbatches` a multiple of pp (micro-batches go through the chunks in"
+            " groups of pp)."
+        ),
         {
             "training": {"global_batch": 6, "seq_len": 64},
             "parallel": {"pp": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2},
@@ -278,7 +347,10 @@ _PLAN_RULES: tuple[tuple[str, dict], ...] = (
     ),
     (
         "`virtual_stages` > 1 needs `interleaved-1f1b`.",
-        {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {"pp": 2, "virtual_stages": 2}},
+        {
+            "training": {"global_batch": 16, "seq_len": 64},
+            "parallel": {"pp": 2, "virtual_stages": 2},
+        },
     ),
     (
         "`sequence_parallel` needs tp > 1.",
@@ -286,7 +358,10 @@ _PLAN_RULES: tuple[tuple[str, dict], ...] = (
     ),
     (
         "`vocab_parallel_loss` needs tp > 1.",
-        {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {"vocab_parallel_loss": True}},
+        {
+            "training": {"global_batch": 16, "seq_len": 64},
+            "parallel": {"vocab_parallel_loss": True},
+        },
     ),
     (
         "`stages` lists pp x virtual_stages entries ...",
@@ -314,16 +389,26 @@ _PLAN_RULES: tuple[tuple[str, dict], ...] = (
     ),
     (
         "`placement.order` names pp, dp and tp once each.",
-        {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {}, "placement": {"order": ["pp", "pp", "tp"]}},
+        {
+            "training": {"global_batch": 16, "seq_len": 64},
+            "parallel": {},
+            "placement": {"order": ["pp", "pp", "tp"]},
+        },
     ),
     (
-        "Every number is within its bounds (the type column of each section gives them; "
-        "they are hyparallel.spec.limits', the same the CLI's flags use), and every float is finite ...",
+        (
+            "Every number is within its bounds (the type column of each section gives them; they"
+            " are hyparallel.spec.limits', the same the CLI's flags use), and every float is"
+            " finite ..."
+        ),
         {"training": {"global_batch": 16, "seq_len": 64}, "parallel": {"dp": 10**30}},
     ),
     (
         "... and dp x tp x pp is at most 1,048,576.",
-        {"training": {"global_batch": 2**20, "seq_len": 64}, "parallel": {"dp": 2**10, "tp": 2**10, "pp": 2}},
+        {
+            "training": {"global_batch": 2**20, "seq_len": 64},
+            "parallel": {"dp": 2**10, "tp": 2**10, "pp": 2},
+        },
     ),
     (
         "`predicted.memory_gib` has one entry per pipeline rank.",
@@ -352,7 +437,9 @@ def _rule_errors() -> str:
         except ConfigError as error:
             lines.append(f"- {rule}\n  `{error}`")
         else:  # a rule the schema stopped enforcing must not be documented as one
-            raise AssertionError(f"docgen: the schema accepts a plan breaking '{rule}'; update _PLAN_RULES")
+            raise AssertionError(
+                f"docgen: the schema accepts a plan breaking '{rule}'; update _PLAN_RULES"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -360,7 +447,9 @@ def _placement_table(plan: schema.Plan) -> str:
     rows = ["| rank | " + " | ".join(plan.placement.order) + " |", "|---|" + "---|" * 3]
     for rank in range(plan.world_size):
         coords = plan.coords(rank)
-        rows.append(f"| {rank} | " + " | ".join(str(coords[axis]) for axis in plan.placement.order) + " |")
+        rows.append(
+            f"| {rank} | " + " | ".join(str(coords[axis]) for axis in plan.placement.order) + " |"
+        )
     groups = "; ".join(f"{axis}: {plan.group_ranks(axis)}" for axis in ("tp", "dp", "pp"))
     return "\n".join(rows) + f"\n\nGroups ({'`plan.group_ranks(axis)`'}): {groups}.\n"
 
@@ -370,7 +459,11 @@ def render_plan_reference() -> str:
     plan = example_plan()
     top = field_table(
         schema.Plan,
-        lambda m: f"[{m.__name__}](clusters.md#{_anchor(m)})" if m is ClusterSpec else f"[{m.__name__}](#{_anchor(m)})",
+        lambda m: (
+            f"[{m.__name__}](clusters.md#{_anchor(m)})"
+            if m is ClusterSpec
+            else f"[{m.__name__}](#{_anchor(m)})"
+        ),
     )
     return _PLAN_PAGE.format(
         header=_header("hyparallel/spec/schema.py"),
@@ -387,15 +480,15 @@ def render_plan_reference() -> str:
 _PLAN_PAGE = """{header}
 # Plan file reference
 
-A plan is a YAML file (version 1) that says how to run one model on one cluster: the parallel degrees,
-the pipeline stages, which Linears tensor parallelism splits, and what the planner predicts. It is the
-only contract between the planner (`hyparallel plan`, `hp.plan`) and the runtime (`hp.parallelize`).
-Load one with `hp.Plan.load(path)` (validated and completed) and check one with `hyparallel show PLAN.yaml`.
-Every section rejects unknown keys.
+A plan is a YAML file (version 1) that says how to run one model on one cluster: the parallel
+degrees, the pipeline stages, which Linears tensor parallelism splits, and what the planner
+predicts. It is the only contract between the planner (`hyparallel plan`, `hp.plan`) and the runtime
+(`hp.parallelize`). Load one with `hp.Plan.load(path)` (validated and completed) and check one with
+`hyparallel show PLAN.yaml`. Every section rejects unknown keys.
 
 Only `training` and `parallel` are required. Given a `cluster` (a preset name is enough),
-`parallelize` plans what is missing (`stages` when pp > 1, `tensor_parallel` when tp > 1, `model`) with
-every choice the file states fixed; the planner writes everything.
+`parallelize` plans what is missing (`stages` when pp > 1, `tensor_parallel` when tp > 1, `model`)
+with every choice the file states fixed; the planner writes everything.
 
 | key | section | who writes it |
 |---|---|---|
@@ -406,7 +499,7 @@ every choice the file states fixed; the planner writes everything.
 | `parallel` | [ParallelConfig](#parallelconfig) | you; `num_microbatches` is derived |
 | `placement` | [Placement](#placement) | defaults to `[pp, dp, tp]` |
 | `stages` | list of [StageSpec](#stagespec) | planner (or you) |
-| `tensor_parallel` | map of module path or glob to `column`, `row`, `vocab` or `replicate` | planner (or you) |
+| `tensor_parallel` | module path or glob: `column`, `row`, `vocab`, `replicate` | planner or you |
 | `predicted` | [Predicted](#predicted) | planner |
 | `checkpoint` | [CheckpointCost](#checkpointcost) | planner, with `--mtbf` (optional) |
 | `ps` | [PsConfig](#psconfig) | planner, for parameter servers (optional), or you |
@@ -420,8 +513,9 @@ the cluster is shown in its short form and the predictions rounded to 3 signific
 ```yaml
 {example}```
 
-The same layout written by hand (`configs/plans/cpu-dp2-tp2-pp2.yaml`); `parallelize` plans the stages
-and the tensor-parallel map at launch, and `hyparallel show PLAN.yaml --model gpt-tiny` shows them:
+The same layout written by hand (`configs/plans/cpu-dp2-tp2-pp2.yaml`); `parallelize` plans the
+stages and the tensor-parallel map at launch, and `hyparallel show PLAN.yaml --model gpt-tiny` shows
+them:
 
 ```yaml
 cluster: cpu
@@ -437,9 +531,9 @@ Run either with `torchrun --nproc_per_node 8 examples/train_gpt.py --plan plan.y
 `init_device_mesh(device, shape, mesh_dim_names=order)`: the last axis varies fastest with the rank.
 torchrun numbers ranks node by node, so the default `[pp, dp, tp]` keeps a tp group on consecutive
 ranks and therefore inside one node whenever tp <= gpus_per_node (Megatron-LM's order). The planner
-also tries `[dp, pp, tp]` when pp > 1 and dp > 1: a pipeline's neighbours are then tp ranks apart (inside
-a node when pp x tp <= gpus_per_node) and the dp groups span nodes instead. For the example above
-(`plan.coords(rank)`):
+also tries `[dp, pp, tp]` when pp > 1 and dp > 1: a pipeline's neighbours are then tp ranks apart
+(inside a node when pp x tp <= gpus_per_node) and the dp groups span nodes instead. For the example
+above (`plan.coords(rank)`):
 
 {placement}
 ## Validation rules
@@ -449,14 +543,16 @@ with the error it gives now (one line, naming the file and field, with the fix):
 
 {rules}
 Before any of these, the file itself must be UTF-8 text of at most 16 MiB, nested at most 64 levels
-deep, with at most 1,000,000 values once YAML aliases are expanded, numbers of at most 1,000 characters,
-and no key twice in one mapping (a hand edit must not say two things), each refused with its place:
-`plan.yaml:3:1: invalid YAML: duplicate key 'training' (first on line 1); keep one of them`.
+deep, with at most 1,000,000 values once YAML aliases are expanded, numbers of at most 1,000
+characters, and no key twice in one mapping (a hand edit must not say two things), each refused with
+its place: `plan.yaml:3:1: invalid YAML: duplicate key 'training' (first on line 1); keep one of
+them`.
 
-`hp.parallelize(model, plan)` checks more, still before any collective: WORLD_SIZE equals dp x tp x pp;
-the model's fingerprint equals `model.fingerprint`; tp divides the attention heads and the widths it
-splits; `tensor_parallel` splits only Linears the model's dataflow allows (both Linears of a column/row
-pair, or neither); and ZeRO > 0 is refused when tp exceeds the key/value heads (shared heads).
+`hp.parallelize(model, plan)` checks more, still before any collective: WORLD_SIZE equals dp x tp x
+pp; the model's fingerprint equals `model.fingerprint`; tp divides the attention heads and the
+widths it splits; `tensor_parallel` splits only Linears the model's dataflow allows (both Linears of
+a column/row pair, or neither); and ZeRO > 0 is refused when tp exceeds the key/value heads (shared
+heads).
 
 ## Sections
 
@@ -469,30 +565,34 @@ pair, or neither); and ZeRO > 0 is refused when tp exceeds the key/value heads (
 {top}
 {sections}"""
 
-# ---- the cluster presets --------------------------------------------------------------------------------
+# ---- the cluster presets -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class PresetFigure:
-    """One leaf of a preset file: its dotted key, the value as written, and the comments giving its source."""
+    """One leaf of a preset file: its dotted key, the value as written, and the comments giving its
+    source."""
 
     key: str
     value: str
     source: str  # the comment block above the key (shared by the keys after it at the same depth)
     note: str  # the comment at the end of the key's own line
-    shared_with: str | None = None  # the key that first carried ``source``, when this one only shares it
+    # the key that first carried ``source``, when this one only shares it
+    shared_with: str | None = None
 
 
-_KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_][\w-]*):(?P<value>[^#]*?)\s*(?:#\s?(?P<note>.*))?$")
+_KEY_LINE = re.compile(
+    r"^(?P<indent> *)(?P<key>[A-Za-z_][\w-]*):(?P<value>[^#]*?)\s*(?:#\s?(?P<note>.*))?$"
+)
 
 
 def preset_figures(text: str) -> tuple[str, list[PresetFigure]]:
     """The file's header comment and its leaf figures, each with the comments that document it.
 
-    A comment block documents the key right below it and the keys after that at the same depth, up to
-    the next blank line, comment block or change of depth (one datasheet line for four peak FLOP/s
-    figures); a comment at the end of a line documents that line only. The block before the first key
-    is the file's header.
+    A comment block documents the key right below it and the keys after that at the same depth, up
+    to the next blank line, comment block or change of depth (one datasheet line for four peak
+    FLOP/s figures); a comment at the end of a line documents that line only. The block before the
+    first key is the file's header.
     """
     header: list[str] = []
     block: list[str] = []
@@ -510,7 +610,9 @@ def preset_figures(text: str) -> tuple[str, list[PresetFigure]]:
             continue
         match = _KEY_LINE.match(line)
         if match is None:
-            raise ValueError(f"docgen: cannot read preset line {line!r}: write `key: value  # comment`")
+            raise ValueError(
+                f"docgen: cannot read preset line {line!r}: write `key: value  # comment`"
+            )
         seen_key = True
         indent, key, value = len(match["indent"]), match["key"], match["value"].strip()
         while parents and parents[-1][0] >= indent:
@@ -526,7 +628,9 @@ def preset_figures(text: str) -> tuple[str, list[PresetFigure]]:
             current = None
             continue
         shared = current[2] if current is not None and current[2] != dotted else None
-        figures.append(PresetFigure(dotted, value, current[1] if current else "", match["note"] or "", shared))
+        figures.append(
+            PresetFigure(dotted, value, current[1] if current else "", match["note"] or "", shared)
+        )
     return " ".join(header), figures
 
 
@@ -558,30 +662,37 @@ def _preset_table(figures: list[PresetFigure]) -> str:
         human = _human(figure.key, figure.value)
         value = f"`{figure.value}`" + (f" ({human})" if human else "")
         source = f"as for `{figure.shared_with}`" if figure.shared_with else figure.source
-        source = "; ".join(part.rstrip(".") if figure.note else part for part in (source, figure.note) if part)
+        source = "; ".join(
+            part.rstrip(".") if figure.note else part for part in (source, figure.note) if part
+        )
         rows.append(f"| `{figure.key}` | {_cell(value)} | {_cell(source)} |")
     return "\n".join(rows) + "\n"
 
 
 def _overview(specs: dict[str, ClusterSpec]) -> str:
     rows = [
-        "| preset | device | devices per node | memory | bf16 peak | intra-node | inter-node | backend |",
+        (
+            "| preset | device | devices per node | memory | bf16 peak | intra-node | inter-node |"
+            " backend |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, spec in specs.items():
         device = spec.device
         rows.append(
-            f"| [`{name}`](#preset-{name}) | {device.name} | {spec.gpus_per_node} | "
-            f"{_human('memory_bytes', str(device.memory_bytes))} | "
-            f"{_human('device.peak_flops.bf16', str(device.peak_flops.bf16))} | "
-            f"{_human('bandwidth_bytes_per_s', str(spec.intra_node.bandwidth_bytes_per_s))} | "
-            f"{_human('bandwidth_bytes_per_s', str(spec.inter_node.bandwidth_bytes_per_s))} | {spec.backend} |"
+            f"| [`{name}`](#preset-{name}) | {device.name} | {spec.gpus_per_node} |"
+            f" {_human('memory_bytes', str(device.memory_bytes))} |"
+            f" {_human('device.peak_flops.bf16', str(device.peak_flops.bf16))} |"
+            f" {_human('bandwidth_bytes_per_s', str(spec.intra_node.bandwidth_bytes_per_s))} |"
+            f" {_human('bandwidth_bytes_per_s', str(spec.inter_node.bandwidth_bytes_per_s))} |"
+            f" {spec.backend} |"
         )
     return "\n".join(rows) + "\n"
 
 
 def render_cluster_reference() -> str:
-    """docs/clusters.md: every preset's figures with their sources, and the cluster file's fields."""
+    """docs/clusters.md: every preset's figures with their sources, and the cluster file's
+    fields."""
     names = ClusterSpec.presets()
     specs = {name: ClusterSpec.preset(name) for name in names}
     presets = []
@@ -602,11 +713,11 @@ def render_cluster_reference() -> str:
 _CLUSTER_PAGE = """{header}
 # Cluster presets and cluster files
 
-A cluster spec describes the machines a plan runs on: one device's peak FLOP/s by dtype, its memory and
-memory bandwidth, the fractions of those peaks real kernels reach, and two links (between the devices
-of a node, and between nodes) as bandwidth and latency. All figures are **per device and per
-direction**; a CPU "device" is one process. The planner's cost model ([cost-model.md](cost-model.md))
-reads nothing else about the hardware.
+A cluster spec describes the machines a plan runs on: one device's peak FLOP/s by dtype, its memory
+and memory bandwidth, the fractions of those peaks real kernels reach, and two links (between the
+devices of a node, and between nodes) as bandwidth and latency. All figures are **per device and per
+direction**; a CPU "device" is one process. The planner's cost model
+([cost-model.md](cost-model.md)) reads nothing else about the hardware.
 
 ```bash
 hyparallel clusters                                        # the presets below
@@ -616,7 +727,8 @@ hyparallel plan --model gpt-1.3b --gpus 16 --cluster my-cluster.yaml
 
 ```python
 cluster = hp.ClusterSpec.preset("a100-80g", num_nodes=16)    # or gpus_per_node=...
-cluster = hp.ClusterSpec.load("my-cluster.yaml")              # validated; errors name the file and field
+# validated; errors name the file and field
+cluster = hp.ClusterSpec.load("my-cluster.yaml")
 ```
 
 In a plan, `cluster: a100-80g` or `cluster: {{name: a100-80g, num_nodes: 16}}` stands for the preset
@@ -625,9 +737,9 @@ In a plan, `cluster: a100-80g` or `cluster: {{name: a100-80g, num_nodes: 16}}` s
 ## Presets
 
 {overview}
-Each table lists every key of `configs/clusters/NAME.yaml` as written, with the comment that gives its
-source (the comment block above a key documents the keys that follow it at the same depth; a comment at
-the end of a line documents that line).
+Each table lists every key of `configs/clusters/NAME.yaml` as written, with the comment that gives
+its source (the comment block above a key documents the keys that follow it at the same depth; a
+comment at the end of a line documents that line).
 
 {preset_text}
 ## Your own cluster
@@ -635,40 +747,46 @@ the end of a line documents that line).
 Copy the preset closest to your hardware and change what differs:
 
 ```bash
-cp configs/clusters/h100-sxm.yaml my-cluster.yaml     # then edit; keep a source comment on every figure
+# then edit; keep a source comment on every figure
+cp configs/clusters/h100-sxm.yaml my-cluster.yaml
 hyparallel plan --model llama-7b --gpus 32 --cluster my-cluster.yaml
 ```
 
 What each figure should be, and how to measure it:
 
-- `device.peak_flops`: the datasheet's **dense** figures (many datasheets headline 2:4-sparse ones, twice
-  as high). For a CPU, time a large matmul per dtype and divide by the processes sharing the cores.
+- `device.peak_flops`: the datasheet's **dense** figures (many datasheets headline 2:4-sparse ones,
+  twice as high). For a CPU, time a large matmul per dtype and divide by the processes sharing the
+  cores.
 - `device.memory_bytes`: what `nvidia-smi --query-gpu=memory.total --format=csv` reports, in bytes;
-  `reserved_bytes` what the model cannot use (CUDA context, NCCL buffers, fragmentation: about 3 GiB on a GPU).
-- `device.memory_bandwidth_bytes_per_s`: the datasheet's HBM bandwidth; `memory_efficiency` the fraction
-  a large device-to-device copy reaches.
-- `device.matmul_efficiency`, `attention_efficiency`: the plateau, what large GEMMs and long-sequence fused
-  attention reach: time a large bf16 GEMM (and the attention forward + backward), divide the FLOPs by the time
-  and the peak. `matmul_curve` and `attention_curve` (optional) say how smaller shapes fall below it,
-  as `output / (output + half_output_elements) x K / (K + half_k)`
-  ([cost-model.md](cost-model.md#compute-time-profilepy-costsroofline_s));
-  `hyparallel calibrate` fits the matmul curve from small, skinny and large GEMMs. A file without them prices
-  every product at the plateau. `kernel_floor_s` (optional): the least a kernel takes on the device.
-- `intra_node` / `inter_node`: the **bus bandwidth** nccl-tests' `all_reduce_perf` reports for a large
-  message (inside one node; across nodes with one GPU per node), not the datasheet's line rate; the
-  latency is a small message's time over the ring's 2(n-1) steps.
-- `host_memory_bandwidth_bytes_per_s`, `disk_bandwidth_bytes_per_s` (optional; only `hyparallel plan --mtbf`
-  reads them, [cost-model.md](cost-model.md#checkpoints-and-goodput)): the rate of one device's memory checkpoint
-  with every device of the node saving at once (time `hp.checkpoint.save(..., storage="memory")` and divide the
-  bytes each rank holds by it; a device-to-host copy's rate, CUDA samples' `bandwidthTest --dtoh`, bounds it
-  from above), and what one node writes to the checkpoint directory (`fio --rw=write --bs=16M --direct=1` there).
+  `reserved_bytes` what the model cannot use (CUDA context, NCCL buffers, fragmentation: about 3 GiB
+  on a GPU).
+- `device.memory_bandwidth_bytes_per_s`: the datasheet's HBM bandwidth; `memory_efficiency` the
+  fraction a large device-to-device copy reaches.
+- `device.matmul_efficiency`, `attention_efficiency`: the plateau, what large GEMMs and
+  long-sequence fused attention reach: time a large bf16 GEMM (and the attention forward +
+  backward), divide the FLOPs by the time and the peak. `matmul_curve` and `attention_curve`
+  (optional) say how smaller shapes fall below it, as `output / (output + half_output_elements) x K
+  / (K + half_k)` ([cost-model.md](cost-model.md#compute-time-profilepy-costsroofline_s));
+  `hyparallel calibrate` fits the matmul curve from small, skinny and large GEMMs. A file without
+  them prices every product at the plateau. `kernel_floor_s` (optional): the least a kernel takes on
+  the device.
+- `intra_node` / `inter_node`: the **bus bandwidth** nccl-tests' `all_reduce_perf` reports for a
+  large message (inside one node; across nodes with one GPU per node), not the datasheet's line
+  rate; the latency is a small message's time over the ring's 2(n-1) steps.
+- `host_memory_bandwidth_bytes_per_s`, `disk_bandwidth_bytes_per_s` (optional; only `hyparallel plan
+  --mtbf` reads them, [cost-model.md](cost-model.md#checkpoints-and-goodput)): the rate of one
+  device's memory checkpoint with every device of the node saving at once (time
+  `hp.checkpoint.save(..., storage="memory")` and divide the bytes each rank holds by it; a
+  device-to-host copy's rate, CUDA samples' `bandwidthTest --dtoh`, bounds it from above), and what
+  one node writes to the checkpoint directory (`fio --rw=write --bs=16M --direct=1` there).
 - `ps_server_memory_bytes` (optional; read when the planner prices parameter servers,
-  [cost-model.md](cost-model.md#embedding-tables-parameter-servers-or-gpus)): the host memory one server process
-  may fill (its host's or socket's memory, less what else runs there); without it the planner assumes 512 GiB.
+  [cost-model.md](cost-model.md#embedding-tables-parameter-servers-or-gpus)): the host memory one
+  server process may fill (its host's or socket's memory, less what else runs there); without it the
+  planner assumes 512 GiB.
 
-Or let hyparallel measure them: `hyparallel calibrate [--base PRESET] [--nproc N] --out FILE` runs the
-measurements on the machine it is started on (the links with N processes) and writes a cluster file
-that starts from PRESET's figures. Keep the sources of what you change by hand in comments.
+Or let hyparallel measure them: `hyparallel calibrate [--base PRESET] [--nproc N] --out FILE` runs
+the measurements on the machine it is started on (the links with N processes) and writes a cluster
+file that starts from PRESET's figures. Keep the sources of what you change by hand in comments.
 
 ## Cluster file reference
 
@@ -676,7 +794,7 @@ A cluster file is one `ClusterSpec`; unknown keys are rejected at every level.
 
 {sections}"""
 
-# ---- writing and checking -------------------------------------------------------------------------------
+# ---- writing and checking ------------------------------------------------------------------------
 
 
 def pages() -> dict[str, str]:
@@ -703,11 +821,17 @@ def write(docs_dir: Path = DOCS_DIR) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hyparallel.tools.docgen [--check] [--docs-dir DIR]``."""
-    parser = argparse.ArgumentParser(prog=COMMAND, description="Generate docs/plan-reference.md and docs/clusters.md.")
-    parser.add_argument(
-        "--check", action="store_true", help="write nothing; exit 1 naming the pages that are not current"
+    parser = argparse.ArgumentParser(
+        prog=COMMAND, description="Generate docs/plan-reference.md and docs/clusters.md."
     )
-    parser.add_argument("--docs-dir", type=Path, default=DOCS_DIR, help=f"where the pages live (default {DOCS_DIR})")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 naming the pages that are not current",
+    )
+    parser.add_argument(
+        "--docs-dir", type=Path, default=DOCS_DIR, help=f"where the pages live (default {DOCS_DIR})"
+    )
     args = parser.parse_args(argv)
     if args.check:
         outdated = stale(args.docs_dir)

@@ -1,33 +1,38 @@
-"""``hp.check``: does a layout give the single-device numbers for this architecture? Answered on the CPU.
+"""``hp.check``: does a layout give the single-device numbers for this architecture? Answered on the
+CPU.
 
 Note [a parity check]
-    ``check(model, tp=2, pp=2, dp=1)`` builds a small copy of the model (``hf:`` architectures: their own config
-    class shrunk by hyparallel.models.tiny, the user's overrides on top; zoo names and factories: the spec as
-    given, so pass small sizes), trains it ``steps`` SGD steps on one process, then plans the layout (its
-    degrees fixed, the rest the planner's pick, as ``hyparallel plan`` would), runs ``parallelize`` in
-    ``dp * tp * pp`` local gloo processes on the same weights (the same seed) and batches, and compares:
-    every parameter's first-step gradient, each rank's slice against the same slice of the single device's,
-    and the loss of every step. Tolerance: fp32, rtol 1e-5 / atol 1e-6 elementwise (the layouts sum partial
-    products, micro-batches and ranks in another order: rounding only; as the suite's parity tests), widened
-    for a gradient only by the single device's own rounding error against a float64 run (``_close``).
+    ``check(model, tp=2, pp=2, dp=1)`` builds a small copy of the model (``hf:`` architectures:
+    their own config class shrunk by hyparallel.models.tiny, the user's overrides on top; zoo names
+    and factories: the spec as given, so pass small sizes), trains it ``steps`` SGD steps on one
+    process, then plans the layout (its degrees fixed, the rest the planner's pick, as ``hyparallel
+    plan`` would), runs ``parallelize`` in
+    ``dp * tp * pp`` local gloo processes on the same weights (the same seed) and batches, and
+    compares: every parameter's first-step gradient, each rank's slice against the same slice of the
+    single device's, and the loss of every step. Tolerance: fp32, rtol 1e-5 / atol 1e-6 elementwise
+    (the layouts sum partial products, micro-batches and ranks in another order: rounding only; as
+    the suite's parity tests), widened for a gradient only by the single device's own rounding error
+    against a float64 run (``_close``).
 
-    A model whose training forward draws random numbers of its own (Phi-MoE's Gumbel-sampled routing, a dropout
-    the config cannot switch off) gives other numbers on every run, on one process too: no layout can match it.
-    Found from the ATen ops one forward of the small copy runs (those torch tags as seeded draws, a dropout of
-    p = 0 aside); such a model is compared in eval mode (traced, planned, trained and checked with
+    A model whose training forward draws random numbers of its own (Phi-MoE's Gumbel-sampled
+    routing, a dropout the config cannot switch off) gives other numbers on every run, on one
+    process too: no layout can match it. Found from the ATen ops one forward of the small copy runs
+    (those torch tags as seeded draws, a dropout of p = 0 aside); such a model is compared in eval
+    mode (traced, planned, trained and checked with
     ``model.eval()``), and the report says so (``mode``).
 
-    A verdict per parameter group (the names with layer indices folded: ``model.layers.*.mlp.up_proj.weight``):
-    equal, differs (with the worst relative error and where), or not compared (no rank held it: itself a
-    failure). The layout as a whole is ``equal``, ``differs``, ``refused`` (hyparallel said no before the first
-    collective, with its one line) or ``failed`` (anything else: a crash inside torch is a bug to report).
+    A verdict per parameter group (the names with layer indices folded:
+    ``model.layers.*.mlp.up_proj.weight``): equal, differs (with the worst relative error and
+    where), or not compared (no rank held it: itself a failure). The layout as a whole is ``equal``,
+    ``differs``, ``refused`` (hyparallel said no before the first collective, with its one line) or
+    ``failed`` (anything else: a crash inside torch is a bug to report).
 
-    The processes come from a forkserver that has imported torch and hyparallel once (a sweep starts hundreds
-    of launches); each joins a gloo group through a file store in a temporary folder, so whatever torchrun
-    variables the caller's environment holds, nothing is read from them. The first rank to fail ends the
-    launch (the others are terminated, none waits in a collective); a launch past ``timeout`` seconds is killed
-    and reported as failed. With HYPARALLEL_CHECK_DIR set, each check's folder (every rank's log, result and
-    error) is kept there.
+    The processes come from a forkserver that has imported torch and hyparallel once (a sweep starts
+    hundreds of launches); each joins a gloo group through a file store in a temporary folder, so
+    whatever torchrun variables the caller's environment holds, nothing is read from them. The first
+    rank to fail ends the launch (the others are terminated, none waits in a collective); a launch
+    past ``timeout`` seconds is killed and reported as failed. With HYPARALLEL_CHECK_DIR set, each
+    check's folder (every rank's log, result and error) is kept there.
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ Verdict = Literal["equal", "differs", "refused", "failed"]
 
 @dataclass
 class GroupVerdict:
-    """One parameter group: its names, how many were compared, the worst relative error and where."""
+    """One parameter group: its names, how many were compared, the worst relative error and
+    where."""
 
     group: str
     names: list[str]
@@ -75,7 +81,8 @@ class GroupVerdict:
 
     @property
     def verdict(self) -> str:
-        """equal, differs, not compared (a parameter no rank held), or unused (no forward reads it)."""
+        """equal, differs, not compared (a parameter no rank held), or unused (no forward reads
+        it)."""
         if self.compared + self.unused < len(self.names):
             return "not compared"
         if self.compared == 0:
@@ -108,12 +115,19 @@ class CheckReport:
         if self.verdict in ("refused", "failed"):
             return f"{self.layout_name}: {self.verdict}: {self.reason}"
         if self.verdict == "differs":
-            worst = max(self.groups, key=lambda g: (g.verdict != "equal", g.worst_rel), default=None)
-            where = f"; worst {worst.group} ({worst.verdict}, {worst.worst_rel:.1e})" if worst else ""
+            worst = max(
+                self.groups, key=lambda g: (g.verdict != "equal", g.worst_rel), default=None
+            )
+            where = (
+                f"; worst {worst.group} ({worst.verdict}, {worst.worst_rel:.1e})" if worst else ""
+            )
             return f"{self.layout_name}: differs: {self.reason or ''}{where}".replace(": ;", ":")
         worst = max((g.worst_rel for g in self.groups), default=0.0)
         steps, groups = len(self.losses), len(self.groups)
-        return f"{self.layout_name}: equal (losses of {steps} steps, {groups} parameter groups; worst {worst:.1e})"
+        return (
+            f"{self.layout_name}: equal (losses of {steps} steps, {groups} parameter groups; worst"
+            f" {worst:.1e})"
+        )
 
     def table(self) -> str:
         """The verdict per parameter group, then the losses, as ``hyparallel check`` prints them."""
@@ -148,7 +162,8 @@ class CheckReport:
 
 
 def small_spec(spec: str) -> str:
-    """``spec`` with a small config for ``hf:`` architectures (the user's overrides on top); others as given."""
+    """``spec`` with a small config for ``hf:`` architectures (the user's overrides on top); others
+    as given."""
     head, *words = spec.split()
     if not head.startswith("hf:"):
         return spec
@@ -173,7 +188,8 @@ def _word(value: Any) -> str:
     """An override value as models.load parses it back (JSON for lists and dicts, no spaces)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (list, dict)):  # JSON, quoted for the spec's shell-like split (models.load)
+    # JSON, quoted for the spec's shell-like split (models.load)
+    if isinstance(value, (list, dict)):
         return shlex.quote(json.dumps(value, separators=(",", ":")))
     return str(value)
 
@@ -193,21 +209,24 @@ def check(
     loss: str | None = None,
     **constraints: Any,
 ) -> CheckReport:
-    """Train a small copy of ``model`` under dp x tp x pp in local gloo processes and compare its losses and
-    every gradient with one process's (Note [a parity check]).
+    """Train a small copy of ``model`` under dp x tp x pp in local gloo processes and compare its
+    losses and every gradient with one process's (Note [a parity check]).
 
     Args:
         model: a MODEL spec: a zoo name, ``hf:Class key=value ...`` or ``package.module:fn``.
         tp, pp, dp: the layout (dp x tp x pp processes are launched on this machine).
-        steps, seq_len, micro_batch, seed: the training compared (3 SGD steps of 2 x 16 tokens by default).
-        shrink: build a small copy of the model's config (layers, widths, vocabulary), its structure kept.
+        steps, seq_len, micro_batch, seed: the training compared (3 SGD steps of 2 x 16 tokens by
+        default).
+        shrink: build a small copy of the model's config (layers, widths, vocabulary), its structure
+            kept.
         timeout: seconds the launch may take.
-        loss: the loss you train with, a ``package.module:fn`` spec of ``fn(output, targets) -> scalar`` (Note
-            [the loss a check trains]); token cross-entropy by default.
+        loss: the loss you train with, a ``package.module:fn`` spec of ``fn(output, targets) ->
+            scalar`` (Note [the loss a check trains]); token cross-entropy by default.
         constraints: more of the plan (schedule, zero, sequence_parallel, recompute...).
 
     Returns:
-        A CheckReport: ``verdict`` (equal, differs, refused, crashed), ``table()`` the comparison group by group,
+        A CheckReport: ``verdict`` (equal, differs, refused, crashed), ``table()`` the comparison
+        group by group,
         ``summary()`` one line. Nothing is raised for a verdict.
 
     Raises:
@@ -220,9 +239,16 @@ def check(
     """
     layout = {"dp": dp, "tp": tp, "pp": pp, **constraints}
     return check_layouts(
-        model, [layout], steps=steps, seq_len=seq_len, micro_batch=micro_batch, seed=seed, shrink=shrink,
-        timeout=timeout, loss=loss,
-    )[0]  # fmt: skip
+        model,
+        [layout],
+        steps=steps,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        seed=seed,
+        shrink=shrink,
+        timeout=timeout,
+        loss=loss,
+    )[0]
 
 
 def check_layouts(
@@ -237,20 +263,26 @@ def check_layouts(
     timeout: float = 600.0,
     loss: str | None = None,
 ) -> list[CheckReport]:
-    """``check`` for several layouts of one model (each a dict of dp, tp, pp and other plan constraints, or
-    ``{"world": N}``: the planner's own pick for N processes): one single-device reference per batch size, one
-    launcher process (torch imported once), a launch of processes per layout."""
+    """``check`` for several layouts of one model (each a dict of dp, tp, pp and other plan
+    constraints, or
+    ``{"world": N}``: the planner's own pick for N processes): one single-device reference per batch
+    size, one launcher process (torch imported once), a launch of processes per layout."""
     started = time.perf_counter()
     spec = small_spec(model) if shrink else model
     reports = [
-        CheckReport(model=model, layout={k: layout.get(k, 1) for k in ("dp", "tp", "pp")}, verdict="failed")
+        CheckReport(
+            model=model, layout={k: layout.get(k, 1) for k in ("dp", "tp", "pp")}, verdict="failed"
+        )
         for layout in layouts
     ]
-    keep = os.environ.get("HYPARALLEL_CHECK_DIR")  # the ranks' logs and results stay there, for a bug report
+    # the ranks' logs and results stay there, for a bug report
+    keep = os.environ.get("HYPARALLEL_CHECK_DIR")
     with tempfile.TemporaryDirectory(prefix="hyparallel-check-", dir=keep) as tmp:
         folder = Path(tempfile.mkdtemp(prefix="check-", dir=keep) if keep else tmp)
         try:
-            (names, unused), jobs = _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, loss)
+            (names, unused), jobs = _prepare(
+                spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, loss
+            )
         except HyparallelError as exc:  # the model itself: every layout refused with the same line
             for report in reports:
                 report.verdict, report.reason = "refused", _one_line(exc)
@@ -266,26 +298,34 @@ def check_layouts(
 
 
 # Note [the loss a check trains]
-#     A check trains with token cross-entropy on the output's logits unless given the user's loss (``--loss
-#     package.module:fn``, ``hp.check(..., loss=...)``): ``fn(output, targets)`` returning a scalar mean, imported
-#     by name in every process. Its targets are class ids over the last dim of the output's logits when it has
-#     them, else normal floats shaped like the output's first tensor (a denoiser's ``sample``). Under a loss of the
-#     user's the plans gather the logits (vocab_parallel_loss: false), as train_step needs for any loss_fn. An
-#     output the default loss cannot read (no tensor, no logits: diffusers' UNet2DOutput) without a loss given is
-#     refused in one line before anything launches.
+#     A check trains with token cross-entropy on the output's logits unless given the user's loss
+#     (``--loss package.module:fn``, ``hp.check(..., loss=...)``): ``fn(output, targets)`` returning
+#     a scalar mean, imported by name in every process. Its targets are class ids over the last dim
+#     of the output's logits when it has them, else normal floats shaped like the output's first
+#     tensor (a denoiser's ``sample``). Under a loss of the user's the plans gather the logits
+#     (vocab_parallel_loss: false), as train_step needs for any loss_fn. An output the default loss
+#     cannot read (no tensor, no logits: diffusers' UNet2DOutput) without a loss given is refused in
+#     one line before anything launches.
 
 
 def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, loss=None):
-    """The reference and one job folder per plannable layout; layouts the planner refuses are reported so."""
+    """The reference and one job folder per plannable layout; layouts the planner refuses are
+    reported so."""
     import hyparallel as hp
 
     loss_fn = hp.models.load_callable(loss, "loss function") if loss else None
     model = hp.models.load(spec).module
     worlds = [
-        layout.get("world") or r.layout["dp"] * r.layout["tp"] * r.layout["pp"] for layout, r in zip(layouts, reports)
+        layout.get("world") or r.layout["dp"] * r.layout["tp"] * r.layout["pp"]
+        for layout, r in zip(layouts, reports)
     ]
-    global_batches = [  # two micro-batches or more for a pipeline; the planner's pick: room for any dp
-        world * micro_batch * 2 if "world" in layout else r.layout["dp"] * micro_batch * max(2, r.layout["pp"])
+    # two micro-batches or more for a pipeline; the planner's pick: room for any dp
+    global_batches = [
+        (
+            world * micro_batch * 2
+            if "world" in layout
+            else r.layout["dp"] * micro_batch * max(2, r.layout["pp"])
+        )
         for world, layout, r in zip(worlds, layouts, reports)
     ]
     rows = max(global_batches)
@@ -293,39 +333,62 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, 
     references: dict[int, dict[str, Any]] = {}  # by global batch rows
     jobs: dict[int, CheckReport] = {}
     example = _micro_batch(batches[0][0], micro_batch)
-    sampling = _samples(spec, _rows(batches[0][0], micro_batch), seed)  # real inputs: a CPU model runs them
+    # real inputs: a CPU model runs them
+    sampling = _samples(spec, _rows(batches[0][0], micro_batch), seed)
     if sampling is not None:  # Note [a parity check]: compared in eval mode
         model.eval()
         for report in reports:
             report.mode, report.mode_reason = "eval", sampling
     tokens = [v for v in torch.utils._pytree.tree_leaves(example) if isinstance(v, torch.Tensor)]
-    graph = None  # token models: traced once at one micro-batch, planned for every layout (as parallelize traces)
+    # token models: traced once at one micro-batch, planned for every layout (as parallelize traces)
+    graph = None
     if tokens and not tokens[0].is_floating_point() and tokens[0].dim() == 2:
         graph = hp.trace(model, example)
-    order = sorted(range(len(layouts)), key=lambda i: "world" in layouts[i])  # the planner's picks last: they
+    # the planner's picks last: they
+    order = sorted(range(len(layouts)), key=lambda i: "world" in layouts[i])
     # may replicate what fails only at a larger tp, on the shared graph
     for index in order:
         layout, report = layouts[index], reports[index]
         constraints = {k: v for k, v in layout.items() if k not in ("dp", "tp", "pp", "world")}
         if loss_fn is not None:  # Note [the loss a check trains]: the logits gathered for it
             constraints.setdefault("vocab_parallel_loss", False)
-        degrees = {} if "world" in layout else report.layout  # {"world": N}: the planner picks the degrees
+        # {"world": N}: the planner picks the degrees
+        degrees = {} if "world" in layout else report.layout
         cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=worlds[index])
         take = global_batches[index]
         mine = [(_rows(inputs, take), targets[:take]) for inputs, targets in batches]
-        tokens = [v for v in torch.utils._pytree.tree_leaves(mine[0][0]) if isinstance(v, torch.Tensor)]
-        length = seq_len if tokens and not tokens[0].is_floating_point() else None  # images have no sequence
+        tokens = [
+            v for v in torch.utils._pytree.tree_leaves(mine[0][0]) if isinstance(v, torch.Tensor)
+        ]
+        # images have no sequence
+        length = seq_len if tokens and not tokens[0].is_floating_point() else None
         try:
             if graph is not None:
                 plan = hp.search(
-                    graph, cluster, take, length, "fp32", traced_rows=micro_batch, module=model,
-                    module_inputs=example, micro_batch=micro_batch, **degrees, **constraints,
-                ).plan()  # fmt: skip
+                    graph,
+                    cluster,
+                    take,
+                    length,
+                    "fp32",
+                    traced_rows=micro_batch,
+                    module=model,
+                    module_inputs=example,
+                    micro_batch=micro_batch,
+                    **degrees,
+                    **constraints,
+                ).plan()
             else:
                 plan = hp.plan(
-                    model, cluster, take, length, "fp32", example_inputs=example, micro_batch=micro_batch,
-                    **degrees, **constraints,
-                )  # fmt: skip
+                    model,
+                    cluster,
+                    take,
+                    length,
+                    "fp32",
+                    example_inputs=example,
+                    micro_batch=micro_batch,
+                    **degrees,
+                    **constraints,
+                )
         except HyparallelError as exc:
             report.verdict, report.reason = "refused", _one_line(exc)
             continue
@@ -341,7 +404,11 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, 
         report.ref_losses = references[take]["losses"]
         job = folder / f"job{index}"
         job.mkdir()
-        saved = {"grads": references[take]["grads"], "truth": references[take]["truth"], "batches": mine}
+        saved = {
+            "grads": references[take]["grads"],
+            "truth": references[take]["truth"],
+            "batches": mine,
+        }
         torch.save(saved, job / "reference.pt")
         job.joinpath("job.json").write_text(
             json.dumps(
@@ -361,7 +428,9 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, 
 
 
 def _rows(inputs: Any, rows: int) -> Any:
-    return torch.utils._pytree.tree_map(lambda v: v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v, inputs)
+    return torch.utils._pytree.tree_map(
+        lambda v: v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v, inputs
+    )
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
@@ -372,7 +441,8 @@ def _write(path: Path, data: dict[str, Any]) -> None:
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    """A rank's JSON report, or None when the rank was killed while writing it (the first failure is reported)."""
+    """A rank's JSON report, or None when the rank was killed while writing it (the first failure is
+    reported)."""
     try:
         return json.loads(path.read_text())
     except ValueError:
@@ -387,26 +457,37 @@ def _plan_summary(plan) -> dict[str, Any]:
         "zero": par.zero,
         "sequence_parallel": par.sequence_parallel if par.tp > 1 else None,
         "recompute": par.recompute,
-        "split": sum(style != "replicate" for style in (plan.tensor_parallel or {}).values()) if par.tp > 1 else None,
+        "split": (
+            sum(style != "replicate" for style in (plan.tensor_parallel or {}).values())
+            if par.tp > 1
+            else None
+        ),
     }
     return {k: v for k, v in summary.items() if v is not None}
 
 
 def _judge(report: CheckReport, names: list[list[str]], unused: set[str], job: Path) -> None:
-    """Read a job's results into ``report``: its failure, or the verdict per parameter group and on the losses."""
+    """Read a job's results into ``report``: its failure, or the verdict per parameter group and on
+    the losses."""
     errors = [e for e in map(_read, sorted(job.glob("error.rank*.json"))) if e is not None]
     launcher = job / "launcher.json"
     if errors:
-        first = min(errors, key=lambda e: e["time"])  # the rank that failed first; the others may follow from it
+        # the rank that failed first; the others may follow from it
+        first = min(errors, key=lambda e: e["time"])
         report.verdict = "refused" if first["refused"] else "failed"
-        report.reason = first["error"] if first["refused"] else f"rank {first['rank']}: {first['error']}"
+        report.reason = (
+            first["error"] if first["refused"] else f"rank {first['rank']}: {first['error']}"
+        )
         return
     if launcher.exists():
         report.verdict, report.reason = "failed", json.loads(launcher.read_text())["error"]
         return
     results = [r for r in map(_read, sorted(job.glob("result.rank*.json"))) if r is not None]
     if not results:
-        report.verdict, report.reason = "failed", "no rank reported (the launcher did not run this layout)"
+        report.verdict, report.reason = (
+            "failed",
+            "no rank reported (the launcher did not run this layout)",
+        )
         return
     report.losses = results[0]["losses"]
     compared: dict[str, tuple[float, bool]] = {}
@@ -414,9 +495,13 @@ def _judge(report: CheckReport, names: list[list[str]], unused: set[str], job: P
         for name, (rel, ok) in result["grads"].items():
             old = compared.get(name, (0.0, True))
             compared[name] = (max(old[0], rel), old[1] and ok)
-    report.groups = [_verdict(group, tied, compared, unused) for group, tied in _groups(names).items()]
+    report.groups = [
+        _verdict(group, tied, compared, unused) for group, tied in _groups(names).items()
+    ]
     pairs = list(zip(report.losses, report.ref_losses))
-    loss_ok = len(report.losses) == len(report.ref_losses) and all(abs(a - b) <= RTOL * abs(b) + ATOL for a, b in pairs)
+    loss_ok = len(report.losses) == len(report.ref_losses) and all(
+        abs(a - b) <= RTOL * abs(b) + ATOL for a, b in pairs
+    )
     good = all(g.verdict in ("equal", "unused") for g in report.groups)
     report.verdict = "equal" if loss_ok and good else "differs"
     if not loss_ok:
@@ -431,8 +516,8 @@ def _one_line(exc: BaseException) -> str:
 def _batches(
     model: nn.Module, rows: int, seq_len: int, steps: int, seed: int, own_loss: bool = False
 ) -> list[tuple[Any, torch.Tensor]]:
-    """``steps`` (inputs, targets) pairs: random token ids (or normal floats) shaped like the model's inputs, and
-    targets for the loss (Note [the loss a check trains])."""
+    """``steps`` (inputs, targets) pairs: random token ids (or normal floats) shaped like the
+    model's inputs, and targets for the loss (Note [the loss a check trains])."""
     import hyparallel as hp
 
     vocab = _vocab(model)
@@ -448,8 +533,10 @@ def _batches(
         return torch.randint(0, vocab, value.shape, generator=generator, dtype=value.dtype)
 
     example = hp.models.example_inputs(model, rows, seq_len, device="cpu")
-    target_shape, classes = (rows, seq_len), vocab  # a model meta tensors cannot run: a language model's targets
-    try:  # the targets: one class per row of the output's last dimension (token ids for a language model)
+    # a model meta tensors cannot run: a language model's targets
+    target_shape, classes = (rows, seq_len), vocab
+    # the targets: one class per row of the output's last dimension (token ids for a language model)
+    try:
         with torch.no_grad():
             output = call_with(model, _to_meta(example))
     except Exception:  # noqa: BLE001 -- judged when it runs for real
@@ -460,18 +547,24 @@ def _batches(
             target_shape, classes = tuple(logits.shape[:-1]), int(logits.shape[-1])
         elif not own_loss:
             raise ConfigError(
-                f"{type(model).__name__} returns a {type(output).__name__} without logits, so the default loss "
-                "(token cross-entropy) has nothing to read; pass the loss you train with: --loss "
-                "package.module:fn (hp.check(..., loss=...)), fn(output, targets) returning a scalar"
+                f"{type(model).__name__} returns a {type(output).__name__} without logits, so the"
+                " default loss (token cross-entropy) has nothing to read; pass the loss you train"
+                " with: --loss package.module:fn (hp.check(..., loss=...)), fn(output, targets)"
+                " returning a scalar"
             )
         else:  # Note [the loss a check trains]: floats shaped like the output's first tensor
-            first = next(t for t in torch.utils._pytree.tree_leaves(_fields(output)) if isinstance(t, torch.Tensor))
+            first = next(
+                t
+                for t in torch.utils._pytree.tree_leaves(_fields(output))
+                if isinstance(t, torch.Tensor)
+            )
             target_shape, classes = tuple(first.shape), None
     out = []
     for _ in range(steps):
         inputs = torch.utils._pytree.tree_map(fill, example)
         if isinstance(inputs, dict) and list(inputs) == ["input_ids"]:
-            inputs = inputs["input_ids"]  # as parallelize traces a token model by default: positional token ids
+            # as parallelize traces a token model by default: positional token ids
+            inputs = inputs["input_ids"]
         targets = (
             torch.randn(target_shape, generator=generator)
             if classes is None
@@ -482,14 +575,17 @@ def _batches(
 
 
 def _fields(output: Any) -> Any:
-    """A model output's values as a pytree: a dataclass (diffusers' outputs) as its fields in order."""
+    """A model output's values as a pytree: a dataclass (diffusers' outputs) as its fields in
+    order."""
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
         return [getattr(output, f.name) for f in dataclasses.fields(output)]
     return output
 
 
 def _to_meta(inputs: Any) -> Any:
-    return torch.utils._pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, inputs)
+    return torch.utils._pytree.tree_map(
+        lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, inputs
+    )
 
 
 def _vocab(model: nn.Module) -> int:
@@ -507,10 +603,11 @@ def _micro_batch(inputs: Any, rows: int) -> Any:
 
 
 def _samples(spec: str, inputs: Any, seed: int) -> str | None:
-    """Why the model's training forward is random (the ATen ops it draws with), or None when it draws nothing.
+    """Why the model's training forward is random (the ATen ops it draws with), or None when it
+    draws nothing.
 
-    Read from one forward of the small copy on the CPU: ops torch tags ``nondeterministic_seeded`` (a dropout of
-    p = 0 draws nothing: ATen returns its input).
+    Read from one forward of the small copy on the CPU: ops torch tags ``nondeterministic_seeded``
+    (a dropout of p = 0 draws nothing: ATen returns its input).
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -523,7 +620,9 @@ def _samples(spec: str, inputs: Any, seed: int) -> str | None:
             self.names: dict[str, None] = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if torch.Tag.nondeterministic_seeded in func.tags and not _no_dropout(func, args, kwargs or {}):
+            if torch.Tag.nondeterministic_seeded in func.tags and not _no_dropout(
+                func, args, kwargs or {}
+            ):
                 self.names[func.__name__.split(".")[0]] = None
             return func(*args, **(kwargs or {}))
 
@@ -536,22 +635,30 @@ def _samples(spec: str, inputs: Any, seed: int) -> str | None:
     if not draws.names:
         return None
     return (
-        f"its training forward draws random numbers ({', '.join(draws.names)}), so it was traced, trained and "
-        "compared with model.eval()"
+        f"its training forward draws random numbers ({', '.join(draws.names)}), so it was traced,"
+        " trained and compared with model.eval()"
     )
 
 
 def _no_dropout(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a seeded op draws nothing: its dropout probability (attention's ``dropout_p``) is 0."""
+    """Whether a seeded op draws nothing: its dropout probability (attention's ``dropout_p``) is
+    0."""
     for index, argument in enumerate(func._schema.arguments):
         if argument.name in ("dropout_p", "p"):
-            value = args[index] if index < len(args) else kwargs.get(argument.name, argument.default_value)
+            value = (
+                args[index]
+                if index < len(args)
+                else kwargs.get(argument.name, argument.default_value)
+            )
             return value == 0
     return False
 
 
-def _reference(spec: str, batches, seed: int, eval_mode: bool = False, loss_fn=None) -> dict[str, Any]:
-    """One process: the first step's gradients by name and the loss of each of ``steps`` SGD steps."""
+def _reference(
+    spec: str, batches, seed: int, eval_mode: bool = False, loss_fn=None
+) -> dict[str, Any]:
+    """One process: the first step's gradients by name and the loss of each of ``steps`` SGD
+    steps."""
     import hyparallel as hp
     from hyparallel.runtime.parallel import token_cross_entropy
     from hyparallel.tensor.init import materialize_
@@ -566,8 +673,11 @@ def _reference(spec: str, batches, seed: int, eval_mode: bool = False, loss_fn=N
         loss = loss_fn(call_with(model, inputs), targets)
         loss.backward()
         if grads is None:
-            unused = {n for n, p in model.named_parameters(remove_duplicate=False) if p.grad is None}
-            grads = {  # a parameter the loss does not reach has no gradient: zero, as every layout must give
+            unused = {
+                n for n, p in model.named_parameters(remove_duplicate=False) if p.grad is None
+            }
+            # a parameter the loss does not reach has no gradient: zero, as every layout must give
+            grads = {
                 n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                 for n, p in model.named_parameters(remove_duplicate=False)
             }
@@ -580,15 +690,20 @@ def _reference(spec: str, batches, seed: int, eval_mode: bool = False, loss_fn=N
     for n, p in model.named_parameters(remove_duplicate=False):
         ties.setdefault(id(p), []).append(n)
     return {
-        "grads": grads, "truth": truth, "losses": losses, "names": list(ties.values()), "all": names, "unused": unused,
-    }  # fmt: skip
+        "grads": grads,
+        "truth": truth,
+        "losses": losses,
+        "names": list(ties.values()),
+        "all": names,
+        "unused": unused,
+    }
 
 
 def _exact_gradients(
     spec: str, batch: tuple[Any, torch.Tensor], seed: int, eval_mode: bool, loss_fn=None
 ) -> dict | None:
-    """The first step's gradients computed in float64 (the same weights), to tell rounding from error
-    (``_close``); None where the model does not run in float64."""
+    """The first step's gradients computed in float64 (the same weights), to tell rounding from
+    error (``_close``); None where the model does not run in float64."""
     import hyparallel as hp
     from hyparallel.runtime.parallel import token_cross_entropy
     from hyparallel.tensor.init import materialize_
@@ -598,7 +713,8 @@ def _exact_gradients(
         if eval_mode:
             model.eval()
         inputs = torch.utils._pytree.tree_map(
-            lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch[0]
+            lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+            batch[0],
         )
         targets = batch[1].double() if batch[1].is_floating_point() else batch[1]
         (loss_fn or token_cross_entropy)(call_with(model, inputs), targets).backward()
@@ -611,7 +727,8 @@ def _exact_gradients(
 
 
 def _groups(tied: list[list[str]]) -> dict[str, list[list[str]]]:
-    """Parameter groups: names with their layer indices folded (``layers.*.mlp``), each a list of tied names."""
+    """Parameter groups: names with their layer indices folded (``layers.*.mlp``), each a list of
+    tied names."""
     groups: dict[str, list[list[str]]] = {}
     for names in tied:
         groups.setdefault(re.sub(r"\.\d+\.", ".*.", names[0]), []).append(names)
@@ -636,20 +753,44 @@ def _verdict(
 
 
 def _run_launcher(folder: Path, jobs: dict[int, CheckReport], timeout: float) -> None:
-    """Run the jobs in a launcher process of their own (``python -m hyparallel.tools.parity``): it imports torch and
-    hyparallel once and forks each job's ranks, so nothing depends on how the caller's ``__main__`` imports."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_", "GROUP_"))}
-    environ.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), *sys.path]))})
-    command = [sys.executable, "-m", "hyparallel.tools.parity", str(folder), str(timeout), *map(str, jobs)]
+    """Run the jobs in a launcher process of their own (``python -m hyparallel.tools.parity``): it
+    imports torch and hyparallel once and forks each job's ranks, so nothing depends on how the
+    caller's ``__main__`` imports."""
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCHELASTIC_", "MASTER_", "GROUP_"))
+    }
+    environ.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), *sys.path])),
+        }
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "hyparallel.tools.parity",
+        str(folder),
+        str(timeout),
+        *map(str, jobs),
+    ]
     with open(folder / "launcher.log", "w") as log:
         try:
-            subprocess.run(command, env=environ, stdout=log, stderr=subprocess.STDOUT, timeout=timeout * len(jobs) + 60)
+            subprocess.run(
+                command,
+                env=environ,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout * len(jobs) + 60,
+            )
         except subprocess.TimeoutExpired:
             pass  # the jobs it did not finish have no results: reported as failed
 
 
 def _launcher(folder: Path, timeout: float, indices: list[str]) -> None:
-    """Each job in turn: fork its ranks, wait; the first rank to fail ends the job (the others are killed)."""
+    """Each job in turn: fork its ranks, wait; the first rank to fail ends the job (the others are
+    killed)."""
     import hyparallel.runtime.parallel  # noqa: F401 -- imported once, before the forks
 
     for index in indices:
@@ -663,7 +804,14 @@ def _launcher(folder: Path, timeout: float, indices: list[str]) -> None:
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
                 _worker(
-                    rank, spec["spec"], spec["plan"], str(job), spec["world"], spec["seed"], spec["eval"], spec["loss"]
+                    rank,
+                    spec["spec"],
+                    spec["plan"],
+                    str(job),
+                    spec["world"],
+                    spec["seed"],
+                    spec["eval"],
+                    spec["loss"],
                 )
                 os._exit(0)
             pids[pid] = rank
@@ -687,7 +835,10 @@ def _wait(job: Path, pids: dict[int, int], timeout: float) -> None:
             if not (job / f"error.rank{rank}.json").exists():
                 log = job / f"rank{rank}.log"
                 tail = log.read_text()[-300:].strip().splitlines()[-1:] if log.exists() else []
-                failed = f"rank {rank} died ({'signal ' + str(-code) if code < 0 else 'exit code ' + str(code)})"
+                failed = (
+                    f"rank {rank} died"
+                    f" ({'signal ' + str(-code) if code < 0 else 'exit code ' + str(code)})"
+                )
                 failed += f": {tail[0]}" if tail else ""
             break
     for pid in pids:
@@ -699,9 +850,17 @@ def _wait(job: Path, pids: dict[int, int], timeout: float) -> None:
 
 
 def _worker(
-    rank: int, spec: str, plan_data: dict, folder: str, world: int, seed: int, eval_mode: bool, loss: str | None = None
+    rank: int,
+    spec: str,
+    plan_data: dict,
+    folder: str,
+    world: int,
+    seed: int,
+    eval_mode: bool,
+    loss: str | None = None,
 ) -> None:
-    """One rank: parallelize the layout, train the batches, compare this rank's gradient slices by name."""
+    """One rank: parallelize the layout, train the batches, compare this rank's gradient slices by
+    name."""
     import datetime
 
     import torch.distributed as dist
@@ -724,11 +883,14 @@ def _worker(
         batches, ref_grads, truth = saved["batches"], saved["grads"], saved["truth"]
         plan = hp.Plan.from_dict(plan_data)
         model = hp.models.load(spec).module
-        if eval_mode:  # Note [a parity check]: a model that samples in training, compared in eval mode
+        # Note [a parity check]: a model that samples in training, compared in eval mode
+        if eval_mode:
             model.eval()
         first = batches[0][0]
-        tokens = isinstance(first, torch.Tensor) and not first.is_floating_point()  # parallelize traces token ids
-        example = None if tokens else _micro_batch(first, plan.training.micro_batch)  # images and the like: these
+        # parallelize traces token ids
+        tokens = isinstance(first, torch.Tensor) and not first.is_floating_point()
+        # images and the like: these
+        example = None if tokens else _micro_batch(first, plan.training.micro_batch)
         pmodel = hp.parallelize(model, plan, example_inputs=example, seed=seed, device="cpu")
         loss_fn = hp.models.load_callable(loss, "loss function") if loss else None
         optimizer = torch.optim.SGD(pmodel.parameters(), lr=LR)
@@ -743,8 +905,9 @@ def _worker(
                     want = expected_slice(modules[owner], leaf, ref_grads[name])
                     exact = expected_slice(modules[owner], leaf, truth[name]) if truth else None
                     got = _full(param.grad) if param.grad is not None else torch.zeros_like(want)
-                    # relative to the gradient's norm, floored at the absolute tolerance's (a gradient that is all
-                    # rounding, such as a key bias's, is judged by atol as the elementwise check is)
+                    # relative to the gradient's norm, floored at the absolute tolerance's (a
+                    # gradient that is all rounding, such as a key bias's, is judged by atol as the
+                    # elementwise check is)
                     floor = ATOL * max(1, want.numel()) ** 0.5
                     rel = ((got - want).norm() / want.norm().clamp_min(floor)).item()
                     ok = got.shape == want.shape and _close(got, want, exact)
@@ -770,13 +933,14 @@ def _worker(
 def _close(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor | None) -> bool:
     """Whether a layout's gradient ``got`` is the single device's ``want`` up to rounding.
 
-    Elementwise within rtol 1e-5 / atol 1e-6 of it; or, where the float64 gradient ``exact`` is known, every
-    element within that tolerance of the exact value plus twice the single device's own largest rounding error
-    in that tensor. Where the fp32 single device is itself far from exact, two fp32 orders of the same sums
-    differ by as much: Gemma 4 at pp 2 had 6 of 8192 elements of its tied embedding's gradient 1.35 x past the
-    plain tolerance (1.7e-6 off at 0.046), while the single device's own error reached 8.3e-6 (norm 1.2e-5
-    relative, measured against float64; two micro-batches on one process: the same). A wrong split is off by
-    far more than rounding (1e-4 to 1 relative in every case issue 16 found).
+    Elementwise within rtol 1e-5 / atol 1e-6 of it; or, where the float64 gradient ``exact`` is
+    known, every element within that tolerance of the exact value plus twice the single device's own
+    largest rounding error in that tensor. Where the fp32 single device is itself far from exact,
+    two fp32 orders of the same sums differ by as much: Gemma 4 at pp 2 had 6 of 8192 elements of
+    its tied embedding's gradient 1.35 x past the plain tolerance (1.7e-6 off at 0.046), while the
+    single device's own error reached 8.3e-6 (norm 1.2e-5 relative, measured against float64; two
+    micro-batches on one process: the same). A wrong split is off by far more than rounding (1e-4 to
+    1 relative in every case issue 16 found).
     """
     if torch.allclose(got, want, rtol=RTOL, atol=ATOL):
         return True
@@ -789,7 +953,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor | None) ->
 
 
 def expected_slice(module: nn.Module, leaf: str, full: torch.Tensor) -> torch.Tensor:
-    """The part of the single-device tensor ``full`` a tensor-parallel module holds (padding rows zero)."""
+    """The part of the single-device tensor ``full`` a tensor-parallel module holds (padding rows
+    zero)."""
     layout = module.shard_layout(leaf) if callable(getattr(module, "shard_layout", None)) else None
     if layout is None:
         return full
@@ -809,7 +974,8 @@ def expected_slice(module: nn.Module, leaf: str, full: torch.Tensor) -> torch.Te
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()  # FSDP: gathered over dp
+    # FSDP: gathered over dp
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
 
 if __name__ == "__main__":

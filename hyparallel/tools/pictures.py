@@ -1,11 +1,12 @@
 """Pictures of plans: ``render_timeline`` draws a simulated training step as pipeline papers do.
 
-One row per pipeline rank, rank 0 on top: forward blocks in blues, backward in greens, a lighter shade
-per virtual-stage chunk, the micro-batch number inside each block wide enough for it, idle time left
-empty; hatched grey where a rank waits on a point-to-point transfer, a thin dark bar under a row while
-its sends are on the wire, and each rank's tail (gradient sync and optimizer step) in purple. Below,
-each rank's memory over the step against the device's memory. When the blocks of the whole step are
-too narrow to read, the first and the last stretch of the step are drawn again, magnified.
+One row per pipeline rank, rank 0 on top: forward blocks in blues, backward in greens, a lighter
+shade per virtual-stage chunk, the micro-batch number inside each block wide enough for it, idle
+time left empty; hatched grey where a rank waits on a point-to-point transfer, a thin dark bar under
+a row while its sends are on the wire, and each rank's tail (gradient sync and optimizer step) in
+purple. Below, each rank's memory over the step against the device's memory. When the blocks of the
+whole step are too narrow to read, the first and the last stretch of the step are drawn again,
+magnified.
 
 matplotlib is imported inside the functions that draw (Agg canvas, no pyplot, no global backend), so
 ``import hyparallel`` never needs it.
@@ -25,7 +26,8 @@ WIDTH_IN, DPI = 15.0, 120
 ROW_HEIGHT = 0.8  # of one rank's row; the rest is the gap between rows
 LABEL_FONT_PT = 7
 LEFT, RIGHT = 0.09, 0.98  # the panels' edges, as fractions of the figure's width
-MIN_BLOCK_PX = 22  # magnify the ends of the step when the median forward block is narrower than this ...
+# magnify the ends of the step when the median forward block is narrower than this ...
+MIN_BLOCK_PX = 22
 ZOOMED_BLOCK_PX = 32  # ... to this: room for a three-digit micro-batch number
 TAIL_COLOR, WAIT_COLOR, WIRE_COLOR = "#8e6bbf", "#b0b0b0", "#404040"
 
@@ -35,14 +37,16 @@ class Rendered:
     """What ``render_timeline`` drew: counts a test can check against the schedule IR."""
 
     path: Path
-    compute_bars: int  # F and B blocks in the whole-step panel (pp * virtual_stages * num_microbatches * 2), each its
+    # F and B blocks in the whole-step panel (pp * virtual_stages * num_microbatches * 2), each its
+    compute_bars: int
     # own bar or, when under a pixel wide, part of a run drawn as one bar
     labels: int  # micro-batch numbers written inside blocks, all panels together
     magnified: bool  # whether the first and last stretch of the step got panels of their own
 
 
 def check_picture_path(path: str | Path) -> Path:
-    """``path`` if a picture can be written there (a known extension, a writable place), else a one-line ConfigError."""
+    """``path`` if a picture can be written there (a known extension, a writable place), else a
+    one-line ConfigError."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise ConfigError(
@@ -53,7 +57,8 @@ def check_picture_path(path: str | Path) -> Path:
 
 
 def render_timeline(timeline: Timeline, path: str | Path) -> Rendered:
-    """Draw ``timeline`` (a Gantt chart of the step over its memory per rank) to ``path``, PNG or SVG by extension."""
+    """Draw ``timeline`` (a Gantt chart of the step over its memory per rank) to ``path``, PNG or
+    SVG by extension."""
     path = check_picture_path(path)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -82,7 +87,8 @@ def render_timeline(timeline: Timeline, path: str | Path) -> Rendered:
         "the whole step"
         + (" (blocks too narrow to number: its two ends magnified below)" if magnify else "")
         + (
-            "; runs of blocks under a pixel wide drawn as one bar, coloured by their forward / backward mix"
+            "; runs of blocks under a pixel wide drawn as one bar, coloured by their forward /"
+            " backward mix"
             if forward_s / timeline.total_s * whole.bbox.width < 1
             else ""
         ),
@@ -93,14 +99,27 @@ def render_timeline(timeline: Timeline, path: str | Path) -> Rendered:
         for column, name in enumerate(("start", "end")):
             ax = fig.add_subplot(grid[1, column])
             window = min(forward_s * ax.bbox.width / ZOOMED_BLOCK_PX, timeline.total_s / 2)
-            # The end: the pipeline's cool-down, then the start of the tails (which may be longer than the window).
-            lo = 0.0 if name == "start" else max(b.end_s for b in timeline.compute_blocks()) - 0.85 * window
-            labels += _draw_gantt(ax, timeline, scale, (lo, lo + window), rank_labels=name == "start")[1]
-            ax.set_title(f"the {name} of the step, magnified {timeline.total_s / window:.0f}x", fontsize=9, loc="left")
+            # The end: the pipeline's cool-down, then the start of the tails (which may be longer
+            # than the window).
+            lo = (
+                0.0
+                if name == "start"
+                else max(b.end_s for b in timeline.compute_blocks()) - 0.85 * window
+            )
+            labels += _draw_gantt(
+                ax, timeline, scale, (lo, lo + window), rank_labels=name == "start"
+            )[1]
+            ax.set_title(
+                f"the {name} of the step, magnified {timeline.total_s / window:.0f}x",
+                fontsize=9,
+                loc="left",
+            )
     _draw_memory(fig.add_subplot(grid[-1, :]), timeline, scale)
     for ax in fig.axes:
         ax.set_xlabel(unit, fontsize=8)
-    fig.suptitle(_title(timeline), fontsize=10, x=LEFT, ha="left", y=1 - 0.15 / fig.get_figheight(), va="top")
+    fig.suptitle(
+        _title(timeline), fontsize=10, x=LEFT, ha="left", y=1 - 0.15 / fig.get_figheight(), va="top"
+    )
     _legend(fig, timeline)
     with atomic_output(path) as tmp:  # a failed write leaves no partial picture
         fig.savefig(tmp, format=path.suffix.lower()[1:])
@@ -133,10 +152,13 @@ def _colors(kind: str, virtual_stages: int) -> list[tuple[float, float, float, f
 def _draw_gantt(
     ax, timeline: Timeline, scale: float, window: tuple[float, float], rank_labels: bool = True
 ) -> tuple[int, int]:
-    """The blocks overlapping ``window`` (seconds), one row per rank; returns (F and B blocks drawn, labels written)."""
+    """The blocks overlapping ``window`` (seconds), one row per rank; returns (F and B blocks drawn,
+    labels written)."""
     lo, hi = window
     shown = [
-        b for b in timeline.blocks if b.end_s >= lo and b.start_s <= hi and (b.duration_s > 0 or b.kind in ("F", "B"))
+        b
+        for b in timeline.blocks
+        if b.end_s >= lo and b.start_s <= hi and (b.duration_s > 0 or b.kind in ("F", "B"))
     ]
     computes = [b for b in shown if b.kind in ("F", "B")]
     shades = {kind: _colors(kind, timeline.virtual_stages) for kind in ("F", "B")}
@@ -145,14 +167,25 @@ def _draw_gantt(
         _draw_runs(ax, computes, scale, 1 / px_per_s, shades)
     else:
         _draw_blocks(
-            ax, computes, scale, timeline.pp, shades, edge=0.4 if _median_forward_s(timeline) * px_per_s >= 4 else 0.0
+            ax,
+            computes,
+            scale,
+            timeline.pp,
+            shades,
+            edge=0.4 if _median_forward_s(timeline) * px_per_s >= 4 else 0.0,
         )
     _draw_marks(ax, [b for b in shown if b.kind not in ("F", "B")], scale)
     row_px = ax.bbox.height / (timeline.pp + 0.2) * ROW_HEIGHT
     labels = 0
     if row_px >= LABEL_FONT_PT * DPI / 72:
         labels = sum(
-            _label(ax, b, scale, px_per_s, TAIL_COLOR if b.kind == "tail" else shades[b.kind][b.stage // timeline.pp])
+            _label(
+                ax,
+                b,
+                scale,
+                px_per_s,
+                TAIL_COLOR if b.kind == "tail" else shades[b.kind][b.stage // timeline.pp],
+            )
             for b in shown
             if b.kind in ("F", "B", "tail")
         )
@@ -160,7 +193,11 @@ def _draw_gantt(
     ax.set_ylim(timeline.pp - 0.4, -0.6)  # rank 0 on top
     ax.set_yticks(range(timeline.pp))
     ax.set_yticklabels(
-        [f"rank {r}  bubble {timeline.bubble_fraction[r]:.1%}" for r in range(timeline.pp)] if rank_labels else [],
+        (
+            [f"rank {r}  bubble {timeline.bubble_fraction[r]:.1%}" for r in range(timeline.pp)]
+            if rank_labels
+            else []
+        ),
         fontsize=8,
     )
     ax.tick_params(axis="x", labelsize=8)
@@ -170,10 +207,13 @@ def _draw_gantt(
 
 
 def _draw_blocks(ax, computes: list[Block], scale: float, pp: int, shades, edge: float) -> None:
-    """One bar per F and B block, shaded by chunk; white edges (``edge`` points) keep neighbours apart."""
+    """One bar per F and B block, shaded by chunk; white edges (``edge`` points) keep neighbours
+    apart."""
     groups: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     for b in computes:
-        groups.setdefault((b.rank, b.kind, b.stage // pp), []).append((b.start_s * scale, b.duration_s * scale))  # type: ignore[operator]
+        groups.setdefault((b.rank, b.kind, b.stage // pp), []).append(
+            (b.start_s * scale, b.duration_s * scale)
+        )  # type: ignore[operator]
     for (rank, kind, chunk), spans in groups.items():
         ax.broken_barh(
             spans,
@@ -185,12 +225,14 @@ def _draw_blocks(ax, computes: list[Block], scale: float, pp: int, shades, edge:
 
 
 def _draw_runs(ax, computes: list[Block], scale: float, pixel_s: float, shades) -> None:
-    """Blocks narrower than a pixel, merged into runs (gaps under a pixel closed), each coloured by its F/B mix.
+    """Blocks narrower than a pixel, merged into runs (gaps under a pixel closed), each coloured by
+    its F/B mix.
 
-    Drawn one by one they alias into stripes that are not in the schedule; a run's blend is what the eye
-    would see at a resolution where they could be told apart.
+    Drawn one by one they alias into stripes that are not in the schedule; a run's blend is what the
+    eye would see at a resolution where they could be told apart.
     """
-    runs: dict[int, list[list[float]]] = {}  # rank -> [start, end, forward seconds, backward seconds]
+    # rank -> [start, end, forward seconds, backward seconds]
+    runs: dict[int, list[list[float]]] = {}
     for b in sorted(computes, key=lambda b: (b.rank, b.start_s)):
         rank_runs = runs.setdefault(b.rank, [])
         if not rank_runs or b.start_s - rank_runs[-1][1] > pixel_s:
@@ -217,10 +259,13 @@ def _blend(first, second, weight: float) -> tuple[float, ...]:
 
 
 def _draw_marks(ax, blocks: list[Block], scale: float) -> None:
-    """Waits on transfers (hatched), sends on the wire (a thin bar under the row), tails (purple)."""
+    """Waits on transfers (hatched), sends on the wire (a thin bar under the row), tails
+    (purple)."""
     groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for b in blocks:
-        groups.setdefault((b.rank, _style_key(b)), []).append((b.start_s * scale, b.duration_s * scale))
+        groups.setdefault((b.rank, _style_key(b)), []).append(
+            (b.start_s * scale, b.duration_s * scale)
+        )
     for (rank, style), spans in groups.items():
         if style == "wait":
             ax.broken_barh(
@@ -232,10 +277,16 @@ def _draw_marks(ax, blocks: list[Block], scale: float) -> None:
                 linewidth=0.0,
             )
         elif style == "wire":
-            ax.broken_barh(spans, (rank + ROW_HEIGHT / 2, 0.1), facecolors=WIRE_COLOR, linewidth=0.0)
+            ax.broken_barh(
+                spans, (rank + ROW_HEIGHT / 2, 0.1), facecolors=WIRE_COLOR, linewidth=0.0
+            )
         else:
             ax.broken_barh(
-                spans, (rank - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors=TAIL_COLOR, edgecolor="white", linewidth=0.4
+                spans,
+                (rank - ROW_HEIGHT / 2, ROW_HEIGHT),
+                facecolors=TAIL_COLOR,
+                edgecolor="white",
+                linewidth=0.4,
             )
 
 
@@ -249,7 +300,8 @@ def _style_key(block: Block) -> str:
 
 
 def _label(ax, block: Block, scale: float, px_per_s: float, face) -> int:
-    """Write the micro-batch number (or "sync+opt" on a tail) inside ``block`` if it fits; 1 if written."""
+    """Write the micro-batch number (or "sync+opt" on a tail) inside ``block`` if it fits; 1 if
+    written."""
     text = "sync+opt" if block.kind == "tail" else str(block.microbatch)
     needed_px = (len(text) * 0.62 * LABEL_FONT_PT + 3) * DPI / 72
     if block.duration_s * px_per_s < needed_px:
@@ -291,7 +343,13 @@ def _draw_memory(ax, timeline: Timeline, scale: float) -> None:
     limit = timeline.memory_limit
     near = limit is not None and peak >= limit / 5
     if near:
-        ax.axhline(limit, color="black", linestyle="--", linewidth=1.0, label=f"device memory {limit:.0f} GiB")
+        ax.axhline(
+            limit,
+            color="black",
+            linestyle="--",
+            linewidth=1.0,
+            label=f"device memory {limit:.0f} GiB",
+        )
         ax.set_ylim(0, limit * 1.08)
     else:  # far below the device's memory: zoom on the curves, name the limit in the title
         margin = max(peak - low, peak * 0.01) * 0.15
@@ -299,8 +357,12 @@ def _draw_memory(ax, timeline: Timeline, scale: float) -> None:
     if timeline.memory_units == "micro-batches":
         title = "micro-batches in flight per rank (a chunk's activations count 1 / v)"
     else:
-        title = "memory (GiB) per rank: static state plus the activations of micro-batches in flight"
-        title += f"; device memory {limit:.1f} GiB, off scale" if limit is not None and not near else ""
+        title = (
+            "memory (GiB) per rank: static state plus the activations of micro-batches in flight"
+        )
+        title += (
+            f"; device memory {limit:.1f} GiB, off scale" if limit is not None and not near else ""
+        )
     ax.set_title(title, fontsize=9, loc="left")
     ax.set_ylabel(timeline.memory_units, fontsize=8)
     ax.set_xlim(0, timeline.total_s * scale)
@@ -312,10 +374,13 @@ def _draw_memory(ax, timeline: Timeline, scale: float) -> None:
 def _title(timeline: Timeline) -> str:
     """Two lines: what was simulated, then how long it took and how much of it was bubble."""
     mesh = " x ".join(f"{axis} {size}" for axis, size in timeline.mesh.items())
-    schedule = timeline.schedule + (f" (v = {timeline.virtual_stages})" if timeline.virtual_stages > 1 else "")
+    schedule = timeline.schedule + (
+        f" (v = {timeline.virtual_stages})" if timeline.virtual_stages > 1 else ""
+    )
     m = timeline.num_microbatches
     first = (
-        f"{timeline.model or 'hand-written plan'}: {mesh}, {schedule}, {m} micro-batch{'es' if m > 1 else ''} per step"
+        f"{timeline.model or 'hand-written plan'}: {mesh}, {schedule}, {m}"
+        f" micro-batch{'es' if m > 1 else ''} per step"
     )
     bubble = sum(timeline.bubble_fraction.values()) / timeline.pp
     if timeline.units == "relative":
@@ -344,12 +409,23 @@ def _legend(fig, timeline: Timeline) -> None:
     for kind, name in (("F", "forward"), ("B", "backward")):
         shades = _colors(kind, v)
         handles += [
-            Patch(facecolor=shade, label=f"{name}, chunk {k}" if v > 1 else f"{name} (number: micro-batch)")
+            Patch(
+                facecolor=shade,
+                label=f"{name}, chunk {k}" if v > 1 else f"{name} (number: micro-batch)",
+            )
             for k, shade in enumerate(shades)
         ]
     present = {_style_key(b) for b in timeline.blocks if b.duration_s > 0}
     marks = [
-        ("wait", Patch(facecolor="white", edgecolor=WAIT_COLOR, hatch="////", label="waiting on a p2p transfer")),
+        (
+            "wait",
+            Patch(
+                facecolor="white",
+                edgecolor=WAIT_COLOR,
+                hatch="////",
+                label="waiting on a p2p transfer",
+            ),
+        ),
         ("wire", Patch(facecolor=WIRE_COLOR, label="p2p send in flight")),
         ("tail", Patch(facecolor=TAIL_COLOR, label="grad sync + optimizer")),
     ]

@@ -1,14 +1,17 @@
-"""Rich tables of a Plan, for ``hyparallel show`` and ``hyparallel plan``: the device map, the stages with
-their memory against the device's, the predicted step time taken apart, and the checkpoint cost and goodput.
+"""Rich tables of a Plan, for ``hyparallel show`` and ``hyparallel plan``: the device map, the
+stages with their memory against the device's, the predicted step time taken apart, and the
+checkpoint cost and goodput.
 
 Note [what the time breakdown adds up]
-    The planner's step time is max over devices of (m - 1/v) x t_s + tail_s, plus sum(t_s) / v, with t_s a
-    device's time per micro-batch (its compute, exposed tensor-parallel communication and pipeline sends)
-    and tail_s the data-parallel gradient sync and optimizer step after the last backward (search.py,
-    ``_finish``). The plan keeps the exposed tp, pp and dp+optimizer time per step (``predicted.comm_s``)
-    and each stage's compute per micro-batch, so the table shows compute as m x the slowest device's
-    compute, those three, and the rest of the step as the pipeline bubble (fill and drain, plus any
-    imbalance between stages), so the rows add up to the predicted step time.
+    The planner's step time is max over devices of (m - 1/v) x t_s + tail_s, plus sum(t_s) / v, with
+    t_s a device's time per micro-batch (its compute, exposed tensor-parallel communication and
+    pipeline sends) and tail_s the data-parallel gradient sync and optimizer step after the last
+    backward (search.py,
+    ``_finish``). The plan keeps the exposed tp, pp and dp+optimizer time per step
+    (``predicted.comm_s``) and each stage's compute per micro-batch, so the table shows compute as m
+    x the slowest device's compute, those three, and the rest of the step as the pipeline bubble
+    (fill and drain, plus any imbalance between stages), so the rows add up to the predicted step
+    time.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def memory_bar(used_gib: float, capacity_gib: float, width: int = BAR_WIDTH) -> 
 
 
 def device_map(plan: Plan) -> Table:
-    """Which node and GPU holds which pipeline stage, data-parallel replica and tensor-parallel shard."""
+    """Which node and GPU holds which pipeline stage, data-parallel replica and tensor-parallel
+    shard."""
     per_node = plan.cluster.gpus_per_node if plan.cluster else min(plan.world_size, 8)
     nodes = -(-plan.world_size // per_node)
     shown = list(range(nodes)) if nodes <= MAX_NODES else [*range(MAX_NODES - 1), nodes - 1]
@@ -69,9 +73,10 @@ def device_map(plan: Plan) -> Table:
 def stage_nodes(plan: Plan) -> dict[int, tuple[int, int]]:
     """Pipeline stage -> the first and last node its GPUs are on.
 
-    Computed from the rank layout, not by visiting every rank (a plan may have a million): the ranks of
-    stage s are ``outer`` blocks of ``inner`` consecutive ranks, ``inner`` the product of the axes after pp
-    in the placement order; the first block starts at s x inner, the last at ((outer - 1) x pp + s) x inner.
+    Computed from the rank layout, not by visiting every rank (a plan may have a million): the ranks
+    of stage s are ``outer`` blocks of ``inner`` consecutive ranks, ``inner`` the product of the
+    axes after pp in the placement order; the first block starts at s x inner, the last at ((outer -
+    1) x pp + s) x inner.
     """
     per_node = plan.cluster.gpus_per_node if plan.cluster else min(plan.world_size, 8)
     shape, pp = plan.mesh_shape(), plan.parallel.pp
@@ -81,13 +86,17 @@ def stage_nodes(plan: Plan) -> dict[int, tuple[int, int]]:
         inner *= shape[axis]
     outer = plan.world_size // (pp * inner)
     return {
-        stage: (stage * inner // per_node, (((outer - 1) * pp + stage) * inner + inner - 1) // per_node)
+        stage: (
+            stage * inner // per_node,
+            (((outer - 1) * pp + stage) * inner + inner - 1) // per_node,
+        )
         for stage in range(pp)
     }
 
 
 def stage_table(plan: Plan) -> Table:
-    """One row per pipeline device: its layers, parameters, compute per micro-batch and peak memory as a bar."""
+    """One row per pipeline device: its layers, parameters, compute per micro-batch and peak memory
+    as a bar."""
     par, pred = plan.parallel, plan.predicted
     capacity = plan.cluster.device.memory_bytes / 2**30 if plan.cluster else None
     table = Table(
@@ -95,13 +104,24 @@ def stage_table(plan: Plan) -> Table:
         + (f", {par.virtual_stages} chunks each" if par.virtual_stages > 1 else "")
         + ")"
     )
-    for column in ("stage", "nodes", "layers", "parameters", "compute s / micro-batch", "peak memory per GPU"):
-        table.add_column(column, justify="left" if column in ("layers", "peak memory per GPU") else "right")
+    for column in (
+        "stage",
+        "nodes",
+        "layers",
+        "parameters",
+        "compute s / micro-batch",
+        "peak memory per GPU",
+    ):
+        table.add_column(
+            column, justify="left" if column in ("layers", "peak memory per GPU") else "right"
+        )
     where, by_device = stage_nodes(plan), _chunks_by_device(plan)
     shown = range(par.pp) if par.pp <= MAX_STAGE_ROWS else [*range(MAX_STAGE_ROWS - 1), par.pp - 1]
     for device in shown:
         if device == par.pp - 1 and par.pp > MAX_STAGE_ROWS:
-            table.add_row("...", "...", f"({par.pp - MAX_STAGE_ROWS} more stages)", "...", "...", "...")
+            table.add_row(
+                "...", "...", f"({par.pp - MAX_STAGE_ROWS} more stages)", "...", "...", "..."
+            )
         chunks = by_device.get(device, [])
         modules = [m for st in chunks for m in st.modules]
         label = (
@@ -135,13 +155,17 @@ def _chunks_by_device(plan: Plan) -> dict:
 def time_breakdown(plan: Plan) -> Table:
     """The predicted step time taken apart; see Note [what the time breakdown adds up]."""
     pred, m = plan.predicted, plan.num_microbatches
-    per_device = [sum(st.compute_s or 0 for st in chunks) for chunks in _chunks_by_device(plan).values()]
+    per_device = [
+        sum(st.compute_s or 0 for st in chunks) for chunks in _chunks_by_device(plan).values()
+    ]
     parts = {
         "tensor-parallel communication (exposed)": pred.comm_s.tp,
         "pipeline sends": pred.comm_s.pp,
-        "parameter servers: pull, push, their update"
-        if plan.ps is not None
-        else "data-parallel gradient sync + optimizer step": pred.comm_s.dp,
+        (
+            "parameter servers: pull, push, their update"
+            if plan.ps is not None
+            else "data-parallel gradient sync + optimizer step"
+        ): pred.comm_s.dp,
     }
     rest = max(pred.step_time_s - sum(parts.values()), 0.0)
     compute = min(m * max(per_device, default=0.0), rest)
@@ -154,21 +178,27 @@ def time_breakdown(plan: Plan) -> Table:
         parts = {"compute (m x slowest stage)": compute, **parts, other: rest - compute}
     else:  # a plan without per-stage compute figures
         parts = {"compute and pipeline bubble": rest, **parts}
-    unit = "samples" if plan.training.seq_len == 1 else "tokens"  # a recommendation model's "sequence" is a sample
+    # a recommendation model's "sequence" is a sample
+    unit = "samples" if plan.training.seq_len == 1 else "tokens"
     table = Table(
         title=f"predicted step {pred.step_time_s:.3f} s, taken apart",
-        caption=f"{pred.tokens_per_s:,.0f} {unit}/s, {pred.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {pred.mfu:.1%}, "
-        f"pipeline bubble {pred.bubble_fraction:.1%} of compute",
+        caption=(
+            f"{pred.tokens_per_s:,.0f} {unit}/s, {pred.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU"
+            f" {pred.mfu:.1%}, pipeline bubble {pred.bubble_fraction:.1%} of compute"
+        ),
     )
     for column in ("part", "seconds", "share"):
         table.add_column(column, justify="left" if column == "part" else "right")
     for part, seconds in parts.items():
-        table.add_row(part, f"{seconds:.4f}", f"{seconds / pred.step_time_s:.1%}" if pred.step_time_s else "-")
+        table.add_row(
+            part, f"{seconds:.4f}", f"{seconds / pred.step_time_s:.1%}" if pred.step_time_s else "-"
+        )
     return table
 
 
 def compression(plan: Plan) -> str:
-    """The plan's gradient compression in a few words: ``none``, ``bf16``, ``powersgd (rank 4, from step 1,000)``."""
+    """The plan's gradient compression in a few words: ``none``, ``bf16``, ``powersgd (rank 4, from
+    step 1,000)``."""
     par = plan.parallel
     if par.grad_compression != "powersgd":
         return par.grad_compression
@@ -176,8 +206,8 @@ def compression(plan: Plan) -> str:
 
 
 def compression_line(plan: Plan) -> str | None:
-    """What the plan's gradient compression saves per step against the same plan uncompressed (None: it compresses
-    nothing, or has no such prediction)."""
+    """What the plan's gradient compression saves per step against the same plan uncompressed (None:
+    it compresses nothing, or has no such prediction)."""
     pred = plan.predicted
     if pred is None or pred.uncompressed is None:
         return None
@@ -185,10 +215,10 @@ def compression_line(plan: Plan) -> str | None:
     saved = plain.step_time_s - pred.step_time_s
     share = f" ({abs(saved) / plain.step_time_s:.1%})" if plain.step_time_s else ""
     return (
-        f"gradient compression {compression(plan)}: {pred.step_time_s:.3g} s per step against "
-        f"{plain.step_time_s:.3g} s uncompressed, {abs(saved):.3g} s{share} {'saved' if saved >= 0 else 'lost'}; "
-        "dp sync + optimizer "
-        f"{pred.comm_s.dp:.3g} s against {plain.dp_comm_s:.3g} s"
+        f"gradient compression {compression(plan)}: {pred.step_time_s:.3g} s per step against"
+        f" {plain.step_time_s:.3g} s uncompressed, {abs(saved):.3g} s{share}"
+        f" {'saved' if saved >= 0 else 'lost'}; dp sync + optimizer {pred.comm_s.dp:.3g} s against"
+        f" {plain.dp_comm_s:.3g} s"
     )
 
 
@@ -202,19 +232,21 @@ def duration(seconds: float) -> str:
 
 
 def checkpoint_lines(plan: Plan) -> list[str]:
-    """The plan's checkpoint cost and expected goodput in two lines (docs/cost-model.md, "Checkpoints and goodput")."""
+    """The plan's checkpoint cost and expected goodput in two lines (docs/cost-model.md,
+    "Checkpoints and goodput")."""
     ck = plan.checkpoint
     mtbf_s = ck.mtbf_hours * 3600
     if ck.storage == "memory":
         cost = (
-            f"checkpoint {ck.host_copy_gib:,.3g} GiB per rank into host memory: training stops "
-            f"{duration(ck.save_time_s)} per save; {ck.checkpoint_gib:,.3g} GiB per rank to disk in the background "
-            f"({duration(ck.disk_write_s)} per node)"
+            f"checkpoint {ck.host_copy_gib:,.3g} GiB per rank into host memory: training stops"
+            f" {duration(ck.save_time_s)} per save; {ck.checkpoint_gib:,.3g} GiB per rank to disk"
+            f" in the background ({duration(ck.disk_write_s)} per node)"
         )
     else:
         cost = (
-            f"checkpoint {ck.checkpoint_gib:,.3g} GiB per rank to disk: training stops {duration(ck.save_time_s)} "
-            f"per save (the node's write); a memory checkpoint would stop it {duration(ck.host_copy_s)}"
+            f"checkpoint {ck.checkpoint_gib:,.3g} GiB per rank to disk: training stops"
+            f" {duration(ck.save_time_s)} per save (the node's write); a memory checkpoint would"
+            f" stop it {duration(ck.host_copy_s)}"
         )
     lost = {
         "saves": ck.save_time_s / ck.interval_s if ck.interval_s else 0.0,
@@ -223,35 +255,46 @@ def checkpoint_lines(plan: Plan) -> list[str]:
     }
     return [
         cost,
-        f"goodput    {ck.goodput:.1%} expected with a checkpoint every {ck.interval_steps:,} steps "
-        f"({duration(ck.interval_s)}; Young/Daly, MTBF {ck.mtbf_hours:g} h, restart {duration(ck.restart_s)}); "
-        "lost: " + ", ".join(f"{part} {fraction:.2%}" for part, fraction in lost.items()),
+        f"goodput    {ck.goodput:.1%} expected with a checkpoint every {ck.interval_steps:,} steps"
+        f" ({duration(ck.interval_s)}; Young/Daly, MTBF {ck.mtbf_hours:g} h, restart"
+        f" {duration(ck.restart_s)}); lost: "
+        + ", ".join(f"{part} {fraction:.2%}" for part, fraction in lost.items()),
     ]
 
 
 def ps_line(plan: Plan) -> str:
-    """A ps plan's servers in one line: how many beside the workers, what they hold, how they update it."""
+    """A ps plan's servers in one line: how many beside the workers, what they hold, how they update
+    it."""
     ps = plan.ps
-    tables = "every embedding table" if ps.tables == "auto" else f"{len(ps.tables)} embedding table(s)"
+    tables = (
+        "every embedding table" if ps.tables == "auto" else f"{len(ps.tables)} embedding table(s)"
+    )
     sync = "synchronous" if ps.staleness == 0 else f"up to {ps.staleness} step(s) stale"
     return (
-        f"parameter servers {ps.servers} beside the {plan.parallel.dp} workers (launch {plan.launch_size} "
-        f"processes): {tables} and the dense weights, {ps.optimizer} at lr {ps.lr:g}, {sync}"
+        f"parameter servers {ps.servers} beside the {plan.parallel.dp} workers (launch"
+        f" {plan.launch_size} processes): {tables} and the dense weights, {ps.optimizer} at lr"
+        f" {ps.lr:g}, {sync}"
     )
 
 
 def table_options(choice) -> Table:
-    """Where the embedding tables could go (a planner.tables.TableChoice): each option's step time, memory, and
-    why it was not picked."""
+    """Where the embedding tables could go (a planner.tables.TableChoice): each option's step time,
+    memory, and why it was not picked."""
     table = Table(title="where the embedding tables go")
     for column in ("option", "step ms", "GiB per GPU", "GiB per server", "why not"):
         table.add_column(column, justify="left" if column in ("option", "why not") else "right")
-    for option in sorted(choice.options, key=lambda o: (o is not choice.pick, not o.fits, o.step_time_s)):
+    for option in sorted(
+        choice.options, key=lambda o: (o is not choice.pick, not o.fits, o.step_time_s)
+    ):
         table.add_row(
             option.label,
             f"{option.step_time_s * 1e3:.3g}" if option.fits else "-",
             f"{option.gpu_memory_bytes / 2**30:.1f}" if option.fits else "-",
-            f"{option.server_memory_bytes / 2**30:.1f}" if option.server_memory_bytes is not None else "-",
+            (
+                f"{option.server_memory_bytes / 2**30:.1f}"
+                if option.server_memory_bytes is not None
+                else "-"
+            ),
             choice.why_not(option),
         )
     return table

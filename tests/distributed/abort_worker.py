@@ -1,6 +1,8 @@
-"""A launch whose second case fails on rank 1 while rank 0 waits in a collective: tests/test_harness.py.
+"""A launch whose second case fails on rank 1 while rank 0 waits in a collective:
+tests/test_harness.py.
 
-Without Note [a failing rank ends the launch] rank 0 would wait in the all-reduce for the group's timeout.
+Without Note [a failing rank ends the launch] rank 0 would wait in the all-reduce for the group's
+timeout.
 """
 
 from __future__ import annotations
@@ -27,4 +29,6 @@ def fails_on_rank_1() -> dict:
 
 if __name__ == "__main__":
     harness.init()
-    harness.run_cases(sys.argv[1], [("fine", fine), ("fails-on-rank-1", fails_on_rank_1), ("never-run", fine)])
+    harness.run_cases(
+        sys.argv[1], [("fine", fine), ("fails-on-rank-1", fails_on_rank_1), ("never-run", fine)]
+    )

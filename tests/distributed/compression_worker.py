@@ -1,20 +1,27 @@
-"""Gradient compression worker: `torchrun --nproc_per_node 4 tests/distributed/compression_worker.py OUT DIR CASE...`.
+"""Gradient compression worker: `torchrun --nproc_per_node 4 tests/distributed/compression_worker.py
+OUT DIR CASE...`.
 
-gpt-tiny (4 layers, no biases) in fp32 on the CPU cluster, every case a plan of the launch's 4 processes:
+gpt-tiny (4 layers, no biases) in fp32 on the CPU cluster, every case a plan of the launch's 4
+processes:
 
-    first-<mode>-<layout>      bf16 / fp16: the first step's gradients against one device's, on DDP (dp4), the
-                               bucketed all-reduce after a pipeline (dp2-pp2) and FSDP2 (dp4-zero1, dp4-zero3)
-    gather-bf16-zero3          bf16 training under ZeRO 3: the weights arrive 16-bit (FSDP2 param_dtype) and the
-                               gradients match the uncompressed plan's
-    powersgd-<layout>          PowerSGD (rank 4, from step 2): the losses of STEPS AdamW steps against one device's
-    resume-<layout>            PowerSGD saved after RESUME_AT steps and resumed into a fresh model: the uninterrupted
-                               run's losses and weights; resumed without the compression state, it differs
-    error-feedback             fixed weights and batch: the mean of the applied gradients converges to the true one
-                               with error feedback, and stays off without it
-    cuda-present               a CPU bucket's PowerSGD with torch.cuda.is_available() true (a machine with a GPU
-                               running gloo): hyparallel's hook reduces it, torch's own raises
+    first-<mode>-<layout>      bf16 / fp16: the first step's gradients against one device's, on DDP
+                               (dp4), the bucketed all-reduce after a pipeline (dp2-pp2) and FSDP2
+                               (dp4-zero1, dp4-zero3)
+    gather-bf16-zero3          bf16 training under ZeRO 3: the weights arrive 16-bit (FSDP2
+                               param_dtype) and the gradients match the uncompressed plan's
+    powersgd-<layout>          PowerSGD (rank 4, from step 2): the losses of STEPS AdamW steps
+                               against one device's
+    resume-<layout>            PowerSGD saved after RESUME_AT steps and resumed into a fresh model:
+                               the uninterrupted run's losses and weights; resumed without the
+                               compression state, it differs
+    error-feedback             fixed weights and batch: the mean of the applied gradients converges
+                               to the true one with error feedback, and stays off without it
+    cuda-present               a CPU bucket's PowerSGD with torch.cuda.is_available() true (a
+                               machine with a GPU running gloo): hyparallel's hook reduces it,
+                               torch's own raises
 
-Rank 0 writes one JSON line per case (tests/distributed/harness.run_cases); tests/test_grad_compression.py judges.
+Rank 0 writes one JSON line per case (tests/distributed/harness.run_cases);
+tests/test_grad_compression.py judges.
 """
 
 from __future__ import annotations
@@ -53,7 +60,9 @@ def build(layout: str, mode: str, dtype: str = "fp32", seed: int = SEED, **compr
     return model, hp.parallelize(model, plan, seed=seed, device="cpu")
 
 
-def worst_error(model, pmodel, expected: dict[str, torch.Tensor], grads: bool = True) -> tuple[float, list[str]]:
+def worst_error(
+    model, pmodel, expected: dict[str, torch.Tensor], grads: bool = True
+) -> tuple[float, list[str]]:
     """The largest ||got - want|| / ||want|| over the tensors this rank holds, and their names."""
     modules, worst, checked = dict(model.named_modules()), 0.0, []
     for name, param in pmodel.named_parameters():
@@ -76,25 +85,33 @@ def first_step(mode: str, layout: str) -> dict:
         "grads_checked": checked,
         "dp_rank": pmodel.dp_rank,
         "parameter_groups": harness.parameter_groups(hp.models.load(GPT).module),
-        "ddp_hook": pmodel.data_parallel.ddp is not None and pmodel.data_parallel.compressor is not None,
+        "ddp_hook": (
+            pmodel.data_parallel.ddp is not None and pmodel.data_parallel.compressor is not None
+        ),
         "bucketed": pmodel.data_parallel.after_step_all_reduce,
         "sharded": pmodel.data_parallel.sharded,
     }
 
 
 def gather_bf16() -> dict:
-    """bf16 training, ZeRO 3: the compressed plan's weights are bf16 inside forward; its gradients, the plain plan's."""
+    """bf16 training, ZeRO 3: the compressed plan's weights are bf16 inside forward; its gradients,
+    the plain plan's."""
     inputs, targets = batch(GPT, SEED)
     grads, dtypes = {}, {}
     for mode in ("none", "bf16"):
         model, pmodel = build("dp4-zero3", mode, dtype="bf16")
         seen = []
         qkv = model.layers[0].attn.qkv
-        qkv.register_forward_pre_hook(lambda module, _, seen=seen: seen.append(str(module.weight.dtype)))
+        qkv.register_forward_pre_hook(
+            lambda module, _, seen=seen: seen.append(str(module.weight.dtype))
+        )
         pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
         grads[mode] = {name: full(p.grad).clone() for name, p in pmodel.named_parameters()}
         dtypes[mode] = seen[0]
-    worst = max(((grads["bf16"][n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in grads["none"].items())
+    worst = max(
+        ((grads["bf16"][n] - g).norm() / g.norm().clamp_min(1e-12)).item()
+        for n, g in grads["none"].items()
+    )
     return {"worst_rel": worst, "weight_dtype": dtypes, "compared": sorted(grads["none"])}
 
 
@@ -110,7 +127,8 @@ def train(pmodel, optimizer, steps: range, same_batch: bool = False) -> list[flo
 
 @functools.cache
 def memorised_losses() -> list[float]:
-    """One device learning one batch by heart (FIT_LR): the losses PowerSGD's training is held against."""
+    """One device learning one batch by heart (FIT_LR): the losses PowerSGD's training is held
+    against."""
     from hyparallel.runtime.parallel import token_cross_entropy
     from hyparallel.tensor.init import materialize_
 
@@ -128,18 +146,26 @@ def memorised_losses() -> list[float]:
 
 
 def powersgd(layout: str) -> dict:
-    """PowerSGD learning one batch by heart, against one device doing the same (the loss falls far in STEPS)."""
+    """PowerSGD learning one batch by heart, against one device doing the same (the loss falls far
+    in STEPS)."""
     _, pmodel = build(layout, "powersgd", powersgd_rank=4, powersgd_start_step=START)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=FIT_LR)
     losses = train(pmodel, optimizer, range(STEPS), same_batch=True)
     state = pmodel.data_parallel.compressor.state
     residual = sum(e.norm().item() ** 2 for e in state.error_dict.values()) ** 0.5
-    return {"losses": losses, "ref_losses": memorised_losses(), "iter": state.iter, "residual_norm": residual}
+    return {
+        "losses": losses,
+        "ref_losses": memorised_losses(),
+        "iter": state.iter,
+        "residual_norm": residual,
+    }
 
 
 def resume(layout: str) -> dict:
     def fresh(seed: int):
-        model, pmodel = build(layout, "powersgd", seed=seed, powersgd_rank=4, powersgd_start_step=START)
+        model, pmodel = build(
+            layout, "powersgd", seed=seed, powersgd_rank=4, powersgd_start_step=START
+        )
         return model, pmodel, torch.optim.AdamW(pmodel.parameters(), lr=LR)
 
     def weights(pmodel) -> dict[str, torch.Tensor]:
@@ -155,9 +181,11 @@ def resume(layout: str) -> dict:
     checkpoint.save(pmodel, optimizer, directory, step=RESUME_AT)
     results = {}
     for kept in (True, False):
-        _, pmodel, optimizer = fresh(SEED + 1)  # other initial weights: the checkpoint must bring them
+        # other initial weights: the checkpoint must bring them
+        _, pmodel, optimizer = fresh(SEED + 1)
         info = checkpoint.load(pmodel, optimizer, directory)
-        if not kept:  # the same resume, PowerSGD's residuals and factors dropped (its step count kept)
+        # the same resume, PowerSGD's residuals and factors dropped (its step count kept)
+        if not kept:
             pmodel.data_parallel.load_compression_state(None, pmodel.data_parallel.compression_step)
         rest = train(pmodel, optimizer, range(RESUME_AT, STEPS))
         mine = weights(pmodel)
@@ -168,7 +196,8 @@ def resume(layout: str) -> dict:
 
 
 def error_feedback() -> dict:
-    """Same weights and batch every step: with error feedback the mean applied gradient converges to the true one."""
+    """Same weights and batch every step: with error feedback the mean applied gradient converges to
+    the true one."""
     ref = reference(GPT)["grads"]
     inputs, targets = batch(GPT, SEED)
     result = {}
@@ -199,7 +228,8 @@ def worst_error_of(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
 
 
 def cuda_present() -> dict:
-    """Note [compression hooks on gloo], the last part: torch's hook synchronises CUDA for a CPU bucket."""
+    """Note [compression hooks on gloo], the last part: torch's hook synchronises CUDA for a CPU
+    bucket."""
     from unittest import mock
 
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -207,7 +237,8 @@ def cuda_present() -> dict:
     from hyparallel.runtime import compression
 
     torch.manual_seed(0)
-    grads = [("w", torch.randn(64, 32)), ("b", torch.randn(64))]  # the matrix is compressed at rank 4
+    # the matrix is compressed at rank 4
+    grads = [("w", torch.randn(64, 32)), ("b", torch.randn(64))]
     outcome = {}
     for hook in ("hyparallel", "torch"):
         compressor = compression.Compressor("powersgd", None, {}, rank=4, start_step=2)

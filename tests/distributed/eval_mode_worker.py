@@ -1,8 +1,10 @@
-"""A pipeline stage follows the model's mode: `torchrun --nproc_per_node 2 eval_mode_worker.py OUT CASE...`.
+"""A pipeline stage follows the model's mode: `torchrun --nproc_per_node 2 eval_mode_worker.py OUT
+CASE...`.
 
-Each case builds a model with dropout, plans pp = 2, and runs eval_step twice with the model in eval mode (the
-single device's eval loss, the same both times) and twice in training mode (dropout on: two draws differ).
-Note [a stage follows the model's mode] (hyparallel/pipeline/split.py). Rank 0 writes one JSON line per case.
+Each case builds a model with dropout, plans pp = 2, and runs eval_step twice with the model in eval
+mode (the single device's eval loss, the same both times) and twice in training mode (dropout on:
+two draws differ). Note [a stage follows the model's mode] (hyparallel/pipeline/split.py). Rank 0
+writes one JSON line per case.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 SEQ, BATCH, SEED, VOCAB = 16, 4, 5, 64
 CASES = {
     "hf-gpt2": (  # export: aten.dropout and the attention's dropout_p baked in at trace time
-        "hf:GPT2LMHeadModel n_layer=2 n_embd=32 n_head=4 vocab_size=64 n_positions=32 resid_pdrop=0.3 "
-        "embd_pdrop=0.3 attn_pdrop=0.3 bos_token_id=0 eos_token_id=0"
+        "hf:GPT2LMHeadModel n_layer=2 n_embd=32 n_head=4 vocab_size=64 n_positions=32"
+        " resid_pdrop=0.3 embd_pdrop=0.3 attn_pdrop=0.3 bos_token_id=0 eos_token_id=0"
     ),
-    "gpt-tiny": "gpt-tiny num_layers=2 vocab_size=64 dropout=0.3",  # torch.fx: self.training read once, at trace
+    # torch.fx: self.training read once, at trace
+    "gpt-tiny": "gpt-tiny num_layers=2 vocab_size=64 dropout=0.3",
 }
 
 
@@ -43,7 +46,9 @@ def run_case(name: str) -> dict:
     model.eval()
     evals = [pmodel.eval_step(pmodel.shard(inputs), pmodel.shard(targets)).item() for _ in range(2)]
     model.train()
-    trains = [pmodel.eval_step(pmodel.shard(inputs), pmodel.shard(targets)).item() for _ in range(2)]
+    trains = [
+        pmodel.eval_step(pmodel.shard(inputs), pmodel.shard(targets)).item() for _ in range(2)
+    ]
     return {"want": want, "eval": evals, "train": trains}
 
 

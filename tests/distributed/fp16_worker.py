@@ -1,10 +1,12 @@
 """fp16 loss scaling against underflow: `torchrun --nproc_per_node 4 fp16_worker.py OUT CASE...`.
 
-Each case plans the layout in fp16 and takes a loss small enough (1e-5 x token cross-entropy) that its gradients
-flush to zero in fp16's backward without scaling. It compares one train_step's gradients with the same plan in fp32,
-with the scaler on and off (Note [fp16 loss scaling], hyparallel/runtime/parallel.py); then makes one rank alone see an
-inf (a hook on a parameter of the first pipeline stage): every rank must skip the optimizer step and halve the scale.
-Last, the scaler's state must come back from a checkpoint into a new model. Rank 0 writes one JSON line per case.
+Each case plans the layout in fp16 and takes a loss small enough (1e-5 x token cross-entropy) that
+its gradients flush to zero in fp16's backward without scaling. It compares one train_step's
+gradients with the same plan in fp32, with the scaler on and off (Note [fp16 loss scaling],
+hyparallel/runtime/parallel.py); then makes one rank alone see an inf (a hook on a parameter of the
+first pipeline stage): every rank must skip the optimizer step and halve the scale. Last, the
+scaler's state must come back from a checkpoint into a new model. Rank 0 writes one JSON line per
+case.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ SEQ, GLOBAL_BATCH, SEED = 16, 8, 31
 SPEC = "gpt-tiny num_layers=2 bias=false"
 CASES = {
     "dp2-pp2": dict(dp=2, tp=1, pp=2, micro_batch=2, zero=0, schedule="1f1b"),
-    "tp2-pp2": dict(dp=1, tp=2, pp=2, micro_batch=2, zero=0, schedule="1f1b", vocab_parallel_loss=False),
+    "tp2-pp2": dict(
+        dp=1, tp=2, pp=2, micro_batch=2, zero=0, schedule="1f1b", vocab_parallel_loss=False
+    ),
 }
 
 
@@ -58,7 +62,9 @@ def run_case(name: str) -> dict:
     plain = grads_after_one_step(plain_model, inputs, targets)
 
     def relative(got):
-        return max(((got[n] - w).norm() / w.norm().clamp_min(1e-30)).item() for n, w in want.items())
+        return max(
+            ((got[n] - w).norm() / w.norm().clamp_min(1e-30)).item() for n, w in want.items()
+        )
 
     def zero_fraction(got):
         return sum(int((g == 0).sum()) for g in got.values()) / sum(g.numel() for g in got.values())
@@ -72,7 +78,9 @@ def run_case(name: str) -> dict:
     # One rank alone sees an inf: every rank skips the step and halves the scale.
     pmodel = build("fp16", constraints)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
-    first_stage = pmodel.mesh["pp"].get_local_rank() == 0 and pmodel.mesh["tp"].get_local_rank() == 0
+    first_stage = (
+        pmodel.mesh["pp"].get_local_rank() == 0 and pmodel.mesh["tp"].get_local_rank() == 0
+    )
     handle = None
     if first_stage and pmodel.dp_rank == 0:
         param = next(p for p in pmodel.parameters() if p.requires_grad)
@@ -88,17 +96,24 @@ def run_case(name: str) -> dict:
     result["inf_skipped"] = all(torch.equal(b, p) for b, p in zip(before, pmodel.parameters()))
     result["optimizer_state"] = len(optimizer.state)
     result["scale"] = (scale, pmodel.scaler.scale)
-    pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets), small_loss)  # clean: trains, the tracker grows
+    # clean: trains, the tracker grows
+    pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets), small_loss)
     optimizer.step()
-    # loose by construction: any parameter moved at all (an AdamW step of lr 1e-3 moves each far past rounding)
-    result["clean_step_trained"] = not all(torch.equal(b, p) for b, p in zip(before, pmodel.parameters()))
+    # loose by construction: any parameter moved at all (an AdamW step of lr 1e-3 moves each far
+    # past rounding)
+    result["clean_step_trained"] = not all(
+        torch.equal(b, p) for b, p in zip(before, pmodel.parameters())
+    )
     # The scaler's state survives a checkpoint into another model.
     folder = [tempfile.mkdtemp(prefix="fp16-ckpt-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(folder, src=0)
     hp.checkpoint.save(pmodel, optimizer, folder[0], step=2)
     resumed = build("fp16", constraints)
     hp.checkpoint.load(resumed, torch.optim.AdamW(resumed.parameters(), lr=1e-3), folder[0])
-    result["saved_scaler"], result["resumed_scaler"] = pmodel.scaler.state_dict(), resumed.scaler.state_dict()
+    result["saved_scaler"], result["resumed_scaler"] = (
+        pmodel.scaler.state_dict(),
+        resumed.scaler.state_dict(),
+    )
     return result
 
 

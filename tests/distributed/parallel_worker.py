@@ -1,23 +1,27 @@
-"""parallelize parity worker: `torchrun --nproc_per_node N tests/distributed/parallel_worker.py OUT CASE...`.
+"""parallelize parity worker: `torchrun --nproc_per_node N tests/distributed/parallel_worker.py OUT
+CASE...`.
 
-Each case plans a model for the launch with the given degrees fixed, parallelizes a meta-device copy, and
-trains 3 AdamW steps on the same global batches (about 10% of targets padding, -100) as a single-device model
-materialised from the same seed. After the first step every gradient slice this rank holds is compared
-with the single device's; after the last, every parameter slice (gathered over dp where FSDP shards it);
-then eval_step on a held-out batch. "accumulate" cases call train_step twice before the first optimizer
-step: gradients must be twice the single device's. Recompute cases (run_recompute_case) compare bf16 training
-under recompute full and selective with recompute none instead. Rank 0 writes one JSON line per case.
+Each case plans a model for the launch with the given degrees fixed, parallelizes a meta-device
+copy, and trains 3 AdamW steps on the same global batches (about 10% of targets padding, -100) as a
+single-device model materialised from the same seed. After the first step every gradient slice this
+rank holds is compared with the single device's; after the last, every parameter slice (gathered
+over dp where FSDP shards it); then eval_step on a held-out batch. "accumulate" cases call
+train_step twice before the first optimizer
+step: gradients must be twice the single device's. Recompute cases (run_recompute_case) compare bf16
+training under recompute full and selective with recompute none instead. Rank 0 writes one JSON line
+per case.
 
 Tolerances, fp32: gradients rtol 1e-5 / atol 1e-6 elementwise (sums over micro-batches, ranks and
-tensor-parallel partial products in another order: rounding only). Parameters after 3 steps: each tensor
-within 1e-5 of the single device's in norm, and elementwise rtol 1e-5 / atol 1e-4: AdamW's m / (sqrt(v) + eps)
-turns a rounding difference in a small gradient entry into a larger one in the update (up to lr = 1e-3 a step
-for an entry whose gradient is all rounding). Measured: below 1e-5 with this CPU's AVX-512 kernels, 1.25e-5
-on one qkv entry with AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, what a CPU without AVX-512 runs), so atol 1e-4;
-the norm bound keeps the whole tensor honest. Hugging Face GPT-2 has a key bias, whose gradient is exactly zero (softmax
-ignores a shift of every key): its computed gradient is rounding noise that AdamW would turn into +-lr
-updates, different on every layout. Its cases train with SGD (momentum 0.9) instead, which keeps a zero
-gradient zero; the first-step gradient check is the same for both.
+tensor-parallel partial products in another order: rounding only). Parameters after 3 steps: each
+tensor within 1e-5 of the single device's in norm, and elementwise rtol 1e-5 / atol 1e-4: AdamW's m
+/ (sqrt(v) + eps) turns a rounding difference in a small gradient entry into a larger one in the
+update (up to lr = 1e-3 a step for an entry whose gradient is all rounding). Measured: below 1e-5
+with this CPU's AVX-512 kernels, 1.25e-5 on one qkv entry with AVX2 kernels
+(ATEN_CPU_CAPABILITY=avx2, what a CPU without AVX-512 runs), so atol 1e-4; the norm bound keeps the
+whole tensor honest. Hugging Face GPT-2 has a key bias, whose gradient is exactly zero (softmax
+ignores a shift of every key): its computed gradient is rounding noise that AdamW would turn into
++-lr updates, different on every layout. Its cases train with SGD (momentum 0.9) instead, which
+keeps a zero gradient zero; the first-step gradient check is the same for both.
 """
 
 from __future__ import annotations
@@ -35,39 +39,69 @@ from hyparallel.runtime.parallel import _logits as logits_of  # output.logits, o
 from hyparallel.runtime.parallel import token_cross_entropy
 from hyparallel.spec.errors import ConfigError
 from hyparallel.tensor.init import materialize_
-from hyparallel.tools.parity import expected_slice  # the slice of a full tensor a tensor-parallel module holds
+
+# the slice of a full tensor a tensor-parallel module holds
+from hyparallel.tools.parity import expected_slice
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 RTOL, GRAD_ATOL, PARAM_ATOL, STEPS, LR = 1e-5, 1e-6, 1e-4, 3, 1e-3
-# Parameters after STEPS AdamW steps: Adam divides each gradient by its running root mean square, so an element
-# whose gradient is near zero moves by lr whatever its rounding, and tp's partial sums (the vocab-parallel loss's
-# split softmax among them) round differently. Measured ||parallel - single|| / ||single|| with the first step's
-# gradients within 7e-7: 8.0-8.9e-6 with the logits gathered, 0.99-1.08e-5 with the vocab-parallel loss, 3.3e-6
-# without tp; bounded at 2e-5.
+# Parameters after STEPS AdamW steps: Adam divides each gradient by its running root mean square, so
+# an element whose gradient is near zero moves by lr whatever its rounding, and tp's partial sums
+# (the vocab-parallel loss's split softmax among them) round differently. Measured ||parallel -
+# single|| / ||single|| with the first step's gradients within 7e-7: 8.0-8.9e-6 with the logits
+# gathered, 0.99-1.08e-5 with the vocab-parallel loss, 3.3e-6 without tp; bounded at 2e-5.
 PARAM_RTOL = 2e-5
 SEQ, GLOBAL_BATCH, SEED = 16, 8, 17
-GPT = "gpt-tiny num_layers=4 bias=false"  # no biases: a key bias's gradient is exactly zero, all rounding (see test)
+# no biases: a key bias's gradient is exactly zero, all rounding (see test)
+GPT = "gpt-tiny num_layers=4 bias=false"
 GPT2 = (
-    "hf:GPT2LMHeadModel n_layer=4 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 eos_token_id=0 "
-    "resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
+    "hf:GPT2LMHeadModel n_layer=4 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0"
+    " eos_token_id=0 resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
 )
 CASES = {  # name -> (model, plan constraints, train_step calls before the first optimizer step)
-    # tp cases ask for sequence parallelism: on gloo the planner prices it above plain tp and would leave it off
+    # tp cases ask for sequence parallelism: on gloo the planner prices it above plain tp and would
+    # leave it off
     "dp2-tp2-pp2-1f1b": (
         GPT,
         dict(dp=2, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, sequence_parallel=True),
         1,
     ),
     "dp4": (GPT, dict(dp=4, tp=1, pp=1, micro_batch=1, zero=0), 1),
-    "tp2-pp2": (GPT, dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, sequence_parallel=True), 1),
-    "dp2-tp2-nosp": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, sequence_parallel=False), 1),
-    "dp2-tp2-zero1": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1, sequence_parallel=True), 1),
-    "dp2-tp2-zero2": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=1, zero=2, sequence_parallel=True), 1),
-    "dp2-tp2-zero3": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=3, sequence_parallel=True), 1),
-    "dp2-pp2-zero1-gpipe": (GPT, dict(dp=2, tp=1, pp=2, schedule="gpipe", micro_batch=1, zero=1), 1),
+    "tp2-pp2": (
+        GPT,
+        dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, sequence_parallel=True),
+        1,
+    ),
+    "dp2-tp2-nosp": (
+        GPT,
+        dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, sequence_parallel=False),
+        1,
+    ),
+    "dp2-tp2-zero1": (
+        GPT,
+        dict(dp=2, tp=2, pp=1, micro_batch=2, zero=1, sequence_parallel=True),
+        1,
+    ),
+    "dp2-tp2-zero2": (
+        GPT,
+        dict(dp=2, tp=2, pp=1, micro_batch=1, zero=2, sequence_parallel=True),
+        1,
+    ),
+    "dp2-tp2-zero3": (
+        GPT,
+        dict(dp=2, tp=2, pp=1, micro_batch=2, zero=3, sequence_parallel=True),
+        1,
+    ),
+    "dp2-pp2-zero1-gpipe": (
+        GPT,
+        dict(dp=2, tp=1, pp=2, schedule="gpipe", micro_batch=1, zero=1),
+        1,
+    ),
     "dp2-pp2-interleaved": (
         GPT,
-        dict(dp=2, tp=1, pp=2, schedule="interleaved-1f1b", virtual_stages=2, micro_batch=1, zero=0),
+        dict(
+            dp=2, tp=1, pp=2, schedule="interleaved-1f1b", virtual_stages=2, micro_batch=1, zero=0
+        ),
         1,
     ),
     "dp2-tp2-recompute": (
@@ -77,15 +111,36 @@ CASES = {  # name -> (model, plan constraints, train_step calls before the first
     ),
     "tp2-pp2-recompute": (
         GPT,
-        dict(dp=1, tp=2, pp=2, schedule="1f1b", micro_batch=2, zero=0, recompute="full", sequence_parallel=True),
+        dict(
+            dp=1,
+            tp=2,
+            pp=2,
+            schedule="1f1b",
+            micro_batch=2,
+            zero=0,
+            recompute="full",
+            sequence_parallel=True,
+        ),
         1,
     ),
-    "dp2-tp2-sp-accumulate": (GPT, dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, sequence_parallel=True), 2),
-    # the logits gathered for the loss (parallel.vocab_parallel_loss false; every other tp case computes it
-    # vocab-parallel, the planner's default)
+    "dp2-tp2-sp-accumulate": (
+        GPT,
+        dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, sequence_parallel=True),
+        2,
+    ),
+    # the logits gathered for the loss (parallel.vocab_parallel_loss false; every other tp case
+    # computes it vocab-parallel, the planner's default)
     "dp2-tp2-gathered": (
         GPT,
-        dict(dp=2, tp=2, pp=1, micro_batch=2, zero=0, sequence_parallel=True, vocab_parallel_loss=False),
+        dict(
+            dp=2,
+            tp=2,
+            pp=1,
+            micro_batch=2,
+            zero=0,
+            sequence_parallel=True,
+            vocab_parallel_loss=False,
+        ),
         1,
     ),
     "hf-gpt2-tp2-pp2": (
@@ -99,13 +154,15 @@ CASES = {  # name -> (model, plan constraints, train_step calls before the first
         1,
     ),
 }
-# GPT-2 with eager attention and its default dropout (0.1): bf16, one train_step under recompute none, full and
-# selective from the same weights, batch and RNG state; the gradients must agree (run_recompute_case).
+# GPT-2 with eager attention and its default dropout (0.1): bf16, one train_step under recompute
+# none, full and selective from the same weights, batch and RNG state; the gradients must agree
+# (run_recompute_case).
 GPT2_EAGER_DROPOUT = (
     "hf:GPT2LMHeadModel n_layer=4 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 "
     "eos_token_id=0 attn_implementation=eager"
 )
-RECOMPUTE_CASES = {  # name -> (model, plan constraints); two blocks per pipeline stage, each stage one region
+# name -> (model, plan constraints); two blocks per pipeline stage, each stage one region
+RECOMPUTE_CASES = {
     "hf-gpt2-dp2-pp2-bf16-recompute": (
         GPT2_EAGER_DROPOUT,
         dict(dp=2, tp=1, pp=2, schedule="1f1b", micro_batch=1, zero=0),
@@ -115,7 +172,11 @@ RECOMPUTE_CASES = {  # name -> (model, plan constraints); two blocks per pipelin
 
 def optimizer_for(spec: str, params) -> torch.optim.Optimizer:
     """AdamW, or SGD with momentum for models with a key bias (see the module docstring)."""
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9) if spec == GPT2 else torch.optim.AdamW(params, lr=LR)
+    return (
+        torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        if spec == GPT2
+        else torch.optim.AdamW(params, lr=LR)
+    )
 
 
 def vocab(spec: str) -> int:
@@ -126,7 +187,8 @@ def batch(spec: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab(spec), (GLOBAL_BATCH, SEQ + 1), generator=generator)
     targets = tokens[:, 1:].clone()
-    targets[torch.rand(targets.shape, generator=generator) < 0.1] = -100  # padding: not counted in the mean
+    # padding: not counted in the mean
+    targets[torch.rand(targets.shape, generator=generator) < 0.1] = -100
     return tokens[:, :-1], targets
 
 
@@ -136,7 +198,8 @@ def batches(spec: str):
 
 @functools.cache
 def reference(spec: str) -> dict:
-    """Single-device training: first-step gradients, parameters after the last step, losses, held-out loss."""
+    """Single-device training: first-step gradients, parameters after the last step, losses,
+    held-out loss."""
     model = materialize_(hp.models.load(spec).module, "cpu", seed=SEED)
     optimizer = optimizer_for(spec, model.parameters())
     losses, first_grads = [], None
@@ -144,8 +207,15 @@ def reference(spec: str) -> dict:
         loss = token_cross_entropy(model(inputs), targets)
         loss.backward()
         if first_grads is None:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-            first_norm = torch.stack([p.grad.double().pow(2).sum() for p in model.parameters()]).sum().sqrt().item()
+            first_grads = {
+                n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)
+            }
+            first_norm = (
+                torch.stack([p.grad.double().pow(2).sum() for p in model.parameters()])
+                .sum()
+                .sqrt()
+                .item()
+            )
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -163,13 +233,15 @@ def reference(spec: str) -> dict:
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()  # FSDP: gather over dp
+    # FSDP: gather over dp
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
 
 def compare(
     pmodel, model, expected: dict[str, torch.Tensor], of_grads: bool, factor: float = 1.0
 ) -> tuple[list[str], float]:
-    """The names of the parameters this rank holds, each compared with ``expected``, and the worst relative error."""
+    """The names of the parameters this rank holds, each compared with ``expected``, and the worst
+    relative error."""
     modules, checked, worst = dict(model.named_modules()), [], 0.0
     for pname, param in pmodel.named_parameters():
         owner, _, leaf = pname.rpartition(".")
@@ -179,7 +251,9 @@ def compare(
         worst = max(worst, relative)
         what = "gradient of " if of_grads else ""
         bound = RTOL if of_grads else PARAM_RTOL
-        assert of_grads or relative <= bound, f"{what}{pname}: relative error {relative:.2e} > {bound}"
+        assert of_grads or relative <= bound, (
+            f"{what}{pname}: relative error {relative:.2e} > {bound}"
+        )
         torch.testing.assert_close(
             got,
             want,
@@ -197,32 +271,52 @@ def run_case(name: str) -> dict:
     model = hp.models.load(spec).module
     world = dist.get_world_size()
     plan = hp.plan(
-        model, hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world), GLOBAL_BATCH, SEQ, "fp32", **constraints
+        model,
+        hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=world),
+        GLOBAL_BATCH,
+        SEQ,
+        "fp32",
+        **constraints,
     )
     groups = harness.parameter_groups(model)  # before parallelize swaps modules in
-    pmodel = hp.parallelize(model, plan, seed=SEED, device="cpu")  # gloo on the CPU, a GPU present or not
+    # gloo on the CPU, a GPU present or not
+    pmodel = hp.parallelize(model, plan, seed=SEED, device="cpu")
     first_block = "layers.0.attn.qkv" if spec == GPT else "transformer.h.0.attn.c_attn"
-    calls = []  # forward calls of the first block's qkv: twice per micro-batch when the block is recomputed
+    # forward calls of the first block's qkv: twice per micro-batch when the block is recomputed
+    calls = []
     model.get_submodule(first_block).register_forward_hook(lambda *_: calls.append(1))
     optimizer = optimizer_for(spec, pmodel.parameters())
     losses = []
-    result = {"plan": plan.parallel.model_dump(), "dp_rank": pmodel.dp_rank, "parameter_groups": groups}
+    result = {
+        "plan": plan.parallel.model_dump(),
+        "dp_rank": pmodel.dp_rank,
+        "parameter_groups": groups,
+    }
     for step, (inputs, targets) in enumerate(batches(spec)):
         for _ in range(calls_first if step == 0 else 1):
             loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
         losses.append(loss.item())
         if step == 0:
-            result["grads_checked"], result["grad_worst_rel"] = compare(pmodel, model, ref["grads"], True, calls_first)
-            # The global norm as one device computes it, then clipping to half of it scales every gradient alike.
+            result["grads_checked"], result["grad_worst_rel"] = compare(
+                pmodel, model, ref["grads"], True, calls_first
+            )
+            # The global norm as one device computes it, then clipping to half of it scales every
+            # gradient alike.
             norm = pmodel.clip_grad_norm_(float("inf")).item()
             result["grad_norm"], result["ref_grad_norm"] = norm, ref["grad_norm"] * calls_first
             unclipped = [p.grad.clone() for p in pmodel.parameters()]
             pmodel.clip_grad_norm_(norm / 2)
             compare(pmodel, model, ref["grads"], True, calls_first * (norm / 2) / (norm + 1e-6))
-            for param, grad in zip(pmodel.parameters(), unclipped):  # the optimizer steps on the unclipped ones
+            # the optimizer steps on the unclipped ones
+            for param, grad in zip(pmodel.parameters(), unclipped):
                 param.grad.copy_(grad)
             if calls_first > 1:  # accumulated: the rest would train on doubled gradients
-                return {**result, "losses": losses, "ref_losses": ref["losses"][:1], "accumulated": calls_first}
+                return {
+                    **result,
+                    "losses": losses,
+                    "ref_losses": ref["losses"][:1],
+                    "accumulated": calls_first,
+                }
         optimizer.step()
         optimizer.zero_grad()
     train_calls = len(calls)
@@ -230,21 +324,28 @@ def run_case(name: str) -> dict:
     losses.append(pmodel.eval_step(pmodel.shard(held_inputs), pmodel.shard(held_targets)).item())
     assert all(p.grad is None for p in pmodel.parameters())  # forward only
     result["checked"], result["worst_rel"] = compare(pmodel, model, ref["params"], False)
-    # calling the model gives the whole logits under any plan, the vocab-parallel loss or not, a pipeline or not
+    # calling the model gives the whole logits under any plan, the vocab-parallel loss or not, a
+    # pipeline or not
     logits = logits_of(pmodel(pmodel.shard(held_inputs)))
-    torch.testing.assert_close(logits, pmodel.shard(ref["held_logits"]), rtol=PARAM_RTOL, atol=PARAM_ATOL)
+    torch.testing.assert_close(
+        logits, pmodel.shard(ref["held_logits"]), rtol=PARAM_RTOL, atol=PARAM_ATOL
+    )
     result["called_logits"] = list(logits.shape)
 
-    # a loss_fn of one's own evaluates on the whole logits (gathered for it under a vocab-parallel head); as
-    # (total, count) its mean is the single device's over the padded targets (Note [the loss a user reads])
+    # a loss_fn of one's own evaluates on the whole logits (gathered for it under a vocab-parallel
+    # head); as (total, count) its mean is the single device's over the padded targets (Note [the
+    # loss a user reads])
     def own_loss(output, goal):
         return token_cross_entropy(output, goal, reduction="sum"), (goal != -100).sum()
 
     own = pmodel.eval_step(pmodel.shard(held_inputs), pmodel.shard(held_targets), own_loss).item()
     result["own_eval_loss"] = own
-    if plan.parallel.vocab_parallel_loss:  # in training it would see a slice: refused before any compute
+    # in training it would see a slice: refused before any compute
+    if plan.parallel.vocab_parallel_loss:
         try:
-            pmodel.train_step(pmodel.shard(held_inputs), pmodel.shard(held_targets), token_cross_entropy)
+            pmodel.train_step(
+                pmodel.shard(held_inputs), pmodel.shard(held_targets), token_cross_entropy
+            )
         except ConfigError as error:
             result["own_loss_refused"] = str(error)
     for got, want in zip(losses, ref["losses"]):
@@ -260,10 +361,12 @@ def run_case(name: str) -> dict:
 
 
 def run_recompute_case(name: str) -> dict:
-    """bf16 gradients of one train_step under recompute full and selective against recompute none, by name.
+    """bf16 gradients of one train_step under recompute full and selective against recompute none,
+    by name.
 
-    Tolerance: rtol 1e-5 / atol 1e-6, as tests/test_parallel.py's single-process check says: recomputation replays
-    the same ops on the same inputs, dropout masks included (checkpointing restores the RNG state per region).
+    Tolerance: rtol 1e-5 / atol 1e-6, as tests/test_parallel.py's single-process check says:
+    recomputation replays the same ops on the same inputs, dropout masks included (checkpointing
+    restores the RNG state per region).
     """
     spec, constraints = RECOMPUTE_CASES[name]
     inputs, targets = batch(spec, SEED)
@@ -279,19 +382,25 @@ def run_recompute_case(name: str) -> dict:
         **constraints,
     ).to_dict()
     for recompute in ("none", "full", "selective"):
-        # the same plan, stages included, under each mode (the planner may balance the stages otherwise per mode)
+        # the same plan, stages included, under each mode (the planner may balance the stages
+        # otherwise per mode)
         model = hp.models.load(spec).module
         data = {**planned, "parallel": {**planned["parallel"], "recompute": recompute}}
         data.pop("predicted")
         plan = hp.Plan.from_dict(data)
         groups = harness.parameter_groups(model)  # before parallelize swaps modules in
-        pmodel = hp.parallelize(model, plan, seed=SEED, device="cpu")  # gloo on the CPU, a GPU present or not
-        torch.manual_seed(SEED + dist.get_rank())  # the same dropout draws under each mode; other ones on each rank
+        # gloo on the CPU, a GPU present or not
+        pmodel = hp.parallelize(model, plan, seed=SEED, device="cpu")
+        # the same dropout draws under each mode; other ones on each rank
+        torch.manual_seed(SEED + dist.get_rank())
         losses[recompute] = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets)).item()
         grads[recompute] = {pname: full(param.grad) for pname, param in pmodel.named_parameters()}
     for recompute in ("full", "selective"):
         assert grads[recompute].keys() == grads["none"].keys(), recompute
-        assert abs(losses[recompute] - losses["none"]) <= RTOL * abs(losses["none"]), (recompute, losses)
+        assert abs(losses[recompute] - losses["none"]) <= RTOL * abs(losses["none"]), (
+            recompute,
+            losses,
+        )
         for pname, grad in grads[recompute].items():
             torch.testing.assert_close(
                 grad,
@@ -319,7 +428,12 @@ def main() -> None:
     harness.run_cases(
         out_path,
         [
-            (name, functools.partial(run_recompute_case if name in RECOMPUTE_CASES else run_case, name))
+            (
+                name,
+                functools.partial(
+                    run_recompute_case if name in RECOMPUTE_CASES else run_case, name
+                ),
+            )
             for name in names
         ],
     )

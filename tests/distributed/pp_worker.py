@@ -1,12 +1,14 @@
-"""Pipeline parity worker: run under `torchrun --nproc_per_node 4` (gloo); one process group for all cases.
+"""Pipeline parity worker: run under `torchrun --nproc_per_node 4` (gloo); one process group for all
+cases.
 
-pp = 2 runs on ranks {0, 1} and {2, 3} at once (two pipelines, the same case), pp = 4 on all four. Each
-case plans the stage map with the planner (the plan's `stages`), splits a meta-device model, materialises
-only this rank's stages, runs one train_step and compares the mean loss and every local gradient with the
-single-device model built from the same seed on the full batch. Rank 0 writes one JSON line per case.
+pp = 2 runs on ranks {0, 1} and {2, 3} at once (two pipelines, the same case), pp = 4 on all four.
+Each case plans the stage map with the planner (the plan's `stages`), splits a meta-device model,
+materialises only this rank's stages, runs one train_step and compares the mean loss and every local
+gradient with the single-device model built from the same seed on the full batch. Rank 0 writes one
+JSON line per case.
 
-Tolerance: fp32, rtol 1e-5 with atol 1e-6: the pipeline sums per-micro-batch gradients where the single
-device reduces over the whole batch at once, so results differ by float rounding only.
+Tolerance: fp32, rtol 1e-5 with atol 1e-6: the pipeline sums per-micro-batch gradients where the
+single device reduces over the whole batch at once, so results differ by float rounding only.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 import hyparallel as hp
 from hyparallel.pipeline import lower, schedule, simulate, split_model
 from hyparallel.pipeline.executor import PipelineRuntime
-from hyparallel.planner import costs
+from hyparallel.planner import inflight
 from hyparallel.tensor.init import materialize_
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -34,16 +36,19 @@ BATCH, SEQ, MICROBATCHES = 8, 16, 4
 MODELS = {
     "gpt": "gpt-tiny num_layers=8",
     "hf-gpt2": (
-        "hf:GPT2LMHeadModel n_layer=8 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 "
-        "eos_token_id=0 resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
+        "hf:GPT2LMHeadModel n_layer=8 n_embd=64 n_head=4 vocab_size=128 n_positions=64"
+        " bos_token_id=0 eos_token_id=0 resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
     ),
 }
-# Grouped-query attention, rotary tables (a buffer materialised on the first stage only), an untied head.
+# Grouped-query attention, rotary tables (a buffer materialised on the first stage only), an untied
+# head.
 LLAMA = (
-    "hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
-    "intermediate_size=128 vocab_size=128 max_position_embeddings=64 bos_token_id=0 eos_token_id=0"
+    "hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=64 num_attention_heads=4"
+    " num_key_value_heads=2 intermediate_size=128 vocab_size=128 max_position_embeddings=64"
+    " bos_token_id=0 eos_token_id=0"
 )
-PIPELINE_DEGREES = {"gpt": (2, 4), "hf-gpt2": (2,)}  # pp 4 for the torch.fx stages only (suite time)
+# pp 4 for the torch.fx stages only (suite time)
+PIPELINE_DEGREES = {"gpt": (2, 4), "hf-gpt2": (2,)}
 VOCAB = {"gpt": 256, "hf-gpt2": 128, "hf-llama": 128}
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
 
@@ -60,9 +65,9 @@ def loss_fn(output, targets):
 class Awkward(nn.Module):
     """What real models do between stages, in one small model (fx-traced).
 
-    A leaf module returning a tuple of tensors, a skip connection from stage 0 to stage 2, an int taken
-    from a shape in stage 0 and used in stage 2, a user mask read by the last stage, a scale parameter
-    read by stages 1 and 2, and an embedding tied to the head (stages 0 and 2).
+    A leaf module returning a tuple of tensors, a skip connection from stage 0 to stage 2, an int
+    taken from a shape in stage 0 and used in stage 2, a user mask read by the last stage, a scale
+    parameter read by stages 1 and 2, and an embedding tied to the head (stages 0 and 2).
     """
 
     class Pair(nn.Module):  # no child modules: traced as one call returning a tuple
@@ -112,7 +117,11 @@ def run_awkward(kind: str, group) -> dict:
     split = split_model(model, AWKWARD_STAGES, (tokens[:2], mask[:2]))
     rank = dist.get_rank(group)
     runtime = PipelineRuntime(
-        split, {rank: split.stage_module(rank)}, group, schedule_kind=kind, num_microbatches=MICROBATCHES
+        split,
+        {rank: split.stage_module(rank)},
+        group,
+        schedule_kind=kind,
+        num_microbatches=MICROBATCHES,
     )
     losses = [runtime.train_step((tokens, mask), targets, loss_fn).item() for _ in range(2)]
     for _ in range(2):
@@ -122,7 +131,11 @@ def run_awkward(kind: str, group) -> dict:
     worst_abs, checked = 0.0, []
     for pname, param in runtime.named_parameters():
         torch.testing.assert_close(
-            param.grad, ref_grads[pname].grad, rtol=RTOL, atol=ATOL, msg=lambda m, pname=pname: f"{pname}: {m}"
+            param.grad,
+            ref_grads[pname].grad,
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m, pname=pname: f"{pname}: {m}",
         )
         worst_abs = max(worst_abs, (param.grad - ref_grads[pname].grad).abs().max().item())
         checked.append(pname)
@@ -173,14 +186,19 @@ def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
     plan = make_plan(spec, pp, kind, v)
     assert plan.num_microbatches == MICROBATCHES
     stages = [stage.modules for stage in plan.stages]
-    runtime = PipelineRuntime.from_plan(model, plan, group, seed=seed)  # token ids of micro_batch x seq_len traced
+    # token ids of micro_batch x seq_len traced
+    runtime = PipelineRuntime.from_plan(model, plan, group, seed=seed)
     rank = dist.get_rank(group)
     loss = runtime.train_step(inputs, targets, loss_fn)
 
     worst_abs, checked = 0.0, []
     for pname, param in runtime.named_parameters():
         torch.testing.assert_close(
-            param.grad, ref_grads[pname], rtol=RTOL, atol=ATOL, msg=lambda m, pname=pname: f"{pname}: {m}"
+            param.grad,
+            ref_grads[pname],
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m, pname=pname: f"{pname}: {m}",
         )
         worst_abs = max(worst_abs, (param.grad - ref_grads[pname]).abs().max().item())
         checked.append(pname)
@@ -202,9 +220,9 @@ def run_case(name: str, pp: int, kind: str, v: int, group, seed: int) -> dict:
         "order": runtime.last_order,
         "peak_inflight": runtime.peak_inflight,
         "simulated_peak": sim.peak_inflight[rank],
-        "cost_model_peak": costs.inflight_microbatches(kind, pp, MICROBATCHES, rank, v),
+        "cost_model_peak": inflight.inflight_microbatches(kind, pp, MICROBATCHES, rank, v),
         "peak_backward_sends": runtime.peak_backward_sends,
-        "backward_sends_bound": costs.backward_sends_held(kind, pp, MICROBATCHES, rank, v),
+        "backward_sends_bound": inflight.backward_sends_held(kind, pp, MICROBATCHES, rank, v),
         "backward_sends_sent": MICROBATCHES * (v - (1 if rank == 0 else 0)),
         "tied": sorted(runtime._tied),
     }
@@ -216,14 +234,27 @@ def main() -> None:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     triple = dist.new_group([0, 1, 2])
     groups = {2: pairs[world // 2], 4: dist.group.WORLD}
-    cases = [(name, pp, kind, v) for name in MODELS for pp in PIPELINE_DEGREES[name] for kind, v in SCHEDULES]
+    cases = [
+        (name, pp, kind, v)
+        for name in MODELS
+        for pp in PIPELINE_DEGREES[name]
+        for kind, v in SCHEDULES
+    ]
     cases.append(("hf-llama", 2, "1f1b", 1))
     listed = [
-        (f"{name}-pp{pp}-{kind}", functools.partial(run_case, name, pp, kind, v, groups[pp], seed=7))
+        (
+            f"{name}-pp{pp}-{kind}",
+            functools.partial(run_case, name, pp, kind, v, groups[pp], seed=7),
+        )
         for name, pp, kind, v in cases
     ]
     for kind in ("gpipe", "1f1b"):  # ranks 0-2; rank 3 reports nothing
-        listed.append((f"awkward-pp3-{kind}", functools.partial(run_awkward, kind, triple) if world < 3 else dict))
+        listed.append(
+            (
+                f"awkward-pp3-{kind}",
+                functools.partial(run_awkward, kind, triple) if world < 3 else dict,
+            )
+        )
     harness.run_cases(sys.argv[1], listed)
 
 

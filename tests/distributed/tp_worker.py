@@ -1,13 +1,15 @@
-"""Tensor-parallel parity worker: run under `torchrun --nproc_per_node 4` (gloo); one process group for all cases.
+"""Tensor-parallel parity worker: run under `torchrun --nproc_per_node 4` (gloo); one process group
+for all cases.
 
-Every case builds the single-device reference model with a fixed seed on every rank, copies it, applies
-tensor parallelism over a tp group (tp=2: ranks {0,1} and {2,3}; tp=4: all four), runs the same batch,
-and compares the logits, the loss and every parameter's gradient (split gradients gathered back to full
-shape). Rank 0 writes one JSON line per case (every rank's result) to the file given as argv[1].
+Every case builds the single-device reference model with a fixed seed on every rank, copies it,
+applies tensor parallelism over a tp group (tp=2: ranks {0,1} and {2,3}; tp=4: all four), runs the
+same batch, and compares the logits, the loss and every parameter's gradient (split gradients
+gathered back to full shape). Rank 0 writes one JSON line per case (every rank's result) to the file
+given as argv[1].
 
-Tolerance: fp32, rtol 1e-5 with atol 1e-6: the all-reduces sum partial products in another order than the
-single-device matmul, so results differ by float rounding only; atol covers entries near zero, where a
-relative bound means nothing.
+Tolerance: fp32, rtol 1e-5 with atol 1e-6: the all-reduces sum partial products in another order
+than the single-device matmul, so results differ by float rounding only; atol covers entries near
+zero, where a relative bound means nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ import hyparallel as hp
 from hyparallel.kernels import kernels_enabled
 from hyparallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from hyparallel.tensor.init import materialize_
-from hyparallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from hyparallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 RTOL, ATOL = 1e-5, 1e-6
@@ -35,13 +42,14 @@ MODELS = {
     "gpt": "gpt-tiny",
     "llama": "llama-tiny",  # 4 query heads, 2 key/value heads: replicated at tp=4
     "hf-gpt2": (
-        "hf:GPT2LMHeadModel n_layer=2 n_embd=64 n_head=4 vocab_size=128 n_positions=64 bos_token_id=0 eos_token_id=0 "
-        f"{NO_DROPOUT}"
+        "hf:GPT2LMHeadModel n_layer=2 n_embd=64 n_head=4 vocab_size=128 n_positions=64"
+        f" bos_token_id=0 eos_token_id=0 {NO_DROPOUT}"
     ),
-    "hf-llama": (
-        "hf:LlamaForCausalLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4 num_key_value_heads=2 "
-        "intermediate_size=128 vocab_size=122 max_position_embeddings=64 bos_token_id=0 eos_token_id=0"
-    ),  # padded vocab at tp=4
+    "hf-llama": (  # padded vocab at tp=4
+        "hf:LlamaForCausalLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4"
+        " num_key_value_heads=2 intermediate_size=128 vocab_size=122 max_position_embeddings=64"
+        " bos_token_id=0 eos_token_id=0"
+    ),
 }
 
 
@@ -55,11 +63,15 @@ def logits_of(output):
 
 
 def expected_local(module, param_name: str, full: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of the single-device gradient ``full`` (nn.Linear layout), padding rows zero.
+    """This rank's slice of the single-device gradient ``full`` (nn.Linear layout), padding rows
+    zero.
 
-    Compared rank by rank: a key/value head held by several ranks must carry the whole gradient on each.
+    Compared rank by rank: a key/value head held by several ranks must carry the whole gradient on
+    each.
     """
-    if isinstance(module, (ColumnParallelLinear, VocabParallelHead)) or isinstance(module, VocabParallelEmbedding):
+    if isinstance(module, (ColumnParallelLinear, VocabParallelHead)) or isinstance(
+        module, VocabParallelEmbedding
+    ):
         rows = [module.rows] if isinstance(module, VocabParallelEmbedding) else module.rows
         pieces = []
         for start, stop in rows:
@@ -73,7 +85,12 @@ def expected_local(module, param_name: str, full: torch.Tensor) -> torch.Tensor:
 
 
 def run_case(
-    name: str, spec: str, tp_group, sequence_parallel: bool, vocab_loss: bool, from_meta: bool = False
+    name: str,
+    spec: str,
+    tp_group,
+    sequence_parallel: bool,
+    vocab_loss: bool,
+    from_meta: bool = False,
 ) -> dict:
     if from_meta:  # planned on the meta device: each rank materialises only its slices
         reference = materialize_(hp.models.load(spec, device="meta").module, "cpu", seed=11)
@@ -100,14 +117,21 @@ def run_case(
         pp=1,
     )
     info = apply_tensor_parallel(
-        model, plan.tensor_parallel, tp_group, graph, sequence_parallel=sequence_parallel, gather_logits=not vocab_loss
+        model,
+        plan.tensor_parallel,
+        tp_group,
+        graph,
+        sequence_parallel=sequence_parallel,
+        gather_logits=not vocab_loss,
     )
     if from_meta:
         assert all(p.is_meta for p in model.parameters())  # nothing allocated until materialised
         materialize_(model, "cpu", seed=11)
     logits = logits_of(model(inputs))
     if vocab_loss:
-        loss = vocab_parallel_cross_entropy(logits, targets, tp_group, info.vocab_start, info.vocab_size)
+        loss = vocab_parallel_cross_entropy(
+            logits, targets, tp_group, info.vocab_start, info.vocab_size
+        )
     else:
         torch.testing.assert_close(logits, ref_logits, rtol=RTOL, atol=ATOL)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -124,15 +148,22 @@ def run_case(
             expected = expected.t()  # compared in nn.Linear layout
         local = expected_local(owner, leaf, expected)
         torch.testing.assert_close(
-            param.grad, local, rtol=RTOL, atol=ATOL, msg=lambda m, param_name=param_name: f"{param_name}: {m}"
+            param.grad,
+            local,
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m, param_name=param_name: f"{param_name}: {m}",
         )
         if isinstance(owner, (ColumnParallelLinear, RowParallelLinear)) and leaf == "weight":
             split_bytes += param.numel() * param.element_size()
             full_bytes += expected.numel() * expected.element_size()
         checked.append(param_name)
     tp = dist.get_world_size(tp_group)
-    # Memory: split weights hold 1/tp of the full bytes (more only where key/value heads are replicated).
-    fused = sum(1 for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.activation != "none")
+    # Memory: split weights hold 1/tp of the full bytes (more only where key/value heads are
+    # replicated).
+    fused = sum(
+        1 for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.activation != "none"
+    )
     return {
         "checked_params": checked,
         "parameter_groups": harness.parameter_groups(reference),
@@ -147,19 +178,26 @@ def run_case(
 def triton_cases() -> list[tuple[str, object]]:
     """The fused column Linears through the Triton kernels, run by Triton's interpreter on the CPU.
 
-    Launched on its own with TRITON_INTERPRET=1 in the environment: Triton reads it when first imported.
+    Launched on its own with TRITON_INTERPRET=1 in the environment: Triton reads it when first
+    imported.
     """
     assert os.environ.get("TRITON_INTERPRET") == "1"
 
     def case(model_name: str) -> dict:
-        result = run_case(f"{model_name}-tp2-triton", MODELS[model_name], dist.group.WORLD, False, False)
+        result = run_case(
+            f"{model_name}-tp2-triton", MODELS[model_name], dist.group.WORLD, False, False
+        )
         return {**result, "triton": kernels_enabled(torch.zeros(1))}
 
-    return [(f"{model_name}-tp2-triton", functools.partial(case, model_name)) for model_name in ("gpt", "hf-llama")]
+    return [
+        (f"{model_name}-tp2-triton", functools.partial(case, model_name))
+        for model_name in ("gpt", "hf-llama")
+    ]
 
 
 def cases(rank: int) -> list[tuple[str, object]]:
-    """Every (name, case) of the main launch: tp 2 on ranks {0, 1} and {2, 3} at once, then tp 4 on all four."""
+    """Every (name, case) of the main launch: tp 2 on ranks {0, 1} and {2, 3} at once, then tp 4 on
+    all four."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     everyone = dist.new_group([0, 1, 2, 3])
     listed = []
@@ -168,13 +206,25 @@ def cases(rank: int) -> list[tuple[str, object]]:
         for model_name, spec in MODELS.items():
             for sequence_parallel in (False, True):
                 for vocab_loss in (False, True) if not sequence_parallel and tp == 2 else (False,):
-                    name = (
-                        f"{model_name}-tp{tp}{'-sp' if sequence_parallel else ''}{'-vocab-loss' if vocab_loss else ''}"
+                    sp, vocab = (
+                        "-sp" if sequence_parallel else "",
+                        "-vocab-loss" if vocab_loss else "",
                     )
-                    listed.append((name, functools.partial(run_case, name, spec, group, sequence_parallel, vocab_loss)))
-        for model_name, spec in MODELS.items():  # hf-gpt2: Conv1D stores (in, out); its slices must take those values
+                    name = f"{model_name}-tp{tp}{sp}{vocab}"
+                    listed.append(
+                        (
+                            name,
+                            functools.partial(
+                                run_case, name, spec, group, sequence_parallel, vocab_loss
+                            ),
+                        )
+                    )
+        # hf-gpt2: Conv1D stores (in, out); its slices must take those values
+        for model_name, spec in MODELS.items():
             name = f"{model_name}-tp{tp}-meta"
-            listed.append((name, functools.partial(run_case, name, spec, group, False, False, from_meta=True)))
+            listed.append(
+                (name, functools.partial(run_case, name, spec, group, False, False, from_meta=True))
+            )
     return listed
 
 

@@ -1,4 +1,5 @@
-"""The processes of the parameter-server tests: each runs one rank (server or worker) of a plain launch."""
+"""The processes of the parameter-server tests: each runs one rank (server or worker) of a plain
+launch."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import hyparallel as hp
 
 
 class TinyRec(nn.Module):
-    """Two bag tables, one plain table and a dense head: small, yet every kind of lookup the servers serve."""
+    """Two bag tables, one plain table and a dense head: small, yet every kind of lookup the servers
+    serve."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,7 +51,8 @@ def loss_fn(logits, clicks):
 
 
 class _DieBeforeFinish:
-    """The dispatcher, except that reporting batch ``at`` kills this worker: its pushes landed, its report did not."""
+    """The dispatcher, except that reporting batch ``at`` kills this worker: its pushes landed, its
+    report did not."""
 
     def __init__(self, dispatcher, at: int) -> None:
         self.dispatcher, self.at, self.seen = dispatcher, at, 0
@@ -85,7 +88,8 @@ def main() -> None:
     slow = float(os.environ.get("PS_TEST_SLOW_S", "0"))
     pmodel = hp.parallelize(model(), plan)
     if pmodel.serve():
-        if pmodel.rank == 0:  # the servers' final weights and the dispatcher's log, for the test to compare
+        # the servers' final weights and the dispatcher's log, for the test to compare
+        if pmodel.rank == 0:
             torch.save({"state": pmodel.state_dict(), **pmodel.diagnostics()}, out)
         return
     record = []
@@ -98,9 +102,9 @@ def main() -> None:
         record.append({"batch": index, "loss": float(loss)})
         if os.environ.get("PS_TEST_CHECKPOINT_AT") == str(len(record)):
             hp.checkpoint.save(pmodel, None, os.environ["PS_TEST_CHECKPOINT_DIR"], step=len(record))
-        if os.environ.get("PS_TEST_KILL_SERVER_AT") == str(len(record)) and os.environ["RANK"] == os.environ.get(
-            "PS_TEST_KILLER"
-        ):
+        if os.environ.get("PS_TEST_KILL_SERVER_AT") == str(len(record)) and os.environ[
+            "RANK"
+        ] == os.environ.get("PS_TEST_KILLER"):
             _kill_server(int(os.environ["PS_TEST_KILL_SERVER"]))
         if slow:
             import time

@@ -1,7 +1,8 @@
 """Parameter-server mode: embedding tables on server processes, asynchronous SGD, elastic workers.
 
 ``hp.parallelize(model, plan)`` with a plan's ``ps`` section returns a :class:`PSServer` or a
-:class:`PSWorker` (hyparallel.runtime.ps.roles). Importing this package does not import Ray; starting a role does.
+:class:`PSWorker` (hyparallel.runtime.ps.roles). Importing this package does not import Ray;
+starting a role does.
 """
 
 from hyparallel.runtime.ps.dispatcher import Dispatcher

@@ -1,14 +1,16 @@
-"""The Ray actors of parameter-server mode: one per server, one dispatcher (docs/parameter-server.md).
+"""The Ray actors of parameter-server mode: one per server, one dispatcher
+(docs/parameter-server.md).
 
 Note [why Ray]
-    The mode's requirements pick the engine: a worker's death must not stop the others, a worker may join
-    mid-run, and a server that crashes must come back from its checkpoint and rejoin. Measured on this
-    project's CI machine (2 cores, torch 2.13 CPU, Ray 2.60): torch.distributed.rpc answers a 16 KiB
-    request in 0.75 ms (Ray: 1.9 ms) and 2 MiB in 2.5 ms (Ray: 10.7 ms), but its group is fixed at init:
-    a member's death makes every later ``rpc.shutdown`` fail, and no process can take the dead one's name.
-    A Ray actor with ``max_restarts`` is restarted by Ray (1.8 s here after a SIGKILL) under the same name,
-    calls to it wait for the restart (``max_task_retries``), and any process may connect to the cluster at
-    any time. So the servers and the dispatcher are Ray actors; workers are plain processes that connect.
+    The mode's requirements pick the engine: a worker's death must not stop the others, a worker may
+    join mid-run, and a server that crashes must come back from its checkpoint and rejoin. Measured
+    on this project's CI machine (2 cores, torch 2.13 CPU, Ray 2.60): torch.distributed.rpc answers
+    a 16 KiB request in 0.75 ms (Ray: 1.9 ms) and 2 MiB in 2.5 ms (Ray: 10.7 ms), but its group is
+    fixed at init: a member's death makes every later ``rpc.shutdown`` fail, and no process can take
+    the dead one's name. A Ray actor with ``max_restarts`` is restarted by Ray (1.8 s here after a
+    SIGKILL) under the same name, calls to it wait for the restart (``max_task_retries``), and any
+    process may connect to the cluster at any time. So the servers and the dispatcher are Ray
+    actors; workers are plain processes that connect.
 """
 
 from __future__ import annotations
@@ -42,12 +44,17 @@ def shard_file(directory: str | Path, index: int) -> Path:
 
 
 class _Server:
-    """A :class:`ServerShard` as an actor; on a restart it loads the newest checkpoint the dispatcher knows."""
+    """A :class:`ServerShard` as an actor; on a restart it loads the newest checkpoint the
+    dispatcher knows."""
 
-    def __init__(self, index: int, servers: int, init: dict, rule: str, lr: float, synchronous: bool) -> None:
+    def __init__(
+        self, index: int, servers: int, init: dict, rule: str, lr: float, synchronous: bool
+    ) -> None:
         import ray
 
-        self.shard = ServerShard(index, servers, init["tables"], init["dense"], rule, lr, synchronous)
+        self.shard = ServerShard(
+            index, servers, init["tables"], init["dense"], rule, lr, synchronous
+        )
         self.restored_from = None
         if ray.get_runtime_context().was_current_actor_reconstructed:
             dispatcher = ray.get_actor(DISPATCHER)
@@ -91,7 +98,8 @@ class _Server:
 
 
 class _Dispatcher:
-    """A :class:`Dispatcher` as an async actor, closing steps on the server actors and reaping silent workers."""
+    """A :class:`Dispatcher` as an async actor, closing steps on the server actors and reaping
+    silent workers."""
 
     def __init__(self, servers: int, staleness: int, worker_timeout_s: float) -> None:
         self.servers = servers
@@ -140,14 +148,18 @@ class _Dispatcher:
         await self.core.wait_finished()
 
     async def checkpoint(self, root: str, step: int, marker: dict) -> str:
-        """Save every server's shard and the dispatcher's log as ``root/step-N``, once per step; its path.
+        """Save every server's shard and the dispatcher's log as ``root/step-N``, once per step; its
+        path.
 
-        Written into a temporary folder, given hyparallel's checkpoint marker and renamed into place, as
-        hp.checkpoint's own disk checkpoints are: a crash mid-save leaves the previous one current.
+        Written into a temporary folder, given hyparallel's checkpoint marker and renamed into
+        place, as hp.checkpoint's own disk checkpoints are: a crash mid-save leaves the previous one
+        current.
         """
         final = Path(root) / f"step-{step:08d}"
-        async with self.core.changed:  # no step closes, no batch is handed out, while the shards are written
-            if step <= self.saved_step:  # saved already by another worker (or older than the newest)
+        # no step closes, no batch is handed out, while the shards are written
+        async with self.core.changed:
+            # saved already by another worker (or older than the newest)
+            if step <= self.saved_step:
                 return str(final)
             temporary = Path(root) / f".step-{step:08d}.tmp"
             shutil.rmtree(temporary, ignore_errors=True)
@@ -161,14 +173,21 @@ class _Dispatcher:
             return str(final)
 
     async def load(self, directory: str) -> None:
-        """Every server takes its rows of a checkpoint (any number of servers wrote it); the log continues."""
+        """Every server takes its rows of a checkpoint (any number of servers wrote it); the log
+        continues."""
         async with self.core.changed:
             if self.saved_dir == directory:  # another worker of this run loaded it already
                 return
             await asyncio.gather(*[h.load.remote(directory) for h in self._handles()])
-            self.core.restore(torch.load(Path(directory) / "ps" / "dispatcher.pt", weights_only=False))
-            # Steps go on from the checkpoint's: a later save of a smaller step would hide behind this one.
-            self.saved_dir, self.saved_step = directory, json.loads((Path(directory) / MARKER).read_text())["step"]
+            self.core.restore(
+                torch.load(Path(directory) / "ps" / "dispatcher.pt", weights_only=False)
+            )
+            # Steps go on from the checkpoint's: a later save of a smaller step would hide behind
+            # this one.
+            self.saved_dir, self.saved_step = (
+                directory,
+                json.loads((Path(directory) / MARKER).read_text())["step"],
+            )
 
     async def checkpoint_dir(self) -> str | None:
         return self.saved_dir

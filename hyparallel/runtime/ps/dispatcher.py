@@ -1,18 +1,20 @@
-"""The dispatcher (ElasticDL's and DLRover's "master"): it hands out data, paces the workers, closes steps.
+"""The dispatcher (ElasticDL's and DLRover's "master"): it hands out data, paces the workers, closes
+steps.
 
-The data is ``num_batches`` batches, numbered, cut into shards of ``shard_size`` consecutive batches. A
-worker leases a shard and takes its batches one step at a time; when it goes silent for
-``worker_timeout_s`` its lease goes back to the front of the queue from its first unfinished batch, so every
-batch is consumed exactly once (``log``). Workers may register at any time.
+The data is ``num_batches`` batches, numbered, cut into shards of ``shard_size`` consecutive
+batches. A worker leases a shard and takes its batches one step at a time; when it goes silent for
+``worker_timeout_s`` its lease goes back to the front of the queue from its first unfinished batch,
+so every batch is consumed exactly once (``log``). Workers may register at any time.
 
 Note [pacing]
-    A worker's clock is the number of steps it has finished. At staleness k > 0 a worker may begin step c + 1
-    only while c - (the smallest clock among the other working workers) <= k: stale-synchronous parallel
-    (Ho et al. 2013). A worker waiting for data (every shard leased, some to a worker that may yet die) and a
-    worker with nothing left do not hold the others back. Servers apply each push as it comes.
-    At staleness 0 the workers move in lockstep and a step is closed by the dispatcher: once every working
-    worker has finished it (or died, or is waiting for data), each server applies the step's staged pushes of
-    the finished batches as one mean gradient, which is synchronous SGD over the step's batches.
+    A worker's clock is the number of steps it has finished. At staleness k > 0 a worker may begin
+    step c + 1 only while c - (the smallest clock among the other working workers) <= k:
+    stale-synchronous parallel (Ho et al. 2013). A worker waiting for data (every shard leased, some
+    to a worker that may yet die) and a worker with nothing left do not hold the others back.
+    Servers apply each push as it comes. At staleness 0 the workers move in lockstep and a step is
+    closed by the dispatcher: once every working worker has finished it (or died, or is waiting for
+    data), each server applies the step's staged pushes of the finished batches as one mean
+    gradient, which is synchronous SGD over the step's batches.
 """
 
 from __future__ import annotations
@@ -39,41 +41,58 @@ class _Worker:
 
 @dataclass
 class Dispatcher:
-    """Data shards, worker liveness and pacing; ``apply_step`` closes a step on every server (staleness 0)."""
+    """Data shards, worker liveness and pacing; ``apply_step`` closes a step on every server
+    (staleness 0)."""
 
     staleness: int
     worker_timeout_s: float
     apply_step: Callable[[int, list[int]], Awaitable[None]]
     todo: deque = field(default_factory=deque)  # shards (start, stop) not leased
     workers: dict[str, _Worker] = field(default_factory=dict)
-    log: list[tuple[int, str, int]] = field(default_factory=list)  # (batch, worker, step), each batch once
-    pacing: list[tuple[str, int, int]] = field(default_factory=list)  # (worker, step, slowest clock) at each begin
+    # (batch, worker, step), each batch once
+    log: list[tuple[int, str, int]] = field(default_factory=list)
+    # (worker, step, slowest clock) at each begin
+    pacing: list[tuple[str, int, int]] = field(default_factory=list)
     num_batches: int | None = None
     closed: int = 0  # staleness 0: the last step applied
-    step_batches: dict[int, str] = field(default_factory=dict)  # staleness 0: batch -> worker, the open step
+    # staleness 0: batch -> worker, the open step
+    step_batches: dict[int, str] = field(default_factory=dict)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     # ---- data ---------------------------------------------------------------------------------
 
     async def create_dataset(self, num_batches: int, shard_size: int) -> int:
-        """Cut the data into shards, once (later calls, from workers that join, only read it back)."""
+        """Cut the data into shards, once (later calls, from workers that join, only read it
+        back)."""
         if self.num_batches is None:
             self.num_batches = num_batches
-            self.todo.extend((s, min(s + shard_size, num_batches)) for s in range(0, num_batches, shard_size))
+            self.todo.extend(
+                (s, min(s + shard_size, num_batches)) for s in range(0, num_batches, shard_size)
+            )
         elif self.num_batches != num_batches:
             raise ValueError(f"the data was given as {self.num_batches} batches, not {num_batches}")
         return self.num_batches
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's dispatcher state: what it consumed stays consumed."""
-        self.num_batches, self.log, self.closed = state["num_batches"], list(map(tuple, state["log"])), state["closed"]
+        self.num_batches, self.log, self.closed = (
+            state["num_batches"],
+            list(map(tuple, state["log"])),
+            state["closed"],
+        )
         consumed = {batch for batch, _, _ in self.log}
         self.todo = deque((b, b + 1) for b in range(self.num_batches) if b not in consumed)
         for worker in self.workers.values():
-            worker.lease, worker.batch, worker.clock, worker.step_done = None, None, self.closed, False
+            worker.lease, worker.batch, worker.clock, worker.step_done = (
+                None,
+                None,
+                self.closed,
+                False,
+            )
 
     def state(self) -> dict:
-        """What a checkpoint keeps: the batches consumed and, at staleness 0, the last step closed."""
+        """What a checkpoint keeps: the batches consumed and, at staleness 0, the last step
+        closed."""
         return {"num_batches": self.num_batches, "log": list(self.log), "closed": self.closed}
 
     # ---- workers ------------------------------------------------------------------------------
@@ -87,7 +106,8 @@ class Dispatcher:
             return start + 1
 
     async def begin(self, name: str) -> tuple[int, int] | None:
-        """Wait until ``name`` may begin its next step (Note [pacing]); its (step, batch), or None at the end."""
+        """Wait until ``name`` may begin its next step (Note [pacing]); its (step, batch), or None
+        at the end."""
         async with self.changed:
             while True:
                 worker = self._alive(name)
@@ -161,7 +181,9 @@ class Dispatcher:
     async def wait_finished(self) -> None:
         """Return once every batch is consumed and every worker has been told so (or is dead)."""
         async with self.changed:
-            while not (self.finished() and all(w.state in (DONE, DEAD) for w in self.workers.values())):
+            while not (
+                self.finished() and all(w.state in (DONE, DEAD) for w in self.workers.values())
+            ):
                 await self._wait()
 
     # ---- internals ----------------------------------------------------------------------------
@@ -177,8 +199,9 @@ class Dispatcher:
         worker = self.workers.get(name)
         if worker is None or worker.state == DEAD:
             raise LookupError(
-                f"worker {name} is not registered or was taken for dead (silent > {self.worker_timeout_s} s); "
-                "its data went to the others: restart it to join again"
+                f"worker {name} is not registered or was taken for dead (silent >"
+                f" {self.worker_timeout_s} s); its data went to the others: restart it to join"
+                " again"
             )
         return worker
 
@@ -192,9 +215,11 @@ class Dispatcher:
         return batch
 
     def _outstanding(self, name: str) -> bool:
-        """Some other live worker holds a lease with batches left (it may die and give them back)."""
+        """Some other live worker holds a lease with batches left (it may die and give them
+        back)."""
         return any(
-            w.state in (WORKING, WAITING) and (w.batch is not None or (w.lease and w.lease[0] < w.lease[1]))
+            w.state in (WORKING, WAITING)
+            and (w.batch is not None or (w.lease and w.lease[0] < w.lease[1]))
             for n, w in self.workers.items()
             if n != name
         )
@@ -207,7 +232,8 @@ class Dispatcher:
         return min(clocks) if clocks else default
 
     def _paced(self, name: str, step: int) -> bool:
-        if self.staleness == 0:  # lockstep: one batch per worker per step, the next once the step is applied
+        # lockstep: one batch per worker per step, the next once the step is applied
+        if self.staleness == 0:
             return step == self.closed + 1 and not self.workers[name].step_done
         return (step - 1) - self._slowest(exclude=name, default=step - 1) <= self.staleness
 

@@ -1,18 +1,19 @@
 """The update rules parameter servers apply to the rows they hold (``ps.optimizer``).
 
-Each rule keeps its state per row of one tensor, so that an update touches only the rows a batch used: a
-table of 40M rows pays for the few thousand a batch looks up. Dense weights are updated the same way, all
-rows at once (a 1-D tensor is one row).
+Each rule keeps its state per row of one tensor, so that an update touches only the rows a batch
+used: a table of 40M rows pays for the few thousand a batch looks up. Dense weights are updated the
+same way, all rows at once (a 1-D tensor is one row).
 
 Note [the rules, and the torch optimizers they match]
     ``sgd``: w -= lr * g, torch.optim.SGD without momentum or weight decay.
     ``adagrad``: s += g * g; w -= lr * g / (sqrt(s) + eps), torch.optim.Adagrad with its defaults
-    (eps 1e-10, no lr decay, initial accumulator 0). A row a step does not touch has a zero gradient there,
-    so its state and weights stay as they are: dense torch Adagrad and this sparse one agree.
+    (eps 1e-10, no lr decay, initial accumulator 0). A row a step does not touch has a zero gradient
+    there, so its state and weights stay as they are: dense torch Adagrad and this sparse one agree.
     ``rowwise-adam``: Adam (betas 0.9, 0.999, eps 1e-8, torch's defaults) whose second moment is one
     number per row, the mean of g * g over the row, and whose bias correction counts the row's own
-    updates (a "lazy" Adam: an untouched row's moments do not decay). One float per row instead of one per
-    weight, as FBGEMM's row-wise optimizers keep, which is what makes Adam affordable for huge tables.
+    updates (a "lazy" Adam: an untouched row's moments do not decay). One float per row instead of
+    one per weight, as FBGEMM's row-wise optimizers keep, which is what makes Adam affordable for
+    huge tables.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ ADAM_EPS = 1e-8
 
 
 class RowOptimizer:
-    """The state of ``rule`` for one tensor; ``apply`` updates the given rows (all when ``rows`` is None)."""
+    """The state of ``rule`` for one tensor; ``apply`` updates the given rows (all when ``rows`` is
+    None)."""
 
     def __init__(self, rule: Rule, lr: float, weight: torch.Tensor) -> None:
         self.rule, self.lr = rule, lr
@@ -43,7 +45,8 @@ class RowOptimizer:
             self.state["steps"] = torch.zeros(rows.shape[0], dtype=torch.int64)
 
     def apply(self, weight: torch.Tensor, rows: torch.Tensor | None, grad: torch.Tensor) -> None:
-        """``weight[rows] -= update(grad)`` in place; ``rows`` unique, ``grad`` one row per entry of ``rows``."""
+        """``weight[rows] -= update(grad)`` in place; ``rows`` unique, ``grad`` one row per entry of
+        ``rows``."""
         view = _as_rows(weight)
         grad = grad.reshape(-1, view.shape[1]) if rows is not None else _as_rows(grad)
         index = rows if rows is not None else slice(None)

@@ -1,9 +1,11 @@
-"""Embedding tables whose rows live on the parameter servers: the modules a worker's model runs with.
+"""Embedding tables whose rows live on the parameter servers: the modules a worker's model runs
+with.
 
-``RemoteEmbedding`` replaces an ``nn.Embedding`` or ``nn.EmbeddingBag`` and takes the same inputs. In its
-forward it pulls the distinct rows the input names (one request per server, sent together), runs torch's own
-``F.embedding`` / ``F.embedding_bag`` on them with the ids renumbered, and keeps the pulled rows as a leaf
-tensor whose gradient is the sparse gradient the worker pushes.
+``RemoteEmbedding`` replaces an ``nn.Embedding`` or ``nn.EmbeddingBag`` and takes the same inputs.
+In its forward it pulls the distinct rows the input names (one request per server, sent together),
+runs torch's own
+``F.embedding`` / ``F.embedding_bag`` on them with the ids renumbered, and keeps the pulled rows as
+a leaf tensor whose gradient is the sparse gradient the worker pushes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# (table, {server: local rows}) -> {server: rows (U_s, dim)}: the worker's pull, one request per server.
+# (table, {server: local rows}) -> {server: rows (U_s, dim)}: the worker's pull, one request per
+# server.
 PullFn = Callable[[str, dict[int, torch.Tensor]], dict[int, torch.Tensor]]
 
 
@@ -23,28 +26,39 @@ def unsupported(module: nn.Module) -> str | None:
     if not isinstance(module, nn.Embedding | nn.EmbeddingBag):
         return f"is a {type(module).__name__}, not an nn.Embedding or nn.EmbeddingBag"
     if module.max_norm is not None:
-        return "has max_norm, which renormalises rows in place during forward; servers cannot do that"
+        return (
+            "has max_norm, which renormalises rows in place during forward; servers cannot do that"
+        )
     if module.scale_grad_by_freq:
         return "has scale_grad_by_freq, which needs the whole batch's id counts on one process"
     return None
 
 
 class RemoteEmbedding(nn.Module):
-    """An embedding table held by ``servers`` parameter servers; forward as the module it replaces."""
+    """An embedding table held by ``servers`` parameter servers; forward as the module it
+    replaces."""
 
-    def __init__(self, original: nn.Embedding | nn.EmbeddingBag, name: str, servers: int, pull: PullFn) -> None:
+    def __init__(
+        self, original: nn.Embedding | nn.EmbeddingBag, name: str, servers: int, pull: PullFn
+    ) -> None:
         super().__init__()
         self.table, self.servers, self._pull = name, servers, pull
         self.num_embeddings, self.embedding_dim = original.num_embeddings, original.embedding_dim
         self.padding_idx = original.padding_idx
         self.bag_mode = original.mode if isinstance(original, nn.EmbeddingBag) else None
         self.include_last_offset = getattr(original, "include_last_offset", False)
-        self.pulled: list[tuple[torch.Tensor, torch.Tensor]] = []  # (global ids (U,), rows (U, dim) leaf) per call
+        # (global ids (U,), rows (U, dim) leaf) per call
+        self.pulled: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights=None):
+    def forward(
+        self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights=None
+    ):
         unique, inverse = torch.unique(ids, return_inverse=True)
         if len(unique) and (unique[0] < 0 or unique[-1] >= self.num_embeddings):
-            raise IndexError(f"{self.table}: ids must be in [0, {self.num_embeddings}), got {unique[0]}..{unique[-1]}")
+            raise IndexError(
+                f"{self.table}: ids must be in [0, {self.num_embeddings}), got"
+                f" {unique[0]}..{unique[-1]}"
+            )
         rows = self._rows(unique).requires_grad_(torch.is_grad_enabled())
         self.pulled.append((unique, rows))
         padding = None
@@ -74,7 +88,11 @@ class RemoteEmbedding(nn.Module):
 
     def gradients(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """server -> (local rows, summed gradient rows) of every call since the last ``clear``."""
-        ids = torch.cat([u for u, _ in self.pulled]) if self.pulled else torch.empty(0, dtype=torch.long)
+        ids = (
+            torch.cat([u for u, _ in self.pulled])
+            if self.pulled
+            else torch.empty(0, dtype=torch.long)
+        )
         grads = [r.grad if r.grad is not None else torch.zeros_like(r) for _, r in self.pulled]
         grads = torch.cat(grads) if grads else torch.empty(0, self.embedding_dim)
         unique, inverse = torch.unique(ids, return_inverse=True)
@@ -91,4 +109,7 @@ class RemoteEmbedding(nn.Module):
         self.pulled.clear()
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}, servers={self.servers}"
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r},"
+            f" servers={self.servers}"
+        )

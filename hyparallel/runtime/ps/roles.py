@@ -1,14 +1,17 @@
 """``parallelize`` in parameter-server mode: each rank takes the role the plan gives it.
 
     pmodel = hp.parallelize(model, plan)      # ranks 0 .. servers-1 serve, the others are workers
-    if pmodel.serve():                        # a server serves here until the data is consumed: True
+    # a server serves here until the data is consumed: True
+    if pmodel.serve():
         return
-    for batch in pmodel.batches(num_batches): # the dispatcher's data shards (re-queued if a worker dies)
+    # the dispatcher's data shards (re-queued if a worker dies)
+    for batch in pmodel.batches(num_batches):
         loss = pmodel.train_step(inputs_of(batch), targets_of(batch), loss_fn)
 
-Rank 0 starts a Ray cluster in its own process (or joins the one ``RAY_ADDRESS`` names) and the dispatcher;
-each server rank starts its server actor from its rows of the model's (seeded, identical) weights. Workers
-find them by name, pull rows and dense weights, push gradients, and report each batch to the dispatcher.
+Rank 0 starts a Ray cluster in its own process (or joins the one ``RAY_ADDRESS`` names) and the
+dispatcher; each server rank starts its server actor from its rows of the model's (seeded,
+identical) weights. Workers find them by name, pull rows and dense weights, push gradients, and
+report each batch to the dispatcher.
 """
 
 from __future__ import annotations
@@ -37,26 +40,36 @@ CONNECT_TIMEOUT_S = 120.0  # a worker waits this long for rank 0's cluster and t
 
 
 def table_modules(model: nn.Module, plan: Plan) -> dict[str, nn.Module]:
-    """The tables ``plan.ps.tables`` names (``auto``: every nn.Embedding / nn.EmbeddingBag), checked."""
+    """The tables ``plan.ps.tables`` names (``auto``: every nn.Embedding / nn.EmbeddingBag),
+    checked."""
     modules = dict(model.named_modules())
     if plan.ps.tables == "auto":
         names = [n for n, m in modules.items() if isinstance(m, nn.Embedding | nn.EmbeddingBag)]
         if not names:
-            raise ConfigError(f"ps.tables is auto but {type(model).__name__} has no nn.Embedding or nn.EmbeddingBag")
+            raise ConfigError(
+                f"ps.tables is auto but {type(model).__name__} has no nn.Embedding or"
+                " nn.EmbeddingBag"
+            )
     else:
         names = list(plan.ps.tables)
     for name in names:
         if name not in modules:
-            raise ConfigError(f"ps.tables names '{name}', which is not a module of {type(model).__name__}")
+            raise ConfigError(
+                f"ps.tables names '{name}', which is not a module of {type(model).__name__}"
+            )
         if reason := unsupported(modules[name]):
             raise ConfigError(f"ps.tables: '{name}' {reason}; leave it off ps.tables")
     return {name: modules[name] for name in names}
 
 
 def dense_owners(model: nn.Module, tables: dict[str, nn.Module], servers: int) -> dict[str, int]:
-    """Each dense parameter -> the server holding it: largest first onto the least loaded (same on every rank)."""
+    """Each dense parameter -> the server holding it: largest first onto the least loaded (same on
+    every rank)."""
     skip = {f"{t}.weight" for t in tables}
-    params = sorted(((p.numel(), n) for n, p in model.named_parameters() if n not in skip), key=lambda x: (-x[0], x[1]))
+    params = sorted(
+        ((p.numel(), n) for n, p in model.named_parameters() if n not in skip),
+        key=lambda x: (-x[0], x[1]),
+    )
     load, owners = [0] * servers, {}
     for numel, name in params:
         server = min(range(servers), key=lambda s: (load[s], s))
@@ -70,19 +83,21 @@ def parallelize_ps(model: nn.Module, plan: Plan, rank: int, world_size: int) -> 
         import ray  # noqa: F401  (the servers are Ray actors)
     except ImportError:
         raise ConfigError(
-            "this plan runs parameter servers (its ps: section), and they run on Ray, which is not installed: "
-            "pip install 'hyparallel[ps]', or plan without servers (hyparallel plan --ps-servers 0)"
+            "this plan runs parameter servers (its ps: section), and they run on Ray, which is not"
+            " installed: pip install 'hyparallel[ps]', or plan without servers (hyparallel plan"
+            " --ps-servers 0)"
         ) from None
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError(
-            "parameter-server mode starts the servers from the model's weights: build the model on the CPU "
-            "(the same seed on every rank), not on the meta device"
+            "parameter-server mode starts the servers from the model's weights: build the model on"
+            " the CPU (the same seed on every rank), not on the meta device"
         )
     for name, module in model.named_modules():
         if getattr(module, "track_running_stats", False):
             raise ConfigError(
-                f"parameter-server mode: '{name}' ({type(module).__name__}) keeps running statistics, which each "
-                "worker would update on its own batches only; set track_running_stats=False or train it without ps"
+                f"parameter-server mode: '{name}' ({type(module).__name__}) keeps running"
+                " statistics, which each worker would update on its own batches only; set"
+                " track_running_stats=False or train it without ps"
             )
     tables = table_modules(model, plan)
     servers = plan.ps.servers
@@ -93,8 +108,12 @@ def parallelize_ps(model: nn.Module, plan: Plan, rank: int, world_size: int) -> 
 
 
 def _store(rank: int):
-    """The launch's key-value store: torchrun's agent store, or one rank 0 hosts (a plain launch)."""
-    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    """The launch's key-value store: torchrun's agent store, or one rank 0 hosts (a plain
+    launch)."""
+    host, port = (
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ.get("MASTER_PORT", "29500")),
+    )
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return torch.distributed.TCPStore(
         host, port, is_master=(rank == 0 and not agent), wait_for_workers=False, timeout=_timeout()
@@ -110,8 +129,9 @@ def _timeout():
 def _connect(rank: int) -> str:
     """Join (rank 0: start) this job's Ray cluster; returns the job's Ray namespace.
 
-    A cluster rank 0 starts is the job's own: its authentication token is made here and handed to the other
-    ranks through the launch's store, as the cluster address is (nothing is read from or written to ~/.ray).
+    A cluster rank 0 starts is the job's own: its authentication token is made here and handed to
+    the other ranks through the launch's store, as the cluster address is (nothing is read from or
+    written to ~/.ray).
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     job = os.environ.get("TORCHELASTIC_RUN_ID", os.environ.get("MASTER_PORT", "0"))
@@ -126,7 +146,9 @@ def _connect(rank: int) -> str:
             ray.init(address=address, namespace=namespace, log_to_driver=False)
         else:
             ray.init(include_dashboard=False, namespace=namespace, log_to_driver=False)
-        store.set(key, json.dumps({"address": ray.get_runtime_context().gcs_address, "token": token}))
+        store.set(
+            key, json.dumps({"address": ray.get_runtime_context().gcs_address, "token": token})
+        )
     else:
         given = json.loads(store.get(key).decode())
         ray = _ray_with_token(given["token"])
@@ -139,14 +161,16 @@ _STORES: list = []
 
 
 def _ray_with_token(token: str):
-    """Ray, imported with token authentication set to ``token`` (left as the user set it when empty)."""
+    """Ray, imported with token authentication set to ``token`` (left as the user set it when
+    empty)."""
     if token:
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     import ray
 
     if token:
-        # Ray reads RAY_AUTH_MODE into a cached config when first imported: refresh it if Ray came in earlier.
-        # A Ray release without token authentication has no such config: nothing to refresh then.
+        # Ray reads RAY_AUTH_MODE into a cached config when first imported: refresh it if Ray came
+        # in earlier. A Ray release without token authentication has no such config: nothing to
+        # refresh then.
         try:
             from ray._raylet import Config
 
@@ -156,11 +180,15 @@ def _ray_with_token(token: str):
     return ray
 
 
-def _initial_shard(model: nn.Module, tables: dict[str, nn.Module], owners: dict[str, int], index: int, servers: int):
+def _initial_shard(
+    model: nn.Module, tables: dict[str, nn.Module], owners: dict[str, int], index: int, servers: int
+):
     params = dict(model.named_parameters())
     return {
         "tables": {name: m.weight.detach()[index::servers].clone() for name, m in tables.items()},
-        "dense": {name: params[name].detach().clone() for name, owner in owners.items() if owner == index},
+        "dense": {
+            name: params[name].detach().clone() for name, owner in owners.items() if owner == index
+        },
     }
 
 
@@ -174,18 +202,21 @@ def _wait_actor(name: str):
         except ValueError:
             if time.monotonic() > deadline:
                 raise ConfigError(
-                    f"parameter-server mode: no actor '{name}' after {CONNECT_TIMEOUT_S:.0f} s; did every server "
-                    "rank start (ranks 0 .. ps.servers - 1)?"
+                    f"parameter-server mode: no actor '{name}' after {CONNECT_TIMEOUT_S:.0f} s; did"
+                    " every server rank start (ranks 0 .. ps.servers - 1)?"
                 ) from None
             time.sleep(0.2)
 
 
 class PSServer:
-    """A server rank: it starts its server actor (rank 0 the dispatcher too) and serves until the data is used."""
+    """A server rank: it starts its server actor (rank 0 the dispatcher too) and serves until the
+    data is used."""
 
     is_server = True
 
-    def __init__(self, rank: int, model: nn.Module, plan: Plan, tables: dict[str, nn.Module], namespace: str) -> None:
+    def __init__(
+        self, rank: int, model: nn.Module, plan: Plan, tables: dict[str, nn.Module], namespace: str
+    ) -> None:
         import ray
 
         server_cls, dispatcher_cls = actors.actor_classes()
@@ -220,7 +251,8 @@ class PSServer:
             print(
                 f"hyparallel ps: {len(log)} batches consumed"
                 + (", each once" if once else ", SOME TWICE")
-                + f", by {len({worker for _, worker, _ in log})} worker(s); {len(dead)} taken for dead",
+                + f", by {len({worker for _, worker, _ in log})} worker(s); {len(dead)} taken for"
+                " dead",
                 flush=True,
             )
             return True
@@ -232,10 +264,13 @@ class PSServer:
             return True
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights, the tables reassembled from every server's rows (for export or a check)."""
+        """The whole model's weights, the tables reassembled from every server's rows (for export or
+        a check)."""
         import ray
 
-        snapshots = ray.get([_wait_actor(actors.server_name(i)).snapshot.remote() for i in range(self.servers)])
+        snapshots = ray.get(
+            [_wait_actor(actors.server_name(i)).snapshot.remote() for i in range(self.servers)]
+        )
         return assemble([{**snap, "index": i} for i, snap in enumerate(snapshots)])
 
     def log(self) -> list[tuple[int, str, int]]:
@@ -245,10 +280,13 @@ class PSServer:
         return [tuple(entry) for entry in ray.get(self.dispatcher.log.remote())]
 
     def diagnostics(self) -> dict:
-        """What the run did: the dispatcher's log and pacing, each server's updates and checkpoint restored."""
+        """What the run did: the dispatcher's log and pacing, each server's updates and checkpoint
+        restored."""
         import ray
 
-        snapshots = ray.get([_wait_actor(actors.server_name(i)).snapshot.remote() for i in range(self.servers)])
+        snapshots = ray.get(
+            [_wait_actor(actors.server_name(i)).snapshot.remote() for i in range(self.servers)]
+        )
         return {
             "log": self.log(),
             "pacing": [tuple(p) for p in ray.get(self.dispatcher.pacing.remote())],
@@ -262,12 +300,15 @@ class PSServer:
 
 
 class PSWorker:
-    """A worker rank: the model with its tables on the servers, trained by ``train_step`` one batch at a time."""
+    """A worker rank: the model with its tables on the servers, trained by ``train_step`` one batch
+    at a time."""
 
     is_server = False
     ps_mode = True  # hp.checkpoint saves and loads it through the servers
 
-    def __init__(self, rank: int, model: nn.Module, plan: Plan, tables: dict[str, nn.Module], namespace: str) -> None:
+    def __init__(
+        self, rank: int, model: nn.Module, plan: Plan, tables: dict[str, nn.Module], namespace: str
+    ) -> None:
         import ray
 
         self.plan, self.servers, self.module = plan, plan.ps.servers, model
@@ -292,14 +333,16 @@ class PSWorker:
         return False
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The local copies of the dense weights (the servers update them; a local optimizer sees no gradient)."""
+        """The local copies of the dense weights (the servers update them; a local optimizer sees no
+        gradient)."""
         return self.module.parameters()
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def batches(self, num_batches: int, shard_size: int = 16) -> Iterator[int]:
-        """The batch numbers this worker trains, from the dispatcher, one per step until the data is consumed."""
+        """The batch numbers this worker trains, from the dispatcher, one per step until the data is
+        consumed."""
         import ray
 
         ray.get(self.dispatcher.create_dataset.remote(num_batches, shard_size))
@@ -310,14 +353,19 @@ class PSWorker:
             self.current = tuple(given)
             yield given[1]
             if self.current is not None:
-                raise RuntimeError(f"batch {given[1]} was not trained: call train_step once per batch")
+                raise RuntimeError(
+                    f"batch {given[1]} was not trained: call train_step once per batch"
+                )
 
     def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
-        """Pull, forward, backward, push one batch (the one ``batches`` gave last); returns the loss."""
+        """Pull, forward, backward, push one batch (the one ``batches`` gave last); returns the
+        loss."""
         import ray
 
         if self.current is None:
-            raise RuntimeError("train_step in parameter-server mode trains the batch pmodel.batches() gave")
+            raise RuntimeError(
+                "train_step in parameter-server mode trains the batch pmodel.batches() gave"
+            )
         step, batch = self.current
         self._pull_dense()
         args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -332,16 +380,23 @@ class PSWorker:
         return loss.detach()
 
     def save_checkpoint(self, directory: str, step: int, extra: dict | None = None) -> Path:
-        """``directory/step-N``: every server's shard and the dispatcher's log (once per step, whoever asks)."""
+        """``directory/step-N``: every server's shard and the dispatcher's log (once per step,
+        whoever asks)."""
         import ray
 
         from hyparallel.runtime.checkpoint import FORMAT
 
-        marker = {"format": FORMAT, "step": step, "extra": extra or {}, "ps": self.plan.ps.model_dump()}
+        marker = {
+            "format": FORMAT,
+            "step": step,
+            "extra": extra or {},
+            "ps": self.plan.ps.model_dump(),
+        }
         return Path(ray.get(self.dispatcher.checkpoint.remote(str(directory), step, marker)))
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """The servers take their rows of the checkpoint at ``path``, written by any number of servers."""
+        """The servers take their rows of the checkpoint at ``path``, written by any number of
+        servers."""
         import ray
 
         ray.get(self.dispatcher.load.remote(str(path)))
