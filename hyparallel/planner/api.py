@@ -287,7 +287,16 @@ def search(
     best, frugal = engine.best(given, top=top) if searched else ([], None)
     if compare:
         result.tables = tables.choose(
-            graph, profile, cluster, global_batch, dtype, given, best, frugal, ps_servers, searched
+            graph,
+            profile,
+            cluster,
+            global_batch,
+            dtype,
+            given,
+            dense_best=best,
+            dense_frugal=frugal,
+            ps_servers=ps_servers,
+            dense_searched=searched,
         )
     elif not best:
         raise PlanError(_nothing_found(engine, profile, cluster, global_batch, given, frugal))

@@ -609,6 +609,7 @@ def korthikanti_activation_bytes(
     batch: int,
     hidden: int,
     heads: int,
+    *,
     tp: int = 1,
     sequence_parallel: bool = False,
     recompute: str = "none",

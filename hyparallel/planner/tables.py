@@ -326,6 +326,7 @@ def choose(
     global_batch: int,
     dtype: str,
     constraints: dict,
+    *,
     dense_best: list[Evaluation],
     dense_frugal: Evaluation | None,
     ps_servers: int | None = None,

@@ -219,6 +219,7 @@ class Measurements:
 
 def calibrate(
     nproc: int | None = None,
+    *,
     base: str | ClusterSpec | None = None,
     quick: bool = False,
     name: str | None = None,
