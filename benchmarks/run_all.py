@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -988,7 +989,20 @@ def results_markdown(
         *_table(["benchmark", "status", "figures"], "lll", rows),
         "",
     ]
-    return "\n".join(head + [line for *_, lines in sections for line in lines]).rstrip() + "\n"
+    page = "\n".join(head + [line for *_, lines in sections for line in lines]).rstrip() + "\n"
+    return page + SEAL.format(digest=hashlib.sha256(page.encode()).hexdigest())
+
+
+# The page's last line: the digest of everything above it, so an edit by hand shows (test_benchmarks
+# checks it). Change the benchmarks or their rendering instead, and run `make bench`.
+SEAL = "\n<!-- written whole by benchmarks/run_all.py; sha256 of the text above: {digest} -->\n"
+
+
+def sealed(page: str) -> bool:
+    """Whether ``page`` is exactly what :func:`results_markdown` wrote: its seal fits its text."""
+    text, _, seal = page.rpartition("\n<!-- written whole by")
+    want = SEAL.format(digest=hashlib.sha256(text.encode()).hexdigest())
+    return bool(seal) and "\n<!-- written whole by" + seal == want
 
 
 def main() -> int:
