@@ -9,10 +9,9 @@ Note [the publications' model]
     Megatron-LM's ParallelAttention (megatron/model/transformer.py at the SC21 scripts' commit
     de7dc40, the code of both publications' runs) does not fuse attention. Per layer, with (s, b)
     sequence-first activations: one QKV GEMM whose output is viewed per head as [np, 3 * hn] (q, k
-    and v of a head side by side); the scores
-    ``baddbmm(empty, q, k^T, beta=0, alpha=1 / norm_factor)`` materialised as (b * np, s, s);
-    FusedScaleMaskSoftmax (one CUDA kernel: scale, causal mask, softmax);
-    ``nn.Dropout(--attention-dropout 0.1)`` on the probabilities;
+    and v of a head side by side); the scores ``baddbmm(empty, q, k^T, beta=0, alpha=1 /
+    norm_factor)`` materialised as (b * np, s, s); FusedScaleMaskSoftmax (one CUDA kernel: scale,
+    causal mask, softmax); ``nn.Dropout(--attention-dropout 0.1)`` on the probabilities;
     ``bmm`` with v; a permute + contiguous copy to (s, b, h); the output GEMM with its bias left to
     a bias-dropout-add (``--hidden-dropout 0.1``) that torch.jit fuses into one kernel. This model
     traces to the same kernels where PyTorch allows it:

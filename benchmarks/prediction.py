@@ -541,8 +541,8 @@ def saved_bytes(model, tokens, dtype: str, device: str = "cpu") -> tuple[int, in
 
 def activations(micro_batch: int = 2, device: str = "cpu") -> list[str]:
     """Saved-for-backward bytes of one micro-batch against the planner's, per model and dtype
-    (kernels differ by
-    device: on a CPU, SDPA with an explicit mask takes the math path and saves the seq x seq
+    (kernels differ by device: on a CPU, SDPA with an explicit mask takes the math path and saves
+    the seq x seq
     probabilities)."""
     import torch
 

@@ -60,11 +60,10 @@ Note [the model costed]
     them and drops what they saved, as Korthikanti et al.'s selective recomputation. hyparallel's
     tensor-parallel analysis finds the same splits on it as on the zoo GPT (column qkv and fc, row
     proj, the vocab-parallel embedding and head; tests/test_benchmarks.py checks it at tp 8). The
-    planner's stages are its
-    own: without interleaving, boundaries chosen by its min-max program where Megatron splits the
-    layers evenly (no constraint expresses fixed boundaries; on the 39B and 1T rows its cut is the
-    even split, the embedding with the first stage's layers and the final norm and head with the
-    last's, as each row's ``stages`` in --json shows).
+    planner's stages are its own: without interleaving, boundaries chosen by its min-max program
+    where Megatron splits the layers evenly (no constraint expresses fixed boundaries; on the 39B
+    and 1T rows its cut is the even split, the embedding with the first stage's layers and the final
+    norm and head with the last's, as each row's ``stages`` in --json shows).
 
 Note [how the rows reduce gradients]
     Narayanan's rows: examples/sc21/CONFIG.sh passes --fp16 and not
@@ -81,10 +80,9 @@ Note [how the rows reduce gradients]
     its flatten, divide and unflatten are the same three passes, over 2-byte elements, where the
     planner charges 4 + 2, 2 + 2, 2 + 4 bytes: slightly pessimistic). The planner overlaps the
     reduction with the last backward on every row; under the local DDP (39B up) Megatron runs it
-    after the
-    backward: optimistic on those rows by the unhidden part of that all-reduce. Korthikanti's rows
-    run at dp 1 (the README: "measured using a data parallel size of one"): nothing is reduced
-    across data parallelism, so their grad_compression (none) changes nothing.
+    after the backward: optimistic on those rows by the unhidden part of that all-reduce.
+    Korthikanti's rows run at dp 1 (the README: "measured using a data parallel size of one"):
+    nothing is reduced across data parallelism, so their grad_compression (none) changes nothing.
 """
 
 from __future__ import annotations

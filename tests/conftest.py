@@ -133,9 +133,8 @@ def torchrun(
 
     A launch whose results are complete but that aborted while the processes tore their gloo groups
     down ("terminate called ..." after ``destroy_process_group``, a known gloo shutdown race under
-    load) is
-    accepted: everything it checked was already gathered and written. Any other failure fails the
-    test.
+    load) is accepted: everything it checked was already gathered and written. Any other failure
+    fails the test.
     """
     environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), **(env or {})}
     proc = subprocess.run(

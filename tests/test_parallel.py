@@ -122,8 +122,7 @@ def test_bf16_recomputation_under_a_pipeline_gives_the_gradients_of_none(results
     # GPT-2, eager attention, dropout 0.1, bf16, dp 2 x pp 2: each stage one recomputed region (the
     # second holds 3 blocks, so its recompute must replay 9 dropout draws in order). The worker
     # compares every gradient of full and selective with none's elementwise at rtol 1e-5 / atol 1e-6
-    # (why: the single-process test below; measured
-    # here: bitwise equal).
+    # (why: the single-process test below; measured here: bitwise equal).
     ranks = results[case]
     for rank in ranks:
         for recompute in ("full", "selective"):

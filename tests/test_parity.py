@@ -157,11 +157,11 @@ def test_tiny_configs_keep_the_structure():
 
 
 # One architecture per class of issue 16, under the layouts its class broke (`make sweep` runs every
-# layout of every
-# architecture: benchmarks/sweep.py, docs/supported-models.md). TP_PP covers a split and a pipeline
-# in one launch. The suite runs the first five; the classes marked `sweep` (each 6-10 s here, their
-# constructs also met by a case the suite keeps: multi-query attention by Falcon, parameters without
-# a gradient by the test below) run with `make sweep` before the sweep itself (`pytest -m sweep`).
+# layout of every architecture: benchmarks/sweep.py, docs/supported-models.md). TP_PP covers a split
+# and a pipeline in one launch. The suite runs the first five; the classes marked `sweep` (each 6-10
+# s here, their constructs also met by a case the suite keeps: multi-query attention by Falcon,
+# parameters without a gradient by the test below) run with `make sweep` before the sweep itself
+# (`pytest -m sweep`).
 TP, TP_PP, DP = {"tp": 2, "pp": 1}, {"tp": 2, "pp": 2}, {"dp": 2, "tp": 1, "pp": 1}
 SLICE = {  # spec -> (what it is, the layouts run here)
     "hf:GemmaForCausalLM": ("a scaled embedding subclass, buffers computed in __init__", [TP_PP]),
@@ -225,10 +225,9 @@ def test_blocks_that_are_module_lists_train_under_every_layout():
 def test_a_no_grad_region_in_forward_trains_as_on_one_device():
     # HRM runs earlier recurrence cycles under torch.no_grad(). torch.fx traced through the region
     # without recording it, and a failed first export left the grad mode off for the next, which
-    # then did not see it
-    # either: the pipeline's stages built gradients the single device does not (pp 2: 1.1e-4 off in
-    # losses). The region's body (a higher-order op's subgraph) also needs its baked-in devices
-    # moved as the graph's.
+    # then did not see it either: the pipeline's stages built gradients the single device does not
+    # (pp 2: 1.1e-4 off in losses). The region's body (a higher-order op's subgraph) also needs its
+    # baked-in devices moved as the graph's.
     report = hp.check("tests.tiny_lms:no_grad_lm", tp=2, pp=2)  # stages of split layers
     assert report.verdict == "equal", report.summary()
 

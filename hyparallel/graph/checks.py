@@ -410,8 +410,7 @@ def batch_statistics_warning(plan: Plan, paths: Sequence[str]) -> str | None:
     ``plan``, or None.
 
     None when the statistics are the single device's: no such module, or dp = 1 and one micro-batch,
-    or
-    ``sync_batchnorm`` with one micro-batch. See Note [batch statistics].
+    or ``sync_batchnorm`` with one micro-batch. See Note [batch statistics].
     """
     par, micro = plan.parallel, plan.num_microbatches
     if not paths or (micro == 1 and (par.dp == 1 or par.sync_batchnorm)):

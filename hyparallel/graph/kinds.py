@@ -392,11 +392,10 @@ def base_forward(module: nn.Module) -> str:
 #     torchtitan's Llama (and many a user's model) brings its own Linear and Embedding classes: not
 #     subclasses of torch's, so by type nothing would split ("tp 2 splits nothing"). A module
 #     without children whose parameters are a 2-D ``weight`` (and a 1-D ``bias``) and whose forward,
-#     traced by torch.fx on its own, is exactly
-#     ``F.linear(input, self.weight[, self.bias])`` (or ``F.embedding(input, self.weight)`` with no
-#     padding_idx, max_norm or sparse gradient) computes what nn.Linear (nn.Embedding) computes: it
-#     is split as one. Anything more in its forward (a scale, a cast, another op) keeps it
-#     replicated, as for a subclass that overrides it.
+#     traced by torch.fx on its own, is exactly ``F.linear(input, self.weight[, self.bias])`` (or
+#     ``F.embedding(input, self.weight)`` with no padding_idx, max_norm or sparse gradient) computes
+#     what nn.Linear (nn.Embedding) computes: it is split as one. Anything more in its forward (a
+#     scale, a cast, another op) keeps it replicated, as for a subclass that overrides it.
 def _computes(module: nn.Module) -> str:
     """ "Linear" or "Embedding" when ``module``'s forward is exactly that standard layer's (the Note
     above)."""

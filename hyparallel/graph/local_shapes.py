@@ -64,8 +64,7 @@ def replicate_what_fails(
     model: nn.Module, graph: ModelGraph, degrees: list[int], example_inputs: Any, rounds: int = 8
 ) -> list[str]:
     """Replicate (``graph.replicate``) the split modules that cannot run at one rank's sizes under
-    any of
-    ``degrees`` (Note [the planner replicates what fails at one rank's sizes]); returns the
+    any of ``degrees`` (Note [the planner replicates what fails at one rank's sizes]); returns the
     reasons."""
     reasons: list[str] = []
     # how the unsplit model runs: one answer for every degree and round

@@ -303,9 +303,9 @@ class ModelGraph:
     def _units(self) -> list[tuple[str | None, list[Op]]]:
         """Consecutive compute ops grouped into units that a stage boundary may separate.
 
-        A repeated block is one unit. Outside blocks a unit ends after an op that reads
-        parameters: ending a stage after a parameter-free op (a reshape, an add) gains nothing
-        that ending it after the next parameterised op or block does not.
+        A repeated block is one unit. Outside blocks a unit ends after an op that reads parameters:
+        ending a stage after a parameter-free op (a reshape, an add) gains nothing that ending it
+        after the next parameterised op or block does not.
         """
         block_of = {name: block.path for block in self.blocks for name in block.ops}
         units: list[tuple[str | None, list[Op]]] = []

@@ -349,14 +349,13 @@ def analyze(graph: ModelGraph) -> TPAnalysis:
 # Note [tied parameters split one way]
 # A parameter several modules hold (graph.ties: a tied embedding and head, BERT's
 # `cls.predictions.bias` that is also `cls.predictions.decoder.bias`, T5's `shared` embedding read
-# by encoder and decoder) is one
-# tensor: tensor parallelism can split it only if every module holding it is swapped to the same
-# style, or the swapped holder's shard and an unswapped holder's whole tensor can no longer be one
-# parameter (the runtime's retie refuses it). So the analysis replicates every holder of a tie whose
-# holders would get different styles (a module with no op of its own, such as BERT's
-# `cls.predictions`, is replicated), until no tie is split two ways; check_styles refuses a
-# hand-written map that splits one. A tied column/row Linear is replicated alone, and check_styles
-# then refuses its partner's split.
+# by encoder and decoder) is one tensor: tensor parallelism can split it only if every module
+# holding it is swapped to the same style, or the swapped holder's shard and an unswapped holder's
+# whole tensor can no longer be one parameter (the runtime's retie refuses it). So the analysis
+# replicates every holder of a tie whose holders would get different styles (a module with no op of
+# its own, such as BERT's `cls.predictions`, is replicated), until no tie is split two ways;
+# check_styles refuses a hand-written map that splits one. A tied column/row Linear is replicated
+# alone, and check_styles then refuses its partner's split.
 
 
 def holder(name: str) -> str:
@@ -417,11 +416,10 @@ def fused_parts(graph: ModelGraph, op_name: str) -> list[int]:
     Note [fused parts behind a view]: the split may come after views that keep the last dim whole
     (GPTBigCode's multi-query ``c_attn(x).unsqueeze(1).split((embed_dim, kv_dim, kv_dim), dim=3)``),
     or after a view into (..., heads, head_dim) whose heads dim is cut, by slices or by one split
-    (Falcon's multi-query
-    ``view(..., heads + 2, head_dim)`` then ``[..., :-2, :]``, ``[..., [-2], :]``, ``[..., [-1],
-    :]`` before transformers 5.25, ``.split([heads, 1, 1], dim=-2)`` since). Missing the split would
-    cut a single key/value head in half; each piece is sized on its own instead (the pieces in the
-    order they run).
+    (Falcon's multi-query ``view(..., heads + 2, head_dim)`` then ``[..., :-2, :]``, ``[..., [-2],
+    :]``, ``[..., [-1], :]`` before transformers 5.25, ``.split([heads, 1, 1], dim=-2)`` since).
+    Missing the split would cut a single key/value head in half; each piece is sized on its own
+    instead (the pieces in the order they run).
     """
     out = graph.op(op_name).output_shapes[0][-1]
     name, head_dim = op_name, None
@@ -513,9 +511,9 @@ def _grouping_view(graph: ModelGraph, op_name: str, out: int) -> tuple[Op | None
     """The view of ``op_name``'s output (through views that keep its last dim whole) into trailing
     dims (G, W...) whose product is the output width, with G and the W dims; (None, 0, []) if there
     is none. Reshapes following one another regroup the same row-major features, so the last before
-    the cut is the grouping it reads (Falcon's
-    ``view(..., 3 * heads, head_dim).unflatten(-2, (heads, 3))`` since transformers 5.25: heads
-    groups of (3, head_dim)); a permutation after a grouping ends the walk (it reorders what the
+    the cut is the grouping it reads (Falcon's ``view(..., 3 * heads, head_dim).unflatten(-2,
+    (heads, 3))`` since transformers 5.25: heads groups of (3, head_dim)); a permutation after a
+    grouping ends the walk (it reorders what the
     grouping laid out)."""
     name, found = op_name, (None, 0, [])
     while True:
@@ -707,14 +705,13 @@ def _reaches(g, start: str, members: set[str], exits: set[str]) -> bool:
 # Note [a learned value entering a split region]
 #     Between a column Linear and its row partner every rank computes its own heads or features from
 #     split tensors. A value that enters that region from outside without a column (DeepSeek's
-#     multi-head latent
-#     attention: the rotary key part k_pe of kv_a_proj_with_mqa, shared by every head) is read by
-#     each rank's heads only, so the gradient flowing back to it is one rank's share, and nothing
-#     sums it: the parameters before it train on wrong gradients with no error (6e-3 relative at tp
-#     2, measured). What is checked is a value a replicated Linear of the same block feeds
-#     (kv_a_proj_with_mqa); masks, rotary tables and positions (read from the input's shape, no
-#     gradient) enter freely. Such a column stays replicated, its row partner with it, and the other
-#     columns of that row with them.
+#     multi-head latent attention: the rotary key part k_pe of kv_a_proj_with_mqa, shared by every
+#     head) is read by each rank's heads only, so the gradient flowing back to it is one rank's
+#     share, and nothing sums it: the parameters before it train on wrong gradients with no error
+#     (6e-3 relative at tp 2, measured). What is checked is a value a replicated Linear of the same
+#     block feeds (kv_a_proj_with_mqa); masks, rotary tables and positions (read from the input's
+#     shape, no gradient) enter freely. Such a column stays replicated, its row partner with it, and
+#     the other columns of that row with them.
 
 
 def _downstream(g, sources: set[str], members: set[str]) -> set[str]:

@@ -24,10 +24,9 @@ Cause = Literal["missing_input", "shape", "data_dependent", "unsupported_op", "o
 # - data_dependent: torch.fx raises its own TraceError ("symbolically traced variables cannot be
 #   used as inputs to control flow") or a TypeError on a Proxy (``int(x.max())``); torch.export
 #   raises GuardOnDataDependentSymNode ("Could not guard on data-dependent expression"), a UserError
-#   of type DYNAMIC_CONTROL_FLOW, or a meta tensor's
-#   ``.item()`` refusal. Note that fx fails the same way on control flow over *shapes*; export then
-#   traces such a model, so a failure reaches the user only when export fails too, and export's
-#   cause is then the one shown.
+#   of type DYNAMIC_CONTROL_FLOW, or a meta tensor's ``.item()`` refusal. Note that fx fails the
+#   same way on control flow over *shapes*; export then traces such a model, so a failure reaches
+#   the user only when export fails too, and export's cause is then the one shown.
 # - shape: ATen's shape checks, raised as RuntimeError (or ValueError from a module's own check)
 #   while the graph runs on fake or meta tensors: "shape '[2, 16, 4, 16]' is invalid for input of
 #   size 1024", "mat1 and mat2 shapes cannot be multiplied", "a and b must have same reduction dim",
@@ -224,11 +223,11 @@ def _describe(failure: Failure) -> str:
 # Note [where a failure is]
 # A location names a real file and line: the innermost traceback frame in the user's own code.
 # Frames that are no one's source are skipped: code generated at run time (``<string>`` from
-# torch.export's wrappers, fx's
-# ``<eval_with_key>.N`` graph code, ``<frozen ...>``), torch's and hyparallel's files, the standard
-# library (inspect.py binding arguments) and transformers' helpers. A Hugging Face model's own file
-# (transformers/models/t5/modeling_t5.py) is the model's source, so it is named when no user frame
-# exists. With neither, the module that was running says where; failing that, the root module.
+# torch.export's wrappers, fx's ``<eval_with_key>.N`` graph code, ``<frozen ...>``), torch's and
+# hyparallel's files, the standard library (inspect.py binding arguments) and transformers' helpers.
+# A Hugging Face model's own file (transformers/models/t5/modeling_t5.py) is the model's source, so
+# it is named when no user frame exists. With neither, the module that was running says where;
+# failing that, the root module.
 _STDLIB = sysconfig.get_paths()["stdlib"].replace("\\", "/")
 
 

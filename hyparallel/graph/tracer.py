@@ -559,8 +559,8 @@ def _buffers_on_meta(model: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def _on_fake_device(model: nn.Module, device: torch.device, inputs: Any) -> Iterator[Any]:
     """The model's parameters, buffers and ``inputs`` as fake tensors on ``device`` (meta storage)
-    inside the
-    block: what torch.export traces a meta model with (Note [exported for the device it runs
+    inside the block: what torch.export traces a meta model with (Note [exported for the device it
+    runs
     on])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module

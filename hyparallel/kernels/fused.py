@@ -796,8 +796,7 @@ def bias_dropout_residual(
     On the Triton path the keep mask is drawn in-kernel from (seed, element offset), so backward
     regenerates it instead of storing it, and the same seed gives the same mask. ``seed=None`` draws
     one from torch's default generator (``torch.manual_seed`` makes it reproducible). The torch
-    fallback uses
-    ``F.dropout`` and ignores ``seed``.
+    fallback uses ``F.dropout`` and ignores ``seed``.
     """
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")

@@ -89,16 +89,13 @@ def build_hf(arch: str, device: torch.device | str = "meta", **overrides) -> nn.
 # Note [a config key judged by its use]
 #     transformers keeps a key its config does not know as a plain attribute, silently: a typo
 #     (``num_hiden_layers=4``) would build the default model. But a key the default config lacks is
-#     not always a
-#     typo: the config may fold it into another setting (``partial_rotary_factor`` into transformers
-#     5's
-#     ``rope_parameters``), or the model may read it with ``getattr(config, key, default)``
-#     (CodeGen's
-#     ``pad_token_id``, OPT's ``activation_dropout`` in older releases), or it may be a setting
-#     every published config.json of the family carries that this release no longer reads. So an
-#     override the default config lacks is taken when building the config without it changes
-#     anything else or building the model reads it; else it is taken with a warning when some
-#     transformers config has that setting, and refused as a typo when none has.
+#     not always a typo: the config may fold it into another setting (``partial_rotary_factor`` into
+#     transformers 5's ``rope_parameters``), or the model may read it with ``getattr(config, key,
+#     default)`` (CodeGen's ``pad_token_id``, OPT's ``activation_dropout`` in older releases), or it
+#     may be a setting every published config.json of the family carries that this release no longer
+#     reads. So an override the default config lacks is taken when building the config without it
+#     changes anything else or building the model reads it; else it is taken with a warning when
+#     some transformers config has that setting, and refused as a typo when none has.
 
 
 def _unlisted(

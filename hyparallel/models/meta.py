@@ -3,10 +3,9 @@
 # Note [parameters on meta, buffers real]
 #     Buffers are computed in ``__init__`` (an embedding scale, rotary tables, ALiBi slopes, a
 #     causal mask), often on modules that also hold parameters, and nothing after construction knows
-#     how to compute them
-#     again: a buffer built on meta is lost. Parameters are the opposite: large, and initialised
-#     afterwards (hyparallel.tensor.init). So the meta build keeps every buffer real on the CPU
-#     (they are small) and puts only parameters on meta, as accelerate's
+#     how to compute them again: a buffer built on meta is lost. Parameters are the opposite: large,
+#     and initialised afterwards (hyparallel.tensor.init). So the meta build keeps every buffer real
+#     on the CPU (they are small) and puts only parameters on meta, as accelerate's
 #     ``init_empty_weights(include_buffers=False)`` does:
 #     - ``torch.empty`` / ``torch.empty_strided`` without a device allocate on meta, so no parameter
 #       ever holds real memory (``nn.Linear`` and its kind allocate their weights with
@@ -97,8 +96,7 @@ def empty_init() -> Iterator[None]:
     """Within it, modules built get their parameters on meta and their buffers real (on the CPU).
 
     See Note [parameters on meta, buffers real]. ``hp.models.build``, ``load`` and ``build_hf`` use
-    it for
-    ``device="meta"``; use it to build your own model the same way before ``hp.parallelize``.
+    it for ``device="meta"``; use it to build your own model the same way before ``hp.parallelize``.
     """
     register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
     # buffers given real memory: were they written?

@@ -547,11 +547,11 @@ class PipelineRuntime:
     #     waited for at that micro-batch's backward; a gradient sent back has no such point, and
     #     waiting for them all at the end of the schedule held m per virtual stage. So each new one
     #     drops those already delivered, and beyond schedule.send_window (one per micro-batch chunk
-    #     in flight here) waits for the oldest. That cannot
-    #     deadlock: the receiving device takes this device's gradients in the order they were sent
-    #     (the schedules agree on every pair's send order, schedule.p2p_order_mismatches), so the
-    #     oldest one undelivered is the next it receives, and what it does before receiving it needs
-    #     nothing from this device that is not already sent.
+    #     in flight here) waits for the oldest. That cannot deadlock: the receiving device takes
+    #     this device's gradients in the order they were sent (the schedules agree on every pair's
+    #     send order, schedule.p2p_order_mismatches), so the oldest one undelivered is the next it
+    #     receives, and what it does before receiving it needs nothing from this device that is not
+    #     already sent.
     def _hold_fewer_sends(self, step: _Step) -> None:
         held = step.sent_back  # delivered in the order sent: the oldest first
         while held and (

@@ -8,17 +8,16 @@ Note [a forward under any plan]
     they are concatenated along dim 0 and broadcast to the other pipeline ranks. The stages were
     traced for the training inputs: the same argument names and, under torch.export (which fixes
     every shape), the same micro-batch shapes. Inputs outside that (an attention mask or Hugging
-    Face
-    ``labels`` added later, another sequence length while generating) get stages traced again for
-    them (``ForwardPipelines``), cached by the inputs' structure and shapes. They are traced as the
-    first ones were: the parameters on the meta device (the model's own tensors are put back right
-    after), the buffers as they are, on the run device. Vocab-parallel heads are traced gathering
-    their logits, so the outputs, and any loss the model computes inside (``labels=``), see the
-    whole vocabulary; sequence parallelism is traced off (Note [whole sequences for a forward],
-    hyparallel.tensor.layers), so any length runs. The new stages are graphs over the model's own
-    parameters, which under ZeRO 0 are the ones training updates in place. Under ZeRO >= 1 FSDP2 has
-    replaced them by shards it gathers only around its own stage modules, so a forward that needs
-    new stages is refused there, in one line, before any collective.
+    Face ``labels`` added later, another sequence length while generating) get stages traced again
+    for them (``ForwardPipelines``), cached by the inputs' structure and shapes. They are traced as
+    the first ones were: the parameters on the meta device (the model's own tensors are put back
+    right after), the buffers as they are, on the run device. Vocab-parallel heads are traced
+    gathering their logits, so the outputs, and any loss the model computes inside (``labels=``),
+    see the whole vocabulary; sequence parallelism is traced off (Note [whole sequences for a
+    forward], hyparallel.tensor.layers), so any length runs. The new stages are graphs over the
+    model's own parameters, which under ZeRO 0 are the ones training updates in place. Under ZeRO >=
+    1 FSDP2 has replaced them by shards it gathers only around its own stage modules, so a forward
+    that needs new stages is refused there, in one line, before any collective.
 """
 
 from __future__ import annotations

@@ -393,8 +393,7 @@ def split_model(
 
     ``example_inputs`` is one micro-batch (a tensor, a tuple of args, or a dict of kwargs); only its
     shapes and dtypes are used, on the meta device. See Note [which stage runs a node]. ``traced``
-    is
-    ``hyparallel.trace(model, example_inputs)`` when the caller has it: the split cuts a copy of
+    is ``hyparallel.trace(model, example_inputs)`` when the caller has it: the split cuts a copy of
     that trace instead of tracing again (only valid while the model is the one traced: no module
     swapped since).
     """

@@ -136,14 +136,13 @@ def plan(
     ``example_inputs`` is one micro-batch for tracing, as ``parallelize`` takes it (a tensor, a
     tuple of args or a dict of kwargs; it fixes micro_batch to its rows and gives seq_len), or a
     function ``(batch_size, seq_len) -> inputs`` used as a model's ``example_inputs`` method is
-    (Note [example inputs]). The constraints are
-    ``constraints=Constraints(...)`` or the same names as keyword arguments: tp, pp, dp,
-    micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel, vocab_parallel_loss
-    (False: the logits gathered for a loss_fn of your own), order (placement.order, outermost axis
-    first), and grad_compression (none, bf16, fp16, powersgd, or any: searched), powersgd_rank,
-    powersgd_start_step: gradients are compressed only when asked (Note [gradient compression is
-    asked for] in constraints.py), and compile (parallel.compile: torch.compile at run time; written
-    as asked, not costed).
+    (Note [example inputs]). The constraints are ``constraints=Constraints(...)`` or the same names
+    as keyword arguments: tp, pp, dp, micro_batch, schedule, virtual_stages, recompute, zero,
+    sequence_parallel, vocab_parallel_loss (False: the logits gathered for a loss_fn of your own),
+    order (placement.order, outermost axis first), and grad_compression (none, bf16, fp16, powersgd,
+    or any: searched), powersgd_rank, powersgd_start_step: gradients are compressed only when asked
+    (Note [gradient compression is asked for] in constraints.py), and compile (parallel.compile:
+    torch.compile at run time; written as asked, not costed).
 
     ``mtbf_hours`` (the whole job's mean time between failures) adds the plan's ``checkpoint``
     section: the save time per checkpoint, the interval that maximises goodput and the goodput
@@ -214,8 +213,7 @@ def search(
 
     Returns:
         A SearchResult: ``best``, the ``top`` evaluations fastest first (``step_time_s``, stages,
-        memory),
-        ``alternatives``, and ``plan()``, the best as a Plan.
+        memory), ``alternatives``, and ``plan()``, the best as a Plan.
 
     Raises:
         PlanError: as :func:`plan`.

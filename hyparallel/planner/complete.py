@@ -29,11 +29,10 @@ def complete(
     ``graph`` is the model traced with ``example_inputs`` (one micro-batch, as ``parallelize`` takes
     them; None: token ids of the plan's ``micro_batch x seq_len``), whose rows and length must be
     the plan's. A plan without predictions gets the planner's for its configuration when its stages
-    are the planner's (what
-    ``pmodel.metrics`` compares with); one the planner would refuse (e.g. over its memory estimate)
-    runs without them. ``module``, the model ``graph`` was traced from, lets the planner keep
-    replicated what cannot run at one rank's sizes (Note [the planner replicates what fails at one
-    rank's sizes]).
+    are the planner's (what ``pmodel.metrics`` compares with); one the planner would refuse (e.g.
+    over its memory estimate) runs without them. ``module``, the model ``graph`` was traced from,
+    lets the planner keep replicated what cannot run at one rank's sizes (Note [the planner
+    replicates what fails at one rank's sizes]).
     """
     par, tr = plan.parallel, plan.training
     needs_stages = par.pp > 1 and plan.stages is None

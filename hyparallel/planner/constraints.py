@@ -45,8 +45,8 @@ from hyparallel.spec.schema import (
 # What a caller may ask of the data-parallel axis: one mode, or ``any`` of them searched.
 CompressionChoice = Literal[GradCompression, "any"]
 # Note [gradient compression is asked for]: not searched when left out; their defaults are the
-# plan's. So is
-# compile: never searched (the costs do not model it), only written into the plan as asked.
+# plan's. So is compile: never searched (the costs do not model it), only written into the plan as
+# asked.
 _PLAN_DEFAULTS = ("grad_compression", "powersgd_rank", "powersgd_start_step", "compile")
 
 

@@ -566,11 +566,10 @@ def recompute_copies_bytes_per_param(
     Note [16-bit copies under recomputation]: with recomputation parallelize casts the weights once
     per micro-batch (not once per step). Full recomputation saves nothing of a recomputed region, so
     each copy is freed when its micro-batch's autocast region ends and the recompute casts one
-    region's weights again: the step's one copy in
-    ``state_bytes_per_param`` bounds it. Selective recomputation saves every op it does not
-    recompute, the casts among them, so each micro-batch in flight holds a copy of the stage's
-    weights until its backward: ``inflight - 1`` more than counted. Nothing in fp32 training, or
-    under ZeRO 3 (copies of the gathered units only).
+    region's weights again: the step's one copy in ``state_bytes_per_param`` bounds it. Selective
+    recomputation saves every op it does not recompute, the casts among them, so each micro-batch in
+    flight holds a copy of the stage's weights until its backward: ``inflight - 1`` more than
+    counted. Nothing in fp32 training, or under ZeRO 3 (copies of the gathered units only).
     """
     if dtype == "fp32" or recompute != "selective" or zero == 3:
         return 0.0

@@ -15,10 +15,9 @@ Note [checkpoint bytes per rank]
         disk_bytes_per_rank = stage_params x 12 / (tp x dp)
 
     with stage_params the parameters of the busiest pipeline rank (all its virtual stages), before
-    tensor
-    splitting: the even spread DCP's balancing approaches, whatever the ZeRO stage (the same unique
-    pieces are written, only by other ranks). A memory checkpoint (Note [memory checkpoints] in
-    hyparallel/runtime/checkpoint.py) first snapshots every piece the rank holds, with no
+    tensor splitting: the even spread DCP's balancing approaches, whatever the ZeRO stage (the same
+    unique pieces are written, only by other ranks). A memory checkpoint (Note [memory checkpoints]
+    in hyparallel/runtime/checkpoint.py) first snapshots every piece the rank holds, with no
     deduplication:
 
         held_bytes_per_rank = stage_params x 12 / tp          (ZeRO 0: replicated over dp)

@@ -71,8 +71,8 @@ def read(inputs: Any, what: str = "example_inputs") -> MicroBatch:
 
 def default_seq_len(model: Any) -> int | None:
     """The default of ``seq_len`` in the model's own ``example_inputs(batch_size, seq_len=...,
-    device)``, if it has
-    one: a model whose inputs are not sequences (DLRM's samples) says so with ``seq_len=1``; None
+    device)``, if it has one: a model whose inputs are not sequences (DLRM's samples) says so with
+    ``seq_len=1``; None
     otherwise."""
     method = getattr(model, "example_inputs", None)
     try:

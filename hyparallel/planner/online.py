@@ -34,9 +34,8 @@ Note [memory in the fit]
     hyparallel.runtime.metrics. measured_peak_bytes) is compared with its stage's prediction without
     the reserve. When it is higher, the difference is added to device.reserved_bytes: a constant per
     device, so the corrected file predicts at least the measured peak for this plan, and carries the
-    same margin into every other plan. It is never
-    lowered: an over-prediction costs a plan that would have fitted, an under-prediction an
-    out-of-memory crash.
+    same margin into every other plan. It is never lowered: an over-prediction costs a plan that
+    would have fitted, an under-prediction an out-of-memory crash.
 """
 
 from __future__ import annotations

@@ -817,11 +817,11 @@ class ModelProfile:
 #     promotes to fp32. So a GPT's residual stream (embedding + positions, then each block's
 #     residual adds) stays fp32: the norms save it at 4 bytes per element, and full recomputation
 #     keeps each block's input at 4, where the plan's dtype says 2. The planner follows the dtypes
-#     through the traced graph the same
-#     way: a value is 16-bit when a matrix product or attention makes it, or when every value it is
-#     computed from is; fp32 when a norm, softmax, embedding, loss or explicit `float` makes it, or
-#     when any value it is computed from is fp32 (type promotion). Measured: gpt-1.3b on an H200
-#     (benchmarks/RESULTS.md, Note [the H200 rows] in tests/test_planner_memory.py).
+#     through the traced graph the same way: a value is 16-bit when a matrix product or attention
+#     makes it, or when every value it is computed from is; fp32 when a norm, softmax, embedding,
+#     loss or explicit `float` makes it, or when any value it is computed from is fp32 (type
+#     promotion). Measured: gpt-1.3b on an H200 (benchmarks/RESULTS.md, Note [the H200 rows] in
+#     tests/test_planner_memory.py).
 _SIXTEEN_BIT_KINDS = {"linear", "matmul", "attention"}
 _FP32_KINDS = {"norm", "embedding", "loss"}
 _FP32_TARGETS = _SAVES_OUTPUT | {

@@ -702,8 +702,7 @@ class Search:
         saved.
 
         Timed whatever its memory (it may need more than the device has: 16-bit ZeRO gathers save
-        some), so its
-        ``step_time_s`` is the step the same plan would take uncompressed.
+        some), so its ``step_time_s`` is the step the same plan would take uncompressed.
         """
         c = replace(evaluation.config, grad_compression="none")
         links = self._links(c)

@@ -268,8 +268,8 @@ class _Setting:
 
     def worker_fit(self, held_bytes: float) -> _Fit:
         """One GPU's micro-batch, compute and peak: the largest micro-batch (or the fixed one) at
-        which
-        ``held_bytes`` and the micro-batch's activations fit it; when none does, the smallest's
+        which ``held_bytes`` and the micro-batch's activations fit it; when none does, the
+        smallest's
         peak."""
         batch = self.global_batch // self.workers
         usable = self.cluster.device.usable_memory_bytes
@@ -353,10 +353,10 @@ def choose(
 # Note [servers inside the launch]
 #     A plan for N GPUs runs in a launch of N processes. So the planner's own ps option puts its
 #     servers on some of those processes, ranks 0 .. s-1 (their GPUs idle: a server is a CPU
-#     process), and the other N - s are the
-#     workers: priced with the same hardware as the search's plans, not with s more processes. Only
-#     ``ps_servers`` (`hyparallel plan --ps-servers`) adds servers beside one worker per GPU: the
-#     user asks for those processes, and the plan's summary says the launch size.
+#     process), and the other N - s are the workers: priced with the same hardware as the search's
+#     plans, not with s more processes. Only ``ps_servers`` (`hyparallel plan --ps-servers`) adds
+#     servers beside one worker per GPU: the user asks for those processes, and the plan's summary
+#     says the launch size.
 
 
 def _best_ps(setting: _Setting, ps_servers: int | None) -> Option:
@@ -564,9 +564,8 @@ def _split_option(setting: _Setting) -> Option:
         for d in range(n)
     ]
     # Per device: the dense model under DDP with AdamW (the search's figure), its tables, and the
-    # all-to-all's
-    # buffers: the pooled rows sent and received, and their gradients (4 x the larger direction, a
-    # bound).
+    # all-to-all's buffers: the pooled rows sent and received, and their gradients (4 x the larger
+    # direction, a bound).
     dense_state = setting.dense_params * costs.state_bytes_per_param(setting.dtype, 0, n)
     busiest = max(range(n), key=lambda d: held[d] + 4 * exchange[d])
     worker = setting.worker_fit(dense_state + held[busiest] + 4 * exchange[busiest])

@@ -124,16 +124,15 @@ def save(
         )
 
     ``extra`` (JSON-able: anything the loop needs) comes back from :func:`load`; the data position
-    of
-    ``pmodel.sampler(...)``'s training sampler is saved with it on its own
+    of ``pmodel.sampler(...)``'s training sampler is saved with it on its own
     (hyparallel/runtime/data.py). Returns the checkpoint folder. With ``asynchronous`` the tensors
     are copied (staged) and written by a background thread over a process group of its own while
     training goes on; the returned :class:`PendingSave`'s ``wait()``, on every rank, makes the
     checkpoint current (call it before the next save and before exiting). ``storage="memory"`` (Note
     [memory checkpoints]) returns once every rank's pieces are in the node's shared memory; the same
     checkpoint reaches ``directory`` in the background (call :func:`finish` after the last save).
-    ``keep``: once a checkpoint is complete in ``directory``, only the newest
-    ``keep`` complete ones stay there (default: all).
+    ``keep``: once a checkpoint is complete in ``directory``, only the newest ``keep`` complete ones
+    stay there (default: all).
     """
     if storage not in ("disk", "memory"):
         raise ConfigError(f"checkpoint storage {storage!r}: use 'disk' or 'memory'")
@@ -296,15 +295,14 @@ def _prune(root: Path, keep: int) -> None:
 #        on meanwhile: the one copy that blocks it is the write to shared memory. A save that finds
 #        a writer busy keeps memory only: the disk copy lags by as much as the disk needs;
 #     3. a rank deletes its previous snapshot only once the all-reduce of step 2 shows every rank
-#        wrote the new
-#        one: a rank killed mid-save leaves every rank holding the step before. load() resumes from
-#        memory when every rank has a snapshot of the same step (the newest they all have), written
-#        by this run (TORCHELASTIC_RUN_ID) under this plan and world, at least as new as the newest
-#        on disk; each rank then reads only its own folder. Otherwise (a node replaced, another
-#        world size: a re-plan) it loads from disk, resharded. Shared memory holds the rank's
-#        checkpoint bytes (twice while a save replaces the previous snapshot), the writer as much
-#        again while it persists; finish() persists the newest snapshot if the disk lags and frees
-#        the memory.
+#        wrote the new one: a rank killed mid-save leaves every rank holding the step before. load()
+#        resumes from memory when every rank has a snapshot of the same step (the newest they all
+#        have), written by this run (TORCHELASTIC_RUN_ID) under this plan and world, at least as new
+#        as the newest on disk; each rank then reads only its own folder. Otherwise (a node
+#        replaced, another world size: a re-plan) it loads from disk, resharded. Shared memory holds
+#        the rank's checkpoint bytes (twice while a save replaces the previous snapshot), the writer
+#        as much again while it persists; finish() persists the newest snapshot if the disk lags and
+#        frees the memory.
 MEMORY_ENV = "HYPARALLEL_MEMORY_DIR"
 
 
@@ -538,9 +536,8 @@ def latest(directory: str | Path) -> Path | None:
     """The newest complete checkpoint under ``directory`` (None if there is none).
 
     Complete means renamed into place with its marker written; the folders are scanned rather than
-    the
-    ``latest`` pointer trusted, so a crash between the rename and the pointer, or a folder cut off
-    mid-write (no marker), never hides the newest good one.
+    the ``latest`` pointer trusted, so a crash between the rename and the pointer, or a folder cut
+    off mid-write (no marker), never hides the newest good one.
     """
     complete = sorted(p for p in Path(directory).glob("step-*") if (p / MARKER).is_file())
     return complete[-1] if complete else None
@@ -716,13 +713,12 @@ def export(
         hp.checkpoint.export("ckpt", "model.safetensors")  # or "hf-folder/" for from_pretrained
 
     Keys are the model's parameter names (tied weights under their first name), values full tensors;
-    ``format``
-    ``auto`` follows OUT's name (hyparallel.runtime.pretrained.export_format): ``.safetensors``
-    (transformers' and safetensors' loaders read it), a folder (no suffix, a trailing ``/`` or an
-    existing folder: ``hf``, a Hugging Face folder of an ``hf:`` model, shards of at most
-    ``max_shard_size``, that ``from_pretrained`` loads) or else a
-    ``torch.save`` file (tied names included, sharing the tensor; safetensors keeps one name, as
-    transformers does). Runs in one process, no process group.
+    ``format`` ``auto`` follows OUT's name (hyparallel.runtime.pretrained.export_format):
+    ``.safetensors`` (transformers' and safetensors' loaders read it), a folder (no suffix, a
+    trailing ``/`` or an existing folder: ``hf``, a Hugging Face folder of an ``hf:`` model, shards
+    of at most ``max_shard_size``, that ``from_pretrained`` loads) or else a ``torch.save`` file
+    (tied names included, sharing the tensor; safetensors keeps one name, as transformers does).
+    Runs in one process, no process group.
     """
     written = export_format(out, format)
     if written == "hf":

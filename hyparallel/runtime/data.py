@@ -20,14 +20,12 @@ Note [global batches, whatever the plan]
 Note [what the position counts]
     A DataLoader with workers draws indices ahead of the training loop (``prefetch_factor`` batches
     a worker), so what the sampler has handed out is not what was trained on. The position counts
-    only batches the loop
-    consumed: ``train_step`` calls :meth:`DataSampler.step_consumed` once per call. The position
-    (epoch, global rows consumed in it, seed) is the same on every rank and is in global rows, so it
-    resumes under any dp: a checkpoint saves it (``hp.checkpoint.save``: the marker's ``data``) and
-    ``hp.checkpoint.load`` restores it into
-    ``pmodel.data_sampler``, or keeps it until ``pmodel.sampler(...)`` makes one. An iterator
-    started (``iter``) after the restore begins at the first row not consumed; one started before it
-    keeps its own order.
+    only batches the loop consumed: ``train_step`` calls :meth:`DataSampler.step_consumed` once per
+    call. The position (epoch, global rows consumed in it, seed) is the same on every rank and is in
+    global rows, so it resumes under any dp: a checkpoint saves it (``hp.checkpoint.save``: the
+    marker's ``data``) and ``hp.checkpoint.load`` restores it into ``pmodel.data_sampler``, or keeps
+    it until ``pmodel.sampler(...)`` makes one. An iterator started (``iter``) after the restore
+    begins at the first row not consumed; one started before it keeps its own order.
 """
 
 from __future__ import annotations

@@ -93,8 +93,7 @@ class DataParallel:
 
     def reshard(self, modules: Iterable[nn.Module]) -> None:
         """After a forward that no backward follows (eval_step, a call of the model): every FSDP2
-        unit in
-        ``modules`` frees the weights it gathered and its parameters are the shards again.
+        unit in ``modules`` frees the weights it gathered and its parameters are the shards again.
 
         Under ZeRO 1 and 2 a unit keeps its weights gathered after the forward
         (reshard_after_forward=False, for the step's backward), so without this an optimizer made

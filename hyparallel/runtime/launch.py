@@ -167,8 +167,7 @@ def round_store(
     private to each round]).
 
     Every rank calls it; it returns once all ``world`` ranks agreed on the round's token, or raises
-    after
-    ``timeout``.
+    after ``timeout``.
     """
     return dist.PrefixStore(f"hyparallel/{round_token(store, rank, world, timeout)}/", store)
 

@@ -6,15 +6,13 @@ Note [the loss a user reads]
     train on its gradient:
 
     - the default loss (token cross-entropy): the sum over every target token of the global batch
-      that is not
-      ``ignore_index`` (-100, padding), divided by their count;
+      that is not ``ignore_index`` (-100, padding), divided by their count;
     - a ``loss_fn(output, targets)`` returning a scalar: taken as the micro-batch's *mean* over
       equally weighted rows. The global loss is the mean over micro-batches and data-parallel ranks,
-      which is one device's
-      ``loss_fn(global batch)`` for such a loss (mean-reduced MSE, cross-entropy with nothing
-      ignored): every micro-batch and rank share has the same number of rows. A mean whose rows
-      weigh differently (ignored padding, per-sample weights) is then a mean of means, which depends
-      on the plan: return a pair instead;
+      which is one device's ``loss_fn(global batch)`` for such a loss (mean-reduced MSE,
+      cross-entropy with nothing ignored): every micro-batch and rank share has the same number of
+      rows. A mean whose rows weigh differently (ignored padding, per-sample weights) is then a mean
+      of means, which depends on the plan: return a pair instead;
     - a ``loss_fn`` returning a pair ``(total, count)``: the sum of the loss over what it counts and
       that count (``F.cross_entropy(..., reduction="sum", label_smoothing=0.1)`` and ``(targets !=
       -100).sum()``). The global loss is the global total over the global count: the single device's

@@ -7,33 +7,30 @@ Note [what a measured step is]
     up; before any optimizer step is seen, each call is one), so it covers what a training loop
     really spends per step: forward, backward, gradient sync, the optimizer, clipping and the data
     loading of the next batch. On CUDA the boundaries are CUDA events on the current stream (no
-    synchronisation is added; they are read once complete), on the CPU
-    ``time.perf_counter``. The last step closes when :meth:`RunMetrics.summary` (or ``close``) is
-    called. The first
-    ``warmup`` steps (allocator growth, Triton autotuning, NCCL communicator set-up) are left out of
-    the summary. Model FLOPs are the planner's: 3 x the traced forward FLOPs per token x tokens (no
+    synchronisation is added; they are read once complete), on the CPU ``time.perf_counter``. The
+    last step closes when :meth:`RunMetrics.summary` (or ``close``) is called. The first ``warmup``
+    steps (allocator growth, Triton autotuning, NCCL communicator set-up) are left out of the
+    summary. Model FLOPs are the planner's: 3 x the traced forward FLOPs per token x tokens (no
     recomputation counted), so measured and predicted TFLOP/s and MFU mean the same thing.
 
 Note [peak memory on the CPU]
     :func:`measured_peak_bytes` is the one place a rank's peak is measured. On CUDA it is
     ``torch.cuda.max_memory_allocated``, which the planner's memory figures (without the preset's
     reserve) describe. The CPU has no allocator counter; a stand-in until an honest CPU measurement
-    replaces this
-    function: the process's peak resident set (``VmHWM``, which never goes down) less the cluster's
-    ``reserved_bytes``, which the cpu preset sets to what a torch + gloo process holds before any
-    model. It counts what the interpreter and the allocator's caches hold beyond that too, so it
-    reads high, not low.
+    replaces this function: the process's peak resident set (``VmHWM``, which never goes down) less
+    the cluster's ``reserved_bytes``, which the cpu preset sets to what a torch + gloo process holds
+    before any model. It counts what the interpreter and the allocator's caches hold beyond that
+    too, so it reads high, not low.
 
 Note [online calibration]
     ``calibrate_online`` arms the fit of hyparallel.planner.online: after ``warmup`` steps, the
-    median of the next
-    ``steps`` is compared with the plan's prediction on every rank (``RunMetrics.comparison``); when
-    they differ by more than ``threshold``, rank 0 alone fits the cluster (Note [what the fit
-    changes] in hyparallel/planner/online.py), writes it, re-plans and logs one line. That happens
-    once, inside the train_step call that follows the last measured step, after that step is closed
-    and before the new one opens (so no measured step contains it) and before any collective of the
-    new step: the other ranks wait for rank 0 at their first collective of that step, as long as the
-    fit and re-plan take (measured on this project's CPU
+    median of the next ``steps`` is compared with the plan's prediction on every rank
+    (``RunMetrics.comparison``); when they differ by more than ``threshold``, rank 0 alone fits the
+    cluster (Note [what the fit changes] in hyparallel/planner/online.py), writes it, re-plans and
+    logs one line. That happens once, inside the train_step call that follows the last measured
+    step, after that step is closed and before the new one opens (so no measured step contains it)
+    and before any collective of the new step: the other ranks wait for rank 0 at their first
+    collective of that step, as long as the fit and re-plan take (measured on this project's CPU
     machine: 0.1 s for gpt-tiny, 1.1 s for gpt-mini on 8 processes, about 25 s for GPT-3 175B,
     mostly its trace; it must stay within the collective timeout, HYPARALLEL_TIMEOUT), and no
     collective is added, skipped or reordered. The
@@ -216,10 +213,9 @@ class RunMetrics:
         the working folder; an existing file is never replaced: a free ``-2``, ``-3``... name beside
         it is used). ``model``: the spec ``hyparallel plan --model`` takes (default the plan's model
         name). ``warmup`` steps are left out, the median of the next ``steps`` is the measurement, a
-        fit follows when it is off the prediction by more than
-        ``threshold``, and another plan is suggested when it is predicted more than ``switch_gain``
-        faster (defaults: hyparallel.planner.online's DEFAULT_*). ``log`` takes rank 0's line
-        (default: printed).
+        fit follows when it is off the prediction by more than ``threshold``, and another plan is
+        suggested when it is predicted more than ``switch_gain`` faster (defaults:
+        hyparallel.planner.online's DEFAULT_*). ``log`` takes rank 0's line (default: printed).
         """
         from hyparallel.planner import online
 

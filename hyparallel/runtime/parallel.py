@@ -160,8 +160,7 @@ def parallelize(
 
     Returns:
         The :class:`ParallelModel` of this rank: ``train_step``, ``eval_step``, ``pmodel(inputs)``,
-        ``sampler``,
-        ``state_dict`` and the checkpoint functions take it.
+        ``sampler``, ``state_dict`` and the checkpoint functions take it.
 
     Raises:
         ConfigError: the plan and the launch or the model disagree (world size, dimensions that do
@@ -604,12 +603,11 @@ class ParallelModel:
         every rank.
 
         ``inputs`` and ``targets`` are this data-parallel rank's rows (a ``pmodel.sampler``
-        DataLoader's batch, or
-        ``pmodel.shard`` of a global batch in memory); they split into the plan's micro-batches.
-        Gradients are synchronised over data parallelism and completed over tensor parallelism: call
-        the optimizer next. The loss is the single device's (Note [the loss a user reads],
-        hyparallel.runtime.loss): by default token cross-entropy over every counted target of the
-        global batch; a ``loss_fn(output, targets)`` returns a micro-batch's mean, or
+        DataLoader's batch, or ``pmodel.shard`` of a global batch in memory); they split into the
+        plan's micro-batches. Gradients are synchronised over data parallelism and completed over
+        tensor parallelism: call the optimizer next. The loss is the single device's (Note [the loss
+        a user reads], hyparallel.runtime.loss): by default token cross-entropy over every counted
+        target of the global batch; a ``loss_fn(output, targets)`` returns a micro-batch's mean, or
         ``(total, count)`` for the exact mean of a loss whose rows weigh differently (padding, label
         smoothing). train_step runs the backward itself; the loss it returns has none left to run.
         Gradients add up over calls;
@@ -1091,15 +1089,14 @@ class ParallelModel:
 #     Autocast casts each fp32 weight to bf16/fp16 when a forward first uses it and caches the copy
 #     until the outermost autocast region exits; a Linear saves that copy for its backward. With one
 #     region per micro-batch, every micro-batch in flight (p of them on a 1F1B pipeline's first
-#     stage) would hold its own
-#     copy: 2 bytes per parameter each. train_step therefore holds the autocast nesting open for the
-#     whole step (torch.autocast's own counter), so micro-batches share one copy, freed when the
-#     step ends: 2 bytes per parameter, as the planner counts. The weights do not change within a
-#     step, so the copy is exact. Under ZeRO 3 a step-long copy of every weight would undo the
-#     sharding, so each micro-batch casts anew. So does recomputation: checkpointing matches the ops
-#     a recompute runs against those the forward ran, and a cast the forward recorded (cache miss)
-#     would be a cache hit in the recompute; and on CUDA the recompute runs on autograd's thread,
-#     whose autocast exit would clear the shared cache anyway.
+#     stage) would hold its own copy: 2 bytes per parameter each. train_step therefore holds the
+#     autocast nesting open for the whole step (torch.autocast's own counter), so micro-batches
+#     share one copy, freed when the step ends: 2 bytes per parameter, as the planner counts. The
+#     weights do not change within a step, so the copy is exact. Under ZeRO 3 a step-long copy of
+#     every weight would undo the sharding, so each micro-batch casts anew. So does recomputation:
+#     checkpointing matches the ops a recompute runs against those the forward ran, and a cast the
+#     forward recorded (cache miss) would be a cache hit in the recompute; and on CUDA the recompute
+#     runs on autograd's thread, whose autocast exit would clear the shared cache anyway.
 
 # Note [which device a rank uses]
 #     parallelize(device=...) wins. Otherwise a plan for a gloo cluster (the cpu preset, a CPU

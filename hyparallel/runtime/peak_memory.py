@@ -187,9 +187,8 @@ def report(pmodel, tracker: PeakMemory) -> list[dict] | None:
     others).
 
     Each row: rank, mesh coordinates, ``peak_bytes`` (``tracker``'s, since its last ``reset_peak``)
-    and
-    ``predicted_bytes`` (the plan's stage memory without the preset's reserve: what the allocator
-    counts).
+    and ``predicted_bytes`` (the plan's stage memory without the preset's reserve: what the
+    allocator counts).
     Collective: every rank calls it.
     """
     import torch.distributed as dist

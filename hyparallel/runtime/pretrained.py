@@ -53,9 +53,8 @@ ExportFormat = Literal["auto", "hf", "safetensors", "torch"]
 #     buffer the model does not keep in its state dict (rotary tables older checkpoints saved: the
 #     model computes its own), and names matching the class's ``_keys_to_ignore_on_load_unexpected``
 #     (GPT-2's old attention masks). A file saved from the base model (``h.0...`` for GPT-2's
-#     ``transformer.h.0...``) or the model with a head loads
-#     too: names are matched with or without the class's ``base_model_prefix``, as from_pretrained
-#     does.
+#     ``transformer.h.0...``) or the model with a head loads too: names are matched with or without
+#     the class's ``base_model_prefix``, as from_pretrained does.
 
 
 @dataclass(frozen=True)

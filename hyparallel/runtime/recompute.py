@@ -53,8 +53,7 @@ def apply_recompute(modules: Iterable[nn.Module], recompute: Recompute, seq_len:
 #     Everything else is saved. In transformer blocks rules 2 and 3 add elementwise work only
 #     (dropout's draws, masks built in place), which the planner does not count. A model that writes
 #     in place into the result of some other op (say `relu_` on a matmul's output) still stops with
-#     torch's error in its first
-#     backward: loud, never wrong.
+#     torch's error in its first backward: loud, never wrong.
 
 
 def selective_context(seq_len: int):

@@ -45,9 +45,8 @@ class Tracker:
 
     ``tensorboard_dir``: a folder for TensorBoard's event files; ``wandb_project``: a W&B project
     (``run_name`` names the run there; the W&B run's config is the plan's ``training`` and
-    ``parallel`` sections plus
-    ``config``; ``WANDB_MODE=offline`` keeps it local). Neither given: nothing is written. Every
-    rank may make one; on other ranks it does nothing.
+    ``parallel`` sections plus ``config``; ``WANDB_MODE=offline`` keeps it local). Neither given:
+    nothing is written. Every rank may make one; on other ranks it does nothing.
     """
 
     def __init__(

@@ -82,9 +82,8 @@ class TensorParallelInfo:
         Under sequence parallelism each rank's norm weights and row biases saw part of the sequence;
         key/value heads held by several ranks got gradient only from each holder's own query heads.
         Megatron-LM does the same once per step (finalize_model_grads), after gradient accumulation.
-        ``since`` (from
-        ``partial_grads`` before the step) limits the sums to what this step added, so gradients
-        accumulated over several steps without zero_grad are not summed twice.
+        ``since`` (from ``partial_grads`` before the step) limits the sums to what this step added,
+        so gradients accumulated over several steps without zero_grad are not summed twice.
         """
         since = since or {}
         find = _parameter_or_none(model)

@@ -176,14 +176,13 @@ def materialize_(
 # Note [buffers on meta]
 #     A buffer on meta has no value, and only the code that computed it can give one. hyparallel's
 #     own meta build never leaves one (Note [parameters on meta, buffers real]); a model built by
-#     hand under
-#     ``torch.device("meta")`` does. Two recomputations are known to recompute a parameter-free
-#     module's buffers and touch nothing else: its ``reset_parameters`` (hyparallel's rotary tables)
-#     and, failing that, transformers' ``model._init_weights(module)`` (their rotary embeddings). A
-#     meta buffer of a module WITH parameters is refused: either would re-initialise the parameters
-#     too, and nothing else knows how the buffer was computed (Gemma's embedding scale). A
-#     recomputation that leaves a buffer unwritten (its version counter unchanged) is refused as
-#     well: its memory would be garbage.
+#     hand under ``torch.device("meta")`` does. Two recomputations are known to recompute a
+#     parameter-free module's buffers and touch nothing else: its ``reset_parameters`` (hyparallel's
+#     rotary tables) and, failing that, transformers' ``model._init_weights(module)`` (their rotary
+#     embeddings). A meta buffer of a module WITH parameters is refused: either would re-initialise
+#     the parameters too, and nothing else knows how the buffer was computed (Gemma's embedding
+#     scale). A recomputation that leaves a buffer unwritten (its version counter unchanged) is
+#     refused as well: its memory would be garbage.
 
 
 def meta_buffers(model: nn.Module, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:

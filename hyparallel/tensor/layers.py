@@ -32,12 +32,11 @@ SEQ_DIM = 1
 # Note [whole sequences for a forward]
 #     Sequence parallelism splits the hidden state's sequence over the tp ranks between blocks, so
 #     it needs lengths that divide by tp; a forward, an evaluation or a generation step may have any
-#     length. Inside
-#     ``whole_sequences()`` every sequence-parallel split (the parallel Linears' gathers and
-#     reduce-scatters, the entry hooks, the scatter before the first block and the gather after the
-#     last: hyparallel.tensor.apply) is off, and the blocks run as plain tensor parallelism on the
-#     whole sequence: the same numbers, rounding aside. A trace made inside bakes that in; an eager
-#     forward reads it at each call. Training never runs inside it.
+#     length. Inside ``whole_sequences()`` every sequence-parallel split (the parallel Linears'
+#     gathers and reduce-scatters, the entry hooks, the scatter before the first block and the
+#     gather after the last: hyparallel.tensor.apply) is off, and the blocks run as plain tensor
+#     parallelism on the whole sequence: the same numbers, rounding aside. A trace made inside bakes
+#     that in; an eager forward reads it at each call. Training never runs inside it.
 _WHOLE_SEQUENCES: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "whole_sequences", default=False
 )

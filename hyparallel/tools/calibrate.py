@@ -5,11 +5,10 @@ CPU).
 
 * **Matmul throughput** by dtype and shape: ``torch.mm`` of (M, K) @ (K, N) into a preallocated
   output, 2*M*K*N FLOPs a call. fp32 runs with ``torch.set_float32_matmul_precision("highest")``,
-  tf32 with
-  ``"high"`` (CUDA only: a CPU has no TF32, so its tf32 figure is the fp32 one). The shapes run from
-  small to the device's plateau, skinny ones among them (a short K, few rows); the efficiency curve
-  is fitted to them and each dtype's plateau is its rate under that curve (Note [fitting the
-  curve]); every (dtype, shape) rate is reported.
+  tf32 with ``"high"`` (CUDA only: a CPU has no TF32, so its tf32 figure is the fp32 one). The
+  shapes run from small to the device's plateau, skinny ones among them (a short K, few rows); the
+  efficiency curve is fitted to them and each dtype's plateau is its rate under that curve (Note
+  [fitting the curve]); every (dtype, shape) rate is reported.
 * **Attention**: causal ``F.scaled_dot_product_attention`` forward (bf16 on CUDA, fp32 on a CPU),
   counted as the planner counts it (Note [attention FLOPs]).
 * **Memory bandwidth**: ``dst.copy_(src)`` of a large fp32 buffer, bytes read plus bytes written per
@@ -150,8 +149,8 @@ def settings_for(kind: DeviceKind, quick: bool, threads: int) -> Settings:
     skinny = ((512, 16, 512), (16, 512, 512)) if quick else ((1024, 16, 1024), (16, 1024, 1024))
     # A small transformer's products: 1,024 tokens through a 128 -> 512 projection, and the weight
     # gradient's (128 x 1,024) @ (1,024 x 512). Compute-bound on both CPUs measured (the squares
-    # alone left the curve's K term
-    # free: the AMD EPYC's 512^3 ran at 62-69 GFLOP/s, gpt-mini's products at 52).
+    # alone left the curve's K term free: the AMD EPYC's 512^3 ran at 62-69 GFLOP/s, gpt-mini's
+    # products at 52).
     model = ((1024, 128, 512), (128, 1024, 512))
     mlp = () if quick else ((1024, 1024, 4096),)
     return Settings(

@@ -6,20 +6,19 @@ Note [a parity check]
     their own config class shrunk by hyparallel.models.tiny, the user's overrides on top; zoo names
     and factories: the spec as given, so pass small sizes), trains it ``steps`` SGD steps on one
     process, then plans the layout (its degrees fixed, the rest the planner's pick, as ``hyparallel
-    plan`` would), runs ``parallelize`` in
-    ``dp * tp * pp`` local gloo processes on the same weights (the same seed) and batches, and
-    compares: every parameter's first-step gradient, each rank's slice against the same slice of the
-    single device's, and the loss of every step. Tolerance: fp32, rtol 1e-5 / atol 1e-6 elementwise
-    (the layouts sum partial products, micro-batches and ranks in another order: rounding only; as
-    the suite's parity tests), widened for a gradient only by the single device's own rounding error
-    against a float64 run (``_close``).
+    plan`` would), runs ``parallelize`` in ``dp * tp * pp`` local gloo processes on the same weights
+    (the same seed) and batches, and compares: every parameter's first-step gradient, each rank's
+    slice against the same slice of the single device's, and the loss of every step. Tolerance:
+    fp32, rtol 1e-5 / atol 1e-6 elementwise (the layouts sum partial products, micro-batches and
+    ranks in another order: rounding only; as the suite's parity tests), widened for a gradient only
+    by the single device's own rounding error against a float64 run (``_close``).
 
     A model whose training forward draws random numbers of its own (Phi-MoE's Gumbel-sampled
     routing, a dropout the config cannot switch off) gives other numbers on every run, on one
     process too: no layout can match it. Found from the ATen ops one forward of the small copy runs
     (those torch tags as seeded draws, a dropout of p = 0 aside); such a model is compared in eval
-    mode (traced, planned, trained and checked with
-    ``model.eval()``), and the report says so (``mode``).
+    mode (traced, planned, trained and checked with ``model.eval()``), and the report says so
+    (``mode``).
 
     A verdict per parameter group (the names with layer indices folded:
     ``model.layers.*.mlp.up_proj.weight``): equal, differs (with the worst relative error and
@@ -226,8 +225,7 @@ def check(
 
     Returns:
         A CheckReport: ``verdict`` (equal, differs, refused, crashed), ``table()`` the comparison
-        group by group,
-        ``summary()`` one line. Nothing is raised for a verdict.
+        group by group, ``summary()`` one line. Nothing is raised for a verdict.
 
     Raises:
         ConfigError: a bad spec or layout, in one line, before anything is launched.

@@ -6,12 +6,11 @@ Note [what the time breakdown adds up]
     The planner's step time is max over devices of (m - 1/v) x t_s + tail_s, plus sum(t_s) / v, with
     t_s a device's time per micro-batch (its compute, exposed tensor-parallel communication and
     pipeline sends) and tail_s the data-parallel gradient sync and optimizer step after the last
-    backward (search.py,
-    ``_finish``). The plan keeps the exposed tp, pp and dp+optimizer time per step
-    (``predicted.comm_s``) and each stage's compute per micro-batch, so the table shows compute as m
-    x the slowest device's compute, those three, and the rest of the step as the pipeline bubble
-    (fill and drain, plus any imbalance between stages), so the rows add up to the predicted step
-    time.
+    backward (search.py, ``_finish``). The plan keeps the exposed tp, pp and dp+optimizer time per
+    step (``predicted.comm_s``) and each stage's compute per micro-batch, so the table shows compute
+    as m x the slowest device's compute, those three, and the rest of the step as the pipeline
+    bubble (fill and drain, plus any imbalance between stages), so the rows add up to the predicted
+    step time.
 """
 
 from __future__ import annotations

@@ -4,12 +4,11 @@ that stops at once.
 Note [a failing rank ends the launch]
     A case that raises on one rank leaves its peers waiting in a collective that rank will never
     join (or, worse, pairs their next collective with the wrong one). So the failing rank writes its
-    traceback to
-    ``OUT.rank<R>`` and leaves with ``os._exit(1)`` at once, skipping the interpreter's teardown (a
-    gloo group torn down mid-collective can block); torchrun's agent sees the exit within its
-    monitor interval (0.1 s) and stops the other workers. conftest.torchrun shows those files when
-    the launch fails. The group's timeout (GROUP_TIMEOUT_S) is only the last resort for a launch
-    whose agent is gone.
+    traceback to ``OUT.rank<R>`` and leaves with ``os._exit(1)`` at once, skipping the interpreter's
+    teardown (a gloo group torn down mid-collective can block); torchrun's agent sees the exit
+    within its monitor interval (0.1 s) and stops the other workers. conftest.torchrun shows those
+    files when the launch fails. The group's timeout (GROUP_TIMEOUT_S) is only the last resort for a
+    launch whose agent is gone.
 """
 
 from __future__ import annotations

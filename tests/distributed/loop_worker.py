@@ -8,8 +8,8 @@ optimizer step in between (so every comparison is against the same weights):
 - ``train_step``'s returned loss (on every rank) and every gradient, for the default loss, a
   ``(total, count)`` loss with label smoothing over padded targets (-100), and a scalar mean loss
   over targets without padding (the case where a mean of micro-batch means is the global mean); the
-  pair loss accumulated over two calls with
-  ``accumulate=2`` gives the gradient of the mean of the two batches;
+  pair loss accumulated over two calls with ``accumulate=2`` gives the gradient of the mean of the
+  two batches;
 - ``eval_step`` with each loss on a batch of another size than training's;
 - the forward's outputs (``pmodel(x)``: whole logits on every rank) and, where asked, greedy
   generation and a Hugging Face forward with an attention mask and an eval with ``labels=`` (inputs
