@@ -26,9 +26,10 @@ Note [a parity check]
     ``differs``, ``refused`` (hyparallel said no before the first collective, with its one line) or
     ``failed`` (anything else: a crash inside torch is a bug to report).
 
-    The processes come from a forkserver that has imported torch and hyparallel once (a sweep starts
-    hundreds of launches); each joins a gloo group through a file store in a temporary folder, so
-    whatever torchrun variables the caller's environment holds, nothing is read from them. The first
+    The processes are forked from a launcher that has imported torch and hyparallel once, and one
+    launcher serves every check of the calling process (Note [one launcher for every check]); each
+    rank joins a gloo group through a file store in a temporary folder, so whatever torchrun
+    variables the caller's environment holds, nothing is read from them. The first
     rank to fail ends the launch (the others are terminated, none waits in a collective); a launch
     past ``timeout`` seconds is killed and reported as failed. With HYPARALLEL_CHECK_DIR set, each
     check's folder (every rank's log, result and error) is kept there.
@@ -36,15 +37,18 @@ Note [a parity check]
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -750,57 +754,117 @@ def _verdict(
     return GroupVerdict(group, [names[0] for names in tied], seen, worst, where, ok, idle)
 
 
+# Note [one launcher for every check]
+#     A check's ranks are forked from a launcher process that has imported torch and hyparallel
+#     (about 2.5 s of CPU a process), never from the caller, so nothing depends on how the caller's
+#     ``__main__`` imports or which threads it runs. One launcher serves every check of the calling
+#     process (a sweep's hundreds, a test suite's dozens): started by the first, it reads one batch
+#     of job folders per line on its stdin, runs them in turn and answers one line. Each rank takes
+#     the environment, working folder and import path its check was called with (a test's own graph
+#     cache, a sweep's PYTHONPATH), not those of the check that started the launcher. A batch past
+#     its time ends the launcher and its ranks (its session is killed); a launcher that died or was
+#     ended is replaced at the next check. It exits when the caller does (its stdin closes).
+_launcher_process: subprocess.Popen | None = None
+_launcher_lock = threading.Lock()
+
+
 def _run_launcher(folder: Path, jobs: dict[int, CheckReport], timeout: float) -> None:
-    """Run the jobs in a launcher process of their own (``python -m hyparallel.tools.parity``): it
-    imports torch and hyparallel once and forks each job's ranks, so nothing depends on how the
-    caller's ``__main__`` imports."""
+    """Run the jobs on the launcher of this process (Note [one launcher for every check]); a job it
+    did not finish has no result and is reported as failed."""
+    global _launcher_process
     environ = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("TORCHELASTIC_", "MASTER_", "GROUP_"))
     }
-    environ.update(
-        {
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), *sys.path])),
-        }
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "hyparallel.tools.parity",
-        str(folder),
-        str(timeout),
-        *map(str, jobs),
-    ]
-    with open(folder / "launcher.log", "w") as log:
+    environ["OMP_NUM_THREADS"] = "1"
+    request = {
+        "jobs": [str(folder / f"job{index}") for index in jobs],
+        "timeout": timeout,
+        "log": str(folder / "launcher.log"),
+        "env": environ,
+        "cwd": os.getcwd(),
+        "path": [os.getcwd(), *sys.path],
+    }
+    with _launcher_lock:
+        launcher = _launcher_process
+        if launcher is None or launcher.poll() is not None:
+            # its start (an import that fails) is logged with the first check
+            with open(request["log"], "w") as log:
+                launcher = _launcher_process = subprocess.Popen(
+                    [sys.executable, "-m", "hyparallel.tools.parity", "--serve"],
+                    env={**environ, "PYTHONPATH": os.pathsep.join(request["path"])},
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    start_new_session=True,
+                )
         try:
-            subprocess.run(
-                command,
-                env=environ,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=timeout * len(jobs) + 60,
-            )
-        except subprocess.TimeoutExpired:
-            pass  # the jobs it did not finish have no results: reported as failed
+            launcher.stdin.write(json.dumps(request) + "\n")
+            launcher.stdin.flush()
+            ready, _, _ = select.select([launcher.stdout], [], [], timeout * len(jobs) + 60)
+            answered = bool(ready) and launcher.stdout.readline() == "done\n"
+        except OSError:  # the launcher died: its pipe is closed
+            answered = False
+        if not answered:
+            _stop_launcher()
 
 
-def _launcher(folder: Path, timeout: float, indices: list[str]) -> None:
-    """Each job in turn: fork its ranks, wait; the first rank to fail ends the job (the others are
-    killed)."""
-    import hyparallel.runtime.parallel  # noqa: F401 -- imported once, before the forks
+def _stop_launcher() -> None:
+    """End the launcher and every rank it forked (its session)."""
+    global _launcher_process
+    launcher, _launcher_process = _launcher_process, None
+    if launcher is not None and launcher.poll() is None:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        launcher.wait()
 
-    for index in indices:
-        job = folder / f"job{index}"
-        spec = json.loads((job / "job.json").read_text())
-        pids: dict[int, int] = {}
-        for rank in range(spec["world"]):
-            pid = os.fork()
-            if pid == 0:  # the rank: its output to a log of its own, its exit code the verdict
-                fd = os.open(job / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
+
+atexit.register(_stop_launcher)
+
+
+def _serve() -> None:
+    """The launcher's loop: one batch of jobs per line on stdin, "done" on stdout when they ran."""
+    # imported once, before the forks: torch.export's machinery (torch._dynamo) is what a rank's
+    # first trace would import, about 1.1 s of CPU a rank, and a trace is then 0.04 s for gpt-tiny
+    import torch._dynamo  # noqa: F401
+    import torch.export  # noqa: F401
+
+    import hyparallel.runtime.parallel  # noqa: F401
+
+    answer = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        request = json.loads(line)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        for job in request["jobs"]:
+            _run_job(Path(job), request)
+        answer.write("done\n")
+        answer.flush()
+
+
+def _run_job(job: Path, request: dict) -> None:
+    """Fork the job's ranks, in its caller's environment; the first rank to fail ends the job (the
+    others are killed)."""
+    spec = json.loads((job / "job.json").read_text())
+    pids: dict[int, int] = {}
+    for rank in range(spec["world"]):
+        pid = os.fork()
+        if pid == 0:  # the rank: its output to a log of its own, its exit code the verdict
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(request["env"])
+            sys.path[:] = request["path"]
+            fd = os.open(job / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            code = 1  # never back into the launcher's loop, whatever the rank raised
+            try:
                 _worker(
                     rank,
                     spec["spec"],
@@ -811,9 +875,15 @@ def _launcher(folder: Path, timeout: float, indices: list[str]) -> None:
                     spec["eval"],
                     spec["loss"],
                 )
-                os._exit(0)
-            pids[pid] = rank
-        _wait(job, pids, timeout)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids[pid] = rank
+    _wait(job, pids, request["timeout"])
 
 
 def _wait(job: Path, pids: dict[int, int], timeout: float) -> None:
@@ -976,5 +1046,5 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
 
-if __name__ == "__main__":
-    _launcher(Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:])
+if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
+    _serve()
