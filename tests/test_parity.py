@@ -158,17 +158,14 @@ def test_tiny_configs_keep_the_structure():
 
 # One architecture per class of issue 16, under the layouts its class broke (`make sweep` runs every
 # layout of every architecture: benchmarks/sweep.py, docs/supported-models.md). TP_PP covers a split
-# and a pipeline in one launch. The suite runs the first five; the classes marked `sweep` (each 6-10
-# s here, their constructs also met by a case the suite keeps: multi-query attention by Falcon,
-# parameters without a gradient by the test below) run with `make sweep` before the sweep itself
-# (`pytest -m sweep`).
+# and a pipeline in one launch. The suite runs SLICE; the classes in SWEEP_SLICE (each 6-12 s here)
+# run with `make sweep` before the sweep itself (`pytest -m sweep`), their constructs also met by a
+# case the suite keeps: multi-query attention by Falcon, parameters without a gradient by the test
+# below, a scaled embedding subclass by tests/test_tp_classes.py's scaled-embedding, buffers
+# computed in __init__ by every rotary model here, an attention whose head size the split cannot
+# keep (replicated, its MLP split) by the test below of a head count in an unknown attribute.
 TP, TP_PP, DP = {"tp": 2, "pp": 1}, {"tp": 2, "pp": 2}, {"dp": 2, "tp": 1, "pp": 1}
 SLICE = {  # spec -> (what it is, the layouts run here)
-    "hf:GemmaForCausalLM": ("a scaled embedding subclass, buffers computed in __init__", [TP_PP]),
-    "hf:Phi3ForCausalLM": (
-        "a fused qkv sliced with config constants: attention replicated, MLP split",
-        [TP],
-    ),
     "hf:MixtralForCausalLM": (
         "MoE experts as 3-d parameters, a device branch (histc) in the pipeline",
         [TP_PP],
@@ -183,6 +180,11 @@ SLICE = {  # spec -> (what it is, the layouts run here)
     ),
 }
 SWEEP_SLICE = {
+    "hf:GemmaForCausalLM": ("a scaled embedding subclass, buffers computed in __init__", [TP_PP]),
+    "hf:Phi3ForCausalLM": (
+        "a fused qkv sliced with config constants: attention replicated, MLP split",
+        [TP],
+    ),
     "hf:GPTBigCodeForCausalLM": ("multi-query attention behind a view", [TP]),
     "hf:BartForCausalLM": (
         "parameters the forward never reads (cross-attention without an encoder)",
