@@ -217,13 +217,11 @@ def test_an_indivisible_plan_is_refused_before_any_collective(single_process, re
 
 def test_the_example_trains_under_the_hand_written_plan(repo):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    launcher = repo / "tests" / "distributed" / "forked_torchrun.py"  # Note [forked workers]
     proc = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
+            str(launcher),
             "8",
             "examples/train_gpt.py",
             "--plan",

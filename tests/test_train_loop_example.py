@@ -21,15 +21,9 @@ import pytest
 
 def run(repo, processes: int, folder, *extra: str) -> dict[int, tuple[float, float]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    launcher = repo / "tests" / "distributed" / "forked_torchrun.py"  # Note [forked workers]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(processes),
-        ]
+        [sys.executable, str(launcher), str(processes)]
         + ["examples/train_loop.py", "--steps", "4", "--accumulate", "2", "--eval-every", "1"]
         + ["--checkpoint-every", "2", "--checkpoint-dir", str(folder / "ckpt"), *extra],
         capture_output=True,
