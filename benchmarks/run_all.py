@@ -880,14 +880,7 @@ def gpu_lines(folder: Path) -> tuple[str, list[str]]:
     if activations := _read(folder, "activations.txt"):
         heading = activations.find("\n#") + 1 if not activations.startswith("#") else 0
         lines += _demoted(activations[heading:], 1) + [""]
-    # how the device run was set up, kept beside its results
-    if notes := _read(folder, "README.md"):
-        lines += [
-            "### Device notes (from README.md beside the results)",
-            "",
-            *_demoted(notes, 2),
-            "",
-        ]
+    # how the device runs went (README.md beside the results) stays there: the page holds figures
     return "planner's pick measured / predicted " + ", ".join(summary) if summary else "", lines
 
 
