@@ -323,6 +323,19 @@ def test_quick_planner_run_writes_results(tmp_path):
         in text
     )
     assert "Run with `--only planner_speed`: the other benchmarks were not run." in text
+    assert run_all.sealed(text)
+
+
+def test_the_committed_page_is_written_whole_by_run_all():
+    """benchmarks/RESULTS.md is one full `make bench` run: no section added, edited or left out."""
+    page = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    assert run_all.sealed(page), (
+        "benchmarks/RESULTS.md differs from what run_all wrote: run make bench"
+    )
+    head = page.split("## Summary")[0]
+    assert "Run with `--only" not in head and "--quick" not in head
+    assert not run_all.sealed(page.replace("## Summary", "## Summary\n\nAdded by hand.", 1))
+    assert run_all.sealed(markdown())
 
 
 def test_the_recovery_section_shows_both_saves_and_every_restart():

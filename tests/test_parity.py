@@ -265,6 +265,14 @@ def test_a_model_that_samples_in_training_is_compared_in_eval_mode():
     )
 
 
+def test_a_check_past_its_timeout_is_ended_and_the_next_check_runs():
+    # The ranks of every check come from one launcher (Note [one launcher for every check]): a
+    # launch that hangs is killed at its timeout, reported, and the launcher serves the next check.
+    report = hp.check("tests.tiny_lms:hanging_lm", tp=1, pp=1, dp=2, timeout=10)
+    assert report.verdict == "failed" and "ran past 10 s" in report.reason, report.summary()
+    assert hp.check("tests.tiny_lms:qk_norm_lm", tp=1, pp=1, dp=2).verdict == "equal"
+
+
 def test_a_model_of_images_trains_on_its_own_inputs():
     # The ranks traced the CNN with token ids (parallelize's default) instead of its images, so
     # every layout was refused with "Input type (long int) and bias type (float)": the micro-batch

@@ -21,6 +21,7 @@ path):
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.nn.functional as F
@@ -221,6 +222,24 @@ class TinyLM(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
+
+
+class HangingLM(TinyLM):
+    """A TinyLM whose rank 1 never finishes a training forward (the others then wait in a
+    collective)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if self.training and dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(3600)
+        return super().forward(tokens)
+
+
+def hanging_lm(hidden: int = 32, heads: int = 4, layers: int = 2, vocab_size: int = 64) -> TinyLM:
+    """``HangingLM``: a launch that runs past any timeout."""
+    blocks = [Block(hidden, heads, heads, False) for _ in range(layers)]
+    return HangingLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)
 
 
 def scaled_embedding_lm(

@@ -800,15 +800,17 @@ def _run_launcher(folder: Path, jobs: dict[int, CheckReport], timeout: float) ->
                     text=True,
                     start_new_session=True,
                 )
+        answered = False
         try:
             launcher.stdin.write(json.dumps(request) + "\n")
             launcher.stdin.flush()
             ready, _, _ = select.select([launcher.stdout], [], [], timeout * len(jobs) + 60)
             answered = bool(ready) and launcher.stdout.readline() == "done\n"
         except OSError:  # the launcher died: its pipe is closed
-            answered = False
-        if not answered:
-            _stop_launcher()
+            pass
+        finally:  # unanswered (or interrupted): its next answer would be read as another batch's
+            if not answered:
+                _stop_launcher()
 
 
 def _stop_launcher() -> None:
