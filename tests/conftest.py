@@ -159,6 +159,18 @@ def torchrun(
     return {ranks[0]["case"]: ranks for ranks in map(json.loads, out.read_text().splitlines())}
 
 
+def selected_cases(request: pytest.FixtureRequest, cases: list[str], sweep: list[str]) -> list[str]:
+    """The ``cases`` a module's launch runs, in order: every one, except a case of ``sweep`` whose
+    test (by its ``case`` parameter, marked ``sweep``) this run did not collect. `make test` leaves
+    those out; `make sweep` (``pytest -m sweep``) runs them (pyproject.toml's markers)."""
+    wanted = {
+        item.callspec.params.get("case")
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
+    return [case for case in cases if case not in sweep or case in wanted]
+
+
 def assert_every_parameter_compared(
     groups: list[list[str]], compared: dict[object, set[str]]
 ) -> None:
