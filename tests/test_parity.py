@@ -208,6 +208,16 @@ def test_the_sweep_slice_is_equal_under_the_layouts_its_class_broke(spec):
     assert not bad, f"{spec} ({what}): {bad}"
 
 
+def test_a_hand_written_where_dispatch_moe_trains_as_one_device():
+    # Issue 38: torch.where(chosen == e) and index_select / index_add per expert, refused at trace
+    # before (no meta kernel for nonzero). Its experts split by tp (column, row), in a pipeline.
+    reports = check_layouts("tests.tiny_lms:where_moe_lm", [TP_PP], timeout=300)
+    assert [r.verdict for r in reports] == ["equal"], [r.summary() for r in reports]
+    assert names_of("tests.tiny_lms:where_moe_lm") == {
+        name for g in reports[0].groups for name in g.names
+    }
+
+
 def test_blocks_that_are_module_lists_train_under_every_layout():
     # Funnel's layers sit in a ModuleList per group; with one layer per group the groups are the
     # blocks. A ModuleList has no forward: FSDP refused to wrap one (ValueError at the first step),

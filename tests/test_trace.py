@@ -504,6 +504,42 @@ def test_hf_mixture_of_experts_counts_its_expert_matmuls():
     assert graph.flops_by_kind()["matmul"] == routed * (2 * hidden * 2 * ffn + 2 * ffn * hidden)
 
 
+def test_a_hand_written_where_dispatch_traces_at_its_expected_routing():
+    # Note [a size the data decides]: torch.where(chosen == e) has no meta kernel (issue 38: the
+    # trace was refused); each expert is profiled on tokens * top_k / experts rows (balanced
+    # routing), so the experts' matmuls cost what every token's top_k experts cost.
+    hidden, experts, top_k, tokens = 32, 4, 2, 16
+    model = hp.models.load(
+        f"tests.tiny_lms:where_moe_lm hidden={hidden} experts={experts} top_k={top_k} layers=1"
+    ).module
+    graph = hp.trace(model, hp.models.example_inputs(model, 1, tokens))
+    assert graph.method == "export"
+    expert_flops = sum(op.flops for op in graph.ops if ".moe.experts." in op.module)
+    # up (hidden -> 2 hidden) and down, on the routed rows
+    assert expert_flops == tokens * top_k * (2 * hidden * 2 * hidden * 2)
+    rows = {op.module: op for op in graph.ops if op.module == "layers.0.moe.experts.0.0"}
+    assert rows and all(
+        o.flops == 2 * (tokens * top_k // experts) * hidden * 2 * hidden for o in rows.values()
+    )
+
+
+def test_a_selection_by_any_other_mask_is_taken_whole():
+    # Note [a size the data decides]: only a routed choice's share is known; any other mask is
+    # profiled at its bound (every element), never less than what runs.
+    class Positive(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            rows, _ = torch.where(x > 0)
+            return self.linear(x.index_select(0, rows))
+
+    graph = hp.trace(Positive(), torch.zeros(6, 8))
+    (linear,) = [op for op in graph.ops if op.module == "linear"]
+    assert linear.flops == 2 * (6 * 8) * 8 * 8
+
+
 def test_a_failed_trace_leaves_the_grad_mode_as_it_was():
     # A trace that fails midway with autograd switched off (torch.export failing inside its no-grad
     # regions did, for CpmAnt) left it off for the process: every later backward failed ("element 0

@@ -421,6 +421,56 @@ def residual_mlp_lm(
     return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
 
 
+class WhereMoE(nn.Module):
+    """Top-k routing over a ModuleList of MLP experts, dispatched as most people write it by hand:
+    ``token, slot = torch.where(chosen == e)``, ``index_select`` the expert's tokens, weight its
+    outputs, ``index_add`` them back (sizes the data decides, issue 38)."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int):
+        super().__init__()
+        self.router, self.top_k = nn.Linear(hidden, experts, bias=False), top_k
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+            for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).softmax(-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out = out.index_add(
+                0, token, expert(flat.index_select(0, token)) * weights[token, slot, None]
+            )
+        return out.reshape(x.shape)
+
+
+class WhereMoEBlock(Block):
+    def __init__(self, hidden: int, heads: int, experts: int, top_k: int):
+        super().__init__(hidden, heads, heads, False)
+        self.moe = WhereMoE(hidden, experts, top_k)
+        del self.up, self.down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.moe(self.norm2(x))
+
+
+def where_moe_lm(
+    hidden: int = 32,
+    heads: int = 4,
+    layers: int = 2,
+    vocab_size: int = 64,
+    experts: int = 4,
+    top_k: int = 2,
+) -> TinyLM:
+    """Blocks whose MLP is a ``WhereMoE``: a hand-written mixture of experts."""
+    blocks = [WhereMoEBlock(hidden, heads, experts, top_k) for _ in range(layers)]
+    return TinyLM(nn.Embedding(vocab_size, hidden), blocks, vocab_size)  # type: ignore[arg-type]
+
+
 class NestedLM(TinyLM):
     """Layers in groups (a ModuleList of ModuleLists, as Funnel's blocks of layers)."""
 

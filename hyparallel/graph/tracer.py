@@ -816,12 +816,28 @@ class _Profiler(fx.Interpreter):
             raise
 
     def _execute(self, n: fx.Node) -> tuple[int, Any]:
+        if n.op == "call_function" and n.target in _DATA_DEPENDENT:
+            return 0, self._expected_selection(n)
         if target_name(n.target) in _NO_FLOPS:
             return 0, super().run_node(n)
         with self.counter:  # entering clears the counter: it then holds this node's FLOPs only
             out = super().run_node(n)
         flops = self.counter.get_total_flops()
         return flops or self._uncounted_flops(n, out), out
+
+    def _expected_selection(self, n: fx.Node) -> Any:
+        """A selection whose size is the data's (Note [a size the data decides]), on meta at its
+        expected size."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        condition = args[1] if n.target is torch.ops.aten.masked_select.default else args[0]
+        source = n.args[1] if n.target is torch.ops.aten.masked_select.default else n.args[0]
+        count = expected_selected(source, condition.numel(), self.outputs)
+        meta = {"device": "meta", "dtype": torch.int64}
+        if n.target is torch.ops.aten.masked_select.default:
+            return torch.empty(count, dtype=args[0].dtype, device="meta")
+        if n.target in (torch.ops.aten.nonzero.default, torch.ops.aten.argwhere.default):
+            return torch.empty(count, condition.dim(), **meta)
+        return [torch.empty(count, **meta) for _ in range(max(condition.dim(), 1))]
 
     def _uncounted_flops(self, n: fx.Node, out: Any) -> int:
         """FLOPs torch's counter does not know: grouped matrix products (Note [grouped matmul
@@ -884,6 +900,53 @@ class _Profiler(fx.Interpreter):
         except TypeError:
             return None
         return key
+
+
+# Note [a size the data decides]
+#     Selecting the elements a mask holds (``token, slot = torch.where(chosen == e)``, the dispatch
+#     of a hand-written mixture of experts; nonzero, argwhere, masked_select) gives as many as the
+#     data holds: torch.export records an unbacked size (u0, bounded by the mask's size) and runs,
+#     but no meta kernel can, so the profile runs such an op at the size expected of it. A mask
+#     comparing top-k choices among E (routed indices, through views) with one value holds 1/E of
+#     its elements: each token picks k distinct experts, every expert equally likely, as a planner
+#     of expert parallelism assumes balanced routing (Megatron-Core's capacity factor 1). Any other
+#     mask is taken as full: its size's bound, never less work or memory than the run's. The graph
+#     the runtime cuts and runs is the exported one, which takes the data's own sizes.
+_DATA_DEPENDENT = {
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.nonzero_numpy.default,
+    torch.ops.aten.where.default,
+    torch.ops.aten.argwhere.default,
+    torch.ops.aten.masked_select.default,
+}
+_PASS_THROUGH = {"view", "reshape", "_unsafe_view", "flatten", "contiguous", "clone", "expand"}
+
+
+def expected_selected(mask: Any, numel: int, outputs: Mapping[fx.Node, Any]) -> int:
+    """How many of a mask's ``numel`` elements a selection is expected to give (Note [a size the
+    data decides]); ``mask`` the node computing it."""
+    if (
+        isinstance(mask, fx.Node)
+        and target_name(mask.target) == "eq"
+        and len(mask.args) == 2
+        and not isinstance(mask.args[1], fx.Node)
+    ):
+        source = mask.args[0]
+        while isinstance(source, fx.Node) and target_name(source.target) in _PASS_THROUGH:
+            source = source.args[0]
+        if (
+            isinstance(source, fx.Node)
+            and source.target is operator.getitem
+            and source.args[1] == 1
+            and isinstance(source.args[0], fx.Node)
+            and target_name(source.args[0].target) == "topk"
+        ):
+            topk = source.args[0]
+            scores = outputs.get(topk.args[0]) if isinstance(topk.args[0], fx.Node) else None
+            dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+            if isinstance(scores, torch.Tensor) and scores.dim():
+                return -(-numel // scores.shape[dim])
+    return numel
 
 
 # Note [grouped matmul FLOPs]
