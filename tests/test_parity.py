@@ -136,6 +136,10 @@ def test_tiny_configs_keep_the_structure():
     assert tiny(transformers.GPTBigCodeConfig).multi_query
     mixtral = tiny(transformers.MixtralConfig)
     assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (4, 2)
+    # DeepSeek-V3's 3 dense layers first left the 2 kept without an MoE; its 8 groups of experts
+    # did not divide 4 experts
+    deepseek = tiny(transformers.DeepseekV3Config)
+    assert (deepseek.first_k_dense_replace, deepseek.n_group, deepseek.topk_group) == (0, 2, 1)
     gpt2 = tiny(transformers.GPT2Config)
     # no dropout: two runs draw alike
     assert gpt2.resid_pdrop == gpt2.attn_pdrop == gpt2.embd_pdrop == 0.0

@@ -445,8 +445,9 @@ def test_a_learned_value_entering_the_split_heads_without_a_column_keeps_the_att
         in analysis.unsplittable[f"{attn}.kv_b_proj"]
     )
     assert f"its row partner {attn}.o_proj stays whole" in analysis.unsplittable[f"{attn}.q_b_proj"]
-    assert analysis.styles["model.layers.0.mlp.gate_proj"] == "column"
-    assert analysis.styles["model.layers.0.mlp.down_proj"] == "row"
+    # its MLP: the shared experts beside the routed ones (a small copy routes in every layer)
+    assert analysis.styles["model.layers.0.mlp.shared_experts.gate_proj"] == "column"
+    assert analysis.styles["model.layers.0.mlp.shared_experts.down_proj"] == "row"
 
 
 def test_a_single_head_mixer_stays_whole_and_the_rest_splits():

@@ -50,6 +50,7 @@ import networkx as nx
 from hyparallel.graph.kinds import OpKind, writes_in_place
 
 if TYPE_CHECKING:
+    from hyparallel.graph.moe import MoEAnalysis
     from hyparallel.graph.structure import TPAnalysis
 
 Shape = tuple[int, ...]
@@ -222,6 +223,15 @@ class ModelGraph:
         from hyparallel.graph.structure import analyze  # it reads this module's classes
 
         return analyze(self)
+
+    @cached_property
+    def moe(self) -> MoEAnalysis:
+        """The model's mixture-of-experts layers (``hyparallel.graph.moe``): router, experts, top-k,
+        shared experts, read from this trace; and the routers or expert weights it could not
+        read."""
+        from hyparallel.graph.moe import find_moe  # it reads this module's classes
+
+        return find_moe(self)
 
     def replicate(self, reasons: dict[str, str]) -> None:
         """Keep these ops (op name -> why) replicated whatever the plan; ``structure`` is analysed
@@ -441,6 +451,15 @@ class ModelGraph:
             + (f" ({self.blocks[0].path} .. {self.blocks[-1].path})" if self.blocks else ""),
             f"  cut points      {len(self.cut_points)}; segments {len(self.segments())}",
         ]
+        if self.moe.layers or self.moe.refused:
+            kinds = sorted(
+                {(m.num_experts, m.top_k, m.layout, m.dispatch) for m in self.moe.layers}
+            )
+            lines.append(
+                f"  MoE layers      {len(self.moe.layers)}"
+                + "".join(f"; {e} experts, top-{k}, {lay}, {d}" for e, k, lay, d in kinds)
+                + "".join(f"; not read: {path} ({why})" for path, why in self.moe.refused.items())
+            )
         return "\n".join(lines)
 
 

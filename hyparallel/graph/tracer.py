@@ -1354,6 +1354,14 @@ def _find_blocks(model: nn.Module, ops: list[Op]) -> tuple[Block, ...]:
             c.startswith(path + ".") for c in candidates
         ):
             continue
+        # Repeated modules inside a block that runs them itself (a layer's ModuleList of experts)
+        # are parts of that block, not blocks: a pipeline cuts between layers, never between one
+        # layer's experts.
+        if any(
+            path.startswith(c + ".") and type(modules[c]).forward is not nn.Module.forward
+            for c in candidates
+        ):
+            continue
         members = [
             op
             for op in ops

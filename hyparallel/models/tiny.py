@@ -2,11 +2,11 @@
 
 ``tiny_overrides(config_cls)`` returns the config fields that make a model of a few hundred thousand
 parameters out of any config class: 2 layers, width 64, 4 query heads of 16, a vocabulary of 128, 64
-positions, 4 experts of which 2 are routed. What makes the architecture what it is stays:
-multi-query stays multi-query (one key/value head), grouped-query stays grouped (2 key/value heads
-for 4 query heads), tied or untied embeddings, biases, partial rotary (the rotary share of a head
-kept), the layer pattern (recomputed by the config from the new depth). Dropout is switched off (a
-parity check compares two runs draw for draw, which no other layout reproduces). Sub-configs
+positions, 4 experts of which 2 are routed (in every layer). What makes the architecture what it is
+stays: multi-query stays multi-query (one key/value head), grouped-query stays grouped (2 key/value
+heads for 4 query heads), tied or untied embeddings, biases, partial rotary (the rotary share of a
+head kept), the layer pattern (recomputed by the config from the new depth). Dropout is switched off
+(a parity check compares two runs draw for draw, which no other layout reproduces). Sub-configs
 (``text_config``, ``vision_config``, ...) are shrunk the same way.
 
 A field is recognised by its name (the names transformers' configs use, across families); what the
@@ -105,6 +105,15 @@ _TOKEN_IDS = {
     "forced_eos_token_id",
 }
 _LORA = {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8}
+# Dense layers before the first mixture of experts (DeepSeek-V3's 3 of 61): none in a small copy,
+# both of its layers route. With 3 it had no MoE layer at all; with 1 its two layers differ, and a
+# layer repeating no other is no block to split or cut between (a real model's 3 dense and 58 MoE
+# layers each repeat). The dense MLP's class stays as the shared experts.
+_DENSE_PREFIX = {"first_k_dense_replace", "num_dense_layers", "moe_layer_start_index"}
+# Group-limited routing (DeepSeek-V3: 8 groups of experts, the top 4 groups): groups of 2 of the
+# EXPERTS experts, the top 1 group, so that top-EXPERTS_PER_TOKEN fits in the chosen groups
+_EXPERT_GROUPS = {"n_group", "num_expert_group"}
+_TOP_GROUPS = {"topk_group"}
 
 
 def _is_int(value: Any) -> bool:
@@ -181,6 +190,12 @@ def _shrink(key: str, value: Any, heads: int | None, fields: dict[str, Any]) -> 
         return EXPERTS if value > 1 else value
     if key in _EXPERTS_PER_TOKEN:
         return min(value, EXPERTS_PER_TOKEN)
+    if key in _DENSE_PREFIX:
+        return 0
+    if key in _EXPERT_GROUPS:
+        return min(value, EXPERTS // EXPERTS_PER_TOKEN)
+    if key in _TOP_GROUPS:
+        return 1
     if key in _POSITIONS:
         return POSITIONS
     # per-layer input vocabularies too (Gemma 3n, 4)
