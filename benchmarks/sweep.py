@@ -47,6 +47,7 @@ HAND = {
     "CNN (hand-written)": "benchmarks.sweep_models:cnn",
     "embedding-heavy MLP (hand-written)": "benchmarks.sweep_models:embedding_mlp",
     "MoE decoder (hand-written)": "benchmarks.sweep_models:moe_lm",
+    "MoE decoder with torch.where dispatch (hand-written)": "tests.tiny_lms:where_moe_lm",
 }
 TORCH_NN = {  # torch's own layers, as a user assembles them
     "nn.TransformerEncoder causal LM": "benchmarks.sweep_models:torch_encoder_lm",
@@ -173,9 +174,10 @@ def builds(spec: str, loss: str | None = None) -> str | None:
     import torch
 
     import hyparallel as hp
+    from hyparallel.graph.tracer import call_with
     from hyparallel.runtime.parallel import token_cross_entropy
     from hyparallel.tensor.init import materialize_
-    from hyparallel.tools.parity import _batches, _call, small_spec
+    from hyparallel.tools.parity import _batches, small_spec
 
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(120)
@@ -193,7 +195,7 @@ def builds(spec: str, loss: str | None = None) -> str | None:
             hp.models.load(small).module, 2, 16, 1, 0, own_loss=loss is not None
         )
         loss_fn = hp.models.load_callable(loss, "loss function") if loss else token_cross_entropy
-        loss_fn(_call(model, inputs), targets).backward()
+        loss_fn(call_with(model, inputs), targets).backward()
         return None
     except BaseException as exc:  # noqa: BLE001 -- the reason is the row
         text = " ".join(str(exc).split()) or type(exc).__name__

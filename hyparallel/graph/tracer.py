@@ -870,6 +870,8 @@ class _Profiler(fx.Interpreter):
         if writes_in_place(target_name(n.target)):
             # a write changes its input: it runs each time (Note [a gradient path] reads its effect)
             return None
+        if n.target in _DATA_DEPENDENT:
+            return None  # its size is read from the mask's producer, not its shape alone
         if torch._C._functorch.get_dynamic_layer_stack_depth() or "_functorch" in getattr(
             n.target, "__module__", ""
         ):
