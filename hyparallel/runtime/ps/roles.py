@@ -168,11 +168,10 @@ LEAVE_TIMEOUT_S = 10.0
 #     it), so every server rank stays until training is over and rank 0, which may still read the
 #     actors (state_dict, diagnostics), has finished with them. Rank 0 stops the cluster at exit. A
 #     rank still connected then spends seconds in Ray's own exit, retrying a cluster that is gone
-#     (measured 5.5 s a rank on 2 cores, with a screen of GCS warnings). So rank 0, at exit and
-#     before Ray's own exit handler, says it is leaving in the launch's store and waits (at most
-#     LEAVE_TIMEOUT_S) until each other server rank has disconnected from the live cluster and said
-#     so. A server rank whose rank 0 died without a word still ends when the cluster stops
-#     answering.
+#     (measured 5.5 s a rank on 2 cores). So rank 0, at exit and before Ray's own exit handler,
+#     says it is leaving in the launch's store and waits (at most LEAVE_TIMEOUT_S) until each other
+#     server rank has disconnected from the live cluster and said so. A server rank whose rank 0
+#     died without a word still ends when the cluster stops answering.
 def _leaving_keys(key: str, servers: int) -> tuple[str, list[str]]:
     return f"{key}/leaving", [f"{key}/left/{rank}" for rank in range(1, servers)]
 
