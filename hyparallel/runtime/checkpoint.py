@@ -62,7 +62,7 @@ from hyparallel.runtime.data import DataPosition
 from hyparallel.spec import files
 from hyparallel.spec.errors import ConfigError
 
-MARKER = "hyparallel.json"
+MARKER = files.CHECKPOINT_MARKER
 FORMAT = 1
 
 # Note [pieces]

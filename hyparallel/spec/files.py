@@ -18,6 +18,11 @@ from typing import Literal
 from hyparallel.spec.errors import ConfigError
 from hyparallel.spec.limits import MAX_YAML_BYTES
 
+# The file that marks a checkpoint's step folder complete (hyparallel.runtime.checkpoint), here so
+# that what writes one without the rest of checkpointing (a parameter server's actor, a fresh
+# process) need not import torch.distributed.checkpoint
+CHECKPOINT_MARKER = "hyparallel.json"
+
 
 def read_text(path: str | Path, limit_bytes: int = MAX_YAML_BYTES) -> str:
     """The UTF-8 text of ``path``; a missing, unreadable, oversized or binary file is a one-line

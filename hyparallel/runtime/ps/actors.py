@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from hyparallel.runtime.checkpoint import MARKER
 from hyparallel.runtime.ps.dispatcher import Dispatcher
 from hyparallel.runtime.ps.server import Push, ServerShard
+from hyparallel.spec.files import CHECKPOINT_MARKER as MARKER
 
 NAMESPACE_PREFIX = "hyparallel-ps"
 DISPATCHER = "dispatcher"
