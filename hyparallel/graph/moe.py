@@ -34,6 +34,7 @@ Note [an MoE layer read from the trace]
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -208,15 +209,13 @@ def _experts(
         for module in inside:
             if module == router or _under(module, router) or _under(router, module):
                 continue
+            layout: Literal["list", "grouped"] = "list"
             names = _identical_list(graph, params, module, count)
             if not names:
-                count_stacked = _stacked(params, module)
-                names = tuple(n for n in params if n.rpartition(".")[0] == module)
-                if count_stacked != count:
+                if _stacked(params, module) != count:
                     continue
-                layout: Literal["list", "grouped"] = "grouped"
-            else:
-                layout = "list"
+                layout = "grouped"
+                names = tuple(n for n in params if n.rpartition(".")[0] == module)
             if not any(m == module or _under(m, module) for m in ran):
                 return f"its experts {module} never run in the trace"
             return path, module, layout, names
@@ -266,14 +265,9 @@ def _dispatch(
     ``routed``."""
     if layout == "grouped":
         return "routed"
-    tokens = 1
-    for size in router_op.input_shapes[0][:-1] if router_op.input_shapes else ():
-        tokens *= size
+    tokens = math.prod(router_op.input_shapes[0][:-1]) if router_op.input_shapes else 1
     first = f"{experts}.0"
     for op in graph.ops:
         if (op.module == first or _under(op.module, first)) and op.input_shapes:
-            rows = 1
-            for size in op.input_shapes[0][:-1]:
-                rows *= size
-            return "dense" if rows >= tokens else "routed"
+            return "dense" if math.prod(op.input_shapes[0][:-1]) >= tokens else "routed"
     return "routed"

@@ -291,7 +291,8 @@ class PSServer:
         leaving, left = _leaving_keys(key, self.servers)
         try:
             while not store.check([leaving]):
-                ray.get(self.dispatcher.log.remote(), timeout=10)
+                # a call that returns at once (training is over): is rank 0's cluster still up?
+                ray.get(self.dispatcher.wait_finished.remote(), timeout=10)
                 time.sleep(0.2)
         except Exception:  # rank 0 left and took the cluster with it: training is over
             return True
