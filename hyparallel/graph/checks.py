@@ -87,6 +87,8 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
             " whose own backward a traced pipeline stage cannot keep (autograd would differentiate"
             " its forward instead); use pp: 1 (tp and dp keep it)"
         )
+    if par.ep > 1:
+        check_expert_parallel(graph, par.ep, par.pp)
     if plan.tensor_parallel is not None:
         styles = check_styles(graph, plan.tensor_parallel)
     if par.vocab_parallel_loss:  # tp > 1 (the schema's check)
@@ -100,6 +102,29 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
             " pp: 1, or sync_batchnorm: false"
         )
     return CheckedPlan(plan=plan, styles=styles, stage_of=stage_of)
+
+
+def check_expert_parallel(graph: ModelGraph, ep: int, pp: int) -> None:
+    """``parallel.ep``: the model has MoE layers the analysis read (Note [an MoE layer read from the
+    trace]), each with a multiple of ep experts, and no pipeline (not supported with ep yet)."""
+    if pp > 1:
+        raise ConfigError(
+            f"parallel.ep {ep} with pp {pp}: expert parallelism inside pipeline stages is not"
+            " supported yet; use pp: 1 with ep, or ep: 1 with pp"
+        )
+    moe = graph.moe
+    if not moe.layers:
+        why = "; ".join(f"{path}: {reason}" for path, reason in moe.refused.items())
+        raise ConfigError(
+            f"parallel.ep {ep}: {graph.name} has no mixture-of-experts layer the analysis could"
+            f" read{f' ({why})' if why else ''}, so there are no experts to split; use ep: 1"
+        )
+    for layer in moe.layers:
+        if layer.num_experts % ep:
+            raise ConfigError(
+                f"parallel.ep {ep} does not divide the {layer.num_experts} experts of"
+                f" {layer.experts}; use an ep that divides {layer.num_experts}"
+            )
 
 
 def check_vocab_parallel_loss(graph: ModelGraph, styles: dict[str, str] | None) -> None:

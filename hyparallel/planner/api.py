@@ -338,6 +338,7 @@ class Admission:
             c.sequence_parallel,
             c.grad_compression,
             c.powersgd_rank,
+            c.ep,
             tuple(evaluation.stages),
         )
         if key not in self.verdicts:
@@ -793,6 +794,7 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
             "dp": c.dp,
             "tp": c.tp,
             "pp": c.pp,
+            "ep": c.ep,
             "schedule": c.schedule,
             "virtual_stages": c.virtual_stages,
             "num_microbatches": c.num_microbatches,

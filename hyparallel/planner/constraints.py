@@ -59,6 +59,9 @@ class Constraints(BaseModel):
     tp: Degree | None = Field(None, description="Tensor-parallel degree.")
     pp: Degree | None = Field(None, description="Pipeline-parallel degree.")
     dp: Degree | None = Field(None, description="Data-parallel degree.")
+    ep: Degree | None = Field(
+        None, description="Expert-parallel degree (MoE experts over ep of the dp ranks)."
+    )
     micro_batch: Sequences | None = Field(
         None, description="Sequences per micro-batch on one replica."
     )

@@ -65,11 +65,14 @@ class Config:
     grad_compression: str = "none"  # Note [gradient compression] in costs.py
     # the search's (a constraint, not searched); costed under grad_compression powersgd
     powersgd_rank: int = 4
+    ep: int = 1  # Note [expert parallelism] (hyparallel.runtime.experts); ep divides dp
 
     def __str__(self) -> str:
         schedule = self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (
-            f"tp {self.tp} pp {self.pp} dp {self.dp}, micro-batch {self.micro_batch} x"
+            f"tp {self.tp} pp {self.pp} dp {self.dp}"
+            + (f" (ep {self.ep})" if self.ep > 1 else "")
+            + f", micro-batch {self.micro_batch} x"
             f" {self.num_microbatches}, {schedule}, recompute {self.recompute}, ZeRO {self.zero},"
             f" SP {'on' if self.sequence_parallel else 'off'}, order {','.join(self.order)}"
             + (f", gradients {self.compression}" if self.compressed else "")
@@ -170,12 +173,19 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
                 _orders(pp, dp, fixed),
             )
             configs.extend(
-                Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order, mode, rank)
+                Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order, mode, rank, ep)
                 for (schedule, v), recompute, zero, sp, order in options
                 if fixed.get("micro_batch", b) == b and fixed.get("sequence_parallel", sp) == sp
                 for mode in _compressions(dp, zero, fixed)
+                for ep in _expert_degrees(ctx, pp, dp, fixed)
             )
     return configs
+
+
+def _expert_degrees(ctx: _Context, pp: int, dp: int, fixed: dict) -> tuple[int, ...]:
+    """The expert-parallel degrees of a layout: the one asked for when dp admits it, else 1."""
+    asked = fixed.get("ep", 1)
+    return (asked,) if dp % asked == 0 else ()
 
 
 def _compressions(dp: int, zero: int, fixed: dict) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyparallel.runtime.compression import BUCKET_BYTES, Compressor, compressor_for, fsdp_policy
+from hyparallel.runtime.experts import ExpertParallel
 from hyparallel.spec.schema import Plan
 
 # Note [ZeRO stages on FSDP2]
@@ -194,6 +195,7 @@ def apply_data_parallel(
     pipelined: bool = False,
     unused: Sequence[str] = (),
     find_unused: bool = False,
+    experts: ExpertParallel | None = None,
 ) -> DataParallel:
     """Wrap ``modules`` (the model, or this rank's pipeline stage graphs) for the plan's data
     parallelism.
@@ -207,6 +209,8 @@ def apply_data_parallel(
     ``find_unused``: some parameters get a gradient from one loss and not another (outputs the
     default loss does not read, ModelGraph.params_outside_logits): DDP finds each step's unused ones
     (``find_unused_parameters``).
+    ``experts``: expert parallelism's split experts, which neither DDP nor FSDP2 reduces (their own
+    group does: Note [expert parallelism], hyparallel.runtime.experts).
     """
     par = plan.parallel
     result = DataParallel(dp=par.dp, zero=par.zero, mesh=mesh if par.dp > 1 else None)
@@ -217,7 +221,8 @@ def apply_data_parallel(
         if pipelined:
             return replace(result, after_step_all_reduce=True, compressor=compressor)
         (model,) = modules
-        ddp = _ddp(model, mesh, device, unused, find_unused)
+        ignored = [*unused, *sorted(experts.names)] if experts is not None else unused
+        ddp = _ddp(model, mesh, device, ignored, find_unused)
         if compressor is not None:
             ddp.register_comm_hook(None, compressor.hook)
         return replace(result, ddp=ddp, compressor=compressor)
@@ -225,6 +230,8 @@ def apply_data_parallel(
 
     reshard = par.zero == 3
     policy = {"mp_policy": policy} if (policy := fsdp_policy(plan)) is not None else {}
+    if experts is not None:
+        policy["ignored_params"] = {p for module in modules for p in experts.parameters(module)}
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policy)
     for module in modules:

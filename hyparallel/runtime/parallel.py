@@ -48,6 +48,7 @@ from hyparallel.runtime import launch
 from hyparallel.runtime.compile import apply_compile, compile_backend_of
 from hyparallel.runtime.data import DataPosition, DataSampler
 from hyparallel.runtime.data_parallel import DataParallel, apply_data_parallel, micro_batch_hook
+from hyparallel.runtime.experts import ExpertParallel, apply_expert_parallel
 from hyparallel.runtime.loss import (
     IGNORE_INDEX,
     LossScaler,
@@ -232,6 +233,9 @@ def _parallelize(
             gather_logits=not par.vocab_parallel_loss,
             fused_kernels=par.fused_kernels,
         )
+    # Note [expert parallelism] (hyparallel.runtime.experts): on the meta model, before it is
+    # materialised
+    experts = apply_expert_parallel(model, graph, mesh, par.ep)
     autocast = Autocast(device, _DTYPES[plan.training.dtype])
     model, modules, blocks, pipeline = apply_stages(
         model,
@@ -259,6 +263,7 @@ def _parallelize(
         pipelined=pipeline is not None,
         unused=unused_parameters(model, graph),
         find_unused=bool(graph.params_outside_logits),
+        experts=experts,
     )
     return ParallelModel(
         model=model,
@@ -273,6 +278,7 @@ def _parallelize(
         pipeline=pipeline,
         data_parallel=data_parallel,
         autocast=autocast,
+        experts=experts,
         # tp > 1 and a vocab-parallel head: check_plan saw to both
         vocab_parallel_loss=par.vocab_parallel_loss,
     )
@@ -465,11 +471,18 @@ class ParallelModel:
         data_parallel: DataParallel,
         autocast: Autocast,
         vocab_parallel_loss: bool,
+        experts: ExpertParallel | None = None,
     ):
         from hyparallel.runtime.metrics import RunMetrics
 
         self.plan, self.env, self.device, self.module, self.mesh = plan, env, device, model, mesh
         self.tp_info, self.pipeline, self.data_parallel = tp_info, pipeline, data_parallel
+        self.experts = experts  # Note [expert parallelism] (hyparallel.runtime.experts)
+        self._grouped_experts = {
+            layer.experts
+            for layer in (experts.layers if experts else ())
+            if layer.layout == "grouped"
+        }
         self.dp_size, self.dp_rank = plan.parallel.dp, mesh["dp"].get_local_rank()
         self._graph, self._modules, self._autocast = graph, list(modules), autocast
         self._dtype = autocast.dtype
@@ -669,6 +682,8 @@ class ParallelModel:
             self.named_parameters(),
             self.pipeline.shared_parameters() if self.pipeline is not None else (),
         )
+        if self.experts is not None:  # over the ranks holding the same experts
+            self.experts.reduce_grads(self.module)
         for module, since in zip(self._modules, before):
             self.tp_info.reduce_grads(module, since)
         loss, count, pair = global_loss(rule, self.device, self._loss_groups)
@@ -964,8 +979,9 @@ class ParallelModel:
     def _own_square_sum(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """Sum of squares of the gradient elements this rank counts for the global norm."""
         local = grad.to_local() if hasattr(grad, "to_local") else grad
-        # replicated over dp (DDP): dp rank 0 counts
-        if not hasattr(grad, "to_local") and self.dp_rank != 0:
+        expert = self.experts is not None and name in self.experts.names
+        # replicated over dp (DDP): dp rank 0 counts; an expert's over its replicas: the first
+        if not hasattr(grad, "to_local") and (self.experts.replica if expert else self.dp_rank):
             return torch.zeros((), dtype=torch.float64, device=self.device)
         # tied across stages: counted once
         if self.pipeline is not None and not self.pipeline.first_holder(name):
@@ -973,6 +989,7 @@ class ParallelModel:
         owner = self.module.get_submodule(name.rpartition(".")[0]) if "." in name else self.module
         split = (
             self.tp_info is not None
+            and not (expert and name.rpartition(".")[0] in self._grouped_experts)
             and callable(getattr(owner, "shard_layout", None))
             and owner.shard_layout(name.rpartition(".")[2]) is not None
         )

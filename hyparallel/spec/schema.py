@@ -129,6 +129,13 @@ class ParallelConfig(_Section):
     pp: Degree = Field(
         1, description="Pipeline-parallel degree: ranks each running a part of the layers."
     )
+    ep: Degree = Field(
+        1,
+        description=(
+            "Expert-parallel degree: each MoE layer's experts split over ep ranks taken from dp"
+            " (ep divides dp; Note [expert parallelism], hyparallel.runtime.experts)."
+        ),
+    )
     schedule: Schedule = Field("1f1b", description="Pipeline schedule (ignored when pp = 1).")
     virtual_stages: int_in(1, limits.MAX_VIRTUAL_STAGES) = Field(
         1, description="Model chunks per pipeline rank; more than 1 only with `interleaved-1f1b`."
@@ -235,6 +242,11 @@ class ParallelConfig(_Section):
             raise ValueError(
                 f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size:,} processes, "
                 f"more than the {limits.MAX_DEVICES:,} hyparallel plans for; lower a degree"
+            )
+        if self.dp % self.ep:
+            raise ValueError(
+                f"parallel.ep ({self.ep}) must divide dp ({self.dp}): expert-parallel ranks are"
+                " taken from the data-parallel ones; raise dp or lower ep"
             )
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(

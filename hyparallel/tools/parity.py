@@ -273,7 +273,10 @@ def check_layouts(
     spec = small_spec(model) if shrink else model
     reports = [
         CheckReport(
-            model=model, layout={k: layout.get(k, 1) for k in ("dp", "tp", "pp")}, verdict="failed"
+            model=model,
+            layout={k: layout.get(k, 1) for k in ("dp", "tp", "pp")}
+            | ({"ep": layout["ep"]} if layout.get("ep", 1) > 1 else {}),
+            verdict="failed",
         )
         for layout in layouts
     ]
@@ -351,7 +354,9 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, 
     # may replicate what fails only at a larger tp, on the shared graph
     for index in order:
         layout, report = layouts[index], reports[index]
-        constraints = {k: v for k, v in layout.items() if k not in ("dp", "tp", "pp", "world")}
+        constraints = {
+            k: v for k, v in layout.items() if k not in ("dp", "tp", "pp", "ep", "world")
+        }
         if loss_fn is not None:  # Note [the loss a check trains]: the logits gathered for it
             constraints.setdefault("vocab_parallel_loss", False)
         # {"world": N}: the planner picks the degrees
