@@ -896,8 +896,8 @@ def _entry(pmodel, name: str, tensor: torch.Tensor) -> Entry:
             pieces.append(Piece((model_lo,), view))
         elif layout.transposed:  # Conv1D: the model's tensor is (in, out)
             pieces.append(Piece((cols[0], model_lo), view.t()))
-        else:
-            pieces.append(Piece((model_lo, cols[0]), view))
+        else:  # dims past the second whole (stacked experts: [E, out, in])
+            pieces.append(Piece((model_lo, cols[0]) + (0,) * (len(full) - 2), view))
     shape = (full[1], full[0]) if layout.transposed and len(full) == 2 else full
     return Entry(shape, pieces)
 

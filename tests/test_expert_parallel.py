@@ -1,0 +1,126 @@
+"""Expert parallelism (issue 38, Note [expert parallelism] in hyparallel/runtime/experts.py): each
+MoE layer's experts split over ep of the dp ranks, equal to one device in loss and every gradient,
+checkpoints that reshard when ep changes, and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+import hyparallel as hp
+from hyparallel.spec.errors import ConfigError
+from hyparallel.tools.parity import check_layouts, small_spec
+
+from .conftest import REPO, assert_every_parameter_compared, torchrun
+from .test_parity import names_of
+
+WHERE = "tests.tiny_lms:where_moe_lm"
+
+
+def assert_equal_everywhere(spec: str, layouts: list[dict]) -> None:
+    reports = check_layouts(spec, layouts, timeout=300)
+    assert [r.verdict for r in reports] == ["equal"] * len(layouts), [r.summary() for r in reports]
+    for report in reports:  # every parameter, by name: the experts no rank held would show
+        assert names_of(spec) == {name for g in report.groups for name in g.names}
+        assert all(g.verdict == "equal" for g in report.groups), report.table()
+
+
+def test_a_hand_written_where_dispatch_moe_is_equal_under_ep():
+    # a ModuleList of experts called one at a time: one exchange per expert; ep 2 and 4, experts
+    # replicated over 2 of 4 dp ranks under ZeRO 3, and beside tp (attention split, experts whole:
+    # Note [experts are not split by tp under ep])
+    assert_equal_everywhere(
+        WHERE,
+        [
+            {"dp": 2, "tp": 1, "pp": 1, "ep": 2},
+            {"dp": 4, "tp": 1, "pp": 1, "ep": 4},
+            {"dp": 4, "tp": 1, "pp": 1, "ep": 2, "zero": 3},
+            {"dp": 2, "tp": 2, "pp": 1, "ep": 2},
+        ],
+    )
+
+
+def test_mixtral_stacked_experts_are_equal_under_ep():
+    # transformers' grouped experts ([E, ...] weights, experts(hidden, top_k_index, top_k_weights)):
+    # one exchange each way per layer; ep 4, ep beside tp, ep under ZeRO 1
+    assert_equal_everywhere(
+        "hf:MixtralForCausalLM",
+        [
+            {"dp": 4, "tp": 1, "pp": 1, "ep": 4},
+            {"dp": 2, "tp": 2, "pp": 1, "ep": 2},
+            {"dp": 4, "tp": 1, "pp": 1, "ep": 2, "zero": 1},
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "hf:Qwen3MoeForCausalLM",
+        "hf:OlmoeForCausalLM",
+        "hf:DeepseekV3ForCausalLM",  # shared experts beside the routed ones, group-limited top-k
+    ],
+)
+def test_transformers_moes_are_equal_under_ep_2(spec):
+    assert_equal_everywhere(spec, [{"dp": 2, "tp": 1, "pp": 1, "ep": 2}])
+
+
+def test_a_checkpoint_saved_at_ep_4_loads_at_ep_2_and_at_ep_1(tmp_path):
+    results = torchrun(
+        REPO, "tests/distributed/experts_worker.py", tmp_path / "out.jsonl", 4, str(tmp_path)
+    )
+    for case in ("mixtral", "where"):
+        ranks = results[case]
+        # weights and momentum buffers, ||parallel - single|| / ||single||, after 2 and 3 steps:
+        # test_checkpoint's bound
+        for rank in ranks:
+            for key in ("saved_error", "ep2-zero1_error", "ep2-zero1_continued"):
+                assert rank[key] <= 2e-5, (
+                    case,
+                    key,
+                    rank[key],
+                    rank.get(key.replace("error", "worst")),
+                )
+            assert rank["ep1_error"] <= 2e-5 and rank["ep1_continued"] <= 2e-5, (case, rank)
+        groups = ranks[0]["parameter_groups"]
+        for plan, ep in (("saved", 4), ("ep2-zero1", 2), ("ep1", 1)):
+            # the ranks of one ep group hold every expert between them
+            compared = {r["rank"] // ep: set() for r in ranks}
+            for r in ranks:
+                compared[r["rank"] // ep] |= set(r[f"{plan}_checked"])
+            assert_every_parameter_compared(groups, compared)
+
+
+def plan_for(spec: str, **fixed) -> tuple:
+    model = hp.models.load(small_spec(spec) if spec.startswith("hf:") else spec).module
+    return model, hp.Plan.from_dict(
+        {
+            "training": {"global_batch": 4, "micro_batch": 1, "seq_len": 16, "dtype": "fp32"},
+            "parallel": {"tp": 1, "pp": 1, **fixed},
+        }
+    )
+
+
+def test_ep_must_divide_dp():
+    with pytest.raises(ConfigError, match=r"parallel.ep \(4\) must divide dp \(2\)"):
+        plan_for(WHERE, dp=2, ep=4)
+
+
+@pytest.mark.parametrize(
+    ("spec", "fixed", "message"),
+    [
+        (WHERE, {"dp": 2, "ep": 2, "pp": 2}, r"parallel.ep 2 with pp 2: expert parallelism inside"),
+        (
+            WHERE + " experts=6",
+            {"dp": 4, "ep": 4},
+            r"parallel.ep 4 does not divide the 6 experts of layers.0.moe.experts",
+        ),
+        ("gpt-tiny", {"dp": 2, "ep": 2}, r"parallel.ep 2: GPT has no mixture-of-experts layer"),
+    ],
+)
+def test_what_ep_cannot_split_is_refused_before_any_collective(spec, fixed, message):
+    from hyparallel.graph.checks import check_plan
+
+    model, plan = plan_for(spec, **fixed)
+    graph = hp.trace(model, hp.models.example_inputs(model, 1, 16))
+    with pytest.raises(ConfigError, match=message):
+        check_plan(plan, graph)
