@@ -39,7 +39,9 @@ EXAMPLES = {
     "demo": "example:\n  hyparallel demo",
     "check": (
         "examples:\n  hyparallel check hf:Qwen2ForCausalLM --tp 2 --pp 2      # a small copy of its"
-        " config class\n  hyparallel check mypkg.models:make_model hidden=64 layers=2 --tp 2 --dp 2"
+        " config class\n  hyparallel check hf:MixtralForCausalLM --tp 1 --pp 1 --dp 2 --ep 2   #"
+        " experts over 2 ranks\n  hyparallel check mypkg.models:make_model hidden=64 layers=2"
+        " --tp 2 --dp 2"
         "   # your factory, small\n  hyparallel check hf:LlamaForCausalLM num_key_value_heads=1"
         " --tp 2 --json\nexit status: 0 equal, 1 differs or failed (a bug: please report it), 2"
         " refused or bad input"
@@ -647,6 +649,7 @@ def cmd_check(args: argparse.Namespace, out: Console) -> None:
         dp=args.dp,
         steps=args.steps,
         shrink=not args.as_given,
+        **({"ep": args.ep} if args.ep > 1 else {}),
         timeout=args.timeout,
         loss=args.loss,
     )
@@ -1147,6 +1150,15 @@ def build_parser() -> argparse.ArgumentParser:
             default=default,
             help=f"the {axis} degree (default {default})",
         )
+    check.add_argument(
+        "--ep",
+        type=PER_NODE,
+        default=1,
+        help=(
+            "the expert-parallel degree (default 1): each MoE layer's experts split over ep of the"
+            " dp ranks; ep divides dp"
+        ),
+    )
     check.add_argument(
         "--steps", type=_int_in(100), default=3, help="SGD steps compared (default 3)"
     )

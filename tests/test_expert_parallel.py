@@ -124,3 +124,16 @@ def test_what_ep_cannot_split_is_refused_before_any_collective(spec, fixed, mess
     graph = hp.trace(model, hp.models.example_inputs(model, 1, 16))
     with pytest.raises(ConfigError, match=message):
         check_plan(plan, graph)
+
+
+def test_hyparallel_check_takes_ep(capsys):
+    from hyparallel.cli import main
+
+    argv = ["check", "hf:OlmoeForCausalLM", "--tp", "1", "--pp", "1", "--dp", "2"]
+    assert main([*argv, "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp 2 x ep 2: equal" in out and "mlp.experts.gate_up_proj" in out
+    # ep must divide dp: one line, exit 2
+    assert main([*argv, "--ep", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "ep (4) must divide dp (2)" in captured.err

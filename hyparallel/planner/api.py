@@ -521,6 +521,14 @@ def _check_layout(cluster: ClusterSpec, global_batch: int, constraints: dict) ->
         raise PlanError(
             f"global batch {global_batch} is not divisible by dp {constraints['dp']}; change either"
         )
+    ep = constraints.get("ep", 1)
+    if "dp" in constraints and constraints["dp"] % ep:
+        raise PlanError(
+            f"ep ({ep}) must divide dp ({constraints['dp']}): expert-parallel ranks are taken from"
+            " the data-parallel ones; raise dp or lower ep"
+        )
+    if ep > 1 and n % ep:
+        raise PlanError(f"ep ({ep}) does not divide the {n} GPUs; pick an ep that divides {n}")
 
 
 # The schema's bounds (hyparallel.spec.limits), so the planner never accepts what a plan file would
