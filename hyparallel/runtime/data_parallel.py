@@ -230,8 +230,15 @@ def apply_data_parallel(
 
     reshard = par.zero == 3
     policy = {"mp_policy": policy} if (policy := fsdp_policy(plan)) is not None else {}
-    if experts is not None:
-        policy["ignored_params"] = {p for module in modules for p in experts.parameters(module)}
+    if experts is not None:  # Note [experts under ZeRO] (hyparallel.runtime.experts)
+        ignored = set()
+        for module in modules:
+            for unit in experts.units(module):
+                fully_shard(
+                    unit, mesh=experts.replica_mesh, reshard_after_forward=reshard, **policy
+                )
+            ignored |= experts.unsharded(module)
+        policy["ignored_params"] = ignored
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policy)
     for module in modules:
