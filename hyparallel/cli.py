@@ -399,7 +399,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
         seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
         progress("tracing", 0, 0)
         constraints = {
-            k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None
+            k: getattr(args, k) for k in ("tp", "pp", "dp", "ep") if getattr(args, k) is not None
         }
         constraints.update(compression)
         if args.no_vocab_parallel_loss:
@@ -570,6 +570,7 @@ def _print_top(result, to_plan, out: Console) -> None:
         "tp",
         "pp",
         "dp",
+        "ep",
         "rank order",
         "micro-batch",
         "schedule",
@@ -598,6 +599,7 @@ def _print_top(result, to_plan, out: Console) -> None:
             str(c.tp),
             str(c.pp),
             str(c.dp),
+            str(c.ep),
             ",".join(c.order),
             f"{c.micro_batch} x {c.num_microbatches}",
             schedule,
@@ -613,13 +615,13 @@ def _print_top(result, to_plan, out: Console) -> None:
         )
     out.print(table)
     why = Table(title="why not the usual alternatives")
-    for column in ("alternative", "tp", "pp", "dp", "why not"):
+    for column in ("alternative", "tp", "pp", "dp", "ep", "why not"):
         why.add_column(column)
     for alt in result.alternatives:
         c = alt.evaluation.config if alt.evaluation else None
         why.add_row(
             alt.label,
-            *(str(x) if c else "-" for x in ((c.tp, c.pp, c.dp) if c else (0, 0, 0))),
+            *(str(x) if c else "-" for x in ((c.tp, c.pp, c.dp, c.ep) if c else (0, 0, 0, 0))),
             alt.why,
         )
     out.print(why)
@@ -1002,6 +1004,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for axis in ("tp", "pp", "dp"):
         plan.add_argument(f"--{axis}", type=DEVICES, default=None, help=f"fix the {axis} degree")
+    plan.add_argument(
+        "--ep",
+        type=DEVICES,
+        default=None,
+        help=(
+            "fix the expert-parallel degree (MoE experts over ep of the dp ranks; default: searched"
+            " for a model with MoE layers)"
+        ),
+    )
     plan.add_argument(
         "--example-inputs",
         default=None,

@@ -426,6 +426,8 @@ NUMERIC_FLAGS = [  # (command, flag, bound): hyparallel.spec.limits'
     ("plan", "--tp", limits.MAX_DEVICES),
     ("plan", "--pp", limits.MAX_DEVICES),
     ("plan", "--dp", limits.MAX_DEVICES),
+    ("plan", "--ep", limits.MAX_DEVICES),
+    ("check", "--ep", limits.MAX_GPUS_PER_NODE),
     ("plan", "--top", limits.MAX_TOP),
     ("plan", "--powersgd-rank", limits.MAX_POWERSGD_RANK),
     # from 2: "1" is never drawn as bad

@@ -42,7 +42,10 @@ def test_meta_build_allocates_nothing_and_counts_match(name):
     model = hp.models.build(name)
     params = list(model.parameters())
     assert all(p.is_meta for p in params)
-    assert sum(p.numel() for p in params) == hp.models.config(name).num_params()
+    counts = {entry.name: entry.num_params for entry in hp.models.entries()}
+    assert sum(p.numel() for p in params) == counts[name]
+    if name not in hp.models.zoo.HF_PRESETS:
+        assert counts[name] == hp.models.config(name).num_params()
 
 
 def test_published_parameter_counts():
@@ -50,6 +53,11 @@ def test_published_parameter_counts():
     assert hp.models.config("llama-7b").num_params() == 6_738_415_616
     assert hp.models.config("llama-70b").num_params() == 68_976_648_192
     assert 174e9 < hp.models.config("gpt-175b").num_params() < 176e9
+    # Mixtral 8x7B: "46.7B total parameters"; DeepSeek-V3: "671B total parameters" (its model card,
+    # the multi-token-prediction module's 14B aside)
+    counts = {entry.name: entry.num_params for entry in hp.models.entries()}
+    assert round(counts["mixtral-8x7b"] / 1e8) == 467
+    assert round(counts["deepseek-v3"] / 1e9) == 671
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])

@@ -1,4 +1,5 @@
-"""The built-in model zoo: named presets of the GPT, Llama and DLRM families."""
+"""The built-in model zoo: named presets of the GPT, Llama and DLRM families, and mixtures of
+experts as transformers builds them (``HF_PRESETS``)."""
 
 from __future__ import annotations
 
@@ -128,9 +129,67 @@ class ZooEntry:
     num_params: int
 
 
+@dataclass(frozen=True)
+class HFPreset:
+    """A published model's shape as a transformers config: ``hf:<arch>`` with these settings."""
+
+    arch: str
+    settings: dict
+    num_params: int  # what the meta build counts (tests/test_models.py checks it)
+
+
+# Mixtures of experts for planning (issue 38), as their model cards and papers give them:
+# Mixtral 8x7B (Jiang et al. 2024; mistralai/Mixtral-8x7B-v0.1's config.json): 8 experts, top-2.
+# DeepSeek-V3 (DeepSeek-AI 2024, Table/config.json of deepseek-ai/DeepSeek-V3): 61 layers, the first
+# 3 dense, 256 routed experts and 1 shared, top-8 in 4 of 8 groups, multi-head latent attention;
+# 671B parameters without its multi-token-prediction module.
+HF_PRESETS: dict[str, HFPreset] = {
+    "mixtral-8x7b": HFPreset(
+        "MixtralForCausalLM",
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=32768,
+        ),
+        46_702_792_704,
+    ),
+    "deepseek-v3": HFPreset(
+        "DeepseekV3ForCausalLM",
+        dict(
+            vocab_size=129280,
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_hidden_layers=61,
+            first_k_dense_replace=3,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            kv_lora_rank=512,
+            q_lora_rank=1536,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            max_position_embeddings=163840,
+        ),
+        671_026_404_352,
+    ),
+}
+
+
 def names() -> list[str]:
     """Names accepted by :func:`build` and ``--model``."""
-    return list(PRESETS)
+    return [*PRESETS, *HF_PRESETS]
 
 
 def config(name: str, **overrides) -> ModelConfig:
@@ -156,6 +215,11 @@ def config(name: str, **overrides) -> ModelConfig:
 def build(name: str, device: torch.device | str = "meta", **overrides) -> nn.Module:
     """Build a zoo model; on ``device="meta"`` (the default) it allocates no memory, even at
     175B."""
+    if name in HF_PRESETS:
+        from hyparallel.models.hf import build_hf
+
+        preset = HF_PRESETS[name]
+        return build_hf(preset.arch, device=device, **{**preset.settings, **overrides})
     cfg = config(name, **overrides)
     cls = _MODEL_CLASS[type(cfg)]
     return build_on(device, lambda: cls(cfg))
@@ -163,7 +227,23 @@ def build(name: str, device: torch.device | str = "meta", **overrides) -> nn.Mod
 
 def entries() -> list[ZooEntry]:
     """One :class:`ZooEntry` per preset, with closed-form parameter counts."""
-    return [_entry(name, cfg) for name, cfg in PRESETS.items()]
+    return [_entry(name, cfg) for name, cfg in PRESETS.items()] + [
+        _hf_entry(name, preset) for name, preset in HF_PRESETS.items()
+    ]
+
+
+def _hf_entry(name: str, preset: HFPreset) -> ZooEntry:
+    s = preset.settings
+    return ZooEntry(
+        name=name,
+        family=preset.arch.removesuffix("ForCausalLM").lower() + " (moe)",
+        num_layers=s["num_hidden_layers"],
+        hidden_size=s["hidden_size"],
+        num_heads=s["num_attention_heads"],
+        kv_heads=s["num_key_value_heads"],
+        vocab_size=s["vocab_size"],
+        num_params=preset.num_params,
+    )
 
 
 def _entry(name: str, cfg: ModelConfig) -> ZooEntry:

@@ -26,6 +26,7 @@ from hyparallel.planner.search import (
     Search,
     axis_link,
     enumerate_configs,
+    ep_link,
     transfer_s,
 )
 from hyparallel.spec import limits
@@ -632,7 +633,17 @@ def _alternatives(
     ]
     pps = [p for p in range(1, min(n, len(profile.segments)) + 1) if n % p == 0]
     shapes.append(("most pipeline parallel", {"tp": 1, "pp": max(pps)}))
+    # Note [expert parallelism's costs] (costs.py): a model with MoE layers compares the winner with
+    # the best plan on the other side of ep > 1
     result = []
+    if profile.expert_counts and "ep" not in constraints:
+        if winner.config.ep > 1:
+            shapes.append(("no expert parallelism", {"ep": 1}))
+        else:
+            shapes += [
+                (f"expert parallelism {ep}", {"ep": ep})
+                for ep in _expert_choices(profile, winner.config.dp)
+            ]
     for label, shape in shapes:
         fixed = {**{k: v for k, v in constraints.items() if k not in ("tp", "pp", "dp")}, **shape}
         best, frugal = engine.best(fixed, top=1)
@@ -653,6 +664,16 @@ def _alternatives(
     return result
 
 
+def _expert_choices(profile: ModelProfile, dp: int) -> list[int]:
+    """The largest ep > 1 dividing both ``dp`` and every MoE layer's experts (none: [])."""
+    found = [
+        e
+        for e in range(2, dp + 1)
+        if dp % e == 0 and all(n % e == 0 for n in profile.expert_counts)
+    ]
+    return found[-1:]
+
+
 def step_parts(e: Evaluation) -> dict[str, float]:
     """An evaluation's step time in parts: compute, bubble, exposed tp / pp communication, dp sync +
     optimizer.
@@ -664,6 +685,7 @@ def step_parts(e: Evaluation) -> dict[str, float]:
         "tp communication": e.comm_s["tp"],
         "pp sends": e.comm_s["pp"],
         "dp sync + optimizer": e.comm_s["dp"],
+        "ep all-to-all": e.comm_s.get("ep", 0.0),
     }
     rest = max(e.step_time_s - sum(comm.values()), 0.0)
     compute = rest / (1 + e.bubble_fraction)
@@ -693,6 +715,7 @@ def why_slower(loser: Evaluation, winner: Evaluation) -> str:
                 ("recompute", a.recompute, b.recompute),
                 ("micro-batch", a.micro_batch, b.micro_batch),
                 ("tp", a.tp, b.tp),
+                ("ep", a.ep, b.ep),
             )
             if x != y
         ]
@@ -773,6 +796,8 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
                             c.micro_batch,
                             c.recompute,
                             result.cluster.intra_node,
+                            c.ep,
+                            ep_link(c, result.cluster),
                         )[start:end]
                     )
                 ),
@@ -896,7 +921,13 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
     sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
     tp_link, pp_link = (axis_link(c.order, sizes, axis, result.cluster) for axis in ("tp", "pp"))
     segment_costs = profile.segment_costs(
-        c.tp, c.sequence_parallel, c.micro_batch, c.recompute, tp_link
+        c.tp,
+        c.sequence_parallel,
+        c.micro_batch,
+        c.recompute,
+        tp_link,
+        c.ep,
+        ep_link(c, result.cluster),
     )
     tp_forward_s = [
         profile.tp_forward_comm_s(raw, c.tp, c.sequence_parallel, c.micro_batch, tp_link)
@@ -909,7 +940,9 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
         figures.append(
             {
                 "forward_s": sum(s.forward_s + fwd for s, fwd in parts),
-                "backward_s": sum(s.backward_s + s.tp_comm_s - fwd for s, fwd in parts),
+                "backward_s": sum(
+                    s.backward_s + s.tp_comm_s + s.ep_comm_s - fwd for s, fwd in parts
+                ),
                 "activation_gib": sum(s.activation_bytes for s, _ in parts) / 2**30,
             }
         )

@@ -91,6 +91,35 @@ def ring_reduce_scatter_s(input_bytes: Figure, group_size: int, link: LinkSpec) 
     return ring_allgather_s(input_bytes, group_size, link)
 
 
+def all_to_all_s(num_bytes: Figure, group_size: int, link: LinkSpec) -> Figure:
+    """All-to-all of ``num_bytes`` per rank, an equal share to each: (n-1)/n of it leaves, one step
+    per peer (pairwise exchange)."""
+    return (
+        _ring_s(num_bytes, group_size - 1, group_size, link)
+        if group_size > 1
+        else 0.0 * np.asarray(num_bytes)
+    )
+
+
+# Note [expert parallelism's costs]
+#     Under ep > 1 (pp = 1; hyparallel.runtime.experts) a segment's expert ops cost, per
+#     micro-batch:
+#     * compute: each rank runs its E/ep experts on every rank's tokens routed there, which on
+#       average is as many (token, expert) pairs as its own tokens make, whole (tp does not split
+#       experts under ep: Note [experts are not split by tp under ep]), times EXPERT_IMBALANCE: the
+#       busiest rank's pairs over the mean, which the step waits for. 1.2 is what Megatron-Core's
+#       dropless MoE with a load-balancing loss is commonly reported to keep its most loaded expert
+#       under early in training (not measured here; not calibrated by `hyparallel calibrate`).
+#     * the exchange: EXCHANGES_PER_MOE_LAYER all-to-alls of tokens x top-k x hidden in the plan's
+#       dtype per MoE layer (dispatch and combine, forward and backward), over the link the ep group
+#       spans (ep consecutive dp ranks, tp inside them), never overlapped with compute.
+#     * memory: the expert weights over ep (and their optimizer state over ZeRO's dp / ep
+#       replicas), everything else as before.
+#     The router's auxiliary loss is not priced.
+EXPERT_IMBALANCE = 1.2
+EXCHANGES_PER_MOE_LAYER = 4
+
+
 def p2p_s(num_bytes: float, link: LinkSpec) -> float:
     """One point-to-point send of ``num_bytes``."""
     return link.latency_s + num_bytes / link.bandwidth_bytes_per_s if num_bytes > 0 else 0.0

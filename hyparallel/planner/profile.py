@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, cached_property
 
 import networkx as nx
@@ -105,6 +105,18 @@ class SegmentCost:
     activation_bytes: float  # kept for the backward pass, per micro-batch in flight
     working_bytes: float  # transient, once per stage (a recomputed block's activations)
     tensors: int = 0  # parameter tensors (each one the optimizer and ZeRO's FSDP handle apart)
+    ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, forward + backward (critical path)
+    # of ``params``, the expert weights (their gradients are reduced over dp / ep ranks)
+    expert_params: float = 0.0
+
+
+@dataclass(frozen=True)
+class _SegmentExperts:
+    """A segment's mixture-of-experts work (Note [expert parallelism's costs] in costs.py)."""
+
+    ops: tuple[int, ...]  # positions of its expert ops in the segment's ops
+    params: float  # every expert weight of the segment, whole
+    token_bytes: float  # per sequence: tokens x top-k x hidden, over its MoE layers, plan's dtype
 
 
 @dataclass(frozen=True)
@@ -236,10 +248,27 @@ class ModelProfile:
         return float(seconds)
 
     def segment_costs(
-        self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str, tp_link: LinkSpec
+        self,
+        tp: int,
+        sequence_parallel: bool,
+        micro_batch: int,
+        recompute: str,
+        tp_link: LinkSpec,
+        ep: int = 1,
+        ep_link: LinkSpec | None = None,
     ) -> tuple[SegmentCost, ...]:
-        """The cost of every segment under one configuration (cached)."""
-        key = (tp, sequence_parallel, micro_batch, recompute, tp_link)
+        """The cost of every segment under one configuration (cached); ``ep`` > 1: its experts
+        split over ep ranks, their all-to-alls over ``ep_link`` (Note [expert parallelism's costs]
+        in costs.py)."""
+        key = (tp, sequence_parallel, micro_batch, recompute, tp_link, ep, ep_link)
+        if ep > 1 and key not in self._cache:
+            base = self.segment_costs(tp, sequence_parallel, micro_batch, recompute, tp_link)
+            self._cache[key] = tuple(
+                self._expert_parallel(
+                    cost, raw, moe, tp, sequence_parallel, micro_batch, ep, ep_link
+                )
+                for cost, raw, moe in zip(base, self.raw, self.experts)
+            )
         if key not in self._cache:
             by_twin: dict[int, SegmentCost] = {}
             for i, raw in zip(self._twin, self.raw):
@@ -364,15 +393,22 @@ class ModelProfile:
         return tuple(result)
 
     def totals(
-        self, tp: int, sequence_parallel: bool, micro_batch: int, recompute: str, tp_link: LinkSpec
+        self,
+        tp: int,
+        sequence_parallel: bool,
+        micro_batch: int,
+        recompute: str,
+        tp_link: LinkSpec,
+        ep: int = 1,
+        ep_link: LinkSpec | None = None,
     ) -> tuple[float, float, float]:
         """(seconds per micro-batch, parameters per rank, activation bytes) summed over all segments
         (cached)."""
-        key = (tp, sequence_parallel, micro_batch, recompute, tp_link)
+        key = (tp, sequence_parallel, micro_batch, recompute, tp_link, ep, ep_link)
         if key not in self._totals:
             segments = self.segment_costs(*key)
             self._totals[key] = (
-                sum(s.forward_s + s.backward_s + s.tp_comm_s for s in segments),
+                sum(s.forward_s + s.backward_s + s.tp_comm_s + s.ep_comm_s for s in segments),
                 sum(s.params for s in segments),
                 sum(s.activation_bytes for s in segments),
             )
@@ -452,6 +488,96 @@ class ModelProfile:
             working_bytes=working * b,
             tensors=raw.tensors,
         )
+
+    def _expert_parallel(
+        self,
+        cost: SegmentCost,
+        raw: _SegmentRaw,
+        moe: _SegmentExperts | None,
+        tp: int,
+        sp: bool,
+        b: int,
+        ep: int,
+        link: LinkSpec | None,
+    ) -> SegmentCost:
+        """``cost`` with the segment's experts split over ``ep`` ranks (Note [expert parallelism's
+        costs] in costs.py)."""
+        if moe is None:
+            return cost
+        device = self.cluster.device
+        peak = getattr(device.peak_flops, self.dtype)
+        serial = self.cluster.backend == "gloo"
+        split = [_op_times(raw.ops[i], tp, sp, b, peak, device, serial) for i in moe.ops]
+        whole = [_op_times(raw.ops[i], 1, False, b, peak, device, serial) for i in moe.ops]
+        imbalance = costs.EXPERT_IMBALANCE
+        extra_forward = sum(w[0] * imbalance - s[0] for w, s in zip(whole, split))
+        extra_backward = sum(w[1] * imbalance - s[1] for w, s in zip(whole, split))
+        held = sum(
+            self.tp_analysis.params_per_rank(self.graph.op(self._segment_op(raw, i)), tp)
+            for i in moe.ops
+        )
+        exchange = costs.all_to_all_s(moe.token_bytes * b, ep, link or self.cluster.inter_node)
+        return replace(
+            cost,
+            forward_s=cost.forward_s + extra_forward,
+            backward_s=cost.backward_s + extra_backward,
+            params=cost.params - held + moe.params / ep,
+            expert_params=moe.params / ep,
+            ep_comm_s=costs.EXCHANGES_PER_MOE_LAYER * exchange,
+        )
+
+    def _segment_op(self, raw: _SegmentRaw, position: int) -> str:
+        return self._op_names[id(raw)][position]
+
+    @cached_property
+    def _op_names(self) -> dict[int, tuple[str, ...]]:
+        return {id(raw): tuple(seg.ops) for raw, seg in zip(self.raw, self.segments)}
+
+    @cached_property
+    def experts_sharded(self) -> bool:
+        """Whether ZeRO shards the experts over their replicas (stacked ones; Note [experts under
+        ZeRO] in hyparallel/runtime/experts.py)."""
+        return all(layer.layout == "grouped" for layer in self.graph.moe.layers)
+
+    @cached_property
+    def expert_counts(self) -> tuple[int, ...]:
+        """The expert count of each MoE layer graph.moe found (none: no expert parallelism)."""
+        return tuple(layer.num_experts for layer in self.graph.moe.layers)
+
+    @cached_property
+    def experts(self) -> tuple[_SegmentExperts | None, ...]:
+        """Each segment's mixture-of-experts work (None: it has none), from graph.moe."""
+        moe = self.graph.moe
+        names = moe.expert_params
+        widths = {}
+        for layer in moe.layers:
+            router = next(
+                (op for op in self.graph.ops if op.module == layer.router and op.input_shapes),
+                None,
+            )
+            if router is not None:  # hidden width, top-k, tokens per sequence
+                rows = math.prod(router.input_shapes[0][:-1]) / self.traced_rows
+                widths[layer.path] = (router.input_shapes[0][-1], layer.top_k, rows)
+        found = []
+        for segment in self.segments:
+            ops = [self.graph.op(name) for name in segment.ops]
+            positions = tuple(
+                i for i, op in enumerate(ops) if op.params and set(op.params) <= names
+            )
+            if not positions:
+                found.append(None)
+                continue
+            params = sum(ops[i].param_count for i in positions)
+            layers = {
+                layer.path
+                for layer in moe.layers
+                if any(p.startswith(layer.experts + ".") for i in positions for p in ops[i].params)
+            }
+            token_bytes = sum(
+                math.prod(widths[p]) * self.dtype_bytes for p in layers if p in widths
+            )
+            found.append(_SegmentExperts(positions, float(params), float(token_bytes)))
+        return tuple(found)
 
     # ---- once per model ---------------------------------------------------------------------
 

@@ -183,9 +183,28 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
 
 
 def _expert_degrees(ctx: _Context, pp: int, dp: int, fixed: dict) -> tuple[int, ...]:
-    """The expert-parallel degrees of a layout: the one asked for when dp admits it, else 1."""
-    asked = fixed.get("ep", 1)
-    return (asked,) if dp % asked == 0 else ()
+    """The expert-parallel degrees of a layout: the one asked for when dp admits it; else, for a
+    model with MoE layers and no pipeline (the runtime's limit), every ep dividing both dp and each
+    layer's experts."""
+    if "ep" in fixed:
+        return (fixed["ep"],) if dp % fixed["ep"] == 0 else ()
+    counts = ctx.profile.expert_counts
+    if not counts or pp > 1:
+        return (1,)
+    return tuple(e for e in _divisors(dp) if all(n % e == 0 for n in counts))
+
+
+def ep_link(c: Config, cluster: ClusterSpec) -> LinkSpec:
+    """The link an ep group talks over: ep consecutive dp ranks, each with what lies inside dp
+    (tp, in the default order) between them."""
+    stride = 1
+    for name in reversed(c.order):
+        if name == "dp":
+            break
+        stride *= {"tp": c.tp, "pp": c.pp}[name]
+    window = stride * c.ep
+    inside = c.ep == 1 or cluster.gpus_per_node % window == 0
+    return cluster.intra_node if inside else cluster.inter_node
 
 
 def _compressions(dp: int, zero: int, fixed: dict) -> tuple[str, ...]:
@@ -388,13 +407,15 @@ class Search:
 
     def _links(self, c: Config) -> dict[str, LinkSpec]:
         sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
-        return {
+        links = {
             axis: axis_link(c.order, sizes, axis, self.ctx.cluster) for axis in ("tp", "pp", "dp")
         }
+        links["ep"] = ep_link(c, self.ctx.cluster)
+        return links
 
     def _segment_costs(self, c: Config, links) -> tuple[SegmentCost, ...]:
         return self.ctx.profile.segment_costs(
-            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"]
+            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"], c.ep, links["ep"]
         )
 
     def _tables(self, c: Config, links) -> _Tables:
@@ -426,7 +447,7 @@ class Search:
             return None
         links = self._links(c)
         total_t, params, _ = self.ctx.profile.totals(
-            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"]
+            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"], c.ep, links["ep"]
         )
         total_t += c.pp * self._p2p_s(c, links)
         device = self.ctx.cluster.device
@@ -444,13 +465,25 @@ class Search:
         micro-batches in flight."""
         links = self._links(c)
         _, params, act = self.ctx.profile.totals(
-            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"]
+            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"], c.ep, links["ep"]
         )
         state = costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp, c.grad_compression)
         least_inflight = inflight_microbatches(
             c.schedule, c.pp, c.num_microbatches, c.pp - 1, c.virtual_stages
         )
-        return (params * state + least_inflight * act) / c.pp
+        return (params * state + least_inflight * act) / c.pp + self._expert_state(c, links)
+
+    def _expert_state(self, c: Config, links) -> float:
+        """What the expert weights' state costs beside ``params * state`` (ep > 1, so pp = 1: the
+        one stage holds them all): ZeRO shards it over the dp / ep ranks holding the same experts,
+        not dp (Note [experts under ZeRO]; a ModuleList's experts are not sharded)."""
+        if c.ep == 1:
+            return 0.0
+        dtype, mode = self.ctx.dtype, c.grad_compression
+        held = sum(s.expert_params for s in self._segment_costs(c, links))
+        zero = c.zero if self.ctx.profile.experts_sharded else 0
+        mine = costs.state_bytes_per_param(dtype, zero, c.dp // c.ep, mode)
+        return held * (mine - costs.state_bytes_per_param(dtype, c.zero, c.dp, mode))
 
     def evaluate(self, c: Config) -> Evaluation:
         """Step time, memory and the best stage boundaries of one configuration."""
@@ -572,7 +605,7 @@ class Search:
             ops = costs.ADAM_DTENSOR_OPS_PER_TENSOR if sharded else costs.ADAM_OPS_PER_TENSOR
             tail = tail + tensors * ops * device.op_overhead_s
         state = costs.state_bytes_per_param(dtype, c.zero, c.dp, mode)
-        held = params * state + work + extra_memory
+        held = params * state + work + extra_memory + self._expert_state(c, links)
         # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
         if c.zero == 3:
             held = held + 2 * largest * sum(costs.unsharded_bytes_per_param(dtype, mode))
@@ -677,6 +710,7 @@ class Search:
         fits = max(memories) <= limit
         dp_tail = max(tails)
         tp_comm = sum(seg.tp_comm_s for seg in tables.segments) * c.num_microbatches / c.pp
+        ep_comm = sum(seg.ep_comm_s for seg in tables.segments) * c.num_microbatches / c.pp
         evaluation = Evaluation(
             config=c,
             feasible=fits,
@@ -689,6 +723,7 @@ class Search:
                 "tp": tp_comm,
                 "dp": dp_tail,
                 "pp": self._p2p_s(c, links) * (c.num_microbatches + c.pp - 1),
+                **({"ep": ep_comm} if c.ep > 1 else {}),
             },
             bubble_fraction=costs.bubble_fraction(c.pp, c.num_microbatches, v),
         )
@@ -799,7 +834,7 @@ class _Tables:
         def prefix(values):
             return np.concatenate(([0.0], np.cumsum(values)))
 
-        self.t = prefix([s.forward_s + s.backward_s + s.tp_comm_s for s in segments])
+        self.t = prefix([s.forward_s + s.backward_s + s.tp_comm_s + s.ep_comm_s for s in segments])
         self.bwd = prefix([s.backward_s for s in segments])
         self.params = prefix([s.params for s in segments])
         self.act = prefix([s.activation_bytes for s in segments])

@@ -436,6 +436,13 @@ class CommTime(_Section):
             "Point-to-point activation and gradient transfers: per micro-batch x (m + pp - 1)."
         )
     )
+    ep: NonNegativeFloat | None = Field(
+        None,
+        description=(
+            "Expert parallelism's all-to-alls of one device over the step (dispatch and combine,"
+            " forward and backward, never overlapped); absent without ep."
+        ),
+    )
 
 
 class UncompressedTime(_Section):
