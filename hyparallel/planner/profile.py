@@ -262,12 +262,19 @@ class ModelProfile:
         in costs.py)."""
         key = (tp, sequence_parallel, micro_batch, recompute, tp_link, ep, ep_link)
         if ep > 1 and key not in self._cache:
-            base = self.segment_costs(tp, sequence_parallel, micro_batch, recompute, tp_link)
+            sp, b = sequence_parallel, micro_batch
             self._cache[key] = tuple(
                 self._expert_parallel(
-                    cost, raw, moe, tp, sequence_parallel, micro_batch, ep, ep_link
+                    self._cost(raw, tp, sp, b, recompute, tp_link, ep),
+                    raw,
+                    moe,
+                    tp,
+                    sp,
+                    b,
+                    ep,
+                    ep_link,
                 )
-                for cost, raw, moe in zip(base, self.raw, self.experts)
+                for raw, moe in zip(self.raw, self.experts)
             )
         if key not in self._cache:
             by_twin: dict[int, SegmentCost] = {}
@@ -415,7 +422,14 @@ class ModelProfile:
         return self._totals[key]
 
     def _cost(
-        self, raw: _SegmentRaw, tp: int, sp: bool, b: int, recompute: str, link: LinkSpec
+        self,
+        raw: _SegmentRaw,
+        tp: int,
+        sp: bool,
+        b: int,
+        recompute: str,
+        link: LinkSpec,
+        ep: int = 1,
     ) -> SegmentCost:
         device = self.cluster.device
         peak = getattr(device.peak_flops, self.dtype)
@@ -463,8 +477,15 @@ class ModelProfile:
             #     to run, the spread the logits' all-gather's input and output (1 + 1/tp of the
             #     whole logits). The largest tensor-parallel collective's: counted beside the loss.
             working += raw.logits_bytes * (1 + 1 / tp)
+        # an expert op's weights: over ep (Note [expert parallelism's costs] in costs.py)
+        experts = self.graph.moe.expert_params if ep > 1 else set()
         weight_grads = max(
-            (self.tp_analysis.params_per_rank(op, tp) for op in raw.weight_ops), default=0.0
+            (
+                self.tp_analysis.params_per_rank(op, tp)
+                / (ep if experts and set(op.params) <= experts else 1)
+                for op in raw.weight_ops
+            ),
+            default=0.0,
         )
         weight_bytes = self.dtype_bytes + 4 if self.dtype != "fp32" else 4
         # an op's activation gradients counted whole (Note [backward's own]): a column's input
@@ -634,11 +655,11 @@ class ModelProfile:
                         * self.scale
                         / self.traced_rows
                         for p in g.predecessors(op.name)
-                        if g.nodes[p]["kind"] != "input"
+                        if g.nodes[p]["kind"] != "input" and p not in self.weight_values
                     )
                 )
                 for op, cost in zip(ops, op_costs)
-                if cost.kind != "view"
+                if cost.kind != "view" and op.name not in self.weight_values
             ),
             default=0.0,
         )
@@ -787,7 +808,9 @@ class ModelProfile:
                 and name not in _SAVES_OUTPUT
             ):
                 sources = [
-                    self._base(p) for p in g.predecessors(op.name) if g.nodes[p]["kind"] != "input"
+                    self._base(p)
+                    for p in g.predecessors(op.name)
+                    if g.nodes[p]["kind"] != "input" and p not in self.weight_values
                 ]
             column = in_block and styles.get(op.name) == "column"
             for source in sources:
@@ -916,10 +939,39 @@ class ModelProfile:
         return 4 / self.dtype_bytes if name in self.fp32_values else 1.0
 
     @cached_property
+    def weight_values(self) -> frozenset[str]:
+        """Values computed from parameters alone (a stacked expert weight transposed for
+        grouped_mm): the weights' own, held once whatever the batch, never a micro-batch's
+        activations (Note [values computed from the weights])."""
+        g = self.graph.graph
+        data: set[str] = set()
+        for name in g.nodes:
+            if g.nodes[name]["kind"] == "input":
+                data |= nx.descendants(g, name) | {name}
+        reading = {op.name for op in self.graph.ops if op.params}
+        found: set[str] = set()
+        for name in nx.topological_sort(g):
+            if name in data or g.nodes[name]["kind"] in ("input", "output"):
+                continue
+            if name in reading or any(p in found for p in g.predecessors(name)):
+                found.add(name)
+        return frozenset(found)
+
+    @cached_property
     def fp32_values(self) -> frozenset[str]:
         """The values a bf16/fp16 plan's runtime holds in fp32 (Note [fp32 under autocast]); none in
         fp32 plans."""
         return autocast_fp32_values(self.graph) if self.dtype != "fp32" else frozenset()
+
+
+# Note [values computed from the weights]
+#     A value no graph input reaches but a parameter does (transformers' grouped_mm experts
+#     transpose their stacked [E, out, in] weights before the product) is the weights' own: a
+#     view or a weight-sized copy, made once per forward whatever the micro-batch. Counted as a
+#     saved activation it was charged per sequence and per micro-batch in flight (DeepSeek-V3 at
+#     seq 4096: 24 GiB "saved" per MoE layer, the transposed gate_up_proj), and its gradient as an
+#     activation's (the weight gradient's transient is counted apart, Note [backward's own]). Both
+#     leave it out.
 
 
 # Note [sequence parallelism on gloo]
