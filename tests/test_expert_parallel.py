@@ -139,3 +139,33 @@ def test_hyparallel_check_takes_ep(capsys):
     assert main([*argv, "--ep", "4"]) == 2
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and "ep (4) must divide dp (2)" in captured.err
+
+
+def best_with_and_without_ep(spec: str, nodes: int, global_batch: int):
+    from hyparallel.planner.api import search
+
+    model = hp.models.load(spec).module
+    cluster = hp.ClusterSpec.preset("h100-sxm", num_nodes=nodes, gpus_per_node=8)
+    result = search(model, cluster, global_batch, 4096, "bf16", top=1, alternatives=True)
+    (without,) = [a for a in result.alternatives if a.label == "no expert parallelism"]
+    return result.best[0], without
+
+
+def test_the_planner_picks_ep_for_mixtral_8x7b_on_64_h100s():
+    # Note [expert parallelism's costs]: 8 experts of 14336-wide SwiGLU over ep 8 inside a node
+    # (all-to-alls on NVLink); without ep the experts' weights and state push the best plan into a
+    # pipeline. 8 of its 32 layers (the same layer, the search in seconds; all 32: ep 8 too, the
+    # best without it 17% slower)
+    best, without = best_with_and_without_ep("mixtral-8x7b num_hidden_layers=8", 8, 512)
+    assert best.config.ep == 8 and best.config.pp == 1 and best.comm_s["ep"] > 0
+    assert without.evaluation.config.ep == 1
+    assert without.evaluation.step_time_s > 1.1 * best.step_time_s
+    assert "slower" in without.why
+
+
+def test_the_planner_picks_ep_for_a_deepseek_v3_shape_on_64_h100s():
+    # 256 routed experts of 2048 and a shared one, top-8 (8 of its 61 layers: the same layer, the
+    # search in seconds): without ep no plan fits
+    best, without = best_with_and_without_ep("deepseek-v3 num_hidden_layers=8", 8, 512)
+    assert best.config.ep > 1 and best.comm_s["ep"] > 0
+    assert not without.evaluation.feasible and "out of memory" in without.why
