@@ -21,9 +21,9 @@ Note [the published MoE row]
 
     What the cost model does differently from that run, each a source of error: Megatron-Core folds
     the tp ranks into the experts' own mapping (expert TP 1 over 8 consecutive GPUs, tokens split
-    over tp by sequence parallelism), so no two GPUs compute the same expert rows; hyparallel keeps
-    the experts whole on each tp rank (Note [experts are not split by tp under ep]) and prices what
-    it runs: each tp rank computes every expert row of its replica, and its ep group spans tp x ep
+    over tp by sequence parallelism), so no two GPUs compute the same expert rows; hyparallel does
+    not split stacked experts by tp and prices what it runs: each tp rank computes every expert
+    row of its replica, and its ep group spans tp x ep
     = 16 GPUs, two nodes. DeepEP's dispatch overlaps and compresses the exchange; the planner prices
     plain all-to-alls (Note [expert parallelism's costs]).
 """

@@ -40,7 +40,10 @@ LAYOUTS = {  # column -> plan constraints (the degrees fixed; the rest the plann
     "tp 2 x pp 2": {"dp": 1, "tp": 2, "pp": 2},
     "dp 2": {"dp": 2, "tp": 1, "pp": 1},
     "planner's pick, 4 processes": {"world": 4},  # every plan the planner writes must run
+    # Note [the ep column]: a model without MoE layers is refused there in one line, shown as "-"
+    "ep 2": {"dp": 2, "tp": 1, "pp": 1, "ep": 2},
 }
+NO_EXPERTS = "has no mixture-of-experts layer the analysis could read, so"
 SPLIT_LAYOUTS = ("tp 2", "pp 2", "tp 2 x pp 2")  # what the 80% count is of
 HAND = {
     "nanoGPT (hand-written)": "benchmarks.sweep_models:nano_gpt",
@@ -327,7 +330,20 @@ def _rerun_columns(
         )
 
 
-def _cell(result: dict, notes: dict[str, int]) -> str:
+# Note [the ep column]
+#     Expert parallelism (issue 38) applies to models with MoE layers only: every other row's ep 2
+#     is refused by check_plan ("... has no mixture-of-experts layer ..."), shown as "-", as is a
+#     row from before the column (not run).
+
+
+def _applies(result: dict | None) -> bool:
+    """Whether a cell's layout applies to its model (Note [the ep column])."""
+    return result is not None and NO_EXPERTS not in (result.get("reason") or "")
+
+
+def _cell(result: dict | None, notes: dict[str, int]) -> str:
+    if not _applies(result):
+        return "-"
     verdict = result["verdict"]
     picked = (result.get("plan") or {}).get("picked")
     if verdict == "equal":
@@ -346,7 +362,9 @@ def _family_lines(built: list[dict]) -> list[str]:
     lines = []
     for family in dict.fromkeys(r["family"] for r in built):
         mine = [r for r in built if r["family"] == family]
-        every = sum(all(v["verdict"] == "equal" for v in r["layouts"].values()) for r in mine)
+        every = sum(
+            all(v["verdict"] == "equal" for v in r["layouts"].values() if _applies(v)) for r in mine
+        )
         picks = [r["layouts"].get("planner's pick, 4 processes") for r in mine]
         ran = sum(1 for p in picks if p and p["verdict"] == "equal")
         lines.append(
@@ -372,6 +390,8 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
     differs = [
         (r["arch"], c) for r in built for c, v in r["layouts"].items() if v["verdict"] == "differs"
     ]
+    experts = [r for r in built if _applies(r["layouts"].get("ep 2"))]
+    experts_equal = sum(r["layouts"]["ep 2"]["verdict"] == "equal" for r in experts)
     failed = [
         (r["arch"], c) for r in built for c, v in r["layouts"].items() if v["verdict"] == "failed"
     ]
@@ -408,6 +428,12 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
         *_family_lines(built),
         "",
         (
+            f"**Expert parallelism (ep 2, dp 2): {experts_equal} of the {len(experts)} models whose"
+            " MoE layers it runs give the single-device numbers**; the others are refused in one"
+            " line (the notes), and a model without MoE layers shows - there."
+        ),
+        "",
+        (
             "The families (`benchmarks/sweep.py --families`; the classes of a transformers family"
             " are those of its auto mapping, the architectures not run are listed at the end):"
         ),
@@ -424,7 +450,7 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
     ]
     notes: dict[str, int] = {}
     for row in built:
-        cells = [_cell(row["layouts"][c], notes) for c in LAYOUTS]
+        cells = [_cell(row["layouts"].get(c), notes) for c in LAYOUTS]
         arch = row["arch"] + (
             f" (loss: {row['loss'].rpartition(':')[2]})" if row.get("loss") else ""
         )

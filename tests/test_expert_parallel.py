@@ -26,8 +26,8 @@ def assert_equal_everywhere(spec: str, layouts: list[dict]) -> None:
 
 def test_a_hand_written_where_dispatch_moe_is_equal_under_ep():
     # a ModuleList of experts called one at a time: one exchange per expert; ep 2 and 4, experts
-    # replicated over 2 of 4 dp ranks under ZeRO 3, and beside tp (attention split, experts whole:
-    # Note [experts are not split by tp under ep])
+    # replicated over 2 of 4 dp ranks under ZeRO 3, and beside tp (experts split column/row too:
+    # Note [what a remote expert keeps])
     assert_equal_everywhere(
         WHERE,
         [

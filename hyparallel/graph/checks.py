@@ -91,14 +91,6 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
         check_expert_parallel(graph, par.ep, par.pp)
     if plan.tensor_parallel is not None:
         styles = check_styles(graph, plan.tensor_parallel)
-    if par.ep > 1:
-        # Note [experts are not split by tp under ep] (hyparallel.runtime.experts)
-        experts = [layer.experts for layer in graph.moe.layers]
-        styles = {
-            path: style
-            for path, style in styles.items()
-            if not any(path == e or path.startswith(e + ".") for e in experts)
-        }
     if par.vocab_parallel_loss:  # tp > 1 (the schema's check)
         check_vocab_parallel_loss(graph, styles if plan.tensor_parallel is not None else None)
     if par.recompute != "none" and par.pp == 1:

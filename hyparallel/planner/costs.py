@@ -105,16 +105,16 @@ def all_to_all_s(num_bytes: Figure, group_size: int, link: LinkSpec) -> Figure:
 #     Under ep > 1 (pp = 1; hyparallel.runtime.experts) a segment's expert ops cost, per
 #     micro-batch:
 #     * compute: each rank runs its E/ep experts on every rank's tokens routed there, which on
-#       average is as many (token, expert) pairs as its own tokens make, whole (tp does not split
-#       experts under ep: Note [experts are not split by tp under ep]), times EXPERT_IMBALANCE: the
+#       average is as many (token, expert) pairs as its own tokens make, split by tp as without ep
+#       (a ModuleList's experts column/row, stacked ones not at all), times EXPERT_IMBALANCE: the
 #       busiest rank's pairs over the mean, which the step waits for. 1.2 is what Megatron-Core's
 #       dropless MoE with a load-balancing loss is commonly reported to keep its most loaded expert
 #       under early in training (not measured here; not calibrated by `hyparallel calibrate`).
 #     * the exchange: EXCHANGES_PER_MOE_LAYER all-to-alls of tokens x top-k x hidden in the plan's
 #       dtype per MoE layer (dispatch and combine, forward and backward), over the link the ep group
 #       spans (ep consecutive dp ranks, tp inside them), never overlapped with compute.
-#     * memory: the expert weights over ep (and their optimizer state over ZeRO's dp / ep
-#       replicas), everything else as before.
+#     * memory: the expert weights a tp rank holds, over ep (and their optimizer state over ZeRO's
+#       dp / ep replicas), everything else as before.
 #     The router's auxiliary loss is not priced.
 EXPERT_IMBALANCE = 1.2
 EXCHANGES_PER_MOE_LAYER = 4

@@ -528,11 +528,11 @@ class ModelProfile:
         device = self.cluster.device
         peak = getattr(device.peak_flops, self.dtype)
         serial = self.cluster.backend == "gloo"
+        # as tp splits them (or not: stacked experts), on as many (token, expert) pairs as before
         split = [_op_times(raw.ops[i], tp, sp, b, peak, device, serial) for i in moe.ops]
-        whole = [_op_times(raw.ops[i], 1, False, b, peak, device, serial) for i in moe.ops]
         imbalance = costs.EXPERT_IMBALANCE
-        extra_forward = sum(w[0] * imbalance - s[0] for w, s in zip(whole, split))
-        extra_backward = sum(w[1] * imbalance - s[1] for w, s in zip(whole, split))
+        extra_forward = sum(s[0] for s in split) * (imbalance - 1)
+        extra_backward = sum(s[1] for s in split) * (imbalance - 1)
         held = sum(
             self.tp_analysis.params_per_rank(self.graph.op(self._segment_op(raw, i)), tp)
             for i in moe.ops
@@ -542,8 +542,8 @@ class ModelProfile:
             cost,
             forward_s=cost.forward_s + extra_forward,
             backward_s=cost.backward_s + extra_backward,
-            params=cost.params - held + moe.params / ep,
-            expert_params=moe.params / ep,
+            params=cost.params - held + held / ep,
+            expert_params=held / ep,
             ep_comm_s=costs.EXCHANGES_PER_MOE_LAYER * exchange,
         )
 

@@ -156,7 +156,7 @@ def apply_expert_parallel(
                 if first <= index < first + per:
                     _own(experts[index], call)
                 else:
-                    experts[index] = _RemoteExpert(call)
+                    experts[index] = _RemoteExpert(call, experts[index])
     names = frozenset(
         name
         for name, _ in model.named_parameters()
@@ -282,14 +282,17 @@ def _counts(send: torch.Tensor, group) -> torch.Tensor:
 #     their weights and optimizer state stay whole on each replica.
 
 
-# Note [experts are not split by tp under ep]
-#     Under ep > 1 tensor parallelism leaves the experts whole (check_plan drops their column/row
-#     styles; stacked expert weights it never splits), as Megatron-Core's expert tensor-parallel
-#     size 1, its default with expert parallelism: each tp rank of an ep group runs the same tokens
-#     through the same experts. Splitting an expert the ep exchange runs on one rank by tp too
-#     measured wrong gradients (tests.tiny_lms:where_moe_lm, dp 2 x tp 2 x ep 2: every weight below
-#     the MoE off by 0.2 relative, the loss equal), so it is not offered until it is understood and
-#     tested.
+# Note [what a remote expert keeps]
+#     A rank not holding an expert calls a _RemoteExpert in its place, which must be called as the
+#     expert would be: it takes over the expert's forward hooks. Tensor parallelism enters its
+#     region at a module's call (a forward pre-hook on the expert whose first Linear is a column:
+#     the input's gradient all-reduced over tp), and a ModuleList's experts split column/row by tp
+#     under ep (expert tensor parallelism beside expert parallelism) got every weight below the
+#     MoE 0.2 off (tests.tiny_lms:where_moe_lm, dp 2 x tp 2 x ep 2, the loss equal) while the
+#     remote experts dropped that hook: the rows they sent came back with the owner's gradient
+#     of its column slice only. On the rank holding the expert the hook runs on its own rows
+#     before the exchange, on every other rank on theirs: the partial gradients that come back
+#     are summed over tp where the rows were made, as without ep.
 
 
 # --- the list layout: one call across the ep group per expert ---
@@ -344,9 +347,14 @@ class _RemoteExpert(nn.Module):
     """An expert another rank of the ep group holds: its call sends the rows there and returns
     what comes back."""
 
-    def __init__(self, call: _Call):
+    def __init__(self, call: _Call, expert: nn.Module):
         super().__init__()
         self._call = call
+        # Note [what a remote expert keeps]: the hooks on the expert's own call
+        self._forward_pre_hooks.update(expert._forward_pre_hooks)
+        self._forward_pre_hooks_with_kwargs.update(expert._forward_pre_hooks_with_kwargs)
+        self._forward_hooks.update(expert._forward_hooks)
+        self._forward_hooks_with_kwargs.update(expert._forward_hooks_with_kwargs)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         return self._call(rows, None)
