@@ -594,6 +594,85 @@ BENCHMARKS.append(
         timeout_s=2400,
     )
 )
+
+
+def render_experts(outcome: Outcome) -> tuple[str, list[str]]:
+    """ep_vs_etp.py: each side's median step and their ratio."""
+    f = outcome.figures
+    median = f["median_step_s"]
+    summary = f"ep / etp {f['ep_over_etp']:.2f} (step time; losses equal to one device's)"
+    lines = [
+        "Peer: expert tensor parallelism (tp 2, every expert split column/row) in the same run;"
+        " ep / etp below 1 means expert parallelism is faster.",
+        "",
+        *_table(
+            ["side", "median step ms", "loss"],
+            "lrr",
+            [
+                [name, f"{median[name] * 1e3:.1f}", f"{f['loss'][name]:.6f}"]
+                for name in ("ep", "etp")
+            ],
+        ),
+        "",
+        f"Single-device loss {f['single_device_loss']:.6f}; sizes {f['args']}.",
+    ]
+    return summary, lines
+
+
+def render_published_moe(outcome: Outcome) -> tuple[str, list[str]]:
+    """published_moe.py: the row, measured against predicted, and the error."""
+    f = outcome.figures
+    summary = (
+        f"{f['id']}: measured {f['measured_s']:.1f} s, predicted {f['predicted_s']:.1f} s, error"
+        f" {f['error']:+.0%}"
+    )
+    lines = [
+        "Peer: the published measurement; error = predicted / measured - 1. Why the error is what"
+        " it is: Note [the published MoE row] in benchmarks/published_moe.py.",
+        "",
+        *_table(
+            ["id", "source", "config", "measured s", "predicted s", "error", "comm s"],
+            "lllrrrl",
+            [
+                [
+                    f["id"],
+                    f["source"],
+                    f["config"],
+                    f"{f['measured_s']:.2f}",
+                    f"{f['predicted_s']:.2f}",
+                    f"{f['error']:+.1%}",
+                    ", ".join(f"{k} {v:.2f}" for k, v in f["comm_s"].items()),
+                ]
+            ],
+        ),
+    ]
+    return summary, lines
+
+
+BENCHMARKS.append(
+    Benchmark(
+        "ep_vs_etp",
+        "Expert parallelism against expert tensor parallelism",
+        "One training step of a hand-written top-2 MoE (tests.tiny_lms:where_moe_lm) over 2 gloo"
+        " processes: dp 2 x ep 2 (experts split over the ranks, tokens exchanged with all-to-all)"
+        " against tp 2 (every expert split column/row), the same global batch and weights.",
+        render_experts,
+        quick_args=("--hidden", "64", "--seq", "32", "--batch", "4", "--steps", "3"),
+        distributed=True,
+        timeout_s=600,
+    )
+)
+BENCHMARKS.append(
+    Benchmark(
+        "published_moe",
+        "The expert-parallel cost model against a published MoE measurement",
+        "Qwen3-235B-A22B at tp 2 x ep 8 x dp 128 (ZeRO 3, micro-batch 4, full recomputation) on"
+        " 256 H100s, as Megatron-Core's MoE model zoo ran it, costed on the stock `h100-sxm` preset"
+        " against its published 17.6 s per step.",
+        render_published_moe,
+        timeout_s=900,
+    )
+)
 NAMES = [b.name for b in BENCHMARKS] + ["gpu"]
 
 

@@ -428,9 +428,10 @@ def render(rows: list[dict], doc: Path, remark: str = "", expected: list[str] = 
         *_family_lines(built),
         "",
         (
-            f"**Expert parallelism (ep 2, dp 2): {experts_equal} of the {len(experts)} models whose"
-            " MoE layers it runs give the single-device numbers**; the others are refused in one"
-            " line (the notes), and a model without MoE layers shows - there."
+            f"**Expert parallelism (ep 2, dp 2): {experts_equal} of the {len(experts)} models it"
+            " applies to give the single-device numbers**; the others are refused in one line (the"
+            " notes). A model with no MoE layer the analysis reads (Note [an MoE layer read from"
+            " the trace]) shows - there."
         ),
         "",
         (

@@ -187,10 +187,14 @@ def _scoring_linear(graph: ModelGraph, op: Op, experts: int) -> str | None:
             continue
         seen.add(name)
         producer = graph.op(name)
-        if producer.kind == "linear":
+        # a Linear, or F.linear of a weight cast first (Ernie 4.5's router computes in fp32)
+        if producer.kind == "linear" or (producer.kind == "matmul" and producer.target == "linear"):
             widths = {shape[-1] for shape in producer.output_shapes if shape}
             return producer.module if experts in widths else None
-        if producer.target.lower() in _SCORE_OPS:
+        # a score op, or a leaf module keeping the scores' shape (Ernie 4.5's bias-adding
+        # MoeStatics)
+        keeps = producer.kind == "elementwise" and producer.output_shapes == op.input_shapes[:1]
+        if producer.target.lower() in _SCORE_OPS or keeps:
             frontier.extend(graph.graph.predecessors(name))
     return None
 
