@@ -20,6 +20,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from hyparallel.graph.model_graph import ModelGraph
+from hyparallel.graph.moe import expert_output_width
 from hyparallel.graph.structure import TPAnalysis, holder, split_tie
 from hyparallel.spec.errors import ConfigError
 from hyparallel.spec.schema import Plan, TPStyle
@@ -124,6 +125,11 @@ def check_expert_parallel(graph: ModelGraph, ep: int, pp: int) -> None:
             raise ConfigError(
                 f"parallel.ep {ep} does not divide the {layer.num_experts} experts of"
                 f" {layer.experts}; use an ep that divides {layer.num_experts}"
+            )
+        if layer.layout == "list" and expert_output_width(graph, layer) is None:
+            raise ConfigError(
+                f"parallel.ep {ep}: the experts of {layer.experts} have no single output tensor in"
+                " the trace, so a rank not holding one cannot receive it; use ep: 1"
             )
 
 

@@ -137,6 +137,22 @@ def find_moe(graph: ModelGraph) -> MoEAnalysis:
     return MoEAnalysis(layers=tuple(layers.values()), refused=refused)
 
 
+def expert_output_width(graph: ModelGraph, layer: MoELayer) -> int | None:
+    """The last dimension of the output of expert 0 of a ModuleList of experts, from the trace (what
+    expert parallelism sends back to a rank not holding it); None when it has not exactly one
+    output width."""
+    first = f"{layer.experts}.0"
+    inside = [op for op in graph.ops if op.module == first or _under(op.module, first)]
+    names = {op.name for op in inside}
+    leaving = [
+        op
+        for op in inside
+        if any(successor not in names for successor in graph.graph.successors(op.name))
+    ]
+    widths = {op.output_shapes[0][-1] for op in leaving if op.output_shapes and op.output_shapes[0]}
+    return widths.pop() if len(widths) == 1 else None
+
+
 def _parameters(graph: ModelGraph) -> dict[str, tuple[int, ...]]:
     """Every parameter the trace read, by name: its shape (from the op that owns it)."""
     shapes: dict[str, tuple[int, ...]] = {}

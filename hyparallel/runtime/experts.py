@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyparallel.graph.model_graph import ModelGraph
-from hyparallel.graph.moe import MoELayer
+from hyparallel.graph.moe import MoELayer, expert_output_width
 from hyparallel.spec.errors import ConfigError
 from hyparallel.tensor.init import ShardLayout
 
@@ -88,11 +88,11 @@ class ExpertParallel:
         return {p for p in self.parameters(model) if id(p) not in inside}
 
     def reduce_grads(self, model: nn.Module) -> None:
-        """After the step's last backward: each expert gradient summed over the ranks holding the
-        same experts and divided by dp (Note [expert parallelism])."""
+        """After the step's last backward: each expert gradient FSDP2 does not reduce, averaged over
+        the ranks holding the same experts (it is already 1/ep of its ep group's sum: Note [an
+        expert's gradient is a mean over dp])."""
         from hyparallel.runtime.data_parallel import all_reduce_mean
 
-        # already 1/ep of their ep group's sum (Note [an expert's gradient is a mean over dp])
         # FSDP2 reduces the experts ZeRO shards (Note [experts under ZeRO])
         grads = [
             p.grad
@@ -176,23 +176,10 @@ def apply_expert_parallel(
 
 
 def _output_width(graph: ModelGraph, layer: MoELayer) -> int:
-    """The last dimension of expert 0's output in the trace (what a rank not holding an expert
-    receives back from it)."""
-    first = f"{layer.experts}.0"
-    inside = [op for op in graph.ops if op.module == first or op.module.startswith(first + ".")]
-    names = {op.name for op in inside}
-    leaving = [
-        op
-        for op in inside
-        if any(successor not in names for successor in graph.graph.successors(op.name))
-    ]
-    widths = {op.output_shapes[0][-1] for op in leaving if op.output_shapes and op.output_shapes[0]}
-    if len(widths) != 1:
-        raise ConfigError(
-            f"parallel.ep: the experts of {layer.experts} have no single output tensor in the"
-            " trace, so another rank cannot receive one; use ep: 1 for this model"
-        )
-    return widths.pop()
+    """The last dimension of expert 0's output (check_plan refused a layer without one)."""
+    width = expert_output_width(graph, layer)
+    assert width is not None, layer.experts  # graph.checks.check_expert_parallel
+    return width
 
 
 class _Anchor:
@@ -356,8 +343,8 @@ class _RemoteExpert(nn.Module):
         self._forward_hooks.update(expert._forward_hooks)
         self._forward_hooks_with_kwargs.update(expert._forward_hooks_with_kwargs)
 
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._call(rows, None)
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._call(_one_tensor(self._call, args, kwargs), None)
 
     def extra_repr(self) -> str:
         return f"on ep rank {self._call.owner}"
@@ -369,13 +356,18 @@ class _OwnedExpert:
     _ep_call: _Call
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs or len(args) != 1:
-            raise ConfigError(
-                f"parallel.ep: {self._ep_call.path} was called with {len(args)} arguments and"
-                f" {len(kwargs)} keywords; an expert split over ep ranks takes one tensor of rows;"
-                " use ep: 1 for this model"
-            )
-        return self._ep_call(args[0], super().forward)
+        return self._ep_call(_one_tensor(self._ep_call, args, kwargs), super().forward)
+
+
+def _one_tensor(call: _Call, args: tuple, kwargs: dict) -> Any:
+    """The one argument of an expert's call; anything else is refused, on every rank alike."""
+    if kwargs or len(args) != 1:
+        raise ConfigError(
+            f"parallel.ep: {call.path} was called with {len(args)} arguments and {len(kwargs)}"
+            " keywords; an expert split over ep ranks takes one tensor of rows; use ep: 1 for this"
+            " model"
+        )
+    return args[0]
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
