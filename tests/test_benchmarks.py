@@ -722,3 +722,38 @@ def test_the_sweeps_build_check_trains_a_small_copy_and_names_what_fails():
     assert sweep.builds("tests.tiny_lms:where_moe_lm", None) is None
     why = sweep.builds("tests.tiny_lms:where_moe_lm vocab_size=zero", None)
     assert why and "\n" not in why
+
+
+def test_the_expert_parallel_benchmarks_render_their_ratio_and_error():
+    # issue 38: ep against expert tensor parallelism (a ratio from one run), and the published MoE
+    # row's signed error
+    experts = run_all.Outcome(
+        "ep_vs_etp",
+        "python -m torch.distributed.run ... benchmarks/ep_vs_etp.py",
+        "ok",
+        40,
+        {
+            "median_step_s": {"ep": 0.2, "etp": 0.25},
+            "ep_over_etp": 0.8,
+            "loss": {"ep": 5.6, "etp": 5.6},
+            "single_device_loss": 5.6,
+            "args": {"hidden": 256},
+        },
+    )
+    summary, lines = run_all.render_experts(experts)
+    assert summary.startswith("ep / etp 0.80") and "| ep | 200.0 | 5.600000 |" in "\n".join(lines)
+    row = {
+        "id": "qwen3-235b-ep8",
+        "source": "Megatron-MoE-ModelZoo",
+        "config": "tp 2 pp 1 dp 128 (ep 8)",
+        "measured_s": 17.6,
+        "predicted_s": 22.0,
+        "error": 0.25,
+        "comm_s": {"tp": 0.5, "ep": 3.0},
+    }
+    published = run_all.Outcome(
+        "published_moe", "python benchmarks/published_moe.py", "ok", 60, row
+    )
+    summary, lines = run_all.render_published_moe(published)
+    assert summary == "qwen3-235b-ep8: measured 17.6 s, predicted 22.0 s, error +25%"
+    assert "| 17.60 | 22.00 | +25.0% | tp 0.50, ep 3.00 |" in "\n".join(lines)
