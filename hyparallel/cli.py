@@ -198,7 +198,9 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
     )
     mesh = " x ".join(f"{axis} {size}" for axis, size in plan.mesh_shape().items())
     out.print(
-        f"parallel {mesh} = {plan.world_size} processes; schedule {par.schedule}"
+        f"parallel {mesh} = {plan.world_size} processes"
+        + (f" (experts over ep {par.ep} of the dp ranks)" if par.ep > 1 else "")
+        + f"; schedule {par.schedule}"
         + (f" ({par.virtual_stages} virtual stages)" if par.virtual_stages > 1 else "")
         + f", recompute {par.recompute}, ZeRO {par.zero}, sequence parallel"
         f" {'on' if par.sequence_parallel else 'off'}"
@@ -224,6 +226,9 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
         groups.add_row(
             axis, str(plan.world_size // size), _ranks(_first_group(plan, axis)), _link(plan, axis)
         )
+    if par.ep > 1:  # the first ep dp ranks (Note [expert parallelism])
+        first = _first_group(plan, "dp")[: par.ep]
+        groups.add_row("ep", str(plan.world_size // par.ep), _ranks(first), _ep_link(plan))
     out.print(groups)
     out.print(views.device_map(plan))
     out.print(views.stage_table(plan))
@@ -270,6 +275,19 @@ def _link(plan, axis: str) -> str:
         return "-"
     sizes = {a: getattr(plan.parallel, a) for a in ("pp", "dp", "tp")}
     return axis_link(plan.placement.order, sizes, axis, plan.cluster).name
+
+
+def _ep_link(plan) -> str:
+    """The link the planner prices an ep group's all-to-alls on."""
+    from hyparallel.planner.search import Config, ep_link
+
+    if plan.cluster is None:
+        return "-"
+    par = plan.parallel
+    config = Config(
+        par.tp, par.pp, par.dp, 1, 1, "1f1b", 1, "none", 0, False, plan.placement.order, ep=par.ep
+    )
+    return ep_link(config, plan.cluster).name
 
 
 def cmd_trace(args: argparse.Namespace, out: Console) -> None:

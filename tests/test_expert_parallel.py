@@ -169,3 +169,20 @@ def test_the_planner_picks_ep_for_a_deepseek_v3_shape_on_64_h100s():
     best, without = best_with_and_without_ep("deepseek-v3 num_hidden_layers=8", 8, 512)
     assert best.config.ep > 1 and best.comm_s["ep"] > 0
     assert not without.evaluation.feasible and "out of memory" in without.why
+
+
+def test_show_names_the_ep_groups_and_their_link(tmp_path, capsys):
+    from hyparallel.cli import main
+
+    plan = tmp_path / "ep.yaml"
+    plan.write_text(
+        "version: 1\ncluster: {name: h100-sxm, num_nodes: 2}\n"
+        "training: {global_batch: 16, micro_batch: 1, seq_len: 128, dtype: bf16}\n"
+        "parallel: {dp: 8, tp: 2, pp: 1, ep: 4}\n"
+    )
+    assert main(["show", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "(experts over ep 4 of the dp ranks)" in out
+    # 4 consecutive dp ranks, tp 2 inside them: ranks 0, 2, 4, 6, one node's NVLink
+    (row,) = [line for line in out.splitlines() if line.startswith("│ ep ")]
+    assert "0..6 step 2 (4)" in row and "NVLink" in row
