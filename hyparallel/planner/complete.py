@@ -77,6 +77,7 @@ def complete(
             tp=par.tp,
             pp=par.pp,
             dp=par.dp,
+            ep=par.ep,
             schedule=par.schedule,
             virtual_stages=par.virtual_stages,
             recompute=par.recompute,

@@ -207,7 +207,9 @@ def describe(plan: Plan) -> str:
     ZeRO 0``."""
     par, tr = plan.parallel, plan.training
     return (
-        f"dp {par.dp} tp {par.tp} pp {par.pp}, micro-batch {tr.micro_batch} x"
+        f"dp {par.dp} tp {par.tp} pp {par.pp}"
+        + (f" ep {par.ep}" if par.ep > 1 else "")
+        + f", micro-batch {tr.micro_batch} x"
         f" {plan.num_microbatches}, {par.schedule}, recompute {par.recompute}, ZeRO {par.zero}"
     )
 
@@ -336,6 +338,7 @@ def fixed(plan: Plan) -> dict[str, Any]:
         "tp": par.tp,
         "pp": par.pp,
         "dp": par.dp,
+        "ep": par.ep,
         "micro_batch": plan.training.micro_batch,
         "schedule": par.schedule,
         "virtual_stages": par.virtual_stages,
