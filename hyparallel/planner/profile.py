@@ -555,12 +555,6 @@ class ModelProfile:
         return {id(raw): tuple(seg.ops) for raw, seg in zip(self.raw, self.segments)}
 
     @cached_property
-    def experts_sharded(self) -> bool:
-        """Whether ZeRO shards the experts over their replicas (stacked ones; Note [experts under
-        ZeRO] in hyparallel/runtime/experts.py)."""
-        return all(layer.layout == "grouped" for layer in self.graph.moe.layers)
-
-    @cached_property
     def expert_counts(self) -> tuple[int, ...]:
         """The expert count of each MoE layer graph.moe found (none: no expert parallelism)."""
         return tuple(layer.num_experts for layer in self.graph.moe.layers)

@@ -476,13 +476,12 @@ class Search:
     def _expert_state(self, c: Config, links) -> float:
         """What the expert weights' state costs beside ``params * state`` (ep > 1, so pp = 1: the
         one stage holds them all): ZeRO shards it over the dp / ep ranks holding the same experts,
-        not dp (Note [experts under ZeRO]; a ModuleList's experts are not sharded)."""
+        not dp (Note [experts under ZeRO])."""
         if c.ep == 1:
             return 0.0
         dtype, mode = self.ctx.dtype, c.grad_compression
         held = sum(s.expert_params for s in self._segment_costs(c, links))
-        zero = c.zero if self.ctx.profile.experts_sharded else 0
-        mine = costs.state_bytes_per_param(dtype, zero, c.dp // c.ep, mode)
+        mine = costs.state_bytes_per_param(dtype, c.zero, c.dp // c.ep, mode)
         return held * (mine - costs.state_bytes_per_param(dtype, c.zero, c.dp, mode))
 
     def evaluate(self, c: Config) -> Evaluation:

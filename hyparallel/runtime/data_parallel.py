@@ -237,6 +237,9 @@ def apply_data_parallel(
                 fully_shard(
                     unit, mesh=experts.replica_mesh, reshard_after_forward=reshard, **policy
                 )
+                # Note [an expert unit prefetches nothing] (hyparallel.runtime.experts): only
+                # itself, which its own pre-backward has gathered already
+                unit.set_modules_to_backward_prefetch([unit])
             ignored |= experts.unsharded(module)
         policy["ignored_params"] = ignored
     for block in blocks:

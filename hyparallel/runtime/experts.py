@@ -75,15 +75,20 @@ class ExpertParallel:
         return [p for name, p in model.named_parameters() if name in self.names]
 
     def units(self, model: nn.Module) -> list[nn.Module]:
-        """The modules ZeRO shards over the expert replicas: each layer's stacked experts (Note
-        [experts under ZeRO])."""
-        return [
-            model.get_submodule(layer.experts) for layer in self.layers if layer.layout == "grouped"
-        ]
+        """The modules ZeRO shards over the expert replicas: each layer's stacked experts, each
+        expert of a ModuleList this rank holds (Note [experts under ZeRO])."""
+        found = []
+        for layer in self.layers:
+            experts = model.get_submodule(layer.experts)
+            if layer.layout == "grouped":
+                found.append(experts)
+            else:
+                found += [e for e in experts if not isinstance(e, _RemoteExpert)]
+        return found
 
     def unsharded(self, model: nn.Module) -> set[nn.Parameter]:
-        """This rank's expert parameters outside ``units``: FSDP2 ignores them, reduce_grads
-        averages them."""
+        """This rank's expert parameters outside ``units`` (none of a layer graph.moe read): FSDP2
+        ignores them, reduce_grads averages them."""
         inside = {id(p) for unit in self.units(model) for p in unit.parameters()}
         return {p for p in self.parameters(model) if id(p) not in inside}
 
@@ -256,17 +261,26 @@ def _counts(send: torch.Tensor, group) -> torch.Tensor:
 
 
 # Note [experts under ZeRO]
-#     Under ZeRO 1-3 each layer's stacked experts (the grouped layout) are
-#     its own FSDP2 unit over the expert-data-parallel mesh (torchtitan's dp_mod_ep mesh): its
-#     weights, gradients and optimizer state sharded over the dp / ep ranks holding the same
-#     experts, its gradient averaged there (Note [an expert's gradient is a mean over dp]). With
+#     Under ZeRO 1-3 each layer's stacked experts, and each expert of a ModuleList a rank holds,
+#     are an FSDP2 unit of their own over the expert-data-parallel mesh (torchtitan's dp_mod_ep
+#     mesh): weights, gradients and optimizer state sharded over the dp / ep ranks holding the same
+#     experts, the gradient averaged there (Note [an expert's gradient is a mean over dp]). With
 #     ep = dp that mesh has one rank, and they are a unit over it all the same: left to FSDP2 as
 #     ignored parameters inside their block's unit instead, the weights before them got wrong
 #     gradients (hf:MixtralForCausalLM, dp 2 x ep 2, ZeRO 1: post_attention_layernorm 1.0 off;
-#     not understood yet). A ModuleList's experts are not sharded (FSDP2 ignores them; reduce_grads
-#     averages them): each held expert as its own FSDP2 unit over the replicas hung in the first
-#     backward under ZeRO 3 (tests.tiny_lms:where_moe_lm, dp 4 x ep 2), not understood yet, so
-#     their weights and optimizer state stay whole on each replica.
+#     not understood yet).
+
+
+# Note [an expert unit prefetches nothing]
+#     FSDP2 prefetches in the backward: a unit's pre-backward all-gathers the unit that ran before
+#     it in the forward. For an expert unit that is another expert, or the block before (an
+#     all-gather over the whole dp mesh), and which it is differs between ranks holding other
+#     experts: rank 0 (experts 0, 1) reached it at expert 0's exchange, rank 1 (experts 2, 3) at
+#     expert 2's, so rank 1 waited in the block's all-gather while rank 0 waited for it in an
+#     exchange (tests.tiny_lms:where_moe_lm, dp 4 x ep 2, ZeRO 3: a hang in the first backward).
+#     An expert unit prefetches only itself (already gathered by its own pre-backward: a no-op);
+#     FSDP2 has no other way to say none, an empty list being its default. The block it would have
+#     prefetched is gathered by its own pre-backward, at the same place on every rank.
 
 
 # Note [what a remote expert keeps]
