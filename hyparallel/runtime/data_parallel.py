@@ -231,7 +231,6 @@ def apply_data_parallel(
     reshard = par.zero == 3
     policy = {"mp_policy": policy} if (policy := fsdp_policy(plan)) is not None else {}
     if experts is not None:  # Note [experts under ZeRO] (hyparallel.runtime.experts)
-        ignored = set()
         for module in modules:
             for unit in experts.units(module):
                 fully_shard(
@@ -240,8 +239,6 @@ def apply_data_parallel(
                 # Note [an expert unit prefetches nothing] (hyparallel.runtime.experts): only
                 # itself, which its own pre-backward has gathered already
                 unit.set_modules_to_backward_prefetch([unit])
-            ignored |= experts.unsharded(module)
-        policy["ignored_params"] = ignored
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policy)
     for module in modules:

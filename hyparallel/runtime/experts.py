@@ -86,12 +86,6 @@ class ExpertParallel:
                 found += [e for e in experts if not isinstance(e, _RemoteExpert)]
         return found
 
-    def unsharded(self, model: nn.Module) -> set[nn.Parameter]:
-        """This rank's expert parameters outside ``units`` (none of a layer graph.moe read): FSDP2
-        ignores them, reduce_grads averages them."""
-        inside = {id(p) for unit in self.units(model) for p in unit.parameters()}
-        return {p for p in self.parameters(model) if id(p) not in inside}
-
     def reduce_grads(self, model: nn.Module) -> None:
         """After the step's last backward: each expert gradient FSDP2 does not reduce, averaged over
         the ranks holding the same experts (it is already 1/ep of its ep group's sum: Note [an
@@ -195,11 +189,11 @@ class _Anchor:
     def __init__(self) -> None:
         self._tensor: torch.Tensor | None = None
 
-    def get(self) -> torch.Tensor | None:
+    def get(self, device: torch.device) -> torch.Tensor | None:
         if not torch.is_grad_enabled():
             return None
-        if self._tensor is None:
-            self._tensor = torch.zeros((), requires_grad=True)
+        if self._tensor is None or self._tensor.device != device:
+            self._tensor = torch.zeros((), requires_grad=True, device=device)
         return self._tensor
 
 
@@ -235,10 +229,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _exchange(rows: torch.Tensor, send: list[int], receive: list[int], group, anchor) -> Any:
-    tensor = anchor.get()
-    if tensor is not None and tensor.device != rows.device:
-        anchor._tensor = tensor = torch.zeros((), requires_grad=True, device=rows.device)
-    return _AllToAll.apply(rows, tensor, send, receive, group)
+    return _AllToAll.apply(rows, anchor.get(rows.device), send, receive, group)
 
 
 def _counts(send: torch.Tensor, group) -> torch.Tensor:
