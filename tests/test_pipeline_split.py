@@ -367,3 +367,50 @@ def test_a_stage_reads_the_subgraphs_torch_export_keeps_beside_the_graph():
     materialize_(reference, "cpu", seed=SEED)
     # The same ops on the same values through the exported graph: fp32 rounding at most.
     torch.testing.assert_close(logits_of(received), reference(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_stages_exported_with_symbolic_sizes_run_other_lengths_and_refuse_what_they_cannot():
+    # Note [one export for every length] (hyparallel/graph/tracer.py): one export serves every
+    # sequence length and batch its input constraints admit; sizes the model fixes, sizes below the
+    # range and inputs that must share a size but do not are refused before anything runs
+    spec = MODELS["hf-llama"]
+    model = hp.models.load(spec).module
+    example = {
+        "input_ids": torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),
+        "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long, device="meta"),
+    }
+    split = split_model(model, planned_stages(model, pp=2), example, dynamic=True)
+    materialize_(model, "cpu", seed=SEED, only=split.state_names([0, 1]))
+    runtime = PipelineRuntime(
+        split,
+        {0: split.stage_module(0), 1: split.stage_module(1)},
+        None,
+        schedule_kind="interleaved-1f1b",
+        num_microbatches=1,
+        virtual_stages=2,
+    )
+    ref = reference(spec)
+    for rows, length in ((BATCH, SEQ), (3, 5), (BATCH, 2 * SEQ - 1)):
+        tokens = torch.randint(0, vocab(model), (rows, length))
+        mask = torch.ones_like(tokens)
+        mask[0, -2:] = 0  # padding on one row
+        inputs = {"input_ids": tokens, "attention_mask": mask}
+        assert split.mismatch(split.flatten_inputs(inputs)) is None, (rows, length)
+        (out,) = runtime.forward(inputs)
+        # the same ops as one device's forward, at the same shapes: rounding only
+        torch.testing.assert_close(
+            logits_of(out), ref(**inputs).logits, rtol=1e-5, atol=1e-6, msg=str((rows, length))
+        )
+    # torch.export fixes sizes 0 and 1: one token is not the symbolic length
+    one = {"input_ids": torch.zeros(BATCH, 1, dtype=torch.long)}
+    one["attention_mask"] = torch.ones_like(one["input_ids"])
+    assert split.mismatch(split.flatten_inputs(one)) is not None
+    # the mask's length is the tokens' length in the trace: a mask of another length is refused
+    unequal = {
+        "input_ids": torch.zeros(BATCH, SEQ, dtype=torch.long),
+        "attention_mask": torch.ones(BATCH, SEQ + 1, dtype=torch.long),
+    }
+    position, shape, traced = split.mismatch(split.flatten_inputs(unequal))
+    assert (position, shape) == (1, (BATCH, SEQ + 1)) and ".." in traced
+    with pytest.raises(ConfigError, match=r"micro-batch input 1 has shape \(2, 13\)"):
+        runtime.forward(unequal)

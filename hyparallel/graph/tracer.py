@@ -45,6 +45,8 @@ from hyparallel.graph.repeats import repeated_blocks_once
 from hyparallel.graph.trace_errors import Failure, explain, remember_source
 from hyparallel.spec.errors import TraceError
 
+log = logging.getLogger(__name__)
+
 Method = Literal["auto", "fx", "export"]
 
 
@@ -101,14 +103,22 @@ def trace(
 
 
 def first_program(
-    model: nn.Module, args: tuple, kwargs: dict, method: Method, finish: Any = None
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    method: Method,
+    finish: Any = None,
+    *,
+    dynamic: bool = False,
 ) -> Any:
     """``finish(program)`` for the first tracer (fx, then export) that traces ``model`` and
     finishes.
 
     A failure in either tracing or ``finish`` moves on to the next tracer; when all fail, one
     TraceError names the construct, module and source line for each. ``finish`` defaults to
-    returning the traced program (what the pipeline splitter cuts).
+    returning the traced program (what the pipeline splitter cuts). ``dynamic``: torch.export keeps
+    the inputs' batch and sequence sizes symbolic where the model allows (Note [one export for
+    every length]).
     """
     failures: list[Failure] = []
     attempts = {"auto": ("fx", "export"), "fx": ("fx",), "export": ("export",)}[method]
@@ -124,7 +134,7 @@ def first_program(
             try:
                 if attempt == "fx":
                     return finished(_fx_program(model, args, kwargs))
-                return _exported(model, args, kwargs, finished)
+                return _exported(model, args, kwargs, finished, dynamic=dynamic)
             except TraceError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- any tracer failure means: try the next tracer, then report all
@@ -435,28 +445,80 @@ def tracing_device(device: torch.device | str) -> Iterator[None]:
         _TRACE_DEVICE.reset(token)
 
 
-def _exported(model: nn.Module, args: tuple, kwargs: dict, finish: Any) -> Any:
+def _exported(
+    model: nn.Module, args: tuple, kwargs: dict, finish: Any, *, dynamic: bool = False
+) -> Any:
     """``finish`` of the export for the run device, or of the plain meta export when that one fails
-    or does not run on meta (Note [exported for the device it runs on])."""
+    or does not run on meta (Note [exported for the device it runs on]); ``dynamic``: with the
+    batch and sequence sizes symbolic, else (when that fails) fixed (Note [one export for every
+    length])."""
+    if dynamic:
+        try:
+            with kept_torch_state():
+                return _exported_at(model, args, kwargs, finish, dynamic=True)
+        except Exception:  # noqa: BLE001 -- the sizes fixed below is the answer, its failure the one reported
+            log.debug("the export with symbolic sizes failed; exporting with fixed sizes")
+    return _exported_at(model, args, kwargs, finish)
+
+
+def _exported_at(
+    model: nn.Module, args: tuple, kwargs: dict, finish: Any, *, dynamic: bool = False
+) -> Any:
     # torch restored after it: a failure inside a no_grad region (a higher-order op's body run on
     # meta)
     try:
         # leaves the grad mode off, and the next export would then not see that region (HRM's
         # no-grad cycles, 1.1e-4)
         with kept_torch_state():
-            program = _export_program(model, args, kwargs)
+            program = _export_program(model, args, kwargs, dynamic=dynamic)
             return finish(program) if finish is not None else program
     except Exception:  # noqa: BLE001 -- the plain meta export below is the answer, its failure the one reported
         if next((p.device for p in model.parameters()), torch.device("meta")).type != "meta":
             raise
-    program = _export_program(model, args, kwargs, on_device=False)
+    program = _export_program(model, args, kwargs, on_device=False, dynamic=dynamic)
     return finish(program) if finish is not None else program
 
 
-def _export_program(model: nn.Module, args: tuple, kwargs: dict, on_device: bool = True) -> Program:
+# Note [one export for every length]
+#     torch.export fixes every shape it is given unless told which sizes may vary. A pipeline's
+#     forward-only stages (Note [a forward under any plan], hyparallel.pipeline.forward) are traced
+#     for inputs the training stages do not run: another batch, and while generating a new length
+#     for every token. They are exported with the batch and sequence dimensions (dims 0 and 1 of
+#     each tensor input) marked Dim.AUTO: torch.export keeps a size symbolic where the model's code
+#     allows and fixes it where the code depends on its value (a reshape to a configured width, a
+#     Python branch on the length), so the program is right for every size its input constraints
+#     admit. Those constraints (each symbolic size's range, and which inputs share a size) are read
+#     from the program and checked before a call runs it (PipelineSplit.mismatch); a program that
+#     also asserts on sizes inside its graph (aten._assert_scalar: relations between sizes, or a
+#     size the data decides) is not reused for other sizes. Sizes 0 and 1 are always fixed by
+#     torch.export (it specialises them), so a one-row or one-token input gets a program of its
+#     own. The training stages stay exported at the micro-batch's exact shape.
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """torch.export's ``dynamic_shapes`` for ``model(*args, **kwargs)``: dims 0 and 1 of every
+    tensor input Dim.AUTO, by the forward's parameter names (Note [one export for every
+    length])."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+
+    def sizes(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return {dim: torch.export.Dim.AUTO for dim in range(min(value.dim(), 2))}
+        return None
+
+    return {name: tree_map(sizes, value) for name, value in bound.items()}
+
+
+def _export_program(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    on_device: bool = True,
+    *,
+    dynamic: bool = False,
+) -> Program:
     if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in kwargs:
         # Hugging Face: no KV cache while tracing for training
         kwargs = {**kwargs, "use_cache": False}
+    shapes = {"dynamic_shapes": _dynamic_shapes(model, args, kwargs)} if dynamic else {}
     device = next((p.device for p in model.parameters()), torch.device("meta"))
     # torch.export wants inputs beside the weights; it runs nothing for real
     if device.type != "meta":
@@ -466,7 +528,7 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict, on_device: bool
         )
         with _quiet_torch_logs(), _no_kv_cache(model):
             # a failure is reported as one line
-            exported = torch.export.export(model, args, kwargs, strict=False)
+            exported = torch.export.export(model, args, kwargs, strict=False, **shapes)
     elif on_device:
         on = torch.device(_TRACE_DEVICE.get())
         # fake CUDA tensors without CUDA abort in C++
@@ -477,11 +539,11 @@ def _export_program(model: nn.Module, args: tuple, kwargs: dict, on_device: bool
             _no_kv_cache(model),
             _on_fake_device(model, on, (args, kwargs)) as (fargs, fkwargs),
         ):
-            exported = torch.export.export(model, fargs, fkwargs, strict=False)
+            exported = torch.export.export(model, fargs, fkwargs, strict=False, **shapes)
         _device_arguments_to_meta(exported.graph_module)
     else:
         with _quiet_torch_logs(), _no_kv_cache(model), _buffers_on_meta(model):
-            exported = torch.export.export(model, args, kwargs, strict=False)
+            exported = torch.export.export(model, args, kwargs, strict=False, **shapes)
     signature = exported.graph_signature
     placeholders = [n for n in exported.graph_module.graph.nodes if n.op == "placeholder"]
     flat_user, _ = tree_flatten((args, kwargs))

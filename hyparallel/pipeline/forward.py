@@ -9,7 +9,10 @@ Note [a forward under any plan]
     traced for the training inputs: the same argument names and, under torch.export (which fixes
     every shape), the same micro-batch shapes. Inputs outside that (an attention mask or Hugging
     Face ``labels`` added later, another sequence length while generating) get stages traced again
-    for them (``ForwardPipelines``), cached by the inputs' structure and shapes. They are traced as
+    for them (``ForwardPipelines``), cached by the inputs' structure and shapes; while generating,
+    they are exported with the batch and sequence sizes symbolic and serve every size their input
+    constraints admit (Note [one export for every length], hyparallel.graph.tracer), so N new tokens
+    cost one trace, not N. They are traced as
     the first ones were: the parameters on the meta device (the model's own tensors are put back
     right after), the buffers as they are, on the run device. Vocab-parallel heads are traced
     gathering their logits, so the outputs, and any loss the model computes inside (``labels=``),
@@ -70,13 +73,7 @@ def fits(split: PipelineSplit, inputs: Any, m: int, sequence_multiple: int = 1) 
         flat = split.flatten_inputs(inputs)
     except ConfigError:
         return False
-    if split.method != "export":
-        return True
-    for value, shape in zip(flat, split.example_shapes):
-        if isinstance(value, torch.Tensor) and shape is not None:
-            if value.size(0) % m or (value.size(0) // m, *value.shape[1:]) != shape:
-                return False
-    return True
+    return split.mismatch(flat, m) is None
 
 
 def concat_outputs(results: list[Any]) -> Any:
@@ -184,6 +181,18 @@ class ForwardPipelines:
         )
         self.make_runtime, self.refusal = make_runtime, refusal
         self._cache: OrderedDict[Any, PipelineRuntime] = OrderedDict()
+        self._lengths_vary = False
+
+    @contextlib.contextmanager
+    def lengths_vary(self) -> Iterator[None]:
+        """Inside, forwards are expected at many sequence lengths (generation): stages traced for
+        them keep their sizes symbolic (Note [one export for every length],
+        hyparallel.graph.tracer)."""
+        before, self._lengths_vary = self._lengths_vary, True
+        try:
+            yield
+        finally:
+            self._lengths_vary = before
 
     def select(
         self, inputs: Any, whole_logits: Callable[[], Any], gather: bool
@@ -226,6 +235,12 @@ class ForwardPipelines:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
+        # stages traced for other sizes that run these too (Note [one export for every length]);
+        # traced with whole sequences, so any length divides
+        for other, runtime in reversed(self._cache.items()):
+            if fits(runtime.split, inputs, m):
+                self._cache.move_to_end(other)
+                return runtime
         if self.refusal is not None:
             raise ConfigError(self.refusal.format(inputs=_describe(example)))
         from hyparallel.graph.tracer import tracing_device
@@ -237,7 +252,7 @@ class ForwardPipelines:
             whole_sequences(),
             tracing_device(self.device),
         ):
-            split = split_model(self.model, self.stage_modules, example)
+            split = split_model(self.model, self.stage_modules, example, dynamic=self._lengths_vary)
         pp = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
         mine = [s for s in range(split.num_stages) if s % pp == rank]

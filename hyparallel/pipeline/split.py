@@ -73,13 +73,16 @@ class PipelineSplit:
     input_spec: TreeSpec | None  # export: how (args, kwargs) flatten; fx: None (bound by signature)
     output_spec: TreeSpec | None  # export: how the flat outputs rebuild the model's output
     signature: inspect.Signature
-    # flat example inputs: export bakes these shapes in
-    example_shapes: tuple[tuple[int, ...] | None, ...]
+    # flat example inputs' micro-batch shapes, as the export fixed them: each dim its size, or the
+    # name of a size it kept symbolic (Note [one export for every length], hyparallel.graph.tracer)
+    example_shapes: tuple[tuple[int | str, ...] | None, ...]
     # non-tensor keyword arguments the trace added (use_cache=False), added again
     fixed_kwargs: dict[str, Any]
     # Subgraphs torch.export keeps beside the graph (submod_1 of a wrap_with_set_grad_enabled
     # region): not the model's attributes, so a stage reads them from here.
     subgraphs: dict[str, nn.Module] = field(default_factory=dict)
+    # each symbolic size of example_shapes -> (least, most or None): the sizes the export admits
+    size_ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -153,23 +156,65 @@ class PipelineSplit:
             )
         return flat
 
-    def check_microbatch(self, flat: Sequence[Any]) -> None:
-        """Refuse a micro-batch whose shapes a torch.export trace (which fixes every shape) cannot
-        run."""
+    def mismatch(self, flat: Sequence[Any], m: int = 1) -> tuple[int, tuple, str] | None:
+        """The first of the flat inputs ``flat`` (``m`` micro-batches stacked on dim 0) that this
+        split's torch.export trace cannot run, as (position, its micro-batch shape, the traced
+        shape); None when every one fits (always for torch.fx, which fixes no shape).
+
+        A size the export kept symbolic fits within its range, the same in every input that shares
+        it (Note [one export for every length], hyparallel.graph.tracer).
+        """
         if self.method != "export":
-            return
+            return None
+        seen: dict[str, int] = {}
         for position, (value, shape) in enumerate(zip(flat, self.example_shapes)):
-            if (
-                isinstance(value, torch.Tensor)
-                and shape is not None
-                and tuple(value.shape) != shape
-            ):
-                raise ConfigError(
-                    f"micro-batch input {position} has shape {tuple(value.shape)} but the model was"
-                    f" traced by torch.export with {shape}, which fixes every shape; pass batches"
-                    " of num_microbatches x the traced micro-batch (the plan's micro_batch x"
-                    " seq_len)"
-                )
+            if not isinstance(value, torch.Tensor) or shape is None:
+                continue
+            got = tuple(value.shape)
+            if got and m > 1:
+                if got[0] % m:
+                    return position, got, self.describe_shape(shape)
+                got = (got[0] // m, *got[1:])
+            if not self._admits(got, shape, seen):
+                return position, got, self.describe_shape(shape)
+        return None
+
+    def _admits(self, got: tuple, shape: tuple, seen: dict[str, int]) -> bool:
+        if len(got) != len(shape):
+            return False
+        for size, traced in zip(got, shape):
+            if isinstance(traced, int):
+                if size != traced:
+                    return False
+                continue
+            least, most = self.size_ranges[traced]
+            if not isinstance(size, int) or size < least or (most is not None and size > most):
+                return False
+            if seen.setdefault(traced, size) != size:
+                return False
+        return True
+
+    def describe_shape(self, shape: tuple) -> str:
+        """A traced shape as a person reads it: a symbolic size as its range."""
+
+        def size(traced: int | str) -> str:
+            if isinstance(traced, int):
+                return str(traced)
+            least, most = self.size_ranges[traced]
+            return f"{least}..{most if most is not None else ''}"
+
+        return f"({', '.join(size(d) for d in shape)})"
+
+    def check_microbatch(self, flat: Sequence[Any]) -> None:
+        """Refuse a micro-batch whose shapes a torch.export trace (which fixes every shape it did
+        not keep symbolic) cannot run."""
+        if (found := self.mismatch(flat)) is not None:
+            position, got, traced = found
+            raise ConfigError(
+                f"micro-batch input {position} has shape {got} but the model was traced by"
+                f" torch.export with {traced}, which fixes every shape; pass batches of"
+                " num_microbatches x the traced micro-batch (the plan's micro_batch x seq_len)"
+            )
 
     def output(self, flat: Any) -> Any:
         """The model's output rebuilt from the last stage's graph output (export flattens it)."""
@@ -388,6 +433,7 @@ def split_model(
     *,
     method: Method = "auto",
     traced: ModelGraph | None = None,
+    dynamic: bool = False,
 ) -> PipelineSplit:
     """Cut ``model`` into ``len(stages)`` stages, stage k running the modules ``stages[k]`` lists.
 
@@ -395,17 +441,24 @@ def split_model(
     shapes and dtypes are used, on the meta device. See Note [which stage runs a node]. ``traced``
     is ``hyparallel.trace(model, example_inputs)`` when the caller has it: the split cuts a copy of
     that trace instead of tracing again (only valid while the model is the one traced: no module
-    swapped since).
+    swapped since). ``dynamic``: a torch.export trace keeps the batch and sequence sizes symbolic
+    where the model allows, so the stages run other sizes too (Note [one export for every length],
+    hyparallel.graph.tracer); the split's ``mismatch`` says which inputs they run.
     """
     if not stages:
         raise ConfigError("stages is empty; list the module paths of each pipeline stage")
     args, kwargs = split_inputs(example_inputs)
     flat_example, _ = tree_flatten((args, kwargs))
     args, kwargs = torch.utils._pytree.tree_map(to_meta, (args, kwargs))
-    if traced is not None and traced.traced is not None and method in ("auto", traced.method):
+    if (
+        traced is not None
+        and traced.traced is not None
+        and method in ("auto", traced.method)
+        and not dynamic
+    ):
         program = traced.traced.copy()
     else:
-        program = first_program(model, args, kwargs, method)
+        program = first_program(model, args, kwargs, method, dynamic=dynamic)
     graph = program.gm.graph
     _lift_state(program, model)
     _drop_concrete_placeholders(program)
@@ -435,8 +488,52 @@ def split_model(
         fixed_kwargs=fixed,
         subgraphs=_subgraphs(program, model),
     )
+    if program.method == "export":
+        split.example_shapes, split.size_ranges = _input_sizes(program)
     split.io = _stage_io(split, [tuple(s) for s in stages])
     return split
+
+
+def _input_sizes(program: Any) -> tuple[tuple, dict[str, tuple[int, int | None]]]:
+    """The exported program's user inputs' shapes, each dim a size or the name of a symbolic one,
+    and each symbolic size's range (Note [one export for every length], hyparallel.graph.tracer).
+
+    A program whose graph asserts on sizes (a relation the inputs' ranges do not state, or a size
+    the data decides) is taken at its example's exact shapes: only those are known to pass.
+    """
+    shapes: list[tuple | None] = []
+    ranges: dict[str, tuple[int, int | None]] = {}
+    checked = any(
+        node.op == "call_function" and node.target is torch.ops.aten._assert_scalar.default
+        for node in program.gm.graph.nodes
+    )
+    constraints = program.artifact.range_constraints
+    for node in program.user_inputs:
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            shapes.append(None)
+            continue
+        dims: list[int | str] = []
+        for size in value.shape:
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is None or checked or not expr.is_Symbol or expr not in constraints:
+                dims.append(_hint(size))
+                continue
+            bounds = constraints[expr]
+            # torch's int_oo calls itself finite: an unbounded size is the one that is no Integer
+            most = int(bounds.upper) if bounds.upper.is_Integer else None
+            least = int(bounds.lower) if bounds.lower.is_Integer else 0
+            ranges[str(expr)] = (least, most)
+            dims.append(str(expr))
+        shapes.append(tuple(dims))
+    return tuple(shapes), ranges
+
+
+def _hint(size: Any) -> int:
+    """A size as the example had it (a symbolic one by its example value)."""
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint)
+    return int(size)
 
 
 class _Root(nn.Module):

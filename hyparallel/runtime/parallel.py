@@ -805,11 +805,23 @@ class ParallelModel:
 
         Each new token runs the model over the whole sequence (no key/value cache: quadratic in the
         length, meant for checks and evaluation, not serving); under a pipeline traced by
-        torch.export each new length is traced once. Rows that produced ``eos_token_id`` continue
-        with it.
+        torch.export the stages are traced once with the length symbolic where the model allows
+        (Note [one export for every length], hyparallel.graph.tracer), else once per length. Rows
+        that produced ``eos_token_id`` continue with it.
         """
         tokens = input_ids.to(self.device)
         finished = torch.zeros(tokens.size(0), dtype=torch.bool, device=self.device)
+        varying = self._forwards.lengths_vary() if self._forwards is not None else nullcontext()
+        with varying:
+            return self._generate(tokens, finished, max_new_tokens, eos_token_id)
+
+    def _generate(
+        self,
+        tokens: torch.Tensor,
+        finished: torch.Tensor,
+        max_new_tokens: int,
+        eos_token_id: int | None,
+    ) -> torch.Tensor:
         for _ in range(max_new_tokens):
             following = _logits(self(tokens))[:, -1, :].argmax(-1)
             if eos_token_id is not None:

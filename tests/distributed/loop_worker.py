@@ -275,7 +275,13 @@ def run_case(name: str) -> dict:
     torch.testing.assert_close(logits, shard(ref["logits"]), rtol=LOGITS_TOL, atol=LOGITS_TOL)
     result["logits_shape"] = list(logits.shape)
     if "generate" in extras:
+        traced = len(pmodel._forwards._cache) if pmodel._forwards is not None else 0
         generated = pmodel.generate(shard(x)[:, :6], 3)
+        # pipelines traced for the three lengths: one, its sequence size symbolic, where the
+        # model allows (Note [one export for every length])
+        result["generate_pipelines"] = (
+            len(pmodel._forwards._cache) - traced if pmodel._forwards is not None else 0
+        )
         # Token ids, compared exactly: each pick's top-2 logit gap on one device (generation_margin,
         # asserted in the test to be 100x LOGITS_TOL) is far above the logits' difference between
         # layouts, so no kernel's rounding on any machine can flip an argmax here
