@@ -282,8 +282,10 @@ def test_a_model_that_samples_in_training_is_compared_in_eval_mode():
 def test_a_check_past_its_timeout_is_ended_and_the_next_check_runs():
     # The ranks of every check come from one launcher (Note [one launcher for every check]): a
     # launch that hangs is killed at its timeout, reported, and the launcher serves the next check.
-    report = hp.check("tests.tiny_lms:hanging_lm", tp=1, pp=1, dp=2, timeout=10)
-    assert report.verdict == "failed" and "ran past 10 s" in report.reason, report.summary()
+    # 3 s: the launch is ended wherever it is by then (in its startup on a loaded machine, or in the
+    # hang), which is what this checks
+    report = hp.check("tests.tiny_lms:hanging_lm", tp=1, pp=1, dp=2, timeout=3)
+    assert report.verdict == "failed" and "ran past 3 s" in report.reason, report.summary()
     assert hp.check("tests.tiny_lms:qk_norm_lm", tp=1, pp=1, dp=2).verdict == "equal"
 
 
