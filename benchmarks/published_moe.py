@@ -19,13 +19,18 @@ Note [the published MoE row]
     (PP 8 or 32) are left out: hyparallel's expert parallelism runs with pp 1 only, and the planner
     prices only what the runtime runs.
 
-    What the cost model does differently from that run, each a source of error: Megatron-Core folds
-    the tp ranks into the experts' own mapping (expert TP 1 over 8 consecutive GPUs, tokens split
-    over tp by sequence parallelism), so no two GPUs compute the same expert rows; hyparallel does
-    not split stacked experts by tp and prices what it runs: each tp rank computes every expert
-    row of its replica, and its ep group spans tp x ep
-    = 16 GPUs, two nodes. DeepEP's dispatch overlaps and compresses the exchange; the planner prices
-    plain all-to-alls (Note [expert parallelism's costs]).
+    What the cost model does differently from that run, each a source of error. Since tp is folded
+    into stacked experts' ranks as Megatron-Core does (Note [tp folded into the experts' ranks] in
+    hyparallel/runtime/experts.py: expert TP 1, ep 8 over 8 consecutive GPUs, one node), the
+    expert work and the exchange are priced as that run's mapping has them (measured error +296%
+    before, with each tp rank computing every expert row of its replica over an ep group of 16
+    GPUs on two nodes; +132% after). What is left: hyparallel runs, and prices, transformers' own
+    experts forward (a grouped matmul between a sort, gathers, casts and an index_put over the
+    tokens x top-k rows, about a third of an MoE layer's predicted time), where that run uses
+    Megatron-Core's fused permutation and DeepEP's dispatch, which also overlaps and compresses
+    the exchange (the planner prices plain all-to-alls: Note [expert parallelism's costs]); and
+    ZeRO 3's per-micro-batch gathers of 94 layers' weights over 128 ranks, which the planner
+    hides behind compute only as far as they fit, about 15 s of the 41 s predicted.
 """
 
 from __future__ import annotations

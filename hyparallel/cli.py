@@ -228,7 +228,16 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
         )
     if par.ep > 1:  # the first ep dp ranks (Note [expert parallelism])
         first = _first_group(plan, "dp")[: par.ep]
-        groups.add_row("ep", str(plan.world_size // par.ep), _ranks(first), _ep_link(plan))
+        label = "ep, a ModuleList's experts" if par.tp > 1 else "ep"
+        groups.add_row(label, str(plan.world_size // par.ep), _ranks(first), _ep_link(plan))
+    if par.ep > 1 and par.tp > 1:  # Note [tp folded into the experts' ranks]
+        first = _first_folded_group(plan)
+        groups.add_row(
+            "ep, stacked experts",
+            str(plan.world_size // par.ep),
+            _ranks(first),
+            _ep_link(plan, True),
+        )
     out.print(groups)
     out.print(views.device_map(plan))
     out.print(views.stage_table(plan))
@@ -256,6 +265,16 @@ def _first_group(plan, axis: str) -> range:
     return range(0, shape[axis] * stride, stride)
 
 
+def _first_folded_group(plan) -> range:
+    """The first ep group of stacked experts under tp: ep consecutive ranks of the (dp, tp) block
+    (pp is 1 under ep)."""
+    shape = plan.mesh_shape()
+    axes = list(shape)
+    inner = max(axes.index("dp"), axes.index("tp"))
+    stride = math.prod(shape[a] for a in axes[inner + 1 :])
+    return range(0, plan.parallel.ep * stride, stride)
+
+
 def _ranks(ranks: range) -> str:
     if len(ranks) > 2:
         return (
@@ -277,8 +296,8 @@ def _link(plan, axis: str) -> str:
     return axis_link(plan.placement.order, sizes, axis, plan.cluster).name
 
 
-def _ep_link(plan) -> str:
-    """The link the planner prices an ep group's all-to-alls on."""
+def _ep_link(plan, stacked: bool = False) -> str:
+    """The link the planner prices an ep group's all-to-alls on (``stacked``: stacked experts')."""
     from hyparallel.planner.search import Config, ep_link
 
     if plan.cluster is None:
@@ -287,7 +306,7 @@ def _ep_link(plan) -> str:
     config = Config(
         par.tp, par.pp, par.dp, 1, 1, "1f1b", 1, "none", 0, False, plan.placement.order, ep=par.ep
     )
-    return ep_link(config, plan.cluster).name
+    return ep_link(config, plan.cluster, stacked).name
 
 
 def cmd_trace(args: argparse.Namespace, out: Console) -> None:
@@ -422,6 +441,8 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
         constraints.update(compression)
         if args.no_vocab_parallel_loss:
             constraints["vocab_parallel_loss"] = False
+        if args.expert_imbalance is not None:
+            constraints["expert_imbalance"] = args.expert_imbalance
         if args.compile:
             constraints["compile"] = True
         result = search(
@@ -1087,6 +1108,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "with --grad-compression powersgd or any: steps reduced uncompressed before PowerSGD"
             " starts (default 1000)"
+        ),
+    )
+    plan.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=None,
+        metavar="X",
+        help=(
+            "the busiest expert-parallel rank's routed tokens over the mean, as a run measured it"
+            " (pmodel.expert_imbalance(); default 1.2): what every MoE layer waits for"
         ),
     )
     plan.add_argument(

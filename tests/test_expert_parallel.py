@@ -5,6 +5,7 @@ checkpoints that reshard when ep changes, and what is refused."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import hyparallel as hp
 from hyparallel.spec.errors import ConfigError
@@ -89,6 +90,20 @@ def test_a_checkpoint_saved_at_ep_4_loads_at_ep_2_and_at_ep_1(tmp_path):
                     rank.get(key.replace("error", "worst")),
                 )
             assert rank["ep1_error"] <= 2e-5 and rank["ep1_continued"] <= 2e-5, (case, rank)
+        # the busiest ep rank's routed pairs over the mean (pmodel.expert_imbalance), as one
+        # device's routing of the same batches gives it (stacked experts only): ratios of whole
+        # counts, the same routes (fp32 scores far apart next to their rounding)
+        for rank in ranks:  # fp32 rounding of a sum over every gradient element
+            want = pytest.approx(rank["ref_grad_norm"], rel=1e-5)
+            assert rank["first_grad_norm"] == want
+            if case == "mixtral":  # 15-token sequences: tp 2 splits the rows unevenly
+                assert rank["odd_grad_norm"] == pytest.approx(rank["ref_odd_grad_norm"], rel=1e-5)
+        if case == "mixtral":
+            want = pytest.approx(ranks[0]["expected_imbalance"], rel=1e-9)
+            assert [r["imbalance"] for r in ranks] == [want] * 4
+            assert ranks[0]["imbalance"] > 1.0
+        else:
+            assert [r["imbalance"] for r in ranks] == [None] * 4
         groups = ranks[0]["parameter_groups"]
         for plan, ep in (("saved", 4), ("ep2-zero1", 2), ("ep1", 1)):
             # the ranks of one ep group hold every expert between them
@@ -189,6 +204,69 @@ def test_show_names_the_ep_groups_and_their_link(tmp_path, capsys):
     assert main(["show", str(plan)]) == 0
     out = capsys.readouterr().out
     assert "(experts over ep 4 of the dp ranks)" in out
-    # 4 consecutive dp ranks, tp 2 inside them: ranks 0, 2, 4, 6, one node's NVLink
-    (row,) = [line for line in out.splitlines() if line.startswith("│ ep ")]
+    # a ModuleList's experts (split by tp): 4 consecutive dp ranks, tp 2 inside them: ranks 0, 2,
+    # 4, 6, one node's NVLink
+    (row,) = [line for line in out.splitlines() if line.startswith("│ ep, a ModuleList")]
     assert "0..6 step 2 (4)" in row and "NVLink" in row
+    # stacked experts: tp folded in, 4 consecutive ranks (Note [tp folded into the experts' ranks])
+    (row,) = [line for line in out.splitlines() if line.startswith("│ ep, stacked")]
+    assert "0..3 (4)" in row and "NVLink" in row
+
+
+def moe_profile(spec: str):
+    from hyparallel.graph.tracer import trace
+    from hyparallel.planner.profile import ModelProfile
+
+    model = hp.models.load(spec).module
+    graph = trace(model, torch.randint(0, 64, (1, 16)))
+    cluster = hp.ClusterSpec.preset("h100-sxm", num_nodes=2, gpus_per_node=8)
+    return ModelProfile(graph, cluster, "bf16", 16)
+
+
+def test_the_planner_folds_tp_into_stacked_experts_and_serialises_a_module_lists():
+    from hyparallel.planner.profile import _op_times
+
+    # Note [expert parallelism's costs]; Note [tp folded into the experts' ranks]
+    link = hp.ClusterSpec.preset("h100-sxm").intra_node
+    profile = moe_profile(small_spec("hf:MixtralForCausalLM"))
+    (moe, index), *_ = [(m, i) for i, m in enumerate(profile.experts) if m is not None]
+    # the expert work is every op inside the experts (the grouped matmuls, the dispatch), not only
+    # the transposes that read their weights
+    assert moe.stacked == frozenset(moe.ops) and sum(
+        profile.raw[index].ops[i].flops for i in moe.ops
+    )
+
+    def costs(tp: int, ep: int):
+        return profile.segment_costs(tp, False, 1, "none", link, ep, (link, link))[index]
+
+    plain, folded, alone = costs(2, 1), costs(2, 2), costs(1, 2)
+    # tp 2 ranks each exchange half the tokens
+    exchange = hp.planner.costs.all_to_all_s
+    assert folded.ep_comm_s == pytest.approx(4 * exchange(moe.token_bytes / 2, 2, link), rel=1e-9)
+    assert alone.ep_comm_s == pytest.approx(4 * exchange(moe.token_bytes, 2, link), rel=1e-9)
+    assert folded.folded_expert_params == folded.expert_params > 0 == alone.folded_expert_params
+    # the experts' work on half the tokens at the busiest rank's share: cheaper than every tp
+    # rank running all of them
+    assert folded.forward_s < plain.forward_s and folded.tp_comm_s > plain.tp_comm_s
+
+    # a ModuleList's experts: one at a time across the ep group, ep times a rank's own work
+    profile = moe_profile("tests.tiny_lms:where_moe_lm")
+    (moe, index), *_ = [(m, i) for i, m in enumerate(profile.experts) if m is not None]
+    assert not moe.stacked
+    one, two = (profile.segment_costs(1, False, 1, "none", link, ep, (link, link)) for ep in (1, 2))
+    device = profile.cluster.device
+    work = sum(
+        _op_times(profile.raw[index].ops[i], 1, False, 1, device.peak_flops.bf16, device, False)[0]
+        for i in moe.ops
+    )
+    assert two[index].forward_s == pytest.approx(one[index].forward_s + work, rel=1e-9)
+
+
+def test_ep_links_of_stacked_experts_stay_in_a_node_under_tp():
+    from hyparallel.planner.search import Config, ep_links
+
+    cluster = hp.ClusterSpec.preset("h100-sxm", num_nodes=32, gpus_per_node=8)
+    config = Config(2, 1, 128, 4, 4, "1f1b", 1, "full", 3, False, ("pp", "dp", "tp"), ep=8)
+    listed, stacked = ep_links(config, cluster)
+    # a ModuleList's: 8 dp ranks with tp 2 inside them, 16 GPUs; stacked: 8 consecutive GPUs
+    assert listed == cluster.inter_node and stacked == cluster.intra_node

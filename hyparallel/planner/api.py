@@ -26,7 +26,7 @@ from hyparallel.planner.search import (
     Search,
     axis_link,
     enumerate_configs,
-    ep_link,
+    ep_links,
     transfer_s,
 )
 from hyparallel.spec import limits
@@ -266,7 +266,13 @@ def search(
     # not searched: on wherever tp splits the head, unless asked
     vocab_loss = given.get("vocab_parallel_loss", True)
     profile = ModelProfile(
-        graph, cluster, dtype, seq_len, traced_rows=rows or 1, vocab_parallel_loss=vocab_loss
+        graph,
+        cluster,
+        dtype,
+        seq_len,
+        traced_rows=rows or 1,
+        vocab_parallel_loss=vocab_loss,
+        expert_imbalance=given.get("expert_imbalance") or costs.EXPERT_IMBALANCE,
     )
     result = SearchResult(
         graph=graph,
@@ -797,7 +803,7 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
                             c.recompute,
                             result.cluster.intra_node,
                             c.ep,
-                            ep_link(c, result.cluster),
+                            ep_links(c, result.cluster),
                         )[start:end]
                     )
                 ),
@@ -927,7 +933,7 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
         c.recompute,
         tp_link,
         c.ep,
-        ep_link(c, result.cluster),
+        ep_links(c, result.cluster),
     )
     tp_forward_s = [
         profile.tp_forward_comm_s(raw, c.tp, c.sequence_parallel, c.micro_batch, tp_link)

@@ -62,6 +62,16 @@ class Constraints(BaseModel):
     ep: Degree | None = Field(
         None, description="Expert-parallel degree (MoE experts over ep of the dp ranks)."
     )
+    expert_imbalance: float | None = Field(
+        None,
+        ge=1.0,
+        le=64.0,
+        description=(
+            "The busiest expert-parallel rank's routed (token, expert) pairs over the mean, which"
+            " each MoE layer waits for (pmodel.expert_imbalance() measures a run's); left out: 1.2"
+            " (Note [expert parallelism's costs] in costs.py)."
+        ),
+    )
     micro_batch: Sequences | None = Field(
         None, description="Sequences per micro-batch on one replica."
     )
@@ -189,6 +199,11 @@ def _bad_value(key: str, value: Any, problem: dict) -> str:
         return f"{key} must be one of {problem['ctx']['expected']}, got {repr(value)[:40]}"
     if problem["type"].startswith("bool_"):
         return f"{key} must be True or False, got {repr(value)[:40]}"
+    if key == "expert_imbalance":
+        return (
+            f"{key} must be a number from 1 to 64 (the busiest expert-parallel rank's load over"
+            f" the mean), got {repr(value)[:40]}"
+        )
     if key == "powersgd_start_step" and problem["type"] in (
         "greater_than_equal",
         "less_than_equal",

@@ -102,19 +102,26 @@ def all_to_all_s(num_bytes: Figure, group_size: int, link: LinkSpec) -> Figure:
 
 
 # Note [expert parallelism's costs]
-#     Under ep > 1 (pp = 1; hyparallel.runtime.experts) a segment's expert ops cost, per
-#     micro-batch:
+#     Under ep > 1 (pp = 1; hyparallel.runtime.experts) a segment's expert ops (those reading only
+#     expert weights, and every op run inside the experts: a grouped matmul, the dispatch's gathers
+#     and casts) cost, per micro-batch:
 #     * compute: each rank runs its E/ep experts on every rank's tokens routed there, which on
-#       average is as many (token, expert) pairs as its own tokens make, split by tp as without ep
-#       (a ModuleList's experts column/row, stacked ones not at all), times EXPERT_IMBALANCE: the
-#       busiest rank's pairs over the mean, which the step waits for. 1.2 is what Megatron-Core's
-#       dropless MoE with a load-balancing loss is commonly reported to keep its most loaded expert
-#       under early in training (not measured here; not calibrated by `hyparallel calibrate`).
+#       average is as many (token, expert) pairs as its own tokens make: a ModuleList's experts as
+#       tp splits them (column/row), stacked experts on 1/tp of the tokens (tp folded into their
+#       ranks: Note [tp folded into the experts' ranks] in hyparallel/runtime/experts.py), times
+#       the imbalance: the busiest rank's pairs over the mean, which the step waits for.
+#       EXPERT_IMBALANCE (1.2) is what Megatron-Core's dropless MoE with a load-balancing loss is
+#       commonly reported to keep its most loaded expert under early in training; a run measures
+#       its own (``pmodel.expert_imbalance``) and the planner takes it (``--expert-imbalance``).
 #     * the exchange: EXCHANGES_PER_MOE_LAYER all-to-alls of tokens x top-k x hidden in the plan's
 #       dtype per MoE layer (dispatch and combine, forward and backward), over the link the ep group
-#       spans (ep consecutive dp ranks, tp inside them), never overlapped with compute.
+#       spans (search.ep_links: ep consecutive dp ranks with tp inside them for a ModuleList's
+#       experts, ep consecutive ranks of the (dp, tp) block for stacked ones, whose tp ranks each
+#       send 1/tp of the tokens), never overlapped with compute. Stacked experts under tp add two
+#       all-gathers of tokens x hidden over tp (the outputs forward, the inputs' gradients
+#       backward).
 #     * memory: the expert weights a tp rank holds, over ep (and their optimizer state over ZeRO's
-#       dp / ep replicas), everything else as before.
+#       dp / ep replicas, dp tp / ep for stacked experts under tp), everything else as before.
 #     The router's auxiliary loss is not priced.
 EXPERT_IMBALANCE = 1.2
 EXCHANGES_PER_MOE_LAYER = 4

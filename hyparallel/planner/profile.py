@@ -108,6 +108,17 @@ class SegmentCost:
     ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, forward + backward (critical path)
     # of ``params``, the expert weights (their gradients are reduced over dp / ep ranks)
     expert_params: float = 0.0
+    # of those, stacked experts with tp folded in (reduced over dp tp / ep ranks)
+    folded_expert_params: float = 0.0
+
+
+def _layer_of(op, layers) -> list:
+    """The MoE layer whose experts ``op`` runs in or reads (one, or none)."""
+    for layer in layers:
+        inside = op.module == layer.experts or op.module.startswith(layer.experts + ".")
+        if inside or (op.params and all(p.startswith(layer.experts + ".") for p in op.params)):
+            return [layer]
+    return []
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,10 @@ class _SegmentExperts:
     ops: tuple[int, ...]  # positions of its expert ops in the segment's ops
     params: float  # every expert weight of the segment, whole
     token_bytes: float  # per sequence: tokens x top-k x hidden, over its MoE layers, plan's dtype
+    stacked: frozenset[int] = frozenset()  # of ``ops``, those of stacked experts
+    stacked_params: float = 0.0  # of ``params``, the stacked experts'
+    stacked_token_bytes: float = 0.0  # of ``token_bytes``, the stacked experts' layers'
+    stacked_row_bytes: float = 0.0  # per sequence: tokens x hidden of those layers (tp's gathers)
 
 
 @dataclass(frozen=True)
@@ -184,13 +199,17 @@ class ModelProfile:
         seq_len: int,
         traced_rows: int = 1,
         vocab_parallel_loss: bool = True,
+        expert_imbalance: float = costs.EXPERT_IMBALANCE,
     ):
         """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in
         api.py);
+        ``expert_imbalance``: the busiest expert-parallel rank's (token, expert) pairs over the
+        mean (Note [expert parallelism's costs] in costs.py);
         ``vocab_parallel_loss``: the loss runs on each tp rank's slice of the logits wherever tp
         splits the head (parallel.vocab_parallel_loss), else they are gathered for it."""
         self.graph, self.cluster, self.dtype, self.seq_len = graph, cluster, dtype, seq_len
         self.vocab_parallel_loss = vocab_parallel_loss
+        self.expert_imbalance = expert_imbalance
         self.traced_rows = traced_rows
         self.tp_analysis: TPAnalysis = graph.structure
         self.segments = graph.segments()
@@ -255,12 +274,12 @@ class ModelProfile:
         recompute: str,
         tp_link: LinkSpec,
         ep: int = 1,
-        ep_link: LinkSpec | None = None,
+        ep_links: tuple[LinkSpec, LinkSpec] | None = None,
     ) -> tuple[SegmentCost, ...]:
         """The cost of every segment under one configuration (cached); ``ep`` > 1: its experts
-        split over ep ranks, their all-to-alls over ``ep_link`` (Note [expert parallelism's costs]
-        in costs.py)."""
-        key = (tp, sequence_parallel, micro_batch, recompute, tp_link, ep, ep_link)
+        split over ep ranks, their all-to-alls over ``ep_links`` (a ModuleList's experts', stacked
+        experts': search.ep_links; Note [expert parallelism's costs] in costs.py)."""
+        key = (tp, sequence_parallel, micro_batch, recompute, tp_link, ep, ep_links)
         if ep > 1 and key not in self._cache:
             sp, b = sequence_parallel, micro_batch
             self._cache[key] = tuple(
@@ -272,7 +291,8 @@ class ModelProfile:
                     sp,
                     b,
                     ep,
-                    ep_link,
+                    ep_links,
+                    tp_link,
                 )
                 for raw, moe in zip(self.raw, self.experts)
             )
@@ -407,11 +427,11 @@ class ModelProfile:
         recompute: str,
         tp_link: LinkSpec,
         ep: int = 1,
-        ep_link: LinkSpec | None = None,
+        ep_links: tuple[LinkSpec, LinkSpec] | None = None,
     ) -> tuple[float, float, float]:
         """(seconds per micro-batch, parameters per rank, activation bytes) summed over all segments
         (cached)."""
-        key = (tp, sequence_parallel, micro_batch, recompute, tp_link, ep, ep_link)
+        key = (tp, sequence_parallel, micro_batch, recompute, tp_link, ep, ep_links)
         if key not in self._totals:
             segments = self.segment_costs(*key)
             self._totals[key] = (
@@ -519,7 +539,8 @@ class ModelProfile:
         sp: bool,
         b: int,
         ep: int,
-        link: LinkSpec | None,
+        links: tuple[LinkSpec, LinkSpec] | None,
+        tp_link: LinkSpec,
     ) -> SegmentCost:
         """``cost`` with the segment's experts split over ``ep`` ranks (Note [expert parallelism's
         costs] in costs.py)."""
@@ -528,22 +549,38 @@ class ModelProfile:
         device = self.cluster.device
         peak = getattr(device.peak_flops, self.dtype)
         serial = self.cluster.backend == "gloo"
-        # as tp splits them (or not: stacked experts), on as many (token, expert) pairs as before
-        split = [_op_times(raw.ops[i], tp, sp, b, peak, device, serial) for i in moe.ops]
-        imbalance = costs.EXPERT_IMBALANCE
-        extra_forward = sum(s[0] for s in split) * (imbalance - 1)
-        extra_backward = sum(s[1] for s in split) * (imbalance - 1)
+        listed_link, stacked_link = links or (self.cluster.inter_node,) * 2
+        # stacked experts: on 1/tp of the tokens (tp folded in), the busiest rank's share of as
+        # many (token, expert) pairs as before; a ModuleList's: as tp splits them, one expert at a
+        # time across the ep group (each call an exchange the others wait in), so the group's
+        # pairs one after another: ep times a rank's own
+        extra_forward = extra_backward = 0.0
+        for i in moe.ops:
+            forward, backward = _op_times(raw.ops[i], tp, sp, b, peak, device, serial)[:2]
+            factor = self.expert_imbalance / tp if i in moe.stacked else ep
+            extra_forward += forward * (factor - 1)
+            extra_backward += backward * (factor - 1)
         held = sum(
             self.tp_analysis.params_per_rank(self.graph.op(self._segment_op(raw, i)), tp)
             for i in moe.ops
         )
-        exchange = costs.all_to_all_s(moe.token_bytes * b, ep, link or self.cluster.inter_node)
+        listed_bytes = (moe.token_bytes - moe.stacked_token_bytes) * b
+        exchange = costs.all_to_all_s(listed_bytes, ep, listed_link) + costs.all_to_all_s(
+            moe.stacked_token_bytes * b / tp, ep, stacked_link
+        )
+        # tp folded in: the outputs all-gathered over tp forward, the inputs' gradients backward
+        gathers = (
+            2 * costs.ring_allgather_s(moe.stacked_row_bytes * b, tp, tp_link) if tp > 1 else 0
+        )
+        folded = moe.stacked_params / ep if tp > 1 else 0.0
         return replace(
             cost,
             forward_s=cost.forward_s + extra_forward,
             backward_s=cost.backward_s + extra_backward,
+            tp_comm_s=cost.tp_comm_s + gathers,
             params=cost.params - held + held / ep,
             expert_params=held / ep,
+            folded_expert_params=folded,
             ep_comm_s=costs.EXCHANGES_PER_MOE_LAYER * exchange,
         )
 
@@ -564,6 +601,7 @@ class ModelProfile:
         """Each segment's mixture-of-experts work (None: it has none), from graph.moe."""
         moe = self.graph.moe
         names = moe.expert_params
+        layouts = {layer.path: layer.layout for layer in moe.layers}
         widths = {}
         for layer in moe.layers:
             router = next(
@@ -576,22 +614,42 @@ class ModelProfile:
         found = []
         for segment in self.segments:
             ops = [self.graph.op(name) for name in segment.ops]
-            positions = tuple(
-                i for i, op in enumerate(ops) if op.params and set(op.params) <= names
-            )
+            # an expert op: one reading expert weights only, or one run inside the experts (a
+            # grouped matmul reads the weights through a transpose; the dispatch's gathers)
+            owner = {
+                i: layer
+                for i, op in enumerate(ops)
+                if (op.params and set(op.params) <= names) or op.module
+                for layer in _layer_of(op, moe.layers)
+            }
+            positions = tuple(sorted(owner))
             if not positions:
                 found.append(None)
                 continue
             params = sum(ops[i].param_count for i in positions)
-            layers = {
-                layer.path
-                for layer in moe.layers
-                if any(p.startswith(layer.experts + ".") for i in positions for p in ops[i].params)
-            }
-            token_bytes = sum(
-                math.prod(widths[p]) * self.dtype_bytes for p in layers if p in widths
+            layers = {owner[i].path for i in positions}
+            stacked_layers = {p for p in layers if layouts[p] == "grouped"}
+            stacked = frozenset(i for i in positions if owner[i].layout == "grouped")
+
+            def bytes_of(paths, choices: bool = True) -> float:
+                return sum(
+                    (math.prod(widths[p]) if choices else widths[p][0] * widths[p][2])
+                    * self.dtype_bytes
+                    for p in paths
+                    if p in widths
+                )
+
+            found.append(
+                _SegmentExperts(
+                    positions,
+                    float(params),
+                    float(bytes_of(layers)),
+                    stacked=stacked,
+                    stacked_params=float(sum(ops[i].param_count for i in stacked)),
+                    stacked_token_bytes=float(bytes_of(stacked_layers)),
+                    stacked_row_bytes=float(bytes_of(stacked_layers, choices=False)),
+                )
             )
-            found.append(_SegmentExperts(positions, float(params), float(token_bytes)))
         return tuple(found)
 
     # ---- once per model ---------------------------------------------------------------------

@@ -194,17 +194,24 @@ def _expert_degrees(ctx: _Context, pp: int, dp: int, fixed: dict) -> tuple[int, 
     return tuple(e for e in _divisors(dp) if all(n % e == 0 for n in counts))
 
 
-def ep_link(c: Config, cluster: ClusterSpec) -> LinkSpec:
-    """The link an ep group talks over: ep consecutive dp ranks, each with what lies inside dp
-    (tp, in the default order) between them."""
+def ep_link(c: Config, cluster: ClusterSpec, stacked: bool = False) -> LinkSpec:
+    """The link an ep group talks over: ep consecutive dp ranks (``stacked`` experts under tp: ep
+    consecutive ranks of the (dp, tp) block, Note [tp folded into the experts' ranks] in
+    hyparallel/runtime/experts.py), each with what lies inside them between them."""
+    folded = ("dp", "tp") if stacked else ("dp",)
     stride = 1
     for name in reversed(c.order):
-        if name == "dp":
+        if name in folded:
             break
-        stride *= {"tp": c.tp, "pp": c.pp}[name]
+        stride *= {"tp": c.tp, "pp": c.pp, "dp": c.dp}[name]
     window = stride * c.ep
     inside = c.ep == 1 or cluster.gpus_per_node % window == 0
     return cluster.intra_node if inside else cluster.inter_node
+
+
+def ep_links(c: Config, cluster: ClusterSpec) -> tuple[LinkSpec, LinkSpec]:
+    """The links of a ModuleList's experts' ep groups and of stacked experts' (ep_link)."""
+    return ep_link(c, cluster), ep_link(c, cluster, stacked=c.tp > 1)
 
 
 def _compressions(dp: int, zero: int, fixed: dict) -> tuple[str, ...]:
@@ -410,12 +417,18 @@ class Search:
         links = {
             axis: axis_link(c.order, sizes, axis, self.ctx.cluster) for axis in ("tp", "pp", "dp")
         }
-        links["ep"] = ep_link(c, self.ctx.cluster)
+        links["ep"], links["ep_stacked"] = ep_links(c, self.ctx.cluster)
         return links
 
     def _segment_costs(self, c: Config, links) -> tuple[SegmentCost, ...]:
         return self.ctx.profile.segment_costs(
-            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"], c.ep, links["ep"]
+            c.tp,
+            c.sequence_parallel,
+            c.micro_batch,
+            c.recompute,
+            links["tp"],
+            c.ep,
+            (links["ep"], links["ep_stacked"]),
         )
 
     def _tables(self, c: Config, links) -> _Tables:
@@ -447,7 +460,13 @@ class Search:
             return None
         links = self._links(c)
         total_t, params, _ = self.ctx.profile.totals(
-            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"], c.ep, links["ep"]
+            c.tp,
+            c.sequence_parallel,
+            c.micro_batch,
+            c.recompute,
+            links["tp"],
+            c.ep,
+            (links["ep"], links["ep_stacked"]),
         )
         total_t += c.pp * self._p2p_s(c, links)
         device = self.ctx.cluster.device
@@ -465,7 +484,13 @@ class Search:
         micro-batches in flight."""
         links = self._links(c)
         _, params, act = self.ctx.profile.totals(
-            c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"], c.ep, links["ep"]
+            c.tp,
+            c.sequence_parallel,
+            c.micro_batch,
+            c.recompute,
+            links["tp"],
+            c.ep,
+            (links["ep"], links["ep_stacked"]),
         )
         state = costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp, c.grad_compression)
         least_inflight = inflight_microbatches(
@@ -475,14 +500,21 @@ class Search:
 
     def _expert_state(self, c: Config, links) -> float:
         """What the expert weights' state costs beside ``params * state`` (ep > 1, so pp = 1: the
-        one stage holds them all): ZeRO shards it over the dp / ep ranks holding the same experts,
-        not dp (Note [experts under ZeRO])."""
+        one stage holds them all): ZeRO shards it over the dp / ep ranks holding the same experts
+        (dp tp / ep for stacked experts under tp: Note [tp folded into the experts' ranks]), not
+        dp (Note [experts under ZeRO])."""
         if c.ep == 1:
             return 0.0
         dtype, mode = self.ctx.dtype, c.grad_compression
-        held = sum(s.expert_params for s in self._segment_costs(c, links))
-        mine = costs.state_bytes_per_param(dtype, c.zero, c.dp // c.ep, mode)
-        return held * (mine - costs.state_bytes_per_param(dtype, c.zero, c.dp, mode))
+        segments = self._segment_costs(c, links)
+        folded = sum(s.folded_expert_params for s in segments)
+        held = sum(s.expert_params for s in segments) - folded
+        plain = costs.state_bytes_per_param(dtype, c.zero, c.dp, mode)
+        return sum(
+            count * (costs.state_bytes_per_param(dtype, c.zero, replicas, mode) - plain)
+            for count, replicas in ((held, c.dp // c.ep), (folded, c.dp * c.tp // c.ep))
+            if count
+        )
 
     def evaluate(self, c: Config) -> Evaluation:
         """Step time, memory and the best stage boundaries of one configuration."""

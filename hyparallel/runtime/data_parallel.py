@@ -232,10 +232,8 @@ def apply_data_parallel(
     policy = {"mp_policy": policy} if (policy := fsdp_policy(plan)) is not None else {}
     if experts is not None:  # Note [experts under ZeRO] (hyparallel.runtime.experts)
         for module in modules:
-            for unit in experts.units(module):
-                fully_shard(
-                    unit, mesh=experts.replica_mesh, reshard_after_forward=reshard, **policy
-                )
+            for unit, replicas in experts.units(module):
+                fully_shard(unit, mesh=replicas, reshard_after_forward=reshard, **policy)
                 # Note [an expert unit prefetches nothing] (hyparallel.runtime.experts): only
                 # itself, which its own pre-backward has gathered already
                 unit.set_modules_to_backward_prefetch([unit])

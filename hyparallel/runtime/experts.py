@@ -8,9 +8,10 @@ their experts' ranks and back with ``all_to_all_single`` (Note [expert paralleli
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,18 +21,18 @@ from torch import nn
 from hyparallel.graph.model_graph import ModelGraph
 from hyparallel.graph.moe import MoELayer, expert_output_width
 from hyparallel.spec.errors import ConfigError
+from hyparallel.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from hyparallel.tensor.init import ShardLayout
 
 # Note [expert parallelism]
-#     ``parallel.ep = k`` cuts the dp ranks of each (pp, tp) coordinate into groups of k
-#     consecutive ones (the ep groups; with tp innermost, neighbours on a node, where the
-#     all-to-all is cheap, as Megatron-Core places them). Rank j of a group holds experts
-#     [j E/k, (j+1) E/k) of every MoE layer graph.moe found (Note [an MoE layer read from the
-#     trace]) and no other expert; the rest of the model stays as dp and tp have it. The ranks
-#     holding the same experts, one in each ep group, are the expert-data-parallel group (dp / k
-#     ranks): after the step's backward an expert's gradient is averaged over that group
-#     (Note [an expert's gradient is a mean over dp]); DDP leaves the expert weights alone, and
-#     ZeRO shards them over that group (Note [experts under ZeRO]).
+#     ``parallel.ep = k`` splits every MoE layer graph.moe found (Note [an MoE layer read from the
+#     trace]) over groups of k ranks (the ep groups): rank j of a group holds experts [j E/k,
+#     (j+1) E/k) of every layer and no other expert; the rest of the model stays as dp and tp have
+#     it. The ranks holding the same experts, one in each ep group, are the expert-data-parallel
+#     group: after the step's backward an expert's gradient is averaged over it (Note [an expert's
+#     gradient is a mean over dp]); DDP leaves the expert weights alone, and ZeRO shards them over
+#     that group (Note [experts under ZeRO]). Where the groups lie depends on the experts' layout
+#     (Note [tp folded into the experts' ranks]).
 #
 #     Tokens travel by the experts' layout:
 #     * grouped: one module of stacked [E, ...] weights called as ``experts(hidden, top_k_index,
@@ -56,121 +57,214 @@ from hyparallel.tensor.init import ShardLayout
 #     fp32 rounding only.
 
 
+# Note [tp folded into the experts' ranks]
+#     Tensor parallelism splits a ModuleList's experts column/row as any other Linear pair, so under
+#     tp their ep groups are k consecutive dp ranks of one tp coordinate (dp / k replicas of each).
+#     Stacked experts are not split by tp: every tp rank of a dp rank would run the same pairs
+#     through the same expert rows. Instead tp is folded into their mapping, as Megatron-Core does
+#     with an expert tensor-parallel size of 1: tp rank t of a dp rank takes chunk t of its
+#     tokens (they are the same on every tp rank: the residual stream is replicated), and the ep
+#     groups are k consecutive ranks of the flattened (dp, tp) block (tp innermost: one node's ranks
+#     for k <= gpus per node), dp tp / k replicas of each. Each token is computed once, by one tp
+#     rank; the outputs are all-gathered over tp (gather_from_tp: the gradient's own chunk back,
+#     the same on every tp rank) and the hidden rows and routing weights enter through
+#     scatter_to_tp (the gradient all-gathered, so every tp rank holds the whole one, as a
+#     replicated activation's must be). Tokens that do not divide by tp are split unevenly and
+#     summed back with an all-reduce instead (copy_to_tp / reduce_from_tp). Memory is as before
+#     (E / k experts a rank, replicated dp tp / k times); the compute and the exchange shrink by tp.
+
+
+class _Loads:
+    """Stacked experts' routing since it was last read (ExpertParallel.imbalance): per MoE call,
+    the busiest ep rank's (token, expert) pairs and the mean, summed."""
+
+    def __init__(self) -> None:
+        self.busiest = self.mean = 0.0
+
+    def add(self, per_rank: list[int]) -> None:
+        self.busiest += max(per_rank)
+        self.mean += sum(per_rank) / len(per_rank)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Where one layout's experts lie: this rank's ep group and expert-data-parallel group (Note
+    [tp folded into the experts' ranks])."""
+
+    rank: int  # in the ep group
+    group: Any  # the ep group
+    replicas: Any  # the ranks holding the same experts (None: this one alone)
+    replica: int  # this rank's index among them (0: it counts in norms)
+    count: int  # how many they are
+    mesh: Any  # their DeviceMesh (ZeRO shards the experts over it)
+    tp_group: Any = None  # the tp ranks splitting the tokens (None: each runs all of its own)
+    tp: int = 1
+
+
 @dataclass(frozen=True)
 class ExpertParallel:
-    """What ``apply_expert_parallel`` did: the ep groups, and this rank's expert parameters."""
+    """What ``apply_expert_parallel`` did: the ep groups of each layout, and this rank's expert
+    parameters."""
 
     ep: int
-    rank: int  # in the ep group
     dp: int
-    replica: int  # this rank's index in its expert-data-parallel group (0: it counts in norms)
-    group: Any  # the ep group
-    replicas: Any  # the expert-data-parallel group (None: dp == ep)
-    replica_mesh: Any  # its DeviceMesh (ZeRO shards the experts over it)
     names: frozenset[str]  # this rank's expert parameters, by name
     layers: tuple[MoELayer, ...]
+    listed: ExpertGroups  # a ModuleList's experts
+    stacked: ExpertGroups  # stacked experts (the same as ``listed`` when tp is 1)
+    stacked_names: frozenset[str] = frozenset()  # the parameters of stacked experts
+    loads: _Loads = field(default_factory=_Loads)
+
+    def groups_of(self, name: str) -> ExpertGroups:
+        """The groups of expert parameter ``name``."""
+        return self.stacked if name in self.stacked_names else self.listed
 
     def parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """This rank's expert parameters in ``model``."""
         return [p for name, p in model.named_parameters() if name in self.names]
 
-    def units(self, model: nn.Module) -> list[nn.Module]:
-        """The modules ZeRO shards over the expert replicas: each layer's stacked experts, each
-        expert of a ModuleList this rank holds (Note [experts under ZeRO])."""
+    def units(self, model: nn.Module) -> list[tuple[nn.Module, Any]]:
+        """The modules ZeRO shards over the expert replicas, each with their mesh: each layer's
+        stacked experts, each expert of a ModuleList this rank holds (Note [experts under
+        ZeRO])."""
         found = []
         for layer in self.layers:
             experts = model.get_submodule(layer.experts)
             if layer.layout == "grouped":
-                found.append(experts)
+                found.append((experts, self.stacked.mesh))
             else:
-                found += [e for e in experts if not isinstance(e, _RemoteExpert)]
+                found += [
+                    (e, self.listed.mesh) for e in experts if not isinstance(e, _RemoteExpert)
+                ]
         return found
+
+    def imbalance(self, device: torch.device) -> float | None:
+        """Stacked experts' calls since the last read: the busiest ep rank's (token, expert) pairs
+        over the mean, summed over calls, over every ep group (None: none routed). A collective
+        over every rank (each reads it at the same point); ``hyparallel plan --expert-imbalance``
+        takes it (Note [expert parallelism's costs] in hyparallel/planner/costs.py)."""
+        figures = torch.tensor(
+            [self.loads.busiest, self.loads.mean], dtype=torch.float64, device=device
+        )
+        self.loads.busiest = self.loads.mean = 0.0
+        dist.all_reduce(figures)  # every ep group's, each counted by all of its ranks alike
+        return float(figures[0] / figures[1]) if figures[1] > 0 else None
 
     def reduce_grads(self, model: nn.Module) -> None:
         """After the step's last backward: each expert gradient FSDP2 does not reduce, averaged over
-        the ranks holding the same experts (it is already 1/ep of its ep group's sum: Note [an
-        expert's gradient is a mean over dp])."""
+        the ranks holding the same experts (it is already their share of its ep group's sum: Note
+        [an expert's gradient is a mean over dp])."""
         from hyparallel.runtime.data_parallel import all_reduce_mean
 
         # FSDP2 reduces the experts ZeRO shards (Note [experts under ZeRO])
-        grads = [
-            p.grad
-            for p in self.parameters(model)
-            if p.grad is not None and not hasattr(p.grad, "to_local")
-        ]
-        if self.replicas is not None:
-            all_reduce_mean(grads, self.replicas, self.dp // self.ep)
+        by_groups: dict[int, tuple[ExpertGroups, list[torch.Tensor]]] = {}
+        for name, p in model.named_parameters():
+            if name in self.names and p.grad is not None and not hasattr(p.grad, "to_local"):
+                groups = self.groups_of(name)
+                by_groups.setdefault(id(groups), (groups, []))[1].append(p.grad)
+        for groups, grads in by_groups.values():
+            if groups.replicas is not None:
+                all_reduce_mean(grads, groups.replicas, groups.count)
 
 
-def expert_mesh(mesh, ep: int):
-    """``mesh`` with its dp axis cut into (edp, ep): ep consecutive dp ranks, then their
-    replicas."""
+def expert_mesh(mesh, ep: int, fold_tp: bool = False):
+    """``mesh`` with its dp axis (``fold_tp``: its dp and tp axes, flattened in mesh order) cut
+    into (edp, ep): ep consecutive ranks, then their replicas (Note [tp folded into the experts'
+    ranks])."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    names = mesh.mesh_dim_names
-    axis = names.index("dp")
-    shape = list(mesh.mesh.shape)
-    shape[axis : axis + 1] = [shape[axis] // ep, ep]
+    names = list(mesh.mesh_dim_names)
+    folded = ["dp", "tp"] if fold_tp else ["dp"]
+    folded = [n for n in names if n in folded]  # in mesh order
+    rest = [n for n in names if n not in folded]
+    tensor = mesh.mesh.permute([names.index(n) for n in rest + folded])
+    shape = [mesh.mesh.shape[names.index(n)] for n in rest]
+    ranks = math.prod(mesh.mesh.shape[names.index(n)] for n in folded)
     return DeviceMesh(
         mesh.device_type,
-        mesh.mesh.reshape(shape),
-        mesh_dim_names=(*names[:axis], "edp", "ep", *names[axis + 1 :]),
+        tensor.reshape(*shape, ranks // ep, ep),
+        mesh_dim_names=(*rest, "edp", "ep"),
+    )
+
+
+def _groups(mesh, ep: int, fold_tp: bool) -> ExpertGroups:
+    full = expert_mesh(mesh, ep, fold_tp)
+    tp = mesh["tp"].size() if fold_tp else 1
+    return ExpertGroups(
+        rank=full["ep"].get_local_rank(),
+        group=full["ep"].get_group(),
+        replicas=full["edp"].get_group() if full["edp"].size() > 1 else None,
+        replica=full["edp"].get_local_rank(),
+        count=full["edp"].size(),
+        mesh=full["edp"],
+        tp_group=mesh["tp"].get_group() if fold_tp else None,
+        tp=tp,
     )
 
 
 def apply_expert_parallel(
     model: nn.Module, graph: ModelGraph, mesh, ep: int
 ) -> ExpertParallel | None:
-    """Split every MoE layer of ``model`` (``graph.moe``) over ``ep`` ranks of ``mesh``'s dp axis
-    (Note [expert parallelism]); None when ep is 1. Runs on the model before it is materialised (a
-    meta model allocates only this rank's experts) and after tensor parallelism swapped modules."""
+    """Split every MoE layer of ``model`` (``graph.moe``) over ``ep`` ranks of ``mesh`` (Note
+    [expert parallelism]); None when ep is 1. Runs on the model before it is materialised (a meta
+    model allocates only this rank's experts) and after tensor parallelism swapped modules."""
     if ep == 1:
         return None
-    full = expert_mesh(mesh, ep)
-    rank = full["ep"].get_local_rank()
-    group = full["ep"].get_group()
-    replicas = full["edp"].get_group() if full["edp"].size() > 1 else None
-    dp = mesh["dp"].size()
     layers = graph.moe.layers
-    anchor = _Anchor()
+    listed = _groups(mesh, ep, fold_tp=False)
+    fold = "tp" in mesh.mesh_dim_names and mesh["tp"].size() > 1
+    stacked = (
+        _groups(mesh, ep, fold_tp=True)
+        if fold and any(layer.layout == "grouped" for layer in layers)
+        else listed
+    )
+    dp = mesh["dp"].size()
+    anchor, loads = _Anchor(), _Loads()
     for number, layer in enumerate(layers):
         experts = model.get_submodule(layer.experts)
         per = layer.num_experts // ep
-        first = rank * per
         if layer.layout == "grouped":
-            _split_grouped(experts, layer, first, per, group, ep, anchor)
-        else:
-            width = _output_width(graph, layer)
-            for index in range(layer.num_experts):
-                call = _Call(
-                    key=number * layer.num_experts + index,
-                    owner=index // per,
-                    rank=rank,
-                    ep=ep,
-                    group=group,
-                    width=width,
-                    path=f"{layer.experts}.{index}",
-                    anchor=anchor,
-                )
-                if first <= index < first + per:
-                    _own(experts[index], call)
-                else:
-                    experts[index] = _RemoteExpert(call, experts[index])
-    names = frozenset(
-        name
-        for name, _ in model.named_parameters()
-        if any(name.startswith(layer.experts + ".") for layer in layers)
-    )
+            _split_grouped(experts, layer, stacked, per, ep, anchor)
+            experts._ep["loads"] = loads
+            continue
+        first = listed.rank * per
+        width = _output_width(graph, layer)
+        for index in range(layer.num_experts):
+            call = _Call(
+                key=number * layer.num_experts + index,
+                owner=index // per,
+                rank=listed.rank,
+                ep=ep,
+                group=listed.group,
+                width=width,
+                path=f"{layer.experts}.{index}",
+                anchor=anchor,
+            )
+            if first <= index < first + per:
+                _own(experts[index], call)
+            else:
+                experts[index] = _RemoteExpert(call, experts[index])
+
+    def under(kind: str):
+        return frozenset(
+            name
+            for name, _ in model.named_parameters()
+            if any(
+                name.startswith(layer.experts + ".")
+                for layer in layers
+                if kind in ("any", layer.layout)
+            )
+        )
+
     return ExpertParallel(
         ep=ep,
-        rank=rank,
         dp=dp,
-        replica=full["edp"].get_local_rank(),
-        group=group,
-        replicas=replicas,
-        replica_mesh=full["edp"],
-        names=names,
+        names=under("any"),
         layers=layers,
+        listed=listed,
+        stacked=stacked,
+        stacked_names=under("grouped"),
+        loads=loads,
     )
 
 
@@ -232,23 +326,18 @@ def _exchange(rows: torch.Tensor, send: list[int], receive: list[int], group, an
     return _AllToAll.apply(rows, anchor.get(rows.device), send, receive, group)
 
 
-def _counts(send: torch.Tensor, group) -> torch.Tensor:
-    """How many rows each rank of ``group`` sends this one, given how many this one sends each."""
-    receive = torch.empty_like(send)
-    dist.all_to_all_single(receive, send.contiguous(), group=group)
-    return receive
-
-
 # Note [an expert's gradient is a mean over dp]
 #     Every weight's gradient is the mean over dp of the ranks' gradients (DDP's, FSDP2's). An
 #     expert's, on the rank holding it, is already the sum of its ep group's contributions (the
-#     exchange's backward brings them all there), so it must be divided by ep before the mean over
-#     its dp / ep replicas. The exchange does so itself: the owner's computation is wrapped in a
-#     gradient scaling of 1/ep on its outputs and ep on its inputs (hidden rows and routing
-#     weights), so the weights inside get 1/ep and everything outside is unchanged. What is left is
-#     the plain mean over the replicas: reduce_grads' all-reduce under ZeRO 0, FSDP2's default
-#     reduce-scatter under ZeRO 1-3 (a divide factor of dp would need NCCL's PREMUL_SUM, which gloo
-#     lacks).
+#     exchange's backward brings them all there); the sum over its R replicas of those sums is the
+#     sum over the dp ranks' losses, each token counted once. R is dp / ep, or dp tp / ep with tp
+#     folded in (Note [tp folded into the experts' ranks]), so the plain mean over the replicas
+#     needs each sum scaled by R / dp: 1 / ep, or tp / ep. The exchange does so itself: the owner's
+#     computation is wrapped in a gradient scaling of R / dp on its outputs and dp / R on its inputs
+#     (hidden rows and routing weights), so the weights inside get R / dp and everything outside is
+#     unchanged. What is left is the plain mean over the replicas: reduce_grads' all-reduce under
+#     ZeRO 0, FSDP2's default reduce-scatter under ZeRO 1-3 (a divide factor of dp would need
+#     NCCL's PREMUL_SUM, which gloo lacks).
 
 
 # Note [experts under ZeRO]
@@ -399,7 +488,8 @@ def _own(expert: nn.Module, call: _Call) -> None:
 class _GroupedExperts:
     """Mixed into a module of stacked expert weights of which this rank holds rows [first, first +
     per): a call moves each (token, choice) to its expert's rank, runs the module's own forward
-    there, and sums each token's outputs back home (Note [expert parallelism])."""
+    there, and sums each token's outputs back home (Note [expert parallelism]); under tp each tp
+    rank does so for its chunk of the tokens (Note [tp folded into the experts' ranks])."""
 
     _ep: dict[str, Any]
 
@@ -414,8 +504,7 @@ class _GroupedExperts:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._ep
-        signature = inspect.signature(super().forward)
-        bound = signature.bind(*args, **kwargs)
+        bound = _signature(type(self)).bind(self, *args, **kwargs)
         hidden_name, index_name, weights_name = _roles(bound.arguments, state["path"])
         hidden = bound.arguments[hidden_name]
         index, weights = bound.arguments[index_name], bound.arguments[weights_name]
@@ -427,14 +516,22 @@ class _GroupedExperts:
                 f"parallel.ep: {state['path']} was called with {rows.size(0)} hidden rows but"
                 f" {choices.size(0)} rows of expert indices; use ep: 1 for this model"
             )
-        ep, group, per = state["ep"], state["group"], state["per"]
+        groups: ExpertGroups = state["groups"]
+        mine, weights = _TokenChunk(rows, groups), weights.reshape(-1, top_k)
+        rows, choices, weights = mine.take(rows), mine.take(choices), mine.take(weights)
+        ep, group, per = state["ep"], groups.group, state["per"]
         expert = choices.reshape(-1)
         order = torch.argsort(expert, stable=True)
         token = order // top_k
         destination = expert[order] // per
         send_counts = torch.bincount(destination, minlength=ep)
-        receive_counts = _counts(send_counts, group)
-        send, receive = send_counts.tolist(), receive_counts.tolist()
+        # every rank's counts to every rank (row: the sender): what this one receives, and each
+        # rank's load
+        counts = torch.empty(ep * ep, dtype=send_counts.dtype, device=send_counts.device)
+        dist.all_gather_into_tensor(counts, send_counts, group=group)
+        counts = counts.view(ep, ep)
+        send, receive = send_counts.tolist(), counts[:, groups.rank].tolist()
+        state["loads"].add(counts.sum(0).tolist())
         anchor = state["anchor"]
         pair_rows = _exchange(rows.index_select(0, token), send, receive, group, anchor)
         pair_weights = _exchange(
@@ -445,19 +542,57 @@ class _GroupedExperts:
             dist.all_to_all_single(local, expert[order].contiguous(), receive, send, group=group)
             local -= state["first"]
         # Note [an expert's gradient is a mean over dp]
-        bound.arguments[hidden_name] = _ScaleGrad.apply(pair_rows, ep)
+        share = groups.tp / ep
+        bound.arguments[hidden_name] = _ScaleGrad.apply(pair_rows, 1 / share)
         bound.arguments[index_name] = local.unsqueeze(-1)
-        bound.arguments[weights_name] = _ScaleGrad.apply(pair_weights.to(weights.dtype), ep)
-        out = super().forward(*bound.args, **bound.kwargs)
+        bound.arguments[weights_name] = _ScaleGrad.apply(pair_weights.to(weights.dtype), 1 / share)
+        out = super().forward(*tuple(bound.args)[1:], **bound.kwargs)
         if not isinstance(out, torch.Tensor) or out.shape != pair_rows.shape:
             raise ConfigError(
                 f"parallel.ep: {state['path']} returned"
                 f" {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
                 f" for {tuple(pair_rows.shape)} rows, not one row per row; use ep: 1 for this model"
             )
-        back = _exchange(_ScaleGrad.apply(out, 1 / ep), receive, send, group, anchor)
+        back = _exchange(_ScaleGrad.apply(out, share), receive, send, group, anchor)
         combined = torch.zeros_like(rows, dtype=out.dtype).index_add(0, token, back)
-        return combined.to(hidden.dtype).reshape(hidden.shape)
+        return mine.put(combined).to(hidden.dtype).reshape(hidden.shape)
+
+
+@functools.cache
+def _signature(cls: type) -> inspect.Signature:
+    """The signature of the forward a _GroupedExperts subclass ``cls`` wraps, ``self`` included
+    (read once per class)."""
+    return inspect.signature(super(_GroupedExperts, cls).forward)
+
+
+class _TokenChunk:
+    """This tp rank's chunk of a call's token rows, and the way back to all of them (Note [tp
+    folded into the experts' ranks]); every row when the tokens are not split."""
+
+    def __init__(self, rows: torch.Tensor, groups: ExpertGroups) -> None:
+        self.group, self.count = groups.tp_group, rows.size(0)
+        self.even = self.group is None or self.count % groups.tp == 0
+        if self.group is not None:
+            rank = dist.get_rank(self.group)
+            bounds = [self.count * r // groups.tp for r in range(groups.tp + 1)]
+            self.start, self.stop = bounds[rank], bounds[rank + 1]
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``x`` (its gradient whole on every tp rank)."""
+        if self.group is None or not x.is_floating_point():
+            return x if self.group is None else x[self.start : self.stop]
+        if self.even:
+            return scatter_to_tp(x, 0, self.group)
+        return copy_to_tp(x, self.group)[self.start : self.stop]
+
+    def put(self, x: torch.Tensor) -> torch.Tensor:
+        """Every tp rank's rows, this one's being ``x`` (its gradient: this rank's rows)."""
+        if self.group is None:
+            return x
+        if self.even:
+            return gather_from_tp(x, 0, self.group)
+        whole = nn.functional.pad(x, (0, 0, self.start, self.count - self.stop))
+        return reduce_from_tp(whole, self.group)
 
 
 def _roles(arguments: dict[str, Any], path: str) -> tuple[str, str, str]:
@@ -482,9 +617,11 @@ def _roles(arguments: dict[str, Any], path: str) -> tuple[str, str, str]:
 
 
 def _split_grouped(
-    experts: nn.Module, layer: MoELayer, first: int, per: int, group, ep: int, anchor: _Anchor
+    experts: nn.Module, layer: MoELayer, groups: ExpertGroups, per: int, ep: int, anchor: _Anchor
 ) -> None:
-    """Keep rows [first, first + per) of each stacked weight of ``experts`` and route its calls."""
+    """Keep this rank's rows [first, first + per) of each stacked weight of ``experts`` and route
+    its calls."""
+    first = groups.rank * per
     shapes = {}
     for leaf, param in list(experts.named_parameters(recurse=False)):
         shapes[leaf] = tuple(param.shape)
@@ -499,7 +636,7 @@ def _split_grouped(
         "first": first,
         "per": per,
         "ep": ep,
-        "group": group,
+        "groups": groups,
         "shapes": shapes,
         "path": layer.experts,
         "anchor": anchor,

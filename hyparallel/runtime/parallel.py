@@ -967,6 +967,13 @@ class ParallelModel:
             refusal=refusal,
         )
 
+    def expert_imbalance(self) -> float | None:
+        """Since the last call: the busiest expert-parallel rank's routed (token, expert) pairs over
+        the mean, summed over every call of stacked experts (transformers' MoEs) and every ep group;
+        None under ep 1 or before any is routed. What ``hyparallel plan --expert-imbalance``
+        takes. A collective: call it on every rank at the same point (after a step, say)."""
+        return self.experts.imbalance(self.device) if self.experts is not None else None
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient so that the model's global 2-norm is at most ``max_norm``; returns
         the norm before.
@@ -992,9 +999,12 @@ class ParallelModel:
         """Sum of squares of the gradient elements this rank counts for the global norm."""
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         expert = self.experts is not None and name in self.experts.names
+        groups = self.experts.groups_of(name) if expert else None
         # replicated over dp (DDP): dp rank 0 counts; an expert's over its replicas: the first
-        if not hasattr(grad, "to_local") and (self.experts.replica if expert else self.dp_rank):
+        if not hasattr(grad, "to_local") and (groups.replica if expert else self.dp_rank):
             return torch.zeros((), dtype=torch.float64, device=self.device)
+        if groups is not None and groups.tp > 1:  # tp folded in: its replicas span tp too
+            return local.double().pow(2).sum()
         # tied across stages: counted once
         if self.pipeline is not None and not self.pipeline.first_holder(name):
             return torch.zeros((), dtype=torch.float64, device=self.device)

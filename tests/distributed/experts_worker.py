@@ -5,7 +5,10 @@ For a grouped MoE (transformers' Mixtral: stacked expert weights) and a hand-wri
 ModuleList of experts, torch.where dispatch): trains 2 SGD-with-momentum steps under dp 4 x ep 4,
 saves, then loads into dp 4 x ep 2 with ZeRO 1 and into dp 4 (ep 1), and compares every parameter
 and momentum buffer each rank holds with single-device training after 2 steps; each loaded plan
-then takes step 3 and is compared again. Rank 0 writes one JSON line per case.
+then takes step 3 and is compared again. Also the gradient norm of the first step at ep 4 (and, for
+stacked experts, of sequences of 15 tokens under dp 2 x tp 2 x ep 2 with ZeRO 1), and the experts'
+imbalance read at ep 4. Rank 0 writes one JSON line
+per case.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ MODELS = {
 }
 PLANS = {
     "saved": dict(dp=4, ep=4, zero=0),
+    # tp folded into stacked experts (Note [tp folded into the experts' ranks]), a ModuleList's
+    # split by tp; their gradients sharded over replicas spanning tp
+    "tp2-ep2-zero1": dict(dp=2, tp=2, ep=2, zero=1, micro_batch=1),
     "ep2-zero1": dict(dp=4, ep=2, zero=1),
     "ep1": dict(dp=4, ep=1, zero=0),
 }
@@ -42,12 +48,20 @@ def optimizer_of(parameters):
     return torch.optim.SGD(parameters, lr=LR, momentum=0.9)
 
 
-def reference(spec: str, steps: int):
+def reference(spec: str, steps: int, routes: list | None = None):
+    """One device's model and optimizer after ``steps`` steps; ``routes``: gets each stacked
+    experts call's top-k expert indices (transformers' experts(hidden, top_k_index, weights))."""
     model = materialize_(hp.models.load(spec).module, "cpu", seed=SEED)
     optimizer = optimizer_of(model.parameters())
+    for name, module in model.named_modules():
+        if routes is not None and name.endswith("mlp.experts"):
+            module.register_forward_pre_hook(lambda _, args: routes.append(args[1].clone()))
     for step in range(steps):
         inputs, targets = batch(spec, SEED + step)
         token_cross_entropy(model(inputs), targets).backward()
+        if step == 0:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            model.first_grad_norm = torch.nn.utils.get_total_norm(grads).item()
         optimizer.step()
         optimizer.zero_grad()
     return model, optimizer
@@ -61,10 +75,7 @@ def build(spec: str, plan: str, seed: int):
         GLOBAL_BATCH,
         SEQ,
         "fp32",
-        tp=1,
-        pp=1,
-        micro_batch=2,
-        **PLANS[plan],
+        **{"tp": 1, "pp": 1, "micro_batch": 2, **PLANS[plan]},
     )
     pmodel = hp.parallelize(model, planned, seed=seed, device="cpu")
     return model, pmodel, optimizer_of(pmodel.parameters())
@@ -93,10 +104,12 @@ def worst_error(model, pmodel, optimizer, ref_model, ref_optimizer) -> tuple[flo
     return worst, checked
 
 
-def train(spec: str, pmodel, optimizer, steps: range) -> None:
+def train(spec: str, pmodel, optimizer, steps: range, norms: list | None = None) -> None:
     for step in steps:
         inputs, targets = batch(spec, SEED + step)
         pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
+        if norms is not None:
+            norms.append(pmodel.clip_grad_norm_(float("inf")).item())
         optimizer.step()
         optimizer.zero_grad()
 
@@ -104,9 +117,22 @@ def train(spec: str, pmodel, optimizer, steps: range) -> None:
 def run(spec: str, directory: Path) -> dict:
     """Train and save at ep 4, load at ep 2 and ep 1, train on; the errors against one device."""
     result = {"parameter_groups": harness.parameter_groups(hp.models.load(spec).module)}
-    after = {steps: reference(spec, steps) for steps in (2, 3)}
+    routes = []
+    after = {steps: reference(spec, steps, routes if steps == 2 else None) for steps in (2, 3)}
     model, pmodel, optimizer = build(spec, "saved", SEED)
-    train(spec, pmodel, optimizer, range(2))
+    pmodel.expert_imbalance()  # from here on
+    train(spec, pmodel, optimizer, range(2), norms := [])
+    result["imbalance"] = pmodel.expert_imbalance()
+    # the global gradient norm each rank reads (every expert's gradient counted once)
+    result["first_grad_norm"], result["ref_grad_norm"] = norms[0], after[2][0].first_grad_norm
+    if routes:  # each call at ep 4 routes the whole global batch (one micro-batch of each rank)
+        experts = model.config.num_local_experts
+        busiest = mean = 0.0
+        for chosen in routes:
+            load = torch.bincount(chosen.flatten() // (experts // 4), minlength=4).double()
+            busiest, mean = busiest + load.max().item(), mean + load.mean().item()
+        result["expected_imbalance"] = busiest / mean
+        result["routes"] = len(routes)
     (result["saved_error"], result["saved_worst"]), result["saved_checked"] = worst_error(
         model, pmodel, optimizer, *after[2]
     )
@@ -119,6 +145,16 @@ def run(spec: str, directory: Path) -> dict:
         )
         train(spec, pmodel, optimizer, range(2, 3))
         (result[f"{plan}_continued"], _), _ = worst_error(model, pmodel, optimizer, *after[3])
+    if "routes" in result:  # stacked experts: tp folded in, the norm over their replicas
+        # 15 tokens a sequence, one a micro-batch: tp 2 splits each call's rows unevenly
+        inputs, targets = (t[:, :-1] for t in batch(spec, SEED))
+        one = materialize_(hp.models.load(spec).module, "cpu", seed=SEED)
+        token_cross_entropy(one(inputs), targets).backward()
+        grads = [p.grad for p in one.parameters() if p.grad is not None]
+        result["ref_odd_grad_norm"] = torch.nn.utils.get_total_norm(grads).item()
+        _, pmodel, _ = build(spec, "tp2-ep2-zero1", SEED)
+        pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
+        result["odd_grad_norm"] = pmodel.clip_grad_norm_(float("inf")).item()
     return result
 
 
