@@ -112,6 +112,17 @@ def test_a_checkpoint_saved_at_ep_4_loads_at_ep_2_and_at_ep_1(tmp_path):
                 compared[r["rank"] // ep] |= set(r[f"{plan}_checked"])
             assert_every_parameter_compared(groups, compared)
 
+    # Note [the router's auxiliary loss over dp]: cross-entropy plus the load-balancing loss, dp 4
+    # x ep 2, against one device running each micro-batch of every dp rank at once
+    ranks = results["router-loss"]
+    for rank in ranks:
+        assert rank["error"] <= 2e-5, (rank["error"], rank["worst"])
+        assert rank["loss"] == pytest.approx(rank["ref_loss"], rel=1e-5)
+    compared = {r["rank"] // 2: set() for r in ranks}
+    for r in ranks:
+        compared[r["rank"] // 2] |= set(r["checked"])
+    assert_every_parameter_compared(ranks[0]["parameter_groups"], compared)
+
 
 def plan_for(spec: str, **fixed) -> tuple:
     model = hp.models.load(small_spec(spec) if spec.startswith("hf:") else spec).module

@@ -955,3 +955,13 @@ def torch_encoder_lm(
     """nn.TransformerEncoder (pre-norm by default, as GPT-style models are) under a token embedding
     and a head."""
     return TorchEncoderLM(hidden, heads, layers, vocab_size, norm_first)
+
+
+def ce_plus_router_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy plus the router's load-balancing loss a transformers MoE returns (config
+    output_router_logits: true), weighted 1 so that a difference shows (Note [the router's
+    auxiliary loss over dp])."""
+    logits = output.logits
+    return (
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)) + output.aux_loss
+    )

@@ -63,6 +63,7 @@ from hyparallel.runtime.loss import (
 )
 from hyparallel.runtime.loss import logits_or_output as _logits
 from hyparallel.runtime.recompute import apply_recompute
+from hyparallel.runtime.router_loss import global_router_loss
 from hyparallel.spec.errors import ConfigError
 from hyparallel.spec.schema import LossFn, Plan
 from hyparallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel, check_local_shapes
@@ -265,6 +266,8 @@ def _parallelize(
         find_unused=bool(graph.params_outside_logits),
         experts=experts,
     )
+    if par.dp > 1 and pipeline is None:  # Note [the router's auxiliary loss over dp]
+        global_router_loss(model, mesh["dp"].get_group())
     return ParallelModel(
         model=model,
         plan=plan,

@@ -36,6 +36,7 @@ PLANS = {
     # tp folded into stacked experts (Note [tp folded into the experts' ranks]), a ModuleList's
     # split by tp; their gradients sharded over replicas spanning tp
     "tp2-ep2-zero1": dict(dp=2, tp=2, ep=2, zero=1, micro_batch=1),
+    "router-loss": dict(dp=4, ep=2, zero=0, micro_batch=1),
     "ep2-zero1": dict(dp=4, ep=2, zero=1),
     "ep1": dict(dp=4, ep=1, zero=0),
 }
@@ -158,14 +159,54 @@ def run(spec: str, directory: Path) -> dict:
     return result
 
 
+ROUTER_LOSS = MODELS["mixtral"] + " output_router_logits=true"
+
+
+def router_loss() -> dict:
+    """dp 4 x ep 2, two micro-batches of one sequence a rank, loss_fn cross-entropy plus the
+    router's load-balancing loss (Note [the router's auxiliary loss over dp]), one step against one
+    device running the same two micro-batches: each the rows every dp rank runs at that index."""
+    from tests.tiny_lms import ce_plus_router_loss
+
+    model, pmodel, optimizer = build(ROUTER_LOSS, "router-loss", SEED)
+    inputs, targets = batch(ROUTER_LOSS, SEED)
+    # no padding: the loss is a micro-batch's mean, which weighs every micro-batch alike
+    targets = targets.clamp_min(0)
+    loss = pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets), ce_plus_router_loss)
+    optimizer.step()
+    # after parallelize changed the model's load_balancing_loss_func: a plain model keeps its own
+    one = materialize_(hp.models.load(ROUTER_LOSS).module, "cpu", seed=SEED)
+    one_optimizer = optimizer_of(one.parameters())
+    rows = GLOBAL_BATCH // 4  # each dp rank's, one a micro-batch
+    losses = []
+    for index in range(rows):
+        chosen = torch.arange(index, GLOBAL_BATCH, rows)  # row `index` of every dp rank's share
+        micro = ce_plus_router_loss(one(inputs[chosen]), targets[chosen])
+        (micro / rows).backward()
+        losses.append(micro.item())
+    one_optimizer.step()
+    (error, worst), checked = worst_error(model, pmodel, optimizer, one, one_optimizer)
+    return {
+        "loss": loss.item(),
+        "ref_loss": sum(losses) / rows,
+        "error": error,
+        "worst": worst,
+        "checked": checked,
+        "parameter_groups": harness.parameter_groups(hp.models.load(ROUTER_LOSS).module),
+    }
+
+
 def main() -> None:
     out, directory = sys.argv[1], Path(sys.argv[2])
     harness.init()
     harness.run_cases(
         out,
         [
-            (name, lambda spec=spec, name=name: run(spec, directory / name))
-            for name, spec in MODELS.items()
+            *(
+                (name, lambda spec=spec, name=name: run(spec, directory / name))
+                for name, spec in MODELS.items()
+            ),
+            ("router-loss", router_loss),
         ],
     )
 

@@ -1,0 +1,115 @@
+"""The router's auxiliary load-balancing loss over the whole data-parallel batch (Note [the router's
+auxiliary loss over dp]).
+
+    global_router_loss(model, dp_group)   # once, in parallelize, when dp > 1 and pp = 1
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# Note [the router's auxiliary loss over dp]
+#     A mixture of experts' load-balancing loss (Switch Transformer's: E sum_e f_e P_e, f_e the
+#     share of the (token, choice) pairs routed to expert e, P_e the mean router probability of e)
+#     is a product of two means over the tokens, so the mean over dp ranks of each rank's loss on
+#     its own tokens is not the loss of the batch, which one device computes. transformers' MoEs
+#     compute it in their forward with their modeling file's load_balancing_loss_func(gate_logits,
+#     num_experts, top_k, attention_mask), from every layer's router logits (when the config's
+#     output_router_logits is on). Inside a ParallelModel's forward (dp > 1, pp = 1) that function
+#     gets every dp rank's router logits (and attention mask), all-gathered with
+#     torch.distributed.nn's differentiable all_gather, so it computes the batch's loss itself,
+#     the same number on every dp rank. Its backward sums each rank's gradient of that (identical)
+#     loss into the rows that rank routed, dp times its share, and the data-parallel mean of the
+#     gradients leaves the batch's gradient: one device's, within fp32 rounding. Each micro-batch's
+#     loss is the one of that micro-batch of every dp rank (as Megatron-Core's global auxiliary
+#     loss), so under gradient accumulation it equals one device running the same micro-batches.
+#     The function is found by name in the globals the model's forward runs in (a subclass that
+#     keeps transformers' forward included), wrapped once, and changed only inside a ParallelModel's
+#     forward: any other model in the process calls the original. An MoE computing its auxiliary
+#     loss in code of its own keeps the per-rank one (docs/expert-parallel.md, Limits).
+
+_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hyparallel_router_loss_group")
+NAME = "load_balancing_loss_func"
+
+
+def global_router_loss(model: nn.Module, group: Any) -> bool:
+    """Make ``model``'s forward compute transformers' router auxiliary loss over ``group``'s tokens
+    (Note [the router's auxiliary loss over dp]); False when its forward has no such function."""
+    forward = next(
+        (cls.__dict__["forward"] for cls in type(model).__mro__ if "forward" in cls.__dict__), None
+    )
+    # the module the forward was written in, under its decorators (transformers' can_return_tuple)
+    namespace = getattr(inspect.unwrap(forward), "__globals__", {}) if forward else {}
+    original = namespace.get(NAME)
+    if not callable(original):
+        return False
+    original = getattr(original, "__wrapped__", original)
+    names = list(inspect.signature(original).parameters)
+    if not names or names[0] != "gate_logits":
+        return False  # another loss by the same name (Switch Transformers' takes probabilities)
+    namespace[NAME] = _wrapped(original)
+    model.register_forward_pre_hook(lambda *_: _enter(model, group))
+    model.register_forward_hook(lambda *_: _leave(model), always_call=True)
+    return True
+
+
+def _enter(model: nn.Module, group: Any) -> None:
+    model._router_loss_token = _GROUP.set(group)
+
+
+def _leave(model: nn.Module) -> None:
+    token = model.__dict__.pop("_router_loss_token", None)
+    if token is not None:
+        _GROUP.reset(token)
+
+
+@functools.cache
+def _wrapped(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def load_balancing_loss_func(*args: Any, **kwargs: Any) -> Any:
+        group = _GROUP.get(None)
+        bound = signature.bind(*args, **kwargs)
+        logits = bound.arguments.get("gate_logits")
+        if group is None or not isinstance(logits, tuple) or not logits:
+            return original(*args, **kwargs)
+        bound.arguments["gate_logits"] = tuple(_gathered(x, group) for x in logits)
+        mask = bound.arguments.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            bound.arguments["attention_mask"] = _gathered(mask, group)
+        return original(*bound.args, **bound.kwargs)
+
+    return load_balancing_loss_func
+
+
+def _gathered(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's ``x`` along dim 0, differentiable: each rank's rows get the sum over the ranks
+    of their gradient."""
+    return _Gather.apply(x, group)
+
+
+class _Gather(torch.autograd.Function):
+    """all_gather along dim 0; the backward all-reduces the gradient and keeps this rank's rows
+    (torch.distributed.nn's all_gather names subgroup ranks by their global number on gloo)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.rows = group, x.size(0)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        start = dist.get_rank(ctx.group) * ctx.rows
+        return grad[start : start + ctx.rows], None
