@@ -114,8 +114,9 @@ class SegmentCost:
 
 def _layer_of(op, layers) -> list:
     """The MoE layer whose experts ``op`` runs in or reads (one, or none)."""
+    module = op.module or ""
     for layer in layers:
-        inside = op.module == layer.experts or op.module.startswith(layer.experts + ".")
+        inside = module == layer.experts or module.startswith(layer.experts + ".")
         if inside or (op.params and all(p.startswith(layer.experts + ".") for p in op.params)):
             return [layer]
     return []
