@@ -184,15 +184,7 @@ def test_runtime_with_one_rank_and_virtual_stages_matches_the_model(name):
         stages = [modules[:cut], modules[cut:]]
     inputs, targets = batch(model, rows=2 * BATCH)
     split = split_model(model, stages, inputs[:BATCH].to("meta"))
-    materialize_(model, "cpu", seed=SEED, only=split.state_names([0, 1]))
-    runtime = PipelineRuntime(
-        split,
-        {0: split.stage_module(0), 1: split.stage_module(1)},
-        None,
-        schedule_kind="interleaved-1f1b",
-        num_microbatches=2,
-        virtual_stages=2,
-    )
+    runtime = one_rank_runtime(model, split, num_microbatches=2)
     loss = runtime.train_step(inputs, targets, loss_fn)
     # Both virtual stages on the one rank: the outputs of stage 0 go to stage 1 in memory, no send
     # or receive.
@@ -380,15 +372,7 @@ def test_stages_exported_with_symbolic_sizes_run_other_lengths_and_refuse_what_t
         "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long, device="meta"),
     }
     split = split_model(model, planned_stages(model, pp=2), example, dynamic=True)
-    materialize_(model, "cpu", seed=SEED, only=split.state_names([0, 1]))
-    runtime = PipelineRuntime(
-        split,
-        {0: split.stage_module(0), 1: split.stage_module(1)},
-        None,
-        schedule_kind="interleaved-1f1b",
-        num_microbatches=1,
-        virtual_stages=2,
-    )
+    runtime = one_rank_runtime(model, split, num_microbatches=1)
     ref = reference(spec)
     for rows, length in ((BATCH, SEQ), (3, 5), (BATCH, 2 * SEQ - 1)):
         tokens = torch.randint(0, vocab(model), (rows, length))
@@ -414,3 +398,17 @@ def test_stages_exported_with_symbolic_sizes_run_other_lengths_and_refuse_what_t
     assert (position, shape) == (1, (BATCH, SEQ + 1)) and ".." in traced
     with pytest.raises(ConfigError, match=r"micro-batch input 1 has shape \(2, 13\)"):
         runtime.forward(unequal)
+
+
+def one_rank_runtime(model, split, num_microbatches: int) -> PipelineRuntime:
+    """Both stages of ``split`` on this process, as two virtual stages of interleaved 1F1B, their
+    weights from SEED."""
+    materialize_(model, "cpu", seed=SEED, only=split.state_names([0, 1]))
+    return PipelineRuntime(
+        split,
+        {0: split.stage_module(0), 1: split.stage_module(1)},
+        None,
+        schedule_kind="interleaved-1f1b",
+        num_microbatches=num_microbatches,
+        virtual_stages=2,
+    )

@@ -420,16 +420,14 @@ class Search:
         links["ep"], links["ep_stacked"] = ep_links(c, self.ctx.cluster)
         return links
 
+    @staticmethod
+    def _profile_key(c: Config, links) -> tuple:
+        """What ModelProfile.segment_costs and totals take for ``c``."""
+        ep_links = (links["ep"], links["ep_stacked"])
+        return (c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"], c.ep, ep_links)
+
     def _segment_costs(self, c: Config, links) -> tuple[SegmentCost, ...]:
-        return self.ctx.profile.segment_costs(
-            c.tp,
-            c.sequence_parallel,
-            c.micro_batch,
-            c.recompute,
-            links["tp"],
-            c.ep,
-            (links["ep"], links["ep_stacked"]),
-        )
+        return self.ctx.profile.segment_costs(*self._profile_key(c, links))
 
     def _tables(self, c: Config, links) -> _Tables:
         profile = self.ctx.profile
@@ -459,15 +457,7 @@ class Search:
         if self._memory_bound(c) > self.ctx.cluster.device.usable_memory_bytes:
             return None
         links = self._links(c)
-        total_t, params, _ = self.ctx.profile.totals(
-            c.tp,
-            c.sequence_parallel,
-            c.micro_batch,
-            c.recompute,
-            links["tp"],
-            c.ep,
-            (links["ep"], links["ep_stacked"]),
-        )
+        total_t, params, _ = self.ctx.profile.totals(*self._profile_key(c, links))
         total_t += c.pp * self._p2p_s(c, links)
         device = self.ctx.cluster.device
         optimizer_params = params / c.dp if c.zero >= 1 else params
