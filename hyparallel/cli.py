@@ -906,10 +906,14 @@ def _int_in(high: int, low: int = 1) -> Callable[[str], int]:
     return parse
 
 
-def _float_in(high: float, unit: str, positive: bool = False) -> Callable[[str], float]:
-    """An argparse ``type`` for a number of ``unit`` from 0 (excluded when ``positive``) to
-    ``high``."""
-    what = f"a number of {unit} " + ("above 0" if positive else "from 0") + f" up to {high:g}"
+def _float_in(
+    high: float, unit: str, positive: bool = False, low: float = 0.0
+) -> Callable[[str], float]:
+    """An argparse ``type`` for a number of ``unit`` from ``low`` (0 excluded when ``positive``)
+    to ``high``."""
+    what = (
+        f"a number of {unit} " + ("above 0" if positive else f"from {low:g}") + f" up to {high:g}"
+    )
 
     # Named apart from _int_in's `parse`: tests/test_fuzz_cli.py finds integer flags by that name.
     def parse_float(text: str) -> float:
@@ -917,7 +921,7 @@ def _float_in(high: float, unit: str, positive: bool = False) -> Callable[[str],
             value = float(text)
         except ValueError:
             value = math.nan  # refused below, as inf is
-        if not (0 < value <= high if positive else 0 <= value <= high):
+        if not (0 < value <= high if positive else low <= value <= high):
             shown = text if len(text) <= 40 else text[:37] + "..."
             raise argparse.ArgumentTypeError(f"expected {what}, got '{shown}'")
         return value
@@ -1112,7 +1116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--expert-imbalance",
-        type=float,
+        type=_float_in(limits.MAX_EXPERT_IMBALANCE, "times the mean load", low=1.0),
         default=None,
         metavar="X",
         help=(

@@ -226,14 +226,39 @@ def test_show_names_the_ep_groups_and_their_link(tmp_path, capsys):
     assert "0..3 (4)" in row and "NVLink" in row
 
 
-def moe_profile(spec: str):
+def moe_profile(spec: str, **options):
     from hyparallel.graph.tracer import trace
     from hyparallel.planner.profile import ModelProfile
 
     model = hp.models.load(spec).module
     graph = trace(model, torch.randint(0, 64, (1, 16)))
     cluster = hp.ClusterSpec.preset("h100-sxm", num_nodes=2, gpus_per_node=8)
-    return ModelProfile(graph, cluster, "bf16", 16)
+    return ModelProfile(graph, cluster, "bf16", 16, **options)
+
+
+def test_the_expert_imbalance_a_run_measured_is_what_the_planner_charges(capsys):
+    from hyparallel.cli import main
+    from hyparallel.planner.profile import _op_times
+
+    link = hp.ClusterSpec.preset("h100-sxm").intra_node
+    spec = small_spec("hf:MixtralForCausalLM")
+    costs = {}
+    for imbalance in (1.0, 2.5):
+        profile = moe_profile(spec, expert_imbalance=imbalance)
+        (moe, index), *_ = [(m, i) for i, m in enumerate(profile.experts) if m is not None]
+        costs[imbalance] = profile.segment_costs(1, False, 1, "none", link, 2, (link, link))[index]
+    device = profile.cluster.device
+    work = sum(
+        _op_times(profile.raw[index].ops[i], 1, False, 1, device.peak_flops.bf16, device, False)[0]
+        for i in moe.ops
+    )
+    # the busiest rank's share of the experts' work, which the step waits for
+    assert costs[2.5].forward_s - costs[1.0].forward_s == pytest.approx(1.5 * work, rel=1e-9)
+    # the API and the CLI refuse what is no imbalance, in one line
+    with pytest.raises(hp.PlanError, match="expert_imbalance must be a number from 1 to 64"):
+        hp.plan("gpt-tiny", "cpu", 8, 16, expert_imbalance=0.5)
+    assert main(["plan", "--model", "gpt-tiny", "--gpus", "2", "--expert-imbalance", "0.9"]) == 2
+    assert "--expert-imbalance: expected a number" in capsys.readouterr().err
 
 
 def test_the_planner_folds_tp_into_stacked_experts_and_serialises_a_module_lists():

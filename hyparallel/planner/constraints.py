@@ -65,7 +65,7 @@ class Constraints(BaseModel):
     expert_imbalance: float | None = Field(
         None,
         ge=1.0,
-        le=64.0,
+        le=limits.MAX_EXPERT_IMBALANCE,
         description=(
             "The busiest expert-parallel rank's routed (token, expert) pairs over the mean, which"
             " each MoE layer waits for (pmodel.expert_imbalance() measures a run's); left out: 1.2"
@@ -201,7 +201,8 @@ def _bad_value(key: str, value: Any, problem: dict) -> str:
         return f"{key} must be True or False, got {repr(value)[:40]}"
     if key == "expert_imbalance":
         return (
-            f"{key} must be a number from 1 to 64 (the busiest expert-parallel rank's load over"
+            f"{key} must be a number from 1 to {limits.MAX_EXPERT_IMBALANCE:g} (the busiest"
+            " expert-parallel rank's load over"
             f" the mean), got {repr(value)[:40]}"
         )
     if key == "powersgd_start_step" and problem["type"] in (

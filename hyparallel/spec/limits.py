@@ -89,6 +89,9 @@ MAX_TOP = 100
 # of hours); a restart of a day is no restart.
 MAX_MTBF_HOURS = 1e7
 MAX_RESTART_S = 86400.0
+# the busiest expert-parallel rank's routed pairs over the mean (plan --expert-imbalance): at most
+# every pair on one of 64 ranks' share
+MAX_EXPERT_IMBALANCE = 64.0
 
 # `hyparallel simulate` times every forward and backward of every micro-batch on every (virtual)
 # stage, one by one in Python: 2 x pp x virtual_stages x num_microbatches of them, at most 2^17 =
