@@ -298,6 +298,11 @@ def test_the_planner_folds_tp_into_stacked_experts_and_serialises_a_module_lists
         for i in moe.ops
     )
     assert two[index].forward_s == pytest.approx(one[index].forward_s + work, rel=1e-9)
+    # and one exchange per expert, each after a header all-gather
+    calls, gather = moe.listed_experts, hp.planner.costs.ring_allgather_s
+    assert calls == 4  # where_moe_lm's experts in the block
+    want = 4 * calls * exchange(moe.token_bytes / calls, 2, link) + calls * gather(48.0, 2, link)
+    assert two[index].ep_comm_s == pytest.approx(want, rel=1e-9)
 
 
 def test_ep_links_of_stacked_experts_stay_in_a_node_under_tp():

@@ -117,9 +117,10 @@ def all_to_all_s(num_bytes: Figure, group_size: int, link: LinkSpec) -> Figure:
 #       dtype per MoE layer (dispatch and combine, forward and backward), over the link the ep group
 #       spans (search.ep_links: ep consecutive dp ranks with tp inside them for a ModuleList's
 #       experts, ep consecutive ranks of the (dp, tp) block for stacked ones, whose tp ranks each
-#       send 1/tp of the tokens), never overlapped with compute. Stacked experts under tp add two
-#       all-gathers of tokens x hidden over tp (the outputs forward, the inputs' gradients
-#       backward).
+#       send 1/tp of the tokens), never overlapped with compute. A ModuleList's experts exchange
+#       their rows one expert at a time, after a header all-gather each: E exchanges of 1/E of the
+#       bytes, each paying the link's latency. Stacked experts under tp add two all-gathers of
+#       tokens x hidden over tp (the outputs forward, the inputs' gradients backward).
 #     * memory: the expert weights a tp rank holds, over ep (and their optimizer state over ZeRO's
 #       dp / ep replicas, dp tp / ep for stacked experts under tp), everything else as before.
 #     The router's auxiliary loss is not priced.

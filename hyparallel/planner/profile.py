@@ -133,6 +133,7 @@ class _SegmentExperts:
     stacked_params: float = 0.0  # of ``params``, the stacked experts'
     stacked_token_bytes: float = 0.0  # of ``token_bytes``, the stacked experts' layers'
     stacked_row_bytes: float = 0.0  # per sequence: tokens x hidden of those layers (tp's gathers)
+    listed_experts: int = 0  # the experts of its ModuleList layers (an exchange each)
 
 
 @dataclass(frozen=True)
@@ -565,10 +566,13 @@ class ModelProfile:
             self.tp_analysis.params_per_rank(self.graph.op(self._segment_op(raw, i)), tp)
             for i in moe.ops
         )
+        # a ModuleList's: one exchange of its rows per expert (and a header all-gather before the
+        # forward's, priced as one more)
         listed_bytes = (moe.token_bytes - moe.stacked_token_bytes) * b
-        exchange = costs.all_to_all_s(listed_bytes, ep, listed_link) + costs.all_to_all_s(
-            moe.stacked_token_bytes * b / tp, ep, stacked_link
-        )
+        calls = max(moe.listed_experts, 1)
+        listed = calls * costs.all_to_all_s(listed_bytes / calls, ep, listed_link)
+        exchange = listed + costs.all_to_all_s(moe.stacked_token_bytes * b / tp, ep, stacked_link)
+        headers = moe.listed_experts * costs.ring_allgather_s(24.0 * ep, ep, listed_link)
         # tp folded in: the outputs all-gathered over tp forward, the inputs' gradients backward
         gathers = (
             2 * costs.ring_allgather_s(moe.stacked_row_bytes * b, tp, tp_link) if tp > 1 else 0
@@ -582,7 +586,7 @@ class ModelProfile:
             params=cost.params - held + held / ep,
             expert_params=held / ep,
             folded_expert_params=folded,
-            ep_comm_s=costs.EXCHANGES_PER_MOE_LAYER * exchange,
+            ep_comm_s=costs.EXCHANGES_PER_MOE_LAYER * exchange + headers,
         )
 
     def _segment_op(self, raw: _SegmentRaw, position: int) -> str:
@@ -603,6 +607,7 @@ class ModelProfile:
         moe = self.graph.moe
         names = moe.expert_params
         layouts = {layer.path: layer.layout for layer in moe.layers}
+        by_path = {layer.path: layer for layer in moe.layers}
         widths = {}
         for layer in moe.layers:
             router = next(
@@ -649,6 +654,7 @@ class ModelProfile:
                     stacked_params=float(sum(ops[i].param_count for i in stacked)),
                     stacked_token_bytes=float(bytes_of(stacked_layers)),
                     stacked_row_bytes=float(bytes_of(stacked_layers, choices=False)),
+                    listed_experts=sum(by_path[p].num_experts for p in layers - stacked_layers),
                 )
             )
         return tuple(found)
