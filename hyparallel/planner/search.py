@@ -473,15 +473,7 @@ class Search:
         """Per-GPU memory no stage boundaries go below: the stages' mean, with the fewest
         micro-batches in flight."""
         links = self._links(c)
-        _, params, act = self.ctx.profile.totals(
-            c.tp,
-            c.sequence_parallel,
-            c.micro_batch,
-            c.recompute,
-            links["tp"],
-            c.ep,
-            (links["ep"], links["ep_stacked"]),
-        )
+        _, params, act = self.ctx.profile.totals(*self._profile_key(c, links))
         state = costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp, c.grad_compression)
         least_inflight = inflight_microbatches(
             c.schedule, c.pp, c.num_microbatches, c.pp - 1, c.virtual_stages

@@ -107,7 +107,6 @@ class ExpertParallel:
     parameters."""
 
     ep: int
-    dp: int
     names: frozenset[str]  # this rank's expert parameters, by name
     layers: tuple[MoELayer, ...]
     listed: ExpertGroups  # a ModuleList's experts
@@ -218,7 +217,6 @@ def apply_expert_parallel(
         if fold and any(layer.layout == "grouped" for layer in layers)
         else listed
     )
-    dp = mesh["dp"].size()
     anchor, loads = _Anchor(), _Loads()
     for number, layer in enumerate(layers):
         experts = model.get_submodule(layer.experts)
@@ -258,7 +256,6 @@ def apply_expert_parallel(
 
     return ExpertParallel(
         ep=ep,
-        dp=dp,
         names=under("any"),
         layers=layers,
         listed=listed,
@@ -529,9 +526,9 @@ class _GroupedExperts:
         # rank's load
         counts = torch.empty(ep * ep, dtype=send_counts.dtype, device=send_counts.device)
         dist.all_gather_into_tensor(counts, send_counts, group=group)
-        counts = counts.view(ep, ep)
-        send, receive = send_counts.tolist(), counts[:, groups.rank].tolist()
-        state["loads"].add(counts.sum(0).tolist())
+        matrix = counts.view(ep, ep).tolist()  # the call's one read back to the host
+        send, receive = matrix[groups.rank], [row[groups.rank] for row in matrix]
+        state["loads"].add([sum(column) for column in zip(*matrix)])
         anchor = state["anchor"]
         pair_rows = _exchange(rows.index_select(0, token), send, receive, group, anchor)
         pair_weights = _exchange(
