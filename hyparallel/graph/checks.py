@@ -107,12 +107,7 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
 
 def check_expert_parallel(graph: ModelGraph, ep: int, pp: int) -> None:
     """``parallel.ep``: the model has MoE layers the analysis read (Note [an MoE layer read from the
-    trace]), each with a multiple of ep experts, and no pipeline (not supported with ep yet)."""
-    if pp > 1:
-        raise ConfigError(
-            f"parallel.ep {ep} with pp {pp}: expert parallelism inside pipeline stages is not"
-            " supported yet; use pp: 1 with ep, or ep: 1 with pp"
-        )
+    trace]), each with a multiple of ep experts."""
     moe = graph.moe
     if not moe.layers:
         why = "; ".join(f"{path}: {reason}" for path, reason in moe.refused.items())

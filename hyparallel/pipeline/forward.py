@@ -166,7 +166,10 @@ class ForwardPipelines:
         sliced_head: bool,
         make_runtime: Callable[[PipelineSplit, dict], PipelineRuntime],
         refusal: str | None,
+        traced_in: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
+        """``traced_in()``: a context the model is traced in (the router loss's group: Note [the
+        router's auxiliary loss over dp], hyparallel.runtime.router_loss)."""
         self.model, self.training, self.stage_modules, self.device = (
             model,
             training,
@@ -179,7 +182,7 @@ class ForwardPipelines:
             sequence_multiple,
             sliced_head,
         )
-        self.make_runtime, self.refusal = make_runtime, refusal
+        self.make_runtime, self.refusal, self.traced_in = make_runtime, refusal, traced_in
         self._cache: OrderedDict[Any, PipelineRuntime] = OrderedDict()
         self._lengths_vary = False
 
@@ -251,6 +254,7 @@ class ForwardPipelines:
             whole_logits(),
             whole_sequences(),
             tracing_device(self.device),
+            self.traced_in(),
         ):
             split = split_model(self.model, self.stage_modules, example, dynamic=self._lengths_vary)
         pp = dist.get_world_size(self.group)

@@ -32,6 +32,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from hyparallel.graph.checks import assign_stages, listed_stages
 from hyparallel.graph.model_graph import ModelGraph
+from hyparallel.graph.opaque import restore_module_calls
 from hyparallel.graph.tracer import Method, first_program, module_of, split_inputs, to_meta
 from hyparallel.kernels import bias_dropout_residual
 from hyparallel.spec.errors import ConfigError
@@ -461,6 +462,7 @@ def split_model(
         program = first_program(model, args, kwargs, method, dynamic=dynamic)
     graph = program.gm.graph
     _lift_state(program, model)
+    restore_module_calls(graph)  # Note [a module call a trace keeps] (hyparallel.graph.opaque)
     _drop_concrete_placeholders(program)
     stage_of = _assign(model, graph, [list(s) for s in stages])
     names = tuple(n.name for n in program.user_inputs)

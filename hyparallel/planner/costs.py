@@ -102,7 +102,7 @@ def all_to_all_s(num_bytes: Figure, group_size: int, link: LinkSpec) -> Figure:
 
 
 # Note [expert parallelism's costs]
-#     Under ep > 1 (pp = 1; hyparallel.runtime.experts) a segment's expert ops (those reading only
+#     Under ep > 1 (hyparallel.runtime.experts) a segment's expert ops (those reading only
 #     expert weights, and every op run inside the experts: a grouped matmul, the dispatch's gathers
 #     and casts) cost, per micro-batch:
 #     * compute: each rank runs its E/ep experts on every rank's tokens routed there, which on

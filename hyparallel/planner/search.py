@@ -26,7 +26,7 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -177,19 +177,18 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
                 for (schedule, v), recompute, zero, sp, order in options
                 if fixed.get("micro_batch", b) == b and fixed.get("sequence_parallel", sp) == sp
                 for mode in _compressions(dp, zero, fixed)
-                for ep in _expert_degrees(ctx, pp, dp, fixed)
+                for ep in _expert_degrees(ctx, dp, fixed)
             )
     return configs
 
 
-def _expert_degrees(ctx: _Context, pp: int, dp: int, fixed: dict) -> tuple[int, ...]:
+def _expert_degrees(ctx: _Context, dp: int, fixed: dict) -> tuple[int, ...]:
     """The expert-parallel degrees of a layout: the one asked for when dp admits it; else, for a
-    model with MoE layers and no pipeline (the runtime's limit), every ep dividing both dp and each
-    layer's experts."""
+    model with MoE layers, every ep dividing both dp and each layer's experts."""
     if "ep" in fixed:
         return (fixed["ep"],) if dp % fixed["ep"] == 0 else ()
     counts = ctx.profile.expert_counts
-    if not counts or pp > 1:
+    if not counts:
         return (1,)
     return tuple(e for e in _divisors(dp) if all(n % e == 0 for n in counts))
 
@@ -435,8 +434,13 @@ class Search:
         if c.grad_compression == "powersgd" and c.dp > 1:
             gradients = profile.powersgd_work(c.tp, c.powersgd_rank)
             tied_gradients = profile.tied_powersgd_work(c.tp, c.powersgd_rank)
+        segments = self._segment_costs(c, links)
         return _Tables(
-            self._segment_costs(c, links), profile.tied_segments(c.tp), gradients, tied_gradients
+            segments,
+            profile.tied_segments(c.tp),
+            gradients,
+            tied_gradients,
+            expert_state=self._expert_state(c, segments),
         )
 
     def _p2p_s(self, c: Config, links) -> float:
@@ -478,25 +482,26 @@ class Search:
         least_inflight = inflight_microbatches(
             c.schedule, c.pp, c.num_microbatches, c.pp - 1, c.virtual_stages
         )
-        return (params * state + least_inflight * act) / c.pp + self._expert_state(c, links)
+        expert_state = sum(self._expert_state(c, self._segment_costs(c, links)))
+        return (params * state + least_inflight * act + expert_state) / c.pp
 
-    def _expert_state(self, c: Config, links) -> float:
-        """What the expert weights' state costs beside ``params * state`` (ep > 1, so pp = 1: the
-        one stage holds them all): ZeRO shards it over the dp / ep ranks holding the same experts
-        (dp tp / ep for stacked experts under tp: Note [tp folded into the experts' ranks]), not
-        dp (Note [experts under ZeRO])."""
+    def _expert_state(self, c: Config, segments: Sequence[SegmentCost]) -> list[float]:
+        """What each segment's expert weights' state costs beside ``params * state``: ZeRO shards
+        it over the dp / ep ranks holding the same experts (dp tp / ep for stacked experts under
+        tp: Note [tp folded into the experts' ranks]), not dp (Note [experts under ZeRO])."""
         if c.ep == 1:
-            return 0.0
+            return [0.0] * len(segments)
         dtype, mode = self.ctx.dtype, c.grad_compression
-        segments = self._segment_costs(c, links)
-        folded = sum(s.folded_expert_params for s in segments)
-        held = sum(s.expert_params for s in segments) - folded
         plain = costs.state_bytes_per_param(dtype, c.zero, c.dp, mode)
-        return sum(
-            count * (costs.state_bytes_per_param(dtype, c.zero, replicas, mode) - plain)
-            for count, replicas in ((held, c.dp // c.ep), (folded, c.dp * c.tp // c.ep))
-            if count
+        held_extra, folded_extra = (
+            costs.state_bytes_per_param(dtype, c.zero, replicas, mode) - plain
+            for replicas in (c.dp // c.ep, c.dp * c.tp // c.ep)
         )
+        return [
+            (s.expert_params - s.folded_expert_params) * held_extra
+            + s.folded_expert_params * folded_extra
+            for s in segments
+        ]
 
     def evaluate(self, c: Config) -> Evaluation:
         """Step time, memory and the best stage boundaries of one configuration."""
@@ -546,6 +551,7 @@ class Search:
         hook_ops: np.ndarray,
         shared: np.ndarray,
         tensors: np.ndarray,
+        expert_state: np.ndarray,
         work: np.ndarray,
         largest: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -557,7 +563,8 @@ class Search:
         (``GradientWork``) of the stages' gradients but the shared ones, under grad_compression
         powersgd (else ``wire`` is ``params``);
         ``shared``: the params of weights other stages hold too, which a compressing plan reduces
-        apart in fp32.
+        apart in fp32; ``expert_state``: what the stages' expert weights' state costs beside
+        ``params * state`` (``_expert_state``).
         """
         dtype, cluster, mode = self.ctx.dtype, self.ctx.cluster, c.grad_compression
         t = t + self._p2p_s(c, links)
@@ -618,7 +625,7 @@ class Search:
             ops = costs.ADAM_DTENSOR_OPS_PER_TENSOR if sharded else costs.ADAM_OPS_PER_TENSOR
             tail = tail + tensors * ops * device.op_overhead_s
         state = costs.state_bytes_per_param(dtype, c.zero, c.dp, mode)
-        held = params * state + work + extra_memory + self._expert_state(c, links)
+        held = params * state + work + extra_memory + expert_state
         # the gathered unit (a block) and the next one prefetched, with their unsharded gradients
         if c.zero == 3:
             held = held + 2 * largest * sum(costs.unsharded_bytes_per_param(dtype, mode))
@@ -819,9 +826,9 @@ class _Tables:
     """Prefix sums over segments, so any contiguous range's totals are two lookups."""
 
     # Quantities summed over a range (t, backward, params, activations, PowerSGD's elements sent,
-    # kernel seconds and ops, the shared weights' params, parameter tensors); then two taken as the
-    # range's largest (working bytes, a segment's params).
-    ADDITIVE = 9
+    # kernel seconds and ops, the shared weights' params, parameter tensors, the expert weights'
+    # extra state bytes); then two taken as the range's largest (working bytes, a segment's params).
+    ADDITIVE = 10
 
     def __init__(
         self,
@@ -829,10 +836,12 @@ class _Tables:
         tied: list[tuple[int, tuple[int, ...], float]] = (),
         gradients: tuple[GradientWork, ...] | None = None,
         tied_gradients: list[tuple[int, tuple[int, ...], GradientWork]] = (),
+        expert_state: Sequence[float] | None = None,
     ):
         """``gradients``: PowerSGD's work on each segment's gradients (None: not compressed by
         PowerSGD; then the elements a range sends are its params); ``tied_gradients``: the same for
-        ``tied``'s weights, in its order."""
+        ``tied``'s weights, in its order; ``expert_state``: each segment's expert weights' extra
+        state bytes (Planner._expert_state; None: none)."""
         self.segments = segments
         self.n = len(segments)
         # A weight read by several segments (tied embedding and head) is held by every stage that
@@ -856,6 +865,7 @@ class _Tables:
         self.hook_s = prefix([g.work_s for g in gradients])
         self.hook_ops = prefix([g.ops for g in gradients])
         self.tensors = prefix([s.tensors for s in segments])
+        self.expert_state = prefix(expert_state if expert_state is not None else [0.0] * self.n)
         self.work = np.array([s.working_bytes for s in segments])
         self.largest = np.array([s.params for s in segments])
         index = np.arange(self.n + 1)
@@ -863,7 +873,8 @@ class _Tables:
 
     def range(self, start: int, end: int) -> tuple[float, ...]:
         """(t, backward, params, activations, PowerSGD's elements, seconds and ops, shared params,
-        parameter tensors, working, largest segment's params) of segments [start, end)."""
+        parameter tensors, expert state, working, largest segment's params) of segments [start,
+        end)."""
         peak = lambda values: float(values[start:end].max()) if end > start else 0.0  # noqa: E731
         params, shared, taken = self.params[end] - self.params[start], 0.0, GradientWork()
         for (owner, readers, size), g in zip(self.tied, self.tied_gradients):
@@ -882,12 +893,13 @@ class _Tables:
             self.hook_ops[end] - self.hook_ops[start] - taken.ops,
             shared,
             self.tensors[end] - self.tensors[start],
+            self.expert_state[end] - self.expert_state[start],
             peak(self.work),
             peak(self.largest),
         )
 
     def ranges(self) -> tuple[np.ndarray, ...]:
-        """The same eleven quantities for every [start, end) as (n+1) x (n+1) arrays."""
+        """The same twelve quantities for every [start, end) as (n+1) x (n+1) arrays."""
 
         def diff(prefix):
             return prefix[None, :] - prefix[:, None]
@@ -930,6 +942,7 @@ class _Tables:
             hook_ops,
             shared,
             diff(self.tensors),
+            diff(self.expert_state),
             running_max(self.work),
             running_max(self.largest),
         )

@@ -71,6 +71,8 @@ class DataParallel:
     after_step_all_reduce: bool = False  # pp > 1, ZeRO 0: gradients all-reduced after the schedule
     # ZeRO 0 under grad_compression bf16/fp16/powersgd (DDP's hook, or the above)
     compressor: Compressor | None = None
+    # parameters the above leaves to their own group (expert parallelism's experts), by name
+    ignored: frozenset[str] = frozenset()
 
     @property
     def sharded(self) -> bool:
@@ -127,7 +129,7 @@ class DataParallel:
         named = [
             (name, p.grad)
             for name, p in named_parameters
-            if p.grad is not None and id(p) not in exact
+            if p.grad is not None and id(p) not in exact and name not in self.ignored
         ]
         group = self.mesh.get_group()
         all_reduce_mean([p.grad for p in shared if p.grad is not None], group, self.dp)
@@ -219,7 +221,10 @@ def apply_data_parallel(
     if par.zero == 0:
         compressor = compressor_for(plan, mesh.get_group(), modules)
         if pipelined:
-            return replace(result, after_step_all_reduce=True, compressor=compressor)
+            ignored = experts.names if experts is not None else frozenset()
+            return replace(
+                result, after_step_all_reduce=True, compressor=compressor, ignored=ignored
+            )
         (model,) = modules
         ignored = [*unused, *sorted(experts.names)] if experts is not None else unused
         ddp = _ddp(model, mesh, device, ignored, find_unused)

@@ -20,6 +20,7 @@ from torch import nn
 
 from hyparallel.graph.model_graph import ModelGraph
 from hyparallel.graph.moe import MoELayer, expert_output_width
+from hyparallel.graph.opaque import traced_call, tracing
 from hyparallel.spec.errors import ConfigError
 from hyparallel.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from hyparallel.tensor.init import ShardLayout
@@ -128,12 +129,17 @@ class ExpertParallel:
         ZeRO])."""
         found = []
         for layer in self.layers:
-            experts = model.get_submodule(layer.experts)
+            try:  # a pipeline stage holds some layers (its graph module the modules it calls)
+                experts = model.get_submodule(layer.experts)
+            except AttributeError:
+                continue
             if layer.layout == "grouped":
                 found.append((experts, self.stacked.mesh))
             else:
                 found += [
-                    (e, self.listed.mesh) for e in experts if not isinstance(e, _RemoteExpert)
+                    (e, self.listed.mesh)
+                    for e in experts.children()
+                    if not isinstance(e, _RemoteExpert)
                 ]
         return found
 
@@ -373,6 +379,23 @@ def _exchange(rows: torch.Tensor, send: list[int], receive: list[int], group, an
 #     are summed over tp where the rows were made, as without ep.
 
 
+class _KeptInTraces:
+    """Mixed into each module expert parallelism changed: a traced graph keeps its call whole, and
+    a pipeline stage runs it as written (Note [a module call a trace keeps],
+    hyparallel.graph.opaque); ``_ep_output`` gives the call's output shape and dtype."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if tracing():
+            return traced_call(self._ep_path(), args, kwargs, lambda: self._ep_output(args, kwargs))
+        return super().__call__(*args, **kwargs)
+
+    def _ep_path(self) -> str:
+        raise NotImplementedError
+
+    def _ep_output(self, args: tuple, kwargs: dict) -> tuple[tuple[Any, ...], torch.dtype]:
+        raise NotImplementedError
+
+
 # --- the list layout: one call across the ep group per expert ---
 
 
@@ -421,7 +444,12 @@ class _Call:
         return back.reshape(*rows.shape[:-1], self.width)
 
 
-class _RemoteExpert(nn.Module):
+def _expert_output(call: _Call, args: tuple, kwargs: dict) -> tuple[tuple[Any, ...], torch.dtype]:
+    rows = _one_tensor(call, args, kwargs)
+    return (*rows.shape[:-1], call.width), rows.dtype
+
+
+class _RemoteExpert(_KeptInTraces, nn.Module):
     """An expert another rank of the ep group holds: its call sends the rows there and returns
     what comes back."""
 
@@ -440,11 +468,23 @@ class _RemoteExpert(nn.Module):
     def extra_repr(self) -> str:
         return f"on ep rank {self._call.owner}"
 
+    def _ep_path(self) -> str:
+        return self._call.path
 
-class _OwnedExpert:
+    def _ep_output(self, args: tuple, kwargs: dict) -> tuple[tuple[Any, ...], torch.dtype]:
+        return _expert_output(self._call, args, kwargs)
+
+
+class _OwnedExpert(_KeptInTraces):
     """Mixed into an expert this rank holds: its call computes every rank's rows for it."""
 
     _ep_call: _Call
+
+    def _ep_path(self) -> str:
+        return self._ep_call.path
+
+    def _ep_output(self, args: tuple, kwargs: dict) -> tuple[tuple[Any, ...], torch.dtype]:
+        return _expert_output(self._ep_call, args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._ep_call(_one_tensor(self._ep_call, args, kwargs), super().forward)
@@ -482,7 +522,7 @@ def _own(expert: nn.Module, call: _Call) -> None:
 # --- the grouped layout: one module of stacked weights, two all-to-alls per call ---
 
 
-class _GroupedExperts:
+class _GroupedExperts(_KeptInTraces):
     """Mixed into a module of stacked expert weights of which this rank holds rows [first, first +
     per): a call moves each (token, choice) to its expert's rank, runs the module's own forward
     there, and sums each token's outputs back home (Note [expert parallelism]); under tp each tp
@@ -498,6 +538,14 @@ class _GroupedExperts:
             return None
         first, per = self._ep["first"], self._ep["per"]
         return ShardLayout(full_shape=shape, rows=((first, first + per),))
+
+    def _ep_path(self) -> str:
+        return self._ep["path"]
+
+    def _ep_output(self, args: tuple, kwargs: dict) -> tuple[tuple[Any, ...], torch.dtype]:
+        arguments = _signature(type(self)).bind(self, *args, **kwargs).arguments
+        hidden = arguments[_roles(arguments, self._ep["path"])[0]]
+        return tuple(hidden.shape), hidden.dtype
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._ep

@@ -63,7 +63,7 @@ from hyparallel.runtime.loss import (
 )
 from hyparallel.runtime.loss import logits_or_output as _logits
 from hyparallel.runtime.recompute import apply_recompute
-from hyparallel.runtime.router_loss import global_router_loss
+from hyparallel.runtime.router_loss import global_router_loss, traced_with
 from hyparallel.spec.errors import ConfigError
 from hyparallel.spec.schema import LossFn, Plan
 from hyparallel.tensor.apply import TensorParallelInfo, apply_tensor_parallel, check_local_shapes
@@ -237,6 +237,8 @@ def _parallelize(
     # Note [expert parallelism] (hyparallel.runtime.experts): on the meta model, before it is
     # materialised
     experts = apply_expert_parallel(model, graph, mesh, par.ep)
+    # Note [the router's auxiliary loss over dp]: before a pipeline's stages are traced
+    router_loss = par.dp > 1 and global_router_loss(model, mesh["dp"].get_group())
     autocast = Autocast(device, _DTYPES[plan.training.dtype])
     model, modules, blocks, pipeline = apply_stages(
         model,
@@ -244,7 +246,8 @@ def _parallelize(
         mesh=mesh,
         example=example,
         graph=graph,
-        swapped=tp_info is not None,
+        # the first trace has none of the three
+        swapped=tp_info is not None or experts is not None or router_loss,
         device=device,
         seed=seed,
         autocast=autocast,
@@ -266,8 +269,6 @@ def _parallelize(
         find_unused=bool(graph.params_outside_logits),
         experts=experts,
     )
-    if par.dp > 1 and pipeline is None:  # Note [the router's auxiliary loss over dp]
-        global_router_loss(model, mesh["dp"].get_group())
     return ParallelModel(
         model=model,
         plan=plan,
@@ -329,7 +330,8 @@ def apply_stages(
     autocast: Autocast,
 ) -> tuple[nn.Module, list[nn.Module], list[nn.Module], PipelineRuntime | None]:
     """This rank's share of the model, materialised on ``device``: its pipeline stages (pp > 1;
-    ``swapped``: tensor parallelism swapped modules, so the stages are cut from a new trace), else
+    ``swapped``: the model changed since ``graph`` was traced, by tensor or expert parallelism or
+    the router loss over dp, so the stages are cut from a new trace), else
     the whole model (SyncBatchNorm converted when the plan asks). Returns the model, the modules
     that train here, the repeated blocks (pp = 1) and the pipeline engine (or None)."""
     if plan.parallel.pp > 1:
@@ -422,7 +424,8 @@ def _pipeline(
     """Split this rank's stages out of ``model`` (cutting ``traced`` when given), materialise them,
     schedule them."""
     par, group = plan.parallel, mesh["pp"].get_group()
-    split = split_model(model, [stage.modules for stage in plan.stages], example, traced=traced)
+    with traced_with(model):  # Note [the router's auxiliary loss over dp]
+        split = split_model(model, [stage.modules for stage in plan.stages], example, traced=traced)
     rank = mesh["pp"].get_local_rank()
     mine = [s for s in range(split.num_stages) if s % par.pp == rank]
     materialize(model, device, seed, only=split.state_names(mine))
@@ -958,6 +961,7 @@ class ParallelModel:
             micro_batch=self.plan.training.micro_batch,
             sequence_multiple=self._sequence_multiple,
             sliced_head=self._vocab_parallel_loss,
+            traced_in=lambda: traced_with(self.module),
             make_runtime=lambda split, stages: PipelineRuntime(
                 split,
                 stages,

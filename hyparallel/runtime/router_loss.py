@@ -1,19 +1,24 @@
 """The router's auxiliary load-balancing loss over the whole data-parallel batch (Note [the router's
 auxiliary loss over dp]).
 
-    global_router_loss(model, dp_group)   # once, in parallelize, when dp > 1 and pp = 1
+    global_router_loss(model, dp_group)   # once, in parallelize, when dp > 1
+    with traced_with(model):              # around a trace of the model for pipeline stages
+        split = split_model(model, ...)
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from hyparallel.tensor.collectives import all_gather_seq
 
 # Note [the router's auxiliary loss over dp]
 #     A mixture of experts' load-balancing loss (Switch Transformer's: E sum_e f_e P_e, f_e the
@@ -22,9 +27,9 @@ from torch import nn
 #     its own tokens is not the loss of the batch, which one device computes. transformers' MoEs
 #     compute it in their forward with their modeling file's load_balancing_loss_func(gate_logits,
 #     num_experts, top_k, attention_mask), from every layer's router logits (when the config's
-#     output_router_logits is on). Inside a ParallelModel's forward (dp > 1, pp = 1) that function
-#     gets every dp rank's router logits (and attention mask), all-gathered with
-#     torch.distributed.nn's differentiable all_gather, so it computes the batch's loss itself,
+#     output_router_logits is on). Inside a ParallelModel's forward (dp > 1) that function gets
+#     every dp rank's router logits (and attention mask), all-gathered with a differentiable
+#     all-gather whose backward is a reduce-scatter, so it computes the batch's loss itself,
 #     the same number on every dp rank. Its backward sums each rank's gradient of that (identical)
 #     loss into the rows that rank routed, dp times its share, and the data-parallel mean of the
 #     gradients leaves the batch's gradient: one device's, within fp32 rounding. Each micro-batch's
@@ -32,8 +37,12 @@ from torch import nn
 #     loss), so under gradient accumulation it equals one device running the same micro-batches.
 #     The function is found by name in the globals the model's forward runs in (a subclass that
 #     keeps transformers' forward included), wrapped once, and changed only inside a ParallelModel's
-#     forward: any other model in the process calls the original. An MoE computing its auxiliary
-#     loss in code of its own keeps the per-rank one (docs/expert-parallel.md, Limits).
+#     forward: any other model in the process calls the original. A pipeline (pp > 1) runs stage
+#     graphs traced from the model, not its forward: the trace is made inside ``traced_with``, so
+#     the all-gather is in the last stage's graph as an op (Note [collectives in traced graphs],
+#     hyparallel/tensor/collectives.py) over the dp group of the ranks running that stage. An MoE
+#     computing its auxiliary loss in code of its own keeps the per-rank one
+#     (docs/expert-parallel.md, Limits).
 
 _GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hyparallel_router_loss_group")
 NAME = "load_balancing_loss_func"
@@ -55,9 +64,23 @@ def global_router_loss(model: nn.Module, group: Any) -> bool:
     if not names or names[0] != "gate_logits":
         return False  # another loss by the same name (Switch Transformers' takes probabilities)
     namespace[NAME] = _wrapped(original)
+    model.__dict__["_router_loss_group"] = group
     model.register_forward_pre_hook(lambda *_: _enter(model, group))
     model.register_forward_hook(lambda *_: _leave(model), always_call=True)
     return True
+
+
+@contextlib.contextmanager
+def traced_with(model: nn.Module) -> Iterator[None]:
+    """Inside, a trace of ``model`` records its router loss over the group ``global_router_loss``
+    gave it (nothing changes for a model without one): torch.fx calls no forward hook."""
+    group = model.__dict__.get("_router_loss_group")
+    token = _GROUP.set(group) if group is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _GROUP.reset(token)
 
 
 def _enter(model: nn.Module, group: Any) -> None:
@@ -92,24 +115,5 @@ def _wrapped(original):
 
 def _gathered(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Every rank's ``x`` along dim 0, differentiable: each rank's rows get the sum over the ranks
-    of their gradient."""
-    return _Gather.apply(x, group)
-
-
-class _Gather(torch.autograd.Function):
-    """all_gather along dim 0; the backward all-reduces the gradient and keeps this rank's rows
-    (torch.distributed.nn's all_gather names subgroup ranks by their global number on gloo)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.rows = group, x.size(0)
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        start = dist.get_rank(ctx.group) * ctx.rows
-        return grad[start : start + ctx.rows], None
+    of their gradient (a reduce-scatter); one op in a traced graph."""
+    return all_gather_seq(x, 0, group)
