@@ -8,7 +8,8 @@ and momentum buffer each rank holds with single-device training after 2 steps; e
 then takes step 3 and is compared again. Also the gradient norm of the first step at ep 4 (and, for
 stacked experts, of sequences of 15 tokens under dp 2 x tp 2 x ep 2 with ZeRO 1), and the experts'
 imbalance read at ep 4; the router's load-balancing loss over dp at dp 4 x ep 2 and at dp 2 x pp 2
-x ep 2, with a forward at another shape after the step. Rank 0 writes one JSON line per case.
+x ep 2, with a forward at another shape after the step; the first step's gradients reduced in bf16
+at dp 4 x ep 2 and dp 2 x pp 2 x ep 2. Rank 0 writes one JSON line per case.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ PLANS = {
     "router-loss-pp": dict(dp=2, pp=2, ep=2, zero=0, micro_batch=2),
     "ep2-zero1": dict(dp=4, ep=2, zero=1),
     "ep1": dict(dp=4, ep=1, zero=0),
+    # gradients reduced in bf16 over dp (DDP's hook; the bucketed all-reduce after a pipeline), the
+    # experts' over their replicas
+    "bf16-ep2": dict(dp=4, ep=2, zero=0, grad_compression="bf16"),
+    "bf16-pp2-ep2": dict(dp=2, pp=2, ep=2, zero=0, grad_compression="bf16"),
 }
 
 
@@ -161,6 +166,31 @@ def run(spec: str, directory: Path) -> dict:
     return result
 
 
+def compressed(plan: str) -> dict:
+    """Mixtral's first step under 16-bit gradient reduction (``plan``): every gradient this rank
+    holds against one device's, ||got - want|| / ||want||, the worst."""
+    spec = MODELS["mixtral"]
+    one = materialize_(hp.models.load(spec).module, "cpu", seed=SEED)
+    inputs, targets = batch(spec, SEED)
+    token_cross_entropy(one(inputs), targets).backward()
+    want = dict(one.named_parameters())
+    model, pmodel, _ = build(spec, plan, SEED)
+    pmodel.train_step(pmodel.shard(inputs), pmodel.shard(targets))
+    modules, worst, checked = dict(model.named_modules()), 0.0, []
+    for name, param in pmodel.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        expected = expected_slice(modules[owner], leaf, want[name].grad)
+        error = (full(param.grad) - expected).norm() / expected.norm().clamp_min(1e-12)
+        worst = max(worst, error.item())
+        checked.append(name)
+    return {
+        "worst_rel": worst,
+        "checked": checked,
+        "compressor": pmodel.data_parallel.compressor is not None,
+        "parameter_groups": harness.parameter_groups(hp.models.load(spec).module),
+    }
+
+
 ROUTER_LOSS = MODELS["mixtral"] + " output_router_logits=true"
 
 
@@ -231,6 +261,7 @@ def main() -> None:
                 (plan, lambda plan=plan: router_loss(plan))
                 for plan in ("router-loss", "router-loss-pp")
             ),
+            *((plan, lambda plan=plan: compressed(plan)) for plan in ("bf16-ep2", "bf16-pp2-ep2")),
         ],
     )
 
