@@ -310,7 +310,13 @@ def check_layouts(
 #     tensor (a denoiser's ``sample``). Under a loss of the user's the plans gather the logits
 #     (vocab_parallel_loss: false), as train_step needs for any loss_fn. An output the default loss
 #     cannot read (no tensor, no logits: diffusers' UNet2DOutput) without a loss given is refused in
-#     one line before anything launches.
+#     one line before anything launches. train_step weighs each micro-batch's mean alike, and a loss
+#     of the user's need not be a mean over rows (a mixture of experts' load-balancing loss is a
+#     product of two means: Note [the router's auxiliary loss over dp],
+#     hyparallel/runtime/router_loss.py), so its single-process reference runs the layout's
+#     micro-batches, not the batch at once: micro-batch k of every dp rank's rows together, their
+#     losses averaged, as one device accumulating gradients over them. The default loss (the token
+#     mean over the whole batch) keeps the batch at once.
 
 
 def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, loss=None):
@@ -335,7 +341,8 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, 
     ]
     rows = max(global_batches)
     batches = _batches(model, rows, seq_len, steps, seed, own_loss=loss_fn is not None)
-    references: dict[int, dict[str, Any]] = {}  # by global batch rows
+    # by global batch rows, and (dp, micro-batch) under a loss of the user's
+    references: dict[tuple, dict[str, Any]] = {}
     jobs: dict[int, CheckReport] = {}
     example = _micro_batch(batches[0][0], micro_batch)
     # real inputs: a CPU model runs them
@@ -406,14 +413,17 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, 
                 "picked": f"dp {plan.parallel.dp} x tp {plan.parallel.tp} x pp {plan.parallel.pp}",
                 **report.plan,
             }
-        if take not in references:
-            references[take] = _reference(spec, mine, seed, sampling is not None, loss_fn)
-        report.ref_losses = references[take]["losses"]
+        # Note [the loss a check trains]: a loss of the user's, over the layout's micro-batches
+        groups = (plan.parallel.dp, plan.training.micro_batch) if loss_fn is not None else None
+        key = (take, groups)
+        if key not in references:
+            references[key] = _reference(spec, mine, seed, sampling is not None, loss_fn, groups)
+        report.ref_losses = references[key]["losses"]
         job = folder / f"job{index}"
         job.mkdir()
         saved = {
-            "grads": references[take]["grads"],
-            "truth": references[take]["truth"],
+            "grads": references[key]["grads"],
+            "truth": references[key]["truth"],
             "batches": mine,
         }
         torch.save(saved, job / "reference.pt")
@@ -662,22 +672,26 @@ def _no_dropout(func: Any, args: tuple, kwargs: dict) -> bool:
 
 
 def _reference(
-    spec: str, batches, seed: int, eval_mode: bool = False, loss_fn=None
+    spec: str,
+    batches,
+    seed: int,
+    eval_mode: bool = False,
+    loss_fn=None,
+    groups: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """One process: the first step's gradients by name and the loss of each of ``steps`` SGD
-    steps."""
+    steps; ``groups``: (dp, micro-batch) whose micro-batches a loss of the user's runs (Note [the
+    loss a check trains])."""
     import hyparallel as hp
-    from hyparallel.runtime.parallel import token_cross_entropy
     from hyparallel.tensor.init import materialize_
 
-    loss_fn = loss_fn or token_cross_entropy
     model = materialize_(hp.models.load(spec).module, "cpu", seed=seed)
     if eval_mode:
         model.eval()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads, unused = [], None, set()
     for inputs, targets in batches:
-        loss = loss_fn(call_with(model, inputs), targets)
+        loss = _reference_loss(model, inputs, targets, loss_fn, groups)
         loss.backward()
         if grads is None:
             unused = {
@@ -692,7 +706,7 @@ def _reference(
         optimizer.zero_grad()
         losses.append(loss.item())
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    truth = _exact_gradients(spec, batches[0], seed, eval_mode, loss_fn)
+    truth = _exact_gradients(spec, batches[0], seed, eval_mode, loss_fn, groups)
     ties: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         ties.setdefault(id(p), []).append(n)
@@ -706,13 +720,44 @@ def _reference(
     }
 
 
+def _reference_loss(
+    model: nn.Module, inputs: Any, targets: Any, loss_fn, groups: tuple[int, int] | None
+) -> torch.Tensor:
+    """The loss one process trains on for a batch: token cross-entropy over it, or ``loss_fn``
+    over the layout's micro-batches (``groups``: dp, micro-batch), their means averaged, (total,
+    count) pairs summed (Note [the loss a check trains])."""
+    from hyparallel.runtime.parallel import token_cross_entropy
+
+    if loss_fn is None:
+        return token_cross_entropy(call_with(model, inputs), targets)
+    dp, micro = groups or (1, targets.size(0))
+    share = targets.size(0) // dp
+    values = []
+    for k in range(share // micro):  # micro-batch k of every dp rank's rows
+        index = torch.cat(
+            [torch.arange(r * share + k * micro, r * share + (k + 1) * micro) for r in range(dp)]
+        )
+        rows = torch.utils._pytree.tree_map(
+            lambda v, index=index: v[index] if isinstance(v, torch.Tensor) and v.dim() else v,
+            inputs,
+        )
+        values.append(loss_fn(call_with(model, rows), targets[index]))
+    if isinstance(values[0], (tuple, list)):
+        return sum(v[0] for v in values) / sum(torch.as_tensor(v[1]) for v in values)
+    return sum(values) / len(values)
+
+
 def _exact_gradients(
-    spec: str, batch: tuple[Any, torch.Tensor], seed: int, eval_mode: bool, loss_fn=None
+    spec: str,
+    batch: tuple[Any, torch.Tensor],
+    seed: int,
+    eval_mode: bool,
+    loss_fn=None,
+    groups: tuple[int, int] | None = None,
 ) -> dict | None:
     """The first step's gradients computed in float64 (the same weights), to tell rounding from
     error (``_close``); None where the model does not run in float64."""
     import hyparallel as hp
-    from hyparallel.runtime.parallel import token_cross_entropy
     from hyparallel.tensor.init import materialize_
 
     try:
@@ -724,7 +769,7 @@ def _exact_gradients(
             batch[0],
         )
         targets = batch[1].double() if batch[1].is_floating_point() else batch[1]
-        (loss_fn or token_cross_entropy)(call_with(model, inputs), targets).backward()
+        _reference_loss(model, inputs, targets, loss_fn, groups).backward()
     except Exception:  # noqa: BLE001 -- float64 is a sharper ruler where it runs; the fp32 tolerance stands alone
         return None
     return {
