@@ -89,7 +89,7 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
             " its forward instead); use pp: 1 (tp and dp keep it)"
         )
     if par.ep > 1:
-        check_expert_parallel(graph, par.ep, par.pp)
+        check_expert_parallel(graph, par.ep)
     if plan.tensor_parallel is not None:
         styles = check_styles(graph, plan.tensor_parallel)
     if par.vocab_parallel_loss:  # tp > 1 (the schema's check)
@@ -105,7 +105,7 @@ def check_plan(plan: Plan, graph: ModelGraph, world_size: int | None = None) -> 
     return CheckedPlan(plan=plan, styles=styles, stage_of=stage_of)
 
 
-def check_expert_parallel(graph: ModelGraph, ep: int, pp: int) -> None:
+def check_expert_parallel(graph: ModelGraph, ep: int) -> None:
     """``parallel.ep``: the model has MoE layers the analysis read (Note [an MoE layer read from the
     trace]), each with a multiple of ep experts."""
     moe = graph.moe
