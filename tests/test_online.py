@@ -366,3 +366,23 @@ def test_scaling_compute_scales_a_cpus_activation_costs():
     )
     faster = online.scaled(cluster, 2.0).device.activation_costs["gelu"]
     assert (faster.forward_s, faster.backward_s) == pytest.approx((2e-9, 3e-9))
+
+
+def test_the_fit_costs_the_experts_with_the_imbalance_the_plan_was_priced_with():
+    from hyparallel.tools.parity import small_spec
+
+    # a plan priced at an expert imbalance of 2.5 (hyparallel plan --expert-imbalance 2.5) records
+    # it; the fit costs the plan with it (its own prediction back, not 1.2's) and the re-plan
+    # command keeps it
+    spec = small_spec("hf:MixtralForCausalLM")
+    cluster = hp.ClusterSpec.preset("h100-sxm", num_nodes=1)
+    model = hp.models.load(spec).module
+    plan = hp.plan(model, cluster, 64, 64, "bf16", name=spec, ep=4, expert_imbalance=2.5)
+    assert plan.predicted.expert_imbalance == 2.5
+    planner = online.Planner(spec, plan)
+    assert planner.evaluate(plan.cluster) == pytest.approx(plan.predicted.step_time_s, rel=1e-3)
+    default = hp.plan(model, cluster, 64, 64, "bf16", name=spec, **online.fixed(plan))
+    assert default.predicted.expert_imbalance == 1.2
+    assert default.predicted.step_time_s < plan.predicted.step_time_s
+    assert online.asked(plan) == {"expert_imbalance": 2.5}
+    assert "--expert-imbalance 2.5" in online.plan_command(spec, plan, "h100-sxm")

@@ -857,6 +857,7 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
             "bubble_fraction": evaluation.bubble_fraction,
             "memory_gib": [(m + reserved) / 2**30 for m in evaluation.stage_memory_bytes],
             "comm_s": {k: float(v) for k, v in evaluation.comm_s.items()},
+            "expert_imbalance": profile.expert_imbalance if c.ep > 1 else None,
             "uncompressed": _uncompressed(result, evaluation) if uncompressed else None,
         },
     }

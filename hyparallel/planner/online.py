@@ -311,6 +311,7 @@ class Planner:
             tr.dtype,
             tr.seq_len,
             vocab_parallel_loss=self.plan.parallel.vocab_parallel_loss,
+            **{k: v for k, v in asked(self.plan).items() if k == "expert_imbalance"},
         )
         best, _ = Search(profile, cluster, tr.global_batch, tr.dtype).best(
             Constraints(**fixed(self.plan)).given()
@@ -354,10 +355,13 @@ def fixed(plan: Plan) -> dict[str, Any]:
 def asked(plan: Plan) -> dict[str, Any]:
     """What the re-plan keeps of the plan beyond batch, length and dtype: its gradient compression,
     if any (the planner compresses only when asked, Note [gradient compression is asked for]; a plan
-    that compresses was)."""
+    that compresses was), and the experts' load imbalance its prediction assumed (ep > 1: the
+    fit and the re-plan cost the experts as the plan was costed)."""
     from hyparallel.planner.complete import compression_constraints
 
     kept = compression_constraints(plan) if plan.parallel.grad_compression != "none" else {}
+    if plan.predicted is not None and plan.predicted.expert_imbalance is not None:
+        kept["expert_imbalance"] = plan.predicted.expert_imbalance
     # its logits gathered: a loss_fn of its own
     if plan.parallel.tp > 1 and not plan.parallel.vocab_parallel_loss:
         kept["vocab_parallel_loss"] = False

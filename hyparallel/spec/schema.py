@@ -487,6 +487,14 @@ class Predicted(_Section):
         description="Peak GiB per pipeline rank (one entry per rank, reserved memory included)."
     )
     comm_s: CommTime = Field(description="Communication seconds per step by mesh axis.")
+    expert_imbalance: float_in(1.0, limits.MAX_EXPERT_IMBALANCE) | None = Field(
+        None,
+        description=(
+            "The experts' load imbalance the prediction assumed (ep > 1): the busiest ep rank's"
+            " routed (token, expert) pairs over the mean (`hyparallel plan --expert-imbalance`,"
+            " default 1.2); the online calibration costs the plan with it. Absent without ep."
+        ),
+    )
     uncompressed: UncompressedTime | None = Field(
         None,
         description=(
