@@ -387,6 +387,11 @@ class _KeptInTraces:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if tracing():
             return traced_call(self._ep_path(), args, kwargs, lambda: self._ep_output(args, kwargs))
+        return self._ep_eager_call(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _ep_eager_call(self, *args: Any, **kwargs: Any) -> Any:
+        """The call as written, never compiled (Note [experts under torch.compile])."""
         return super().__call__(*args, **kwargs)
 
     def _ep_path(self) -> str:
@@ -394,6 +399,17 @@ class _KeptInTraces:
 
     def _ep_output(self, args: tuple, kwargs: dict) -> tuple[tuple[Any, ...], torch.dtype]:
         raise NotImplementedError
+
+
+# Note [experts under torch.compile]
+#     parallel.compile compiles each repeated block (each stage's graph under pp), and the experts'
+#     call runs inside it. Compiled by torch.compile (aot_eager on the CPU), Mixtral's dp 2 x ep 2
+#     trained on wrong gradients above the experts (post_attention_layernorm 0.5 off, the loss
+#     3.6e-5): the exchange's sizes come from the data (read back to the host), its autograd
+#     Functions take lists and a process group, and what the compiled graph made of them was not
+#     the eager backward. The experts' call is excluded from compilation (torch.compiler.disable:
+#     a graph break before and after it), so it runs eagerly, as under pp's traced stages; the
+#     rest of the block compiles as before.
 
 
 # --- the list layout: one call across the ep group per expert ---

@@ -9,7 +9,8 @@ then takes step 3 and is compared again. Also the gradient norm of the first ste
 stacked experts, of sequences of 15 tokens under dp 2 x tp 2 x ep 2 with ZeRO 1), and the experts'
 imbalance read at ep 4; the router's load-balancing loss over dp at dp 4 x ep 2 and at dp 2 x pp 2
 x ep 2, with a forward at another shape after the step; the first step's gradients reduced in bf16
-at dp 4 x ep 2 and dp 2 x pp 2 x ep 2. Rank 0 writes one JSON line per case.
+at dp 4 x ep 2 and dp 2 x pp 2 x ep 2, and with every block compiled. Rank 0 writes one JSON line
+per case.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ PLANS = {
     # experts' over their replicas
     "bf16-ep2": dict(dp=4, ep=2, zero=0, grad_compression="bf16"),
     "bf16-pp2-ep2": dict(dp=2, pp=2, ep=2, zero=0, grad_compression="bf16"),
+    # each block compiled (the launch's HYPARALLEL_COMPILE_BACKEND), the experts' call left eager
+    "compile-ep2": dict(dp=4, ep=2, zero=0, compile=True),
 }
 
 
@@ -166,9 +169,9 @@ def run(spec: str, directory: Path) -> dict:
     return result
 
 
-def compressed(plan: str) -> dict:
-    """Mixtral's first step under 16-bit gradient reduction (``plan``): every gradient this rank
-    holds against one device's, ||got - want|| / ||want||, the worst."""
+def first_step(plan: str) -> dict:
+    """Mixtral's first step under ``plan`` (16-bit gradient reduction, compiled blocks): every
+    gradient this rank holds against one device's, ||got - want|| / ||want||, the worst."""
     spec = MODELS["mixtral"]
     one = materialize_(hp.models.load(spec).module, "cpu", seed=SEED)
     inputs, targets = batch(spec, SEED)
@@ -261,7 +264,10 @@ def main() -> None:
                 (plan, lambda plan=plan: router_loss(plan))
                 for plan in ("router-loss", "router-loss-pp")
             ),
-            *((plan, lambda plan=plan: compressed(plan)) for plan in ("bf16-ep2", "bf16-pp2-ep2")),
+            *(
+                (plan, lambda plan=plan: first_step(plan))
+                for plan in ("bf16-ep2", "bf16-pp2-ep2", "compile-ep2")
+            ),
         ],
     )
 
