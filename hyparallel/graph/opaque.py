@@ -60,17 +60,19 @@ def _(tensors: list[torch.Tensor], call: str, shape: Sequence[int], dtype: torch
     return tensors[0].new_empty(shape, dtype=dtype)
 
 
+def symbolic_tracing() -> bool:
+    """Whether torch.fx is tracing symbolically (Proxies, not tensors, flow through the code)."""
+    trace = torch.fx._symbolic_trace
+    if hasattr(trace, "is_fx_symbolic_tracing"):
+        return bool(trace.is_fx_symbolic_tracing())
+    return bool(trace._is_fx_tracing_flag)
+
+
 def tracing() -> bool:
     """Whether a graph is being traced that would record a module call's ops instead of the call
     (torch.export, torch.fx symbolic tracing; not torch.compile)."""
-    trace = torch.fx._symbolic_trace
-    symbolic = (
-        trace.is_fx_symbolic_tracing()
-        if hasattr(trace, "is_fx_symbolic_tracing")
-        else trace._is_fx_tracing_flag
-    )
     exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
-    return bool(symbolic or exporting)
+    return bool(symbolic_tracing() or exporting)
 
 
 def traced_call(

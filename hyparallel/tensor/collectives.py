@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from hyparallel.graph.opaque import symbolic_tracing
+
 
 def _size(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
@@ -152,13 +154,7 @@ tp_collective.register_autograd(_mirror, setup_context=_setup)
 
 
 def _tracing() -> bool:
-    trace = torch.fx._symbolic_trace
-    symbolic = (
-        trace.is_fx_symbolic_tracing()
-        if hasattr(trace, "is_fx_symbolic_tracing")
-        else trace._is_fx_tracing_flag
-    )
-    return torch.compiler.is_compiling() or symbolic
+    return torch.compiler.is_compiling() or symbolic_tracing()
 
 
 def _apply(
