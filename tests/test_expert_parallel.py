@@ -34,6 +34,8 @@ def test_a_hand_written_where_dispatch_moe_is_equal_under_ep():
         [
             {"dp": 2, "tp": 1, "pp": 1, "ep": 2},
             {"dp": 4, "tp": 1, "pp": 1, "ep": 2, "zero": 3},
+            # ZeRO 2: every expert's gradient reduce-scattered over its replicas each micro-batch
+            {"dp": 2, "tp": 1, "pp": 1, "ep": 2, "zero": 2},
             {"dp": 2, "tp": 2, "pp": 1, "ep": 2},
             # inside pipeline stages: each expert's call kept whole in the stage graph (Note [a
             # module call a trace keeps], hyparallel/graph/opaque.py)
@@ -148,11 +150,13 @@ def test_a_checkpoint_saved_at_ep_4_loads_at_ep_2_and_at_ep_1(tmp_path):
             assert_every_parameter_compared(groups, compared)
 
     # Note [the router's auxiliary loss over dp]: cross-entropy plus the load-balancing loss, dp 4
-    # x ep 2 and dp 2 x pp 2 x ep 2 (the last stage's graph gathers the logits), against one device
-    # running each micro-batch of every dp rank at once (the per-rank loss's pp case: 0.68 off)
-    for case, holders in (("router-loss", 2), ("router-loss-pp", 4)):
+    # x ep 2 (a loss of the model's own: its inputs gathered) and dp 2 x pp 2 x ep 2 (transformers':
+    # its sums all-reduced in the last stage's graph), against one device running each micro-batch
+    # of every dp rank at once (the per-rank loss's pp case: 0.68 off)
+    for case, holders, gathers in (("router-loss", 2, True), ("router-loss-pp", 4, False)):
         ranks = results[case]
         for rank in ranks:
+            assert rank["gathers"] is gathers, case
             assert rank["error"] <= 2e-5, (case, rank["error"], rank["worst"])
             assert rank["loss"] == pytest.approx(rank["ref_loss"], rel=1e-5)
             # a forward of 3 x 11 tokens after the step (pp: stages traced again for it)
@@ -407,3 +411,86 @@ def test_the_planner_prices_ep_inside_pipeline_stages():
     # between the stages as their experts are (2 blocks each)
     assert whole > 0 and sum(per_stage) == pytest.approx(whole, rel=1e-9)
     assert per_stage == pytest.approx([whole / 2] * 2, rel=0.01)
+
+
+def test_the_planner_prices_the_experts_gradients_and_the_router_loss_over_their_own_groups():
+    from hyparallel.planner import costs
+    from hyparallel.planner.api import search
+    from hyparallel.planner.search import Config, Search
+
+    # Note [expert parallelism's costs]: Mixtral trained with its load-balancing loss
+    model = hp.models.load("mixtral-8x7b num_hidden_layers=2 output_router_logits=true").module
+    cluster = hp.ClusterSpec.preset("h100-sxm", num_nodes=4, gpus_per_node=8)
+    result = search(model, cluster, 256, 4096, "bf16", top=1, tp=1, pp=1, dp=32, ep=8)
+    profile = result.profile
+    # the router scores read outside their layers: 2 layers x 4096 tokens x 8 experts a sequence
+    assert profile.router_logit_elements == 2 * 4096 * 8
+    engine = Search(profile, cluster, 256, "bf16")
+
+    def config(dp: int, ep: int, zero: int) -> Config:
+        order = ("pp", "dp", "tp")
+        return Config(1, 1, dp, 1, 256 // dp, "1f1b", 1, "full", zero, False, order, ep=ep)
+
+    for dp, ep, zero in ((8, 8, 0), (32, 8, 0), (32, 8, 1)):
+        c = config(dp, ep, zero)
+        links = engine._links(c)
+        tables = engine._tables(c, links)
+        whole = list(tables.range(0, tables.n))
+        experts = whole[10]
+        assert (
+            experts > 0 and whole[11] == 0
+        )  # a ModuleList's experts are split over ep, not folded
+        # the same stage with its experts taken out: what is left is only what the experts' own
+        # replicas (dp / ep of them) do, not a reduction over dp
+        dense = list(whole)
+        dense[2], dense[10] = whole[2] - experts, 0.0
+        _, tail, _ = engine._stage_time(c, links, *whole)
+        _, dense_tail, _ = engine._stage_time(c, links, *dense)
+        replicas, device = dp // ep, cluster.device
+        step_bytes = costs.adam_step_bytes_per_param("bf16") * experts / replicas ** (zero > 0)
+        optimizer = step_bytes / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+        if zero == 0:  # one fp32 all-reduce over the replicas after the backward
+            reduced = costs.ring_allreduce_s(experts * 4, replicas, links["dp"])
+            assert tail - dense_tail == pytest.approx(optimizer + reduced, rel=1e-6)
+        else:  # their own FSDP unit: gathered once, scattered in the last backward (hidden in part)
+            reduced = costs.ring_allgather_s(experts * 4, replicas, links["dp"])
+            assert optimizer + reduced < tail - dense_tail < optimizer + 2 * reduced
+        if replicas == 1:  # each expert held once: its gradient is never communicated
+            assert reduced == 0
+    # the load-balancing loss: transformers' 2 E + 1 sums all-reduced forward and backward; a
+    # model's own function's inputs, every dp rank's router scores, gathered forward and their
+    # gradients scattered backward; on each micro-batch of the stage computing the loss
+    c = config(32, 8, 0)
+    links = engine._links(c)
+    n = len(engine._tables(c, links).segments)
+    sums = 2 * costs.ring_allreduce_s((2 * 8 + 1) * 4, 32, links["dp"])
+    gathered = 2 * costs.ring_allgather_s(2 * 4096 * 8 * c.micro_batch * 32 * 2, 32, links["dp"])
+    for gathers, per_micro_batch in ((False, sums), (True, gathered)):
+        profile.router_loss_gathered = gathers
+        loss_s = engine._router_loss_s(c, links, n)
+        assert loss_s[:-1] == [0.0] * (n - 1)
+        assert loss_s[-1] == pytest.approx(per_micro_batch, rel=1e-9)
+        priced = engine.evaluate(c).step_time_s
+        elements = profile.__dict__.pop("router_logit_elements")
+        profile.__dict__["router_logit_elements"] = 0.0  # as the same model without the loss
+        unpriced = engine.evaluate(c).step_time_s
+        profile.__dict__["router_logit_elements"] = elements
+        assert priced - unpriced == pytest.approx(c.num_microbatches * per_micro_batch, rel=1e-6)
+    # PowerSGD compresses the other weights' gradients only
+    plain, split = profile.powersgd_work(1, 4), profile.powersgd_work(1, 4, 8)
+    assert sum(g.elements for g in split) < sum(g.elements for g in plain)
+
+
+def test_only_transformers_load_balancing_loss_is_reduced_to_its_sums():
+    from hyparallel.runtime import router_loss
+
+    # Note [the router's auxiliary loss over dp]: read from the code, never from a name
+    assert router_loss._reduces(router_loss._transformers_load_balancing_loss)
+
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return router_loss._transformers_load_balancing_loss(
+            gate_logits, num_experts, top_k, attention_mask
+        )
+
+    assert not router_loss._reduces(load_balancing_loss_func)
+    assert not router_loss.gathers(torch.nn.Linear(2, 2))  # no router loss at all

@@ -273,6 +273,7 @@ def search(
         traced_rows=rows or 1,
         vocab_parallel_loss=vocab_loss,
         expert_imbalance=given.get("expert_imbalance") or costs.EXPERT_IMBALANCE,
+        router_loss_gathered=_router_loss_gathered(module),
     )
     result = SearchResult(
         graph=graph,
@@ -668,6 +669,16 @@ def _alternatives(
         else:
             result.append(Alternative(label, None, _why_none(engine, profile, cluster, shape)))
     return result
+
+
+def _router_loss_gathered(module: nn.Module | None) -> bool:
+    """Whether ``module``'s router loss gathers every dp rank's scores under parallelize (Note [the
+    router's auxiliary loss over dp]); True, the larger cost, when the module is not at hand."""
+    if module is None:
+        return True
+    from hyparallel.runtime import router_loss
+
+    return router_loss.gathers(module)
 
 
 def _expert_choices(profile: ModelProfile, dp: int) -> list[int]:

@@ -123,7 +123,20 @@ def all_to_all_s(num_bytes: Figure, group_size: int, link: LinkSpec) -> Figure:
 #       tokens x hidden over tp (the outputs forward, the inputs' gradients backward).
 #     * memory: the expert weights a tp rank holds, over ep (and their optimizer state over ZeRO's
 #       dp / ep replicas, dp tp / ep for stacked experts under tp), everything else as before.
-#     The router's auxiliary loss is not priced.
+#     * their gradients: averaged over those replicas, not dp (Note [an expert's gradient is a
+#       mean over dp] in hyparallel/runtime/experts.py): under ZeRO 0 an fp32 all-reduce after
+#       the last backward, never compressed (DDP's bucketed, compressed all-reduce takes the other
+#       weights); under ZeRO 1-3 an FSDP unit of their own over the replicas, gathered and
+#       scattered as the stage's other units are, each unit's optimizer step on 1/replicas of
+#       them. With ep = dp (one replica) they are not reduced at all.
+#     * the router's auxiliary loss (Note [the router's auxiliary loss over dp] in
+#       hyparallel/runtime/router_loss.py), for a model whose router scores leave their MoE layer
+#       (ModelProfile.router_logit_elements: tokens x E per layer, read by the loss the model
+#       computes), each micro-batch, on the stage computing the loss, over the dp link:
+#       transformers' function all-reduces its 2 E + 1 fp32 sums forward and backward (as
+#       Megatron-Core's global auxiliary loss, a latency); any other (ModelProfile's
+#       router_loss_gathered, also when the planner has only a graph) has every dp rank's scores
+#       all-gathered forward and their gradients reduce-scattered backward, in the plan's dtype.
 EXPERT_IMBALANCE = 1.2
 EXCHANGES_PER_MOE_LAYER = 4
 

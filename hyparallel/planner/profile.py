@@ -112,6 +112,10 @@ class SegmentCost:
     folded_expert_params: float = 0.0
 
 
+def _under(module: str, path: str) -> bool:
+    return module == path or module.startswith(path + ".")
+
+
 def _layer_of(op, layers) -> list:
     """The MoE layer whose experts ``op`` runs in or reads (one, or none)."""
     module = op.module or ""
@@ -202,9 +206,13 @@ class ModelProfile:
         traced_rows: int = 1,
         vocab_parallel_loss: bool = True,
         expert_imbalance: float = costs.EXPERT_IMBALANCE,
+        router_loss_gathered: bool = True,
     ):
         """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in
         api.py);
+        ``router_loss_gathered``: a router loss outside the MoE layers (``router_logit_elements``)
+        gathers every dp rank's scores; False: it all-reduces 2 E + 1 sums (transformers': Note
+        [the router's auxiliary loss over dp] in hyparallel/runtime/router_loss.py);
         ``expert_imbalance``: the busiest expert-parallel rank's (token, expert) pairs over the
         mean (Note [expert parallelism's costs] in costs.py);
         ``vocab_parallel_loss``: the loss runs on each tp rank's slice of the logits wherever tp
@@ -212,6 +220,7 @@ class ModelProfile:
         self.graph, self.cluster, self.dtype, self.seq_len = graph, cluster, dtype, seq_len
         self.vocab_parallel_loss = vocab_parallel_loss
         self.expert_imbalance = expert_imbalance
+        self.router_loss_gathered = router_loss_gathered
         self.traced_rows = traced_rows
         self.tp_analysis: TPAnalysis = graph.structure
         self.segments = graph.segments()
@@ -235,7 +244,7 @@ class ModelProfile:
         self._cache: dict[tuple, tuple[SegmentCost, ...]] = {}
         self._totals: dict[tuple, tuple[float, float, float]] = {}
         self._tied: dict[int, list[tuple[int, tuple[int, ...], float]]] = {}
-        self._powersgd: dict[tuple[int, int], tuple[GradientWork, ...]] = {}
+        self._powersgd: dict[tuple[int, int, int], tuple[GradientWork, ...]] = {}
 
     # ---- per configuration ------------------------------------------------------------------
 
@@ -345,18 +354,24 @@ class ModelProfile:
             if p in owners and r - {segment_of[owners[p].name]}
         ]
 
-    def powersgd_work(self, tp: int, rank: int) -> tuple[GradientWork, ...]:
+    def powersgd_work(self, tp: int, rank: int, ep: int = 1) -> tuple[GradientWork, ...]:
         """What PowerSGD at ``rank`` does per step with each segment's gradients on one tp rank
-        (cached)."""
-        if (tp, rank) not in self._powersgd:
-            self._powersgd[tp, rank] = tuple(
+        (cached); ``ep`` > 1: the expert weights' left out (their own group reduces them, never
+        compressed: ExpertParallel.reduce_grads)."""
+        if (tp, rank, ep) not in self._powersgd:
+            experts = self.graph.moe.expert_params if ep > 1 else set()
+            self._powersgd[tp, rank, ep] = tuple(
                 sum(
-                    (self._op_powersgd(self.graph.op(name), tp, rank) for name in segment.ops),
+                    (
+                        self._op_powersgd(op, tp, rank)
+                        for op in map(self.graph.op, segment.ops)
+                        if not (experts and op.params and set(op.params) <= experts)
+                    ),
                     GradientWork(),
                 )
                 for segment in self.segments
             )
-        return self._powersgd[tp, rank]
+        return self._powersgd[tp, rank, ep]
 
     def _op_powersgd(self, op: Op, tp: int, rank: int) -> GradientWork:
         """PowerSGD's work on the gradients of the parameters ``op`` owns, as one tp rank holds
@@ -595,6 +610,27 @@ class ModelProfile:
     @cached_property
     def _op_names(self) -> dict[int, tuple[str, ...]]:
         return {id(raw): tuple(seg.ops) for raw, seg in zip(self.raw, self.segments)}
+
+    @cached_property
+    def router_logit_elements(self) -> float:
+        """Per sequence, the router scores that leave their MoE layer (to an auxiliary
+        load-balancing loss the model computes outside it), over every layer: what the runtime
+        all-gathers over dp for that loss (Note [the router's auxiliary loss over dp] in
+        hyparallel/runtime/router_loss.py; Note [expert parallelism's costs] in costs.py)."""
+        graph, elements = self.graph, 0.0
+        for layer in graph.moe.layers:
+            routers = {
+                op.name
+                for op in graph.ops
+                if op.module == layer.router or op.module.startswith(layer.router + ".")
+            }
+            for value in graph.values:
+                scores = value.shape and value.shape[-1] == layer.num_experts
+                if value.producer in routers and scores:
+                    readers = (graph.op(c).module for c in value.consumers)
+                    if any(not _under(m or "", layer.path) for m in readers):
+                        elements += math.prod(value.shape)
+        return elements / self.traced_rows
 
     @cached_property
     def expert_counts(self) -> tuple[int, ...]:

@@ -432,7 +432,7 @@ class Search:
         profile = self.ctx.profile
         gradients, tied_gradients = None, ()
         if c.grad_compression == "powersgd" and c.dp > 1:
-            gradients = profile.powersgd_work(c.tp, c.powersgd_rank)
+            gradients = profile.powersgd_work(c.tp, c.powersgd_rank, c.ep)
             tied_gradients = profile.tied_powersgd_work(c.tp, c.powersgd_rank)
         segments = self._segment_costs(c, links)
         return _Tables(
@@ -441,6 +441,7 @@ class Search:
             gradients,
             tied_gradients,
             expert_state=self._expert_state(c, segments),
+            loss_s=self._router_loss_s(c, links, len(segments)),
         )
 
     def _p2p_s(self, c: Config, links) -> float:
@@ -503,6 +504,29 @@ class Search:
             for s in segments
         ]
 
+    def _router_loss_s(self, c: Config, links, n: int) -> list[float]:
+        """Per micro-batch, each segment's seconds making an auxiliary load-balancing loss the whole
+        dp batch's: the last segment's, where the loss is (Note [expert parallelism's costs] in
+        costs.py). Its router scores gathered over dp (forward) and their gradients
+        reduce-scattered (backward), or transformers' 2 E + 1 sums all-reduced both ways."""
+        seconds = [0.0] * n
+        profile = self.ctx.profile
+        elements = profile.router_logit_elements
+        if c.dp > 1 and elements and n:
+            if profile.router_loss_gathered:
+                gathered = elements * c.micro_batch * c.dp * costs.DTYPE_BYTES[self.ctx.dtype]
+                seconds[-1] = 2 * costs.ring_allgather_s(gathered, c.dp, links["dp"])
+            else:
+                sums = (2 * max(profile.expert_counts) + 1) * 4  # fp32
+                seconds[-1] = 2 * costs.ring_allreduce_s(sums, c.dp, links["dp"])
+        return seconds
+
+    def _expert_replicas(self, c: Config) -> tuple[int, int]:
+        """How many ranks hold the same experts (their gradients averaged there), for a
+        ModuleList's experts and for stacked experts with tp folded in (Note [tp folded into the
+        experts' ranks] in hyparallel/runtime/experts.py)."""
+        return max(c.dp // c.ep, 1), max(c.dp * c.tp // c.ep, 1)
+
     def evaluate(self, c: Config) -> Evaluation:
         """Step time, memory and the best stage boundaries of one configuration."""
         self.evaluated += 1
@@ -552,6 +576,8 @@ class Search:
         shared: np.ndarray,
         tensors: np.ndarray,
         expert_state: np.ndarray,
+        experts: np.ndarray,
+        folded: np.ndarray,
         work: np.ndarray,
         largest: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -564,16 +590,28 @@ class Search:
         powersgd (else ``wire`` is ``params``);
         ``shared``: the params of weights other stages hold too, which a compressing plan reduces
         apart in fp32; ``expert_state``: what the stages' expert weights' state costs beside
-        ``params * state`` (``_expert_state``).
+        ``params * state`` (``_expert_state``); ``experts``, ``folded``: of ``params``, the expert
+        weights under ep, which their replicas reduce, not dp (Note [expert parallelism's costs]
+        in costs.py).
         """
         dtype, cluster, mode = self.ctx.dtype, self.ctx.cluster, c.grad_compression
         t = t + self._p2p_s(c, links)
         serial = cluster.backend == "gloo"  # CPU processes: collectives and compute share the cores
         tail = np.zeros_like(t)
         extra_memory = 0.0
+        dense = params - experts - folded
+        replicas, folded_replicas = self._expert_replicas(c)
         if c.dp > 1 and c.zero == 0:
             tail, extra_memory = self._all_reduce_tail(
-                c, links, params, bwd, wire, hook_s, hook_ops, shared, serial
+                c, links, dense, bwd, wire, hook_s, hook_ops, shared, serial
+            )
+            # the experts' gradients, averaged over their replicas after the last backward, in fp32
+            # (ExpertParallel.reduce_grads)
+            grad = costs.GRAD_BYTES_PER_PARAM
+            tail = (
+                tail
+                + costs.ring_allreduce_s(experts * grad, replicas, links["dp"])
+                + costs.ring_allreduce_s(folded * grad, folded_replicas, links["dp"])
             )
         # Note [ZeRO stages on FSDP2] in data_parallel.py: one collective per FSDP unit
         elif c.dp > 1:
@@ -583,10 +621,15 @@ class Search:
             def per_unit(collective, num_bytes):
                 return units * collective(num_bytes / units, c.dp, link)
 
-            weight_bytes = params * costs.gathered_bytes_per_param(dtype, mode)
-            scatter_bytes = params * costs.reduced_bytes_per_param(mode, serial)
-            gather = per_unit(costs.ring_allgather_s, weight_bytes)
+            gathered = costs.gathered_bytes_per_param(dtype, mode)
+            reduced = costs.reduced_bytes_per_param(mode, serial)
+            scatter_bytes = dense * reduced
+            gather = per_unit(costs.ring_allgather_s, dense * gathered)
             scatter = per_unit(costs.ring_reduce_scatter_s, scatter_bytes)
+            # Note [experts under ZeRO]: the experts are units of their own over their replicas
+            for held, n in ((experts, replicas), (folded, folded_replicas)):
+                gather = gather + costs.ring_allgather_s(held * gathered, n, link)
+                scatter = scatter + costs.ring_reduce_scatter_s(held * reduced, n, link)
             # Note [what FSDP and the optimizer dispatch on a CPU]: each collective's per-tensor
             # work, unhidden there
             per_tensor = (
@@ -615,7 +658,10 @@ class Search:
                     + costs.overlapped_s(gather + scatter, bwd, serial)
                 )
                 t = t + 3 * per_tensor
-        optimizer_params = params / c.dp if c.zero >= 1 else params
+        # ZeRO 1-3: each rank steps its shard, the experts' over their replicas
+        optimizer_params = (
+            dense / c.dp + experts / replicas + folded / folded_replicas if c.zero >= 1 else params
+        )
         device = cluster.device
         tail = tail + optimizer_params * costs.adam_step_bytes_per_param(dtype) / (
             device.memory_bandwidth_bytes_per_s * device.memory_efficiency
@@ -825,10 +871,12 @@ def _oom_reason(memories: list[float], limit: float) -> str:
 class _Tables:
     """Prefix sums over segments, so any contiguous range's totals are two lookups."""
 
-    # Quantities summed over a range (t, backward, params, activations, PowerSGD's elements sent,
-    # kernel seconds and ops, the shared weights' params, parameter tensors, the expert weights'
-    # extra state bytes); then two taken as the range's largest (working bytes, a segment's params).
-    ADDITIVE = 10
+    # Quantities summed over a range (t, backward, params, activations, the elements its gradients'
+    # data-parallel reduction sends (PowerSGD's, or the params but the experts'), PowerSGD's kernel
+    # seconds and ops, the shared weights' params, parameter tensors, the expert weights' extra
+    # state bytes, the expert params of a ModuleList's experts and of stacked experts with tp folded
+    # in); then two taken as the range's largest (working bytes, a segment's params).
+    ADDITIVE = 12
 
     def __init__(
         self,
@@ -837,11 +885,14 @@ class _Tables:
         gradients: tuple[GradientWork, ...] | None = None,
         tied_gradients: list[tuple[int, tuple[int, ...], GradientWork]] = (),
         expert_state: Sequence[float] | None = None,
+        loss_s: Sequence[float] | None = None,
     ):
         """``gradients``: PowerSGD's work on each segment's gradients (None: not compressed by
-        PowerSGD; then the elements a range sends are its params); ``tied_gradients``: the same for
-        ``tied``'s weights, in its order; ``expert_state``: each segment's expert weights' extra
-        state bytes (Planner._expert_state; None: none)."""
+        PowerSGD; then the elements a range sends are its params but the experts');
+        ``tied_gradients``: the same for ``tied``'s weights, in its order; ``expert_state``: each
+        segment's expert weights' extra state bytes (Planner._expert_state; None: none);
+        ``loss_s``: each segment's seconds per micro-batch beside its ops'
+        (Planner._router_loss_s; None: none)."""
         self.segments = segments
         self.n = len(segments)
         # A weight read by several segments (tied embedding and head) is held by every stage that
@@ -856,7 +907,13 @@ class _Tables:
         def prefix(values):
             return np.concatenate(([0.0], np.cumsum(values)))
 
-        self.t = prefix([s.forward_s + s.backward_s + s.tp_comm_s + s.ep_comm_s for s in segments])
+        loss_s = loss_s if loss_s is not None else [0.0] * self.n
+        self.t = prefix(
+            [
+                s.forward_s + s.backward_s + s.tp_comm_s + s.ep_comm_s + extra
+                for s, extra in zip(segments, loss_s)
+            ]
+        )
         self.bwd = prefix([s.backward_s for s in segments])
         self.params = prefix([s.params for s in segments])
         self.act = prefix([s.activation_bytes for s in segments])
@@ -866,15 +923,17 @@ class _Tables:
         self.hook_ops = prefix([g.ops for g in gradients])
         self.tensors = prefix([s.tensors for s in segments])
         self.expert_state = prefix(expert_state if expert_state is not None else [0.0] * self.n)
+        self.experts = prefix([s.expert_params - s.folded_expert_params for s in segments])
+        self.folded = prefix([s.folded_expert_params for s in segments])
         self.work = np.array([s.working_bytes for s in segments])
         self.largest = np.array([s.params for s in segments])
         index = np.arange(self.n + 1)
         self.valid = index[:, None] < index[None, :]
 
     def range(self, start: int, end: int) -> tuple[float, ...]:
-        """(t, backward, params, activations, PowerSGD's elements, seconds and ops, shared params,
-        parameter tensors, expert state, working, largest segment's params) of segments [start,
-        end)."""
+        """(t, backward, params, activations, elements reduced over dp, PowerSGD's seconds and ops,
+        shared params, parameter tensors, expert state, a ModuleList's and folded stacked experts'
+        params, working, largest segment's params) of segments [start, end)."""
         peak = lambda values: float(values[start:end].max()) if end > start else 0.0  # noqa: E731
         params, shared, taken = self.params[end] - self.params[start], 0.0, GradientWork()
         for (owner, readers, size), g in zip(self.tied, self.tied_gradients):
@@ -883,23 +942,31 @@ class _Tables:
                 params, shared = params + size, shared + size
             elif owned and not all(read):  # the owner's, with a copy elsewhere
                 shared, taken = shared + size, taken + g
+        experts = self.experts[end] - self.experts[start]
+        folded = self.folded[end] - self.folded[start]
         return (
             self.t[end] - self.t[start],
             self.bwd[end] - self.bwd[start],
             params,
             self.act[end] - self.act[start],
-            self.wire[end] - self.wire[start] - taken.elements if self.powersgd else params,
+            (
+                self.wire[end] - self.wire[start] - taken.elements
+                if self.powersgd
+                else params - experts - folded
+            ),
             self.hook_s[end] - self.hook_s[start] - taken.work_s,
             self.hook_ops[end] - self.hook_ops[start] - taken.ops,
             shared,
             self.tensors[end] - self.tensors[start],
             self.expert_state[end] - self.expert_state[start],
+            experts,
+            folded,
             peak(self.work),
             peak(self.largest),
         )
 
     def ranges(self) -> tuple[np.ndarray, ...]:
-        """The same twelve quantities for every [start, end) as (n+1) x (n+1) arrays."""
+        """The same fourteen quantities for every [start, end) as (n+1) x (n+1) arrays."""
 
         def diff(prefix):
             return prefix[None, :] - prefix[:, None]
@@ -937,12 +1004,14 @@ class _Tables:
             diff(self.bwd),
             params,
             diff(self.act),
-            wire if self.powersgd else params,
+            wire if self.powersgd else params - diff(self.experts) - diff(self.folded),
             hook_s,
             hook_ops,
             shared,
             diff(self.tensors),
             diff(self.expert_state),
+            diff(self.experts),
+            diff(self.folded),
             running_max(self.work),
             running_max(self.largest),
         )

@@ -95,6 +95,7 @@ _ScatterToTP = _pair("_ScatterToTP", _own_chunk, _all_gather)
 _GatherFromTP = _pair("_GatherFromTP", _all_gather, _own_chunk)
 _AllGatherSeq = _pair("_AllGatherSeq", _all_gather, _reduce_scatter)
 _ReduceScatterSeq = _pair("_ReduceScatterSeq", _reduce_scatter, _all_gather)
+_AllReduceSum = _pair("_AllReduceSum", _reduce, _reduce)
 
 # Note [collectives in traced graphs]
 # A pipeline stage runs a graph traced from the (tensor-parallel) model. An autograd Function cannot
@@ -110,6 +111,7 @@ _KINDS = {  # kind -> (forward, the kind its backward runs)
     "gather": (_all_gather, "scatter"),
     "all_gather_seq": (_all_gather, "reduce_scatter_seq"),
     "reduce_scatter_seq": (_reduce_scatter, "all_gather_seq"),
+    "all_reduce_sum": (_reduce, "all_reduce_sum"),
 }
 
 
@@ -200,6 +202,13 @@ def reduce_scatter_seq(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.
     return (
         x if _size(group) == 1 else _apply(_ReduceScatterSeq, "reduce_scatter_seq", x, dim, group)
     )
+
+
+def all_reduce_sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The sum over ``group`` forward, the sum of the gradients backward: a quantity every rank
+    then uses alike (a statistic of the whole data-parallel batch), whose gradient reaches each
+    rank's part from every rank's use of it."""
+    return x if _size(group) == 1 else _apply(_AllReduceSum, "all_reduce_sum", x, -1, group)
 
 
 def all_reduce_(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -201,7 +201,32 @@ def router_loss(plan: str) -> dict:
     """Two micro-batches a rank (dp 4 x ep 2 of one sequence; dp 2 x pp 2 x ep 2 of two), loss_fn
     cross-entropy plus the router's load-balancing loss (Note [the router's auxiliary loss over
     dp]), one step against one device running the same two micro-batches: each the rows every dp
-    rank runs at that index."""
+    rank runs at that index. At dp 4 x ep 2 the model calls a load-balancing loss of its own (one
+    calling transformers'), whose inputs are gathered; at dp 2 x pp 2 x ep 2 transformers' (as
+    router_loss copies it, whichever transformers is installed), whose sums are all-reduced."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    from hyparallel.runtime import router_loss as global_loss
+
+    namespace, kept = modeling_mixtral.__dict__, modeling_mixtral.load_balancing_loss_func
+    if plan == "router-loss":
+        transformers_loss = getattr(kept, "__wrapped__", kept)
+
+        def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+            return transformers_loss(gate_logits, num_experts, top_k, attention_mask)
+
+        namespace["load_balancing_loss_func"] = load_balancing_loss_func
+    else:
+        namespace["load_balancing_loss_func"] = global_loss._transformers_load_balancing_loss
+    try:
+        return _router_loss(plan) | {
+            "gathers": global_loss.gathers(hp.models.load(ROUTER_LOSS).module)
+        }
+    finally:
+        namespace["load_balancing_loss_func"] = kept
+
+
+def _router_loss(plan: str) -> dict:
     from tests.tiny_lms import ce_plus_router_loss
 
     model, pmodel, optimizer = build(ROUTER_LOSS, plan, SEED)
