@@ -751,9 +751,18 @@ def test_the_expert_parallel_benchmarks_render_their_ratio_and_error():
         "error": 0.25,
         "comm_s": {"tp": 0.5, "ep": 3.0},
     }
+    piped = {**row, "id": "qwen3-235b-pp8-ep8", "measured_s": 29.0, "predicted_s": 24.8}
+    piped["error"] = 24.8 / 29.0 - 1
     published = run_all.Outcome(
-        "published_moe", "python benchmarks/published_moe.py", "ok", 60, row
+        "published_moe", "python benchmarks/published_moe.py", "ok", 60, {"rows": [row, piped]}
     )
     summary, lines = run_all.render_published_moe(published)
-    assert summary == "qwen3-235b-ep8: measured 17.6 s, predicted 22.0 s, error +25%"
+    assert summary == (
+        "qwen3-235b-ep8: measured 17.6 s, predicted 22.0 s, error +25%;"
+        " qwen3-235b-pp8-ep8: measured 29.0 s, predicted 24.8 s, error -14%"
+    )
     assert "| 17.60 | 22.00 | +25.0% | tp 0.50, ep 3.00 |" in "\n".join(lines)
+    assert "| 29.00 | 24.80 | -14.5% |" in "\n".join(lines)
+    # a result written before the pipelined row: one record
+    old = run_all.Outcome("published_moe", "python benchmarks/published_moe.py", "ok", 60, row)
+    assert run_all.render_published_moe(old)[0].startswith("qwen3-235b-ep8: measured 17.6 s")

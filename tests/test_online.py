@@ -296,9 +296,13 @@ def test_other_ranks_compare_but_never_fit(tiny, monkeypatch):
     meter = RunMetrics(plan, flops_per_token=1e6, device=torch.device("cpu"), pp_rank=0, rank=1)
     meter.calibrate_online(warmup=0, steps=2, log=lines.append)
     monkeypatch.setattr(online, "calibrate", lambda *a, **k: pytest.fail("rank 1 fitted"))
+    # ep > 1: the experts' imbalance is a collective, which rank 1 joins at the comparison too
+    reads = []
+    meter.read_imbalance = lambda: reads.append(1) or 1.3
     for _ in range(4):
         meter.step_started(tokens=1024)
     assert meter.comparison is not None and lines == [] and meter.calibration is None
+    assert reads == [1]
 
 
 @pytest.mark.parametrize("bad", [{"steps": 0}, {"threshold": -0.1}, {"warmup": True}])
@@ -368,7 +372,7 @@ def test_scaling_compute_scales_a_cpus_activation_costs():
     assert (faster.forward_s, faster.backward_s) == pytest.approx((2e-9, 3e-9))
 
 
-def test_the_fit_costs_the_experts_with_the_imbalance_the_plan_was_priced_with():
+def test_the_fit_costs_the_experts_with_the_imbalance_the_plan_was_priced_with(tmp_path):
     from hyparallel.tools.parity import small_spec
 
     # a plan priced at an expert imbalance of 2.5 (hyparallel plan --expert-imbalance 2.5) records
@@ -386,3 +390,22 @@ def test_the_fit_costs_the_experts_with_the_imbalance_the_plan_was_priced_with()
     assert default.predicted.step_time_s < plan.predicted.step_time_s
     assert online.asked(plan) == {"expert_imbalance": 2.5}
     assert "--expert-imbalance 2.5" in online.plan_command(spec, plan, "h100-sxm")
+
+    # the run measured 1.6 (pmodel.expert_imbalance): the fit, the re-plan and its command cost the
+    # experts with that, so the compute rates are fitted to the rest; the plan's record is kept
+    measured = plan.predicted.step_time_s * 1.5
+    calibration = online.calibrate(plan, measured, model=spec, expert_imbalance=1.6)
+    assert calibration.plan == plan and "--expert-imbalance 1.6" in calibration.command
+    assert calibration.replanned.predicted.expert_imbalance == 1.6
+    as_priced = online.calibrate(plan, measured, model=spec)
+    assert "--expert-imbalance 2.5" in as_priced.command
+    # less of the measured step is the experts' waiting: the compute rates are fitted slower
+    assert calibration.compute_factor < as_priced.compute_factor
+    assert calibration.refit_step_s == pytest.approx(measured, rel=0.02)
+    # a run's record carries what it measured to `hyparallel calibrate --from-run`
+    figures = metrics.StepFigures(4, measured, 1.0, 1.0, None, None)
+    record = online.run_record(figures, plan, spec, [measured] * 4, None, 1.6)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(record))
+    assert online.read_run(path).expert_imbalance == 1.6
+    assert "--expert-imbalance 1.6" in online.from_run(path).command

@@ -106,6 +106,15 @@ class RunRecord(BaseModel):
     step_times_s: list[float] = Field(
         [], description="Every step's seconds, in order, warm-up included."
     )
+    expert_imbalance: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "The experts' load imbalance the run measured (ParallelModel.expert_imbalance; ep > 1"
+            " only): the fit and the re-plan cost the experts with it."
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -282,7 +291,7 @@ class Planner:
         from hyparallel.planner.api import _tp_degrees
 
         loaded = models.load(spec)
-        self.name, self.plan = loaded.name, plan
+        self.name, self.plan, self.module = loaded.name, plan, loaded.module
         expected = plan.model.fingerprint if plan.model is not None else ""
         if expected and models.fingerprint(loaded.module) != expected:
             raise ConfigError(
@@ -300,6 +309,7 @@ class Planner:
 
     def evaluate(self, cluster: ClusterSpec) -> float | None:
         """The plan's configuration's step time under ``cluster`` (None: it does not fit there)."""
+        from hyparallel.planner.api import _router_loss_gathered
         from hyparallel.planner.constraints import Constraints
         from hyparallel.planner.profile import ModelProfile
         from hyparallel.planner.search import Search
@@ -311,6 +321,7 @@ class Planner:
             tr.dtype,
             tr.seq_len,
             vocab_parallel_loss=self.plan.parallel.vocab_parallel_loss,
+            router_loss_gathered=_router_loss_gathered(self.module),
             **{k: v for k, v in asked(self.plan).items() if k == "expert_imbalance"},
         )
         best, _ = Search(profile, cluster, tr.global_batch, tr.dtype).best(
@@ -325,7 +336,13 @@ class Planner:
 
         tr = self.plan.training
         return search(
-            self.graph, cluster, tr.global_batch, tr.seq_len, tr.dtype, **asked(self.plan)
+            self.graph,
+            cluster,
+            tr.global_batch,
+            tr.seq_len,
+            tr.dtype,
+            module=self.module,
+            **asked(self.plan),
         ).plan()
 
 
@@ -431,13 +448,17 @@ def calibrate(
     out: str | Path | None = None,
     planner: Planner | None = None,
     base: ClusterSpec | None = None,
+    expert_imbalance: float | None = None,
 ) -> Calibration:
     """Fit ``plan``'s cluster to a measured step (and rank 0's peak), write it to ``out``, and
     re-plan.
 
     ``model`` is the spec ``hyparallel plan --model`` takes (default: the plan's model name, which
     is the spec when `hyparallel plan` made the plan). ``base``: the cluster to correct, of the
-    plan's size (default the plan's own). Note [what the fit changes], Note [memory in the fit].
+    plan's size (default the plan's own). ``expert_imbalance``: the experts' load imbalance the run
+    measured (ep > 1), which the fit, the re-plan and its command cost the experts with instead of
+    the one the plan was priced with, so that the compute rates absorb only the rest. Note [what
+    the fit changes], Note [memory in the fit].
     """
     if plan.cluster is None or plan.predicted is None:
         missing = "cluster" if plan.cluster is None else "predictions"
@@ -453,6 +474,13 @@ def calibrate(
         raise ConfigError(
             "the plan names no model; pass the model spec (as `hyparallel plan --model` takes it)"
         )
+    ran = plan
+    if expert_imbalance is not None and plan.parallel.ep > 1:
+        # costed as measured (asked() reads it from the prediction)
+        predicted = plan.predicted.model_copy(update={"expert_imbalance": expert_imbalance})
+        plan = plan.model_copy(update={"predicted": predicted})
+    if planner is not None:
+        planner.plan = plan
     planner = planner or Planner(spec, plan)
     cluster = base or plan.cluster
     factor, links = fit_factor(planner.evaluate, cluster, measured_step_s)
@@ -488,7 +516,7 @@ def calibrate(
         corrected.save(out)
         path = Path(out)
     result = Calibration(
-        plan=plan,
+        plan=ran,
         measured_step_s=measured_step_s,
         predicted_step_s=plan.predicted.step_time_s,
         compute_factor=factor,
@@ -502,16 +530,16 @@ def calibrate(
         predicted_memory_gib=predicted_memory / 2**30,
         path=path,
     )
-    return _replanned(result, planner, spec)
+    return _replanned(result, planner, spec, plan)
 
 
-def _replanned(result: Calibration, planner: Planner, spec: str) -> Calibration:
+def _replanned(result: Calibration, planner: Planner, spec: str, plan: Plan) -> Calibration:
     """``result`` with the planner's best plan under the corrected cluster and the command that
     makes it."""
     from dataclasses import replace
 
     cluster_arg = str(result.path) if result.path else "CORRECTED.yaml"
-    command = plan_command(spec, result.plan, cluster_arg)
+    command = plan_command(spec, plan, cluster_arg)
     try:
         best = planner.replan(result.cluster)
     except HyparallelError as error:
@@ -572,10 +600,11 @@ def run_record(
     model: str | None,
     step_times_s: list[float],
     calibration: Calibration | None = None,
+    expert_imbalance: float | None = None,
 ) -> dict[str, Any]:
     """The JSON a run writes for ``hyparallel calibrate --from-run``: ``figures`` (a StepFigures),
-    every step's seconds, the model spec and the plan, and the online calibration's outcome when
-    there was one."""
+    every step's seconds, the model spec and the plan, the experts' load imbalance it measured
+    (ep > 1), and the online calibration's outcome when there was one."""
     from dataclasses import asdict
 
     record = {
@@ -583,6 +612,7 @@ def run_record(
         "step_times_s": step_times_s,
         "model": model,
         "plan": plan.to_dict(),
+        **({"expert_imbalance": expert_imbalance} if expert_imbalance else {}),
     }
     return record | ({"calibration": calibration.to_dict()} if calibration else {})
 
@@ -653,6 +683,7 @@ def from_run(
         measured_memory_bytes=memory,
         out=out,
         base=base,
+        expert_imbalance=record.expert_imbalance,
     )
 
 

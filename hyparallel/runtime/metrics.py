@@ -194,6 +194,10 @@ class RunMetrics:
         # set once the online warm-up and measured steps are done
         self.comparison: Comparison | None = None
         self.calibration = None  # rank 0: the hyparallel.planner.online.Calibration, once fitted
+        # ep > 1: reads the experts' load imbalance on every rank (a collective; reset=False keeps
+        # the user's own readings whole) and the last one read (ParallelModel sets them)
+        self.read_imbalance: Callable[[], float | None] | None = None
+        self.last_imbalance: Callable[[], float | None] = lambda: None
 
     def calibrate_online(
         self,
@@ -276,6 +280,8 @@ class RunMetrics:
                 )
             return True
         memory = measured_peak_bytes(self.device, self.plan.cluster)
+        # every rank, at the same step: the experts' imbalance so far, which the fit costs with
+        imbalance = self.read_imbalance() if self.read_imbalance is not None else None
         self.comparison = Comparison(
             measured,
             predicted.step_time_s,
@@ -294,7 +300,7 @@ class RunMetrics:
                 " the cluster file stands"
             )
             return True
-        self._fit(settings, measured, memory)
+        self._fit(settings, measured, memory, imbalance)
         return True
 
     def _measured_step(self, settings: OnlineSettings) -> float | None:
@@ -304,7 +310,13 @@ class RunMetrics:
             [seconds for seconds, _ in self.steps()], settings.warmup, settings.steps
         )
 
-    def _fit(self, settings: OnlineSettings, measured: float, memory: int | None) -> None:
+    def _fit(
+        self,
+        settings: OnlineSettings,
+        measured: float,
+        memory: int | None,
+        imbalance: float | None = None,
+    ) -> None:
         from hyparallel.planner import online
 
         try:
@@ -315,6 +327,7 @@ class RunMetrics:
                 model=settings.model,
                 measured_memory_bytes=memory,
                 out=online.free_path(out),
+                expert_imbalance=imbalance,
             )
         except HyparallelError as error:
             settings.log(
@@ -340,7 +353,12 @@ class RunMetrics:
             return None
         steps = [seconds for seconds, _ in self.steps()]
         return online.run_record(
-            summary, self.plan, model or self._model_spec(), steps, self.calibration
+            summary,
+            self.plan,
+            model or self._model_spec(),
+            steps,
+            self.calibration,
+            self.last_imbalance(),
         )
 
     def _model_spec(self) -> str | None:

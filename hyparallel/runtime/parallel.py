@@ -517,6 +517,10 @@ class ParallelModel:
             pp_rank=mesh["pp"].get_local_rank(),
             rank=env.rank,
         )
+        if self.experts is not None:  # the online fit and the run's record read the imbalance
+            experts = self.experts
+            self.metrics.read_imbalance = lambda: experts.imbalance(device, reset=False)
+            self.metrics.last_imbalance = lambda: experts.loads.measured
 
     # ---- training --------------------------------------------------------------------------------
 

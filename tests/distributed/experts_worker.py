@@ -134,6 +134,9 @@ def run(spec: str, directory: Path) -> dict:
     pmodel.expert_imbalance()  # from here on
     train(spec, pmodel, optimizer, range(2), norms := [])
     result["imbalance"] = pmodel.expert_imbalance()
+    # what the run's metrics file carries to `hyparallel calibrate --from-run`: the last reading
+    pmodel.metrics.close()
+    result["recorded_imbalance"] = (pmodel.metrics.record() or {}).get("expert_imbalance")
     # the global gradient norm each rank reads (every expert's gradient counted once)
     result["first_grad_norm"], result["ref_grad_norm"] = norms[0], after[2][0].first_grad_norm
     if routes:  # each call at ep 4 routes the whole global batch (one micro-batch of each rank)
