@@ -32,13 +32,14 @@ Note [the published MoE row]
     hyparallel/runtime/experts.py: expert TP 1, ep 8 over 8 consecutive GPUs, one node), the
     expert work and the exchange are priced as that run's mapping has them (measured error +296%
     before, with each tp rank computing every expert row of its replica over an ep group of 16
-    GPUs on two nodes; +132% after). What is left: hyparallel runs, and prices, transformers' own
+    GPUs on two nodes; +132% after; +128% since the experts' gradients and ZeRO units are priced
+    over their replicas, not dp). What is left: hyparallel runs, and prices, transformers' own
     experts forward (a grouped matmul between a sort, gathers, casts and an index_put over the
     tokens x top-k rows, about a third of an MoE layer's predicted time), where that run uses
     Megatron-Core's fused permutation and DeepEP's dispatch, which also overlaps and compresses
     the exchange (the planner prices plain all-to-alls: Note [expert parallelism's costs]); and
     ZeRO 3's per-micro-batch gathers of 94 layers' weights over 128 ranks, which the planner
-    hides behind compute only as far as they fit, about 15 s of the 41 s predicted.
+    hides behind compute only as far as they fit, about 15 s of the 40 s predicted.
 """
 
 from __future__ import annotations
