@@ -484,15 +484,14 @@ def test_the_planner_prices_the_experts_gradients_and_the_router_loss_over_their
 
 
 def test_only_transformers_load_balancing_loss_is_reduced_to_its_sums():
-    from hyparallel.runtime import router_loss
+    from hyparallel.graph import router_loss
 
     # Note [the router's auxiliary loss over dp]: read from the code, never from a name
-    assert router_loss._reduces(router_loss._transformers_load_balancing_loss)
+    reference = router_loss.transformers_load_balancing_loss
+    assert router_loss.reduces(reference)
 
     def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
-        return router_loss._transformers_load_balancing_loss(
-            gate_logits, num_experts, top_k, attention_mask
-        )
+        return reference(gate_logits, num_experts, top_k, attention_mask)
 
-    assert not router_loss._reduces(load_balancing_loss_func)
+    assert not router_loss.reduces(load_balancing_loss_func)
     assert not router_loss.gathers(torch.nn.Linear(2, 2))  # no router loss at all

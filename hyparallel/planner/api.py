@@ -676,9 +676,9 @@ def _router_loss_gathered(module: nn.Module | None) -> bool:
     router's auxiliary loss over dp]); True, the larger cost, when the module is not at hand."""
     if module is None:
         return True
-    from hyparallel.runtime import router_loss
+    from hyparallel.graph.router_loss import gathers
 
-    return router_loss.gathers(module)
+    return gathers(module)
 
 
 def _expert_choices(profile: ModelProfile, dp: int) -> list[int]:

@@ -8,18 +8,17 @@ auxiliary loss over dp]).
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import contextvars
 import functools
 import inspect
-import textwrap
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from hyparallel.graph.router_loss import NAME, gathers, loss_function, reduces
 from hyparallel.tensor.collectives import all_gather_seq, all_reduce_sum
 
 # Note [the router's auxiliary loss over dp]
@@ -44,8 +43,8 @@ from hyparallel.tensor.collectives import all_gather_seq, all_reduce_sum
 #     experts over 94 layers at dp 128). transformers' function (since 4.57: counts and
 #     probability sums accumulated layer by layer, normalised at the end) needs only its three
 #     sums of the batch, as Megatron-Core's global auxiliary loss does: a function whose code is
-#     that one's (its syntax tree, docstring aside, equal to _transformers_load_balancing_loss,
-#     a copy of it) is replaced by _global_load_balancing_loss, which all-reduces the per-expert
+#     that one's (its syntax tree, docstring aside, equal to hyparallel.graph.router_loss's copy
+#     of it) is replaced by _global_load_balancing_loss, which all-reduces the per-expert
 #     counts, the per-expert probability sums (with their gradient: all_reduce_sum) and the row
 #     count, 2 E + 1 numbers, before normalising. Any other function (an older transformers',
 #     a model's own) is gathered as above: exact, priced at its bytes (Note [expert parallelism's
@@ -57,13 +56,13 @@ from hyparallel.tensor.collectives import all_gather_seq, all_reduce_sum
 #     (docs/expert-parallel.md, Limits).
 
 _GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hyparallel_router_loss_group")
-NAME = "load_balancing_loss_func"
+__all__ = ["NAME", "gathers", "global_router_loss", "traced_with"]
 
 
 def global_router_loss(model: nn.Module, group: Any) -> bool:
     """Make ``model``'s forward compute transformers' router auxiliary loss over ``group``'s tokens
     (Note [the router's auxiliary loss over dp]); False when its forward has no such function."""
-    original = _loss_function(model)
+    original = loss_function(model)
     if original is None:  # none, or another by the name (Switch Transformers' takes probabilities)
         return False
     forward = next(
@@ -101,59 +100,10 @@ def _leave(model: nn.Module) -> None:
         _GROUP.reset(token)
 
 
-def gathers(model: nn.Module) -> bool:
-    """Whether ``model``'s router loss, once ``global_router_loss`` made it the batch's, gathers
-    every rank's router scores (False: it all-reduces 2 E + 1 sums, or the model has none)."""
-    original = _loss_function(model)
-    return original is not None and not _reduces(original)
-
-
-def _loss_function(model: nn.Module) -> Any:
-    """transformers' load_balancing_loss_func the forward of ``model`` calls (None: none)."""
-    forward = next(
-        (cls.__dict__["forward"] for cls in type(model).__mro__ if "forward" in cls.__dict__), None
-    )
-    namespace = getattr(inspect.unwrap(forward), "__globals__", {}) if forward else {}
-    original = namespace.get(NAME)
-    if not callable(original):
-        return None
-    original = getattr(original, "__wrapped__", original)
-    names = list(inspect.signature(original).parameters)
-    return original if names and names[0] == "gate_logits" else None
-
-
-@functools.cache
-def _reduces(original) -> bool:
-    """Whether ``original`` is transformers' load_balancing_loss_func as
-    ``_transformers_load_balancing_loss`` copies it (then its three sums are all-reduced instead of
-    its inputs gathered)."""
-    return (
-        getattr(original, "__globals__", {}).get("torch") is torch
-        and _syntax(original) is not None
-        and _syntax(original) == _syntax(_transformers_load_balancing_loss)
-    )
-
-
-def _syntax(function) -> str | None:
-    """``function``'s syntax tree without its name, decorators and docstring (None: no source)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    node = tree.body[0] if tree.body else None
-    if not isinstance(node, ast.FunctionDef):
-        return None
-    body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]
-    node.name, node.decorator_list, node.body = "_", [], body
-    return ast.dump(node, include_attributes=False)
-
-
 @functools.cache
 def _wrapped(original):
     signature = inspect.signature(original)
-    reduces = _reduces(original)
+    reduces_sums = reduces(original)
 
     @functools.wraps(original)
     def load_balancing_loss_func(*args: Any, **kwargs: Any) -> Any:
@@ -162,7 +112,7 @@ def _wrapped(original):
         logits = bound.arguments.get("gate_logits")
         if group is None or not isinstance(logits, tuple) or not logits:
             return original(*args, **kwargs)
-        if reduces:
+        if reduces_sums:
             bound.apply_defaults()
             return _global_load_balancing_loss(group=group, **bound.arguments)
         bound.arguments["gate_logits"] = tuple(_gathered(x, group) for x in logits)
@@ -180,55 +130,6 @@ def _gathered(x: torch.Tensor, group: Any) -> torch.Tensor:
     return all_gather_seq(x, 0, group)
 
 
-# A copy of transformers' load_balancing_loss_func (src/transformers/models/mixtral/
-# modeling_mixtral.py, 5.25; Apache License 2.0, Copyright The HuggingFace Team), comments left out:
-# never called, only compared with the function a model calls (_reduces).
-def _transformers_load_balancing_loss(
-    gate_logits: torch.Tensor | tuple[torch.Tensor] | None,
-    num_experts: int | None = None,
-    top_k=2,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor | int:
-    if gate_logits is None or not isinstance(gate_logits, tuple):
-        return 0
-
-    compute_device = gate_logits[0].device
-    histc_dtype = torch.float32 if compute_device.type in ("cpu", "mps") else torch.int32
-    tokens_per_expert_sum = torch.zeros(num_experts, dtype=torch.float32, device=compute_device)
-    router_prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=compute_device)
-    total_rows = 0.0
-
-    if attention_mask is not None:
-        flat_mask = attention_mask.reshape(-1).to(device=compute_device, dtype=torch.float32)
-
-    for layer_gate in gate_logits:
-        routing_weights = torch.nn.functional.softmax(layer_gate.to(compute_device), dim=-1)
-        _, selected_experts = torch.topk(routing_weights, top_k, dim=-1)
-        if attention_mask is None:
-            tokens_per_expert_sum = tokens_per_expert_sum + torch.histc(
-                selected_experts.reshape(-1).to(histc_dtype),
-                bins=num_experts,
-                min=0,
-                max=num_experts,
-            )
-            router_prob_sum = router_prob_sum + routing_weights.float().sum(dim=0)
-            total_rows = total_rows + routing_weights.shape[0]
-        else:
-            tokens_per_expert_sum = tokens_per_expert_sum + torch.zeros(
-                num_experts, dtype=torch.float32, device=compute_device
-            ).scatter_add_(0, selected_experts.reshape(-1), flat_mask.repeat_interleave(top_k))
-            router_prob_sum = router_prob_sum + (
-                routing_weights.float() * flat_mask.unsqueeze(-1)
-            ).sum(dim=0)
-            total_rows = total_rows + flat_mask.sum()
-
-    tokens_per_expert = tokens_per_expert_sum / total_rows
-    router_prob_per_expert = router_prob_sum / total_rows
-
-    overall_loss = torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0))
-    return overall_loss * num_experts
-
-
 def _global_load_balancing_loss(
     gate_logits: tuple[torch.Tensor, ...],
     num_experts: int,
@@ -236,9 +137,9 @@ def _global_load_balancing_loss(
     attention_mask: torch.Tensor | None,
     group: Any,
 ) -> torch.Tensor:
-    """``_transformers_load_balancing_loss`` of the rows of every rank of ``group``: each rank's
-    three sums, all-reduced (the probabilities' with their gradient) before they are normalised
-    (Note [the router's auxiliary loss over dp])."""
+    """transformers' load_balancing_loss_func (hyparallel.graph.router_loss's copy) of the rows of
+    every rank of ``group``: each rank's three sums, all-reduced (the probabilities' with their
+    gradient) before they are normalised (Note [the router's auxiliary loss over dp])."""
     device = gate_logits[0].device
     histc_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)

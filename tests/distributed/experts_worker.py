@@ -209,7 +209,7 @@ def router_loss(plan: str) -> dict:
     router_loss copies it, whichever transformers is installed), whose sums are all-reduced."""
     from transformers.models.mixtral import modeling_mixtral
 
-    from hyparallel.runtime import router_loss as global_loss
+    from hyparallel.graph import router_loss as global_loss
 
     namespace, kept = modeling_mixtral.__dict__, modeling_mixtral.load_balancing_loss_func
     if plan == "router-loss":
@@ -220,7 +220,7 @@ def router_loss(plan: str) -> dict:
 
         namespace["load_balancing_loss_func"] = load_balancing_loss_func
     else:
-        namespace["load_balancing_loss_func"] = global_loss._transformers_load_balancing_loss
+        namespace["load_balancing_loss_func"] = global_loss.transformers_load_balancing_loss
     try:
         return _router_loss(plan) | {
             "gathers": global_loss.gathers(hp.models.load(ROUTER_LOSS).module)
