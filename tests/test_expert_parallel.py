@@ -495,3 +495,23 @@ def test_only_transformers_load_balancing_loss_is_reduced_to_its_sums():
 
     assert not router_loss.reduces(load_balancing_loss_func)
     assert not router_loss.gathers(torch.nn.Linear(2, 2))  # no router loss at all
+
+
+def test_the_all_reduced_load_balancing_loss_is_transformers_with_and_without_padding(world_of_one):
+    import torch.distributed as dist
+
+    from hyparallel.graph.router_loss import transformers_load_balancing_loss
+    from hyparallel.runtime.router_loss import _global_load_balancing_loss
+
+    # one rank: the sums all-reduced over a group of one are its own, so the loss and its gradient
+    # are the reference's (fp32 sums in another order: rtol 1e-6)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    logits = tuple(torch.randn(12, 8, requires_grad=True) for _ in range(3))
+    padded = torch.tensor([[1] * 5 + [0], [1] * 6])
+    for mask in (None, padded):
+        want = transformers_load_balancing_loss(logits, 8, 2, mask)
+        got = _global_load_balancing_loss(logits, 8, 2, mask, dist.group.WORLD)
+        assert got.item() == pytest.approx(want.item(), rel=1e-6)
+        for a, b in zip(torch.autograd.grad(got, logits), torch.autograd.grad(want, logits)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
