@@ -479,7 +479,7 @@ def calibrate(
         # costed as measured (asked() reads it from the prediction)
         predicted = plan.predicted.model_copy(update={"expert_imbalance": expert_imbalance})
         plan = plan.model_copy(update={"predicted": predicted})
-    if planner is not None:
+    if planner is not None and plan is not ran:
         planner.plan = plan
     planner = planner or Planner(spec, plan)
     cluster = base or plan.cluster

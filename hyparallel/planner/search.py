@@ -522,9 +522,9 @@ class Search:
         return seconds
 
     def _expert_replicas(self, c: Config) -> tuple[int, int]:
-        """How many ranks hold the same experts (their gradients averaged there), for a
-        ModuleList's experts and for stacked experts with tp folded in (Note [tp folded into the
-        experts' ranks] in hyparallel/runtime/experts.py)."""
+        """How many ranks hold the same experts (their gradients averaged there): experts as tp
+        splits them (a ModuleList's, or any under tp 1), and stacked experts with tp folded in
+        (Note [tp folded into the experts' ranks] in hyparallel/runtime/experts.py)."""
         return max(c.dp // c.ep, 1), max(c.dp * c.tp // c.ep, 1)
 
     def evaluate(self, c: Config) -> Evaluation:
@@ -874,8 +874,8 @@ class _Tables:
     # Quantities summed over a range (t, backward, params, activations, the elements its gradients'
     # data-parallel reduction sends (PowerSGD's, or the params but the experts'), PowerSGD's kernel
     # seconds and ops, the shared weights' params, parameter tensors, the expert weights' extra
-    # state bytes, the expert params of a ModuleList's experts and of stacked experts with tp folded
-    # in); then two taken as the range's largest (working bytes, a segment's params).
+    # state bytes, under ep the expert params (those of stacked experts with tp folded in apart)
+    # and those); then two taken as the range's largest (working bytes, a segment's params).
     ADDITIVE = 12
 
     def __init__(
@@ -932,7 +932,7 @@ class _Tables:
 
     def range(self, start: int, end: int) -> tuple[float, ...]:
         """(t, backward, params, activations, elements reduced over dp, PowerSGD's seconds and ops,
-        shared params, parameter tensors, expert state, a ModuleList's and folded stacked experts'
+        shared params, parameter tensors, expert state, the unfolded and the folded experts'
         params, working, largest segment's params) of segments [start, end)."""
         peak = lambda values: float(values[start:end].max()) if end > start else 0.0  # noqa: E731
         params, shared, taken = self.params[end] - self.params[start], 0.0, GradientWork()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyparallel.graph.router_loss import NAME, gathers, loss_function, reduces
+from hyparallel.graph.router_loss import NAME, loss_function, reduces
 from hyparallel.tensor.collectives import all_gather_seq, all_reduce_sum
 
 # Note [the router's auxiliary loss over dp]
@@ -40,8 +40,8 @@ from hyparallel.tensor.collectives import all_gather_seq, all_reduce_sum
 #     keeps transformers' forward included), wrapped once, and changed only inside a ParallelModel's
 #     forward: any other model in the process calls the original.
 #     Gathering moves and holds tokens x E scores per layer from every dp rank (gigabytes for 128
-#     experts over 94 layers at dp 128). transformers' function (since 4.57: counts and
-#     probability sums accumulated layer by layer, normalised at the end) needs only its three
+#     experts over 94 layers at dp 128). transformers' function (5.25's: counts and probability
+#     sums accumulated layer by layer, normalised at the end) needs only its three
 #     sums of the batch, as Megatron-Core's global auxiliary loss does: a function whose code is
 #     that one's (its syntax tree, docstring aside, equal to hyparallel.graph.router_loss's copy
 #     of it) is replaced by _global_load_balancing_loss, which all-reduces the per-expert
@@ -56,7 +56,6 @@ from hyparallel.tensor.collectives import all_gather_seq, all_reduce_sum
 #     (docs/expert-parallel.md, Limits).
 
 _GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hyparallel_router_loss_group")
-__all__ = ["NAME", "gathers", "global_router_loss", "traced_with"]
 
 
 def global_router_loss(model: nn.Module, group: Any) -> bool:
