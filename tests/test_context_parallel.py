@@ -1,0 +1,34 @@
+"""Context parallelism's attention (issue 39, Note [context-parallel attention] in
+hyparallel/tensor/context.py): exact against one process, each rank the same share of the work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyparallel.tensor.context import positions, shard_sequence, unshard_sequence
+
+from .conftest import REPO, torchrun
+
+
+def test_the_shards_are_two_chunks_each_and_make_the_sequence_again():
+    x = torch.arange(2 * 16).reshape(2, 16)
+    shards = [shard_sequence(x, 1, 4, rank) for rank in range(4)]
+    # rank 0: chunks 0 and 7 of 8; rank 3: chunks 3 and 4
+    assert shards[0][0].tolist() == [0, 1, 14, 15] and shards[3][0].tolist() == [6, 7, 8, 9]
+    assert torch.equal(unshard_sequence(shards, 1), x)
+    assert positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    with pytest.raises(ValueError, match="does not split into 8 equal chunks"):
+        shard_sequence(torch.zeros(1, 12), 1, 4, 0)
+
+
+def test_context_parallel_attention_is_one_processes_and_balanced(tmp_path):
+    results = torchrun(REPO, "tests/distributed/context_worker.py", tmp_path / "out.jsonl", 4)
+    assert set(results) == {"cp2-causal", "cp2-full", "cp4-causal", "cp4-full"}
+    for case, ranks in results.items():
+        for rank in ranks:  # fp32: a softmax over 32 keys in another order
+            for name in ("out", "q", "k", "v"):
+                assert rank[name] <= 1e-5, (case, rank["rank"], name, rank[name])
+        # every rank computes as many (query, key) pairs as the others, causal or not
+        pairs = [rank["pairs"] for rank in ranks]
+        assert max(pairs) <= 1.05 * min(pairs), (case, pairs)
