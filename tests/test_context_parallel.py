@@ -1,5 +1,6 @@
 """Context parallelism's attention (issue 39, Note [context-parallel attention] in
-hyparallel/tensor/context.py): exact against one process, each rank the same share of the work."""
+hyparallel/tensor/context.py; Note [ring attention]): keys and values all-gathered or passed round a
+ring, exact against one process, each rank the same share of the work."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ def test_the_shards_are_two_chunks_each_and_make_the_sequence_again():
 
 def test_context_parallel_attention_is_one_processes_and_balanced(tmp_path):
     results = torchrun(REPO, "tests/distributed/context_worker.py", tmp_path / "out.jsonl", 4)
-    assert set(results) == {"cp2-causal", "cp2-full", "cp4-causal", "cp4-full"}
+    assert set(results) == {
+        f"{kind}-cp{cp}-{mask}"
+        for kind in ("gather", "ring")
+        for cp in (2, 4)
+        for mask in ("causal", "full")
+    }
     for case, ranks in results.items():
         for rank in ranks:  # fp32: a softmax over 32 keys in another order
             for name in ("out", "q", "k", "v"):

@@ -2,7 +2,8 @@
 attention exact across the split (Note [context-parallel attention]).
 
     local = shard_sequence(x, dim=1, cp=cp, rank=rank)        # this rank's two chunks
-    out = context_parallel_attention(q, k, v, group, is_causal=True)
+    out = context_parallel_attention(q, k, v, group, is_causal=True)   # keys and values gathered
+    out = ring_attention(q, k, v, group, is_causal=True)               # or passed round a ring
 
 Groundwork: the runtime does not yet split a model's sequences (parallel.cp is not a plan key).
 """
@@ -91,3 +92,123 @@ def context_parallel_attention(
         every = torch.cat([positions(length, cp, r, q.device) for r in range(cp)])
         mask = mine[:, None] >= every[None, :]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+# Note [ring attention]
+#     The ring keeps one block of keys and values per rank at a time: at step s rank r holds the
+#     block of rank r - s, attends its queries to it (masked by global positions) and passes it on
+#     to rank r + 1 while the next arrives. Each step's partial result is merged into the running
+#     one by its log-sum-exp (lse = log(e^lse_a + e^lse_b), out = out_a e^(lse_a - lse) + out_b
+#     e^(lse_b - lse)), which is exactly the softmax over every key (Liu et al. 2023, Ring
+#     Attention; Megatron-Core's p2p context parallelism). The backward goes round the ring again:
+#     with the final output and lse saved, each block's softmax is recomputed, the queries'
+#     gradient accumulates in place, and the keys' and values' gradients travel with their block,
+#     gathering every rank's share, one more hop bringing them home. Here each block's attention is
+#     plain matrix products (any device, fp32 exact); a GPU ring would run a fused kernel that
+#     returns the lse.
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup,
+    *,
+    is_causal: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``context_parallel_attention`` by a ring of key/value blocks (Note [ring attention]): the
+    same result, one other rank's keys and values held at a time."""
+    cp = dist.get_world_size(group)
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    return _Ring.apply(q, k.contiguous(), v.contiguous(), group, is_causal, scale)
+
+
+def _ring_step(x: list[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]:
+    """Send each of ``x`` to the next rank of the ring, return what the previous one sent."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    after = dist.get_global_rank(group, (rank + 1) % cp)
+    before = dist.get_global_rank(group, (rank - 1) % cp)
+    received = [torch.empty_like(t) for t in x]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), after, group) for t in x]
+    ops += [dist.P2POp(dist.irecv, t, before, group) for t in received]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+def _block_mask(length: int, cp: int, rank: int, source: int, device) -> torch.Tensor:
+    """Which keys of rank ``source``'s block the queries of rank ``rank`` may see (causal)."""
+    mine = positions(length, cp, rank, device)
+    theirs = positions(length, cp, source, device)
+    return mine[:, None] >= theirs[None, :]
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, is_causal, scale):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        length = q.size(-2) * cp
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        block = [k, v]
+        for step in range(cp):
+            source = (rank - step) % cp
+            pending = block if step == cp - 1 else None
+            if step < cp - 1:  # the next block travels while this one is computed (on gloo: after)
+                pending = _ring_step(block, group)
+            scores = q @ block[0].transpose(-1, -2) * scale
+            if is_causal:
+                mask = _block_mask(length, cp, rank, source, q.device)
+                scores = scores.masked_fill(~mask, float("-inf"))
+            block_lse = torch.logsumexp(scores, dim=-1)
+            # rows that see no key of this block: no weight, and no NaN from exp(-inf - -inf)
+            seen = torch.isfinite(block_lse)
+            weights = torch.where(
+                seen[..., None], torch.exp(scores - block_lse[..., None]), torch.zeros_like(scores)
+            )
+            block_out = weights @ block[1]
+            merged = torch.logaddexp(lse, block_lse)
+            keep = torch.where(torch.isfinite(merged), torch.exp(lse - merged), 0.0)
+            take = torch.where(seen, torch.exp(block_lse - merged), 0.0)
+            out = out * keep[..., None] + block_out * take[..., None]
+            lse = merged
+            block = pending
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.is_causal, ctx.scale = group, is_causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        length = q.size(-2) * cp
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(dim=-1, keepdim=True)
+        grad_q = torch.zeros_like(q)
+        # the block in hand and its keys' and values' gradients so far, travelling together
+        block = [k, v, torch.zeros_like(k), torch.zeros_like(v)]
+        for step in range(cp):
+            source = (rank - step) % cp
+            key, value, grad_k, grad_v = block
+            scores = q @ key.transpose(-1, -2) * scale
+            if ctx.is_causal:
+                mask = _block_mask(length, cp, rank, source, q.device)
+                scores = scores.masked_fill(~mask, float("-inf"))
+            weights = torch.where(
+                torch.isfinite(lse)[..., None],
+                torch.exp(scores - lse[..., None]),
+                torch.zeros_like(scores),
+            )
+            grad_v = grad_v + weights.transpose(-1, -2) @ grad_out
+            grad_scores = weights * (grad_out @ value.transpose(-1, -2) - delta)
+            grad_q = grad_q + grad_scores @ key * scale
+            grad_k = grad_k + grad_scores.transpose(-1, -2) @ q * scale
+            if step < cp - 1:
+                block = _ring_step([key, value, grad_k, grad_v], group)
+        # one hop further than the blocks went: each rank's own keys' and values' gradients
+        grad_k, grad_v = _ring_step([grad_k, grad_v], group)
+        return grad_q, grad_k, grad_v, None, None, None

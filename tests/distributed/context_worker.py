@@ -1,7 +1,8 @@
 """Context-parallel attention worker: `torchrun --nproc_per_node 4
 tests/distributed/context_worker.py OUT`.
 
-For cp 4 (every rank) and cp 2 (ranks 0-1 and 2-3), causal and not: each rank's output and the
+Keys and values all-gathered, and passed round a ring; for cp 4 (every rank) and cp 2 (ranks 0-1 and
+2-3), causal and not: each rank's output and the
 gradients of its queries, keys and values against one process's scaled_dot_product_attention of the
 whole sequence, and the (query, key) pairs its causal attention computes (Note [context-parallel
 attention], hyparallel/tensor/context.py).
@@ -14,14 +15,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hyparallel.tensor.context import context_parallel_attention, positions, shard_sequence
+from hyparallel.tensor.context import (
+    context_parallel_attention,
+    positions,
+    ring_attention,
+    shard_sequence,
+)
+
+KINDS = {"gather": context_parallel_attention, "ring": ring_attention}
 
 
 def error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def attention(cp: int, causal: bool, groups: dict) -> dict:
+def attention(kind: str, cp: int, causal: bool, groups: dict) -> dict:
     group = groups[cp][dist.get_rank() // cp]
     rank = dist.get_rank(group)
     torch.manual_seed(0)  # the same sequence on every rank
@@ -30,7 +38,7 @@ def attention(cp: int, causal: bool, groups: dict) -> dict:
     grad = torch.randn_like(out)
     out.backward(grad)
     mine = [shard_sequence(x.detach(), 2, cp, rank).requires_grad_() for x in (q, k, v)]
-    got = context_parallel_attention(*mine, group, is_causal=causal)
+    got = KINDS[kind](*mine, group, is_causal=causal)
     got.backward(shard_sequence(grad, 2, cp, rank))
     result = {"out": error(got, shard_sequence(out.detach(), 2, cp, rank))}
     for name, local, whole in zip("qkv", mine, (q, k, v)):
@@ -52,9 +60,10 @@ def main() -> None:
         sys.argv[1],
         [
             (
-                f"cp{cp}-{'causal' if causal else 'full'}",
-                lambda cp=cp, causal=causal: attention(cp, causal, groups),
+                f"{kind}-cp{cp}-{'causal' if causal else 'full'}",
+                lambda kind=kind, cp=cp, causal=causal: attention(kind, cp, causal, groups),
             )
+            for kind in KINDS
             for cp in (2, 4)
             for causal in (True, False)
         ],
