@@ -23,18 +23,45 @@ def test_the_shards_are_two_chunks_each_and_make_the_sequence_again():
         shard_sequence(torch.zeros(1, 12), 1, 4, 0)
 
 
-def test_context_parallel_attention_is_one_processes_and_balanced(tmp_path):
+def test_context_parallel_attention_is_one_processes_and_balanced_also_in_a_llama(tmp_path):
     results = torchrun(REPO, "tests/distributed/context_worker.py", tmp_path / "out.jsonl", 4)
-    assert set(results) == {
+    attention = {
         f"{kind}-cp{cp}-{mask}"
         for kind in ("gather", "ring")
         for cp in (2, 4)
         for mask in ("causal", "full")
     }
-    for case, ranks in results.items():
+    assert set(results) == attention | {"llama-gather-cp2", "llama-ring-cp4"}
+    # a tiny Llama (grouped-query attention, rotary embeddings at global positions): each rank's
+    # logits, and every weight's gradient (by name) summed over its cp ranks, one process's
+    for case in ("llama-gather-cp2", "llama-ring-cp4"):
+        for rank in results[case]:
+            assert rank["logits"] <= 1e-5 and rank["grads"] <= 1e-5, (case, rank)
+            assert sorted(rank["checked"]) == rank["names"]
+    for case in attention:
+        ranks = results[case]
         for rank in ranks:  # fp32: a softmax over 32 keys in another order
             for name in ("out", "q", "k", "v"):
                 assert rank[name] <= 1e-5, (case, rank["rank"], name, rank[name])
         # every rank computes as many (query, key) pairs as the others, causal or not
         pairs = [rank["pairs"] for rank in ranks]
         assert max(pairs) <= 1.05 * min(pairs), (case, pairs)
+
+
+def test_what_the_split_attention_cannot_split_is_refused_naming_the_module():
+    from hyparallel.tensor import context
+
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    layer = torch.nn.Linear(1, 1)
+    with pytest.raises(RuntimeError, match="Linear: context-parallel attention called outside"):
+        context._transformers_attention(layer, q, k, v, None)
+    with context.split_attention(object()):
+        with pytest.raises(ValueError, match="Linear: context parallelism cannot split a mask"):
+            context._transformers_attention(layer, q, k, v, torch.ones(1, 1, 4, 4))
+        with pytest.raises(ValueError, match="cannot split dropout 0.1 in training"):
+            context._transformers_attention(layer, q, k, v, None, dropout=0.1)
+        with pytest.raises(ValueError, match="cannot split attention that is not causal"):
+            context._transformers_attention(layer, q, k, v, None, is_causal=False)
+    with pytest.raises(ValueError, match="'gather' or 'ring'"):
+        with context.split_attention(object(), "flash"):
+            pass

@@ -10,6 +10,10 @@ Groundwork: the runtime does not yet split a model's sequences (parallel.cp is n
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -212,3 +216,79 @@ class _Ring(torch.autograd.Function):
         # one hop further than the blocks went: each rank's own keys' and values' gradients
         grad_k, grad_v = _ring_step([grad_k, grad_v], group)
         return grad_q, grad_k, grad_v, None, None, None
+
+
+# Note [context parallelism in a transformers model]
+#     transformers' attention modules call the function its attention interface registers under
+#     the config's _attn_implementation. TRANSFORMERS_ATTENTION is registered as one (no mask
+#     function beside it, so transformers makes no mask: the split attention builds its own from
+#     global positions): inside ``split_attention(group)`` it attends this rank's queries over the
+#     whole sequence, keys and values gathered or passed round a ring, and a model given each
+#     token's global position (position_ids) computes its rotary embeddings as on one device.
+#     What it cannot split is refused: a mask (padding, or a window the model's mask function
+#     would add), dropout in training, attention that is not causal in a decoder.
+
+TRANSFORMERS_ATTENTION = "hyparallel_context_parallel"
+_SPLIT: contextvars.ContextVar[tuple[ProcessGroup, str] | None] = contextvars.ContextVar(
+    "hyparallel_context_parallel", default=None
+)
+
+
+@contextlib.contextmanager
+def split_attention(group: ProcessGroup, kind: str = "gather") -> Iterator[None]:
+    """Inside, ``TRANSFORMERS_ATTENTION`` splits attention over ``group`` by ``kind`` ("gather":
+    ``context_parallel_attention``; "ring": ``ring_attention``)."""
+    if kind not in ("gather", "ring"):
+        raise ValueError(f"context-parallel attention '{kind}': 'gather' or 'ring'")
+    token = _SPLIT.set((group, kind))
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)
+
+
+def register_transformers_attention() -> str:
+    """Register ``TRANSFORMERS_ATTENTION`` with transformers' attention interface (once); returns
+    its name, for ``model.set_attn_implementation``."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(TRANSFORMERS_ATTENTION, _transformers_attention)
+    return TRANSFORMERS_ATTENTION
+
+
+def _transformers_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    split = _SPLIT.get()
+    where = type(module).__name__
+    if split is None:
+        raise RuntimeError(
+            f"{where}: context-parallel attention called outside split_attention(group)"
+        )
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    refusal = (
+        "a mask beside the causal one (padding or a window)"
+        if attention_mask is not None
+        else f"dropout {dropout} in training"
+        if dropout and module.training
+        else "attention that is not causal"
+        if not causal
+        else kwargs.get("sliding_window") and f"a sliding window of {kwargs['sliding_window']}"
+    )
+    if refusal:
+        raise ValueError(f"{where}: context parallelism cannot split {refusal}")
+    group, kind = split
+    repeat = query.size(1) // key.size(1)  # grouped-query attention: each key head for its queries
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+    attend = ring_attention if kind == "ring" else context_parallel_attention
+    out = attend(query, key, value, group, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None

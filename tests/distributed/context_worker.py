@@ -48,6 +48,43 @@ def attention(kind: str, cp: int, causal: bool, groups: dict) -> dict:
     return result
 
 
+def llama(kind: str, cp: int, groups: dict) -> dict:
+    """A tiny Llama (grouped-query attention, rotary embeddings) whose attention is split over cp
+    ranks (Note [context parallelism in a transformers model]): each rank runs its two chunks of
+    the tokens at their global positions; its logits, and every weight gradient summed over the cp
+    ranks, against one process running the whole sequence."""
+    import copy
+
+    import hyparallel as hp
+    from hyparallel.tensor.context import register_transformers_attention, split_attention
+    from hyparallel.tensor.init import materialize_
+    from hyparallel.tools.parity import small_spec
+
+    group = groups[cp][dist.get_rank() // cp]
+    rank = dist.get_rank(group)
+    one = materialize_(hp.models.load(small_spec("hf:LlamaForCausalLM")).module, "cpu", seed=0)
+    split = copy.deepcopy(one)
+    split.set_attn_implementation(register_transformers_attention())
+    torch.manual_seed(1)
+    vocab = one.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 32))
+    weights = torch.randn(2, 32, vocab)  # a loss reading every logit
+    logits = one(input_ids=ids).logits
+    (logits * weights).sum().backward()
+    where = positions(32, cp, rank)[None].expand(2, -1)
+    with split_attention(group, kind):
+        mine = split(input_ids=shard_sequence(ids, 1, cp, rank), position_ids=where).logits
+    (mine * shard_sequence(weights, 1, cp, rank)).sum().backward()
+    result = {"logits": error(mine, shard_sequence(logits.detach(), 1, cp, rank))}
+    reference = dict(one.named_parameters())
+    worst, checked = 0.0, []
+    for name, param in split.named_parameters():
+        dist.all_reduce(param.grad, group=group)  # the cp ranks' shares of the whole sequence's
+        worst = max(worst, error(param.grad, reference[name].grad))
+        checked.append(name)
+    return {**result, "grads": worst, "checked": checked, "names": sorted(reference)}
+
+
 def main() -> None:
     import sys
 
@@ -66,6 +103,10 @@ def main() -> None:
             for kind in KINDS
             for cp in (2, 4)
             for causal in (True, False)
+        ]
+        + [
+            (f"llama-{kind}-cp{cp}", lambda kind=kind, cp=cp: llama(kind, cp, groups))
+            for kind, cp in (("gather", 2), ("ring", 4))
         ],
     )
 
