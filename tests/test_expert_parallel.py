@@ -140,6 +140,7 @@ def test_a_checkpoint_saved_at_ep_4_loads_at_ep_2_and_at_ep_1(tmp_path):
             assert [r["imbalance"] for r in ranks] == [want] * 4
             assert ranks[0]["imbalance"] > 1.0
             assert [r["recorded_imbalance"] for r in ranks] == [r["imbalance"] for r in ranks]
+            assert [r["local_imbalance"] for r in ranks] == [want] * 4
         else:
             assert [r["imbalance"] for r in ranks] == [None] * 4
             assert [r["recorded_imbalance"] for r in ranks] == [None] * 4

@@ -296,13 +296,14 @@ def test_other_ranks_compare_but_never_fit(tiny, monkeypatch):
     meter = RunMetrics(plan, flops_per_token=1e6, device=torch.device("cpu"), pp_rank=0, rank=1)
     meter.calibrate_online(warmup=0, steps=2, log=lines.append)
     monkeypatch.setattr(online, "calibrate", lambda *a, **k: pytest.fail("rank 1 fitted"))
-    # ep > 1: the experts' imbalance is a collective, which rank 1 joins at the comparison too
+    # ep > 1: rank 0 alone reads the experts' imbalance it saw, no collective (the ranks reach the
+    # comparison at different steps on CUDA, whose step events complete at different times)
     reads = []
     meter.read_imbalance = lambda: reads.append(1) or 1.3
     for _ in range(4):
         meter.step_started(tokens=1024)
     assert meter.comparison is not None and lines == [] and meter.calibration is None
-    assert reads == [1]
+    assert reads == []
 
 
 @pytest.mark.parametrize("bad", [{"steps": 0}, {"threshold": -0.1}, {"warmup": True}])

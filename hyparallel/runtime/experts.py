@@ -144,22 +144,26 @@ class ExpertParallel:
                 ]
         return found
 
-    def imbalance(self, device: torch.device, reset: bool = True) -> float | None:
-        """Stacked experts' calls since the last read (``reset`` False: the counts are kept for
-        the next): the busiest ep rank's (token, expert) pairs over the mean, summed over calls,
-        over every ep group (None: none routed). A collective over every rank (each reads it at the
-        same point); ``hyparallel plan --expert-imbalance`` takes it (Note [expert parallelism's
-        costs] in hyparallel/planner/costs.py). The last reading stays in ``loads.measured``."""
+    def imbalance(self, device: torch.device) -> float | None:
+        """Stacked experts' calls since the last read: the busiest ep rank's (token, expert) pairs
+        over the mean, summed over calls, over every ep group (None: none routed). A collective
+        over every rank (each reads it at the same point); ``hyparallel plan --expert-imbalance``
+        takes it (Note [expert parallelism's costs] in hyparallel/planner/costs.py). The last
+        reading stays in ``loads.measured``."""
         figures = torch.tensor(
             [self.loads.busiest, self.loads.mean], dtype=torch.float64, device=device
         )
-        if reset:
-            self.loads.busiest = self.loads.mean = 0.0
+        self.loads.busiest = self.loads.mean = 0.0
         dist.all_reduce(figures)  # every ep group's, each counted by all of its ranks alike
         if figures[1] > 0:
             self.loads.measured = float(figures[0] / figures[1])
             return self.loads.measured
         return None
+
+    def local_imbalance(self) -> float | None:
+        """``imbalance`` over the calls this rank took part in since the last read, without a
+        collective or a reset: what one rank may read alone (the online fit, on rank 0)."""
+        return self.loads.busiest / self.loads.mean if self.loads.mean > 0 else None
 
     def reduce_grads(self, model: nn.Module) -> None:
         """After the step's last backward: each expert gradient FSDP2 does not reduce, averaged over

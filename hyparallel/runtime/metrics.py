@@ -194,10 +194,9 @@ class RunMetrics:
         # set once the online warm-up and measured steps are done
         self.comparison: Comparison | None = None
         self.calibration = None  # rank 0: the hyparallel.planner.online.Calibration, once fitted
-        # ep > 1: reads the experts' load imbalance on every rank (a collective; reset=False keeps
-        # the user's own readings whole) and the last one read (ParallelModel sets them)
-        self.read_imbalance: Callable[[], float | None] | None = None
-        self.last_imbalance: Callable[[], float | None] = lambda: None
+        # ep > 1 (ParallelModel sets it): the experts' load imbalance this rank saw, read alone (no
+        # collective: ranks reach the comparison at different times on CUDA)
+        self.read_imbalance: Callable[[], float | None] = lambda: None
 
     def calibrate_online(
         self,
@@ -280,8 +279,6 @@ class RunMetrics:
                 )
             return True
         memory = measured_peak_bytes(self.device, self.plan.cluster)
-        # every rank, at the same step: the experts' imbalance so far, which the fit costs with
-        imbalance = self.read_imbalance() if self.read_imbalance is not None else None
         self.comparison = Comparison(
             measured,
             predicted.step_time_s,
@@ -300,7 +297,8 @@ class RunMetrics:
                 " the cluster file stands"
             )
             return True
-        self._fit(settings, measured, memory, imbalance)
+        # the experts' imbalance rank 0 saw, which the fit costs them with
+        self._fit(settings, measured, memory, self.read_imbalance())
         return True
 
     def _measured_step(self, settings: OnlineSettings) -> float | None:
@@ -358,7 +356,7 @@ class RunMetrics:
             model or self._model_spec(),
             steps,
             self.calibration,
-            self.last_imbalance(),
+            self.read_imbalance(),
         )
 
     def _model_spec(self) -> str | None:

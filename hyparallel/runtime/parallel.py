@@ -519,8 +519,10 @@ class ParallelModel:
         )
         if self.experts is not None:  # the online fit and the run's record read the imbalance
             experts = self.experts
-            self.metrics.read_imbalance = lambda: experts.imbalance(device, reset=False)
-            self.metrics.last_imbalance = lambda: experts.loads.measured
+            # the last collective reading (pmodel.expert_imbalance), else this rank's own
+            self.metrics.read_imbalance = lambda: (
+                experts.loads.measured or experts.local_imbalance()
+            )
 
     # ---- training --------------------------------------------------------------------------------
 

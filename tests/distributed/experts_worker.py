@@ -133,6 +133,8 @@ def run(spec: str, directory: Path) -> dict:
     model, pmodel, optimizer = build(spec, "saved", SEED)
     pmodel.expert_imbalance()  # from here on
     train(spec, pmodel, optimizer, range(2), norms := [])
+    # what a rank reads alone (the online fit's, on rank 0): at ep 4 = dp its one ep group's calls
+    result["local_imbalance"] = pmodel.experts.local_imbalance()
     result["imbalance"] = pmodel.expert_imbalance()
     # what the run's metrics file carries to `hyparallel calibrate --from-run`: the last reading
     pmodel.metrics.close()
