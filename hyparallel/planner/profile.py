@@ -615,21 +615,24 @@ class ModelProfile:
     def router_logit_elements(self) -> float:
         """Per sequence, the router scores that leave their MoE layer (to an auxiliary
         load-balancing loss the model computes outside it), over every layer: what the runtime
-        all-gathers over dp for that loss (Note [the router's auxiliary loss over dp] in
-        hyparallel/runtime/router_loss.py; Note [expert parallelism's costs] in costs.py)."""
+        all-gathers over dp for a loss it does not reduce to its sums (Note [the router's auxiliary
+        loss over dp] in hyparallel/runtime/router_loss.py; Note [expert parallelism's costs] in
+        costs.py)."""
         graph, elements = self.graph, 0.0
-        for layer in graph.moe.layers:
-            routers = {
-                op.name
-                for op in graph.ops
-                if op.module == layer.router or op.module.startswith(layer.router + ".")
-            }
-            for value in graph.values:
-                scores = value.shape and value.shape[-1] == layer.num_experts
-                if value.producer in routers and scores:
-                    readers = (graph.op(c).module for c in value.consumers)
-                    if any(not _under(m or "", layer.path) for m in readers):
-                        elements += math.prod(value.shape)
+        # each router's ops, by name -> its MoE layer
+        layer_of = {
+            op.name: layer
+            for layer in graph.moe.layers
+            for op in graph.ops
+            if _under(op.module or "", layer.router)
+        }
+        for value in graph.values:
+            layer = layer_of.get(value.producer)
+            if layer is None or not value.shape or value.shape[-1] != layer.num_experts:
+                continue
+            readers = (graph.op(c).module for c in value.consumers)
+            if any(not _under(m or "", layer.path) for m in readers):
+                elements += math.prod(value.shape)
         return elements / self.traced_rows
 
     @cached_property
