@@ -17,6 +17,7 @@ def test_the_shards_are_two_chunks_each_and_make_the_sequence_again():
     shards = [shard_sequence(x, 1, 4, rank) for rank in range(4)]
     # rank 0: chunks 0 and 7 of 8; rank 3: chunks 3 and 4
     assert shards[0][0].tolist() == [0, 1, 14, 15] and shards[3][0].tolist() == [6, 7, 8, 9]
+    # exact: integer ids only cut and concatenated, no arithmetic on them
     assert torch.equal(unshard_sequence(shards, 1), x)
     assert positions(16, 4, 1).tolist() == [2, 3, 12, 13]
     with pytest.raises(ValueError, match="does not split into 8 equal chunks"):

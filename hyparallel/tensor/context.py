@@ -160,9 +160,8 @@ class _Ring(torch.autograd.Function):
         block = [k, v]
         for step in range(cp):
             source = (rank - step) % cp
-            pending = block if step == cp - 1 else None
-            if step < cp - 1:  # the next block travels while this one is computed (on gloo: after)
-                pending = _ring_step(block, group)
+            # the next block travels while this one is computed (on gloo: before)
+            pending = _ring_step(block, group) if step < cp - 1 else None
             scores = q @ block[0].transpose(-1, -2) * scale
             if is_causal:
                 mask = _block_mask(length, cp, rank, source, q.device)
