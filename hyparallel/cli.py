@@ -221,7 +221,7 @@ def cmd_show(args: argparse.Namespace, out: Console) -> None:
     groups = Table(title="process groups (ranks of the first group of each kind)")
     for column in ("axis", "groups", "first group", "link"):
         groups.add_column(column)
-    for axis in ("tp", "dp", "pp"):
+    for axis in ("tp", "cp", "dp", "pp") if par.cp > 1 else ("tp", "dp", "pp"):
         size = getattr(par, axis)
         groups.add_row(
             axis, str(plan.world_size // size), _ranks(_first_group(plan, axis)), _link(plan, axis)
@@ -292,8 +292,8 @@ def _link(plan, axis: str) -> str:
 
     if plan.cluster is None or getattr(plan.parallel, axis) == 1:
         return "-"
-    sizes = {a: getattr(plan.parallel, a) for a in ("pp", "dp", "tp")}
-    return axis_link(plan.placement.order, sizes, axis, plan.cluster).name
+    sizes = plan.mesh_shape()  # a cp axis inside dp when above 1
+    return axis_link(tuple(sizes), sizes, axis, plan.cluster).name
 
 
 def _ep_link(plan, stacked: bool = False) -> str:

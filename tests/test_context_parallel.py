@@ -4,12 +4,14 @@ ring, exact against one process, each rank the same share of the work."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from hyparallel.tensor.context import positions, shard_sequence, unshard_sequence
 
-from .conftest import REPO, torchrun
+from .conftest import REPO, assert_every_parameter_compared, torchrun
 
 
 def test_the_shards_are_two_chunks_each_and_make_the_sequence_again():
@@ -66,3 +68,237 @@ def test_what_the_split_attention_cannot_split_is_refused_naming_the_module():
     with pytest.raises(ValueError, match="'gather' or 'ring'"):
         with context.split_attention(object(), "flash"):
             pass
+
+
+# ---- parallel.cp: training under context parallelism (Note [context parallelism],
+# hyparallel/runtime/context.py) ---------------------------------------------------------------
+
+CP_CASES = [
+    "gpt-cp4",
+    "gpt-dp2-cp2-ring-zero1",
+    "gpt-cp2-tp2-sp",
+    "llama-dp2-cp2",
+    "qwen2-cp4-ring",
+    "own-llama-dp2-cp2-recompute",
+]
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory):
+    """Every cp case and the checkpoint case, in one launch of 4 processes."""
+    return torchrun(
+        REPO, "tests/distributed/cp_worker.py", tmp_path_factory.mktemp("cp") / "out.jsonl", 4
+    )
+
+
+@pytest.mark.parametrize("case", CP_CASES)
+def test_training_under_context_parallelism_is_one_devices(cp_results, case):
+    # the worker asserted each loss, gradient and parameter with parallel_worker's tolerances
+    # (fp32: gradients rtol 1e-5, parameters after 3 steps 2e-5); here every parameter was
+    # compared, by name, on every (dp, cp) replica, each holding whole sequences' worth of tokens
+    ranks = cp_results[case]
+    plan = ranks[0]["plan"]
+    assert len(ranks) == plan["dp"] * plan["cp"] * plan["tp"] == 4
+    assert {(r["dp_rank"], r["cp_rank"]) for r in ranks} == {
+        (d, c) for d in range(plan["dp"]) for c in range(plan["cp"])
+    }
+    groups = ranks[0]["parameter_groups"]
+    for key in ("grads_checked", "checked"):
+        compared: dict = {}
+        for rank in ranks:
+            compared.setdefault((rank["dp_rank"], rank["cp_rank"]), set()).update(rank[key])
+        assert_every_parameter_compared(groups, compared)
+    for rank in ranks:
+        assert rank["grad_worst_rel"] <= 1e-5 and rank["worst_rel"] <= 2e-5, (case, rank["rank"])
+        # train steps and eval_step: one device's, on every rank
+        for got, want in zip(rank["losses"], rank["ref_losses"], strict=True):
+            assert got == pytest.approx(want, rel=1e-5)
+        # a (total, count) loss of one's own: the same held-out loss; a mean is refused
+        assert rank["own_eval_loss"] == pytest.approx(rank["ref_losses"][-1], rel=1e-5)
+        assert "must return (total, count)" in rank["mean_refused"]
+        # a call of the model gathers whole sequences: 16 tokens, this dp rank's 8 / dp rows
+        assert rank["called_logits"][:2] == [8 // plan["dp"], 16]
+
+
+def test_a_checkpoint_saved_under_cp_2_loads_at_cp_1(cp_results):
+    for rank in cp_results["checkpoint-cp2-to-dp4"]:
+        saved, loaded = (p["cp"] for p in rank["plans"])
+        assert (saved, loaded) == (2, 1) and rank["resumed_step"] == 1
+        # two steps at cp 2, the third at dp 4 after the load: one device's losses and parameters
+        assert rank["losses"] == pytest.approx(rank["ref_losses"], rel=1e-5)
+        assert rank["worst_rel"] <= 2e-5 and len(rank["checked"]) == 27
+
+
+def _plan(**parallel) -> dict:
+    return {"training": {"global_batch": 4, "micro_batch": 1, "seq_len": 16}, "parallel": parallel}
+
+
+@pytest.mark.parametrize(
+    "parallel, message",
+    [
+        (dict(cp=2, pp=2), "parallel.cp 2 beside pp 2: pipeline stages with context parallelism"),
+        (dict(dp=2, cp=2, ep=2), "beside ep 2: expert parallelism"),
+        (dict(cp=3), r"seq_len \(16\) must be a multiple of 2 x cp \(6\)"),
+    ],
+)
+def test_plans_cp_cannot_run_are_refused_in_one_line(parallel, message):
+    from hyparallel.spec.errors import ConfigError
+    from hyparallel.spec.schema import Plan
+
+    with pytest.raises(ConfigError, match=message):
+        Plan.from_dict(_plan(**parallel))
+    # the world counts the cp ranks, and says so
+    with pytest.raises(ConfigError, match=r"dp\(1\) \* cp\(2\) \* tp\(1\) \* pp\(1\) = 2 GPUs"):
+        Plan.from_dict({**_plan(cp=2), "cluster": {"name": "cpu", "gpus_per_node": 4}})
+
+
+def test_cp_ranks_sit_inside_dp_and_share_its_rows():
+    from hyparallel.spec.schema import Plan
+
+    plan = Plan.from_dict(_plan(dp=2, cp=2, tp=2))
+    assert plan.world_size == 8 and list(plan.mesh_shape()) == ["pp", "dp", "cp", "tp"]
+    # tp innermost, then cp: a cp group's ranks are tp apart, a dp group's tp x cp
+    assert plan.group_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert plan.group_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert plan.coords(6) == {"pp": 0, "dp": 1, "cp": 1, "tp": 0}
+    assert plan.rank_of(pp=0, dp=1, tp=0, cp=1) == 6
+
+
+class _NoPositions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.qkv = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 48)
+
+    def attend(self, tokens):
+        q, k, v = self.qkv(self.embed(tokens)).view(*tokens.shape, 3, 2, 8).unbind(2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, tokens):
+        q, k, v = self.attend(tokens)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class _ByHand(_NoPositions):
+    def forward(self, tokens, position_ids=None):
+        q, k, v = self.attend(tokens)
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+
+class _Mha(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.attn = torch.nn.Embedding(32, 16), torch.nn.MultiheadAttention(16, 2)
+
+    def forward(self, tokens, position_ids=None):
+        x = self.embed(tokens)
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class _NoAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, tokens, position_ids=None):
+        return self.head(self.embed(tokens))
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (_NoPositions, "_NoPositions.forward takes no position_ids: context parallelism 2 gives"),
+        (_ByHand, r"_ByHand: attention computed by hand \(softmax over 16 x 16 scores\)"),
+        (_Mha, "attn: context parallelism 2 splits scaled_dot_product_attention, not"),
+        (_NoAttention, "_NoAttention makes no scaled_dot_product_attention call"),
+    ],
+)
+def test_models_cp_cannot_split_are_refused_naming_the_module(model, message):
+    import hyparallel as hp
+    from hyparallel.runtime.context import check_context_parallel
+    from hyparallel.spec.errors import ConfigError
+    from hyparallel.spec.schema import Plan
+
+    module = model()
+    graph = hp.trace(module, torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ConfigError, match=message):
+        check_context_parallel(module, Plan.from_dict(_plan(cp=2)), graph)
+
+
+def test_sequence_parallelism_must_divide_each_ranks_tokens():
+    import hyparallel as hp
+    from hyparallel.runtime.context import check_context_parallel
+    from hyparallel.spec.errors import ConfigError
+    from hyparallel.spec.schema import Plan
+
+    module = hp.models.load("gpt-tiny num_layers=1").module
+    graph = hp.trace(module, torch.zeros(2, 16, dtype=torch.long))
+    plan = Plan.from_dict(
+        {
+            "training": {"global_batch": 4, "micro_batch": 1, "seq_len": 24},
+            "parallel": {"cp": 2, "tp": 8, "sequence_parallel": True},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"each rank's 12 tokens .* over tp 8"):
+        check_context_parallel(module, plan, graph)
+    # a plain SDPA model passes, its one attention site per block named
+    ok = Plan.from_dict(_plan(cp=2))
+    assert check_context_parallel(module, ok, graph) == ["layers.0.attn"]
+
+
+def test_each_rank_gets_its_chunks_and_their_global_positions():
+    from hyparallel.runtime.context import SequenceCut
+    from hyparallel.spec.errors import ConfigError
+
+    ids, targets = torch.arange(16).repeat(2, 1), torch.arange(100, 116).repeat(2, 1)
+    cut = SequenceCut(cp=2, rank=1, params=["input_ids", "attention_mask", "position_ids"], hf=True)
+    inputs, goal, length = cut.cut({"input_ids": ids, "attention_mask": torch.ones(2, 16)}, targets)
+    assert length == 16
+    # rank 1 of 2: chunks 1 and 2 of 4; transformers' mask of ones left out (it would drop it)
+    assert inputs["input_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert inputs["position_ids"][1].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert goal[0].tolist() == [104, 105, 106, 107, 108, 109, 110, 111]
+    assert "attention_mask" not in inputs
+    # a tensor argument: bound by name; the user's positions are cut like the rest
+    inputs, _, _ = SequenceCut(2, 0, ["tokens", "position_ids"]).cut((ids, ids + 50))
+    assert inputs["position_ids"][0].tolist() == [50, 51, 52, 53, 62, 63, 64, 65]
+    refusals = [
+        ({"input_ids": ids, "labels": ids}, "cannot split Hugging Face labels"),
+        ({"input_ids": ids, "attention_mask": (ids < 12).long()}, "attention_mask with padding"),
+        ({"input_ids": ids[:, :12]}, "12 tokens does not split into 8 equal chunks"),
+        ({"pixel_values": torch.zeros(2, 3, 8, 8)}, "these inputs have none"),
+    ]
+    for inputs, message in refusals:
+        with pytest.raises(ConfigError, match=message):
+            SequenceCut(4 if "12" in message else 2, 0, ["input_ids"], hf=True).cut(inputs)
+
+
+def test_a_forward_that_split_fewer_attentions_than_its_trace_is_refused():
+    from hyparallel.runtime.context import _Counted
+    from hyparallel.tensor import context
+
+    with context.split_attention(object()) as split:
+        split.calls = 1
+        counted = _Counted(split, ["layers.0.attn", "layers.1.attn"])
+        with pytest.raises(RuntimeError, match=r"split 1 attention call\(s\) in a forward whose"):
+            counted.checked()
+        split.calls = 2
+        counted.checked()
+        assert split.calls == 0  # counted afresh for the next forward
+    with pytest.raises(RuntimeError, match="already in force"):
+        with context.split_attention(object()), context.split_attention(object()):
+            pass
+
+
+def test_show_names_the_cp_groups_and_each_ranks_cp_coordinate(capsys, tmp_path):
+    from .test_cli import run
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "cluster: {name: cpu, gpus_per_node: 8}\n"
+        "training: {global_batch: 8, micro_batch: 1, seq_len: 64}\n"
+        "parallel: {dp: 2, cp: 2, tp: 2}\n"
+    )
+    code, out, _ = run(capsys, "show", str(plan))
+    assert code == 0 and "pp 1 x dp 2 x cp 2 x tp 2 = 8 processes" in out
+    assert re.search(r"│ cp\s+│ 4\s+│ \[0, 2\]", out)  # 4 groups of 2, tp apart
+    assert "pp0 dp1 cp1 tp0" in out  # rank 6

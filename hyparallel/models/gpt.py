@@ -145,8 +145,16 @@ class GPT(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.size(1), device=tokens.device)
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``(B, T, vocab)``; ``position_ids`` ``(B, T)``: each token's position (default
+        0..T-1; context parallelism passes the global ones)."""
+        positions = (
+            torch.arange(tokens.size(1), device=tokens.device)
+            if position_ids is None
+            else position_ids
+        )
         # (B, T, hidden)
         x = self.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(positions))
         for layer in self.layers:

@@ -99,7 +99,16 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``(T, head_dim)`` for positions 0..T-1, or ``(B, 1, T, head_dim)`` for
+        ``position_ids`` ``(B, T)``."""
+        if position_ids is not None:
+            return (
+                self.cos[position_ids].unsqueeze(1).to(x.dtype),
+                self.sin[position_ids].unsqueeze(1).to(x.dtype),
+            )
         seq_len = x.size(1)
         return self.cos[:seq_len].to(x.dtype), self.sin[:seq_len].to(x.dtype)
 
@@ -178,9 +187,13 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``(B, T, vocab)``; ``position_ids`` ``(B, T)``: each token's position (default
+        0..T-1; context parallelism passes the global ones)."""
         x = self.tok_embeddings(tokens)  # (B, T, hidden)
-        cos, sin = self.rope(x)
+        cos, sin = self.rope(x, position_ids)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.output(self.norm(x))

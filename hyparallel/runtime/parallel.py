@@ -46,6 +46,7 @@ from hyparallel.planner import complete
 from hyparallel.planner.inputs import token_ids
 from hyparallel.runtime import launch
 from hyparallel.runtime.compile import apply_compile, compile_backend_of
+from hyparallel.runtime.context import ContextParallel, check_context_parallel
 from hyparallel.runtime.data import DataPosition, DataSampler
 from hyparallel.runtime.data_parallel import DataParallel, apply_data_parallel, micro_batch_hook
 from hyparallel.runtime.experts import ExpertParallel, apply_expert_parallel
@@ -222,6 +223,8 @@ def _parallelize(
         model, plan, graph, env=env, device=device, example=example, example_inputs=example_inputs
     )
     par = plan.parallel
+    # Note [context parallelism] (hyparallel.runtime.context): what the trace shows, refused here
+    sites = check_context_parallel(model, plan, graph) if par.cp > 1 else []
     mesh = init_mesh(plan, env, device)  # the first collective
     tp_info = None
     if par.tp > 1:
@@ -238,7 +241,13 @@ def _parallelize(
     # materialised
     experts = apply_expert_parallel(model, graph, mesh, par.ep)
     # Note [the router's auxiliary loss over dp]: before a pipeline's stages are traced
-    router_loss = par.dp > 1 and global_router_loss(model, mesh["dp"].get_group())
+    data_plan, data_mesh = gradient_sharing(plan, mesh)
+    router_loss = data_plan.parallel.dp > 1 and global_router_loss(model, data_mesh.get_group())
+    context = (
+        ContextParallel(model, mesh["cp"].get_group(), par.cp_attention, sites)
+        if par.cp > 1
+        else None
+    )
     autocast = Autocast(device, _DTYPES[plan.training.dtype])
     model, modules, blocks, pipeline = apply_stages(
         model,
@@ -253,15 +262,18 @@ def _parallelize(
         autocast=autocast,
     )
     apply_recompute(
-        modules if pipeline is not None else blocks, par.recompute, plan.training.seq_len
+        modules if pipeline is not None else blocks,
+        par.recompute,
+        plan.training.seq_len,
+        split_attention=context is not None,
     )
     # the recomputed regions, each with its checkpoint (hyparallel.runtime.compile)
     if backend is not None:
         apply_compile(blocks or modules, backend)
     data_parallel = apply_data_parallel(
         modules,
-        plan,
-        mesh["dp"],
+        data_plan,
+        data_mesh,
         device,
         blocks=blocks,
         pipelined=pipeline is not None,
@@ -283,6 +295,8 @@ def _parallelize(
         data_parallel=data_parallel,
         autocast=autocast,
         experts=experts,
+        context=context,
+        data_mesh=data_mesh,
         # tp > 1 and a vocab-parallel head: check_plan saw to both
         vocab_parallel_loss=par.vocab_parallel_loss,
     )
@@ -397,6 +411,18 @@ def init_mesh(plan: Plan, env: LaunchEnv, device: torch.device):
     return mesh
 
 
+def gradient_sharing(plan: Plan, mesh) -> tuple[Plan, Any]:
+    """The plan as data parallelism sees it, and its mesh: dp x cp ranks sharing the weight
+    gradients (Note [context parallelism], hyparallel.runtime.context), or the plan and its dp
+    axis."""
+    par = plan.parallel
+    if par.cp == 1:
+        return plan, mesh["dp"]
+    shared = par.model_copy(update={"dp": par.dp * par.cp, "cp": 1})
+    # torchtitan's dp_shard_cp: one group over both axes (``pmodel.data_mesh``)
+    return plan.model_copy(update={"parallel": shared}), mesh["dp", "cp"]._flatten("dp_cp")
+
+
 def materialize(
     model: nn.Module, device: torch.device, seed: int, only: set[str] | None = None
 ) -> None:
@@ -478,6 +504,8 @@ class ParallelModel:
         autocast: Autocast,
         vocab_parallel_loss: bool,
         experts: ExpertParallel | None = None,
+        context: ContextParallel | None = None,
+        data_mesh=None,
     ):
         from hyparallel.runtime.metrics import RunMetrics
 
@@ -490,6 +518,13 @@ class ParallelModel:
             if layer.layout == "grouped"
         }
         self.dp_size, self.dp_rank = plan.parallel.dp, mesh["dp"].get_local_rank()
+        # Note [context parallelism] (hyparallel.runtime.context): dp x cp ranks share the loss and
+        # the gradients; the rows are dp's
+        self.context = context
+        self._data_size = plan.parallel.dp * plan.parallel.cp
+        # the mesh flattened over dp x cp (kept: torch deprecates slicing it from the root mesh)
+        self.data_mesh = data_mesh if data_mesh is not None else mesh["dp"]
+        self._data_group = self.data_mesh.get_group()
         self._graph, self._modules, self._autocast = graph, list(modules), autocast
         self._dtype = autocast.dtype
         self._vocab_parallel_loss = vocab_parallel_loss
@@ -673,6 +708,8 @@ class ParallelModel:
         if not self._started:
             # once: a forgotten sampler feeds every dp rank the same rows
             self._warn_if_same_rows(inputs)
+        if self.context is not None:  # this rank's chunks of every sequence
+            inputs, targets, _ = self.context.cut(inputs, targets)
         rule = self._loss_rule(
             loss_fn, targets, self.plan.num_microbatches, sliced=self._vocab_parallel_loss
         )
@@ -721,7 +758,7 @@ class ParallelModel:
         count_after = pair and rule.global_count is None
         # a (total, count) loss: its sum's gradient over the global count (dp: averaged ranks)
         if count_after:
-            factor *= self.dp_size / max(float(count), 1.0)
+            factor *= self._data_size / max(float(count), 1.0)
         self._scaled_after = self.scaler is not None or count_after
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         inf = scale_step_gradients(
@@ -767,6 +804,8 @@ class ParallelModel:
         plan too (gathered for it).
         """
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        if self.context is not None:
+            inputs, targets, _ = self.context.cut(inputs, targets)
         # the user's loss reads whole logits
         whole = loss_fn is not None and self._vocab_parallel_loss
         with self._whole_logits() if whole else nullcontext(), self._forward_only():
@@ -774,8 +813,11 @@ class ParallelModel:
                 rule = self._loss_rule(
                     loss_fn, targets, 1, sliced=self._vocab_parallel_loss and not whole
                 )
-                with self._autocast(), self._whole_sequences_unless_divides(inputs):
-                    rule(call_with(self._ddp or self.module, inputs), targets)
+                with self._attending() as attention:
+                    with self._autocast(), self._whole_sequences_unless_divides(inputs):
+                        output = call_with(self._ddp or self.module, inputs)
+                    attention.checked()
+                    rule(output, targets)
             else:
                 runtime, m, gathered = self._forwards.select(
                     inputs, self._whole_logits, gather=whole
@@ -801,6 +843,13 @@ class ParallelModel:
         """:meth:`__call__`; with ``broadcast=False`` a pipeline's ranks other than the last stage's
         get None."""
         with self._whole_logits(), self._forward_only():
+            if self.context is not None:  # each rank its chunks, the outputs gathered whole
+                inputs, _, length = self.context.cut(_bound_inputs(self.module, args, kwargs))
+                sequences = self._whole_sequences_unless_divides(inputs)
+                with self._attending() as attention, self._autocast(), sequences:
+                    output = (self._ddp or self.module)(**inputs)
+                    attention.checked()
+                return self.context.gather(output, length)
             if self.pipeline is None:
                 with self._autocast(), self._whole_sequences_unless_divides((args, kwargs)):
                     return (self._ddp or self.module)(*args, **kwargs)
@@ -920,9 +969,22 @@ class ParallelModel:
         runner = self._ddp or self.module
         for index, (piece, goal) in enumerate(zip(pieces, goals)):
             with self.data_parallel.micro_batch(self.module, last=index == m - 1):
-                with self._autocast():
-                    loss = loss_fn(call_with(runner, piece), goal)
-                (loss / m).backward()
+                with self._attending() as attention:
+                    with self._autocast():
+                        output = call_with(runner, piece)
+                    attention.checked()
+                    loss = loss_fn(output, goal)
+                    (loss / m).backward()  # a recomputed block splits its attention again
+
+    @contextmanager
+    def _attending(self):
+        """Around a forward (and its backward): attention split over the cp group (Note [context
+        parallelism], hyparallel.runtime.context); without cp, nothing to check."""
+        if self.context is None:
+            yield _NOTHING_SPLIT
+            return
+        with self.context.attending() as attention:
+            yield attention
 
     def _loss_rule(
         self, loss_fn: LossFn | None, targets: Any, m: int, sliced: bool
@@ -930,20 +992,19 @@ class ParallelModel:
         """The step's loss rule (Note [the loss a user reads], hyparallel.runtime.loss); ``sliced``:
         the head's logits are each tp rank's slice of the vocabulary."""
         if loss_fn is not None:
-            return user_loss(loss_fn, m, self.dp_size, sliced)
+            if self.context is not None:
+                loss_fn = self.context.pair_loss(loss_fn)
+            return user_loss(loss_fn, m, self._data_size, sliced)
         return default_loss(
-            targets, m, self.dp_size, self.mesh["dp"].get_group(), self.tp_info if sliced else None
+            targets, m, self._data_size, self._data_group, self.tp_info if sliced else None
         )
 
     @property
     def _loss_groups(self) -> list:
         """Where micro-batch loss reports are summed: the pipeline (the last stage has them), then
         data parallelism."""
-        return [
-            self.mesh[axis].get_group()
-            for axis, size in (("pp", self.plan.parallel.pp), ("dp", self.dp_size))
-            if size > 1
-        ]
+        groups = [self.mesh["pp"].get_group()] if self.plan.parallel.pp > 1 else []
+        return groups + ([self._data_group] if self._data_size > 1 else [])
 
     def _forward_pipelines(self) -> ForwardPipelines:
         """A pipeline's forwards on any inputs (Note [a forward under any plan],
@@ -1156,6 +1217,14 @@ class ParallelModel:
 #     would fail, and the plan's figures are the CPU's. Any other plan takes cuda:LOCAL_RANK when
 #     torch sees a GPU, and a node launched with more processes than GPUs is refused before the
 #     first collective (NCCL cannot put two ranks on one GPU).
+
+
+class _NothingSplit:
+    def checked(self) -> None:
+        pass
+
+
+_NOTHING_SPLIT = _NothingSplit()
 
 
 def _bound_inputs(model: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -9,7 +9,8 @@ outside the recomputed region, and the parameter names do not change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from functools import partial
 
 import torch
@@ -18,12 +19,19 @@ from torch import nn
 from hyparallel.spec.schema import Recompute
 
 
-def apply_recompute(modules: Iterable[nn.Module], recompute: Recompute, seq_len: int) -> None:
+def apply_recompute(
+    modules: Iterable[nn.Module], recompute: Recompute, seq_len: int, split_attention: bool = False
+) -> None:
     """Recompute each of ``modules`` in its backward (``full``) or only its seq x seq ops
-    (``selective``)."""
+    (``selective``); ``split_attention``: under context parallelism, the recompute splits its
+    attention as the forward did (hyparallel.tensor.context.recompute_contexts)."""
     if recompute == "none":
         return
     context = selective_context(seq_len) if recompute == "selective" else None
+    if split_attention:
+        from hyparallel.tensor.context import recompute_contexts
+
+        context = _both(context, recompute_contexts) if context else recompute_contexts
     for module in modules:
         module.forward = partial(
             torch.utils.checkpoint.checkpoint,
@@ -96,3 +104,21 @@ def _is_seq_by_seq(func, args, seq_len: int) -> bool:
     else:
         shape = tuple(tensors[0].shape)
     return len(shape) >= 2 and shape[-1] == shape[-2] == seq_len
+
+
+def _both(first, second):
+    """A ``context_fn`` entering the (forward, recompute) contexts of ``first`` and ``second``."""
+
+    def contexts():
+        (forward_a, recompute_a), (forward_b, recompute_b) = first(), second()
+        return _entered(forward_a, forward_b), _entered(recompute_a, recompute_b)
+
+    return contexts
+
+
+@contextmanager
+def _entered(*managers) -> Iterator[None]:
+    with ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield

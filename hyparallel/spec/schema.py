@@ -8,11 +8,15 @@ Note [rank order]
     ``placement.order`` lists the mesh axes outermost first, exactly as the dims of torch's
     ``init_device_mesh(..., mesh_dim_names=order)``. The default ``[pp, dp, tp]`` puts tp innermost,
     so a tp group is ``tp`` consecutive ranks, and torchrun numbers ranks node by node, so tp stays
-    inside a node whenever ``tp <= gpus_per_node`` (Megatron-LM's default order, too).
+    inside a node whenever ``tp <= gpus_per_node`` (Megatron-LM's default order, too). A cp axis
+    above 1 sits right inside dp (``[pp, dp, cp, tp]`` by default): the cp ranks of a data-parallel
+    rank are neighbours after tp, as Megatron-Core orders tp-cp-ep-dp-pp, and dp and cp flatten into
+    the one group that shares the weight gradients.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -136,6 +140,23 @@ class ParallelConfig(_Section):
             " (ep divides dp; Note [expert parallelism], hyparallel.runtime.experts)."
         ),
     )
+    cp: Degree = Field(
+        1,
+        description=(
+            "Context-parallel degree: each sequence split over cp ranks (two chunks each, balanced"
+            " for causal attention), attention exact across them; the cp ranks of a data-parallel"
+            " rank take the same rows and share the weight gradients (Note [context parallelism],"
+            " hyparallel.runtime.context)."
+        ),
+    )
+    cp_attention: Literal["gather", "ring"] = Field(
+        "gather",
+        description=(
+            "How attention crosses the cp ranks: `gather` all-gathers every layer's keys and"
+            " values, `ring` passes one rank's block at a time round a ring, merging by log-sum-exp"
+            " (ignored when cp = 1)."
+        ),
+    )
     schedule: Schedule = Field("1f1b", description="Pipeline schedule (ignored when pp = 1).")
     virtual_stages: int_in(1, limits.MAX_VIRTUAL_STAGES) = Field(
         1, description="Model chunks per pipeline rank; more than 1 only with `interleaved-1f1b`."
@@ -233,14 +254,20 @@ class ParallelConfig(_Section):
 
     @property
     def world_size(self) -> int:
-        """dp * tp * pp: the number of processes the plan needs."""
-        return self.dp * self.tp * self.pp
+        """dp * cp * tp * pp: the number of processes the plan needs."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def degrees(self) -> str:
+        """``dp(2) * tp(2) * pp(1)``, cp named where it is above 1: how messages spell the world."""
+        cp = f" * cp({self.cp})" if self.cp > 1 else ""
+        return f"dp({self.dp}){cp} * tp({self.tp}) * pp({self.pp})"
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
         if self.world_size > limits.MAX_DEVICES:
             raise ValueError(
-                f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size:,} processes, "
+                f"{self.degrees} = {self.world_size:,} processes, "
                 f"more than the {limits.MAX_DEVICES:,} hyparallel plans for; lower a degree"
             )
         if self.dp % self.ep:
@@ -248,6 +275,19 @@ class ParallelConfig(_Section):
                 f"parallel.ep ({self.ep}) must divide dp ({self.dp}): expert-parallel ranks are"
                 " taken from the data-parallel ones; raise dp or lower ep"
             )
+        if self.cp > 1:
+            beside = (
+                f"pp {self.pp}: pipeline stages"
+                if self.pp > 1
+                else f"ep {self.ep}: expert parallelism"
+                if self.ep > 1
+                else None
+            )
+            if beside:
+                raise ValueError(
+                    f"parallel.cp {self.cp} beside {beside} with context parallelism is not"
+                    " supported yet; set cp: 1, or drop the other axis"
+                )
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ValueError(
                 f"parallel.virtual_stages is {self.virtual_stages} but schedule is"
@@ -692,7 +732,7 @@ class Plan(_Section):
         if self.cluster is not None and self.cluster.num_gpus != par.world_size and not inside:
             c = self.cluster
             raise ValueError(
-                f"dp({par.dp}) * tp({par.tp}) * pp({par.pp}) = {par.world_size} GPUs, but cluster"
+                f"{par.degrees} = {par.world_size} GPUs, but cluster"
                 f" '{c.name}' has {c.num_nodes} node(s) x {c.gpus_per_node} = {c.num_gpus}; change"
                 " the degrees or cluster.num_nodes"
             )
@@ -719,6 +759,17 @@ class Plan(_Section):
                             "each module belongs to one stage"
                         )
                     seen[module] = stage.index
+        if par.cp > 1 and self.ps is not None:
+            raise ValueError(
+                f"ps (parameter-server mode) needs cp 1, not cp {par.cp}: its workers run whole"
+                " sequences; drop ps or set cp: 1"
+            )
+        if par.cp > 1 and self.training.seq_len % (2 * par.cp):
+            raise ValueError(
+                f"training.seq_len ({self.training.seq_len}) must be a multiple of 2 x cp"
+                f" ({2 * par.cp}): context parallelism cuts each sequence into 2 cp equal chunks;"
+                " change seq_len or cp"
+            )
         if self.ps is not None and (par.tp > 1 or par.pp > 1):
             raise ValueError(
                 f"ps (parameter-server mode) needs tp 1 and pp 1, not tp {par.tp} and pp {par.pp}:"
@@ -750,11 +801,18 @@ class Plan(_Section):
         return self.parallel.num_microbatches
 
     def mesh_shape(self) -> dict[str, int]:
-        """Axis name -> degree, outermost axis first (the order of ``init_device_mesh``)."""
-        return {axis: getattr(self.parallel, axis) for axis in self.placement.order}
+        """Axis name -> degree, outermost axis first (the order of ``init_device_mesh``); a cp axis
+        above 1 right inside dp (Note [rank order])."""
+        shape = {}
+        for axis in self.placement.order:
+            shape[axis] = getattr(self.parallel, axis)
+            if axis == "dp" and self.parallel.cp > 1:
+                shape["cp"] = self.parallel.cp
+        return shape
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates ``{"pp": i, "dp": j, "tp": k}`` of a global rank."""
+        """Mesh coordinates ``{"pp": i, "dp": j, "tp": k}`` of a global rank (and ``"cp"`` when cp >
+        1)."""
         if not 0 <= rank < self.world_size:
             raise ConfigError(
                 f"rank {rank} is outside the plan's world of {self.world_size} processes"
@@ -763,26 +821,26 @@ class Plan(_Section):
         for axis, size in reversed(self.mesh_shape().items()):
             coords[axis] = rank % size
             rank //= size
-        return {axis: coords[axis] for axis in ("pp", "dp", "tp")}
+        return {axis: coords[axis] for axis in ("pp", "dp", "cp", "tp") if axis in coords}
 
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
-        """The global rank at mesh coordinates (pp, dp, tp)."""
-        index = {"pp": pp, "dp": dp, "tp": tp}
+    def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        """The global rank at mesh coordinates (pp, dp, tp) and cp rank ``cp``."""
+        index = {"pp": pp, "dp": dp, "tp": tp, "cp": cp}
         rank = 0
         for axis, size in self.mesh_shape().items():
             rank = rank * size + index[axis]
         return rank
 
-    def group_ranks(self, axis: Axis) -> list[list[int]]:
-        """All process groups along ``axis``: each list is the ranks that differ only in that
-        coordinate."""
-        others = [a for a in ("pp", "dp", "tp") if a != axis]
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """All process groups along ``axis`` (pp, dp, tp, or cp): each list is the ranks that differ
+        only in that coordinate."""
+        sizes = self.mesh_shape()
+        sizes.setdefault(axis, 1)  # cp 1: every rank its own group
+        others = [a for a in sizes if a != axis]
         groups = []
-        sizes = {a: getattr(self.parallel, a) for a in ("pp", "dp", "tp")}
-        for i in range(sizes[others[0]]):
-            for j in range(sizes[others[1]]):
-                fixed = {others[0]: i, others[1]: j}
-                groups.append([self.rank_of(**{**fixed, axis: k}) for k in range(sizes[axis])])
+        for fixed in itertools.product(*(range(sizes[a]) for a in others)):
+            where = dict(zip(others, fixed))
+            groups.append([self.rank_of(**{**where, axis: k}) for k in range(sizes[axis])])
         return sorted(groups)
 
     # ---- I/O ----------------------------------------------------------------------------------

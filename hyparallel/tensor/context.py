@@ -11,13 +11,14 @@ Groundwork: the runtime does not yet split a model's sequences (parallel.cp is n
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
+from torch.overrides import TorchFunctionMode
 
 from hyparallel.tensor.collectives import all_gather_seq
 
@@ -224,26 +225,71 @@ class _Ring(torch.autograd.Function):
 #     global positions): inside ``split_attention(group)`` it attends this rank's queries over the
 #     whole sequence, keys and values gathered or passed round a ring, and a model given each
 #     token's global position (position_ids) computes its rotary embeddings as on one device.
-#     What it cannot split is refused: a mask (padding, or a window the model's mask function
-#     would add), dropout in training, attention that is not causal in a decoder.
+#     Any other model's ``F.scaled_dot_product_attention`` is split the same way:
+#     ``split_attention`` holds a TorchFunctionMode that takes each call (a mode is thread-local
+#     state, which autograd carries to the threads that run a backward, so a block recomputed
+#     there splits too). What it cannot split is refused: a mask (padding, or a window the model's
+#     mask function would add; transformers would drop a padding mask silently, so the runtime
+#     refuses one before the forward), dropout in training, attention that is not causal, queries
+#     over another sequence. Each call is counted: the runtime checks a forward made as many as
+#     its trace has attention ops (an attention computed by hand would otherwise stay local,
+#     silently).
 
 TRANSFORMERS_ATTENTION = "hyparallel_context_parallel"
-_SPLIT: contextvars.ContextVar[tuple[ProcessGroup, str] | None] = contextvars.ContextVar(
-    "hyparallel_context_parallel", default=None
-)
+
+
+class _Split:
+    """The split in force (module-level, not a context variable: autograd's threads read it)."""
+
+    group: ProcessGroup | None = None
+    kind: str = "gather"
+    calls: int = 0  # split attentions computed since split_attention was entered
+
+
+class _TakeAttention(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _split_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def split_attention(group: ProcessGroup, kind: str = "gather") -> Iterator[None]:
-    """Inside, ``TRANSFORMERS_ATTENTION`` splits attention over ``group`` by ``kind`` ("gather":
-    ``context_parallel_attention``; "ring": ``ring_attention``)."""
+def split_attention(group: ProcessGroup, kind: str = "gather") -> Iterator[_Split]:
+    """Inside, ``TRANSFORMERS_ATTENTION`` and every ``F.scaled_dot_product_attention`` split
+    attention over ``group`` by ``kind`` ("gather": ``context_parallel_attention``; "ring":
+    ``ring_attention``). Yields the split in force; its ``calls`` counts them."""
     if kind not in ("gather", "ring"):
         raise ValueError(f"context-parallel attention '{kind}': 'gather' or 'ring'")
-    token = _SPLIT.set((group, kind))
+    if _Split.group is not None:
+        raise RuntimeError("split_attention is already in force: it does not nest")
+    _Split.group, _Split.kind, _Split.calls = group, kind, 0
     try:
-        yield
+        with _TakeAttention():
+            yield _Split
     finally:
-        _SPLIT.reset(token)
+        _Split.group = None
+
+
+def recompute_contexts() -> tuple[Any, Any]:
+    """``torch.utils.checkpoint``'s ``context_fn`` for a block checkpointed inside
+    ``split_attention``: its recompute (in the backward, where the mode is not in force) splits
+    attention over the same group again, never alone."""
+    group, kind = _Split.group, _Split.kind
+    if group is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def again() -> Iterator[None]:
+        saved = _Split.group, _Split.kind, _Split.calls
+        _Split.group, _Split.kind = group, kind
+        try:
+            with _TakeAttention():
+                yield
+        finally:
+            _Split.group, _Split.kind, _Split.calls = saved
+
+    return contextlib.nullcontext(), again()
 
 
 def register_transformers_attention() -> str:
@@ -253,6 +299,69 @@ def register_transformers_attention() -> str:
 
     AttentionInterface.register(TRANSFORMERS_ATTENTION, _transformers_attention)
     return TRANSFORMERS_ATTENTION
+
+
+def _split(
+    where: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: bool,
+    dropout: float,
+    causal: bool,
+    scale: float | None,
+    window: Any = None,
+) -> torch.Tensor:
+    """One split attention of (batch, heads, tokens, head size) tensors, or the refusal naming
+    ``where``."""
+    group = _Split.group
+    if group is None:
+        raise RuntimeError(f"{where}: context-parallel attention called outside split_attention")
+    refusal = (
+        "a mask beside the causal one (padding or a window)"
+        if mask
+        else f"dropout {dropout} in training"
+        if dropout
+        else "attention that is not causal"
+        if not causal
+        else f"a sliding window of {window}"
+        if window
+        else f"queries over another sequence ({query.size(-2)} queries, {key.size(-2)} keys)"
+        if query.size(-2) != key.size(-2)
+        else None
+    )
+    if refusal:
+        raise ValueError(f"{where}: context parallelism cannot split {refusal}")
+    repeat = query.size(1) // key.size(1)  # grouped-query attention: each key head for its queries
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+    attend = ring_attention if _Split.kind == "ring" else context_parallel_attention
+    _Split.calls += 1
+    return attend(query, key, value, group, is_causal=True, scale=scale)
+
+
+def _split_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    with torch._C.DisableTorchFunction():  # the split's own attention runs as it is
+        return _split(
+            f"scaled_dot_product_attention call {_Split.calls + 1} of the forward",
+            query,
+            key,
+            value,
+            mask=attn_mask is not None,
+            dropout=dropout_p,
+            causal=is_causal,
+            scale=scale,
+        )
 
 
 def _transformers_attention(
@@ -266,28 +375,17 @@ def _transformers_attention(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    split = _SPLIT.get()
-    where = type(module).__name__
-    if split is None:
-        raise RuntimeError(
-            f"{where}: context-parallel attention called outside split_attention(group)"
-        )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    refusal = (
-        "a mask beside the causal one (padding or a window)"
-        if attention_mask is not None
-        else f"dropout {dropout} in training"
-        if dropout and module.training
-        else "attention that is not causal"
-        if not causal
-        else kwargs.get("sliding_window") and f"a sliding window of {kwargs['sliding_window']}"
-    )
-    if refusal:
-        raise ValueError(f"{where}: context parallelism cannot split {refusal}")
-    group, kind = split
-    repeat = query.size(1) // key.size(1)  # grouped-query attention: each key head for its queries
-    if repeat > 1:
-        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
-    attend = ring_attention if kind == "ring" else context_parallel_attention
-    out = attend(query, key, value, group, is_causal=True, scale=scaling)
+    with torch._C.DisableTorchFunction():
+        out = _split(
+            type(module).__name__,
+            query,
+            key,
+            value,
+            mask=attention_mask is not None,
+            dropout=dropout if module.training else 0.0,
+            causal=causal,
+            scale=scaling,
+            window=kwargs.get("sliding_window"),
+        )
     return out.transpose(1, 2).contiguous(), None

@@ -51,7 +51,9 @@ def device_map(plan: Plan) -> Table:
     nodes = -(-plan.world_size // per_node)
     shown = list(range(nodes)) if nodes <= MAX_NODES else [*range(MAX_NODES - 1), nodes - 1]
     table = Table(
-        title="device map: pp stage / dp replica / tp shard of each GPU (global rank)"
+        title="device map: pp stage / dp replica"
+        + (" / cp rank" if plan.parallel.cp > 1 else "")
+        + " / tp shard of each GPU (global rank)"
         + ("" if plan.cluster else "; no cluster in the plan: rows of 8 ranks")
     )
     table.add_column("node")
@@ -64,7 +66,8 @@ def device_map(plan: Plan) -> Table:
         for gpu in range(min(per_node, plan.world_size - node * per_node)):
             rank = node * per_node + gpu
             c = plan.coords(rank)
-            cells.append(f"pp{c['pp']} dp{c['dp']} tp{c['tp']}\n[dim]rank {rank}[/dim]")
+            cp = f" cp{c['cp']}" if "cp" in c else ""
+            cells.append(f"pp{c['pp']} dp{c['dp']}{cp} tp{c['tp']}\n[dim]rank {rank}[/dim]")
         table.add_row(str(node), *cells)
     return table
 
