@@ -436,7 +436,9 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> None:
         seq_len = args.seq_len or _max_seq_len(loaded.module) or 2048
         progress("tracing", 0, 0)
         constraints = {
-            k: getattr(args, k) for k in ("tp", "pp", "dp", "ep") if getattr(args, k) is not None
+            k: getattr(args, k)
+            for k in ("tp", "pp", "dp", "ep", "cp", "cp_attention")
+            if getattr(args, k) is not None
         }
         constraints.update(compression)
         if args.no_vocab_parallel_loss:
@@ -610,6 +612,7 @@ def _print_top(result, to_plan, out: Console) -> None:
         "pp",
         "dp",
         "ep",
+        "cp",
         "rank order",
         "micro-batch",
         "schedule",
@@ -639,6 +642,7 @@ def _print_top(result, to_plan, out: Console) -> None:
             str(c.pp),
             str(c.dp),
             str(c.ep),
+            f"{c.cp} {c.cp_attention}" if c.cp > 1 else "1",
             ",".join(c.order),
             f"{c.micro_batch} x {c.num_microbatches}",
             schedule,
@@ -654,13 +658,16 @@ def _print_top(result, to_plan, out: Console) -> None:
         )
     out.print(table)
     why = Table(title="why not the usual alternatives")
-    for column in ("alternative", "tp", "pp", "dp", "ep", "why not"):
+    for column in ("alternative", "tp", "pp", "dp", "ep", "cp", "why not"):
         why.add_column(column)
     for alt in result.alternatives:
         c = alt.evaluation.config if alt.evaluation else None
         why.add_row(
             alt.label,
-            *(str(x) if c else "-" for x in ((c.tp, c.pp, c.dp, c.ep) if c else (0, 0, 0, 0))),
+            *(
+                str(x) if c else "-"
+                for x in ((c.tp, c.pp, c.dp, c.ep, c.cp) if c else (0, 0, 0, 0, 0))
+            ),
             alt.why,
         )
     out.print(why)
@@ -691,6 +698,7 @@ def cmd_check(args: argparse.Namespace, out: Console) -> None:
         steps=args.steps,
         shrink=not args.as_given,
         **({"ep": args.ep} if args.ep > 1 else {}),
+        **({"cp": args.cp} if args.cp > 1 else {}),
         timeout=args.timeout,
         loss=args.loss,
     )
@@ -1057,6 +1065,21 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     plan.add_argument(
+        "--cp",
+        type=DEVICES,
+        default=None,
+        help=(
+            "fix the context-parallel degree (each sequence over cp ranks; default: searched for a"
+            " model it can split)"
+        ),
+    )
+    plan.add_argument(
+        "--cp-attention",
+        choices=("gather", "ring"),
+        default=None,
+        help="fix how attention crosses the cp ranks (default: the faster, searched)",
+    )
+    plan.add_argument(
         "--example-inputs",
         default=None,
         metavar="package.module:make_inputs",
@@ -1221,6 +1244,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "the expert-parallel degree (default 1): each MoE layer's experts split over ep of the"
             " dp ranks; ep divides dp"
+        ),
+    )
+    check.add_argument(
+        "--cp",
+        type=PER_NODE,
+        default=1,
+        help=(
+            "the context-parallel degree (default 1): each sequence split over cp ranks (dp x cp x"
+            " tp x pp processes in all)"
         ),
     )
     check.add_argument(

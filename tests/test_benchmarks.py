@@ -766,3 +766,40 @@ def test_the_expert_parallel_benchmarks_render_their_ratio_and_error():
     # a result written before the pipelined row: one record
     old = run_all.Outcome("published_moe", "python benchmarks/published_moe.py", "ok", 60, row)
     assert run_all.render_published_moe(old)[0].startswith("qwen3-235b-ep8: measured 17.6 s")
+    # torchtitan's context-parallel table: each length's ring prediction in the summary (a row
+    # without cp has only its gather one), both in the table beside the planner's pick
+    pick = {"parallel": "dp 1 x cp 8 (ring) x tp 1 x pp 1", "tps_per_gpu": 1500.0, "memory_gib": 60}
+    cp_rows = [
+        {
+            "id": "llama3-8b-fsdp8-cp1-32768",
+            "seq_len": 32768,
+            "measured_tps_per_gpu": 3890,
+            "measured_gib": 83.9,
+            "predicted": {
+                "gather": {"tps_per_gpu": 4279.0, "error": 0.1, "memory_gib": 90.0, "comm_s": {}}
+            },
+            "pick": pick,
+        },
+        {
+            "id": "llama3-8b-fsdp2-cp4-131072",
+            "seq_len": 131072,
+            "measured_tps_per_gpu": 1071,
+            "measured_gib": 84.0,
+            "predicted": {
+                kind: {"tps_per_gpu": 1600.0, "error": e, "memory_gib": 90.0, "comm_s": {"cp": c}}
+                for kind, e, c in (("gather", 0.45, 0.4), ("ring", 0.5, 0.1))
+            },
+            "pick": pick,
+        },
+    ]
+    cp = run_all.Outcome(
+        "published_cp", "python benchmarks/published_cp.py", "ok", 9, {"rows": cp_rows}
+    )
+    summary, lines = run_all.render_published_cp(cp)
+    assert summary == "TPS/GPU predicted / measured - 1 by length: 32k: +10%; 128k: +50%"
+    text = "\n".join(lines)
+    assert (
+        "| llama3-8b-fsdp2-cp4-131072 | 1,071 | 84.0 | 1,600 (gather) | +45.0% | 90.0 | 0.40 |"
+        in (text)
+    )
+    assert "1,600 (ring) | +50.0% | 90.0 | 0.10 | dp 1 x cp 8 (ring)" in text

@@ -302,3 +302,80 @@ def test_show_names_the_cp_groups_and_each_ranks_cp_coordinate(capsys, tmp_path)
     assert code == 0 and "pp 1 x dp 2 x cp 2 x tp 2 = 8 processes" in out
     assert re.search(r"│ cp\s+│ 4\s+│ \[0, 2\]", out)  # 4 groups of 2, tp apart
     assert "pp0 dp1 cp1 tp0" in out  # rank 6
+
+
+# ---- the planner: cp searched and priced (Note [context parallelism's costs] in
+# hyparallel/planner/costs.py) ------------------------------------------------------------------
+
+
+def test_the_planner_picks_cp_for_an_8b_llama_at_128k_tokens_on_8_h100s():
+    import hyparallel as hp
+
+    model = hp.models.load("llama3-8b").module
+    cluster = hp.ClusterSpec.preset("h100-sxm", num_nodes=1)
+    result = hp.search(model, cluster, 8, 131072, "bf16", top=3, alternatives=True)
+    plan = result.plan()
+    par = plan.parallel
+    # each sequence over cp ranks, and what it needs fits the GPU (torchtitan ran FSDP 2 x CP 4)
+    assert par.cp > 1 and par.world_size == 8 and par.pp == 1
+    assert max(plan.predicted.memory_gib) <= cluster.device.memory_bytes / 2**30
+    assert plan.predicted.comm_s.cp is not None and plan.predicted.step_time_s > 0
+    # the written plan states it; the runtime's mesh has the cp axis
+    assert "cp" in plan.mesh_shape() and "cp: " in plan.to_yaml()
+    # --top: the best plan without cp, and why it lost
+    (alternative,) = [a for a in result.alternatives if a.label == "no context parallelism"]
+    assert alternative.evaluation.config.cp == 1 and alternative.why
+
+
+def test_ring_holds_one_block_where_gather_holds_the_whole_sequence():
+    import hyparallel as hp
+
+    model = hp.models.load("llama3-8b").module
+    node = hp.ClusterSpec.preset("h100-sxm", num_nodes=1)
+    # timed and sized whatever they need (as benchmarks/published.py's _unbounded)
+    device = node.device.model_copy(update={"memory_bytes": 2**50})
+    cluster = node.model_copy(update={"device": device})
+    peaks, traffic = {}, {}
+    for kind in ("gather", "ring"):
+        result = hp.search(
+            model, cluster, 1, 65536, "bf16", dp=1, tp=1, pp=1, cp=8, zero=3,
+            recompute="selective", micro_batch=1, cp_attention=kind,
+        )  # fmt: skip
+        evaluation = result.best[0]
+        peaks[kind], traffic[kind] = evaluation.peak_memory_bytes, evaluation.comm_s["cp"]
+    # gather saves every other rank's keys and values of each layer for its backward: 7/8 of the
+    # whole sequence's per layer more than ring; and exposes its gathers, where NVLink's ring
+    # steps hide under each block's attention
+    assert peaks["gather"] > peaks["ring"] * 1.05
+    assert traffic["gather"] > traffic["ring"]
+
+
+def test_the_planner_never_splits_a_sequence_the_runtime_cannot():
+    import hyparallel as hp
+    from hyparallel.spec.errors import PlanError
+
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=4)
+    module, ids = _NoPositions(), torch.zeros(2, 16, dtype=torch.long)
+    result = hp.search(module, cluster, 8, 16, "fp32", top=50, example_inputs=ids)
+    assert result.best and all(e.config.cp == 1 for e in result.best)
+    with pytest.raises(PlanError, match="_NoPositions.forward takes no position_ids"):
+        hp.search(module, cluster, 8, 16, "fp32", cp=2, example_inputs=ids)
+    # a sequence that does not cut into 2 cp chunks: no such plan either
+    gpt = hp.models.load("gpt-tiny").module
+    assert all(e.config.cp in (1, 2) for e in hp.search(gpt, cluster, 8, 12, "fp32", top=50).best)
+
+
+def test_plans_the_planner_writes_with_cp_train_as_one_device():
+    # gpt-tiny at cp 2 (gather: the planner's choice between the two is its own), transformers'
+    # Llama at tp 2 x cp 2 over a ring: the planner plans them, parallelize runs them, every
+    # parameter group equal to one process (fp32)
+    from hyparallel.tools.parity import check_layouts
+
+    layouts = [
+        {"dp": 1, "tp": 1, "pp": 1, "cp": 2, "cp_attention": "gather"},
+        {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "cp_attention": "ring"},
+    ]
+    for spec, layout in zip(("gpt-tiny", "hf:LlamaForCausalLM"), layouts):
+        (report,) = check_layouts(spec, [layout], timeout=300)
+        assert report.verdict == "equal", report.summary()
+        assert report.layout["cp"] == 2 and report.groups

@@ -88,6 +88,17 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-70b": LlamaConfig(
         num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672
     ),
+    # Llama 3.1 8B (Grattafiori et al. 2024): grouped-query attention, a 128K vocabulary and context
+    "llama3-8b": LlamaConfig(
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+    ),
     "dlrm-tiny": DLRMConfig(
         num_dense=4, table_rows=(200, 100, 50, 30), dim=8, bottom=(16,), top=(16,), bag=2
     ),

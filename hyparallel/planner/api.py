@@ -12,6 +12,7 @@ from torch import nn
 from hyparallel.graph import ModelGraph
 from hyparallel.graph import cache as graph_cache
 from hyparallel.graph.checks import check_plan
+from hyparallel.graph.context import takes_positions
 from hyparallel.graph.local_shapes import replicate_what_fails
 from hyparallel.planner import costs
 from hyparallel.planner.constraints import Constraints, count_message, default
@@ -24,9 +25,9 @@ from hyparallel.planner.search import (
     Evaluation,
     Progress,
     Search,
-    axis_link,
+    config_links,
     enumerate_configs,
-    ep_links,
+    segment_costs_of,
     transfer_s,
 )
 from hyparallel.spec import limits
@@ -274,6 +275,7 @@ def search(
         vocab_parallel_loss=vocab_loss,
         expert_imbalance=given.get("expert_imbalance") or costs.EXPERT_IMBALANCE,
         router_loss_gathered=_router_loss_gathered(module),
+        takes_positions=takes_positions(module),
     )
     result = SearchResult(
         graph=graph,
@@ -347,6 +349,7 @@ class Admission:
             c.grad_compression,
             c.powersgd_rank,
             c.ep,
+            c.cp,
             tuple(evaluation.stages),
         )
         if key not in self.verdicts:
@@ -509,16 +512,14 @@ def _check_request(
 
 def _check_layout(cluster: ClusterSpec, global_batch: int, constraints: dict) -> None:
     """The fixed degrees fit the cluster's GPUs, and a fixed dp divides the global batch."""
-    degrees = {k: constraints[k] for k in ("tp", "pp", "dp") if k in constraints}
+    degrees = {k: constraints[k] for k in ("dp", "cp", "tp", "pp") if k in constraints}
     n = cluster.num_gpus
     product = 1
     for value in degrees.values():
         product *= value
-    if len(degrees) == 3 and product != n:
-        raise PlanError(
-            f"dp({degrees['dp']}) * tp({degrees['tp']}) * pp({degrees['pp']}) = {product} != {n}"
-            " GPUs; change a degree or the number of GPUs"
-        )
+    if all(k in degrees for k in ("tp", "pp", "dp")) and product != n:
+        fixed = " * ".join(f"{k}({v})" for k, v in degrees.items())
+        raise PlanError(f"{fixed} = {product} != {n} GPUs; change a degree or the number of GPUs")
     if n % product:
         fixed = " * ".join(f"{k}({v})" for k, v in degrees.items())
         raise PlanError(
@@ -561,6 +562,16 @@ def _nothing_found(
     frugal: Evaluation | None,
 ) -> str:
     analysis, graph = profile.tp_analysis, profile.graph
+    cp = constraints.get("cp", 1)
+    if cp > 1 and profile.cp_refusal:  # hyparallel.graph.context, as parallelize refuses it
+        return profile.cp_refusal.replace("context parallelism", f"context parallelism {cp}", 1)
+    if cp > 1 and profile.seq_len % (2 * cp):
+        return (
+            f"a sequence of {profile.seq_len} tokens does not cut into 2 x cp = {2 * cp} equal"
+            " chunks; change the sequence length or cp"
+        )
+    if cp > 1 and constraints.get("pp", 1) > 1:
+        return f"cp {cp} runs beside pp 1 only (parallelize refuses pipeline stages with cp)"
     if "tp" in constraints and (reason := analysis.nothing_split(constraints["tp"], graph)):
         return reason
     if "tp" in constraints and (reason := analysis.check(constraints["tp"], graph)):
@@ -651,6 +662,13 @@ def _alternatives(
                 (f"expert parallelism {ep}", {"ep": ep})
                 for ep in _expert_choices(profile, winner.config.dp)
             ]
+    # Note [context parallelism's costs] (costs.py): a model cp can split compares the winner with
+    # the best plan on the other side of cp > 1
+    if profile.cp_refusal is None and "cp" not in constraints:
+        if winner.config.cp > 1:
+            shapes.append(("no context parallelism", {"cp": 1}))
+        elif n % 2 == 0 and profile.seq_len % 4 == 0:
+            shapes.append(("context parallelism 2", {"cp": 2, "pp": 1}))
     for label, shape in shapes:
         fixed = {**{k: v for k, v in constraints.items() if k not in ("tp", "pp", "dp")}, **shape}
         best, frugal = engine.best(fixed, top=1)
@@ -667,7 +685,7 @@ def _alternatives(
         elif frugal is not None:
             result.append(Alternative(label, frugal, frugal.reason))
         else:
-            result.append(Alternative(label, None, _why_none(engine, profile, cluster, shape)))
+            result.append(Alternative(label, None, _why_none(engine, profile, cluster, fixed)))
     return result
 
 
@@ -703,6 +721,7 @@ def step_parts(e: Evaluation) -> dict[str, float]:
         "pp sends": e.comm_s["pp"],
         "dp sync + optimizer": e.comm_s["dp"],
         "ep all-to-all": e.comm_s.get("ep", 0.0),
+        "cp key/value traffic": e.comm_s.get("cp", 0.0),
     }
     rest = max(e.step_time_s - sum(comm.values()), 0.0)
     compute = rest / (1 + e.bubble_fraction)
@@ -733,6 +752,7 @@ def why_slower(loser: Evaluation, winner: Evaluation) -> str:
                 ("micro-batch", a.micro_batch, b.micro_batch),
                 ("tp", a.tp, b.tp),
                 ("ep", a.ep, b.ep),
+                ("cp", a.cp, b.cp),
             )
             if x != y
         ]
@@ -750,15 +770,19 @@ def why_slower(loser: Evaluation, winner: Evaluation) -> str:
     )
 
 
-def _why_none(engine: Search, profile: ModelProfile, cluster: ClusterSpec, shape: dict) -> str:
-    """Why a fixed (tp, pp) shape has no plan at all."""
-    tp, pp = shape["tp"], shape["pp"]
-    dp = cluster.num_gpus // (tp * pp)
+def _why_none(engine: Search, profile: ModelProfile, cluster: ClusterSpec, fixed: dict) -> str:
+    """Why a fixed shape (tp, pp, cp and the caller's other constraints) has no plan at all."""
+    tp, pp, cp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("cp", 1)
+    if cp > 1 and pp > 1:
+        return f"cp {cp} runs beside pp 1 only (parallelize refuses pipeline stages with cp)"
+    if cp > 1 and profile.cp_refusal:
+        return profile.cp_refusal
+    dp = cluster.num_gpus // (tp * pp * cp)
     if reason := profile.tp_analysis.check(tp, profile.graph):
         return reason
     if engine.ctx.global_batch % dp:
         return f"global batch {engine.ctx.global_batch} is not divisible by dp {dp}"
-    need = engine.least_memory_bytes(shape)
+    need = engine.least_memory_bytes(fixed)
     if need is not None:
         return (
             f"needs at least {need / 2**30:.1f} GiB per GPU for weights, gradients, optimizer state"
@@ -807,15 +831,7 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
                 "compute_s": float(
                     sum(
                         x.forward_s + x.backward_s
-                        for x in profile.segment_costs(
-                            c.tp,
-                            c.sequence_parallel,
-                            c.micro_batch,
-                            c.recompute,
-                            result.cluster.intra_node,
-                            c.ep,
-                            ep_links(c, result.cluster),
-                        )[start:end]
+                        for x in segment_costs_of(profile, c, result.cluster)[start:end]
                     )
                 ),
                 "memory_gib": (evaluation.stage_memory_bytes[device] + reserved) / 2**30,
@@ -845,6 +861,8 @@ def _written(result: SearchResult, evaluation: Evaluation, uncompressed: bool = 
             "tp": c.tp,
             "pp": c.pp,
             "ep": c.ep,
+            "cp": c.cp,
+            "cp_attention": c.cp_attention,
             "schedule": c.schedule,
             "virtual_stages": c.virtual_stages,
             "num_microbatches": c.num_microbatches,
@@ -935,18 +953,11 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
     which exists only with pp = 1) goes to the backward, so a device's forward_s + backward_s + 2 v
     p2p_s is its costed stage time.
     """
-    c, profile = evaluation.config, result.profile
-    sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
-    tp_link, pp_link = (axis_link(c.order, sizes, axis, result.cluster) for axis in ("tp", "pp"))
-    segment_costs = profile.segment_costs(
-        c.tp,
-        c.sequence_parallel,
-        c.micro_batch,
-        c.recompute,
-        tp_link,
-        c.ep,
-        ep_links(c, result.cluster),
-    )
+    profile = result.profile
+    c = evaluation.config.costed()  # one cp rank's share under cp
+    links = config_links(c, result.cluster)
+    tp_link, pp_link = links["tp"], links["pp"]
+    segment_costs = segment_costs_of(profile, c, result.cluster)
     tp_forward_s = [
         profile.tp_forward_comm_s(raw, c.tp, c.sequence_parallel, c.micro_batch, tp_link)
         for raw in profile.raw
@@ -959,7 +970,7 @@ def _stage_timings(result: SearchResult, evaluation: Evaluation) -> list[dict]:
             {
                 "forward_s": sum(s.forward_s + fwd for s, fwd in parts),
                 "backward_s": sum(
-                    s.backward_s + s.tp_comm_s + s.ep_comm_s - fwd for s, fwd in parts
+                    s.backward_s + s.tp_comm_s + s.ep_comm_s + s.cp_comm_s - fwd for s, fwd in parts
                 ),
                 "activation_gib": sum(s.activation_bytes for s, _ in parts) / 2**30,
             }

@@ -62,6 +62,16 @@ class Constraints(BaseModel):
     ep: Degree | None = Field(
         None, description="Expert-parallel degree (MoE experts over ep of the dp ranks)."
     )
+    cp: Degree | None = Field(
+        None,
+        description=(
+            "Context-parallel degree (each sequence over cp ranks); searched for a model it can"
+            " split (hyparallel.graph.context)."
+        ),
+    )
+    cp_attention: Literal["gather", "ring"] | None = Field(
+        None, description="How attention crosses the cp ranks (searched: both)."
+    )
     expert_imbalance: float | None = Field(
         None,
         ge=1.0,

@@ -140,6 +140,29 @@ def all_to_all_s(num_bytes: Figure, group_size: int, link: LinkSpec) -> Figure:
 EXPERT_IMBALANCE = 1.2
 EXCHANGES_PER_MOE_LAYER = 4
 
+# Note [context parallelism's costs]
+#     Under cp > 1 (hyparallel.runtime.context) a cp rank runs 1/cp of every sequence of its dp
+#     rank's micro-batch, and the search costs it as a data-parallel rank of dp x cp with 1/cp of a
+#     micro-batch's sequences (search.Config.costed):
+#     * compute and memory: every op on 1/cp of the tokens; attention's (query, key) pairs too,
+#       since the load-balanced chunks (i and 2 cp - 1 - i) give every rank the same number under a
+#       causal mask (the FLOPs a graph counts, 4 b heads T^2 d, are then split evenly);
+#     * weight gradients: shared by the dp x cp ranks (one group, the link it spans), ZeRO's shards
+#       over them too;
+#     * each attention's keys and values, as the trace shows them at the call (a model that repeats
+#       grouped-query heads before calling scaled_dot_product_attention moves the repeated ones), of
+#       this rank's tokens and tp's heads:
+#       - `gather`: all-gathered over cp forward and reduce-scattered backward, never overlapped
+#         (once more when the block is recomputed); the other ranks' keys and values are saved for
+#         the backward, so a layer holds the whole sequence's, which grows with the sequence as
+#         nothing else per rank does;
+#       - `ring`: cp - 1 steps each sending one block (forward: keys and values; backward: with
+#         their gradients, one more hop home), each step's send hidden under the step's share of
+#         the attention's compute on NCCL (batch_isend_irecv in flight while the block is
+#         computed), exposed whole on gloo, whose sends the CPU runs before the compute; a few
+#         blocks in flight, nothing saved beyond this rank's own.
+#     The planner writes the faster of the two; `hyparallel plan --top K` compares them.
+
 
 def p2p_s(num_bytes: float, link: LinkSpec) -> float:
     """One point-to-point send of ``num_bytes``."""

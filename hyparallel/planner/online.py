@@ -309,6 +309,7 @@ class Planner:
 
     def evaluate(self, cluster: ClusterSpec) -> float | None:
         """The plan's configuration's step time under ``cluster`` (None: it does not fit there)."""
+        from hyparallel.graph.context import takes_positions
         from hyparallel.planner.api import _router_loss_gathered
         from hyparallel.planner.constraints import Constraints
         from hyparallel.planner.profile import ModelProfile
@@ -322,6 +323,7 @@ class Planner:
             tr.seq_len,
             vocab_parallel_loss=self.plan.parallel.vocab_parallel_loss,
             router_loss_gathered=_router_loss_gathered(self.module),
+            takes_positions=takes_positions(self.module),
             **{k: v for k, v in asked(self.plan).items() if k == "expert_imbalance"},
         )
         best, _ = Search(profile, cluster, tr.global_batch, tr.dtype).best(

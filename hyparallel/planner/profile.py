@@ -17,6 +17,7 @@ from functools import cache, cached_property
 import networkx as nx
 
 from hyparallel.graph import ModelGraph, Op
+from hyparallel.graph.context import context_refusal
 from hyparallel.graph.structure import TPAnalysis
 from hyparallel.planner import costs
 from hyparallel.spec.cluster import ClusterSpec, LinkSpec
@@ -92,6 +93,8 @@ class _OpCost:
     # an activation's function name (Op.function): Note [activations a CPU computes]
     function: str = ""
     out_elements: float = 0.0  # elements of its output, one sequence
+    # an attention's keys and values as it reads them, one sequence: what context parallelism moves
+    kv_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,9 @@ class SegmentCost:
     expert_params: float = 0.0
     # of those, stacked experts with tp folded in (reduced over dp tp / ep ranks)
     folded_expert_params: float = 0.0
+    # context parallelism's key/value traffic left on the critical path, forward + backward (Note
+    # [context parallelism's costs] in costs.py)
+    cp_comm_s: float = 0.0
 
 
 def _under(module: str, path: str) -> bool:
@@ -207,6 +213,7 @@ class ModelProfile:
         vocab_parallel_loss: bool = True,
         expert_imbalance: float = costs.EXPERT_IMBALANCE,
         router_loss_gathered: bool = True,
+        takes_positions: bool = False,
     ):
         """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in
         api.py);
@@ -216,11 +223,15 @@ class ModelProfile:
         ``expert_imbalance``: the busiest expert-parallel rank's (token, expert) pairs over the
         mean (Note [expert parallelism's costs] in costs.py);
         ``vocab_parallel_loss``: the loss runs on each tp rank's slice of the logits wherever tp
-        splits the head (parallel.vocab_parallel_loss), else they are gathered for it."""
+        splits the head (parallel.vocab_parallel_loss), else they are gathered for it;
+        ``takes_positions``: the model's forward takes ``position_ids`` (context parallelism needs
+        them: hyparallel.graph.context; False when the planner has only a graph)."""
         self.graph, self.cluster, self.dtype, self.seq_len = graph, cluster, dtype, seq_len
         self.vocab_parallel_loss = vocab_parallel_loss
         self.expert_imbalance = expert_imbalance
         self.router_loss_gathered = router_loss_gathered
+        # why cp cannot split this model (None: it can), as parallelize would refuse it
+        self.cp_refusal = context_refusal(graph, takes_positions)
         self.traced_rows = traced_rows
         self.tp_analysis: TPAnalysis = graph.structure
         self.segments = graph.segments()
@@ -286,11 +297,36 @@ class ModelProfile:
         tp_link: LinkSpec,
         ep: int = 1,
         ep_links: tuple[LinkSpec, LinkSpec] | None = None,
+        cp: int = 1,
+        cp_link: LinkSpec | None = None,
+        cp_attention: str = "gather",
     ) -> tuple[SegmentCost, ...]:
         """The cost of every segment under one configuration (cached); ``ep`` > 1: its experts
         split over ep ranks, their all-to-alls over ``ep_links`` (a ModuleList's experts', stacked
-        experts': search.ep_links; Note [expert parallelism's costs] in costs.py)."""
+        experts': search.ep_links; Note [expert parallelism's costs] in costs.py); ``cp`` > 1:
+        ``micro_batch`` is one cp rank's share of a micro-batch (sequences / cp), and each
+        attention's keys and values cross the cp group over ``cp_link`` by ``cp_attention`` (Note
+        [context parallelism's costs] in costs.py)."""
         key = (tp, sequence_parallel, micro_batch, recompute, tp_link, ep, ep_links)
+        if cp > 1:
+            whole = (*key, cp, cp_link, cp_attention)
+            if whole not in self._cache:
+                base, by_twin = self.segment_costs(*key), {}
+                for index, (i, raw) in enumerate(zip(self._twin, self.raw)):
+                    if i not in by_twin:  # a repeated block's twins cost alike
+                        by_twin[i] = self._context_parallel(
+                            base[index],
+                            raw,
+                            tp,
+                            sequence_parallel,
+                            micro_batch,
+                            recompute,
+                            cp,
+                            cp_link,
+                            cp_attention,
+                        )
+                self._cache[whole] = tuple(by_twin[i] for i in self._twin)
+            return self._cache[whole]
         if ep > 1 and key not in self._cache:
             sp, b = sequence_parallel, micro_batch
             self._cache[key] = tuple(
@@ -445,14 +481,21 @@ class ModelProfile:
         tp_link: LinkSpec,
         ep: int = 1,
         ep_links: tuple[LinkSpec, LinkSpec] | None = None,
+        cp: int = 1,
+        cp_link: LinkSpec | None = None,
+        cp_attention: str = "gather",
     ) -> tuple[float, float, float]:
         """(seconds per micro-batch, parameters per rank, activation bytes) summed over all segments
         (cached)."""
         key = (tp, sequence_parallel, micro_batch, recompute, tp_link, ep, ep_links)
+        key += (cp, cp_link, cp_attention) if cp > 1 else ()
         if key not in self._totals:
             segments = self.segment_costs(*key)
             self._totals[key] = (
-                sum(s.forward_s + s.backward_s + s.tp_comm_s + s.ep_comm_s for s in segments),
+                sum(
+                    s.forward_s + s.backward_s + s.tp_comm_s + s.ep_comm_s + s.cp_comm_s
+                    for s in segments
+                ),
                 sum(s.params for s in segments),
                 sum(s.activation_bytes for s in segments),
             )
@@ -545,6 +588,54 @@ class ModelProfile:
             activation_bytes=saved * b,
             working_bytes=working * b,
             tensors=raw.tensors,
+        )
+
+    def _context_parallel(
+        self,
+        cost: SegmentCost,
+        raw: _SegmentRaw,
+        tp: int,
+        sp: bool,
+        share: float,
+        recompute: str,
+        cp: int,
+        link: LinkSpec | None,
+        kind: str,
+    ) -> SegmentCost:
+        """``cost`` (already of one cp rank's ``share`` of a micro-batch) with each attention's
+        keys and values crossing the cp group (Note [context parallelism's costs] in costs.py)."""
+        attentions = [op for op in raw.ops if op.kv_bytes]
+        if not attentions:
+            return cost
+        link = link or self.cluster.inter_node
+        device = self.cluster.device
+        peak = getattr(device.peak_flops, self.dtype)
+        serial = self.cluster.backend == "gloo"
+        recomputed = raw.is_block and recompute == "full"
+        comm = held = extra_working = 0.0
+        for op in attentions:
+            # this rank's keys and values: its share of the tokens, its tp ranks' heads
+            local = op.kv_bytes * share / (tp if op.style == "split" else 1)
+            if kind == "gather":
+                # all-gathered forward (again when recomputed), reduce-scattered backward
+                comm += (2 + recomputed) * costs.ring_allgather_s(local * cp, cp, link)
+                held += local * (cp - 1)  # the others' keys and values, saved for the backward
+            else:
+                forward, backward = _op_times(op, tp, sp, share, peak, device, serial)
+                send, both = costs.p2p_s(local, link), costs.p2p_s(2 * local, link)
+                # Note [context parallelism's costs]: each step's send under its block's compute
+                # (NCCL); gloo sends first
+                hidden_f, hidden_b = (0.0, 0.0) if serial else (forward / cp, backward / cp)
+                ring_forward = (cp - 1) * max(send - hidden_f, 0.0)
+                comm += (1 + recomputed) * ring_forward
+                comm += (cp - 1) * max(both - hidden_b, 0.0) + both
+                extra_working = max(extra_working, 4 * local)  # the blocks in flight
+        working = cost.working_bytes + max(held, extra_working)
+        return replace(
+            cost,
+            cp_comm_s=cost.cp_comm_s + comm,
+            activation_bytes=cost.activation_bytes + (0.0 if recomputed else held),
+            working_bytes=working,
         )
 
     def _expert_parallel(
@@ -840,6 +931,11 @@ class ModelProfile:
             tokens_in_m=kind == "linear" and bool(gemm),
             function=op.function if kind == "activation" else "",
             out_elements=sum(_numel(shape) for shape in op.output_shapes) / rows,
+            kv_bytes=(
+                sum(_numel(shape) for shape in op.input_shapes[1:3]) * self.dtype_bytes / rows
+                if op.kind == "attention" and len(op.input_shapes) >= 3
+                else 0.0
+            ),
         )
 
     def _quadratic_ops(self) -> set[str]:

@@ -66,16 +66,49 @@ class Config:
     # the search's (a constraint, not searched); costed under grad_compression powersgd
     powersgd_rank: int = 4
     ep: int = 1  # Note [expert parallelism] (hyparallel.runtime.experts); ep divides dp
+    # Note [context parallelism] (hyparallel.runtime.context): each sequence over cp ranks
+    cp: int = 1
+    cp_attention: str = "gather"
+    # costed(): dp already dp x cp and micro_batch one cp rank's share
+    costed_view: bool = False
+
+    def costed(self) -> Config:
+        """The configuration as the costs see one of its ranks (Note [context parallelism's costs]
+        in costs.py): under cp, a data-parallel rank of dp x cp with 1/cp of a micro-batch's
+        sequences; itself otherwise."""
+        if self.cp == 1 or self.costed_view:
+            return self
+        return replace(
+            self, dp=self.dp * self.cp, micro_batch=self.micro_batch / self.cp, costed_view=True
+        )
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks sharing the weight gradients: dp x cp."""
+        return self.dp if self.costed_view else self.dp * self.cp
+
+    def planned(self) -> Config:
+        """The configuration as a plan states it (``costed``'s inverse)."""
+        if not self.costed_view:
+            return self
+        return replace(
+            self,
+            dp=self.dp // self.cp,
+            micro_batch=round(self.micro_batch * self.cp),
+            costed_view=False,
+        )
 
     def __str__(self) -> str:
-        schedule = self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        c = self.planned()
+        schedule = c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "")
         return (
-            f"tp {self.tp} pp {self.pp} dp {self.dp}"
-            + (f" (ep {self.ep})" if self.ep > 1 else "")
-            + f", micro-batch {self.micro_batch} x"
-            f" {self.num_microbatches}, {schedule}, recompute {self.recompute}, ZeRO {self.zero},"
-            f" SP {'on' if self.sequence_parallel else 'off'}, order {','.join(self.order)}"
-            + (f", gradients {self.compression}" if self.compressed else "")
+            f"tp {c.tp} pp {c.pp} dp {c.dp}"
+            + (f" cp {c.cp} ({c.cp_attention})" if c.cp > 1 else "")
+            + (f" (ep {c.ep})" if c.ep > 1 else "")
+            + f", micro-batch {c.micro_batch} x"
+            f" {c.num_microbatches}, {schedule}, recompute {c.recompute}, ZeRO {c.zero},"
+            f" SP {'on' if c.sequence_parallel else 'off'}, order {','.join(c.order)}"
+            + (f", gradients {c.compression}" if c.compressed else "")
         )
 
     @property
@@ -147,6 +180,32 @@ def axis_link(
     )
 
 
+def config_links(c: Config, cluster: ClusterSpec) -> dict[str, LinkSpec]:
+    """The link each axis's groups talk over (``c`` costed: its dp is the gradients' dp x cp, a cp
+    axis right inside it, as hyparallel.spec.schema's mesh_shape lays it)."""
+    sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
+    links = {axis: axis_link(c.order, sizes, axis, cluster) for axis in ("tp", "pp", "dp")}
+    links["ep"], links["ep_stacked"] = ep_links(c, cluster)
+    if c.cp > 1:
+        order = tuple(a for axis in c.order for a in ((axis, "cp") if axis == "dp" else (axis,)))
+        shape = {**sizes, "dp": c.data_parallel // c.cp, "cp": c.cp}
+        links["cp"] = axis_link(order, shape, "cp", cluster)
+    return links
+
+
+def profile_key(c: Config, links: dict[str, LinkSpec]) -> tuple:
+    """What ModelProfile.segment_costs and totals take for ``c`` (costed: Config.costed)."""
+    ep_pair = (links["ep"], links["ep_stacked"])
+    key = (c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"], c.ep, ep_pair)
+    return key + ((c.cp, links["cp"], c.cp_attention) if c.cp > 1 else ())
+
+
+def segment_costs_of(profile: ModelProfile, c: Config, cluster: ClusterSpec):
+    """Every segment's cost under the plan's configuration ``c`` (costed as Config.costed)."""
+    k = c.costed()
+    return profile.segment_costs(*profile_key(k, config_links(k, cluster)))
+
+
 def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
     """Every configuration the constraints allow and the model's dimensions admit."""
     configs = []
@@ -157,29 +216,73 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
     def uneven(tp: int) -> str | None:  # a sequence tp does not divide (a ViT's 257 positions)
         return ctx.profile.tp_analysis.uneven_sequence(ctx.profile.graph, tp)
 
-    for tp, pp, dp in _layouts(ctx, fixed):
+    for tp, cp, pp, dp in _layouts(ctx, fixed):
+        # each cp rank's tokens split over tp by sequence parallelism
+        local = ctx.profile.seq_len // cp
+        sequence_split = (
+            tp > 1 and ctx.profile.num_blocks and not whole and not uneven(tp) and local % tp == 0
+        )
+        attentions = _cp_attentions(cp, fixed)
         for b in _divisors(ctx.global_batch // dp):
             m = ctx.global_batch // (dp * b)
             schedules = list(_schedules(pp, m, ctx.profile.num_blocks, fixed))
             options = itertools.product(
                 schedules,
                 _recomputes(ctx.profile, pp, fixed),
-                _zeros(pp, dp, fixed),
-                (
-                    (False, True)
-                    if tp > 1 and ctx.profile.num_blocks and not whole and not uneven(tp)
-                    else (False,)
-                ),  # Note [what needs blocks]
+                _zeros(pp, dp * cp, fixed),
+                (False, True) if sequence_split else (False,),  # Note [what needs blocks]
                 _orders(pp, dp, fixed),
             )
             configs.extend(
-                Config(tp, pp, dp, b, m, schedule, v, recompute, zero, sp, order, mode, rank, ep)
+                Config(
+                    tp,
+                    pp,
+                    dp,
+                    b,
+                    m,
+                    schedule,
+                    v,
+                    recompute,
+                    zero,
+                    sp,
+                    order,
+                    mode,
+                    rank,
+                    ep,
+                    cp,
+                    attention,
+                )
                 for (schedule, v), recompute, zero, sp, order in options
                 if fixed.get("micro_batch", b) == b and fixed.get("sequence_parallel", sp) == sp
-                for mode in _compressions(dp, zero, fixed)
-                for ep in _expert_degrees(ctx, dp, fixed)
+                for mode in _compressions(dp * cp, zero, fixed)
+                for ep in (_expert_degrees(ctx, dp, fixed) if cp == 1 else (1,))
+                if ep == fixed.get("ep", ep)
+                for attention in attentions
             )
     return configs
+
+
+def _cp_attentions(cp: int, fixed: dict) -> tuple[str, ...]:
+    """How attention crosses cp ranks: the one asked for, else both (costs.py's Note [context
+    parallelism's costs] prices them)."""
+    if cp == 1:
+        return (fixed.get("cp_attention", "gather"),)
+    return (fixed["cp_attention"],) if "cp_attention" in fixed else ("gather", "ring")
+
+
+def _context_degrees(ctx: _Context, per_tp: int, fixed: dict) -> list[int]:
+    """The context-parallel degrees of a layout: 1, and for a model context parallelism can split
+    (hyparallel.graph.context) every cp dividing the GPUs left by tp whose 2 cp chunks divide the
+    sequence (the runtime's rule); only the one asked for when fixed."""
+    if fixed.get("cp", 1) > 1 and ctx.profile.cp_refusal:
+        return []
+    splittable = ctx.profile.cp_refusal is None and ctx.profile.seq_len
+    degrees = [
+        cp
+        for cp in _divisors(per_tp)
+        if cp == 1 or (splittable and ctx.profile.seq_len % (2 * cp) == 0)
+    ]
+    return [cp for cp in degrees if fixed.get("cp", cp) == cp]
 
 
 def _expert_degrees(ctx: _Context, dp: int, fixed: dict) -> tuple[int, ...]:
@@ -225,8 +328,8 @@ def _compressions(dp: int, zero: int, fixed: dict) -> tuple[str, ...]:
 
 
 def _layouts(ctx: _Context, fixed: dict):
-    """(tp, pp, dp) triples: tp valid for the model and inside a node unless fixed; dp divides the
-    batch."""
+    """(tp, cp, pp, dp): tp valid for the model and inside a node unless fixed; cp as
+    _context_degrees allows, beside pp 1 only (the runtime's rule); dp divides the batch."""
     n = ctx.cluster.num_gpus
     for tp in _divisors(n):
         # tp leaves a node only when asked
@@ -237,15 +340,16 @@ def _layouts(ctx: _Context, fixed: dict):
             or ctx.profile.tp_analysis.check(tp, ctx.profile.graph)
         ):
             continue
-        for pp in _divisors(n // tp):
-            dp = n // (tp * pp)
-            if (
-                fixed.get("pp", pp) == pp
-                and fixed.get("dp", dp) == dp
-                and pp <= len(ctx.profile.segments)
-                and ctx.global_batch % dp == 0
-            ):
-                yield tp, pp, dp
+        for cp in _context_degrees(ctx, n // tp, fixed):
+            for pp in _divisors(n // (tp * cp)) if cp == 1 else (1,):
+                dp = n // (tp * cp * pp)
+                if (
+                    fixed.get("pp", pp) == pp
+                    and fixed.get("dp", dp) == dp
+                    and pp <= len(ctx.profile.segments)
+                    and ctx.global_batch % dp == 0
+                ):
+                    yield tp, cp, pp, dp
 
 
 def _orders(pp: int, dp: int, fixed: dict) -> tuple[tuple[str, ...], ...]:
@@ -412,18 +516,12 @@ class Search:
     # ---- one configuration ------------------------------------------------------------------
 
     def _links(self, c: Config) -> dict[str, LinkSpec]:
-        sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
-        links = {
-            axis: axis_link(c.order, sizes, axis, self.ctx.cluster) for axis in ("tp", "pp", "dp")
-        }
-        links["ep"], links["ep_stacked"] = ep_links(c, self.ctx.cluster)
-        return links
+        return config_links(c, self.ctx.cluster)
 
     @staticmethod
     def _profile_key(c: Config, links) -> tuple:
-        """What ModelProfile.segment_costs and totals take for ``c``."""
-        ep_links = (links["ep"], links["ep_stacked"])
-        return (c.tp, c.sequence_parallel, c.micro_batch, c.recompute, links["tp"], c.ep, ep_links)
+        """What ModelProfile.segment_costs and totals take for ``c`` (costed: Config.costed)."""
+        return profile_key(c, links)
 
     def _segment_costs(self, c: Config, links) -> tuple[SegmentCost, ...]:
         return self.ctx.profile.segment_costs(*self._profile_key(c, links))
@@ -459,6 +557,7 @@ class Search:
         so one bound holds for every mode; the memory bound counts PowerSGD's residuals, not its
         buffers.
         """
+        c = c.costed()
         if self._memory_bound(c) > self.ctx.cluster.device.usable_memory_bytes:
             return None
         links = self._links(c)
@@ -477,6 +576,7 @@ class Search:
     def _memory_bound(self, c: Config) -> float:
         """Per-GPU memory no stage boundaries go below: the stages' mean, with the fewest
         micro-batches in flight."""
+        c = c.costed()
         links = self._links(c)
         _, params, act = self.ctx.profile.totals(*self._profile_key(c, links))
         state = costs.state_bytes_per_param(self.ctx.dtype, c.zero, c.dp, c.grad_compression)
@@ -529,6 +629,9 @@ class Search:
 
     def evaluate(self, c: Config) -> Evaluation:
         """Step time, memory and the best stage boundaries of one configuration."""
+        return _as_planned(self._evaluate(c.costed()))
+
+    def _evaluate(self, c: Config) -> Evaluation:
         self.evaluated += 1
         links = self._links(c)
         tables = self._tables(c, links)
@@ -545,12 +648,13 @@ class Search:
         """``c`` with Megatron-LM's layout whatever its schedule: equal blocks per (virtual) stage,
         what precedes and follows them with the first and the last (for comparing with runs that
         used it; the search balances stages by time under memory instead)."""
+        c = c.costed()
         links = self._links(c)
         tables = self._tables(c, links)
         chunks = _interleaved_chunks(
             len(tables.segments), self.ctx.profile, c.pp * c.virtual_stages
         )
-        return self._finish(c, links, tables, chunks, _devices(c, chunks))
+        return _as_planned(self._finish(c, links, tables, chunks, _devices(c, chunks)))
 
     def _stage_terms(
         self, c: Config, links, *quantities: np.ndarray, stage: int
@@ -777,6 +881,7 @@ class Search:
         dp_tail = max(tails)
         tp_comm = sum(seg.tp_comm_s for seg in tables.segments) * c.num_microbatches / c.pp
         ep_comm = sum(seg.ep_comm_s for seg in tables.segments) * c.num_microbatches / c.pp
+        cp_comm = sum(seg.cp_comm_s for seg in tables.segments) * c.num_microbatches / c.pp
         evaluation = Evaluation(
             config=c,
             feasible=fits,
@@ -790,6 +895,7 @@ class Search:
                 "dp": dp_tail,
                 "pp": self._p2p_s(c, links) * (c.num_microbatches + c.pp - 1),
                 **({"ep": ep_comm} if c.ep > 1 else {}),
+                **({"cp": cp_comm} if c.cp > 1 else {}),
             },
             bubble_fraction=costs.bubble_fraction(c.pp, c.num_microbatches, v),
         )
@@ -815,15 +921,17 @@ class Search:
         Timed whatever its memory (it may need more than the device has: 16-bit ZeRO gathers save
         some), so its ``step_time_s`` is the step the same plan would take uncompressed.
         """
-        c = replace(evaluation.config, grad_compression="none")
+        c = replace(evaluation.config, grad_compression="none").costed()
         links = self._links(c)
-        return self._finish(
-            c,
-            links,
-            self._tables(c, links),
-            evaluation.stages,
-            _devices(c, evaluation.stages),
-            limit=math.inf,
+        return _as_planned(
+            self._finish(
+                c,
+                links,
+                self._tables(c, links),
+                evaluation.stages,
+                _devices(c, evaluation.stages),
+                limit=math.inf,
+            )
         )
 
 
@@ -841,6 +949,12 @@ class Search:
 #     per virtual stage past a device's first: 100 GiB per GPU for a 1T GPT at pp 64 with 512
 #     micro-batches). Measured: gpt-mini pp 2, 1F1B with 16 micro-batches of 1, stage 1 at 1.04 x
 #     the prediction without them (benchmarks/prediction.py).
+
+
+def _as_planned(evaluation: Evaluation) -> Evaluation:
+    """``evaluation`` of a costed configuration, stating it as the plan does (Config.planned)."""
+    evaluation.config = evaluation.config.planned()
+    return evaluation
 
 
 def _devices(c: Config, chunks: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
@@ -910,7 +1024,7 @@ class _Tables:
         loss_s = loss_s if loss_s is not None else [0.0] * self.n
         self.t = prefix(
             [
-                s.forward_s + s.backward_s + s.tp_comm_s + s.ep_comm_s + extra
+                s.forward_s + s.backward_s + s.tp_comm_s + s.ep_comm_s + s.cp_comm_s + extra
                 for s, extra in zip(segments, loss_s)
             ]
         )

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from hyparallel.graph import ModelGraph
+from hyparallel.graph.context import attention_sites, context_refusal, takes_positions
 from hyparallel.graph.tracer import split_inputs
 from hyparallel.spec.errors import ConfigError
 from hyparallel.spec.schema import Plan
@@ -54,39 +55,15 @@ from hyparallel.tensor.context import (
     unshard_sequence,
 )
 
-# the attention kernels the split takes; every other attention op is refused
-_SPLIT_TARGETS = {"scaled_dot_product_attention"}
-_SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax", "Softmax"}
-
 
 def check_context_parallel(model: nn.Module, plan: Plan, graph: ModelGraph) -> list[str]:
-    """The refusals of Note [context parallelism] that the model and its trace show; returns the
-    module of each attention the forward makes, in call order."""
+    """The refusals of Note [context parallelism] that the model and its trace show
+    (hyparallel.graph.context); returns the module of each attention the forward makes, in call
+    order."""
     cp = plan.parallel.cp
-    name = type(model).__name__
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        raise ConfigError(
-            f"{name}.forward takes no position_ids: context parallelism {cp} gives each rank's"
-            " tokens their global positions through it; add a position_ids argument used where"
-            " the positions are computed, or set cp: 1"
-        )
-    sites = []
-    for op in graph.ops:
-        where = op.module or name
-        if op.kind == "attention" and op.target not in _SPLIT_TARGETS:
-            raise ConfigError(
-                f"{where}: context parallelism {cp} splits scaled_dot_product_attention, not"
-                f" {op.target}; call F.scaled_dot_product_attention there, or set cp: 1"
-            )
-        if op.kind == "attention":
-            sites.append(where)
-        shape = op.output_shapes[0] if op.output_shapes else ()
-        if op.target in _SOFTMAX and len(shape) >= 2 and shape[-1] == shape[-2] > 1:
-            raise ConfigError(
-                f"{where}: attention computed by hand ({op.target} over {shape[-2]} x"
-                f" {shape[-1]} scores) cannot be split by context parallelism {cp}; call"
-                " F.scaled_dot_product_attention there, or set cp: 1"
-            )
+    reason = context_refusal(graph, takes_positions(model), type(model).__name__)
+    if reason:
+        raise ConfigError(reason.replace("context parallelism", f"context parallelism {cp}", 1))
     par, seq_len = plan.parallel, plan.training.seq_len
     if par.sequence_parallel and (seq_len // cp) % par.tp:
         raise ConfigError(
@@ -94,12 +71,7 @@ def check_context_parallel(model: nn.Module, plan: Plan, graph: ModelGraph) -> l
             f" cp {cp}) over tp {par.tp}, which does not divide them; change seq_len, or set"
             " sequence_parallel: false"
         )
-    if not sites:
-        raise ConfigError(
-            f"{name} makes no scaled_dot_product_attention call: context parallelism {cp} has no"
-            " attention to split (a model without one needs no cp); set cp: 1"
-        )
-    return sites
+    return attention_sites(graph)
 
 
 @dataclass

@@ -483,6 +483,13 @@ class CommTime(_Section):
             " forward and backward, never overlapped); absent without ep."
         ),
     )
+    cp: NonNegativeFloat | None = Field(
+        None,
+        description=(
+            "Context parallelism's key/value traffic of one device over the step that compute does"
+            " not hide (gathers and reduce-scatters, or ring steps); absent without cp."
+        ),
+    )
 
 
 class UncompressedTime(_Section):

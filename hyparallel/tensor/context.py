@@ -80,16 +80,20 @@ def context_parallel_attention(
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's queries over the whole sequence, whose
     keys and values are split over ``group`` as ``shard_sequence`` splits them along dim -2 ((batch,
-    heads, tokens, head size), the same heads for keys and values as for queries); differentiable,
-    the keys' and values' gradients summed on the ranks holding them (Note [context-parallel
-    attention])."""
+    heads, tokens, head size); fewer key and value heads than query heads are grouped-query
+    attention's, gathered before they are repeated); differentiable, the keys' and values'
+    gradients summed on the ranks holding them (Note [context-parallel attention])."""
     cp = dist.get_world_size(group)
+    repeat = q.size(-3) // k.size(-3)  # gathered as few, then each key head for its queries
     if cp == 1:
+        k, v = (x.repeat_interleave(repeat, -3) for x in (k, v)) if repeat > 1 else (k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     rank = dist.get_rank(group)
     local = q.size(-2)
     keys = all_gather_seq(k.contiguous(), k.dim() - 2, group)
     values = all_gather_seq(v.contiguous(), v.dim() - 2, group)
+    if repeat > 1:
+        keys, values = keys.repeat_interleave(repeat, -3), values.repeat_interleave(repeat, -3)
     mask = None
     if is_causal:
         length = local * cp
@@ -334,7 +338,7 @@ def _split(
     if refusal:
         raise ValueError(f"{where}: context parallelism cannot split {refusal}")
     repeat = query.size(1) // key.size(1)  # grouped-query attention: each key head for its queries
-    if repeat > 1:
+    if repeat > 1 and _Split.kind == "ring":  # the gather repeats them once gathered
         key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
     attend = ring_attention if _Split.kind == "ring" else context_parallel_attention
     _Split.calls += 1

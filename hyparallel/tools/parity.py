@@ -275,7 +275,8 @@ def check_layouts(
         CheckReport(
             model=model,
             layout={k: layout.get(k, 1) for k in ("dp", "tp", "pp")}
-            | ({"ep": layout["ep"]} if layout.get("ep", 1) > 1 else {}),
+            | ({"ep": layout["ep"]} if layout.get("ep", 1) > 1 else {})
+            | ({"cp": layout["cp"]} if layout.get("cp", 1) > 1 else {}),
             verdict="failed",
         )
         for layout in layouts
@@ -327,7 +328,8 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, 
     loss_fn = hp.models.load_callable(loss, "loss function") if loss else None
     model = hp.models.load(spec).module
     worlds = [
-        layout.get("world") or r.layout["dp"] * r.layout["tp"] * r.layout["pp"]
+        layout.get("world")
+        or r.layout["dp"] * r.layout["tp"] * r.layout["pp"] * r.layout.get("cp", 1)
         for layout, r in zip(layouts, reports)
     ]
     # two micro-batches or more for a pipeline; the planner's pick: room for any dp
@@ -362,7 +364,7 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, 
     for index in order:
         layout, report = layouts[index], reports[index]
         constraints = {
-            k: v for k, v in layout.items() if k not in ("dp", "tp", "pp", "ep", "world")
+            k: v for k, v in layout.items() if k not in ("dp", "tp", "pp", "ep", "cp", "world")
         }
         if loss_fn is not None:  # Note [the loss a check trains]: the logits gathered for it
             constraints.setdefault("vocab_parallel_loss", False)
@@ -408,9 +410,13 @@ def _prepare(spec, layouts, reports, folder, steps, seq_len, micro_batch, seed, 
             continue
         report.plan = _plan_summary(plan)
         if "world" in layout:
-            report.layout = {"dp": plan.parallel.dp, "tp": plan.parallel.tp, "pp": plan.parallel.pp}
+            par = plan.parallel
+            report.layout = {"dp": par.dp, "tp": par.tp, "pp": par.pp}
+            report.layout |= {"cp": par.cp} if par.cp > 1 else {}
             report.plan = {
-                "picked": f"dp {plan.parallel.dp} x tp {plan.parallel.tp} x pp {plan.parallel.pp}",
+                "picked": f"dp {par.dp}"
+                + (f" x cp {par.cp}" if par.cp > 1 else "")
+                + f" x tp {par.tp} x pp {par.pp}",
                 **report.plan,
             }
         # Note [the loss a check trains]: a loss of the user's, over the layout's micro-batches

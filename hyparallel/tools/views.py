@@ -169,12 +169,16 @@ def time_breakdown(plan: Plan) -> Table:
             else "data-parallel gradient sync + optimizer step"
         ): pred.comm_s.dp,
     }
+    if pred.comm_s.ep is not None:
+        parts["expert-parallel all-to-alls"] = pred.comm_s.ep
+    if pred.comm_s.cp is not None:
+        parts["context-parallel key/value traffic (exposed)"] = pred.comm_s.cp
     rest = max(pred.step_time_s - sum(parts.values()), 0.0)
     compute = min(m * max(per_device, default=0.0), rest)
     if compute:
         other = "pipeline bubble and stage imbalance" + (
             f", ZeRO-{plan.parallel.zero} traffic per micro-batch"
-            if plan.parallel.zero >= 2 and plan.parallel.dp > 1
+            if plan.parallel.zero >= 2 and plan.parallel.dp * plan.parallel.cp > 1
             else ""
         )
         parts = {"compute (m x slowest stage)": compute, **parts, other: rest - compute}
