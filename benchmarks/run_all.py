@@ -678,6 +678,54 @@ BENCHMARKS.append(
 )
 
 
+def render_cp_vs_one(outcome: Outcome) -> tuple[str, list[str]]:
+    """cp_vs_one.py: each side's step time and peak per rank, and their ratios to one process."""
+    sides = outcome.figures["sides"]
+    best = min((s for s in sides if s != "one process"), key=lambda s: sides[s]["peak_ratio"])
+    summary = (
+        f"{best}: peak per rank x{sides[best]['peak_ratio']:.2f}, step"
+        f" x{sides[best]['time_ratio']:.2f} of one process's (losses equal)"
+    )
+    lines = [
+        "Peer: one process training the same batch from the same weights in the same run; ratios"
+        " are cp / one process (peak: the largest rank's).",
+        "",
+        *_table(
+            ["side", "ms/step", "x one process", "peak MiB per rank", "x one process", "loss"],
+            "lrrrrr",
+            [
+                [
+                    name,
+                    f"{f['step_s'] * 1e3:.1f}",
+                    f"{f['time_ratio']:.2f}",
+                    ", ".join(f"{p * 1024:.1f}" for p in f["peak_gib_per_rank"]),
+                    f"{f['peak_ratio']:.2f}",
+                    f"{f['loss']:.6f}",
+                ]
+                for name, f in sides.items()
+            ],
+        ),
+        "",
+        f"Sizes {outcome.figures['args']}.",
+    ]
+    return summary, lines
+
+
+BENCHMARKS.append(
+    Benchmark(
+        "cp_vs_one",
+        "Context parallelism 2 against one process on a long sequence",
+        "A GPT (hidden 128, 2 layers, 4 heads) training one 8,192-token sequence: in one process,"
+        " then under cp 2 over 2 gloo processes with keys and values gathered and passed round a"
+        " ring; step time and peak tensor memory per rank, in one run.",
+        render_cp_vs_one,
+        quick_args=("--seq", "1024", "--steps", "2"),
+        distributed=True,
+        timeout_s=600,
+    )
+)
+
+
 def render_published_cp(outcome: Outcome) -> tuple[str, list[str]]:
     """published_cp.py: each published row's tokens per second per GPU and memory against the
     predictions (gather and ring), and the planner's own pick."""

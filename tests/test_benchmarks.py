@@ -803,3 +803,18 @@ def test_the_expert_parallel_benchmarks_render_their_ratio_and_error():
         in (text)
     )
     assert "1,600 (ring) | +50.0% | 90.0 | 0.10 | dp 1 x cp 8 (ring)" in text
+    sides = {
+        "one process": {"step_s": 2.5, "peak_gib_per_rank": [0.16], "time_ratio": 1.0},
+        "cp 2 (gather)": {"step_s": 3.4, "peak_gib_per_rank": [0.1, 0.11], "time_ratio": 1.36},
+        "cp 2 (ring)": {"step_s": 3.3, "peak_gib_per_rank": [0.1, 0.1], "time_ratio": 1.32},
+    }
+    for side, ratio in zip(sides.values(), (1.0, 0.69, 0.63)):
+        side |= {"peak_ratio": ratio, "loss": 5.569044}
+    summary, lines = run_all.render_cp_vs_one(
+        run_all.Outcome(
+            "cp_vs_one", "torchrun benchmarks/cp_vs_one.py", "ok", 40, {"sides": sides, "args": {}}
+        )
+    )
+    # the side with the smallest peak per rank in the summary
+    assert summary == "cp 2 (ring): peak per rank x0.63, step x1.32 of one process's (losses equal)"
+    assert "| cp 2 (gather) | 3400.0 | 1.36 | 102.4, 112.6 | 0.69 | 5.569044 |" in "\n".join(lines)

@@ -82,39 +82,170 @@ def context_parallel_attention(
     keys and values are split over ``group`` as ``shard_sequence`` splits them along dim -2 ((batch,
     heads, tokens, head size); fewer key and value heads than query heads are grouped-query
     attention's, gathered before they are repeated); differentiable, the keys' and values'
-    gradients summed on the ranks holding them (Note [context-parallel attention])."""
+    gradients summed on the ranks holding them (Note [context-parallel attention], Note [attention
+    by chunk pairs])."""
     cp = dist.get_world_size(group)
     repeat = q.size(-3) // k.size(-3)  # gathered as few, then each key head for its queries
     if cp == 1:
         k, v = (x.repeat_interleave(repeat, -3) for x in (k, v)) if repeat > 1 else (k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-    rank = dist.get_rank(group)
-    local = q.size(-2)
     keys = all_gather_seq(k.contiguous(), k.dim() - 2, group)
     values = all_gather_seq(v.contiguous(), v.dim() - 2, group)
     if repeat > 1:
         keys, values = keys.repeat_interleave(repeat, -3), values.repeat_interleave(repeat, -3)
-    mask = None
-    if is_causal:
-        length = local * cp
-        mine = positions(length, cp, rank, q.device)
-        every = torch.cat([positions(length, cp, r, q.device) for r in range(cp)])
-        mask = mine[:, None] >= every[None, :]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    return _Gathered.apply(q, keys, values, cp, dist.get_rank(group), is_causal, scale)
+
+
+# Note [attention by chunk pairs]
+#     Under the load-balanced split a rank's queries are two chunks of the sequence (i and 2 cp -
+#     1 - i) and so is every rank's block of keys. Between one query chunk a and one key chunk b the
+#     causal mask is all or nothing or the plain triangle: b < a sees every key, b = a is causal
+#     within the chunk, b > a sees none. So attention is computed chunk pair by chunk pair, skipping
+#     the invisible ones (each rank then computes its share of the (query, key) pairs and no more),
+#     and no mask over the sequence is ever built (a (tokens x sequence) mask, which
+#     scaled_dot_product_attention also turns into floats, is quadratic in the length). Each pair's
+#     result is merged by log-sum-exp; the backward recomputes each pair's probabilities from the
+#     final output and log-sum-exp (the flash-attention backward), query rows a tile at a time, so
+#     that no more than a (tile x chunk) score matrix per head exists at once. Plain matrix
+#     products: exact in fp32 on any device; a GPU would run a fused kernel per pair.
+
+_TILE_ELEMENTS = 1 << 20  # scores per tile (batch x heads x query rows x chunk keys): 4 MiB in fp32
+
+
+def _visible(a: int, b: int, causal: bool) -> str | None:
+    """How query chunk ``a`` sees key chunk ``b``: "all", "causal" (the same chunk) or None."""
+    if not causal:
+        return "all"
+    return "all" if b < a else "causal" if a == b else None
+
+
+def _tiles(q: torch.Tensor, keys: int) -> list[slice]:
+    rows = q.size(-2)
+    per = max(1, _TILE_ELEMENTS // max(1, q[..., 0, 0].numel() * keys))
+    return [slice(start, min(start + per, rows)) for start in range(0, rows, per)]
+
+
+def _scores(q, k, scale, how: str, rows: slice) -> torch.Tensor:
+    scores = q[..., rows, :] @ k.transpose(-1, -2) * scale
+    if how == "causal":  # query row r of the chunk sees keys 0..r
+        index = torch.arange(k.size(-2), device=q.device)
+        mine = torch.arange(rows.start, rows.stop, device=q.device)
+        scores = scores.masked_fill(index[None, :] > mine[:, None], float("-inf"))
+    return scores
+
+
+def _pair_forward(q, k, v, scale, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of query chunk ``q`` over key chunk ``k``, ``v``."""
+    outs, lses = [], []
+    for rows in _tiles(q, k.size(-2)):
+        scores = _scores(q, k, scale, how, rows)
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.exp(scores - lse[..., None]) @ v)
+        lses.append(lse)
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+def _merge(out, lse, part_out, part_lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial softmaxes over disjoint keys as one (rows without keys so far: -inf)."""
+    merged = torch.logaddexp(lse, part_lse)
+    keep = torch.where(torch.isfinite(merged), torch.exp(lse - merged), 0.0)
+    take = torch.where(torch.isfinite(merged), torch.exp(part_lse - merged), 0.0)
+    return out * keep[..., None] + part_out * take[..., None], merged
+
+
+def _pair_backward(q, k, v, scale, how, grad_out, lse, delta, grad_q, grad_k, grad_v) -> None:
+    """Add query chunk ``q``'s pair with key chunk ``k``, ``v`` to the three gradients, from the
+    final ``lse`` and ``delta`` (rowsum of grad_out x out)."""
+    for rows in _tiles(q, k.size(-2)):
+        weights = torch.exp(_scores(q, k, scale, how, rows) - lse[..., rows, None])
+        grad = grad_out[..., rows, :]
+        grad_v.add_(weights.transpose(-1, -2) @ grad)
+        grad_scores = weights * (grad @ v.transpose(-1, -2) - delta[..., rows, None])
+        grad_q[..., rows, :].add_(grad_scores @ k * scale)
+        grad_k.add_(grad_scores.transpose(-1, -2) @ q[..., rows, :] * scale)
+
+
+def _attend_block(q, k, v, cp, rank, source, causal, scale, out, lse):
+    """Merge this rank's queries' attention over rank ``source``'s block of keys into (out, lse),
+    chunk pair by chunk pair (Note [attention by chunk pairs])."""
+    mine, theirs = chunks_of(cp, rank), chunks_of(cp, source)
+    outs, lses = list(out.chunk(2, -2)), list(lse.chunk(2, -1))
+    for x, (query, a) in enumerate(zip(q.chunk(2, -2), mine)):
+        for key, value, b in zip(k.chunk(2, -2), v.chunk(2, -2), theirs):
+            if how := _visible(a, b, causal):
+                part = _pair_forward(query, key, value, scale, how)
+                outs[x], lses[x] = _merge(outs[x], lses[x], *part)
+    return torch.cat(outs, -2), torch.cat(lses, -1)
+
+
+def _block_backward(q, k, v, cp, rank, source, causal, scale, grad_out, lse, delta):
+    """(dq, dk, dv) of this rank's queries' attention over rank ``source``'s block."""
+    mine, theirs = chunks_of(cp, rank), chunks_of(cp, source)
+    grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    rows = zip(
+        q.chunk(2, -2),
+        grad_q.chunk(2, -2),
+        grad_out.chunk(2, -2),
+        lse.chunk(2, -1),
+        delta.chunk(2, -1),
+        mine,
+    )
+    for query, d_query, d_out, row_lse, row_delta, a in rows:
+        columns = zip(k.chunk(2, -2), v.chunk(2, -2), grad_k.chunk(2, -2), grad_v.chunk(2, -2))
+        for (key, value, d_key, d_value), b in zip(columns, theirs):
+            if how := _visible(a, b, causal):
+                _pair_backward(
+                    query, key, value, scale, how, d_out, row_lse, row_delta, d_query, d_key,
+                    d_value,
+                )  # fmt: skip
+    return grad_q, grad_k, grad_v
+
+
+def _empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros_like(q), torch.full(
+        q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device
+    )
+
+
+class _Gathered(torch.autograd.Function):
+    """This rank's queries over every rank's keys and values (gathered, in rank order)."""
+
+    @staticmethod
+    def forward(ctx, q, keys, values, cp, rank, causal, scale):
+        out, lse = _empty_result(q)
+        for source, (k, v) in enumerate(zip(keys.chunk(cp, -2), values.chunk(cp, -2))):
+            out, lse = _attend_block(q, k, v, cp, rank, source, causal, scale, out, lse)
+        ctx.save_for_backward(q, keys, values, out, lse)
+        ctx.cp, ctx.rank, ctx.causal, ctx.scale = cp, rank, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, keys, values, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1)
+        grad_q, grad_keys, grad_values = torch.zeros_like(q), [], []
+        for source, (k, v) in enumerate(zip(keys.chunk(ctx.cp, -2), values.chunk(ctx.cp, -2))):
+            dq, dk, dv = _block_backward(
+                q, k, v, ctx.cp, ctx.rank, source, ctx.causal, ctx.scale, grad_out, lse, delta
+            )
+            grad_q += dq
+            grad_keys.append(dk)
+            grad_values.append(dv)
+        return grad_q, torch.cat(grad_keys, -2), torch.cat(grad_values, -2), None, None, None, None
 
 
 # Note [ring attention]
 #     The ring keeps one block of keys and values per rank at a time: at step s rank r holds the
-#     block of rank r - s, attends its queries to it (masked by global positions) and passes it on
-#     to rank r + 1 while the next arrives. Each step's partial result is merged into the running
-#     one by its log-sum-exp (lse = log(e^lse_a + e^lse_b), out = out_a e^(lse_a - lse) + out_b
-#     e^(lse_b - lse)), which is exactly the softmax over every key (Liu et al. 2023, Ring
-#     Attention; Megatron-Core's p2p context parallelism). The backward goes round the ring again:
-#     with the final output and lse saved, each block's softmax is recomputed, the queries'
-#     gradient accumulates in place, and the keys' and values' gradients travel with their block,
-#     gathering every rank's share, one more hop bringing them home. Here each block's attention is
-#     plain matrix products (any device, fp32 exact); a GPU ring would run a fused kernel that
-#     returns the lse.
+#     block of rank r - s, attends its queries to it (chunk pair by chunk pair: Note [attention by
+#     chunk pairs]) and passes it on to rank r + 1 while the next arrives. Each step's partial
+#     result is merged into the running one by its log-sum-exp (lse = log(e^lse_a + e^lse_b), out =
+#     out_a e^(lse_a - lse) + out_b e^(lse_b - lse)), which is exactly the softmax over every key
+#     (Liu et al. 2023, Ring Attention; Megatron-Core's p2p context parallelism). The backward goes
+#     round the ring again: with the final output and lse saved, each block's softmax is
+#     recomputed, the queries' gradient accumulates in place, and the keys' and values' gradients
+#     travel with their block, gathering every rank's share, one more hop bringing them home.
 
 
 def ring_attention(
@@ -148,41 +279,17 @@ def _ring_step(x: list[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]
     return received
 
 
-def _block_mask(length: int, cp: int, rank: int, source: int, device) -> torch.Tensor:
-    """Which keys of rank ``source``'s block the queries of rank ``rank`` may see (causal)."""
-    mine = positions(length, cp, rank, device)
-    theirs = positions(length, cp, source, device)
-    return mine[:, None] >= theirs[None, :]
-
-
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, is_causal, scale):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        length = q.size(-2) * cp
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        out, lse = _empty_result(q)
         block = [k, v]
         for step in range(cp):
             source = (rank - step) % cp
             # the next block travels while this one is computed (on gloo: before)
             pending = _ring_step(block, group) if step < cp - 1 else None
-            scores = q @ block[0].transpose(-1, -2) * scale
-            if is_causal:
-                mask = _block_mask(length, cp, rank, source, q.device)
-                scores = scores.masked_fill(~mask, float("-inf"))
-            block_lse = torch.logsumexp(scores, dim=-1)
-            # rows that see no key of this block: no weight, and no NaN from exp(-inf - -inf)
-            seen = torch.isfinite(block_lse)
-            weights = torch.where(
-                seen[..., None], torch.exp(scores - block_lse[..., None]), torch.zeros_like(scores)
-            )
-            block_out = weights @ block[1]
-            merged = torch.logaddexp(lse, block_lse)
-            keep = torch.where(torch.isfinite(merged), torch.exp(lse - merged), 0.0)
-            take = torch.where(seen, torch.exp(block_lse - merged), 0.0)
-            out = out * keep[..., None] + block_out * take[..., None]
-            lse = merged
+            out, lse = _attend_block(q, *block, cp, rank, source, is_causal, scale, out, lse)
             block = pending
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.is_causal, ctx.scale = group, is_causal, scale
@@ -193,32 +300,25 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        length = q.size(-2) * cp
         grad_out = grad_out.contiguous()
-        delta = (grad_out * out).sum(dim=-1, keepdim=True)
+        delta = (grad_out * out).sum(-1)
         grad_q = torch.zeros_like(q)
         # the block in hand and its keys' and values' gradients so far, travelling together
         block = [k, v, torch.zeros_like(k), torch.zeros_like(v)]
         for step in range(cp):
             source = (rank - step) % cp
             key, value, grad_k, grad_v = block
-            scores = q @ key.transpose(-1, -2) * scale
-            if ctx.is_causal:
-                mask = _block_mask(length, cp, rank, source, q.device)
-                scores = scores.masked_fill(~mask, float("-inf"))
-            weights = torch.where(
-                torch.isfinite(lse)[..., None],
-                torch.exp(scores - lse[..., None]),
-                torch.zeros_like(scores),
+            dq, dk, dv = _block_backward(
+                q, key, value, cp, rank, source, ctx.is_causal, scale, grad_out, lse, delta
             )
-            grad_v = grad_v + weights.transpose(-1, -2) @ grad_out
-            grad_scores = weights * (grad_out @ value.transpose(-1, -2) - delta)
-            grad_q = grad_q + grad_scores @ key * scale
-            grad_k = grad_k + grad_scores.transpose(-1, -2) @ q * scale
+            grad_q += dq
+            grad_k, grad_v = grad_k + dk, grad_v + dv
             if step < cp - 1:
                 block = _ring_step([key, value, grad_k, grad_v], group)
+            else:
+                block = [key, value, grad_k, grad_v]
         # one hop further than the blocks went: each rank's own keys' and values' gradients
-        grad_k, grad_v = _ring_step([grad_k, grad_v], group)
+        grad_k, grad_v = _ring_step(block[2:], group)
         return grad_q, grad_k, grad_v, None, None, None
 
 
