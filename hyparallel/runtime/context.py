@@ -20,12 +20,16 @@ Note [context parallelism]
     flattened mesh, torchtitan's dp_shard_cp). A loss_fn returning a mean is refused: a mean over
     each rank's tokens, averaged, is one device's only when every rank counts as many.
 
+    A transformers model's padding ``attention_mask`` (2-D, either side) is taken off the call whole
+    (transformers drops a mask for an attention function it makes none for) and handed to the
+    split attention by a pre-hook of the model's, masking every rank's keys.
+
     Refused before the first collective, naming the module: a model whose forward takes no
     ``position_ids`` (its positions would be local), attention computed by hand (a softmax over a
     (tokens x tokens) product) or by another kernel (flex attention, nn.MultiheadAttention), no
-    attention at all, and Hugging Face ``labels`` (the model's own shift would pair tokens across
-    the cut). At run time: a padding ``attention_mask`` (transformers drops a mask for an attention
-    function it does not know), and a forward that made fewer split attentions than its trace has.
+    attention at all. At a call: Hugging Face ``labels`` (the model's own shift would pair tokens
+    across the cut), a padding mask of any other model, and a forward that made fewer split
+    attentions than its trace has.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from hyparallel.tensor.context import (
     TRANSFORMERS_ATTENTION,
     positions,
     register_transformers_attention,
+    set_key_padding,
     shard_sequence,
     split_attention,
     unshard_sequence,
@@ -72,6 +77,15 @@ def check_context_parallel(model: nn.Module, plan: Plan, graph: ModelGraph) -> l
             " sequence_parallel: false"
         )
     return attention_sites(graph)
+
+
+# the keyword a cut call carries a transformers model's whole padding mask under, to its pre-hook
+KEY_PADDING = "_hyparallel_key_padding"
+
+
+def _take_key_padding(module, args, kwargs):
+    set_key_padding(kwargs.pop(KEY_PADDING, None))
+    return args, kwargs
 
 
 @dataclass
@@ -97,18 +111,32 @@ class SequenceCut:
                 " token inside its forward, across the cut; pass the shifted targets to"
                 " train_step or eval_step instead (the default loss reads them)"
             )
-        mask = bound.pop("attention_mask", None) if self.hf else bound.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-            raise ConfigError(
-                "context parallelism cannot split an attention_mask with padding yet (transformers"
-                " would drop it for the split attention); pad with -100 targets instead of masked"
-                " tokens, or set cp: 1"
-            )
+        padding = None
+        if self.hf:  # transformers would drop it for the split attention: given to it whole
+            mask = bound.pop("attention_mask", None)
+            if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+                if mask.dim() != 2 or mask.size(1) != length:
+                    raise ConfigError(
+                        f"context parallelism takes a (batch, {length}) attention_mask of padding,"
+                        f" not one of shape {tuple(mask.shape)}; pass the 2-D padding mask, or"
+                        " set cp: 1"
+                    )
+                padding = mask.bool()
+        elif isinstance(bound.get("attention_mask"), torch.Tensor):
+            if not bool(bound["attention_mask"].all()):
+                raise ConfigError(
+                    "context parallelism splits a padding attention_mask of a transformers model"
+                    " only (any other model builds its own mask, which the split attention"
+                    " refuses); pad with -100 targets instead of masked tokens, or set cp: 1"
+                )
         if "position_ids" not in bound:
             first = next(t for t in bound.values() if isinstance(t, torch.Tensor))
             where = positions(length, self.cp, self.rank, first.device)
             bound["position_ids"] = where[None].expand(first.size(0), -1)
-        return self._cut_tree(bound, length), self._cut_tree(targets, length), length
+        cut = self._cut_tree(bound, length)
+        if padding is not None:  # whole: every rank's keys are masked by it
+            cut[KEY_PADDING] = padding
+        return cut, self._cut_tree(targets, length), length
 
     def _cut_tree(self, tree: Any, length: int) -> Any:
         def cut(value):
@@ -157,6 +185,8 @@ class ContextParallel:
         )
         params = list(inspect.signature(model.forward).parameters)
         self.cutter = SequenceCut(self.cp, self.rank, params, hf)
+        if hf:  # the whole padding mask, taken off the call before the model sees it
+            model.register_forward_pre_hook(_take_key_padding, with_kwargs=True)
 
     def cut(self, inputs: Any, targets: Any = None) -> tuple[dict, Any, int]:
         """``SequenceCut.cut`` for this rank."""

@@ -77,24 +77,37 @@ def context_parallel_attention(
     *,
     is_causal: bool,
     scale: float | None = None,
+    key_padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's queries over the whole sequence, whose
     keys and values are split over ``group`` as ``shard_sequence`` splits them along dim -2 ((batch,
     heads, tokens, head size); fewer key and value heads than query heads are grouped-query
     attention's, gathered before they are repeated); differentiable, the keys' and values'
     gradients summed on the ranks holding them (Note [context-parallel attention], Note [attention
-    by chunk pairs])."""
+    by chunk pairs]). ``key_padding``: (batch, whole sequence) booleans, False for keys no query
+    may see (padding), in the sequence's own order."""
     cp = dist.get_world_size(group)
     repeat = q.size(-3) // k.size(-3)  # gathered as few, then each key head for its queries
     if cp == 1:
         k, v = (x.repeat_interleave(repeat, -3) for x in (k, v)) if repeat > 1 else (k, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        return _whole(q, k, v, is_causal, scale, key_padding)
     keys = all_gather_seq(k.contiguous(), k.dim() - 2, group)
     values = all_gather_seq(v.contiguous(), v.dim() - 2, group)
     if repeat > 1:
         keys, values = keys.repeat_interleave(repeat, -3), values.repeat_interleave(repeat, -3)
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    return _Gathered.apply(q, keys, values, cp, dist.get_rank(group), is_causal, scale)
+    rank = dist.get_rank(group)
+    return _Gathered.apply(q, keys, values, cp, rank, is_causal, scale, key_padding)
+
+
+def _whole(q, k, v, is_causal: bool, scale, key_padding) -> torch.Tensor:
+    """A group of one: scaled_dot_product_attention, the padding as a mask beside the causal one."""
+    if key_padding is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    mask = key_padding[:, None, None, :]
+    if is_causal:
+        mask = mask & torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 # Note [attention by chunk pairs]
@@ -126,22 +139,29 @@ def _tiles(q: torch.Tensor, keys: int) -> list[slice]:
     return [slice(start, min(start + per, rows)) for start in range(0, rows, per)]
 
 
-def _scores(q, k, scale, how: str, rows: slice) -> torch.Tensor:
+def _scores(q, k, scale, how: str, rows: slice, keep) -> torch.Tensor:
     scores = q[..., rows, :] @ k.transpose(-1, -2) * scale
     if how == "causal":  # query row r of the chunk sees keys 0..r
         index = torch.arange(k.size(-2), device=q.device)
         mine = torch.arange(rows.start, rows.stop, device=q.device)
         scores = scores.masked_fill(index[None, :] > mine[:, None], float("-inf"))
+    if keep is not None:  # (batch, keys): padding no query sees
+        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
     return scores
 
 
-def _pair_forward(q, k, v, scale, how: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of query chunk ``q`` over key chunk ``k``, ``v``."""
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with rows that see no key (-inf: every key padding) at 0, so their weights are 0."""
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+def _pair_forward(q, k, v, scale, how: str, keep) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of query chunk ``q`` over key chunk ``k``, ``v`` (``keep``: its keys' padding)."""
     outs, lses = [], []
     for rows in _tiles(q, k.size(-2)):
-        scores = _scores(q, k, scale, how, rows)
+        scores = _scores(q, k, scale, how, rows, keep)
         lse = torch.logsumexp(scores, dim=-1)
-        outs.append(torch.exp(scores - lse[..., None]) @ v)
+        outs.append(torch.exp(scores - _finite(lse)[..., None]) @ v)
         lses.append(lse)
     return torch.cat(outs, -2), torch.cat(lses, -1)
 
@@ -154,11 +174,12 @@ def _merge(out, lse, part_out, part_lse) -> tuple[torch.Tensor, torch.Tensor]:
     return out * keep[..., None] + part_out * take[..., None], merged
 
 
-def _pair_backward(q, k, v, scale, how, grad_out, lse, delta, grad_q, grad_k, grad_v) -> None:
+def _pair_backward(q, k, v, scale, how, keep, grad_out, lse, delta, grad_q, grad_k, grad_v) -> None:
     """Add query chunk ``q``'s pair with key chunk ``k``, ``v`` to the three gradients, from the
     final ``lse`` and ``delta`` (rowsum of grad_out x out)."""
+    lse = _finite(lse)
     for rows in _tiles(q, k.size(-2)):
-        weights = torch.exp(_scores(q, k, scale, how, rows) - lse[..., rows, None])
+        weights = torch.exp(_scores(q, k, scale, how, rows, keep) - lse[..., rows, None])
         grad = grad_out[..., rows, :]
         grad_v.add_(weights.transpose(-1, -2) @ grad)
         grad_scores = weights * (grad @ v.transpose(-1, -2) - delta[..., rows, None])
@@ -166,22 +187,31 @@ def _pair_backward(q, k, v, scale, how, grad_out, lse, delta, grad_q, grad_k, gr
         grad_k.add_(grad_scores.transpose(-1, -2) @ q[..., rows, :] * scale)
 
 
-def _attend_block(q, k, v, cp, rank, source, causal, scale, out, lse):
+def _keeps(padding, cp: int, source: int) -> list:
+    """The key padding of rank ``source``'s two chunks (None, None without padding)."""
+    if padding is None:
+        return [None, None]
+    return list(shard_sequence(padding, 1, cp, source).chunk(2, -1))
+
+
+def _attend_block(q, k, v, cp, rank, source, causal, scale, out, lse, padding=None):
     """Merge this rank's queries' attention over rank ``source``'s block of keys into (out, lse),
     chunk pair by chunk pair (Note [attention by chunk pairs])."""
     mine, theirs = chunks_of(cp, rank), chunks_of(cp, source)
+    keeps = _keeps(padding, cp, source)
     outs, lses = list(out.chunk(2, -2)), list(lse.chunk(2, -1))
     for x, (query, a) in enumerate(zip(q.chunk(2, -2), mine)):
-        for key, value, b in zip(k.chunk(2, -2), v.chunk(2, -2), theirs):
+        for key, value, b, keep in zip(k.chunk(2, -2), v.chunk(2, -2), theirs, keeps):
             if how := _visible(a, b, causal):
-                part = _pair_forward(query, key, value, scale, how)
+                part = _pair_forward(query, key, value, scale, how, keep)
                 outs[x], lses[x] = _merge(outs[x], lses[x], *part)
     return torch.cat(outs, -2), torch.cat(lses, -1)
 
 
-def _block_backward(q, k, v, cp, rank, source, causal, scale, grad_out, lse, delta):
+def _block_backward(q, k, v, cp, rank, source, causal, scale, grad_out, lse, delta, padding=None):
     """(dq, dk, dv) of this rank's queries' attention over rank ``source``'s block."""
     mine, theirs = chunks_of(cp, rank), chunks_of(cp, source)
+    keeps = _keeps(padding, cp, source)
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     rows = zip(
         q.chunk(2, -2),
@@ -193,11 +223,11 @@ def _block_backward(q, k, v, cp, rank, source, causal, scale, grad_out, lse, del
     )
     for query, d_query, d_out, row_lse, row_delta, a in rows:
         columns = zip(k.chunk(2, -2), v.chunk(2, -2), grad_k.chunk(2, -2), grad_v.chunk(2, -2))
-        for (key, value, d_key, d_value), b in zip(columns, theirs):
+        for (key, value, d_key, d_value), b, keep in zip(columns, theirs, keeps):
             if how := _visible(a, b, causal):
                 _pair_backward(
-                    query, key, value, scale, how, d_out, row_lse, row_delta, d_query, d_key,
-                    d_value,
+                    query, key, value, scale, how, keep, d_out, row_lse, row_delta, d_query,
+                    d_key, d_value,
                 )  # fmt: skip
     return grad_q, grad_k, grad_v
 
@@ -212,12 +242,12 @@ class _Gathered(torch.autograd.Function):
     """This rank's queries over every rank's keys and values (gathered, in rank order)."""
 
     @staticmethod
-    def forward(ctx, q, keys, values, cp, rank, causal, scale):
+    def forward(ctx, q, keys, values, cp, rank, causal, scale, padding):
         out, lse = _empty_result(q)
         for source, (k, v) in enumerate(zip(keys.chunk(cp, -2), values.chunk(cp, -2))):
-            out, lse = _attend_block(q, k, v, cp, rank, source, causal, scale, out, lse)
+            out, lse = _attend_block(q, k, v, cp, rank, source, causal, scale, out, lse, padding)
         ctx.save_for_backward(q, keys, values, out, lse)
-        ctx.cp, ctx.rank, ctx.causal, ctx.scale = cp, rank, causal, scale
+        ctx.cp, ctx.rank, ctx.causal, ctx.scale, ctx.padding = cp, rank, causal, scale, padding
         return out
 
     @staticmethod
@@ -228,12 +258,14 @@ class _Gathered(torch.autograd.Function):
         grad_q, grad_keys, grad_values = torch.zeros_like(q), [], []
         for source, (k, v) in enumerate(zip(keys.chunk(ctx.cp, -2), values.chunk(ctx.cp, -2))):
             dq, dk, dv = _block_backward(
-                q, k, v, ctx.cp, ctx.rank, source, ctx.causal, ctx.scale, grad_out, lse, delta
-            )
+                q, k, v, ctx.cp, ctx.rank, source, ctx.causal, ctx.scale, grad_out, lse, delta,
+                ctx.padding,
+            )  # fmt: skip
             grad_q += dq
             grad_keys.append(dk)
             grad_values.append(dv)
-        return grad_q, torch.cat(grad_keys, -2), torch.cat(grad_values, -2), None, None, None, None
+        keys_grad, values_grad = torch.cat(grad_keys, -2), torch.cat(grad_values, -2)
+        return grad_q, keys_grad, values_grad, None, None, None, None, None
 
 
 # Note [ring attention]
@@ -256,14 +288,15 @@ def ring_attention(
     *,
     is_causal: bool,
     scale: float | None = None,
+    key_padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``context_parallel_attention`` by a ring of key/value blocks (Note [ring attention]): the
     same result, one other rank's keys and values held at a time."""
     cp = dist.get_world_size(group)
     if cp == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        return _whole(q, k, v, is_causal, scale, key_padding)
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    return _Ring.apply(q, k.contiguous(), v.contiguous(), group, is_causal, scale)
+    return _Ring.apply(q, k.contiguous(), v.contiguous(), group, is_causal, scale, key_padding)
 
 
 def _ring_step(x: list[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]:
@@ -281,7 +314,7 @@ def _ring_step(x: list[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, is_causal, scale):
+    def forward(ctx, q, k, v, group, is_causal, scale, padding):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         out, lse = _empty_result(q)
         block = [k, v]
@@ -289,10 +322,12 @@ class _Ring(torch.autograd.Function):
             source = (rank - step) % cp
             # the next block travels while this one is computed (on gloo: before)
             pending = _ring_step(block, group) if step < cp - 1 else None
-            out, lse = _attend_block(q, *block, cp, rank, source, is_causal, scale, out, lse)
+            out, lse = _attend_block(
+                q, *block, cp, rank, source, is_causal, scale, out, lse, padding
+            )
             block = pending
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.is_causal, ctx.scale = group, is_causal, scale
+        ctx.group, ctx.is_causal, ctx.scale, ctx.padding = group, is_causal, scale, padding
         return out
 
     @staticmethod
@@ -309,8 +344,9 @@ class _Ring(torch.autograd.Function):
             source = (rank - step) % cp
             key, value, grad_k, grad_v = block
             dq, dk, dv = _block_backward(
-                q, key, value, cp, rank, source, ctx.is_causal, scale, grad_out, lse, delta
-            )
+                q, key, value, cp, rank, source, ctx.is_causal, scale, grad_out, lse, delta,
+                ctx.padding,
+            )  # fmt: skip
             grad_q += dq
             grad_k, grad_v = grad_k + dk, grad_v + dv
             if step < cp - 1:
@@ -319,7 +355,7 @@ class _Ring(torch.autograd.Function):
                 block = [key, value, grad_k, grad_v]
         # one hop further than the blocks went: each rank's own keys' and values' gradients
         grad_k, grad_v = _ring_step(block[2:], group)
-        return grad_q, grad_k, grad_v, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None
 
 
 # Note [context parallelism in a transformers model]
@@ -348,6 +384,14 @@ class _Split:
     group: ProcessGroup | None = None
     kind: str = "gather"
     calls: int = 0  # split attentions computed since split_attention was entered
+    # (batch, whole sequence) booleans of the micro-batch running, False for padding keys
+    padding: torch.Tensor | None = None
+
+
+def set_key_padding(padding: torch.Tensor | None) -> None:
+    """The key padding of the forward about to run inside ``split_attention`` (a transformers
+    model's attention_mask, whole; None: no padding)."""
+    _Split.padding = padding
 
 
 class _TakeAttention(TorchFunctionMode):
@@ -372,26 +416,26 @@ def split_attention(group: ProcessGroup, kind: str = "gather") -> Iterator[_Spli
         with _TakeAttention():
             yield _Split
     finally:
-        _Split.group = None
+        _Split.group, _Split.padding = None, None
 
 
 def recompute_contexts() -> tuple[Any, Any]:
     """``torch.utils.checkpoint``'s ``context_fn`` for a block checkpointed inside
     ``split_attention``: its recompute (in the backward, where the mode is not in force) splits
     attention over the same group again, never alone."""
-    group, kind = _Split.group, _Split.kind
+    group, kind, padding = _Split.group, _Split.kind, _Split.padding
     if group is None:
         return contextlib.nullcontext(), contextlib.nullcontext()
 
     @contextlib.contextmanager
     def again() -> Iterator[None]:
-        saved = _Split.group, _Split.kind, _Split.calls
-        _Split.group, _Split.kind = group, kind
+        saved = _Split.group, _Split.kind, _Split.calls, _Split.padding
+        _Split.group, _Split.kind, _Split.padding = group, kind, padding
         try:
             with _TakeAttention():
                 yield
         finally:
-            _Split.group, _Split.kind, _Split.calls = saved
+            _Split.group, _Split.kind, _Split.calls, _Split.padding = saved
 
     return contextlib.nullcontext(), again()
 
@@ -442,7 +486,7 @@ def _split(
         key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
     attend = ring_attention if _Split.kind == "ring" else context_parallel_attention
     _Split.calls += 1
-    return attend(query, key, value, group, is_causal=True, scale=scale)
+    return attend(query, key, value, group, is_causal=True, scale=scale, key_padding=_Split.padding)
 
 
 def _split_sdpa(

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import hyparallel as hp
 from hyparallel.spec.errors import ConfigError
+from hyparallel.tensor.init import materialize_
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -125,6 +126,40 @@ def run_case(name: str) -> dict:
     return {**result, "losses": losses, "ref_losses": ref["losses"]}
 
 
+def padded_case() -> dict:
+    """transformers' Llama with padded rows (an attention_mask, the padding's targets -100)
+    at dp 2 x cp 2, keys gathered and then passed round a ring: the first step's loss and every
+    gradient, and a call's logits, against one process given the same mask."""
+    spec = LLAMA
+    inputs, targets = pw.batch(spec, pw.SEED)
+    lengths = torch.tensor([16, 12, 9, 16, 5, 16, 14, 11])
+    mask = (torch.arange(pw.SEQ)[None] < lengths[:, None]).long()
+    # and rows padded on the left, whose real tokens would otherwise see the padding's keys
+    mask[1], mask[6] = mask[1].flip(0), mask[6].flip(0)
+    targets = targets.masked_fill(mask == 0, -100)
+    batch = {"input_ids": inputs, "attention_mask": mask}
+    one = materialize_(hp.models.load(spec).module, "cpu", seed=pw.SEED)
+    output = one(**batch)
+    loss = pw.token_cross_entropy(output, targets)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in one.named_parameters()}
+    result = {"parameter_groups": harness.parameter_groups(one)}
+    for kind in ("gather", "ring"):
+        model = hp.models.load(spec).module
+        plan = cp_plan(spec, dict(dp=2, tp=1, micro_batch=2), 2, kind)
+        pmodel = hp.parallelize(model, plan, seed=pw.SEED, device="cpu")
+        got = pmodel.train_step(pmodel.shard(batch), pmodel.shard(targets)).item()
+        assert abs(got - loss.item()) <= pw.RTOL * loss.item(), (kind, got, loss.item())
+        checked, worst = pw.compare(pmodel, model, grads, True)
+        logits = pw.logits_of(pmodel(pmodel.shard(batch)))
+        torch.testing.assert_close(
+            logits, pmodel.shard(pw.logits_of(output).detach()), rtol=pw.RTOL, atol=1e-5
+        )
+        result[kind] = {"loss": got, "ref_loss": loss.item(), "checked": checked, "worst": worst}
+        result["dp_rank"], result["cp_rank"] = pmodel.dp_rank, pmodel.context.rank
+    return result
+
+
 def checkpoint_case(directory: Path) -> dict:
     """Two steps at dp 2 x cp 2 under ZeRO 1 (the shards over dp x cp), saved; loaded at dp 4 (cp
     1), where the third step's loss and the parameters after it are one device's."""
@@ -166,7 +201,7 @@ def checkpoint_case(directory: Path) -> dict:
 
 def main() -> None:
     harness.init()
-    names = sys.argv[2:] or [*CASES, "checkpoint-cp2-to-dp4"]
+    names = sys.argv[2:] or [*CASES, "checkpoint-cp2-to-dp4", "llama-padded-dp2-cp2"]
     directory = Path(sys.argv[1]).parent / "checkpoints"
     harness.run_cases(
         sys.argv[1],
@@ -174,7 +209,11 @@ def main() -> None:
             (
                 name,
                 lambda name=name: (
-                    checkpoint_case(directory) if name.startswith("checkpoint") else run_case(name)
+                    checkpoint_case(directory)
+                    if name.startswith("checkpoint")
+                    else padded_case()
+                    if name.endswith("padded-dp2-cp2")
+                    else run_case(name)
                 ),
             )
             for name in names
