@@ -259,6 +259,13 @@ def test_sequence_parallelism_must_divide_each_ranks_tokens():
     )
     with pytest.raises(ConfigError, match=r"each rank's 12 tokens .* over tp 8"):
         check_context_parallel(module, plan, graph)
+    # selective recomputation would keep what none keeps: refused, and never planned
+    selective = Plan.from_dict({**_plan(cp=2), "parallel": {"cp": 2, "recompute": "selective"}})
+    with pytest.raises(ConfigError, match="recompute selective beside context parallelism 2"):
+        check_context_parallel(module, selective, graph)
+    cluster = hp.ClusterSpec.preset("cpu", num_nodes=1, gpus_per_node=2)
+    result = hp.search(module, cluster, 4, 16, "fp32", cp=2, top=50)
+    assert {e.config.recompute for e in result.best} <= {"none", "full"}
     # a plain SDPA model passes, its one attention site per block named
     ok = Plan.from_dict(_plan(cp=2))
     assert check_context_parallel(module, ok, graph) == ["layers.0.attn"]
@@ -365,7 +372,7 @@ def test_ring_holds_one_block_where_gather_holds_the_whole_sequence():
     for kind in ("gather", "ring"):
         result = hp.search(
             model, cluster, 1, 65536, "bf16", dp=1, tp=1, pp=1, cp=8, zero=3,
-            recompute="selective", micro_batch=1, cp_attention=kind,
+            recompute="none", micro_batch=1, cp_attention=kind,
         )  # fmt: skip
         evaluation = result.best[0]
         peaks[kind], traffic[kind] = evaluation.peak_memory_bytes, evaluation.comm_s["cp"]

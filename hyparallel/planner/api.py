@@ -572,6 +572,11 @@ def _nothing_found(
         )
     if cp > 1 and constraints.get("pp", 1) > 1:
         return f"cp {cp} runs beside pp 1 only (parallelize refuses pipeline stages with cp)"
+    if cp > 1 and constraints.get("recompute") == "selective":
+        return (
+            f"recompute selective beside cp {cp}: the split attention makes no (sequence x"
+            " sequence) tensor for it to recompute; use recompute none or full"
+        )
     if "tp" in constraints and (reason := analysis.nothing_split(constraints["tp"], graph)):
         return reason
     if "tp" in constraints and (reason := analysis.check(constraints["tp"], graph)):

@@ -228,7 +228,8 @@ def enumerate_configs(ctx: _Context, fixed: dict) -> list[Config]:
             schedules = list(_schedules(pp, m, ctx.profile.num_blocks, fixed))
             options = itertools.product(
                 schedules,
-                _recomputes(ctx.profile, pp, fixed),
+                # selective has nothing to recompute in the split attention (the runtime's rule)
+                [r for r in _recomputes(ctx.profile, pp, fixed) if cp == 1 or r != "selective"],
                 _zeros(pp, dp * cp, fixed),
                 (False, True) if sequence_split else (False,),  # Note [what needs blocks]
                 _orders(pp, dp, fixed),

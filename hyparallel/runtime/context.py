@@ -70,6 +70,12 @@ def check_context_parallel(model: nn.Module, plan: Plan, graph: ModelGraph) -> l
     if reason:
         raise ConfigError(reason.replace("context parallelism", f"context parallelism {cp}", 1))
     par, seq_len = plan.parallel, plan.training.seq_len
+    if par.recompute == "selective":
+        raise ConfigError(
+            f"recompute selective beside context parallelism {cp}: the split attention makes no"
+            " (sequence x sequence) tensor for it to recompute, so it would keep what none keeps;"
+            " use recompute none or full"
+        )
     if par.sequence_parallel and (seq_len // cp) % par.tp:
         raise ConfigError(
             f"sequence parallelism splits each rank's {seq_len // cp} tokens (seq_len {seq_len} /"
