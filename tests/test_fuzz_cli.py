@@ -428,6 +428,8 @@ NUMERIC_FLAGS = [  # (command, flag, bound): hyparallel.spec.limits'
     ("plan", "--dp", limits.MAX_DEVICES),
     ("plan", "--ep", limits.MAX_DEVICES),
     ("check", "--ep", limits.MAX_GPUS_PER_NODE),
+    ("plan", "--cp", limits.MAX_DEVICES),
+    ("check", "--cp", limits.MAX_GPUS_PER_NODE),
     ("plan", "--top", limits.MAX_TOP),
     ("plan", "--powersgd-rank", limits.MAX_POWERSGD_RANK),
     # from 2: "1" is never drawn as bad
