@@ -157,10 +157,11 @@ EXCHANGES_PER_MOE_LAYER = 4
 #         the backward, so a layer holds the whole sequence's, which grows with the sequence as
 #         nothing else per rank does;
 #       - `ring`: cp - 1 steps each sending one block (forward: keys and values; backward: with
-#         their gradients, one more hop home), each step's send hidden under the step's share of
-#         the attention's compute on NCCL (batch_isend_irecv in flight while the block is
-#         computed), exposed whole on gloo, whose sends the CPU runs before the compute; a few
-#         blocks in flight, nothing saved beyond this rank's own.
+#         their gradients, one more hop home), each step's send beside the step's share of the
+#         attention's compute on NCCL (batch_isend_irecv in flight while the block is computed:
+#         overlapped_s, what does not fit plus OVERLAP_CONTENTION of what does), exposed whole on
+#         gloo, whose sends the CPU runs before the compute; a few blocks in flight, nothing saved
+#         beyond this rank's own.
 #     The planner writes the faster of the two; `hyparallel plan --top K` compares them.
 
 

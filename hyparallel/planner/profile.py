@@ -623,12 +623,11 @@ class ModelProfile:
             else:
                 forward, backward = _op_times(op, tp, sp, share, peak, device, serial)
                 send, both = costs.p2p_s(local, link), costs.p2p_s(2 * local, link)
-                # Note [context parallelism's costs]: each step's send under its block's compute
-                # (NCCL); gloo sends first
-                hidden_f, hidden_b = (0.0, 0.0) if serial else (forward / cp, backward / cp)
-                ring_forward = (cp - 1) * max(send - hidden_f, 0.0)
+                # Note [context parallelism's costs]: each step's send beside its block's compute
+                # (NCCL: what does not fit, plus contention); gloo sends first
+                ring_forward = (cp - 1) * float(costs.overlapped_s(send, forward / cp, serial))
                 comm += (1 + recomputed) * ring_forward
-                comm += (cp - 1) * max(both - hidden_b, 0.0) + both
+                comm += (cp - 1) * float(costs.overlapped_s(both, backward / cp, serial)) + both
                 extra_working = max(extra_working, 4 * local)  # the blocks in flight
         working = cost.working_bytes + max(held, extra_working)
         return replace(
