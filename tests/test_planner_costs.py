@@ -683,10 +683,10 @@ def test_the_loss_is_vocab_parallel_unless_asked_and_each_way_is_priced_as_it_ru
     difference = (gathered.predicted.comm_s.tp - vocab.predicted.comm_s.tp) / vocab.num_microbatches
     assert difference == pytest.approx(per_micro_batch, rel=1e-4)
     # At least the saved fp32 tensor's other half (4 - 4/2 bytes per logit), at most every loss
-    # tensor whole (Note [the loss's memory]: 4 saved, 8 transient, 6 of gloo's late frees, less the
-    # 2 + 2 split).
+    # tensor whole (Note [the loss's memory]: 4 saved, 8 transient, 6 of gloo's late frees, the
+    # logits' other half 2 (Note [the gathered logits]), less the 2 + 2 split).
     extra = (gathered.predicted.memory_gib[0] - vocab.predicted.memory_gib[0]) * 2**30 / logits
-    assert 2 <= extra <= 14
+    assert 2 <= extra <= 16
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])

@@ -105,8 +105,9 @@ def test_a_real_step_stays_under_the_prediction(tmp_path: Path, repo):
     # its state (so the count is not blind). The count sees frees made on gloo's threads (Note
     # [measuring a CPU peak]); measured over two runs of each (an Intel Xeon, 2 cores): pp
     # 0.91-0.94, dp 0.82-0.98, tp with the vocab-parallel loss 0.835, with sequence parallelism too
-    # 0.87-0.90, tp with the logits gathered 0.86-0.96 (with Note [gloo's late frees] in profile.py;
-    # 0.95-1.06 without it, an AMD EPYC).
+    # 0.87-0.90, tp with the logits gathered 0.90 (0.998 when gloo freed the logits' all-gather
+    # late, in CI: Note [gloo's late frees] and Note [the gathered logits] in profile.py; 1.03 in CI
+    # before the second).
     cases = (
         "pp2-1f1b-bf16",
         "pp2-1f1b-fp32",

@@ -548,6 +548,15 @@ class ModelProfile:
         else:
             saved += raw.loss_saved
             working = raw.loss_working
+            if tp > 1:
+                # Note [the gathered logits]
+                #     Gathered for the loss, the logits are whole on every rank, and the caller
+                #     (train_step, a user's loop) holds them until the loss's backward is done;
+                #     the head's output the graph counts is the column's 1/tp of them. Measured:
+                #     gpt-tiny tp 2 on the CPU peaked in log_softmax's backward with the whole
+                #     logits alive, half the logits over the prediction without this (and the
+                #     late frees below).
+                working += raw.logits_bytes * (1 - 1 / tp)
         if serial and tp > 1 and not self.vocab_split(tp):
             # Note [gloo's late frees]
             #     gloo's worker thread drops a collective's work object, and with it the tensors it
