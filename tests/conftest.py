@@ -38,6 +38,9 @@ LAUNCH_VARIABLES = (
     "TRITON_INTERPRET",
 )
 LAUNCH_PREFIXES = ("TORCHELASTIC_", "HYPARALLEL_", "DLROVER_")
+# a file each launch's cases append their seconds to (profiling the suite), read before the
+# environment is cleaned
+CASE_TIMES = os.environ.get("HYPARALLEL_CASE_TIMES")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -156,7 +159,13 @@ def torchrun(
         p.read_text() for p in sorted(out.parent.glob(f"{out.name}.rank*"))
     )  # tests/distributed/harness.py
     assert proc.returncode == 0 or teardown_only, (failures or proc.stderr)[-4000:]
-    return {ranks[0]["case"]: ranks for ranks in map(json.loads, out.read_text().splitlines())}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    if CASE_TIMES:
+        with open(CASE_TIMES, "a") as times:
+            for ranks in rows:
+                seconds = max(r.get("case_seconds", 0.0) for r in ranks)
+                times.write(f"{seconds:8.2f} {script} {ranks[0]['case']}\n")
+    return {ranks[0]["case"]: ranks for ranks in rows}
 
 
 def selected_cases(request: pytest.FixtureRequest, cases: list[str], sweep: list[str]) -> list[str]:

@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -74,8 +75,10 @@ def run_cases(out_path: str, cases: Iterable[tuple[str, Callable[[], dict]]]) ->
     """
     rank, rows = dist.get_rank(), []
     for name, case in cases:
+        start = time.perf_counter()
         try:
             result = {"case": name, "rank": rank, **case()}
+            result.setdefault("case_seconds", time.perf_counter() - start)
         except BaseException:  # noqa: BLE001 -- any failure, assertion or not, ends the launch with its traceback
             abort(out_path, name)
         gathered: list = [None] * dist.get_world_size()

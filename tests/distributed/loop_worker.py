@@ -52,7 +52,7 @@ LLAMA = (  # torch.export stages; grouped-query attention
 )
 # torch's nn.TransformerEncoder: torch.export stages, its fused eval path (hidden 48: no greedy pick
 # near a tie)
-ENCODER = "tests.tiny_lms:torch_encoder_lm hidden=48 vocab_size=256"
+ENCODER = "tests.tiny_lms:torch_encoder_lm hidden=48 layers=2 vocab_size=256"
 # name -> (model, plan constraints, extras: "custom" trains the user's losses, "hf" the HF inputs)
 CASES = {
     "dp4-m2": (GPT, dict(dp=4, tp=1, pp=1, micro_batch=1, zero=0), {"custom", "metrics"}),

@@ -36,14 +36,14 @@ BATCH, SEQ, MICROBATCHES = 8, 16, 4
 MODELS = {
     "gpt": "gpt-tiny num_layers=8",
     "hf-gpt2": (
-        "hf:GPT2LMHeadModel n_layer=8 n_embd=64 n_head=4 vocab_size=128 n_positions=64"
+        "hf:GPT2LMHeadModel n_layer=4 n_embd=64 n_head=4 vocab_size=128 n_positions=64"
         " bos_token_id=0 eos_token_id=0 resid_pdrop=0 embd_pdrop=0 attn_pdrop=0"
     ),
 }
 # Grouped-query attention, rotary tables (a buffer materialised on the first stage only), an untied
 # head.
 LLAMA = (
-    "hf:LlamaForCausalLM num_hidden_layers=4 hidden_size=64 num_attention_heads=4"
+    "hf:LlamaForCausalLM num_hidden_layers=2 hidden_size=64 num_attention_heads=4"
     " num_key_value_heads=2 intermediate_size=128 vocab_size=128 max_position_embeddings=64"
     " bos_token_id=0 eos_token_id=0"
 )
