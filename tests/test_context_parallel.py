@@ -34,6 +34,7 @@ def test_context_parallel_attention_is_one_processes_and_balanced_also_in_a_llam
         for cp in (2, 4)
         for mask in ("causal", "full")
     }
+    attention |= {"gather-cp2-gqa", "ring-cp2-gqa"}  # grouped-query heads, as few on the way
     assert set(results) == attention | {"llama-gather-cp2", "llama-ring-cp4"}
     # a tiny Llama (grouped-query attention, rotary embeddings at global positions): each rank's
     # logits, and every weight's gradient (by name) summed over its cp ranks, one process's
@@ -41,6 +42,10 @@ def test_context_parallel_attention_is_one_processes_and_balanced_also_in_a_llam
         for rank in results[case]:
             assert rank["logits"] <= 1e-5 and rank["grads"] <= 1e-5, (case, rank)
             assert sorted(rank["checked"]) == rank["names"]
+            # grouped-query keys and values (and their gradients) travel as few as the model
+            # makes them (Note [grouped-query keys as they travel]): the ring sent them repeated
+            heads, kv_heads = rank["heads"]
+            assert kv_heads < heads and rank["sent_heads"] == [kv_heads], (case, rank)
     for case in attention:
         ranks = results[case]
         for rank in ranks:  # fp32: a softmax over 32 keys in another order
@@ -381,6 +386,41 @@ def test_ring_holds_one_block_where_gather_holds_the_whole_sequence():
     # steps hide under each block's attention
     assert peaks["gather"] > peaks["ring"] * 1.05
     assert traffic["gather"] > traffic["ring"]
+
+
+def test_the_planner_prices_grouped_query_keys_as_the_split_receives_them():
+    # Note [grouped-query keys as they travel]: 4 query heads over 2 key/value heads. transformers'
+    # attention interface hands the split the 2 heads (their repeat is in transformers' own sdpa
+    # function, which the trace shows): half the sdpa inputs travel. A model calling F.sdpa with
+    # keys it repeated itself (the zoo's Llama) sends what it passes.
+    import hyparallel as hp
+    from hyparallel.graph.context import attention_interface, kv_elements
+    from hyparallel.planner.profile import ModelProfile
+
+    hf = hp.models.load(
+        "hf:LlamaForCausalLM hidden_size=64 intermediate_size=128 num_hidden_layers=2"
+        " num_attention_heads=4 num_key_value_heads=2 vocab_size=128"
+    ).module
+    zoo = hp.models.load("llama-tiny").module  # 4 query heads, 2 key/value heads
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    for module, fraction in ((hf, 0.5), (zoo, 1.0)):
+        graph = hp.trace(module, (ids,))
+        attentions = [op for op in graph.ops if op.kind == "attention"]
+        assert len(attentions) == 2
+        for op in attentions:
+            inputs = sum(torch.Size(s).numel() for s in op.input_shapes[1:3])
+            moved = kv_elements(graph, op, attention_interface(module))
+            assert moved == inputs * fraction, (type(module).__name__, op.name)
+    # the profile the planner costs cp by (its keys and values per sequence): half of them
+    cluster = hp.ClusterSpec.preset("h100-sxm", num_nodes=1, gpus_per_node=2)
+    graph, moved = hp.trace(hf, (ids,)), {}
+    for interface in (True, False):
+        profile = ModelProfile(
+            graph, cluster, "bf16", 16, traced_rows=2, takes_positions=True,
+            attention_interface=interface,
+        )  # fmt: skip
+        moved[interface] = sum(c.kv_bytes for raw in profile.raw for c in raw.ops)
+    assert moved[False] > 0 and moved[True] == pytest.approx(moved[False] / 2)
 
 
 def test_the_planner_never_splits_a_sequence_the_runtime_cannot():

@@ -4,6 +4,8 @@ parallelism] in hyparallel/runtime/context.py)."""
 
 from __future__ import annotations
 
+import math
+
 from hyparallel.graph.model_graph import ModelGraph
 
 # the attention kernel the split takes; every other attention op is refused
@@ -48,6 +50,56 @@ def context_refusal(
             " attention to split (a model without one needs no cp); set cp: 1"
         )
     return None
+
+
+# Note [grouped-query keys as they travel]
+#     Context parallelism moves each attention's keys and values between ranks; with grouped-query
+#     attention there are fewer key and value heads than query heads, and how many travel depends
+#     on where the split receives them. A transformers model's attention function (the attention
+#     interface the split registers) gets them before the model repeats them (repeat_kv happens
+#     inside transformers' own sdpa function), and both attentions move them as few (the gather
+#     repeats each head for its queries after gathering, the ring on each block it holds). A model
+#     that calls F.scaled_dot_product_attention hands it what it made: repeated already if it
+#     repeated them (enable_gqa=True passes them as few). So the trace's sdpa inputs are what
+#     travels, except for a transformers model, whose keys and values are read back through the
+#     views and repeats that made them (expand, reshape, repeat_interleave) to the tensor they
+#     repeat.
+_REPEATS = frozenset({"expand", "expand_as", "repeat", "repeat_interleave"})
+
+
+def attention_interface(module) -> bool:
+    """Whether context parallelism receives ``module``'s attention through transformers' attention
+    interface (a model with ``set_attn_implementation``) rather than F.scaled_dot_product_attention
+    calls."""
+    return hasattr(module, "set_attn_implementation")
+
+
+def kv_elements(graph: ModelGraph, op, as_made: bool) -> int:
+    """The key and value elements attention ``op`` (traced rows) moves under context parallelism
+    (Note [grouped-query keys as they travel]); ``as_made``: read before the model repeats
+    them."""
+    shapes = op.input_shapes[1:3]
+    whole = sum(math.prod(shape) for shape in shapes)
+    if not as_made:
+        return whole
+    g, fraction = graph.graph, 1.0
+    for name in g.predecessors(op.name):
+        made = graph.op(name)
+        if not made.output_shapes or made.output_shapes[0] not in shapes:
+            continue
+        size = smallest = math.prod(made.output_shapes[0])
+        while made.kind == "view" or made.target in _REPEATS:
+            sources = [
+                graph.op(p)
+                for p in g.predecessors(made.name)
+                if graph.op(p).output_shapes and math.prod(graph.op(p).output_shapes[0]) > 1
+            ]
+            if len(sources) != 1:
+                break
+            made = sources[0]
+            smallest = min(smallest, math.prod(made.output_shapes[0]))
+        fraction = min(fraction, smallest / size)
+    return round(whole * fraction)
 
 
 def takes_positions(module) -> bool:

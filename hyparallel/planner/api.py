@@ -12,7 +12,7 @@ from torch import nn
 from hyparallel.graph import ModelGraph
 from hyparallel.graph import cache as graph_cache
 from hyparallel.graph.checks import check_plan
-from hyparallel.graph.context import takes_positions
+from hyparallel.graph.context import attention_interface, takes_positions
 from hyparallel.graph.local_shapes import replicate_what_fails
 from hyparallel.planner import costs
 from hyparallel.planner.constraints import Constraints, count_message, default
@@ -276,6 +276,7 @@ def search(
         expert_imbalance=given.get("expert_imbalance") or costs.EXPERT_IMBALANCE,
         router_loss_gathered=_router_loss_gathered(module),
         takes_positions=takes_positions(module),
+        attention_interface=attention_interface(module),
     )
     result = SearchResult(
         graph=graph,

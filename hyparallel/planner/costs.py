@@ -149,9 +149,10 @@ EXCHANGES_PER_MOE_LAYER = 4
 #       causal mask (the FLOPs a graph counts, 4 b heads T^2 d, are then split evenly);
 #     * weight gradients: shared by the dp x cp ranks (one group, the link it spans), ZeRO's shards
 #       over them too;
-#     * each attention's keys and values, as the trace shows them at the call (a model that repeats
-#       grouped-query heads before calling scaled_dot_product_attention moves the repeated ones), of
-#       this rank's tokens and tp's heads:
+#     * each attention's keys and values as the split receives them (Note [grouped-query keys as
+#       they travel] in hyparallel/graph/context.py: a model that repeats grouped-query heads before
+#       calling scaled_dot_product_attention moves the repeated ones, a transformers model the few
+#       it makes), of this rank's tokens and tp's heads:
 #       - `gather`: all-gathered over cp forward and reduce-scattered backward, never overlapped
 #         (once more when the block is recomputed); the other ranks' keys and values are saved for
 #         the backward, so a layer holds the whole sequence's, which grows with the sequence as

@@ -309,7 +309,7 @@ class Planner:
 
     def evaluate(self, cluster: ClusterSpec) -> float | None:
         """The plan's configuration's step time under ``cluster`` (None: it does not fit there)."""
-        from hyparallel.graph.context import takes_positions
+        from hyparallel.graph.context import attention_interface, takes_positions
         from hyparallel.planner.api import _router_loss_gathered
         from hyparallel.planner.constraints import Constraints
         from hyparallel.planner.profile import ModelProfile
@@ -324,6 +324,7 @@ class Planner:
             vocab_parallel_loss=self.plan.parallel.vocab_parallel_loss,
             router_loss_gathered=_router_loss_gathered(self.module),
             takes_positions=takes_positions(self.module),
+            attention_interface=attention_interface(self.module),
             **{k: v for k, v in asked(self.plan).items() if k == "expert_imbalance"},
         )
         best, _ = Search(profile, cluster, tr.global_batch, tr.dtype).best(

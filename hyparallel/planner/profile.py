@@ -17,7 +17,7 @@ from functools import cache, cached_property
 import networkx as nx
 
 from hyparallel.graph import ModelGraph, Op
-from hyparallel.graph.context import context_refusal
+from hyparallel.graph.context import context_refusal, kv_elements
 from hyparallel.graph.structure import TPAnalysis
 from hyparallel.planner import costs
 from hyparallel.spec.cluster import ClusterSpec, LinkSpec
@@ -214,6 +214,7 @@ class ModelProfile:
         expert_imbalance: float = costs.EXPERT_IMBALANCE,
         router_loss_gathered: bool = True,
         takes_positions: bool = False,
+        attention_interface: bool = False,
     ):
         """``traced_rows``: the sequences ``graph`` was traced with (Note [example inputs] in
         api.py);
@@ -225,13 +226,17 @@ class ModelProfile:
         ``vocab_parallel_loss``: the loss runs on each tp rank's slice of the logits wherever tp
         splits the head (parallel.vocab_parallel_loss), else they are gathered for it;
         ``takes_positions``: the model's forward takes ``position_ids`` (context parallelism needs
-        them: hyparallel.graph.context; False when the planner has only a graph)."""
+        them: hyparallel.graph.context; False when the planner has only a graph);
+        ``attention_interface``: context parallelism receives its attention through transformers'
+        attention interface, grouped-query keys and values before the model repeats them (Note
+        [grouped-query keys as they travel] in hyparallel/graph/context.py)."""
         self.graph, self.cluster, self.dtype, self.seq_len = graph, cluster, dtype, seq_len
         self.vocab_parallel_loss = vocab_parallel_loss
         self.expert_imbalance = expert_imbalance
         self.router_loss_gathered = router_loss_gathered
         # why cp cannot split this model (None: it can), as parallelize would refuse it
         self.cp_refusal = context_refusal(graph, takes_positions)
+        self.kv_as_made = attention_interface
         self.traced_rows = traced_rows
         self.tp_analysis: TPAnalysis = graph.structure
         self.segments = graph.segments()
@@ -940,7 +945,7 @@ class ModelProfile:
             function=op.function if kind == "activation" else "",
             out_elements=sum(_numel(shape) for shape in op.output_shapes) / rows,
             kv_bytes=(
-                sum(_numel(shape) for shape in op.input_shapes[1:3]) * self.dtype_bytes / rows
+                kv_elements(self.graph, op, self.kv_as_made) * self.dtype_bytes / rows
                 if op.kind == "attention" and len(op.input_shapes) >= 3
                 else 0.0
             ),

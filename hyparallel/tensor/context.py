@@ -278,6 +278,9 @@ class _Gathered(torch.autograd.Function):
 #     round the ring again: with the final output and lse saved, each block's softmax is
 #     recomputed, the queries' gradient accumulates in place, and the keys' and values' gradients
 #     travel with their block, gathering every rank's share, one more hop bringing them home.
+#     Grouped-query keys and values travel as few as they come (Note [grouped-query keys as they
+#     travel], hyparallel/graph/context.py): each block's heads are repeated for their queries only
+#     where the block is attended, and their gradients summed back onto them before they move on.
 
 
 def ring_attention(
@@ -293,10 +296,26 @@ def ring_attention(
     """``context_parallel_attention`` by a ring of key/value blocks (Note [ring attention]): the
     same result, one other rank's keys and values held at a time."""
     cp = dist.get_world_size(group)
+    repeat = q.size(-3) // k.size(-3)  # sent as few, each key head repeated for its queries here
     if cp == 1:
+        k, v = (x.repeat_interleave(repeat, -3) for x in (k, v)) if repeat > 1 else (k, v)
         return _whole(q, k, v, is_causal, scale, key_padding)
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    return _Ring.apply(q, k.contiguous(), v.contiguous(), group, is_causal, scale, key_padding)
+    return _Ring.apply(
+        q, k.contiguous(), v.contiguous(), group, is_causal, scale, key_padding, repeat
+    )
+
+
+def _repeated(x: torch.Tensor, repeat: int) -> torch.Tensor:
+    """Grouped-query keys or values with each head repeated for its ``repeat`` query heads."""
+    return x.repeat_interleave(repeat, -3) if repeat > 1 else x
+
+
+def _folded(grad: torch.Tensor, repeat: int) -> torch.Tensor:
+    """The gradient of ``_repeated``'s output summed back onto its key or value heads."""
+    if repeat == 1:
+        return grad
+    return grad.unflatten(-3, (grad.size(-3) // repeat, repeat)).sum(-3)
 
 
 def _ring_step(x: list[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]:
@@ -314,20 +333,22 @@ def _ring_step(x: list[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, is_causal, scale, padding):
+    def forward(ctx, q, k, v, group, is_causal, scale, padding, repeat):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         out, lse = _empty_result(q)
-        block = [k, v]
+        block = [k, v]  # grouped-query heads travel as few as they are
         for step in range(cp):
             source = (rank - step) % cp
             # the next block travels while this one is computed (on gloo: before)
             pending = _ring_step(block, group) if step < cp - 1 else None
+            key, value = (_repeated(x, repeat) for x in block)
             out, lse = _attend_block(
-                q, *block, cp, rank, source, is_causal, scale, out, lse, padding
+                q, key, value, cp, rank, source, is_causal, scale, out, lse, padding
             )
             block = pending
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.is_causal, ctx.scale, ctx.padding = group, is_causal, scale, padding
+        ctx.repeat = repeat
         return out
 
     @staticmethod
@@ -344,18 +365,18 @@ class _Ring(torch.autograd.Function):
             source = (rank - step) % cp
             key, value, grad_k, grad_v = block
             dq, dk, dv = _block_backward(
-                q, key, value, cp, rank, source, ctx.is_causal, scale, grad_out, lse, delta,
-                ctx.padding,
+                q, _repeated(key, ctx.repeat), _repeated(value, ctx.repeat), cp, rank, source,
+                ctx.is_causal, scale, grad_out, lse, delta, ctx.padding,
             )  # fmt: skip
             grad_q += dq
-            grad_k, grad_v = grad_k + dk, grad_v + dv
+            grad_k, grad_v = grad_k + _folded(dk, ctx.repeat), grad_v + _folded(dv, ctx.repeat)
             if step < cp - 1:
                 block = _ring_step([key, value, grad_k, grad_v], group)
             else:
                 block = [key, value, grad_k, grad_v]
         # one hop further than the blocks went: each rank's own keys' and values' gradients
         grad_k, grad_v = _ring_step(block[2:], group)
-        return grad_q, grad_k, grad_v, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
 # Note [context parallelism in a transformers model]
@@ -481,9 +502,8 @@ def _split(
     )
     if refusal:
         raise ValueError(f"{where}: context parallelism cannot split {refusal}")
-    repeat = query.size(1) // key.size(1)  # grouped-query attention: each key head for its queries
-    if repeat > 1 and _Split.kind == "ring":  # the gather repeats them once gathered
-        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+    # grouped-query keys and values go as they are: both attentions move them as few and repeat
+    # each head for its queries where they attend
     attend = ring_attention if _Split.kind == "ring" else context_parallel_attention
     _Split.calls += 1
     return attend(query, key, value, group, is_causal=True, scale=scale, key_padding=_Split.padding)

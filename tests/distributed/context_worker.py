@@ -29,12 +29,17 @@ def error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def attention(kind: str, cp: int, causal: bool, groups: dict) -> dict:
+def attention(kind: str, cp: int, causal: bool, groups: dict, kv_heads: int = 3) -> dict:
+    """``kv_heads`` fewer than the 3 (or 4, then) query heads: grouped-query attention, against
+    scaled_dot_product_attention's enable_gqa."""
     group = groups[cp][dist.get_rank() // cp]
     rank = dist.get_rank(group)
     torch.manual_seed(0)  # the same sequence on every rank
-    q, k, v = (torch.randn(2, 3, 32, 8, requires_grad=True) for _ in range(3))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    heads = 3 if kv_heads == 3 else 4
+    q = torch.randn(2, heads, 32, 8, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 32, 8, requires_grad=True) for _ in range(2))
+    gqa = {"enable_gqa": True} if kv_heads != heads else {}
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
     grad = torch.randn_like(out)
     out.backward(grad)
     mine = [shard_sequence(x.detach(), 2, cp, rank).requires_grad_() for x in (q, k, v)]
@@ -56,13 +61,15 @@ def llama(kind: str, cp: int, groups: dict) -> dict:
     import copy
 
     import hyparallel as hp
+    from hyparallel.tensor import context
     from hyparallel.tensor.context import register_transformers_attention, split_attention
     from hyparallel.tensor.init import materialize_
     from hyparallel.tools.parity import small_spec
 
     group = groups[cp][dist.get_rank() // cp]
     rank = dist.get_rank(group)
-    one = materialize_(hp.models.load(small_spec("hf:LlamaForCausalLM")).module, "cpu", seed=0)
+    spec = small_spec("hf:LlamaForCausalLM num_key_value_heads=2")  # 4 query heads
+    one = materialize_(hp.models.load(spec).module, "cpu", seed=0)
     split = copy.deepcopy(one)
     split.set_attn_implementation(register_transformers_attention())
     torch.manual_seed(1)
@@ -72,10 +79,30 @@ def llama(kind: str, cp: int, groups: dict) -> dict:
     logits = one(input_ids=ids).logits
     (logits * weights).sum().backward()
     where = positions(32, cp, rank)[None].expand(2, -1)
-    with split_attention(group, kind):
-        mine = split(input_ids=shard_sequence(ids, 1, cp, rank), position_ids=where).logits
-    (mine * shard_sequence(weights, 1, cp, rank)).sum().backward()
-    result = {"logits": error(mine, shard_sequence(logits.detach(), 1, cp, rank))}
+    # the heads of every key, value (and, on the ring, gradient) block that leaves this rank
+    sent: set[int] = set()
+    ring_step, all_gather_seq = context._ring_step, context.all_gather_seq
+
+    def counted_ring_step(x, group):
+        sent.update(t.size(-3) for t in x)
+        return ring_step(x, group)
+
+    def counted_all_gather_seq(x, dim, group):
+        sent.add(x.size(-3))
+        return all_gather_seq(x, dim, group)
+
+    context._ring_step, context.all_gather_seq = counted_ring_step, counted_all_gather_seq
+    try:
+        with split_attention(group, kind):
+            mine = split(input_ids=shard_sequence(ids, 1, cp, rank), position_ids=where).logits
+        (mine * shard_sequence(weights, 1, cp, rank)).sum().backward()
+    finally:
+        context._ring_step, context.all_gather_seq = ring_step, all_gather_seq
+    result = {
+        "logits": error(mine, shard_sequence(logits.detach(), 1, cp, rank)),
+        "sent_heads": sorted(sent),
+        "heads": [one.config.num_attention_heads, one.config.num_key_value_heads],
+    }
     reference = dict(one.named_parameters())
     worst, checked = 0.0, []
     for name, param in split.named_parameters():
@@ -103,6 +130,11 @@ def main() -> None:
             for kind in KINDS
             for cp in (2, 4)
             for causal in (True, False)
+        ]
+        + [
+            # 4 query heads over 2 key/value heads, which travel as 2
+            (f"{kind}-cp2-gqa", lambda kind=kind: attention(kind, 2, True, groups, kv_heads=2))
+            for kind in KINDS
         ]
         + [
             (f"llama-{kind}-cp{cp}", lambda kind=kind, cp=cp: llama(kind, cp, groups))
