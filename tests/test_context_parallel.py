@@ -123,6 +123,11 @@ def test_training_under_context_parallelism_is_one_devices(cp_results, case):
         assert "must return (total, count)" in rank["mean_refused"]
         # a call of the model gathers whole sequences: 16 tokens, this dp rank's 8 / dp rows
         assert rank["called_logits"][:2] == [8 // plan["dp"], 16]
+        # a length that does not cut (7 tokens) runs whole on every rank: one device's logits
+        # (asserted in the worker); greedy decoding from 6 tokens by one token at a time
+        assert rank["odd_logits"][:2] == [8 // plan["dp"], 7]
+        assert rank["generated_shape"] == [8 // plan["dp"], 8]
+        assert rank["generated_compared"] >= 1 and rank["generated_equal"], (case, rank["rank"])
 
 
 def test_a_checkpoint_saved_under_cp_2_loads_at_cp_1(cp_results):

@@ -12,7 +12,9 @@ Note [context parallelism]
     given each token's global position as ``position_ids`` (the user's own are cut like the rest).
     So the user's loop is unchanged. Every attention of the forward is split over the group
     (Note [context parallelism in a transformers model]), and a call of the model gathers its
-    outputs' sequences back.
+    outputs' sequences back. A call whose length does not cut into 2 cp chunks (generate's, a
+    token longer each time) runs the whole sequence on every rank, each attending alone
+    (split_attention's "whole"), as one device: never refused, never split unevenly.
 
     Each rank's loss covers its tokens: the default loss (token sum, token count) and a (total,
     count) loss sum over dp x cp exactly as over dp (Note [the loss a user reads]), so the runtime
@@ -105,12 +107,22 @@ class SequenceCut:
     params: list[str]
     hf: bool = False
 
-    def cut(self, inputs: Any, targets: Any = None) -> tuple[dict, Any, int]:
+    def splits(self, inputs: Any) -> bool:
+        """Whether ``inputs``' sequences cut into 2 cp equal chunks (a call of the model whose
+        length does not runs whole on every rank)."""
+        args, kwargs = split_inputs(inputs)
+        return (
+            self._length(dict(zip(self.params, args)) | kwargs, refuse=False) % (2 * self.cp) == 0
+        )
+
+    def cut(self, inputs: Any, targets: Any = None, whole: bool = False) -> tuple[dict, Any, int]:
         """``(inputs as keyword arguments, targets)`` with this rank's chunks of every sequence and
-        the tokens' global ``position_ids``; and the whole length."""
+        the tokens' global ``position_ids``; and the whole length. ``whole``: nothing cut (every
+        rank runs the whole sequence), a transformers model's padding taken off the call as
+        under the cut."""
         args, kwargs = split_inputs(inputs)
         bound = dict(zip(self.params, args)) | kwargs
-        length = self._length(bound)
+        length = self._length(bound, refuse=not whole)
         if "labels" in bound:
             raise ConfigError(
                 "context parallelism cannot split Hugging Face labels: the model shifts them by one"
@@ -128,6 +140,8 @@ class SequenceCut:
                         " set cp: 1"
                     )
                 padding = mask.bool()
+        elif whole:
+            pass  # the model's own mask, on the whole sequence: as on one device
         elif isinstance(bound.get("attention_mask"), torch.Tensor):
             if not bool(bound["attention_mask"].all()):
                 raise ConfigError(
@@ -135,6 +149,10 @@ class SequenceCut:
                     " only (any other model builds its own mask, which the split attention"
                     " refuses); pad with -100 targets instead of masked tokens, or set cp: 1"
                 )
+        if whole:
+            if padding is not None:
+                bound[KEY_PADDING] = padding
+            return bound, targets, length
         if "position_ids" not in bound:
             first = next(t for t in bound.values() if isinstance(t, torch.Tensor))
             where = positions(length, self.cp, self.rank, first.device)
@@ -152,7 +170,9 @@ class SequenceCut:
 
         return tree_map(cut, tree)
 
-    def _length(self, bound: dict) -> int:
+    def _length(self, bound: dict, refuse: bool = True) -> int:
+        """The sequences' length (their token ids'); ``refuse``: one that does not cut into 2 cp
+        chunks is refused."""
         ids = next(
             (
                 t
@@ -167,7 +187,7 @@ class SequenceCut:
                 " tensor, and these inputs have none; pass token ids, or set cp: 1"
             )
         length = ids.size(1)
-        if length % (2 * self.cp):
+        if length % (2 * self.cp) and refuse:
             raise ConfigError(
                 f"a sequence of {length} tokens does not split into {2 * self.cp} equal chunks for"
                 f" context parallelism {self.cp}; pad it to a multiple of {2 * self.cp} (-100"
@@ -194,9 +214,9 @@ class ContextParallel:
         if hf:  # the whole padding mask, taken off the call before the model sees it
             model.register_forward_pre_hook(_take_key_padding, with_kwargs=True)
 
-    def cut(self, inputs: Any, targets: Any = None) -> tuple[dict, Any, int]:
+    def cut(self, inputs: Any, targets: Any = None, whole: bool = False) -> tuple[dict, Any, int]:
         """``SequenceCut.cut`` for this rank."""
-        return self.cutter.cut(inputs, targets)
+        return self.cutter.cut(inputs, targets, whole)
 
     @staticmethod
     def pair_loss(loss_fn):
@@ -217,10 +237,11 @@ class ContextParallel:
         return paired
 
     @contextmanager
-    def attending(self) -> Iterator[Any]:
+    def attending(self, whole: bool = False) -> Iterator[Any]:
         """Around a forward (and its backward, which may recompute it): attention split over the
-        group; ``checked()`` on what it yields after the forward."""
-        with split_attention(self.group, self.kind) as split:
+        group (``whole``: each rank attends the whole sequence alone); ``checked()`` on what it
+        yields after the forward."""
+        with split_attention(self.group, "whole" if whole else self.kind) as split:
             yield _Counted(split, self.sites)
 
     def gather(self, output: Any, length: int) -> Any:

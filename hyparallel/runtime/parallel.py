@@ -843,8 +843,18 @@ class ParallelModel:
         """:meth:`__call__`; with ``broadcast=False`` a pipeline's ranks other than the last stage's
         get None."""
         with self._whole_logits(), self._forward_only():
+            bound = _bound_inputs(self.module, args, kwargs) if self.context is not None else None
+            if self.context is not None and not self.context.cutter.splits(bound):
+                # a length that does not cut into 2 cp chunks (generate's, one token at a time):
+                # the whole sequence on every rank, as on one device
+                inputs, _, _ = self.context.cut(bound, whole=True)
+                sequences = self._whole_sequences_unless_divides(inputs)
+                with self.context.attending(whole=True) as attention, self._autocast(), sequences:
+                    output = (self._ddp or self.module)(**inputs)
+                    attention.checked()
+                return output
             if self.context is not None:  # each rank its chunks, the outputs gathered whole
-                inputs, _, length = self.context.cut(_bound_inputs(self.module, args, kwargs))
+                inputs, _, length = self.context.cut(bound)
                 sequences = self._whole_sequences_unless_divides(inputs)
                 with self._attending() as attention, self._autocast(), sequences:
                     output = (self._ddp or self.module)(**inputs)

@@ -418,6 +418,9 @@ def set_key_padding(padding: torch.Tensor | None) -> None:
 class _TakeAttention(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and _Split.kind == "whole":
+            _Split.calls += 1  # the whole sequence here: the call as the model made it
+            return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return _split_sdpa(*args, **kwargs)
         return func(*args, **kwargs)
@@ -427,8 +430,9 @@ class _TakeAttention(TorchFunctionMode):
 def split_attention(group: ProcessGroup, kind: str = "gather") -> Iterator[_Split]:
     """Inside, ``TRANSFORMERS_ATTENTION`` and every ``F.scaled_dot_product_attention`` split
     attention over ``group`` by ``kind`` ("gather": ``context_parallel_attention``; "ring":
-    ``ring_attention``). Yields the split in force; its ``calls`` counts them."""
-    if kind not in ("gather", "ring"):
+    ``ring_attention``; "whole": every rank holds the whole sequence and attends it alone, as one
+    device). Yields the split in force; its ``calls`` counts them."""
+    if kind not in ("gather", "ring", "whole"):
         raise ValueError(f"context-parallel attention '{kind}': 'gather' or 'ring'")
     if _Split.group is not None:
         raise RuntimeError("split_attention is already in force: it does not nest")
@@ -504,9 +508,18 @@ def _split(
         raise ValueError(f"{where}: context parallelism cannot split {refusal}")
     # grouped-query keys and values go as they are: both attentions move them as few and repeat
     # each head for its queries where they attend
-    attend = ring_attention if _Split.kind == "ring" else context_parallel_attention
+    attend = {"ring": ring_attention, "gather": context_parallel_attention, "whole": _alone}[
+        _Split.kind
+    ]
     _Split.calls += 1
     return attend(query, key, value, group, is_causal=True, scale=scale, key_padding=_Split.padding)
+
+
+def _alone(q, k, v, group, *, is_causal: bool, scale=None, key_padding=None) -> torch.Tensor:
+    """The whole sequence's attention on this rank alone (``split_attention``'s "whole")."""
+    repeat = q.size(-3) // k.size(-3)
+    k, v = (x.repeat_interleave(repeat, -3) for x in (k, v)) if repeat > 1 else (k, v)
+    return _whole(q, k, v, is_causal, scale, key_padding)
 
 
 def _split_sdpa(

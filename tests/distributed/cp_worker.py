@@ -105,6 +105,23 @@ def run_case(name: str) -> dict:
         logits, pmodel.shard(ref["held_logits"]), rtol=pw.PARAM_RTOL, atol=pw.PARAM_ATOL
     )
     result["called_logits"] = list(logits.shape)
+    # 7 tokens do not cut into 2 cp chunks (generate's lengths grow one at a time): the whole
+    # sequence on every rank, one device's logits (causal: the held batch's first 7 positions')
+    held = pmodel.shard(held_inputs)
+    odd = pw.logits_of(pmodel(held[:, :7]))
+    torch.testing.assert_close(
+        odd, pmodel.shard(ref["held_logits"])[:, :7], rtol=pw.PARAM_RTOL, atol=pw.PARAM_ATOL
+    )
+    result["odd_logits"] = list(odd.shape)
+    # greedy decoding from 6 tokens: its first new token is one device's argmax wherever the top
+    # two logits are apart (rows closer than the layouts' rounding are not compared)
+    generated = pmodel.generate(held[:, :6], 2)
+    want = pmodel.shard(ref["held_logits"])[:, 5]
+    top = want.topk(2, -1).values
+    apart = (top[:, 0] - top[:, 1]) > 1e-4
+    result["generated_shape"] = list(generated.shape)
+    result["generated_compared"] = int(apart.sum())
+    result["generated_equal"] = torch.equal(generated[apart, 6], want.argmax(-1)[apart])
     # a (total, count) loss of one's own is exact over the ranks' tokens; a mean is refused
     own = pmodel.eval_step(
         pmodel.shard(held_inputs),
@@ -154,6 +171,13 @@ def padded_case() -> dict:
         logits = pw.logits_of(pmodel(pmodel.shard(batch)))
         torch.testing.assert_close(
             logits, pmodel.shard(pw.logits_of(output).detach()), rtol=pw.RTOL, atol=1e-5
+        )
+        # 7 tokens (no cut into 4 chunks): whole on every rank, the padding still masked
+        prefix = {name: value[:, :7] for name, value in batch.items()}
+        with torch.no_grad():
+            want = pw.logits_of(one(**prefix))
+        torch.testing.assert_close(
+            pw.logits_of(pmodel(pmodel.shard(prefix))), pmodel.shard(want), rtol=pw.RTOL, atol=1e-5
         )
         result[kind] = {"loss": got, "ref_loss": loss.item(), "checked": checked, "worst": worst}
         result["dp_rank"], result["cp_rank"] = pmodel.dp_rank, pmodel.context.rank
