@@ -13,6 +13,12 @@ SPLIT_TARGETS = frozenset({"scaled_dot_product_attention"})
 _SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "Softmax"})
 
 
+def at_degree(reason: str, cp: int) -> str:
+    """``context_refusal``'s line said of context parallelism ``cp`` (what the runtime and the
+    planner print)."""
+    return reason.replace("context parallelism", f"context parallelism {cp}", 1)
+
+
 def attention_sites(graph: ModelGraph) -> list[str]:
     """The module of each attention op the forward makes, in call order."""
     return [op.module or graph.name for op in graph.ops if op.kind == "attention"]

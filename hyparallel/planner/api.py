@@ -12,7 +12,7 @@ from torch import nn
 from hyparallel.graph import ModelGraph
 from hyparallel.graph import cache as graph_cache
 from hyparallel.graph.checks import check_plan
-from hyparallel.graph.context import attention_interface, takes_positions
+from hyparallel.graph.context import at_degree, attention_interface, takes_positions
 from hyparallel.graph.local_shapes import replicate_what_fails
 from hyparallel.planner import costs
 from hyparallel.planner.constraints import Constraints, count_message, default
@@ -565,7 +565,7 @@ def _nothing_found(
     analysis, graph = profile.tp_analysis, profile.graph
     cp = constraints.get("cp", 1)
     if cp > 1 and profile.cp_refusal:  # hyparallel.graph.context, as parallelize refuses it
-        return profile.cp_refusal.replace("context parallelism", f"context parallelism {cp}", 1)
+        return at_degree(profile.cp_refusal, cp)
     if cp > 1 and profile.seq_len % (2 * cp):
         return (
             f"a sequence of {profile.seq_len} tokens does not cut into 2 x cp = {2 * cp} equal"

@@ -48,7 +48,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from hyparallel.graph import ModelGraph
-from hyparallel.graph.context import attention_sites, context_refusal, takes_positions
+from hyparallel.graph.context import (
+    at_degree,
+    attention_sites,
+    context_refusal,
+    takes_positions,
+)
 from hyparallel.graph.tracer import split_inputs
 from hyparallel.spec.errors import ConfigError
 from hyparallel.spec.schema import Plan
@@ -70,7 +75,7 @@ def check_context_parallel(model: nn.Module, plan: Plan, graph: ModelGraph) -> l
     cp = plan.parallel.cp
     reason = context_refusal(graph, takes_positions(model), type(model).__name__)
     if reason:
-        raise ConfigError(reason.replace("context parallelism", f"context parallelism {cp}", 1))
+        raise ConfigError(at_degree(reason, cp))
     par, seq_len = plan.parallel, plan.training.seq_len
     if par.recompute == "selective":
         raise ConfigError(
