@@ -44,15 +44,17 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def timed_steps(step, steps: int) -> tuple[list[float], list[float], int]:
-    """``steps`` calls of ``step()`` (returning the loss): seconds each, losses, peak bytes."""
+def timed_steps(step, steps: int, together: bool = True) -> tuple[list[float], list[float], int]:
+    """``steps`` calls of ``step()`` (returning the loss): seconds each, losses, peak bytes;
+    ``together``: each step timed from and to a barrier of every rank (False: this rank alone)."""
+    barrier = dist.barrier if together else lambda: None
     tracker = PeakMemory("cpu").start()
     seconds, losses = [], []
     for _ in range(steps):
-        dist.barrier()
+        barrier()
         start = time.perf_counter()
         losses.append(step())
-        dist.barrier()
+        barrier()
         seconds.append(time.perf_counter() - start)
     return seconds, losses, tracker.stop()
 
@@ -80,13 +82,7 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
             return loss.item()
 
-        seconds, losses = [], []
-        tracker = PeakMemory("cpu").start()
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            losses.append(one_step())
-            seconds.append(time.perf_counter() - start)
-        peak = tracker.stop()
+        seconds, losses, peak = timed_steps(one_step, args.steps, together=False)
         sides["one process"] = {"seconds": seconds, "losses": losses, "peaks": [peak]}
         del model
     dist.barrier()

@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_map
 from hyparallel.graph import ModelGraph
 from hyparallel.graph.context import (
     at_degree,
+    attention_interface,
     attention_sites,
     context_refusal,
     takes_positions,
@@ -209,7 +210,7 @@ class ContextParallel:
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         # transformers' attention modules call the function their config names (Note [context
         # parallelism in a transformers model])
-        if hasattr(model, "set_attn_implementation"):
+        if attention_interface(model):
             model.set_attn_implementation(register_transformers_attention())
         hf = getattr(getattr(model, "config", None), "_attn_implementation", None) == (
             TRANSFORMERS_ATTENTION

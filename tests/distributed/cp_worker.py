@@ -114,13 +114,16 @@ def run_case(name: str) -> dict:
     )
     result["odd_logits"] = list(odd.shape)
     # greedy decoding from 6 tokens: its first new token is one device's argmax wherever the top
-    # two logits are apart (rows closer than the layouts' rounding are not compared)
+    # two logits are 1e-3 apart, over twice the logits' tolerance above (rows closer are not
+    # compared)
     generated = pmodel.generate(held[:, :6], 2)
     want = pmodel.shard(ref["held_logits"])[:, 5]
     top = want.topk(2, -1).values
-    apart = (top[:, 0] - top[:, 1]) > 1e-4
+    apart = (top[:, 0] - top[:, 1]) > 1e-3
     result["generated_shape"] = list(generated.shape)
     result["generated_compared"] = int(apart.sum())
+    # token ids, exactly: a pick flips only where the logits moved by half the top-two gap, and the
+    # logits are asserted within the tolerance above (measured ~1e-6 off), under half of 1e-3
     result["generated_equal"] = torch.equal(generated[apart, 6], want.argmax(-1)[apart])
     # a (total, count) loss of one's own is exact over the ranks' tokens; a mean is refused
     own = pmodel.eval_step(
